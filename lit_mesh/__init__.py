@@ -1,0 +1,9 @@
+"""lit-mesh: one N-D DeviceMesh and every parallelism, as a PyTorch Lightning strategy."""
+
+from lit_mesh.init import Init, init_parameters
+from lit_mesh.mesh import MeshConfigError, MeshLayout
+from lit_mesh.parallel.tensor import PlanError
+from lit_mesh.plan import ParallelPlan
+from lit_mesh.strategy import MeshStrategy
+
+__all__ = ["Init", "MeshConfigError", "MeshLayout", "MeshStrategy", "ParallelPlan", "PlanError", "init_parameters"]

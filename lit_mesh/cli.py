@@ -1,0 +1,45 @@
+"""The `lit-mesh` command: LightningCLI (fit, validate, test, predict) plus `export`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from lightning.pytorch import LightningDataModule, LightningModule
+from lightning.pytorch.cli import LightningCLI
+
+import lit_mesh  # noqa: F401  (registers the "mesh" strategy)
+import zoo  # noqa: F401  (so short class paths of zoo modules resolve)
+from lit_mesh.checkpoint import export_full_state_dict
+
+
+def export_main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(
+        prog="lit-mesh export", description="Write the model weights of a checkpoint as one unsharded file."
+    )
+    parser.add_argument("checkpoint", help="a checkpoint written by MeshStrategy (directory) or Lightning (file)")
+    parser.add_argument("output", help="where to write the state dict (torch.save)")
+    parser.add_argument("--prefix", default="", help="keep only keys under this prefix, stripped (e.g. 'model')")
+    args = parser.parse_args(argv)
+    out = export_full_state_dict(args.checkpoint, args.output, prefix=args.prefix)
+    print(f"wrote {out}")
+
+
+def main(argv: list[str] | None = None) -> LightningCLI | None:
+    """Run `lit-mesh ARGS`; returns the LightningCLI (its trainer and model) for in-process callers."""
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["export"]:
+        export_main(argv[1:])
+        return None
+    return LightningCLI(
+        LightningModule,
+        LightningDataModule,
+        subclass_mode_model=True,
+        subclass_mode_data=True,
+        save_config_kwargs={"overwrite": True},
+        args=argv,
+    )
+
+
+if __name__ == "__main__":
+    main()

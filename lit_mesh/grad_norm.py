@@ -1,0 +1,50 @@
+"""Gradient clipping by the true global norm of plain, sharded (FSDP) and tensor-parallel (DTensor) grads.
+
+torch.nn.utils.clip_grad_norm_ cannot stack norms of DTensors that live on different meshes (e.g. TP
+weights on (dp, tp) beside norms on (dp,)), so each (mesh, placements) group is reduced on its own.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+
+import torch
+from torch.distributed.tensor import DTensor
+
+
+# DTensor logs a warning for every 2D norm it reduces in two steps; expected here, once per group
+_REDISTRIBUTE_LOG = logging.getLogger("torch.distributed.tensor._redistribute")
+
+
+@torch.no_grad()
+def global_grad_norm(parameters: Iterable[torch.Tensor], norm_type: float = 2.0) -> torch.Tensor:
+    groups: dict[object, list[torch.Tensor]] = {}
+    for p in parameters:
+        if p.grad is None:
+            continue
+        key = (p.grad.device_mesh, p.grad.placements) if isinstance(p.grad, DTensor) else None
+        groups.setdefault(key, []).append(p.grad)
+    if not groups:
+        return torch.tensor(0.0)
+    norms = []
+    level = _REDISTRIBUTE_LOG.level
+    _REDISTRIBUTE_LOG.setLevel(logging.ERROR)
+    try:
+        for grads in groups.values():
+            norm = torch.nn.utils.get_total_norm(grads, norm_type, foreach=True)
+            norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    finally:
+        _REDISTRIBUTE_LOG.setLevel(level)
+    return torch.linalg.vector_norm(torch.stack([n.float() for n in norms]), norm_type)
+
+
+@torch.no_grad()
+def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    """Scale gradients so their global norm is at most `max_norm`; returns the norm before clipping."""
+    parameters = [p for p in parameters if p.grad is not None]
+    total = global_grad_norm(parameters, norm_type)
+    scale = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for p in parameters:
+        p.grad.mul_(scale.to(p.grad.dtype))
+    return total

@@ -1,0 +1,192 @@
+"""Mesh degrees -> validation -> one N-D DeviceMesh with named views.
+
+Dims, outermost to innermost: pp, dp_replicate, dp_shard, cp, tp (tp innermost: the fastest links).
+Named flattened views: dp = dp_replicate x dp_shard (data loading), dp_shard_cp = dp_shard x cp (FSDP
+shards over it), dp_cp = dp x cp (loss and metric reduction). Size-1 dims cost nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Literal, Union
+
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+Degree = Union[int, Literal["auto"], None]
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+# Degrees whose parallelism has not landed yet: refused, never silently ignored.
+_NOT_YET = {
+    "pp": "pipeline parallel (issue #3)",
+    "cp": "context parallel (issue #4)",
+    "ep": "expert parallel (issue #5)",
+}
+
+
+class MeshConfigError(ValueError):
+    """A mesh degree that cannot work, with the numbers and the fix in the message."""
+
+
+@dataclass(frozen=True)
+class MeshLayout:
+    """Resolved degrees of every mesh dim; their product is the world size."""
+
+    pp: int = 1
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    cp: int = 1
+    tp: int = 1
+    ep: int = 1
+
+    @property
+    def world_size(self) -> int:
+        return self.pp * self.dp_replicate * self.dp_shard * self.cp * self.tp
+
+    @property
+    def dp(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def data_parallel(self) -> Literal["none", "ddp", "fsdp", "hsdp"]:
+        shard = self.dp_shard * self.cp
+        if self.dp_replicate > 1:
+            return "hsdp" if shard > 1 else "ddp"
+        return "fsdp" if shard > 1 else "none"
+
+    def describe(self) -> str:
+        degrees = " x ".join(f"{f.name}={getattr(self, f.name)}" for f in fields(self) if f.name != "ep")
+        return f"{degrees} (world size {self.world_size}; data parallel: {self.data_parallel})"
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def check_degree(name: str, value: Degree, allow_auto: bool = False) -> None:
+    """Type and range of one degree, checked in MeshStrategy.__init__ (before any process exists)."""
+    if value is None or (allow_auto and value == "auto"):
+        return
+    if isinstance(value, bool) or not isinstance(value, int):
+        allowed = "a positive int or 'auto'" if allow_auto else "a positive int"
+        raise MeshConfigError(f"{name}={value!r} must be {allowed}")
+    if value < 1:
+        raise MeshConfigError(f"{name}={value} must be >= 1 (1 means the dim is not parallelised)")
+    if value > 1 and name in _NOT_YET:
+        raise MeshConfigError(
+            f"{name}={value}: {_NOT_YET[name]} is not yet supported by this version of MeshStrategy; use {name}=1"
+        )
+
+
+def resolve_layout(
+    world_size: int,
+    *,
+    dp: Degree = None,
+    dp_replicate: int | None = None,
+    dp_shard: Degree = None,
+    tp: int = 1,
+    cp: int = 1,
+    pp: int = 1,
+    ep: int = 1,
+) -> MeshLayout:
+    """Turn the user's degrees into a MeshLayout for `world_size` processes, or raise MeshConfigError.
+
+    `dp` alone shards (FSDP); `dp_replicate` replicates (DDP); both > 1 is HSDP. With no dp degree given,
+    dp_shard fills the world ("auto").
+    """
+    for name, value, auto in (
+        ("dp", dp, True), ("dp_replicate", dp_replicate, False), ("dp_shard", dp_shard, True),
+        ("tp", tp, False), ("cp", cp, False), ("pp", pp, False), ("ep", ep, False),
+    ):
+        check_degree(name, value, allow_auto=auto)
+    if dp == "auto" and dp_shard == "auto":
+        raise MeshConfigError("dp='auto' and dp_shard='auto': only one degree may be 'auto'; give the other a number")
+    given = f"pp={pp}, cp={cp}, tp={tp}" + "".join(
+        f", {n}={v!r}" for n, v in (("dp", dp), ("dp_replicate", dp_replicate), ("dp_shard", dp_shard)) if v is not None
+    )
+
+    model_parallel = pp * cp * tp
+    if world_size % model_parallel:
+        raise MeshConfigError(
+            f"pp={pp} x cp={cp} x tp={tp} = {model_parallel} does not divide the world size {world_size}"
+            f" (devices x num_nodes); choose degrees whose product divides {world_size},"
+            f" e.g. tp in {_divisors(world_size)}"
+        )
+    dp_total = world_size // model_parallel  # what the data-parallel dims must fill
+
+    if dp is None and dp_shard is None:
+        dp_shard = "auto"
+    if dp is not None:
+        if dp == "auto":
+            dp = dp_total
+        if dp_replicate is None and dp_shard in (None, "auto"):
+            dp_replicate, dp_shard = 1, dp
+        elif dp_replicate is None:
+            assert isinstance(dp_shard, int)
+            if dp % dp_shard:
+                raise MeshConfigError(f"dp_shard={dp_shard} does not divide dp={dp}; choose dp_shard in {_divisors(dp)}")
+            dp_replicate = dp // dp_shard
+        elif dp_shard in (None, "auto"):
+            if dp % dp_replicate:
+                raise MeshConfigError(
+                    f"dp_replicate={dp_replicate} does not divide dp={dp}; choose dp_replicate in {_divisors(dp)}"
+                )
+            dp_shard = dp // dp_replicate
+        elif dp_replicate * dp_shard != dp:
+            raise MeshConfigError(
+                f"dp_replicate={dp_replicate} x dp_shard={dp_shard} = {dp_replicate * dp_shard} but dp={dp};"
+                " give dp alone, or dp_replicate and dp_shard whose product is dp"
+            )
+    dp_replicate = 1 if dp_replicate is None else dp_replicate
+    if dp_shard == "auto":
+        if dp_total % dp_replicate:
+            raise MeshConfigError(
+                f"dp_replicate={dp_replicate} does not divide the {dp_total} ranks left for data parallelism"
+                f" (world size {world_size} / (pp x cp x tp = {model_parallel})); choose dp_replicate in"
+                f" {_divisors(dp_total)}"
+            )
+        dp_shard = dp_total // dp_replicate
+    assert isinstance(dp_shard, int)
+
+    layout = MeshLayout(pp=pp, dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, tp=tp, ep=ep)
+    if layout.world_size != world_size:
+        raise MeshConfigError(
+            f"{given}: pp x dp_replicate x dp_shard x cp x tp = {pp} x {dp_replicate} x {dp_shard} x {cp} x {tp}"
+            f" = {layout.world_size}, but the world size (devices x num_nodes) is {world_size};"
+            f" choose degrees whose product is {world_size}, or set dp='auto' to fill it"
+        )
+    return layout
+
+
+def tp_crosses_nodes(layout: MeshLayout, devices_per_node: int) -> bool:
+    """True when a TP group would span nodes (tp is innermost, so it stays in a node iff it divides it)."""
+    return devices_per_node % layout.tp != 0
+
+
+@dataclass(frozen=True)
+class MeshViews:
+    """The root mesh and the flattened views every technique reads (kept here: torch deprecates slicing
+    flattened dims back out of the root mesh)."""
+
+    root: DeviceMesh
+    dp: DeviceMesh  # dp_replicate x dp_shard: data loading
+    dp_shard_cp: DeviceMesh  # FSDP shards over it
+    dp_cp: DeviceMesh  # loss and metric reduction
+    hsdp: DeviceMesh  # 2D (dp_replicate, dp_shard_cp): FSDP2's replicate-and-shard mesh
+
+    def __getitem__(self, name: str) -> DeviceMesh:
+        view = getattr(self, name, None)
+        return view if isinstance(view, DeviceMesh) else self.root[name]
+
+
+def build_device_mesh(layout: MeshLayout, device_type: str) -> MeshViews:
+    """The one DeviceMesh of the run, with the flattened views dp, dp_shard_cp, dp_cp and hsdp."""
+    shape = tuple(getattr(layout, dim) for dim in MESH_DIMS)
+    root = init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIMS)
+    dp_cp = root["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")
+    return MeshViews(
+        root=root,
+        dp=root["dp_replicate", "dp_shard"]._flatten("dp"),
+        dp_shard_cp=root["dp_shard", "cp"]._flatten("dp_shard_cp"),
+        dp_cp=dp_cp,
+        # dp_cp is ordered replicate-major, so unflattening it gives the (replicate, shard) grid
+        hsdp=dp_cp._unflatten(0, (layout.dp_replicate, layout.dp_shard * layout.cp), ("dp_replicate", "dp_shard_cp")),
+    )

@@ -1,0 +1,134 @@
+"""The one place where plans are applied, in the one order: TP/SP -> FSDP/HSDP/DDP per block -> root.
+
+Later techniques slot in between (CP, EP, activation checkpointing, compile) without changing the order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+
+from lit_mesh.init import init_parameters
+from lit_mesh.mesh import MeshLayout, MeshViews
+from lit_mesh.parallel.data import apply_data_parallel, data_parallel_mesh
+from lit_mesh.parallel.tensor import PlanError, apply_tensor_parallel
+from lit_mesh.plan import ParallelPlan
+
+
+@dataclass
+class PlanOwner:
+    """A module that declared `parallel_plan()`, with its name inside the LightningModule."""
+
+    name: str
+    module: nn.Module
+    plan: ParallelPlan
+
+
+def find_plan_owners(root: nn.Module) -> list[PlanOwner]:
+    """The outermost modules under `root` (root excluded) that declare a ParallelPlan."""
+    owners: list[PlanOwner] = []
+    for name, module in root.named_modules():
+        if not name or any(name.startswith(f"{o.name}.") for o in owners):
+            continue
+        declare = getattr(module, "parallel_plan", None)
+        if callable(declare):
+            plan = declare()
+            if not isinstance(plan, ParallelPlan):
+                raise PlanError(f"{type(module).__name__}.parallel_plan() returned {type(plan).__name__}, not a ParallelPlan")
+            owners.append(PlanOwner(name, module, plan))
+    return owners
+
+
+def is_user_parallelised(root: nn.Module) -> bool:
+    """True when configure_model already applied parallelism itself (FSDP2 modules or DTensor parameters)."""
+    return any(isinstance(m, FSDPModule) for m in root.modules()) or any(
+        isinstance(p, DTensor) for p in root.parameters()
+    )
+
+
+def _units_outside_owners(module: nn.Module, prefix: str, owners: list[PlanOwner]) -> list[nn.Module]:
+    """Top-most submodules with parameters that hold no plan owner: the FSDP units for everything else.
+
+    The LightningModule itself (prefix "") is never a unit: FSDP2 would change its class under Lightning.
+    """
+    if any(o.name == prefix for o in owners):
+        return []
+    holds_owner = any(o.name.startswith(f"{prefix}.") for o in owners) if prefix else True
+    if not holds_owner:
+        return [module] if any(True for _ in module.parameters()) else []
+    direct = [n for n, _ in module.named_parameters(recurse=False)]
+    if direct:
+        raise PlanError(
+            f"{type(module).__name__} holds parameters {direct} directly; move them into a submodule"
+            " (an nn.Module attribute) so that they can be sharded"
+        )
+    units: list[nn.Module] = []
+    for child_name, child in module.named_children():
+        units += _units_outside_owners(child, f"{prefix}.{child_name}" if prefix else child_name, owners)
+    return units
+
+
+def parallelize(
+    root: nn.Module, mesh: MeshViews, layout: MeshLayout, *, sequence_parallel: bool, precision: str
+) -> list[PlanOwner]:
+    """Apply every technique to `root` (the LightningModule) in the fixed order; returns the plan owners."""
+    owners = find_plan_owners(root)
+    if layout.tp > 1:
+        if not owners:
+            raise PlanError(
+                f"tp={layout.tp} but no module of {type(root).__name__} declares parallel_plan(); declare one"
+                " (see examples/own_model.py), or apply TP yourself in configure_model with self.device_mesh['tp']"
+            )
+        for owner in owners:
+            apply_tensor_parallel(owner.module, owner.plan, mesh["tp"], sequence_parallel)
+    dp_mesh = data_parallel_mesh(mesh, layout)
+    if dp_mesh is not None:
+        for owner in owners:
+            blocks = owner.module.get_submodule(owner.plan.blocks)
+            apply_data_parallel(owner.module, list(blocks), dp_mesh, layout, precision)
+        for unit in _units_outside_owners(root, "", owners):
+            apply_data_parallel(unit, [], dp_mesh, layout, precision)
+    return owners
+
+
+def meta_modules(root: nn.Module) -> set[nn.Module]:
+    """Modules holding parameters or buffers on the meta device (recorded before `to_empty`)."""
+    return {
+        m
+        for m in root.modules()
+        if any(t.is_meta for t in (*m.parameters(recurse=False), *m.buffers(recurse=False)))
+    }
+
+
+@torch.no_grad()
+def materialize(root: nn.Module, owners: list[PlanOwner], device: torch.device) -> None:
+    """Allocate meta tensors on `device` (each rank only its shards) and initialise them.
+
+    Plan owners with init rules get layout-independent weights (lit_mesh.init); other modules their
+    reset_parameters(). A module that has neither is an error, never silent uninitialised memory.
+    """
+    pending = meta_modules(root)
+    if not pending:
+        return
+    root.to_empty(device=device)
+    for owner in owners:
+        owned = set(owner.module.modules())
+        if owner.plan.init and owned & pending:
+            init_parameters(owner.module, owner.plan.init)
+            pending -= {m for m in owned if not any(True for _ in m.buffers(recurse=False))}
+    missing = []
+    for module in pending:
+        reset = getattr(module, "reset_parameters", None)
+        if callable(reset):
+            reset()
+        else:
+            missing.append(type(module).__name__)
+    if missing:
+        raise PlanError(
+            f"modules {sorted(set(missing))} were created on the meta device but have no reset_parameters() and"
+            " no init rules in a parallel_plan(); give them one, or create them outside configure_model"
+        )

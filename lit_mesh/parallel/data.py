@@ -1,0 +1,53 @@
+"""Data parallelism over the mesh: FSDP (shard), DDP (replicate) and HSDP (both), all through FSDP2.
+
+DDP is FSDP2 on a (dp_replicate, dp_shard_cp = 1) mesh: parameters stay whole, gradients are all-reduced
+over dp_replicate. One engine for all three keeps TP composition and the reduction hooks uniform.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+from lit_mesh.mesh import MeshLayout, MeshViews
+
+
+def data_parallel_mesh(mesh: MeshViews, layout: MeshLayout) -> DeviceMesh | None:
+    """The mesh FSDP2 runs on: 1D (dp_shard_cp) to shard, 2D (dp_replicate, dp_shard_cp) to replicate."""
+    if layout.data_parallel == "none":
+        return None
+    if layout.data_parallel == "fsdp":
+        return mesh.dp_shard_cp
+    return mesh.hsdp
+
+
+def mixed_precision_policy(precision: str) -> MixedPrecisionPolicy:
+    # bf16 compute from fp32 master weights; gradients reduced in fp32
+    if precision == "bf16-mixed":
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy()
+
+
+def apply_data_parallel(
+    root: nn.Module, blocks: Iterable[nn.Module], dp_mesh: DeviceMesh, layout: MeshLayout, precision: str
+) -> None:
+    """fully_shard each block (the communication units), then the root for what is left."""
+    policy = mixed_precision_policy(precision)
+    # DDP keeps parameters gathered between forward and backward (no re-gather), like torch DDP
+    reshard = layout.data_parallel != "ddp"
+    for block in blocks:
+        fully_shard(block, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard)
+    fully_shard(root, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard)
+
+
+def fsdp_roots(module: nn.Module) -> list[FSDPModule]:
+    """The outermost FSDP modules under `module` (their settings recurse into the blocks)."""
+    roots: dict[str, FSDPModule] = {}
+    for name, sub in module.named_modules():  # parents come before their children
+        if isinstance(sub, FSDPModule) and not any(name.startswith(f"{r}.") or not r for r in roots):
+            roots[name] = sub
+    return list(roots.values())

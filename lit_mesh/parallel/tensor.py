@@ -1,0 +1,118 @@
+"""Tensor and sequence parallelism: a ParallelPlan's TP styles -> torch's ParallelStyles on the tp mesh."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+import torch
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    PrepareModuleOutput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+from lit_mesh.plan import ParallelPlan
+
+
+class PlanError(ValueError):
+    """A plan that cannot be applied to this model on this mesh, with the numbers and the fix."""
+
+
+def torch_style(style: str, sequence_parallel: bool) -> ParallelStyle | None:
+    """The torch ParallelStyle for one plan style; None where the style is a no-op without SP."""
+    sequence = Shard(1)  # activations are (batch, sequence, features)
+    between_blocks = sequence if sequence_parallel else Replicate()
+    if style == "colwise":
+        return ColwiseParallel()
+    if style == "rowwise":
+        return RowwiseParallel(output_layouts=between_blocks)
+    if style == "embedding":
+        return RowwiseParallel(input_layouts=Replicate(), output_layouts=between_blocks)
+    if style == "head":
+        return ColwiseParallel(input_layouts=between_blocks, output_layouts=Replicate(), use_local_output=True)
+    if not sequence_parallel:
+        return None  # norm, gather_input, shard_output only move activations in and out of the SP region
+    if style == "norm":
+        return SequenceParallel()
+    if style == "gather_input":
+        return PrepareModuleInput(input_layouts=(sequence,), desired_input_layouts=(Replicate(),), use_local_output=True)
+    if style == "shard_output":
+        return PrepareModuleOutput(
+            output_layouts=Replicate(), desired_output_layouts=sequence, use_local_output=True
+        )
+    raise PlanError(f"unknown TP style {style!r}")
+
+
+def check_tp_divides(plan: ParallelPlan, tp: int, model_name: str) -> None:
+    for what, size in plan.tp_divides.items():
+        if size % tp:
+            choices = [d for d in range(1, size + 1) if size % d == 0 and d <= 64]
+            raise PlanError(f"tp={tp} does not divide {what}={size} of {model_name} (choose tp in {choices})")
+
+
+def _sequence_check(tp: int, module_name: str) -> Any:
+    # An uneven sequence shard would silently give wrong numbers inside DTensor.from_local: refuse it.
+    def check(length: int) -> None:
+        if length % tp:
+            raise PlanError(
+                f"sequence_parallel=True needs the sequence length divisible by tp: {module_name} sees length"
+                f" {length}, tp={tp}; use a length that is a multiple of {tp}, or sequence_parallel=False"
+            )
+
+    return check
+
+
+def _to_replicated(_module: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
+    return tuple(
+        DTensor.from_local(x, mesh, [Replicate()], run_check=False)
+        if isinstance(x, torch.Tensor) and not isinstance(x, DTensor)
+        else x
+        for x in inputs
+    )
+
+
+def _to_local(_module: nn.Module, outputs: Any, _mesh: DeviceMesh) -> Any:
+    return outputs.to_local() if isinstance(outputs, DTensor) else outputs
+
+
+def replicate_remaining(model: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """Make the parameters the plan left whole into Replicate DTensors on the tp mesh.
+
+    Every parameter is then a DTensor, so foreach optimizers and clipping never mix Tensor and DTensor;
+    the module runs on replicated inputs and hands plain tensors on, as before.
+    """
+    for module in model.modules():
+        own = list(module.parameters(recurse=False))
+        if own and not any(isinstance(p, DTensor) for p in own):
+            distribute_module(module, tp_mesh, input_fn=_to_replicated, output_fn=_to_local)
+
+
+def apply_tensor_parallel(model: nn.Module, plan: ParallelPlan, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
+    """Shard `model` over `tp_mesh` as its plan says (modules inside blocks, then the rest)."""
+    tp = tp_mesh.size()
+    check_tp_divides(plan, tp, type(model).__name__)
+    targets: list[tuple[nn.Module, str, str]] = [(model, name, style) for name, style in plan.tp_root.items()]
+    for block in model.get_submodule(plan.blocks):
+        targets += [(block, name, style) for name, style in plan.tp_block.items()]
+    for owner, name, style in targets:
+        try:
+            module = owner.get_submodule(name)
+        except AttributeError:
+            raise PlanError(f"{type(model).__name__}.parallel_plan() names {name!r}, which the model does not have")
+        if sequence_parallel and style == "embedding":
+            check = _sequence_check(tp, name)
+            module.register_forward_pre_hook(lambda _m, args: check(args[0].shape[1]))
+        if sequence_parallel and style == "shard_output":
+            check = _sequence_check(tp, name)
+            module.register_forward_hook(lambda _m, _args, out: check(out.shape[1]))
+        torch_plan = torch_style(style, sequence_parallel)
+        if torch_plan is not None:
+            parallelize_module(owner, tp_mesh, {name: torch_plan})
+    replicate_remaining(model, tp_mesh)

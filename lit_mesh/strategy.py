@@ -1,0 +1,189 @@
+"""MeshStrategy: the Lightning lifecycle. It orchestrates; lit_mesh.mesh and lit_mesh.parallel do the work.
+
+Built on Lightning's ModelParallelStrategy (process group, distributed checkpoints, optimizer state) and
+extends it from 2D to the N-D mesh, with plans applied for the user.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator
+from contextlib import contextmanager, nullcontext
+from datetime import timedelta
+from typing import Any, Literal, Optional, Union
+
+import torch
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.distributed import _distributed_is_initialized, _sync_ddp
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.fabric.utilities.types import ReduceOp
+from lightning.pytorch import Trainer
+from lightning.pytorch.strategies import ModelParallelStrategy, StrategyRegistry
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from torch import Tensor
+from torch.distributed.device_mesh import DeviceMesh
+
+from lit_mesh.grad_norm import clip_grad_norm_
+from lit_mesh.mesh import MeshLayout, MeshViews, build_device_mesh, check_degree, resolve_layout, tp_crosses_nodes
+from lit_mesh.parallel.apply import is_user_parallelised, materialize, parallelize
+from lit_mesh.parallel.data import fsdp_roots
+
+_SUPPORTED_PRECISION = ("32-true", "bf16-mixed", "bf16-true")
+
+
+class MeshStrategy(ModelParallelStrategy):
+    """Train on one N-D DeviceMesh (pp, dp_replicate, dp_shard, cp, tp) with the model's parallel plan applied.
+
+    Args:
+        dp: data-parallel degree; alone it means FSDP over dp ranks. "auto" fills the world size.
+        dp_replicate: replicas (DDP); with dp_shard > 1 as well, HSDP.
+        dp_shard: FSDP shards per replica; "auto" fills the world size (the default when no dp degree is given).
+        tp: tensor-parallel degree (innermost dim: keep it inside a node).
+        cp: context-parallel degree (not yet supported: must be 1).
+        pp: pipeline-parallel degree (not yet supported: must be 1).
+        ep: expert-parallel degree, borrowed from dp_shard x cp (not yet supported: must be 1).
+        sequence_parallel: shard activations over the sequence between TP regions (needs tp to divide it).
+        save_distributed_checkpoint: sharded checkpoints (a directory, one file per rank) or one full file.
+        process_group_backend: "gloo", "nccl", ...; default from the device.
+        timeout: timeout of collectives.
+    """
+
+    strategy_name = "mesh"
+
+    def __init__(
+        self,
+        dp: Union[int, Literal["auto"], None] = None,
+        dp_replicate: Optional[int] = None,
+        dp_shard: Union[int, Literal["auto"], None] = None,
+        tp: int = 1,
+        cp: int = 1,
+        pp: int = 1,
+        ep: int = 1,
+        sequence_parallel: bool = True,
+        save_distributed_checkpoint: bool = True,
+        process_group_backend: Optional[str] = None,
+        timeout: Optional[timedelta] = default_pg_timeout,
+    ) -> None:
+        super().__init__(
+            save_distributed_checkpoint=save_distributed_checkpoint,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+        )
+        self._degrees: dict[str, Any] = dict(dp=dp, dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp, cp=cp, pp=pp, ep=ep)
+        for name, value in self._degrees.items():
+            check_degree(name, value, allow_auto=name in ("dp", "dp_shard"))
+        self.sequence_parallel = sequence_parallel
+        self._layout: Optional[MeshLayout] = None
+        self.mesh_views: Optional[MeshViews] = None
+
+    # ---- degrees and mesh -------------------------------------------------------------------------------
+
+    @property
+    def layout(self) -> MeshLayout:
+        """The resolved degrees (known once the Trainer has set devices and num_nodes)."""
+        if self._layout is None:
+            self._layout = resolve_layout(self.num_processes * self.num_nodes, **self._degrees)
+        return self._layout
+
+    @property
+    def is_distributed(self) -> bool:
+        return True
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        # every tp (and later cp, pp) rank of one replica reads the same batch
+        dp_mesh = self.mesh_views.dp
+        return {"num_replicas": dp_mesh.size(), "rank": dp_mesh.get_local_rank()}
+
+    def _configure_launcher(self) -> None:
+        # Called by the Trainer before any process is spawned: validate the degrees here, not after spawning.
+        layout = self.layout
+        if self.num_processes and tp_crosses_nodes(layout, self.num_processes):
+            rank_zero_warn(
+                f"tp={layout.tp} does not divide the {self.num_processes} devices of one node: tensor-parallel"
+                f" groups will cross nodes, which is slow; choose tp dividing {self.num_processes}"
+            )
+        # Always configure the launcher: with processes created externally (SLURM, torchrun) it spawns
+        # nothing but still validates the cluster settings.
+        assert self.cluster_environment is not None
+        self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+
+    def setup_environment(self) -> None:
+        self._setup_distributed()
+        self.mesh_views = build_device_mesh(self.layout, self.root_device.type)
+        self._device_mesh = self.mesh_views.root
+        rank_zero_info(f"MeshStrategy: {self.layout.describe()}")
+        assert self.lightning_module is not None
+        self.lightning_module._device_mesh = self._device_mesh
+
+    @contextmanager
+    def tensor_init_context(self, empty_init: Optional[bool] = None) -> Generator[None, None, None]:
+        # Models made in configure_model start on the meta device; setup() shards, then materialises them.
+        with (nullcontext() if empty_init is False else torch.device("meta")), self.precision_plugin.tensor_init_context():
+            yield
+
+    # ---- applying the plans -------------------------------------------------------------------------------
+
+    def setup(self, trainer: Trainer) -> None:
+        assert self.model is not None and self.accelerator is not None
+        self.accelerator.setup(trainer)
+        precision = str(self.precision_plugin.precision)
+        if precision not in _SUPPORTED_PRECISION:
+            raise ValueError(f"MeshStrategy does not support precision={precision!r}; choose one of {_SUPPORTED_PRECISION}")
+        self.model = self.precision_plugin.convert_module(self.model)  # bf16-true: cast while still on meta
+        if is_user_parallelised(self.model):
+            rank_zero_info("MeshStrategy: configure_model parallelised the model itself; no plan is applied")
+            owners = []
+        else:
+            owners = parallelize(
+                self.model, self.mesh_views, self.layout, sequence_parallel=self.sequence_parallel, precision=precision
+            )
+        materialize(self.model, owners, self.root_device)
+        self.model_to_device()
+        # Lightning's default clipping cannot mix DTensors of different meshes; clip by the global norm.
+        self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm  # type: ignore[method-assign]
+        self.barrier()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if trainer.state.fn == TrainerFn.FITTING:
+            _optimizers_to_device(self.optimizers, self.root_device)
+
+    def _clip_grad_by_norm(self, optimizer: torch.optim.Optimizer, clip_val: Union[int, float]) -> None:
+        clip_grad_norm_(self.precision_plugin.main_params(optimizer), float(clip_val))
+
+    # ---- collectives over the right groups ----------------------------------------------------------------
+
+    @contextmanager
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        # Accumulating micro-batches: keep gradients local, reduce once at the last one.
+        roots = fsdp_roots(self.model) if self.model is not None else []
+        for root in roots:
+            root.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            for root in roots:
+                root.set_requires_gradient_sync(True)
+
+    def reduce(
+        self, tensor: Union[Tensor, Any], group: Optional[Any] = None, reduce_op: Optional[Union[ReduceOp, str]] = "mean"
+    ) -> Union[Tensor, Any]:
+        """Reduce over dp x cp by default: tp (and pp) ranks hold copies of the same value, not more samples."""
+        if not isinstance(tensor, Tensor) or not _distributed_is_initialized():
+            return tensor
+        if group is None:
+            group = self.mesh_views.dp_cp.get_group()
+        return _sync_ddp(tensor, group=group, reduce_op=reduce_op)
+
+    @property
+    def device_mesh(self) -> DeviceMesh:
+        if self._device_mesh is None:
+            raise RuntimeError("MeshStrategy.device_mesh exists once the processes have started (from setup on)")
+        return self._device_mesh
+
+
+StrategyRegistry.register(
+    MeshStrategy.strategy_name, MeshStrategy, override=True, description="N-D mesh: DDP/FSDP/HSDP x TP/SP from the model's plan"
+)

@@ -1,0 +1,36 @@
+"""Launch multi-process workers with a timeout, so a hang fails fast instead of stalling the suite."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+WORKERS = REPO / "tests" / "workers"
+
+
+def run_command(cmd: list[str], timeout: float, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONWARNINGS": "ignore"}
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=cwd or REPO, env=env)
+    except subprocess.TimeoutExpired as e:
+        raise AssertionError(f"timed out after {timeout}s: {' '.join(cmd)}\n{(e.stdout or b'')[-3000:]!r}") from e
+    return proc
+
+
+def torchrun(nproc: int, script: str, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    return run_command([*cmd, str(WORKERS / script), *args], timeout)
+
+
+def cli_runs(nproc: int, out_dir: Path, runs: list[dict], timeout: float = 600) -> dict[str, dict]:
+    """Run lit-mesh CLI invocations in one torchrun launch; returns {name: result} (see workers/cli_runs.py)."""
+    spec = out_dir / f"runs_{nproc}.json"
+    spec.write_text(json.dumps(runs))
+    proc = torchrun(nproc, "cli_runs.py", str(out_dir), str(spec), timeout=timeout)
+    if proc.returncode != 0:
+        raise AssertionError(f"cli_runs with {nproc} processes failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}")
+    return {r["name"]: json.loads((out_dir / r["name"] / "result.json").read_text()) for r in runs}

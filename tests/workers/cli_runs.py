@@ -1,0 +1,54 @@
+"""Run several `lit-mesh` CLI invocations, one after another, in the processes torchrun started.
+
+Usage (from tests): torchrun --standalone --nproc_per_node=N tests/workers/cli_runs.py OUT_DIR RUNS_JSON
+RUNS_JSON is a list of {"name": str, "args": [cli args]}. For each run, rank 0 writes OUT_DIR/NAME/result.json
+with the logged metrics per step and OUT_DIR/NAME/params.pt with the final full (unsharded) parameters.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import sys
+from pathlib import Path
+
+import torch
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.tensor import DTensor
+
+from lit_mesh.cli import main
+
+
+def metrics_by_step(save_dir: Path) -> dict[str, dict[int, float]]:
+    """{metric: {step: value}} from the CSVLogger files under save_dir."""
+    found: dict[str, dict[int, float]] = {}
+    for path in sorted(save_dir.rglob("metrics.csv")):
+        with open(path) as f:
+            for row in csv.DictReader(f):
+                for key, value in row.items():
+                    if key not in ("epoch", "step") and value not in ("", None):
+                        found.setdefault(key, {})[int(row["step"])] = float(value)
+    return found
+
+
+def full_parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    if any(isinstance(p, DTensor) for p in model.parameters()):
+        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return {name: p.detach().cpu().clone() for name, p in model.state_dict().items()}
+
+
+def run(out_dir: Path, name: str, args: list[str]) -> None:
+    save_dir = out_dir / name
+    cli = main(["fit", *args, f"--trainer.logger.save_dir={save_dir}"])
+    assert cli is not None
+    params = full_parameters(cli.model)
+    if cli.trainer.global_rank == 0:
+        torch.save(params, save_dir / "params.pt")
+        result = {"metrics": metrics_by_step(save_dir), "world_size": cli.trainer.world_size}
+        (save_dir / "result.json").write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    out, runs = Path(sys.argv[1]), json.loads(Path(sys.argv[2]).read_text())
+    for spec in runs:
+        run(out, spec["name"], spec["args"])

@@ -1,0 +1,206 @@
+"""A Llama-style decoder-only transformer in plain PyTorch (RMSNorm, RoPE, grouped-query attention, SwiGLU).
+
+Nothing here knows about meshes. The model declares in `parallel_plan()` how it may be split; the code is
+written so that the same forward runs unchanged on a tensor-parallel shard:
+- attention reshapes with -1 heads, so after wq/wk/wv are split column-wise it runs on the local heads;
+- blocks take the activation as their only positional argument (a TP hook converts only that one);
+- RoPE has no buffers (cos/sin are recomputed each forward), so meta-device construction needs no fix-up;
+- the embedding, final norm and output head may be None (a pipeline stage that does not own them).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lit_mesh.init import Init, init_parameters
+from lit_mesh.plan import ParallelPlan
+
+
+@dataclass
+class GPTConfig:
+    vocab_size: int = 256
+    dim: int = 64
+    n_layers: int = 2
+    n_heads: int = 4
+    n_kv_heads: int = 2
+    ffn_hidden: int = 128
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    max_seq_len: int = 256
+
+    def __post_init__(self) -> None:
+        if self.dim % self.n_heads:
+            raise ValueError(f"dim={self.dim} is not divisible by n_heads={self.n_heads}")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"n_heads={self.n_heads} is not divisible by n_kv_heads={self.n_kv_heads}")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim={self.head_dim} (dim / n_heads) must be even for RoPE")
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @classmethod
+    def from_preset(cls, name: str, **overrides: object) -> GPTConfig:
+        if name not in PRESETS:
+            raise ValueError(f"unknown GPT preset {name!r}; choose one of {sorted(PRESETS)}")
+        return dataclasses.replace(PRESETS[name], **overrides)
+
+
+_LLAMA3 = dict(vocab_size=128256, n_kv_heads=8, rope_theta=500000.0, max_seq_len=8192)
+PRESETS: dict[str, GPTConfig] = {
+    "tiny": GPTConfig(256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=128, max_seq_len=256),
+    "small": GPTConfig(256, dim=128, n_layers=4, n_heads=4, n_kv_heads=2, ffn_hidden=384, max_seq_len=512),
+    "llama3-8b": GPTConfig(dim=4096, n_layers=32, n_heads=32, ffn_hidden=14336, **_LLAMA3),
+    "llama3-70b": GPTConfig(dim=8192, n_layers=80, n_heads=64, ffn_hidden=28672, **_LLAMA3),
+    "llama3-405b": GPTConfig(dim=16384, n_layers=126, n_heads=128, ffn_hidden=53248, **_LLAMA3),
+}
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of the rotary angles, shape (T, head_dim / 2), in fp32."""
+    freqs = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim)
+    angles = torch.outer(positions.to(torch.float32), freqs)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """Rotate (B, T, H, head_dim) by the position angles (the "rotate half" convention)."""
+    cos, sin = (t[:, None, :] for t in rope)  # (T, 1, head_dim/2): broadcast over heads
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).type_as(x)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.head_dim = config.head_dim
+        # the ratio of query heads to key/value heads survives a column-wise split of wq, wk and wv
+        self.n_rep = config.n_heads // config.n_kv_heads
+        self.wq = nn.Linear(config.dim, config.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(config.dim, config.n_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(config.dim, config.n_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(config.n_heads * self.head_dim, config.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, *, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        B, T, _ = x.shape
+        # -1 heads: the local number of heads under tensor parallelism
+        q = self.wq(x).view(B, T, -1, self.head_dim)
+        k = self.wk(x).view(B, T, -1, self.head_dim)
+        v = self.wv(x).view(B, T, -1, self.head_dim)
+        q, k = apply_rope(q, rope), apply_rope(k, rope)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, heads, T, head_dim)
+        if self.n_rep > 1:  # grouped-query attention: each kv head serves n_rep consecutive query heads
+            k = k.repeat_interleave(self.n_rep, dim=1)
+            v = v.repeat_interleave(self.n_rep, dim=1)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(y.transpose(1, 2).reshape(B, T, -1))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: w2(silu(w1 x) * w3 x)."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(config.dim, config.ffn_hidden, bias=False)
+        self.w2 = nn.Linear(config.ffn_hidden, config.dim, bias=False)
+        self.w3 = nn.Linear(config.dim, config.ffn_hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Block(nn.Module):
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.attention_norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
+        self.attention = Attention(config)
+        self.ffn_norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
+        self.feed_forward = FeedForward(config)
+
+    def forward(self, x: torch.Tensor, *, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), rope=rope)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.tok_embeddings: nn.Embedding | None = nn.Embedding(config.vocab_size, config.dim)
+        self.layers = nn.ModuleList(Block(config) for _ in range(config.n_layers))
+        self.norm: nn.RMSNorm | None = nn.RMSNorm(config.dim, eps=config.norm_eps)
+        self.output: nn.Linear | None = nn.Linear(config.dim, config.vocab_size, bias=False)
+        # on the meta device the strategy initialises the (sharded) weights with the same rules
+        if next(self.parameters()).device.type != "meta":
+            init_parameters(self, self.parallel_plan().init)
+
+    def forward(self, tokens: torch.Tensor, *, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens (B, T) -> logits (B, T, vocab_size), no softmax.
+
+        A pipeline stage without the embedding receives hidden states (B, T, dim) instead. `positions`
+        (T,) overrides 0..T-1, e.g. for a context-parallel shard of the sequence.
+        """
+        T = tokens.shape[1]
+        if positions is None:
+            if T > self.config.max_seq_len:
+                raise ValueError(f"sequence length {T} exceeds max_seq_len={self.config.max_seq_len}")
+            positions = torch.arange(T, device=tokens.device)
+        rope = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta)
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        for layer in self.layers:
+            h = layer(h, rope=rope)
+        h = self.norm(h) if self.norm is not None else h
+        return self.output(h) if self.output is not None else h
+
+    def parallel_plan(self) -> ParallelPlan:
+        c = self.config
+        return ParallelPlan(
+            blocks="layers",
+            tp_root={"tok_embeddings": "embedding", "norm": "norm", "output": "head"},
+            tp_block={
+                "attention_norm": "norm",
+                "attention": "gather_input",
+                "attention.wq": "colwise",
+                "attention.wk": "colwise",
+                "attention.wv": "colwise",
+                "attention.wo": "rowwise",
+                "ffn_norm": "norm",
+                "feed_forward": "gather_input",
+                "feed_forward.w1": "colwise",
+                "feed_forward.w3": "colwise",
+                "feed_forward.w2": "rowwise",
+            },
+            tp_divides={
+                "n_heads": c.n_heads,
+                "n_kv_heads": c.n_kv_heads,
+                "ffn_hidden": c.ffn_hidden,
+                "vocab_size": c.vocab_size,
+            },
+            # leading '*' so the rules still match under a wrapper prefix; residual outputs scaled down
+            # with depth (GPT-2) so the residual stream does not grow with the number of layers
+            init=(
+                ("*norm.weight", Init("ones")),
+                ("*.wo.weight", Init("normal", 0.02 / math.sqrt(2 * c.n_layers))),
+                ("*.w2.weight", Init("normal", 0.02 / math.sqrt(2 * c.n_layers))),
+                ("*", Init("normal", 0.02)),
+            ),
+        )
+
+    def num_params(self, exclude_embedding: bool = False) -> int:
+        n = sum(p.numel() for p in self.parameters())
+        if exclude_embedding and self.tok_embeddings is not None:
+            n -= self.tok_embeddings.weight.numel()
+        return n
+
+    def flops_per_token(self, seq_len: int) -> int:
+        """Training FLOPs per token: 6N for the matmuls (forward + backward; the embedding lookup is no matmul)
+        plus 12 * layers * dim * seq_len for the attention scores and weighted sum (PaLM appendix B)."""
+        c = self.config
+        return 6 * self.num_params(exclude_embedding=True) + 12 * c.n_layers * c.dim * seq_len

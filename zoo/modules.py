@@ -1,0 +1,140 @@
+"""LightningModules for the zoo models.
+
+The network is created in `configure_model()`: under MeshStrategy that hook runs on the meta device and the
+strategy then parallelises and initialises the weights; under any other strategy the model is built and
+initialised directly (the same weights for the same seed). Losses are fp32 means over the local batch:
+every dp rank holds the same number of tokens (samples), so the mean over ranks is the global mean.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+
+from zoo.gpt import GPT, GPTConfig
+from zoo.vit import ViT, ViTConfig
+
+
+def _optimizer(
+    module: L.LightningModule, lr: float, betas: tuple[float, float], weight_decay: float, warmup_steps: int
+) -> Any:
+    optimizer = torch.optim.AdamW(module.parameters(), lr=lr, betas=betas, weight_decay=weight_decay, foreach=True)
+    if warmup_steps <= 0:
+        return optimizer
+    # linear warm-up from lr / warmup_steps to lr, then constant
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / warmup_steps))
+    return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def _inputs(batch: Any) -> torch.Tensor:
+    return batch[0] if isinstance(batch, (tuple, list)) else batch
+
+
+class GPTModule(L.LightningModule):
+    """Next-token language modelling with `zoo.gpt.GPT`; batches are (tokens, targets), both (B, T)."""
+
+    def __init__(
+        self,
+        preset: str = "tiny",
+        lr: float = 3e-3,
+        weight_decay: float = 0.0,
+        betas: tuple[float, float] = (0.9, 0.95),
+        warmup_steps: int = 0,
+        config_overrides: dict[str, Any] | None = None,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        # validate the preset now, not after the trainer has started
+        self.config = GPTConfig.from_preset(preset, **(config_overrides or {}))
+        self.model: GPT | None = None
+
+    def configure_model(self) -> None:
+        if self.model is None:  # the hook may run more than once (fit, then test)
+            self.model = GPT(self.config)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.model(tokens)
+
+    @staticmethod
+    def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Mean cross entropy over all tokens of the local batch, in fp32."""
+        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(0, 1))
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        tokens, targets = batch
+        loss = self.loss_fn(self(tokens), targets)
+        self.log("train_loss", loss, prog_bar=True, sync_dist=True)
+        return loss
+
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        tokens, targets = batch
+        self.log("val_loss", self.loss_fn(self(tokens), targets), prog_bar=True, sync_dist=True)
+
+    def test_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        tokens, targets = batch
+        self.log("test_loss", self.loss_fn(self(tokens), targets), sync_dist=True)
+
+    def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self(_inputs(batch))
+
+    def configure_optimizers(self) -> Any:
+        h = self.hparams
+        return _optimizer(self, h.lr, tuple(h.betas), h.weight_decay, h.warmup_steps)
+
+
+class ViTModule(L.LightningModule):
+    """Image classification with `zoo.vit.ViT`; batches are (images (B, C, H, W), labels (B,))."""
+
+    def __init__(
+        self,
+        preset: str = "tiny",
+        lr: float = 1e-3,
+        weight_decay: float = 0.0,
+        warmup_steps: int = 0,
+        config_overrides: dict[str, Any] | None = None,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.config = ViTConfig.from_preset(preset, **(config_overrides or {}))
+        self.model: ViT | None = None
+
+    def configure_model(self) -> None:
+        if self.model is None:  # the hook may run more than once (fit, then test)
+            self.model = ViT(self.config)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        return self.model(images)
+
+    @staticmethod
+    def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Mean cross entropy over the local batch, in fp32."""
+        return F.cross_entropy(logits.float(), labels)
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        images, labels = batch
+        loss = self.loss_fn(self(images), labels)
+        self.log("train_loss", loss, prog_bar=True, sync_dist=True)
+        return loss
+
+    def _evaluate(self, batch: tuple[torch.Tensor, torch.Tensor], stage: str) -> None:
+        images, labels = batch
+        logits = self(images)
+        self.log(f"{stage}_loss", self.loss_fn(logits, labels), prog_bar=stage == "val", sync_dist=True)
+        accuracy = (logits.argmax(dim=-1) == labels).float().mean()
+        self.log(f"{stage}_acc", accuracy, prog_bar=stage == "val", sync_dist=True)
+
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        self._evaluate(batch, "val")
+
+    def test_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        self._evaluate(batch, "test")
+
+    def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self(_inputs(batch))
+
+    def configure_optimizers(self) -> Any:
+        h = self.hparams
+        return _optimizer(self, h.lr, (0.9, 0.999), h.weight_decay, h.warmup_steps)
