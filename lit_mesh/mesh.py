@@ -76,6 +76,14 @@ def check_degree(name: str, value: Degree, allow_auto: bool = False) -> None:
         )
 
 
+def check_degrees(**degrees: Degree) -> None:
+    """Everything that can be checked without knowing the world size."""
+    for name, value in degrees.items():
+        check_degree(name, value, allow_auto=name in ("dp", "dp_shard"))
+    if degrees.get("dp") == "auto" and degrees.get("dp_shard") == "auto":
+        raise MeshConfigError("dp='auto' and dp_shard='auto': only one degree may be 'auto'; give the other a number")
+
+
 def resolve_layout(
     world_size: int,
     *,
@@ -92,13 +100,7 @@ def resolve_layout(
     `dp` alone shards (FSDP); `dp_replicate` replicates (DDP); both > 1 is HSDP. With no dp degree given,
     dp_shard fills the world ("auto").
     """
-    for name, value, auto in (
-        ("dp", dp, True), ("dp_replicate", dp_replicate, False), ("dp_shard", dp_shard, True),
-        ("tp", tp, False), ("cp", cp, False), ("pp", pp, False), ("ep", ep, False),
-    ):
-        check_degree(name, value, allow_auto=auto)
-    if dp == "auto" and dp_shard == "auto":
-        raise MeshConfigError("dp='auto' and dp_shard='auto': only one degree may be 'auto'; give the other a number")
+    check_degrees(dp=dp, dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp, cp=cp, pp=pp, ep=ep)
     given = f"pp={pp}, cp={cp}, tp={tp}" + "".join(
         f", {n}={v!r}" for n, v in (("dp", dp), ("dp_replicate", dp_replicate), ("dp_shard", dp_shard)) if v is not None
     )

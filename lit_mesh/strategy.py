@@ -25,7 +25,7 @@ from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 
 from lit_mesh.grad_norm import clip_grad_norm_
-from lit_mesh.mesh import MeshLayout, MeshViews, build_device_mesh, check_degree, resolve_layout, tp_crosses_nodes
+from lit_mesh.mesh import MeshLayout, MeshViews, build_device_mesh, check_degrees, resolve_layout, tp_crosses_nodes
 from lit_mesh.parallel.apply import is_user_parallelised, materialize, parallelize
 from lit_mesh.parallel.data import fsdp_roots
 
@@ -71,8 +71,7 @@ class MeshStrategy(ModelParallelStrategy):
             timeout=timeout,
         )
         self._degrees: dict[str, Any] = dict(dp=dp, dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp, cp=cp, pp=pp, ep=ep)
-        for name, value in self._degrees.items():
-            check_degree(name, value, allow_auto=name in ("dp", "dp_shard"))
+        check_degrees(**self._degrees)  # what needs no world size fails here, in the user's process
         self.sequence_parallel = sequence_parallel
         self._layout: Optional[MeshLayout] = None
         self.mesh_views: Optional[MeshViews] = None

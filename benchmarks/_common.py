@@ -1,0 +1,246 @@
+"""Shared pieces of the benchmark scripts: launching ranks, the result line, the hand-written FSDP2 x TP
+baseline, the step timer and the batches.
+
+Launching: `python benchmarks/x.py ...` re-runs itself under torchrun with N processes (so a script never
+depends on Lightning's own launcher re-running sys.argv). The ranks' output goes to stderr; rank 0 writes its
+result to a file and the launching process prints it as the ONE JSON line at the end of stdout. Run directly
+under torchrun, rank 0 prints the JSON line itself.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+import torch.distributed as dist
+from lightning.pytorch.callbacks import Callback
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:  # `python benchmarks/x.py` puts benchmarks/, not the repo, on sys.path
+    sys.path.insert(0, str(REPO))
+
+from zoo.gpt import GPT, GPTConfig  # noqa: E402
+from zoo.modules import GPTModule  # noqa: E402
+
+_RESULT_ENV = "LIT_MESH_BENCH_RESULT"
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+# ---- launching -------------------------------------------------------------------------------------------
+
+
+def in_worker() -> bool:
+    """True inside a rank started by torchrun."""
+    return "LOCAL_RANK" in os.environ
+
+
+def launch(script: str, argv: Sequence[str], nproc: int, timeout: float) -> dict[str, Any]:
+    """Run `script argv` on `nproc` torchrun ranks and return the result dict rank 0 wrote."""
+    with tempfile.TemporaryDirectory() as tmp:
+        result_path = Path(tmp) / "result.json"
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", script, *argv]
+        # one thread per rank: the ranks already share the few cores; more threads only oversubscribe them
+        env = {**os.environ, _RESULT_ENV: str(result_path), "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
+               "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+        # the ranks' chatter goes to stderr so that stdout ends with the one JSON line
+        proc = subprocess.run(cmd, env=env, stdout=sys.stderr, stderr=sys.stderr, timeout=timeout, cwd=REPO)
+        if proc.returncode != 0 or not result_path.exists():
+            raise RuntimeError(f"{' '.join(cmd)} failed with exit code {proc.returncode}")
+        return json.loads(result_path.read_text())
+
+
+def emit(result: dict[str, Any]) -> None:
+    """Rank 0 only: hand the result to the launcher, or print it when run under torchrun directly."""
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return
+    path = os.environ.get(_RESULT_ENV)
+    if path:
+        Path(path).write_text(json.dumps(result))
+    else:
+        print(json.dumps(result), flush=True)
+
+
+def print_result(result: dict[str, Any]) -> None:
+    """The launching process's last line of stdout."""
+    print(json.dumps(result), flush=True)
+
+
+def environment() -> dict[str, Any]:
+    return {
+        "torch": torch.__version__,
+        "lightning": L.__version__,
+        "python": platform.python_version(),
+        "device": "cpu",
+        "backend": "gloo",
+        "cpu_count": os.cpu_count(),
+        "threads_per_rank": torch.get_num_threads(),
+        "machine": platform.machine(),
+    }
+
+
+def gather(value: Any) -> list[Any]:
+    """Every rank's `value` (a collective outside any timed window)."""
+    if not dist.is_initialized():
+        return [value]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    return out
+
+
+# ---- model, data, timing -------------------------------------------------------------------------------
+
+
+class BenchGPTModule(GPTModule):
+    """The zoo GPTModule; `log_loss=False` drops its per-step `self.log(..., sync_dist=True)`, an all-reduce
+    of the loss that the hand-written loop does not do (it is the module's cost, not the strategy's)."""
+
+    def __init__(self, preset: str, log_loss: bool = False) -> None:
+        super().__init__(preset=preset)
+        self.log_loss = log_loss
+
+    def training_step(self, batch: Batch, batch_idx: int) -> torch.Tensor:
+        if self.log_loss:
+            return super().training_step(batch, batch_idx)
+        tokens, targets = batch
+        return self.loss_fn(self(tokens), targets)
+
+
+def make_optimizer(params: Any) -> torch.optim.Optimizer:
+    """The optimizer GPTModule configures by default (lr 3e-3, betas (0.9, 0.95), no weight decay, foreach)."""
+    return torch.optim.AdamW(params, lr=3e-3, betas=(0.9, 0.95), weight_decay=0.0, foreach=True)
+
+
+def random_batches(n: int, batch_size: int, seq_len: int, vocab_size: int, seed: int) -> list[Batch]:
+    """`n` batches of random tokens: the content does not change the step time, only the shapes do."""
+    gen = torch.Generator().manual_seed(seed)
+    windows = torch.randint(0, vocab_size, (n, batch_size, seq_len + 1), generator=gen)
+    return [(w[:, :-1].contiguous(), w[:, 1:].contiguous()) for w in windows]
+
+
+def batch_loader(n: int, dp: int, batch_size: int, seq_len: int, vocab_size: int) -> torch.utils.data.DataLoader:
+    """A map-style loader of n * dp samples; Lightning's DistributedSampler gives each dp rank n batches."""
+    samples = random_batches(1, n * dp * batch_size, seq_len, vocab_size, seed=0)[0]
+    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(*samples), batch_size=batch_size)
+
+
+class StepTimer(Callback):
+    """Per-step wall times on this rank: on_train_batch_start -> on_train_batch_end (forward, backward,
+    optimizer step and zero_grad all happen in between). No barrier: each rank reads its own clock."""
+
+    def __init__(self) -> None:
+        self.starts: list[float] = []
+        self.ends: list[float] = []
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
+        self.starts.append(time.perf_counter())
+
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        self.ends.append(time.perf_counter())
+
+    def step_times(self, warmup: int) -> list[float]:
+        return [e - s for s, e in zip(self.starts[warmup:], self.ends[warmup:])]
+
+    def window(self, warmup: int) -> float:
+        """Wall time of the measured steps including everything between them (data loading, hooks)."""
+        return self.ends[-1] - self.ends[warmup - 1] if warmup else self.ends[-1] - self.starts[0]
+
+
+def trainer_kwargs(world_size: int, max_steps: int, callbacks: list[Callback]) -> dict[str, Any]:
+    """A Trainer that only trains: no logger, progress bar, summary, checkpoint or validation."""
+    return dict(
+        accelerator="cpu", devices=world_size, num_nodes=1, max_steps=max_steps, precision="32-true",
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        num_sanity_val_steps=0, limit_val_batches=0, callbacks=callbacks,
+    )
+
+
+def slowest_rank_median(per_rank_steps: list[list[float]]) -> float:
+    """Median over steps of the slowest rank's time at each step (the ranks wait for each other anyway)."""
+    return statistics.median(max(times) for times in zip(*per_rank_steps))
+
+
+# ---- the hand-written FSDP2 x TP baseline ---------------------------------------------------------------
+
+
+def hand_tp_plan(sequence_parallel: bool) -> tuple[dict[str, ParallelStyle], dict[str, ParallelStyle]]:
+    """torch ParallelStyles for zoo.gpt.GPT written out by hand (torchtitan's Llama plan): (root, per block)."""
+    seq = Shard(1)  # activations are (batch, sequence, features)
+    between = seq if sequence_parallel else Replicate()
+    root: dict[str, ParallelStyle] = {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=between),
+        "output": ColwiseParallel(input_layouts=between, output_layouts=Replicate(), use_local_output=True),
+    }
+    block: dict[str, ParallelStyle] = {
+        "attention.wq": ColwiseParallel(),
+        "attention.wk": ColwiseParallel(),
+        "attention.wv": ColwiseParallel(),
+        "attention.wo": RowwiseParallel(output_layouts=between),
+        "feed_forward.w1": ColwiseParallel(),
+        "feed_forward.w3": ColwiseParallel(),
+        "feed_forward.w2": RowwiseParallel(output_layouts=between),
+    }
+    if sequence_parallel:
+        gather = PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),), use_local_output=True)
+        root["norm"] = SequenceParallel()
+        block.update({"attention_norm": SequenceParallel(), "ffn_norm": SequenceParallel(),
+                      "attention": gather, "feed_forward": gather})
+    return root, block
+
+
+def hand_parallelize(
+    gpt: GPT, dp_mesh: DeviceMesh | None, tp_mesh: DeviceMesh | None, sequence_parallel: bool
+) -> None:
+    """TP/SP with torch's parallelize_module, then fully_shard each block, then the root (fp32, resharding)."""
+    if tp_mesh is not None and tp_mesh.size() > 1:
+        root_plan, block_plan = hand_tp_plan(sequence_parallel)
+        parallelize_module(gpt, tp_mesh, root_plan)
+        for block in gpt.layers:
+            parallelize_module(block, tp_mesh, block_plan)
+    if dp_mesh is not None and dp_mesh.size() > 1:
+        for block in gpt.layers:
+            fully_shard(block, mesh=dp_mesh)
+        fully_shard(gpt, mesh=dp_mesh)
+
+
+def meta_gpt(preset: str) -> GPT:
+    with torch.device("meta"):
+        return GPT(GPTConfig.from_preset(preset))
+
+
+def materialize_gpt(gpt: GPT) -> None:
+    """Allocate the (sharded) weights and give them the zoo's initialisation."""
+    from lit_mesh.init import init_parameters
+
+    gpt.to_empty(device="cpu")
+    init_parameters(gpt, gpt.parallel_plan().init, seed=0)
+
+
+def local_bytes(tensor: torch.Tensor) -> int:
+    """Bytes this rank holds for `tensor`: the local shard of a DTensor."""
+    local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+    return local.numel() * local.element_size()

@@ -1,0 +1,109 @@
+"""Bad configurations fail fast with a message that names the value and the fix, never a hang."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+from lightning.pytorch import Trainer
+
+from lit_mesh import MeshConfigError, MeshStrategy
+from tests.launch import REPO, run_command, torchrun
+
+S = "--trainer.strategy.init_args."
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"tp": 0}, "tp=0 must be >= 1"),
+        ({"tp": -2}, "tp=-2 must be >= 1"),
+        ({"tp": "two"}, "tp='two' must be a positive int"),
+        ({"dp": 2.5}, "dp=2.5 must be a positive int or 'auto'"),
+        ({"dp": "auto", "dp_shard": "auto"}, "only one degree may be 'auto'"),
+        ({"cp": 2}, "cp=2: context parallel"),
+        ({"pp": 2}, "pp=2: pipeline parallel"),
+        ({"ep": 4}, "ep=4: expert parallel"),
+    ],
+)
+def test_degree_errors_at_construction(kwargs: dict, message: str) -> None:
+    with pytest.raises(MeshConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        MeshStrategy(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("devices", "kwargs", "message"),
+    [
+        (4, {"tp": 3}, "tp=3 = 3 does not divide the world size 4"),
+        (4, {"dp": 3, "tp": 2}, "= 6, but the world size (devices x num_nodes) is 4"),
+        (4, {"dp_replicate": 3}, "dp_replicate=3 does not divide the 4 ranks"),
+        (4, {"dp": 2, "dp_replicate": 2, "dp_shard": 2}, "dp_replicate=2 x dp_shard=2 = 4 but dp=2"),
+        (2, {"tp": 4}, "tp=4 = 4 does not divide the world size 2"),
+        (4, {"dp": 4, "dp_shard": 3}, "dp_shard=3 does not divide dp=4"),
+    ],
+)
+def test_world_size_errors_before_any_process_starts(devices: int, kwargs: dict, message: str) -> None:
+    start = time.monotonic()
+    with pytest.raises(MeshConfigError) as error:
+        Trainer(accelerator="cpu", devices=devices, strategy=MeshStrategy(**kwargs), logger=False)
+    assert message in str(error.value)
+    assert "choose" in str(error.value) or "give" in str(error.value)  # the fix is named
+    assert time.monotonic() - start < 10
+
+
+def test_tp_across_nodes_warns() -> None:
+    with pytest.warns(UserWarning, match="tp=4 does not divide the 2 devices of one node"):
+        Trainer(accelerator="cpu", devices=2, num_nodes=2, strategy=MeshStrategy(tp=4), logger=False)
+
+
+def test_unsupported_precision() -> None:
+    with pytest.raises(ValueError, match="precision='16-mixed'"):
+        Trainer(accelerator="cpu", devices=1, strategy=MeshStrategy(), precision="16-mixed", logger=False)
+
+
+def test_strategy_registered_by_name() -> None:
+    trainer = Trainer(accelerator="cpu", devices=1, strategy="mesh", logger=False)
+    assert isinstance(trainer.strategy, MeshStrategy)
+
+
+def _gpt(*extra: str) -> list[str]:
+    return [
+        "fit", "-c", str(REPO / "configs/gpt.yaml"), "--trainer.devices=2", "--trainer.max_steps=2",
+        "--trainer.logger=false", "--trainer.enable_progress_bar=false", "--trainer.enable_checkpointing=false",
+        *extra,
+    ]  # fmt: skip
+
+
+def test_errors_after_start_are_clear(tmp_path: Path) -> None:
+    """Errors that need the processes (the model's shapes, the data): every rank stops with our message."""
+    cases = {
+        "tp_vs_kv_heads": _gpt(f"{S}tp=2", "--model.init_args.config_overrides={n_kv_heads: 1}"),
+        "tp_vs_ffn": _gpt(f"{S}tp=2", "--model.init_args.config_overrides={ffn_hidden: 129}"),
+        "sp_vs_seq_len": _gpt(f"{S}tp=2", "--data.init_args.seq_len=63"),
+        "batch_vs_dp": _gpt(f"{S}dp=2", "--data.init_args.global_batch_size=3"),
+    }
+    spec, out = tmp_path / "cases.json", tmp_path / "errors.json"
+    spec.write_text(json.dumps(cases))
+    proc = torchrun(2, "expect_errors.py", str(out), str(spec), timeout=240)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    errors = json.loads(out.read_text())
+    assert "tp=2 does not divide n_kv_heads=1 of GPT (choose tp in [1])" in errors["tp_vs_kv_heads"]["message"]
+    assert "tp=2 does not divide ffn_hidden=129" in errors["tp_vs_ffn"]["message"]
+    assert "sequence length divisible by tp" in errors["sp_vs_seq_len"]["message"]
+    assert "length 63, tp=2" in errors["sp_vs_seq_len"]["message"]
+    assert "global_batch_size=3 is not divisible by the data-parallel size 2" in errors["batch_vs_dp"]["message"]
+
+
+def test_console_script_exits_with_the_message_instead_of_hanging() -> None:
+    start = time.monotonic()
+    proc = run_command(["lit-mesh", *_gpt(f"{S}tp=2", "--model.init_args.config_overrides={dim: 96, n_heads: 3, n_kv_heads: 3}")], 180)
+    assert proc.returncode != 0
+    assert "tp=2 does not divide n_heads=3 of GPT (choose tp in [1, 3])" in proc.stderr
+    assert time.monotonic() - start < 180
+
+
+def test_unknown_preset_is_named() -> None:
+    proc = run_command(["lit-mesh", *_gpt("--model.init_args.preset=huge", "--trainer.devices=1")], 120)
+    assert proc.returncode != 0 and "huge" in proc.stderr
