@@ -57,7 +57,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--preset", default="small", help="zoo GPT preset")
     p.add_argument("--batch-size", type=int, default=4, help="per dp rank")
     p.add_argument("--seq-len", type=int, default=128)
-    p.add_argument("--steps", type=int, default=10, help="measured steps per run")
+    p.add_argument("--steps", type=int, default=8, help="measured steps per run")
     p.add_argument("--warmup", type=int, default=2, help="steps dropped at the start of every run")
     p.add_argument("--repeats", type=int, default=4, help="runs of each strategy, interleaved")
     p.add_argument("--log-loss", action="store_true", help="keep GPTModule's per-step self.log(sync_dist=True)")

@@ -36,6 +36,14 @@ LAYOUTS: dict[str, tuple[int, list[str]]] = {
     "fsdp2_tp2": (4, [f"{S}tp=2"]),  # dp_shard fills the rest: 2
 }
 RECIPES = {"gpt": "configs/gpt.yaml", "vit": "configs/vit.yaml"}
+# more GPT runs in the same launches: gradient accumulation (parity) and bf16 (runs, sane, right dtypes)
+VARIANTS: dict[str, tuple[str, list[str]]] = {
+    "single-accum2": ("single", ["--trainer.accumulate_grad_batches=2"]),
+    "fsdp2_tp2-accum2": ("fsdp2_tp2", ["--trainer.accumulate_grad_batches=2"]),
+    "fsdp2_tp2-bf16-mixed": ("fsdp2_tp2", ["--trainer.precision=bf16-mixed"]),
+    "fsdp2_tp2-bf16-true": ("fsdp2_tp2", ["--trainer.precision=bf16-true"]),
+    "tp2-bf16-mixed": ("tp2", ["--trainer.precision=bf16-mixed"]),
+}
 
 
 @pytest.fixture(scope="module")
@@ -50,6 +58,11 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
             for layout, (n, extra) in LAYOUTS.items()
             if n == nproc
         ]
+        runs += [
+            {"name": f"gpt-{variant}", "args": ["-c", str(REPO / RECIPES["gpt"]), f"--trainer.devices={nproc}", *COMMON, *LAYOUTS[layout][1], *extra]}
+            for variant, (layout, extra) in VARIANTS.items()
+            if LAYOUTS[layout][0] == nproc
+        ]
         found.update(cli_runs(nproc, out, runs))
     found["_dir"] = {"path": str(out)}
     return found
@@ -58,6 +71,12 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
 def losses(result: dict) -> list[float]:
     per_step = result["metrics"]["train_loss"]
     return [per_step[s] for s in sorted(per_step, key=int)]
+
+
+def _assert_same_curve(reference: list[float], got: list[float], what: str) -> None:
+    assert len(reference) == len(got) == STEPS
+    for step, (a, b) in enumerate(zip(reference, got), start=1):
+        assert abs(a - b) <= 1e-4 * abs(a), f"step {step}: {what} loss {b} vs single-device {a}"
 
 
 @pytest.mark.parametrize("recipe", sorted(RECIPES))
@@ -70,11 +89,9 @@ def test_mesh_strategy_on_one_device_equals_no_strategy(results: dict, recipe: s
 def test_layout_matches_single_device(results: dict, recipe: str, layout: str) -> None:
     reference, candidate = results[f"{recipe}-single"], results[f"{recipe}-{layout}"]
     assert candidate["world_size"] == LAYOUTS[layout][0]
-    ref_losses, got = losses(reference), losses(candidate)
-    assert len(ref_losses) == len(got) == STEPS
+    ref_losses = losses(reference)
     assert len(set(ref_losses)) == STEPS, "the reference run must actually update the model"
-    for step, (a, b) in enumerate(zip(ref_losses, got), start=1):
-        assert abs(a - b) <= 1e-4 * abs(a), f"step {step}: {layout} loss {b} vs single-device {a}"
+    _assert_same_curve(ref_losses, losses(candidate), layout)
 
     out = Path(results["_dir"]["path"])
     ref_params = torch.load(out / f"{recipe}-single" / "params.pt", weights_only=True)
@@ -83,3 +100,23 @@ def test_layout_matches_single_device(results: dict, recipe: str, layout: str) -
     for name, ref in ref_params.items():
         diff = (params[name].float() - ref.float()).abs().max().item()
         assert diff <= 1e-4, f"{layout}: parameter {name} differs by {diff}"
+
+
+def test_gradient_accumulation_matches_single_device(results: dict) -> None:
+    _assert_same_curve(losses(results["gpt-single-accum2"]), losses(results["gpt-fsdp2_tp2-accum2"]), "accum2")
+    assert losses(results["gpt-single-accum2"]) != losses(results["gpt-single"])
+
+
+@pytest.mark.parametrize(
+    ("variant", "param_dtype"),
+    [("fsdp2_tp2-bf16-mixed", torch.float32), ("fsdp2_tp2-bf16-true", torch.bfloat16), ("tp2-bf16-mixed", torch.float32)],
+)
+def test_bf16_trains_near_fp32(results: dict, variant: str, param_dtype: torch.dtype) -> None:
+    fp32, bf16 = losses(results["gpt-single"]), losses(results[f"gpt-{variant}"])
+    assert len(bf16) == STEPS
+    # bf16 rounding moves the curve a little, never far: within 2% at every step
+    for a, b in zip(fp32, bf16):
+        assert abs(a - b) <= 0.02 * a, (variant, fp32, bf16)
+    assert bf16 != fp32, "bf16 must actually compute in bf16"
+    params = torch.load(Path(results["_dir"]["path"]) / f"gpt-{variant}" / "params.pt", weights_only=True)
+    assert {t.dtype for t in params.values()} == {param_dtype}  # bf16-mixed keeps fp32 master weights

@@ -1,0 +1,93 @@
+"""The user-model examples train the same on every layout: per-step losses of multi-rank runs equal the
+single-device run (fp32: relative 1e-4 per step over 10 steps).
+
+Three launches in all (imports cost most of the time on CPU):
+- one plain process runs every example on 1 device;
+- one torchrun launch with 2 processes runs every example on each 2-rank layout it supports;
+- the way users run it: `python examples/own_model_plan.py --devices 4 --tp 2`, Lightning spawning the ranks
+  (FSDP over 2 x TP/SP over 2).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.launch import REPO, WORKERS, run_command, torchrun
+
+STEPS = 10
+RTOL = 1e-4
+COMMON = ["--max-steps", str(STEPS)]
+
+SINGLE = {
+    "own": ("own_model.py", ["--devices", "1"]),
+    "plan": ("own_model_plan.py", ["--devices", "1"]),
+    "configure": ("own_model_configure.py", ["--devices", "1"]),
+}
+# name: (script, flags, the single-device run it must match)
+TWO_RANKS = {
+    "own-dp2": ("own_model.py", ["--devices", "2"], "own"),
+    "plan-tp2": ("own_model_plan.py", ["--devices", "2", "--tp", "2"], "plan"),
+    "plan-tp2-no-sp": ("own_model_plan.py", ["--devices", "2", "--tp", "2", "--no-sequence-parallel"], "plan"),
+    "plan-dp2": ("own_model_plan.py", ["--devices", "2"], "plan"),
+    "configure-tp2": ("own_model_configure.py", ["--devices", "2", "--tp", "2"], "configure"),
+    "configure-dp2": ("own_model_configure.py", ["--devices", "2"], "configure"),
+}
+USER_PATH = ("plan-dp2-tp2-spawned", "own_model_plan.py", ["--devices", "4", "--tp", "2"], "plan")
+
+
+def _spec(out: Path, name: str, runs: dict) -> Path:
+    spec = out / f"{name}.json"
+    spec.write_text(json.dumps([{"name": n, "script": r[0], "args": [*r[1], *COMMON]} for n, r in runs.items()]))
+    return spec
+
+
+def _check(proc, what: str) -> None:
+    if proc.returncode != 0:
+        raise AssertionError(f"{what} failed (rc {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+
+
+@pytest.fixture(scope="module")
+def losses(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
+    out = tmp_path_factory.mktemp("examples")
+    worker = str(WORKERS / "examples_runs.py")
+    _check(run_command([sys.executable, worker, str(out), str(_spec(out, "single", SINGLE))], timeout=240), "1-device runs")
+    _check(torchrun(2, "examples_runs.py", str(out), str(_spec(out, "two", TWO_RANKS)), timeout=300), "2-process runs")
+    name, script, flags, _ = USER_PATH
+    cmd = [sys.executable, str(REPO / "examples" / script), *flags, *COMMON, "--out", str(out / f"{name}.json")]
+    _check(run_command(cmd, timeout=300), " ".join(cmd))
+    return {p.stem: json.loads(p.read_text()) for p in out.glob("*.json") if p.stem not in ("single", "two")}
+
+
+def assert_same_losses(expected: list[float], got: list[float], what: str) -> None:
+    assert len(got) == len(expected) == STEPS, f"{what}: {len(got)} steps vs {len(expected)}, want {STEPS}"
+    for step, (e, g) in enumerate(zip(expected, got)):
+        assert abs(g - e) <= RTOL * abs(e), f"{what}: step {step} loss {g!r} vs single device {e!r} (rel {abs(g - e) / abs(e):.2e})"
+
+
+@pytest.mark.parametrize("name", SINGLE)
+def test_single_device_trains(losses: dict[str, dict], name: str) -> None:
+    steps = losses[name]["losses"]
+    assert losses[name]["world_size"] == 1
+    # a real signal to compare against: it changes every step and goes down
+    assert len(set(steps)) == STEPS and min(steps[-3:]) < steps[0], steps
+
+
+@pytest.mark.parametrize("name", [*TWO_RANKS, USER_PATH[0]])
+def test_multi_rank_matches_single_device(losses: dict[str, dict], name: str) -> None:
+    reference = TWO_RANKS[name][2] if name in TWO_RANKS else USER_PATH[3]
+    result = losses[name]
+    assert result["world_size"] == (4 if name == USER_PATH[0] else 2)
+    assert_same_losses(losses[reference]["losses"], result["losses"], name)
+
+
+def test_comparison_detects_a_different_run(losses: dict[str, dict]) -> None:
+    """The parity check can fail: the examples' losses differ from one another, and a 1e-3 nudge is caught."""
+    own = losses["own"]["losses"]
+    with pytest.raises(AssertionError):
+        assert_same_losses(own, [v * (1 + 1e-3) if i == STEPS - 1 else v for i, v in enumerate(own)], "nudged")
+    with pytest.raises(AssertionError):
+        assert_same_losses(losses["configure"]["losses"], losses["plan"]["losses"], "another model")

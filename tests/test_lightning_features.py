@@ -1,0 +1,56 @@
+"""Lightning features that must keep working under MeshStrategy (multi-rank, fsdp2 x tp2)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from lightning.pytorch import Trainer
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+
+from lit_mesh import MeshStrategy
+from tests.launch import torchrun
+from zoo import GPTModule, TextDataModule
+
+
+@pytest.fixture(scope="module")
+def observed(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    out = tmp_path_factory.mktemp("features") / "observed.json"
+    proc = torchrun(4, "lightning_features.py", str(out), timeout=240)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(out.read_text())
+
+
+def test_accumulation_reduces_gradients_once_per_optimizer_step(observed: dict) -> None:
+    # 3 optimizer steps x 2 micro-batches: FSDP reduce-scatters only after the second micro-batch
+    assert observed["reduced_after_backward"] == [False, True] * 3
+
+
+def test_clipping_uses_the_global_norm_of_sharded_gradients(observed: dict) -> None:
+    assert len(observed["norms"]) == 3
+    for ours, reference in observed["norms"]:
+        assert abs(ours - reference) <= 1e-5 * reference
+
+
+def test_sync_dist_reduces_over_data_parallel_ranks_only(observed: dict) -> None:
+    # dp ranks 0 and 1, each on two tp ranks: a world-wide sum would give 2
+    assert observed["world_size"] == 4
+    assert observed["dp_rank_sum"] == 1.0
+    assert observed["dp_rank_mean"] == 0.5
+
+
+def test_launcher_is_configured_and_validates_slurm(monkeypatch: pytest.MonkeyPatch) -> None:
+    slurm = {
+        "SLURM_NTASKS": "4", "SLURM_NTASKS_PER_NODE": "4", "SLURM_PROCID": "0", "SLURM_LOCALID": "0",
+        "SLURM_NODEID": "0", "SLURM_NNODES": "1", "SLURM_JOB_NAME": "train", "SLURM_JOB_ID": "1234",
+        "SLURM_NODELIST": "localhost",
+    }  # fmt: skip
+    for key, value in slurm.items():
+        monkeypatch.setenv(key, value)
+    # the allocation has 4 tasks, the Trainer asks for 2 devices: Lightning's SLURM check must run and refuse
+    trainer = Trainer(accelerator="cpu", devices=2, strategy=MeshStrategy(), logger=False)
+    assert isinstance(trainer.strategy.launcher, _SubprocessScriptLauncher)
+    assert trainer.strategy.cluster_environment.creates_processes_externally
+    with pytest.raises(ValueError, match="ntasks"):
+        trainer.fit(GPTModule(), TextDataModule())

@@ -1,0 +1,74 @@
+"""Lightning behaviour under MeshStrategy on fsdp2 x tp2 (run by tests/test_lightning_features.py).
+
+Usage: torchrun --standalone --nproc_per_node=4 tests/workers/lightning_features.py OUT_JSON
+Rank 0 writes what it observed; the test judges it.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import lightning as L
+import torch
+import torch.distributed as dist
+from lightning.pytorch.callbacks import Callback
+from torch.distributed.tensor import DTensor
+
+from lit_mesh import MeshStrategy
+from lit_mesh.grad_norm import global_grad_norm
+from zoo import GPTModule, TextDataModule
+
+
+class SyncDistProbe(GPTModule):
+    """Logs values that differ per data-parallel rank but are equal on the tp ranks of one replica."""
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        dp_rank = float(self.trainer.strategy.distributed_sampler_kwargs["rank"])
+        self.log("dp_rank_sum", torch.tensor(dp_rank), reduce_fx="sum", sync_dist=True)
+        self.log("dp_rank_mean", torch.tensor(dp_rank), sync_dist=True)
+        return super().training_step(batch, batch_idx)
+
+
+class GradientProbe(Callback):
+    """Records, after every backward, whether FSDP already reduced gradients, and the global grad norm."""
+
+    def __init__(self) -> None:
+        self.reduced_after_backward: list[bool] = []
+        self.norms: list[tuple[float, float]] = []
+
+    def on_after_backward(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        grads = [p.grad for p in module.parameters()]
+        self.reduced_after_backward.append(all(g is not None for g in grads))
+
+    def on_before_optimizer_step(self, trainer: L.Trainer, module: L.LightningModule, optimizer) -> None:
+        ours = global_grad_norm(list(module.parameters())).item()
+        # the same norm from whole gradients, gathered: what one device would compute
+        full = [p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad for p in module.parameters()]
+        reference = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in full])).item()
+        self.norms.append((ours, reference))
+
+
+def main(out: Path) -> None:
+    probe = GradientProbe()
+    L.seed_everything(0)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=4, strategy=MeshStrategy(tp=2), max_steps=3, accumulate_grad_batches=2,
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        callbacks=[probe], num_sanity_val_steps=0, limit_val_batches=0,
+    )  # fmt: skip
+    trainer.fit(SyncDistProbe(), TextDataModule(global_batch_size=8, seq_len=32))
+    observed = {
+        "reduced_after_backward": probe.reduced_after_backward,
+        "norms": probe.norms,
+        "dp_rank_sum": trainer.callback_metrics["dp_rank_sum"].item(),
+        "dp_rank_mean": trainer.callback_metrics["dp_rank_mean"].item(),
+        "world_size": trainer.world_size,
+    }
+    if dist.get_rank() == 0:
+        out.write_text(json.dumps(observed))
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))
