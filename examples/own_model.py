@@ -41,13 +41,26 @@ def make_data(n_samples: int, n_features: int = 32, n_classes: int = 4, seed: in
 
 
 class Classifier(L.LightningModule):
-    def __init__(self, n_features: int = 32, hidden: int = 64, n_classes: int = 4, lr: float = 1e-2) -> None:
+    def __init__(
+        self, n_features: int = 32, hidden: int = 64, n_classes: int = 4, lr: float = 1e-2, lazy: bool = False
+    ) -> None:
         super().__init__()
         self.lr = lr
+        self.sizes = (n_features, hidden, n_classes)
+        self.losses: list[float] = []
+        if not lazy:
+            self.configure_model()
+
+    def configure_model(self) -> None:
+        # Built here (lazy=True), under MeshStrategy the layers start on the meta device and the strategy
+        # materialises them with their reset_parameters(), drawing whole tensors in a fixed order, so the
+        # weights are the same on any number of devices.
+        if hasattr(self, "body"):
+            return
+        n_features, hidden, n_classes = self.sizes
         # two top-level children: each becomes one FSDP unit
         self.body = nn.Sequential(nn.Linear(n_features, hidden), nn.GELU(), nn.Linear(hidden, hidden), nn.GELU())
         self.head = nn.Linear(hidden, n_classes)
-        self.losses: list[float] = []
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.body(x))
@@ -78,10 +91,11 @@ def main(argv: list[str] | None = None) -> list[float]:
     parser.add_argument("--devices", type=int, default=1)
     parser.add_argument("--max-steps", type=int, default=10)
     parser.add_argument("--out", default=None, help="JSON file for the per-step losses (written by rank 0)")
+    parser.add_argument("--lazy", action="store_true", help="build the layers in configure_model (meta device)")
     args = parser.parse_args(argv)
 
     L.seed_everything(0, verbose=False)
-    model = Classifier()
+    model = Classifier(lazy=args.lazy)
     trainer = L.Trainer(
         accelerator="cpu",
         devices=args.devices,

@@ -25,9 +25,8 @@ def export_main(argv: list[str]) -> None:
     print(f"wrote {out}")
 
 
-def main(argv: list[str] | None = None) -> LightningCLI | None:
-    """Run `lit-mesh ARGS`; returns the LightningCLI (its trainer and model) for in-process callers."""
-    argv = sys.argv[1:] if argv is None else argv
+def run(argv: list[str]) -> LightningCLI | None:
+    """Run `lit-mesh ARGV` in this process; returns the LightningCLI (its trainer and model), None for export."""
     if argv[:1] == ["export"]:
         export_main(argv[1:])
         return None
@@ -39,6 +38,11 @@ def main(argv: list[str] | None = None) -> LightningCLI | None:
         save_config_kwargs={"overwrite": True},
         args=argv,
     )
+
+
+def main() -> None:
+    """The console script (its return value would become the exit status)."""
+    run(sys.argv[1:])
 
 
 if __name__ == "__main__":

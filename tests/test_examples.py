@@ -24,12 +24,14 @@ COMMON = ["--max-steps", str(STEPS)]
 
 SINGLE = {
     "own": ("own_model.py", ["--devices", "1"]),
+    "own-lazy": ("own_model.py", ["--devices", "1", "--lazy"]),
     "plan": ("own_model_plan.py", ["--devices", "1"]),
     "configure": ("own_model_configure.py", ["--devices", "1"]),
 }
 # name: (script, flags, the single-device run it must match)
 TWO_RANKS = {
     "own-dp2": ("own_model.py", ["--devices", "2"], "own"),
+    "own-lazy-dp2": ("own_model.py", ["--devices", "2", "--lazy"], "own"),  # meta init + reset_parameters
     "plan-tp2": ("own_model_plan.py", ["--devices", "2", "--tp", "2"], "plan"),
     "plan-tp2-no-sp": ("own_model_plan.py", ["--devices", "2", "--tp", "2", "--no-sequence-parallel"], "plan"),
     "plan-dp2": ("own_model_plan.py", ["--devices", "2"], "plan"),
@@ -91,3 +93,7 @@ def test_comparison_detects_a_different_run(losses: dict[str, dict]) -> None:
         assert_same_losses(own, [v * (1 + 1e-3) if i == STEPS - 1 else v for i, v in enumerate(own)], "nudged")
     with pytest.raises(AssertionError):
         assert_same_losses(losses["configure"]["losses"], losses["plan"]["losses"], "another model")
+
+
+def test_meta_built_model_without_plan_starts_like_an_eager_one(losses: dict[str, dict]) -> None:
+    assert losses["own-lazy"]["losses"] == losses["own"]["losses"]

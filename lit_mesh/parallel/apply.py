@@ -6,11 +6,12 @@ Later techniques slot in between (CP, EP, activation checkpointing, compile) wit
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from lit_mesh.init import init_parameters
 from lit_mesh.mesh import MeshLayout, MeshViews
@@ -81,7 +82,7 @@ def parallelize(
         if not owners:
             raise PlanError(
                 f"tp={layout.tp} but no module of {type(root).__name__} declares parallel_plan(); declare one"
-                " (see examples/own_model.py), or apply TP yourself in configure_model with self.device_mesh['tp']"
+                " (see examples/own_model_plan.py), or apply TP yourself in configure_model with self.device_mesh['tp']"
             )
         for owner in owners:
             apply_tensor_parallel(owner.module, owner.plan, mesh["tp"], sequence_parallel)
@@ -121,10 +122,12 @@ def materialize(root: nn.Module, owners: list[PlanOwner], device: torch.device) 
             init_parameters(owner.module, owner.plan.init)
             pending -= {m for m in owned if not any(True for _ in m.buffers(recurse=False))}
     missing = []
-    for module in pending:
+    for module in root.modules():  # a fixed order: every rank draws the same random numbers
+        if module not in pending:
+            continue
         reset = getattr(module, "reset_parameters", None)
         if callable(reset):
-            reset()
+            _reset_whole(module, reset)
         else:
             missing.append(type(module).__name__)
     if missing:
@@ -132,3 +135,26 @@ def materialize(root: nn.Module, owners: list[PlanOwner], device: torch.device) 
             f"modules {sorted(set(missing))} were created on the meta device but have no reset_parameters() and"
             " no init rules in a parallel_plan(); give them one, or create them outside configure_model"
         )
+
+
+def _reset_whole(module: nn.Module, reset: Any) -> None:
+    """Run reset_parameters() on whole tensors, then keep this rank's shards.
+
+    DTensor random init on CPU draws per rank, so resetting the shards directly would make the weights
+    depend on the layout; drawing whole tensors in a fixed order does not.
+    """
+    sharded = {name: p for name, p in module.named_parameters(recurse=False) if isinstance(p, DTensor)}
+    if not sharded:
+        reset()
+        return
+    for name, p in sharded.items():
+        whole = torch.empty(p.shape, dtype=p.dtype, device=p.to_local().device)
+        module._parameters[name] = nn.Parameter(whole, requires_grad=p.requires_grad)
+    try:
+        reset()
+    finally:
+        drawn = {name: module._parameters[name] for name in sharded}
+        module._parameters.update(sharded)  # the FSDP/TP-managed parameters go back in place
+    for name, p in sharded.items():
+        local = distribute_tensor(drawn[name].detach(), p.device_mesh, p.placements, src_data_rank=None).to_local()
+        p.to_local().copy_(local)

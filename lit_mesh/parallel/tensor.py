@@ -108,10 +108,10 @@ def apply_tensor_parallel(model: nn.Module, plan: ParallelPlan, tp_mesh: DeviceM
             raise PlanError(f"{type(model).__name__}.parallel_plan() names {name!r}, which the model does not have")
         if sequence_parallel and style == "embedding":
             check = _sequence_check(tp, name)
-            module.register_forward_pre_hook(lambda _m, args: check(args[0].shape[1]))
+            module.register_forward_pre_hook(lambda _m, args, check=check: check(args[0].shape[1]))
         if sequence_parallel and style == "shard_output":
             check = _sequence_check(tp, name)
-            module.register_forward_hook(lambda _m, _args, out: check(out.shape[1]))
+            module.register_forward_hook(lambda _m, _args, out, check=check: check(out.shape[1]))
         torch_plan = torch_style(style, sequence_parallel)
         if torch_plan is not None:
             parallelize_module(owner, tp_mesh, {name: torch_plan})

@@ -16,7 +16,7 @@ import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.tensor import DTensor
 
-from lit_mesh.cli import main
+from lit_mesh.cli import run as run_cli
 
 
 def metrics_by_step(save_dir: Path) -> dict[str, dict[int, float]]:
@@ -39,7 +39,7 @@ def full_parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def run(out_dir: Path, name: str, args: list[str]) -> None:
     save_dir = out_dir / name
-    cli = main(["fit", *args, f"--trainer.logger.save_dir={save_dir}"])
+    cli = run_cli(["fit", *args, f"--trainer.logger.save_dir={save_dir}"])
     assert cli is not None
     params = full_parameters(cli.model)
     if cli.trainer.global_rank == 0:

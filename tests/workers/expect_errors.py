@@ -13,14 +13,14 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from lit_mesh.cli import main
+from lit_mesh.cli import run
 
 if __name__ == "__main__":
     out, cases = Path(sys.argv[1]), json.loads(Path(sys.argv[2]).read_text())
     errors: dict[str, dict[str, str]] = {}
     for name, args in cases.items():
         try:
-            main(args)
+            run(args)
             errors[name] = {"type": "", "message": "no error"}
         except Exception as error:  # noqa: BLE001 - recorded for the test to judge
             errors[name] = {"type": type(error).__name__, "message": str(error)}
