@@ -92,11 +92,16 @@ class MeshStrategy(ModelParallelStrategy):
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         # every tp (and later cp, pp) rank of one replica reads the same batch
+        if self.mesh_views is None:
+            raise RuntimeError("MeshStrategy.distributed_sampler_kwargs exists once the processes have started")
         dp_mesh = self.mesh_views.dp
         return {"num_replicas": dp_mesh.size(), "rank": dp_mesh.get_local_rank()}
 
     def _configure_launcher(self) -> None:
-        # Called by the Trainer before any process is spawned: validate the degrees here, not after spawning.
+        # Called by the Trainer before any process is spawned: validate here, not after spawning.
+        precision = str(self.precision_plugin.precision)
+        if precision not in _SUPPORTED_PRECISION:
+            raise ValueError(f"MeshStrategy does not support precision={precision!r}; choose one of {_SUPPORTED_PRECISION}")
         layout = self.layout
         if self.num_processes and tp_crosses_nodes(layout, self.num_processes):
             rank_zero_warn(
@@ -128,8 +133,6 @@ class MeshStrategy(ModelParallelStrategy):
         assert self.model is not None and self.accelerator is not None
         self.accelerator.setup(trainer)
         precision = str(self.precision_plugin.precision)
-        if precision not in _SUPPORTED_PRECISION:
-            raise ValueError(f"MeshStrategy does not support precision={precision!r}; choose one of {_SUPPORTED_PRECISION}")
         self.model = self.precision_plugin.convert_module(self.model)  # bf16-true: cast while still on meta
         if is_user_parallelised(self.model):
             rank_zero_info("MeshStrategy: configure_model parallelised the model itself; no plan is applied")

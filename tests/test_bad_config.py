@@ -58,9 +58,10 @@ def test_tp_across_nodes_warns() -> None:
         Trainer(accelerator="cpu", devices=2, num_nodes=2, strategy=MeshStrategy(tp=4), logger=False)
 
 
-def test_unsupported_precision() -> None:
-    with pytest.raises(ValueError, match="precision='16-mixed'"):
-        Trainer(accelerator="cpu", devices=1, strategy=MeshStrategy(), precision="16-mixed", logger=False)
+@pytest.mark.parametrize("precision", ["16-mixed", "16-true", "64-true"])
+def test_unsupported_precision_before_any_process_starts(precision: str) -> None:
+    with pytest.raises(ValueError, match=f"precision='{precision}'"):
+        Trainer(accelerator="cpu", devices=2, strategy=MeshStrategy(), precision=precision, logger=False)
 
 
 def test_strategy_registered_by_name() -> None:

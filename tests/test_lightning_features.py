@@ -22,6 +22,14 @@ def observed(tmp_path_factory: pytest.TempPathFactory) -> dict:
     return json.loads(out.read_text())
 
 
+def test_meta_init_shards_yet_equals_one_device_init(observed: dict) -> None:
+    # fsdp2 x tp2: each rank materialised about a quarter of the weights (norm weights are split over dp
+    # only), so no rank ever held the whole model ...
+    assert 0.25 <= observed["local_fraction"] < 0.26
+    # ... and the weights are exactly those of a one-device model made with the same seed
+    assert observed["max_init_diff"] == 0.0
+
+
 def test_accumulation_reduces_gradients_once_per_optimizer_step(observed: dict) -> None:
     # 3 optimizer steps x 2 micro-batches: FSDP reduce-scatters only after the second micro-batch
     assert observed["reduced_after_backward"] == [False, True] * 3

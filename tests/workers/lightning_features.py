@@ -31,6 +31,19 @@ class SyncDistProbe(GPTModule):
         return super().training_step(batch, batch_idx)
 
 
+class InitProbe(Callback):
+    """At the start: is every rank holding a quarter of the weights, and do they equal a one-device init?"""
+
+    def on_train_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        from zoo.gpt import GPT
+
+        params = list(module.model.named_parameters())
+        self.local_fraction = sum(p.to_local().numel() for _, p in params) / sum(p.numel() for _, p in params)
+        torch.manual_seed(0)  # what seed_everything(0) gives a one-device run
+        reference = dict(GPT(module.config).named_parameters())
+        self.max_init_diff = max((p.full_tensor() - reference[name]).abs().max().item() for name, p in params)
+
+
 class GradientProbe(Callback):
     """Records, after every backward, whether FSDP already reduced gradients, and the global grad norm."""
 
@@ -51,12 +64,12 @@ class GradientProbe(Callback):
 
 
 def main(out: Path) -> None:
-    probe = GradientProbe()
+    probe, init = GradientProbe(), InitProbe()
     L.seed_everything(0)
     trainer = L.Trainer(
         accelerator="cpu", devices=4, strategy=MeshStrategy(tp=2), max_steps=3, accumulate_grad_batches=2,
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        callbacks=[probe], num_sanity_val_steps=0, limit_val_batches=0,
+        callbacks=[probe, init], num_sanity_val_steps=0, limit_val_batches=0,
     )  # fmt: skip
     trainer.fit(SyncDistProbe(), TextDataModule(global_batch_size=8, seq_len=32))
     observed = {
@@ -65,6 +78,8 @@ def main(out: Path) -> None:
         "dp_rank_sum": trainer.callback_metrics["dp_rank_sum"].item(),
         "dp_rank_mean": trainer.callback_metrics["dp_rank_mean"].item(),
         "world_size": trainer.world_size,
+        "local_fraction": init.local_fraction,
+        "max_init_diff": init.max_init_diff,
     }
     if dist.get_rank() == 0:
         out.write_text(json.dumps(observed))
