@@ -27,6 +27,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from lit_mesh.grad_norm import clip_grad_norm_
 from lit_mesh.mesh import MeshLayout, MeshViews, build_device_mesh, check_degrees, resolve_layout, tp_crosses_nodes
 from lit_mesh.parallel.apply import is_user_parallelised, materialize, parallelize
+from lit_mesh.parallel.checkpointing import ActivationCheckpointing, check_activation_checkpointing
 from lit_mesh.parallel.data import fsdp_roots
 
 _SUPPORTED_PRECISION = ("32-true", "bf16-mixed", "bf16-true")
@@ -44,6 +45,9 @@ class MeshStrategy(ModelParallelStrategy):
         pp: pipeline-parallel degree (not yet supported: must be 1).
         ep: expert-parallel degree, borrowed from dp_shard x cp (not yet supported: must be 1).
         sequence_parallel: shard activations over the sequence between TP regions (needs tp to divide it).
+        activation_checkpointing: "none", "full" (recompute whole blocks in backward) or "selective" (keep
+            matmul, attention and collective outputs, recompute the rest).
+        ac_every_n_blocks: checkpoint every n-th block only (1: all blocks).
         save_distributed_checkpoint: sharded checkpoints (a directory, one file per rank) or one full file.
         process_group_backend: "gloo", "nccl", ...; default from the device.
         timeout: timeout of collectives.
@@ -61,6 +65,8 @@ class MeshStrategy(ModelParallelStrategy):
         pp: int = 1,
         ep: int = 1,
         sequence_parallel: bool = True,
+        activation_checkpointing: ActivationCheckpointing = "none",
+        ac_every_n_blocks: int = 1,
         save_distributed_checkpoint: bool = True,
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout,
@@ -72,7 +78,10 @@ class MeshStrategy(ModelParallelStrategy):
         )
         self._degrees: dict[str, Any] = dict(dp=dp, dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp, cp=cp, pp=pp, ep=ep)
         check_degrees(**self._degrees)  # what needs no world size fails here, in the user's process
+        check_activation_checkpointing(activation_checkpointing, ac_every_n_blocks)
         self.sequence_parallel = sequence_parallel
+        self.activation_checkpointing = activation_checkpointing
+        self.ac_every_n_blocks = ac_every_n_blocks
         self._layout: Optional[MeshLayout] = None
         self.mesh_views: Optional[MeshViews] = None
 
@@ -139,7 +148,13 @@ class MeshStrategy(ModelParallelStrategy):
             owners = []
         else:
             owners = parallelize(
-                self.model, self.mesh_views, self.layout, sequence_parallel=self.sequence_parallel, precision=precision
+                self.model,
+                self.mesh_views,
+                self.layout,
+                sequence_parallel=self.sequence_parallel,
+                precision=precision,
+                activation_checkpointing=self.activation_checkpointing,
+                ac_every_n_blocks=self.ac_every_n_blocks,
             )
         materialize(self.model, owners, self.root_device)
         self.model_to_device()
@@ -178,6 +193,13 @@ class MeshStrategy(ModelParallelStrategy):
         if group is None:
             group = self.mesh_views.dp_cp.get_group()
         return _sync_ddp(tensor, group=group, reduce_op=reduce_op)
+
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:  # noqa: A002 - Lightning's name
+        """Agree over every rank (ModelCheckpoint, EarlyStopping): the world, not reduce()'s dp x cp group."""
+        if not _distributed_is_initialized():
+            return decision
+        votes = _sync_ddp(torch.tensor(int(decision), device=self.root_device), reduce_op=ReduceOp.SUM)
+        return bool(votes == self.world_size) if all else bool(votes)
 
     @property
     def device_mesh(self) -> DeviceMesh:

@@ -48,6 +48,15 @@ def test_sync_dist_reduces_over_data_parallel_ranks_only(observed: dict) -> None
     assert observed["dp_rank_mean"] == 0.5
 
 
+def test_decisions_are_agreed_by_every_rank(observed: dict) -> None:
+    # all=True: every rank must agree; all=False: any rank suffices (EarlyStopping)
+    assert observed["decisions"] == [True, False, True]
+
+
+def test_model_checkpoint_with_monitor_saves_under_tensor_parallel(observed: dict) -> None:
+    assert observed["best_model_path"] and Path(observed["best_model_path"]).is_dir()
+
+
 def test_launcher_is_configured_and_validates_slurm(monkeypatch: pytest.MonkeyPatch) -> None:
     slurm = {
         "SLURM_NTASKS": "4", "SLURM_NTASKS_PER_NODE": "4", "SLURM_PROCID": "0", "SLURM_LOCALID": "0",

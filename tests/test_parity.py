@@ -43,6 +43,10 @@ VARIANTS: dict[str, tuple[str, list[str]]] = {
     "fsdp2_tp2-bf16-mixed": ("fsdp2_tp2", ["--trainer.precision=bf16-mixed"]),
     "fsdp2_tp2-bf16-true": ("fsdp2_tp2", ["--trainer.precision=bf16-true"]),
     "tp2-bf16-mixed": ("tp2", ["--trainer.precision=bf16-mixed"]),
+    "fsdp2_tp2-ac-full": ("fsdp2_tp2", [f"{S}activation_checkpointing=full"]),
+    "fsdp2_tp2-ac-selective-every2": (
+        "fsdp2_tp2", [f"{S}activation_checkpointing=selective", f"{S}ac_every_n_blocks=2"]
+    ),
 }
 
 
@@ -120,3 +124,10 @@ def test_bf16_trains_near_fp32(results: dict, variant: str, param_dtype: torch.d
     assert bf16 != fp32, "bf16 must actually compute in bf16"
     params = torch.load(Path(results["_dir"]["path"]) / f"gpt-{variant}" / "params.pt", weights_only=True)
     assert {t.dtype for t in params.values()} == {param_dtype}  # bf16-mixed keeps fp32 master weights
+
+
+@pytest.mark.parametrize("variant", ["fsdp2_tp2-ac-full", "fsdp2_tp2-ac-selective-every2"])
+def test_activation_checkpointing_keeps_the_loss_curve(results: dict, variant: str) -> None:
+    _assert_same_curve(losses(results["gpt-single"]), losses(results[f"gpt-{variant}"]), variant)
+    # recomputation changes no number: the same as without checkpointing on the same mesh
+    assert losses(results[f"gpt-{variant}"]) == losses(results["gpt-fsdp2_tp2"])

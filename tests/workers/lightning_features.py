@@ -13,7 +13,7 @@ from pathlib import Path
 import lightning as L
 import torch
 import torch.distributed as dist
-from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch.distributed.tensor import DTensor
 
 from lit_mesh import MeshStrategy
@@ -65,11 +65,12 @@ class GradientProbe(Callback):
 
 def main(out: Path) -> None:
     probe, init = GradientProbe(), InitProbe()
+    best = ModelCheckpoint(dirpath=out.parent / "best", monitor="train_loss", save_top_k=1, every_n_train_steps=1)
     L.seed_everything(0)
     trainer = L.Trainer(
         accelerator="cpu", devices=4, strategy=MeshStrategy(tp=2), max_steps=3, accumulate_grad_batches=2,
-        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        callbacks=[probe, init], num_sanity_val_steps=0, limit_val_batches=0,
+        logger=False, enable_progress_bar=False, enable_model_summary=False,
+        callbacks=[probe, init, best], num_sanity_val_steps=0, limit_val_batches=0,
     )  # fmt: skip
     trainer.fit(SyncDistProbe(), TextDataModule(global_batch_size=8, seq_len=32))
     observed = {
@@ -78,6 +79,12 @@ def main(out: Path) -> None:
         "dp_rank_sum": trainer.callback_metrics["dp_rank_sum"].item(),
         "dp_rank_mean": trainer.callback_metrics["dp_rank_mean"].item(),
         "world_size": trainer.world_size,
+        "best_model_path": best.best_model_path,
+        "decisions": [
+            trainer.strategy.reduce_boolean_decision(True),
+            trainer.strategy.reduce_boolean_decision(dist.get_rank() == 0),
+            trainer.strategy.reduce_boolean_decision(dist.get_rank() == 0, all=False),
+        ],
         "local_fraction": init.local_fraction,
         "max_init_diff": init.max_init_diff,
     }

@@ -1,0 +1,65 @@
+"""Activation checkpointing per block: trade recomputation in backward for activation memory.
+
+Uses torch's composable `checkpoint` (no wrapper module), so parameter names, init seeds and checkpoint
+keys stay those of the plain model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from functools import partial
+from typing import Literal
+
+import torch
+from torch import nn
+from torch.distributed._composable import checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+ActivationCheckpointing = Literal["none", "full", "selective"]
+AC_MODES: tuple[str, ...] = ActivationCheckpointing.__args__  # type: ignore[attr-defined]
+
+
+def _saved_ops() -> set:
+    """Ops whose outputs selective checkpointing keeps: matmuls, attention, and collectives (recomputing a
+    collective would cost communication again)."""
+    aten, c10d = torch.ops.aten, torch.ops._c10d_functional
+    candidates = [
+        (aten, "mm"), (aten, "addmm"), (aten, "bmm"),
+        (aten, "_scaled_dot_product_efficient_attention"), (aten, "_scaled_dot_product_flash_attention"),
+        (aten, "_scaled_dot_product_flash_attention_for_cpu"), (aten, "_scaled_dot_product_cudnn_attention"),
+        (c10d, "reduce_scatter_tensor"), (c10d, "all_gather_into_tensor"), (c10d, "all_reduce"),
+    ]  # fmt: skip
+    return {getattr(ns, name).default for ns, name in candidates if hasattr(ns, name)}
+
+
+def _policy(saved: set, ctx, op, *args, **kwargs) -> CheckpointPolicy:  # noqa: ANN001 - torch's signature
+    return CheckpointPolicy.MUST_SAVE if op in saved else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _selective_contexts():  # noqa: ANN202
+    return create_selective_checkpoint_contexts(partial(_policy, _saved_ops()))
+
+
+def check_activation_checkpointing(mode: str, every_n_blocks: int) -> None:
+    if mode not in AC_MODES:
+        raise ValueError(f"activation_checkpointing={mode!r}; choose one of {AC_MODES}")
+    if isinstance(every_n_blocks, bool) or not isinstance(every_n_blocks, int) or every_n_blocks < 1:
+        raise ValueError(f"ac_every_n_blocks={every_n_blocks!r} must be an int >= 1 (1: every block)")
+
+
+def apply_activation_checkpointing(blocks: Sequence[nn.Module], mode: str, every_n_blocks: int = 1) -> int:
+    """Checkpoint every n-th block ("full": recompute the whole block in backward; "selective": keep
+    matmul, attention and collective outputs, recompute the rest). Returns how many blocks it wrapped."""
+    check_activation_checkpointing(mode, every_n_blocks)
+    if mode == "none":
+        return 0
+    wrapped = 0
+    for index, block in enumerate(blocks):
+        if (index + 1) % every_n_blocks:
+            continue
+        if mode == "full":
+            checkpoint(block)
+        else:
+            checkpoint(block, context_fn=_selective_contexts)
+        wrapped += 1
+    return wrapped
