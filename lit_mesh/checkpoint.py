@@ -1,4 +1,4 @@
-"""Export a checkpoint written by MeshStrategy (sharded directory or single file) as one full state-dict file."""
+"""Checkpoints written by MeshStrategy: load a sharded directory into any mesh, export one full file."""
 
 from __future__ import annotations
 
@@ -6,7 +6,42 @@ import tempfile
 from pathlib import Path
 
 import torch
+import torch.distributed.checkpoint as dcp
+from lightning.fabric.utilities.load import _METADATA_FILENAME
+from torch import nn
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
+
+
+def load_sharded_checkpoint(
+    path: Path, model: nn.Module, optimizers: dict[str, torch.optim.Optimizer], strict: bool = True
+) -> dict:
+    """Load a sharded checkpoint into `model` and `optimizers` as they are sharded now (any mesh, one device
+    included: torch.distributed.checkpoint reshards); returns the rest of the checkpoint (loops, callbacks).
+
+    Lightning's loader refuses models without DTensor parameters (one device), hence our own.
+    """
+    metadata_file = path / _METADATA_FILENAME
+    if not metadata_file.is_file():
+        raise FileNotFoundError(
+            f"checkpoint directory {str(path)!r} has no {_METADATA_FILENAME}: it is partial (an interrupted save?)"
+            " or was not written by MeshStrategy; resume from another checkpoint"
+        )
+    model_state = {"state_dict": get_model_state_dict(model)}
+    dcp.load(model_state, checkpoint_id=path)
+    model.load_state_dict(model_state["state_dict"], strict=strict)
+    for key, optimizer in optimizers.items():
+        optimizer_state = {key: get_optimizer_state_dict(model, optimizer)}
+        dcp.load(optimizer_state, checkpoint_id=path)
+        set_optimizer_state_dict(
+            model, optimizer, optim_state_dict=optimizer_state[key], options=StateDictOptions(cpu_offload=True)
+        )
+    return torch.load(metadata_file, map_location="cpu", weights_only=True)
 
 
 def load_full_state_dict(checkpoint: str | Path) -> dict[str, torch.Tensor]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Generator
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
 import torch
@@ -24,6 +25,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 
+from lit_mesh.checkpoint import load_sharded_checkpoint
 from lit_mesh.grad_norm import clip_grad_norm_
 from lit_mesh.mesh import MeshLayout, MeshViews, build_device_mesh, check_degrees, resolve_layout, tp_crosses_nodes
 from lit_mesh.parallel.apply import is_user_parallelised, materialize, parallelize
@@ -193,6 +195,14 @@ class MeshStrategy(ModelParallelStrategy):
         if group is None:
             group = self.mesh_views.dp_cp.get_group()
         return _sync_ddp(tensor, group=group, reduce_op=reduce_op)
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        path = Path(self.broadcast(checkpoint_path))
+        if not path.is_dir():  # a full single-file checkpoint
+            return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        assert self.model is not None and self.lightning_module is not None
+        optimizers = {f"optimizer_{i}": optimizer for i, optimizer in enumerate(self.optimizers)}
+        return load_sharded_checkpoint(path, self.model, optimizers, strict=self.lightning_module.strict_loading)
 
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:  # noqa: A002 - Lightning's name
         """Agree over every rank (ModelCheckpoint, EarlyStopping): the world, not reduce()'s dp x cp group."""

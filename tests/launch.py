@@ -13,7 +13,8 @@ WORKERS = REPO / "tests" / "workers"
 
 
 def run_command(cmd: list[str], timeout: float, cwd: Path | None = None) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONWARNINGS": "ignore"}
+    # PYTHONPATH: workers and CLI configs may name test helpers (tests.workers.*) as class paths
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONWARNINGS": "ignore", "PYTHONPATH": str(REPO)}
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=cwd or REPO, env=env)
     except subprocess.TimeoutExpired as e:

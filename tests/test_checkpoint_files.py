@@ -1,0 +1,27 @@
+"""Checkpoint directories that cannot be loaded are refused with the path and the reason."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from torch import nn
+
+from lit_mesh.checkpoint import export_full_state_dict, load_sharded_checkpoint
+
+
+def test_partial_checkpoint_without_metadata_is_refused(tmp_path: Path) -> None:
+    partial = tmp_path / "step=5.ckpt"
+    partial.mkdir()
+    (partial / "__0_0.distcp").write_bytes(b"")  # shards written, metadata never reached
+    with pytest.raises(FileNotFoundError, match=r"step=5.ckpt.*has no meta.pt: it is partial"):
+        load_sharded_checkpoint(partial, nn.Linear(2, 2), {})
+
+
+def test_export_refuses_a_file_that_is_not_a_lightning_checkpoint(tmp_path: Path) -> None:
+    import torch
+
+    path = tmp_path / "weights.pt"
+    torch.save({"weight": torch.zeros(2)}, path)
+    with pytest.raises(ValueError, match="holds no 'state_dict' entry"):
+        export_full_state_dict(path, tmp_path / "out.pt")
