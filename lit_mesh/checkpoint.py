@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -16,6 +17,20 @@ from torch.distributed.checkpoint.state_dict import (
     get_optimizer_state_dict,
     set_optimizer_state_dict,
 )
+
+
+def publish_checkpoint(staging: Path, path: Path) -> None:
+    """Move a finished checkpoint directory into place; an older one of the same name goes only after."""
+    retired = path.with_name(path.name + ".old")
+    if retired.exists():
+        shutil.rmtree(retired)
+    if path.is_dir():
+        path.rename(retired)
+    elif path.exists():
+        path.unlink()
+    staging.rename(path)
+    if retired.exists():
+        shutil.rmtree(retired)
 
 
 def load_sharded_checkpoint(

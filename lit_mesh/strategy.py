@@ -6,6 +6,7 @@ extends it from 2D to the N-D mesh, with plans applied for the user.
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Generator
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
@@ -25,7 +26,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 
-from lit_mesh.checkpoint import load_sharded_checkpoint
+from lit_mesh.checkpoint import load_sharded_checkpoint, publish_checkpoint
 from lit_mesh.grad_norm import clip_grad_norm_
 from lit_mesh.mesh import MeshLayout, MeshViews, build_device_mesh, check_degrees, resolve_layout, tp_crosses_nodes
 from lit_mesh.parallel.apply import is_user_parallelised, materialize, parallelize
@@ -195,6 +196,24 @@ class MeshStrategy(ModelParallelStrategy):
         if group is None:
             group = self.mesh_views.dp_cp.get_group()
         return _sync_ddp(tensor, group=group, reduce_op=reduce_op)
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+        """Sharded saves are atomic: written to NAME.partial, renamed to NAME once every rank has finished.
+
+        A crash mid-save leaves the previous checkpoint under NAME (e.g. last.ckpt) untouched and loadable.
+        """
+        if not self._save_distributed_checkpoint:
+            return super().save_checkpoint(checkpoint, filepath, storage_options)
+        path = Path(self.broadcast(filepath))
+        staging = path.with_name(path.name + ".partial")
+        if self.global_rank == 0 and staging.exists():
+            shutil.rmtree(staging)  # left by an earlier crash
+        self.barrier()
+        super().save_checkpoint(checkpoint, staging, storage_options)
+        self.barrier()  # every shard and the metadata are on disk
+        if self.global_rank == 0:
+            publish_checkpoint(staging, path)
+        self.barrier()
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
         path = Path(self.broadcast(checkpoint_path))

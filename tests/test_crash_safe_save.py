@@ -1,0 +1,59 @@
+"""A process killed during a save leaves the previous checkpoint loadable and marked latest (last.ckpt);
+training resumes from it with the loss curve of an uninterrupted run (issue #8)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.launch import REPO, cli_runs, torchrun
+
+S = "--trainer.strategy.init_args."
+
+
+def _args(out: Path, name: str, max_steps: int, *extra: str) -> list[str]:
+    return [
+        "-c", str(REPO / "configs/gpt.yaml"), "--trainer.devices=2", f"{S}dp=2",
+        f"--trainer.max_steps={max_steps}", "--trainer.log_every_n_steps=1", "--trainer.logger=CSVLogger",
+        "--data.global_batch_size=8", "--seed_everything=0", "--trainer.enable_progress_bar=false",
+        "--trainer.enable_model_summary=false", "--trainer.limit_val_batches=0",
+        "--trainer.callbacks+=ModelCheckpoint", f"--trainer.callbacks.dirpath={out / 'ckpt'}",
+        "--trainer.callbacks.every_n_train_steps=5", "--trainer.callbacks.filename={step}",
+        "--trainer.callbacks.save_top_k=-1", "--trainer.callbacks.save_last=true", *extra,
+    ]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
+    out = tmp_path_factory.mktemp("crash")
+    spec = out / "crashing.json"
+    crashing = [{"name": "crashing", "args": _args(out, "crashing", 12, "--trainer.callbacks+=tests.workers.crash.DieDuringSave", "--trainer.callbacks.step=10", "--trainer.callbacks.skip=1")}]
+    import json
+
+    spec.write_text(json.dumps(crashing))
+    proc = torchrun(2, "cli_runs.py", str(out), str(spec), timeout=240)
+    assert proc.returncode != 0, "rank 0 was killed mid-save: the launch must fail (and not hang)"
+    resumed = [
+        {"name": "uninterrupted", "args": [*_args(out / "ref", "ref", 10)]},
+        {"name": "resumed", "args": [*_args(out / "after", "after", 10), f"--ckpt_path={out / 'ckpt' / 'last.ckpt'}"]},
+    ]
+    return out, cli_runs(2, out, resumed)
+
+
+def test_the_interrupted_save_is_not_published(runs: tuple[Path, dict]) -> None:
+    # killed while overwriting last.ckpt at step 10 (step=10.ckpt itself was complete)
+    out, _ = runs
+    ckpt = out / "ckpt"
+    assert (ckpt / "step=10.ckpt" / "meta.pt").is_file()
+    assert (ckpt / "last.ckpt.partial").is_dir() and not (ckpt / "last.ckpt.partial" / "meta.pt").exists()
+    assert (ckpt / "last.ckpt" / "meta.pt").is_file(), "the previous last.ckpt stays whole"
+
+
+def test_training_resumes_from_the_last_complete_checkpoint(runs: tuple[Path, dict]) -> None:
+    _, results = runs
+    reference = results["uninterrupted"]["metrics"]["train_loss"]
+    resumed = results["resumed"]["metrics"]["train_loss"]
+    assert sorted(resumed, key=int) == [str(s) for s in range(5, 10)]  # last.ckpt is still the step-5 one
+    for step, loss in resumed.items():
+        assert abs(loss - reference[step]) <= 1e-4 * abs(reference[step]), (step, loss, reference[step])
