@@ -47,6 +47,8 @@ def load_sharded_checkpoint(
             f"checkpoint directory {str(path)!r} has no {_METADATA_FILENAME}: it is partial (an interrupted save?)"
             " or was not written by MeshStrategy; resume from another checkpoint"
         )
+    # first, and never unpickling code: a bad checkpoint fails before the model is touched
+    metadata = torch.load(metadata_file, map_location="cpu", weights_only=True)
     model_state = {"state_dict": get_model_state_dict(model)}
     dcp.load(model_state, checkpoint_id=path)
     model.load_state_dict(model_state["state_dict"], strict=strict)
@@ -56,7 +58,7 @@ def load_sharded_checkpoint(
         set_optimizer_state_dict(
             model, optimizer, optim_state_dict=optimizer_state[key], options=StateDictOptions(cpu_offload=True)
         )
-    return torch.load(metadata_file, map_location="cpu", weights_only=True)
+    return metadata
 
 
 def load_full_state_dict(checkpoint: str | Path) -> dict[str, torch.Tensor]:

@@ -51,6 +51,8 @@ class MeshStrategy(ModelParallelStrategy):
         activation_checkpointing: "none", "full" (recompute whole blocks in backward) or "selective" (keep
             matmul, attention and collective outputs, recompute the rest).
         ac_every_n_blocks: checkpoint every n-th block only (1: all blocks).
+        stop_on_nonfinite_loss: stop with the step and the ranks when a training loss is NaN or infinite (one
+            tiny all-reduce per step, so that every rank stops together instead of hanging).
         save_distributed_checkpoint: sharded checkpoints (a directory, one file per rank) or one full file.
         process_group_backend: "gloo", "nccl", ...; default from the device.
         timeout: timeout of collectives.
@@ -70,6 +72,7 @@ class MeshStrategy(ModelParallelStrategy):
         sequence_parallel: bool = True,
         activation_checkpointing: ActivationCheckpointing = "none",
         ac_every_n_blocks: int = 1,
+        stop_on_nonfinite_loss: bool = True,
         save_distributed_checkpoint: bool = True,
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout,
@@ -85,6 +88,7 @@ class MeshStrategy(ModelParallelStrategy):
         self.sequence_parallel = sequence_parallel
         self.activation_checkpointing = activation_checkpointing
         self.ac_every_n_blocks = ac_every_n_blocks
+        self.stop_on_nonfinite_loss = stop_on_nonfinite_loss
         self._layout: Optional[MeshLayout] = None
         self.mesh_views: Optional[MeshViews] = None
 
@@ -172,6 +176,29 @@ class MeshStrategy(ModelParallelStrategy):
 
     def _clip_grad_by_norm(self, optimizer: torch.optim.Optimizer, clip_val: Union[int, float]) -> None:
         clip_grad_norm_(self.precision_plugin.main_params(optimizer), float(clip_val))
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        output = super().training_step(*args, **kwargs)
+        if self.stop_on_nonfinite_loss:
+            loss = output.get("loss") if isinstance(output, dict) else output
+            if isinstance(loss, Tensor):
+                self._stop_if_nonfinite(loss)
+        return output
+
+    def _stop_if_nonfinite(self, loss: Tensor) -> None:
+        # one slot per rank: every rank learns which ranks failed, so all stop together
+        bad = torch.zeros(self.world_size, device=self.root_device)
+        bad[self.global_rank] = float(not torch.isfinite(loss.detach()).all())
+        if _distributed_is_initialized():
+            torch.distributed.all_reduce(bad)
+        if bad.any():
+            ranks = bad.nonzero().flatten().tolist()
+            step = self.lightning_module.trainer.global_step if self.lightning_module is not None else "?"
+            raise FloatingPointError(
+                f"non-finite training loss at step {step} on rank(s) {ranks}: stopping. Lower the learning rate,"
+                " set gradient_clip_val, try precision='32-true', or resume from the last checkpoint"
+                " (stop_on_nonfinite_loss=False turns this check off)"
+            )
 
     # ---- collectives over the right groups ----------------------------------------------------------------
 

@@ -84,6 +84,10 @@ def test_errors_after_start_are_clear(tmp_path: Path) -> None:
         "tp_vs_ffn": _gpt(f"{S}tp=2", "--model.init_args.config_overrides={ffn_hidden: 129}"),
         "sp_vs_seq_len": _gpt(f"{S}tp=2", "--data.init_args.seq_len=63"),
         "batch_vs_dp": _gpt(f"{S}dp=2", "--data.init_args.global_batch_size=3"),
+        "nan_loss": _gpt(
+            f"{S}dp=2", "--trainer.max_steps=6", "--model=tests.workers.faulty_modules.NaNLossAt",
+            "--model.init_args.step=3", "--model.init_args.rank=1",
+        ),
     }
     spec, out = tmp_path / "cases.json", tmp_path / "errors.json"
     spec.write_text(json.dumps(cases))
@@ -95,6 +99,9 @@ def test_errors_after_start_are_clear(tmp_path: Path) -> None:
     assert "sequence length divisible by tp" in errors["sp_vs_seq_len"]["message"]
     assert "length 63, tp=2" in errors["sp_vs_seq_len"]["message"]
     assert "global_batch_size=3 is not divisible by the data-parallel size 2" in errors["batch_vs_dp"]["message"]
+    # a NaN on one rank stops every rank together, naming the step and the rank
+    assert errors["nan_loss"]["type"] == "FloatingPointError"
+    assert "non-finite training loss at step 3 on rank(s) [1]" in errors["nan_loss"]["message"]
 
 
 def test_console_script_exits_with_the_message_instead_of_hanging() -> None:

@@ -25,3 +25,19 @@ def test_export_refuses_a_file_that_is_not_a_lightning_checkpoint(tmp_path: Path
     torch.save({"weight": torch.zeros(2)}, path)
     with pytest.raises(ValueError, match="holds no 'state_dict' entry"):
         export_full_state_dict(path, tmp_path / "out.pt")
+
+
+class Payload:
+    """Stands for arbitrary code a malicious checkpoint could make pickle run."""
+
+
+def test_loading_never_unpickles_code(tmp_path: Path) -> None:
+    import pickle
+
+    import torch
+
+    checkpoint = tmp_path / "evil.ckpt"
+    checkpoint.mkdir()
+    torch.save({"epoch": 0, "payload": Payload()}, checkpoint / "meta.pt")
+    with pytest.raises(pickle.UnpicklingError, match="Weights only load failed"):
+        load_sharded_checkpoint(checkpoint, nn.Linear(2, 2), {})

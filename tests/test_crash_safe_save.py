@@ -57,3 +57,35 @@ def test_training_resumes_from_the_last_complete_checkpoint(runs: tuple[Path, di
     assert sorted(resumed, key=int) == [str(s) for s in range(5, 10)]  # last.ckpt is still the step-5 one
     for step, loss in resumed.items():
         assert abs(loss - reference[step]) <= 1e-4 * abs(reference[step]), (step, loss, reference[step])
+
+
+@pytest.fixture(scope="module")
+def rank_death(tmp_path_factory: pytest.TempPathFactory) -> tuple[object, dict]:
+    import json
+
+    out = tmp_path_factory.mktemp("rank_death")
+    dying = [{"name": "dying", "args": _args(out, "dying", 10, "--model=tests.workers.faulty_modules.DieAt", "--model.init_args.step=7", "--model.init_args.rank=1")}]
+    spec = out / "dying.json"
+    spec.write_text(json.dumps(dying))
+    proc = torchrun(2, "cli_runs.py", str(out), str(spec), timeout=180)  # a hang would fail here
+    relaunch = [
+        {"name": "uninterrupted", "args": _args(out / "ref", "ref", 10)},
+        {"name": "relaunched", "args": [*_args(out, "relaunched", 10), "--ckpt_path=last"]},
+    ]
+    return proc, cli_runs(2, out, relaunch)
+
+
+def test_a_dead_rank_ends_the_run_naming_it(rank_death: tuple) -> None:
+    proc, _ = rank_death
+    assert proc.returncode != 0
+    report = proc.stdout + proc.stderr
+    assert "rank      : 1" in report and "exitcode  : 13" in report
+
+
+def test_relaunch_with_ckpt_path_last_resumes_the_curve(rank_death: tuple) -> None:
+    _, results = rank_death
+    reference = results["uninterrupted"]["metrics"]["train_loss"]
+    resumed = results["relaunched"]["metrics"]["train_loss"]
+    assert sorted(resumed, key=int) == [str(s) for s in range(5, 10)]  # the step-5 checkpoint was the last
+    for step, loss in resumed.items():
+        assert abs(loss - reference[step]) <= 1e-4 * abs(reference[step]), (step, loss, reference[step])
