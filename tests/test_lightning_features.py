@@ -57,6 +57,30 @@ def test_model_checkpoint_with_monitor_saves_under_tensor_parallel(observed: dic
     assert observed["best_model_path"] and Path(observed["best_model_path"]).is_dir()
 
 
+def test_early_stopping_validation_schedule_and_lr_monitor(observed: dict) -> None:
+    import csv
+
+    run = observed["early_stop"]
+    # val every 2 steps on 2 batches; patience 1 with an impossible min_delta: stop after the 2nd validation
+    assert run["validations"] == 2 and run["val_batches"] == 4 and run["global_step"] == 4
+    with open(Path(run["log_dir"]) / "metrics.csv") as f:
+        rows = list(csv.DictReader(f))
+    lrs = [float(r["lr-AdamW"]) for r in rows if r.get("lr-AdamW")]
+    assert lrs[:4] == pytest.approx([3e-3 * k / 4 for k in (1, 2, 3, 4)])  # the warm-up, logged each step
+
+
+def test_gradient_clipping_by_value(observed: dict) -> None:
+    # gradients are far larger than 1e-3 here, so clipping is active and the largest entry sits at the bound
+    assert observed["early_stop"]["max_clipped"] == pytest.approx(1e-3, rel=1e-6)
+
+
+def test_max_time_stops_every_rank_at_the_same_step(observed: dict) -> None:
+    run = observed["max_time"]
+    assert 0 < run["global_step"] < 100_000 and run["global_step"] == run["max_over_ranks"]
+    assert run["train_batches"] == run["global_step"]
+    assert run["global_step"] > 7 and run["max_batch_idx"] == 6  # limit_train_batches=7: epochs of 7 batches
+
+
 def test_launcher_is_configured_and_validates_slurm(monkeypatch: pytest.MonkeyPatch) -> None:
     slurm = {
         "SLURM_NTASKS": "4", "SLURM_NTASKS_PER_NODE": "4", "SLURM_PROCID": "0", "SLURM_LOCALID": "0",

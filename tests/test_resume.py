@@ -50,8 +50,6 @@ def test_resume_continues_exactly(runs: tuple[Path, dict]) -> None:
     assert (out / "ckpt_first" / "step=5.ckpt").is_dir(), "a sharded (directory) checkpoint"
     full, first, resumed = (_losses(results[k]) for k in ("full", "first", "resumed"))
     assert sorted(first) == list(range(5)) and sorted(resumed) == list(range(5, 10))
-    for step in range(5):
-        assert first[step] == full[step]
     for step in range(5, 10):
         # same global batches and restored optimizer state: equal up to reduction order
         assert abs(resumed[step] - full[step]) <= 1e-6 * abs(full[step]), (step, resumed[step], full[step])
@@ -59,6 +57,13 @@ def test_resume_continues_exactly(runs: tuple[Path, dict]) -> None:
     final_resumed = torch.load(out / "resumed" / "params.pt", weights_only=True)
     for name, tensor in final_full.items():
         torch.testing.assert_close(final_resumed[name], tensor, rtol=0, atol=1e-6)
+
+
+def test_seed_everything_makes_runs_repeatable(runs: tuple[Path, dict]) -> None:
+    # two separate runs with the same seed on fsdp2 x tp2: bit-identical first five steps
+    _, results = runs
+    full, first = _losses(results["full"]), _losses(results["first"])
+    assert [first[s] for s in range(5)] == [full[s] for s in range(5)]
 
 
 def test_export_writes_the_full_model(runs: tuple[Path, dict], tmp_path: Path) -> None:

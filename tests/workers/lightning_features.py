@@ -13,7 +13,8 @@ from pathlib import Path
 import lightning as L
 import torch
 import torch.distributed as dist
-from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.callbacks import Callback, EarlyStopping, LearningRateMonitor, ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger
 from torch.distributed.tensor import DTensor
 
 from lit_mesh import MeshStrategy
@@ -63,6 +64,65 @@ class GradientProbe(Callback):
         self.norms.append((ours, reference))
 
 
+class Counts(Callback):
+    """How often validation ran, on how many batches, and the largest clipped gradient entry."""
+
+    def __init__(self) -> None:
+        self.validations, self.val_batches, self.train_batches, self.max_clipped = 0, 0, 0, 0.0
+        self.max_batch_idx = -1
+
+    def on_validation_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        self.validations += 1
+
+    def on_validation_batch_end(self, *args: object, **kwargs: object) -> None:
+        self.val_batches += 1
+
+    def on_train_batch_end(self, trainer: L.Trainer, module: L.LightningModule, outputs, batch, batch_idx: int) -> None:  # noqa: ANN001
+        self.train_batches += 1
+        self.max_batch_idx = max(self.max_batch_idx, batch_idx)
+
+    def on_train_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        def record(optimizer: torch.optim.Optimizer, *_: object) -> None:  # runs after clipping
+            grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+            local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+            self.max_clipped = max([self.max_clipped, *(g.abs().max().item() for g in local if g.numel())])
+
+        trainer.optimizers[0].register_step_pre_hook(record)
+
+
+def callbacks_and_loops(out: Path) -> dict:
+    """EarlyStopping, LearningRateMonitor, val_check_interval, limit_*_batches, clipping by value, max_time."""
+    counts = Counts()
+    early = EarlyStopping(monitor="val_loss", patience=1, min_delta=100.0)  # no val_loss can improve by 100
+    L.seed_everything(0)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=4, strategy=MeshStrategy(tp=2), max_steps=20, val_check_interval=2,
+        limit_val_batches=2, num_sanity_val_steps=0, gradient_clip_val=1e-3, gradient_clip_algorithm="value",
+        log_every_n_steps=1,
+        logger=CSVLogger(out.parent / "logs"), callbacks=[counts, early, LearningRateMonitor("step")],
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    trainer.fit(GPTModule(warmup_steps=4), TextDataModule(global_batch_size=8, seq_len=32))
+    early_stop = {"global_step": trainer.global_step, "validations": counts.validations, "val_batches": counts.val_batches,
+                  "max_clipped": counts.max_clipped, "log_dir": trainer.logger.log_dir}  # fmt: skip
+
+    timed = Counts()
+    L.seed_everything(0)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=4, strategy=MeshStrategy(tp=2), max_steps=100_000, max_time={"seconds": 6},
+        limit_train_batches=7, limit_val_batches=0, callbacks=[timed], logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    trainer.fit(GPTModule(), TextDataModule(global_batch_size=8, seq_len=32))
+    steps = torch.tensor([float(trainer.global_step)])
+    dist.all_reduce(steps, op=dist.ReduceOp.MAX)
+    return {
+        "early_stop": early_stop,
+        "max_time": {"global_step": trainer.global_step, "max_over_ranks": steps.item(),
+                     "max_batch_idx": timed.max_batch_idx, "train_batches": timed.train_batches},
+    }  # fmt: skip
+
+
 def main(out: Path) -> None:
     probe, init = GradientProbe(), InitProbe()
     best = ModelCheckpoint(dirpath=out.parent / "best", monitor="train_loss", save_top_k=1, every_n_train_steps=1)
@@ -88,6 +148,7 @@ def main(out: Path) -> None:
         "local_fraction": init.local_fraction,
         "max_init_diff": init.max_init_diff,
     }
+    observed.update(callbacks_and_loops(out))
     if dist.get_rank() == 0:
         out.write_text(json.dumps(observed))
 
