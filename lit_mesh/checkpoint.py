@@ -33,6 +33,24 @@ def publish_checkpoint(staging: Path, path: Path) -> None:
         shutil.rmtree(retired)
 
 
+def check_shapes(path: Path, model: nn.Module) -> None:
+    """Refuse a checkpoint of a model of another shape, naming the tensors (torch's own error names none)."""
+    stored = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    mismatched = [
+        f"{name}: {tuple(stored[key].size)} in the checkpoint, {tuple(tensor.shape)} in this model"
+        for name, tensor in model.state_dict().items()
+        if (key := f"state_dict.{name}") in stored
+        and hasattr(stored[key], "size")
+        and tuple(stored[key].size) != tuple(tensor.shape)
+    ]
+    if mismatched:
+        raise ValueError(
+            f"checkpoint {str(path)!r} holds a model of another shape ({len(mismatched)} tensors differ, e.g. "
+            + "; ".join(mismatched[:3])
+            + "); resume with the model configuration it was saved with"
+        )
+
+
 def load_sharded_checkpoint(
     path: Path, model: nn.Module, optimizers: dict[str, torch.optim.Optimizer], strict: bool = True
 ) -> dict:
@@ -49,6 +67,7 @@ def load_sharded_checkpoint(
         )
     # first, and never unpickling code: a bad checkpoint fails before the model is touched
     metadata = torch.load(metadata_file, map_location="cpu", weights_only=True)
+    check_shapes(path, model)
     model_state = {"state_dict": get_model_state_dict(model)}
     dcp.load(model_state, checkpoint_id=path)
     model.load_state_dict(model_state["state_dict"], strict=strict)

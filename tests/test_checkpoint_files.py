@@ -41,3 +41,14 @@ def test_loading_never_unpickles_code(tmp_path: Path) -> None:
     torch.save({"epoch": 0, "payload": Payload()}, checkpoint / "meta.pt")
     with pytest.raises(pickle.UnpicklingError, match="Weights only load failed"):
         load_sharded_checkpoint(checkpoint, nn.Linear(2, 2), {})
+
+
+def test_a_checkpoint_of_another_model_shape_is_named(tmp_path: Path) -> None:
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    checkpoint = tmp_path / "small.ckpt"
+    dcp.save({"state_dict": nn.Linear(4, 3).state_dict()}, checkpoint_id=checkpoint, no_dist=True)
+    torch.save({"epoch": 0}, checkpoint / "meta.pt")
+    with pytest.raises(ValueError, match=r"weight: \(3, 4\) in the checkpoint, \(5, 4\) in this model"):
+        load_sharded_checkpoint(checkpoint, nn.Linear(4, 5), {})
