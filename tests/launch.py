@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -16,7 +17,9 @@ def run_command(cmd: list[str], timeout: float, cwd: Path | None = None) -> subp
     # PYTHONPATH: workers and CLI configs may name test helpers (tests.workers.*) as class paths
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONWARNINGS": "ignore", "PYTHONPATH": str(REPO)}
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=cwd or REPO, env=env)
+        # a scratch working directory: Lightning writes logs and config.yaml there, never into the repository
+        workdir = cwd or tempfile.mkdtemp(prefix="lit-mesh-test-")
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=workdir, env=env)
     except subprocess.TimeoutExpired as e:
         raise AssertionError(f"timed out after {timeout}s: {' '.join(cmd)}\n{(e.stdout or b'')[-3000:]!r}") from e
     return proc
