@@ -15,6 +15,31 @@ AdamW state have the parameters' shapes and placements in fp32, so only paramete
     python benchmarks/memory.py
     python benchmarks/memory.py --preset tiny --fsdp 1 2 --fake-preset none
 
+Activation memory (--ac-mesh DPxTP, default 2x2; "none" skips): in the launch of dp*tp ranks, one extra
+fit per activation_checkpointing mode (none, full, selective, full with ac_every_n_blocks=2) and precision
+(32-true, bf16-mixed, bf16-true) under MeshStrategy(dp, tp), one step each. Inside training_step the forward
+and loss run under two probes, so the strategy's own wrapping (composable checkpoint, SAC, FSDP2) is measured:
+  alive_after_forward  bytes of the storages created by the forward + loss (a TorchDispatchMode records every
+                       op output; DTensors by their local tensor) still alive when the loss is returned, i.e.
+                       what the step holds into backward: autograd's saved tensors, checkpointed blocks'
+                       inputs, the selective-checkpoint cache, logits and loss. Storages of parameters (the
+                       FSDP root's unsharded parameters, kept from forward to backward) are counted apart.
+  saved_hook           unique storages packed by torch.autograd.graph.saved_tensors_hooks. A checkpointed
+                       region installs its own hooks, which hide what it keeps from this one: it sees only
+                       the tensors saved outside checkpointed blocks (so full and selective read the same).
+peak_estimate = params + grads + optimizer + alive_after_forward + root unsharded params: an ESTIMATE (no
+allocator on CPU; FSDP2 all-gather buffers of the blocks and backward temporaries are not in it).
+
+Largest GPT in a per-rank budget (--budget-gib, default 24; "0" skips): over a family of Llama-3-style widths,
+the deepest model whose per-rank bytes fit, for FSDP N in --fit-fsdp (default 1 2 4) and each AC mode:
+  bytes(N) = 16 * P / N                      fp32 params + grads + AdamW exp_avg + exp_avg_sq, sharded over N
+           + 4 * P_root                      the root's (embedding, norm, head) unsharded params, kept fwd->bwd
+           + 2 * 4 * P_block                 two unsharded blocks (the one computing and the prefetched one)
+           + A_out + L * A_block             activations of one rank's micro-batch (--fit-batch x --fit-seq)
+where A_out and A_block are counted with the same dispatch-mode probe on fake tensors (FakeTensorMode, CPU
+kernels, nothing allocated): A_block = A(2 layers) - A(1 layer), A_out = A(1 layer) - A_block. FSDP does not
+change one rank's activations (no TP, no CP); the state terms assume 32-true or bf16-mixed (fp32 masters).
+
 Goal: ratio <= 1.05 for every component and every N.
 """
 
@@ -30,10 +55,95 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from torch import nn
 
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
 import _common as C  # noqa: N812 (benchmarks/ is on sys.path when run as a script)
+from zoo.gpt import GPT, GPTConfig  # noqa: E402 (importable once _common has put the repo on sys.path)
 
 GOAL = 1.05
 COMPONENTS = ("params", "grads", "optimizer")
+AC_CONFIGS = (("none", 1), ("full", 1), ("full", 2), ("selective", 1))
+PRECISIONS = ("32-true", "bf16-mixed", "bf16-true")
+GIB = 1024**3
+# Llama-3-style widths for the budget fit: (name, dim, n_heads, ffn_hidden); vocab 128256, 8 kv heads
+FIT_WIDTHS = (("d2048", 2048, 32, 8192), ("d3072", 3072, 24, 8192), ("d4096", 4096, 32, 14336),
+              ("d8192", 8192, 64, 28672))
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t._local_tensor if hasattr(t, "_local_tensor") else t  # a DTensor's shard on this rank
+
+
+class LiveStorages(TorchDispatchMode):
+    """Records the storage of every op output (a DTensor's local one); alive() sums those still alive.
+
+    A mode runs before tensor subclasses, so it sees DTensor ops with DTensor outputs; the local ops that
+    DTensor runs inside are not seen, and need not be: what outlives the op is the output's local tensor.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.refs: dict[int, StorageWeakRef] = {}
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                ref = StorageWeakRef(_local(t).untyped_storage())
+                self.refs.setdefault(ref.cdata, ref)
+        return out
+
+    def alive(self) -> dict[int, int]:
+        """storage id -> bytes, for the recorded storages still alive now."""
+        out = {}
+        for key, ref in self.refs.items():
+            if not ref.expired():
+                storage = torch.UntypedStorage._new_with_weak_ptr(key)
+                if storage is not None:
+                    out[key] = storage.nbytes()
+        return out
+
+
+def _storage_key(t: torch.Tensor) -> int:
+    return StorageWeakRef(_local(t).untyped_storage()).cdata
+
+
+class ActivationProbeModule(C.BenchGPTModule):
+    """BenchGPTModule whose training_step measures the forward + loss under LiveStorages and a
+    saved_tensors_hooks pack hook (the strategy's checkpoint contexts run inside, as in any training)."""
+
+    def __init__(self, preset: str) -> None:
+        super().__init__(preset)
+        self.activation: dict[str, int] = {}
+
+    def training_step(self, batch: C.Batch, batch_idx: int) -> torch.Tensor:
+        tokens, targets = batch
+        saved: dict[int, int] = {}
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            local = _local(t)
+            saved[_storage_key(local)] = local.untyped_storage().nbytes()
+            return t
+
+        # A measuring forward whose graph is dropped unused: a TorchDispatchMode active in the forward upsets the
+        # selective-checkpoint recompute in backward (an op count mismatch), so backward never runs on it;
+        # the step then trains on a second, unprobed forward of the same batch.
+        live = LiveStorages()
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), live:
+            probe_loss = self.loss_fn(self(tokens), targets)
+        alive = live.alive()
+        params = {_storage_key(p) for p in self.parameters()}  # after forward: the root's unsharded ones
+        self.activation = {
+            "alive_after_forward": sum(b for k, b in alive.items() if k not in params),
+            "root_unsharded_params": sum(b for k, b in alive.items() if k in params),
+            "saved_hook": sum(saved.values()),
+            "tokens_per_rank": tokens.numel(),
+        }
+        del probe_loss, live, alive
+        loss = self.loss_fn(self(tokens), targets)
+        return loss
 
 
 class MemoryProbe(Callback):
@@ -59,6 +169,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--fake-preset", default="llama3-8b", help='preset for the fake-rank bonus; "none" skips it')
     p.add_argument("--fake-n", type=int, default=64, help="FSDP degree of the fake-rank bonus")
+    p.add_argument("--ac-mesh", default="2x2", help='DPxTP of the activation sweep (AC modes x precisions); "none" skips')
+    p.add_argument("--budget-gib", type=float, default=24.0, help="per-rank budget of the largest-GPT fit; 0 skips")
+    p.add_argument("--fit-fsdp", type=int, nargs="+", default=[1, 2, 4], help="FSDP degrees of the largest-GPT fit")
+    p.add_argument("--fit-batch", type=int, default=1, help="per-rank micro-batch of the largest-GPT fit")
+    p.add_argument("--fit-seq", type=int, default=4096, help="sequence length of the largest-GPT fit")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds for each launch")
     p.add_argument("--worker-n", type=int, default=0, help=argparse.SUPPRESS)  # set by the launcher
     return p.parse_args(argv)
@@ -75,8 +190,64 @@ def worker(args: argparse.Namespace) -> None:
     trainer = L.Trainer(strategy=MeshStrategy(dp=n, process_group_backend="gloo"), **C.trainer_kwargs(n, 1, [probe]))
     trainer.fit(module, C.batch_loader(1, n, args.batch_size, args.seq_len, module.config.vocab_size))
     numel = sum(p.numel() for p in module.parameters())  # global (DTensor) sizes
-    C.emit({"per_rank": C.gather(probe.bytes), "global_numel": numel, "layout": trainer.strategy.layout.describe()})
+    result = {"per_rank": C.gather(probe.bytes), "global_numel": numel, "layout": trainer.strategy.layout.describe()}
+    ac_dp, ac_tp = ac_mesh(args.ac_mesh)
+    if ac_dp * ac_tp == n:
+        result["activations"] = activation_sweep(args, ac_dp, ac_tp)
+    C.emit(result)
     dist.destroy_process_group()
+
+
+def ac_mesh(text: str) -> tuple[int, int]:
+    if text == "none":
+        return 0, 0
+    dp, tp = (int(x) for x in text.lower().split("x"))
+    return dp, tp
+
+
+def activation_sweep(args: argparse.Namespace, dp: int, tp: int) -> list[dict[str, Any]]:
+    """One step per (AC mode, precision) under MeshStrategy(dp, tp); every rank's figures."""
+    from lit_mesh import MeshStrategy
+
+    rows = []
+    for mode, every in AC_CONFIGS:
+        for precision in PRECISIONS:
+            print(f"activation sweep: ac={mode} every={every} precision={precision}", file=sys.stderr, flush=True)
+            probe = MemoryProbe()
+            module = ActivationProbeModule(args.preset)
+            strategy = MeshStrategy(dp=dp, tp=tp, activation_checkpointing=mode, ac_every_n_blocks=every,
+                                    process_group_backend="gloo")
+            kwargs = {**C.trainer_kwargs(dp * tp, 1, [probe]), "precision": precision}
+            trainer = L.Trainer(strategy=strategy, **kwargs)
+            row: dict[str, Any] = {"activation_checkpointing": mode, "ac_every_n_blocks": every,
+                                   "precision": precision}
+            try:  # every rank fails alike (same graph, same recompute), so each one records it and goes on
+                trainer.fit(module, C.batch_loader(1, dp, args.batch_size, args.seq_len, module.config.vocab_size))
+            except RuntimeError as err:
+                row["error"] = str(err).split(". ")[0][:200]
+            else:
+                row["per_rank"] = C.gather({**probe.bytes, **module.activation})
+            rows.append(row)
+    return rows
+
+
+def summarize_activations(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Max over ranks of each figure, and the labelled peak estimate."""
+    out = []
+    for row in rows:
+        if "error" in row:
+            out.append(row)
+            continue
+        ranks = row["per_rank"]
+        keys = [*COMPONENTS, "alive_after_forward", "root_unsharded_params", "saved_hook"]
+        entry = {k: row[k] for k in ("activation_checkpointing", "ac_every_n_blocks", "precision")}
+        entry.update({f"max_{k}_bytes": max(r[k] for r in ranks) for k in keys})
+        # per rank: params + grads + optimizer + activations + root unsharded params; the worst rank
+        entry["peak_estimate_bytes"] = max(
+            sum(r[k] for k in (*COMPONENTS, "alive_after_forward", "root_unsharded_params")) for r in ranks)
+        entry["tokens_per_rank"] = ranks[0]["tokens_per_rank"]
+        out.append(entry)
+    return out
 
 
 def fake_rank_params(preset: str, n: int) -> dict[str, Any]:
@@ -100,6 +271,70 @@ def fake_rank_params(preset: str, n: int) -> dict[str, Any]:
     return {"preset": preset, "fsdp": n, "layout": layout.describe(), "single_device_param_bytes": total,
             "rank0_param_bytes": rank0, "ideal_param_bytes": ideal, "ratio": round(rank0 / ideal, 4),
             "note": "fake process group + meta tensors; grads and AdamW state share the parameters' sharding"}
+
+
+def _meta_numel(config: GPTConfig) -> int:
+    with torch.device("meta"):
+        return sum(p.numel() for p in GPT(config).parameters())
+
+
+def fake_activation_bytes(config: GPTConfig, mode: str, batch: int, seq: int) -> int:
+    """Bytes the forward + loss of `config` keeps for backward on one rank (no TP), counted on fake tensors
+    with the same probe as the real runs, activation checkpointing applied by lit_mesh."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from lit_mesh.parallel.checkpointing import apply_activation_checkpointing
+
+    with FakeTensorMode():
+        gpt = GPT(config)
+        apply_activation_checkpointing(list(gpt.layers), mode)
+        tokens = torch.randint(0, config.vocab_size, (batch, seq))
+        live = LiveStorages()
+        with live:
+            loss = C.BenchGPTModule.loss_fn(gpt(tokens), tokens)
+        params = {_storage_key(p) for p in gpt.parameters()}
+        alive = sum(b for k, b in live.alive().items() if k not in params)
+        del loss
+    return alive
+
+
+def largest_fit(args: argparse.Namespace) -> dict[str, Any]:
+    """The deepest model of each width that fits the budget, per FSDP degree and AC mode (formula in the doc)."""
+    budget = args.budget_gib * GIB
+    modes = ("none", "full", "selective")
+    widths = []
+    for name, dim, heads, ffn in FIT_WIDTHS:
+        shape = dict(vocab_size=128256, dim=dim, n_heads=heads, n_kv_heads=8, ffn_hidden=ffn,
+                     rope_theta=500000.0, max_seq_len=max(8192, args.fit_seq))
+        one, two = (_meta_numel(GPTConfig(n_layers=k, **shape)) for k in (1, 2))
+        p_block = two - one
+        p_root = one - p_block
+        acts = {}
+        for mode in modes:
+            a1, a2 = (fake_activation_bytes(GPTConfig(n_layers=k, **shape), mode, args.fit_batch, args.fit_seq)
+                      for k in (1, 2))
+            acts[mode] = {"A_block": a2 - a1, "A_out": a1 - (a2 - a1)}
+        widths.append({"name": name, "shape": shape, "P_block": p_block, "P_root": p_root, "activations": acts})
+    fits: dict[str, Any] = {}
+    for n in args.fit_fsdp:
+        for mode in modes:
+            best = None
+            for w in widths:
+                a = w["activations"][mode]
+                fixed = 16 * w["P_root"] / n + 4 * w["P_root"] + 8 * w["P_block"] + a["A_out"]
+                per_layer = 16 * w["P_block"] / n + a["A_block"]
+                layers = int((budget - fixed) // per_layer) if budget > fixed else 0
+                if layers < 1:
+                    continue
+                params = w["P_root"] + layers * w["P_block"]
+                if best is None or params > best["params"]:
+                    best = {"width": w["name"], "n_layers": layers, "params": params,
+                            "per_rank_bytes": fixed + layers * per_layer,
+                            "state_bytes": 16 * params / n, "activation_bytes": a["A_out"] + layers * a["A_block"]}
+            fits[f"fsdp{n}/{mode}"] = best
+    return {"budget_gib": args.budget_gib, "fit_batch": args.fit_batch, "fit_seq": args.fit_seq,
+            "precision": "32-true (bf16-mixed: same fp32 state; activations would be smaller)",
+            "widths": widths, "largest": fits}
 
 
 def main(argv: list[str]) -> None:
@@ -136,6 +371,24 @@ def main(argv: list[str]) -> None:
     }
     if args.fake_preset != "none":
         result["fake"] = fake_rank_params(args.fake_preset, args.fake_n)
+    act_runs = [run["activations"] for run in runs.values() if "activations" in run]
+    if act_runs:
+        dp, tp = ac_mesh(args.ac_mesh)
+        result["activations"] = {
+            "mesh": f"MeshStrategy(dp={dp}, tp={tp}), sequence_parallel=True", "preset": args.preset,
+            "batch_size_per_dp_rank": args.batch_size, "seq_len": args.seq_len,
+            "alive_after_forward": "bytes of forward+loss outputs alive when training_step returns (held for"
+                                   " backward), parameters excluded; max over ranks",
+            "saved_hook": "saved_tensors_hooks outside checkpointed regions only (checkpoint hides its own)",
+            "peak_estimate": "ESTIMATE = params + grads + optimizer + alive_after_forward + root unsharded params,"
+                             " worst rank; FSDP all-gather buffers and backward temporaries not included",
+            "cuda_max_memory_allocated": None if not torch.cuda.is_available() else "not measured: this run is CPU",
+            "rows": summarize_activations(act_runs[0]),
+        }
+    elif args.ac_mesh != "none":
+        result["activations"] = {"skipped": f"--ac-mesh {args.ac_mesh}: dp*tp is none of --fsdp {args.fsdp}"}
+    if args.budget_gib > 0:
+        result["largest_fit"] = largest_fit(args)
     result["config"] = {
         "world_sizes": sorted(runs), "mesh": "MeshStrategy(dp=N): dp_shard=N", "preset": args.preset,
         "batch_size_per_rank": args.batch_size, "seq_len": args.seq_len, "steps": 1, "precision": "32-true",

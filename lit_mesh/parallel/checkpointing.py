@@ -13,7 +13,7 @@ from typing import Literal
 import torch
 from torch import nn
 from torch.distributed._composable import checkpoint
-from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import SAC_IGNORED_OPS, CheckpointPolicy, create_selective_checkpoint_contexts
 
 ActivationCheckpointing = Literal["none", "full", "selective"]
 AC_MODES: tuple[str, ...] = ActivationCheckpointing.__args__  # type: ignore[attr-defined]
@@ -32,11 +32,22 @@ def _saved_ops() -> set:
     return {getattr(ns, name).default for ns, name in candidates if hasattr(ns, name)}
 
 
+def _ignore_profiler_ranges_in_recompute() -> None:
+    """FSDP2's mixed-precision input cast opens a profiler range in the block's pre-forward hook, which runs
+    outside the checkpointed region in forward but inside it in recompute; torch's SAC then finds an op it never
+    stored. Profiler ranges compute nothing, so SAC may ignore them (SAC_IGNORED_OPS is torch's public list)."""
+    profiler = torch.ops.profiler
+    for name, overload in (("_record_function_enter_new", "default"), ("_record_function_exit", "_RecordFunction")):
+        if hasattr(profiler, name):
+            SAC_IGNORED_OPS.add(getattr(getattr(profiler, name), overload))
+
+
 def _policy(saved: set, ctx, op, *args, **kwargs) -> CheckpointPolicy:  # noqa: ANN001 - torch's signature
     return CheckpointPolicy.MUST_SAVE if op in saved else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def _selective_contexts():  # noqa: ANN202
+    _ignore_profiler_ranges_in_recompute()
     return create_selective_checkpoint_contexts(partial(_policy, _saved_ops()))
 
 
