@@ -16,16 +16,18 @@ from typing import Any, Literal, Optional, Union
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.distributed import _distributed_is_initialized, _sync_ddp
+from lightning.fabric.utilities.load import _METADATA_FILENAME
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch import Trainer
 from lightning.pytorch.strategies import ModelParallelStrategy, StrategyRegistry
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
-from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 
+from lit_mesh.async_save import AsyncCheckpointSaver, staged_state, write_metadata
 from lit_mesh.checkpoint import load_sharded_checkpoint, publish_checkpoint
 from lit_mesh.grad_norm import clip_grad_norm_
 from lit_mesh.mesh import MeshLayout, MeshViews, build_device_mesh, check_degrees, resolve_layout, tp_crosses_nodes
@@ -54,6 +56,8 @@ class MeshStrategy(ModelParallelStrategy):
         stop_on_nonfinite_loss: stop with the step and the ranks when a training loss is NaN or infinite (one
             tiny all-reduce per step, so that every rank stops together instead of hanging).
         save_distributed_checkpoint: sharded checkpoints (a directory, one file per rank) or one full file.
+        async_save: write sharded checkpoints in a background thread (training goes on once the state is
+            copied in memory); the directory appears under its name only when every rank has written it.
         process_group_backend: "gloo", "nccl", ...; default from the device.
         timeout: timeout of collectives.
     """
@@ -74,6 +78,7 @@ class MeshStrategy(ModelParallelStrategy):
         ac_every_n_blocks: int = 1,
         stop_on_nonfinite_loss: bool = True,
         save_distributed_checkpoint: bool = True,
+        async_save: bool = False,
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout,
     ) -> None:
@@ -89,6 +94,9 @@ class MeshStrategy(ModelParallelStrategy):
         self.activation_checkpointing = activation_checkpointing
         self.ac_every_n_blocks = ac_every_n_blocks
         self.stop_on_nonfinite_loss = stop_on_nonfinite_loss
+        if async_save and not save_distributed_checkpoint:
+            raise ValueError("async_save=True writes sharded checkpoints: keep save_distributed_checkpoint=True")
+        self._async_saver = AsyncCheckpointSaver() if async_save else None
         self._layout: Optional[MeshLayout] = None
         self.mesh_views: Optional[MeshViews] = None
 
@@ -134,6 +142,8 @@ class MeshStrategy(ModelParallelStrategy):
         self.mesh_views = build_device_mesh(self.layout, self.root_device.type)
         self._device_mesh = self.mesh_views.root
         rank_zero_info(f"MeshStrategy: {self.layout.describe()}")
+        if self._async_saver is not None:
+            self._async_saver.setup()
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = self._device_mesh
 
@@ -233,16 +243,36 @@ class MeshStrategy(ModelParallelStrategy):
             return super().save_checkpoint(checkpoint, filepath, storage_options)
         path = Path(self.broadcast(filepath))
         staging = path.with_name(path.name + ".partial")
+        self.wait_for_checkpoint()  # the previous save may still write this staging directory
         if self.global_rank == 0 and staging.exists():
             shutil.rmtree(staging)  # left by an earlier crash
         self.barrier()
+        if self._async_saver is not None:
+            state = staged_state(checkpoint)
+            if self.global_rank == 0:
+                write_metadata(checkpoint, staging, _METADATA_FILENAME)
+            self._async_saver.save(state, staging, path, coordinator=self.global_rank == 0)
+            trainer = getattr(self.lightning_module, "_trainer", None)
+            if trainer is None or trainer.state.status != TrainerStatus.RUNNING:
+                self.wait_for_checkpoint()  # a save outside fit/validate has no teardown to wait for it
+            return
         super().save_checkpoint(checkpoint, staging, storage_options)
         self.barrier()  # every shard and the metadata are on disk
         if self.global_rank == 0:
             publish_checkpoint(staging, path)
         self.barrier()
 
+    def wait_for_checkpoint(self) -> None:
+        """Block until an asynchronous save in flight is on disk under its name (no-op otherwise)."""
+        if self._async_saver is not None:
+            self._async_saver.wait()
+
+    def teardown(self) -> None:
+        self.wait_for_checkpoint()  # the last checkpoint of a run is complete when fit() returns
+        super().teardown()
+
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        self.wait_for_checkpoint()
         path = Path(self.broadcast(checkpoint_path))
         if not path.is_dir():  # a full single-file checkpoint
             return super().load_checkpoint(checkpoint_path, weights_only=weights_only)

@@ -13,7 +13,7 @@ from tests.launch import REPO, cli_runs, run_command
 S = "--trainer.strategy.init_args."
 
 
-def _args(ckpt_dir: Path, max_steps: int) -> list[str]:
+def _args(ckpt_dir: Path, max_steps: int, *extra: str) -> list[str]:
     return [
         "-c", str(REPO / "configs/gpt.yaml"),
         "--trainer.devices=4", f"{S}tp=2",
@@ -22,7 +22,7 @@ def _args(ckpt_dir: Path, max_steps: int) -> list[str]:
         "--trainer.limit_val_batches=0", "--trainer.enable_checkpointing=true",
         "--trainer.callbacks+=ModelCheckpoint", f"--trainer.callbacks.dirpath={ckpt_dir}",
         "--trainer.callbacks.every_n_train_steps=5", "--trainer.callbacks.save_top_k=-1",
-        "--trainer.callbacks.filename={step}",
+        "--trainer.callbacks.filename={step}", *extra,
     ]  # fmt: skip
 
 
@@ -36,6 +36,9 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
             {"name": "full", "args": _args(out / "ckpt_full", 10)},
             {"name": "first", "args": _args(out / "ckpt_first", 5)},
             {"name": "resumed", "args": [*_args(out / "ckpt_resumed", 10), f"--ckpt_path={out / 'ckpt_first' / 'step=5.ckpt'}"]},
+            # asynchronous saves: training goes on while step 5 is written; then resume from what was written
+            {"name": "full_async", "args": _args(out / "ckpt_async", 10, f"{S}async_save=true")},
+            {"name": "resumed_from_async", "args": [*_args(out / "ckpt_resumed_async", 10), f"--ckpt_path={out / 'ckpt_async' / 'step=5.ckpt'}"]},
         ],
     )
     return out, results
@@ -57,6 +60,18 @@ def test_resume_continues_exactly(runs: tuple[Path, dict]) -> None:
     final_resumed = torch.load(out / "resumed" / "params.pt", weights_only=True)
     for name, tensor in final_full.items():
         torch.testing.assert_close(final_resumed[name], tensor, rtol=0, atol=1e-6)
+
+
+def test_async_save_writes_the_same_checkpoints(runs: tuple[Path, dict]) -> None:
+    out, results = runs
+    full, full_async, resumed = (_losses(results[k]) for k in ("full", "full_async", "resumed_from_async"))
+    assert full_async == full, "saving asynchronously must not change training"
+    for step in range(5, 10):
+        assert abs(resumed[step] - full[step]) <= 1e-6 * abs(full[step]), (step, resumed[step], full[step])
+    # both saves published under their names by the end of fit (the last one waited for at teardown)
+    assert sorted(p.name for p in (out / "ckpt_async").iterdir()) == ["step=10.ckpt", "step=5.ckpt"]
+    for name in ("step=5.ckpt", "step=10.ckpt"):
+        assert (out / "ckpt_async" / name / "meta.pt").is_file() and (out / "ckpt_async" / name / ".metadata").is_file()
 
 
 def test_seed_everything_makes_runs_repeatable(runs: tuple[Path, dict]) -> None:
