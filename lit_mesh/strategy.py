@@ -34,8 +34,8 @@ from lit_mesh.mesh import MeshLayout, MeshViews, build_device_mesh, check_degree
 from lit_mesh.parallel.apply import is_user_parallelised, materialize, parallelize
 from lit_mesh.parallel.checkpointing import ActivationCheckpointing, check_activation_checkpointing
 from lit_mesh.parallel.data import fsdp_roots
+from lit_mesh.precision import check_precision_plugin
 
-_SUPPORTED_PRECISION = ("32-true", "bf16-mixed", "bf16-true")
 
 
 class MeshStrategy(ModelParallelStrategy):
@@ -123,9 +123,7 @@ class MeshStrategy(ModelParallelStrategy):
 
     def _configure_launcher(self) -> None:
         # Called by the Trainer before any process is spawned: validate here, not after spawning.
-        precision = str(self.precision_plugin.precision)
-        if precision not in _SUPPORTED_PRECISION:
-            raise ValueError(f"MeshStrategy does not support precision={precision!r}; choose one of {_SUPPORTED_PRECISION}")
+        check_precision_plugin(self.precision_plugin)
         layout = self.layout
         if self.num_processes and tp_crosses_nodes(layout, self.num_processes):
             rank_zero_warn(

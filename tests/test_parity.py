@@ -43,6 +43,7 @@ VARIANTS: dict[str, tuple[str, list[str]]] = {
     "fsdp2_tp2-bf16-mixed": ("fsdp2_tp2", ["--trainer.precision=bf16-mixed"]),
     "fsdp2_tp2-bf16-true": ("fsdp2_tp2", ["--trainer.precision=bf16-true"]),
     "tp2-bf16-mixed": ("tp2", ["--trainer.precision=bf16-mixed"]),
+    "fsdp2_tp2-fp16-mixed": ("fsdp2_tp2", ["--trainer.plugins=lit_mesh.FP16MixedPrecision"]),
     "fsdp2_tp2-ac-full": ("fsdp2_tp2", [f"{S}activation_checkpointing=full"]),
     "fsdp2_tp2-ac-selective-every2": (
         "fsdp2_tp2", [f"{S}activation_checkpointing=selective", f"{S}ac_every_n_blocks=2"]
@@ -116,15 +117,18 @@ def test_gradient_accumulation_matches_single_device(results: dict) -> None:
 
 @pytest.mark.parametrize(
     ("variant", "param_dtype"),
-    [("fsdp2_tp2-bf16-mixed", torch.float32), ("fsdp2_tp2-bf16-true", torch.bfloat16), ("tp2-bf16-mixed", torch.float32)],
-)
-def test_bf16_trains_near_fp32(results: dict, variant: str, param_dtype: torch.dtype) -> None:
+    [
+        ("fsdp2_tp2-bf16-mixed", torch.float32), ("fsdp2_tp2-bf16-true", torch.bfloat16),
+        ("tp2-bf16-mixed", torch.float32), ("fsdp2_tp2-fp16-mixed", torch.float32),
+    ],
+)  # fmt: skip
+def test_half_precision_trains_near_fp32(results: dict, variant: str, param_dtype: torch.dtype) -> None:
     fp32, bf16 = losses(results["gpt-single"]), losses(results[f"gpt-{variant}"])
     assert len(bf16) == STEPS
-    # bf16 rounding moves the curve a little, never far: within 2% at every step
+    # bf16/fp16 rounding moves the curve a little, never far: within 2% at every step
     for a, b in zip(fp32, bf16):
         assert abs(a - b) <= 0.02 * a, (variant, fp32, bf16)
-    assert bf16 != fp32, "bf16 must actually compute in bf16"
+    assert bf16 != fp32, "half precision must actually compute in half precision"
     params = torch.load(Path(results["_dir"]["path"]) / f"gpt-{variant}" / "params.pt", weights_only=True)
     assert {t.dtype for t in params.values()} == {param_dtype}  # bf16-mixed keeps fp32 master weights
 

@@ -25,10 +25,13 @@ def data_parallel_mesh(mesh: MeshViews, layout: MeshLayout) -> DeviceMesh | None
     return mesh.hsdp
 
 
+_COMPUTE_DTYPE = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
+
+
 def mixed_precision_policy(precision: str) -> MixedPrecisionPolicy:
-    # bf16 compute from fp32 master weights; gradients reduced in fp32
-    if precision == "bf16-mixed":
-        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    # bf16/fp16 compute from fp32 master weights; gradients reduced in fp32
+    if precision in _COMPUTE_DTYPE:
+        return MixedPrecisionPolicy(param_dtype=_COMPUTE_DTYPE[precision], reduce_dtype=torch.float32)
     return MixedPrecisionPolicy()
 
 

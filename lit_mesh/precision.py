@@ -1,0 +1,77 @@
+"""fp16 mixed precision with dynamic loss scaling for MeshStrategy.
+
+Lightning refuses `precision="16-mixed"` for ModelParallelStrategy and its subclasses, so fp16 comes as a
+plugin: `Trainer(plugins=[FP16MixedPrecision()], strategy=MeshStrategy(...))`.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch.plugins.precision import MixedPrecision, Precision
+
+SUPPORTED_PRECISION = ("32-true", "bf16-mixed", "bf16-true", "16-mixed")
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor._local_tensor if hasattr(tensor, "_local_tensor") else tensor  # a DTensor's shard
+
+
+class MeshGradScaler(torch.amp.GradScaler):
+    """A GradScaler whose overflow check agrees over every rank.
+
+    torch's own cannot serve a mesh: one foreach call cannot take DTensor gradients of different meshes
+    (FSDP-only and FSDP x TP parameters), and its DTensor rule reduces the overflow flag over one mesh's
+    sharded dims only. Here each rank checks and unscales its local shards, then the flag is all-reduced
+    (max) over the world, so every rank skips the same steps and the scale stays the same everywhere.
+    """
+
+    def _unscale_grads_(
+        self, optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor, found_inf: torch.Tensor, allow_fp16: bool
+    ) -> dict[torch.device, torch.Tensor]:
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = defaultdict(list)
+        with torch.no_grad():
+            for group in optimizer.param_groups:
+                for param in group["params"]:
+                    if param.grad is None:
+                        continue
+                    if not allow_fp16 and param.grad.dtype == torch.float16:
+                        raise ValueError("Attempting to unscale FP16 gradients.")
+                    grad = _local(param.grad)
+                    by_dtype[grad.dtype].append(grad)
+            for grads in by_dtype.values():
+                torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)
+            if dist.is_available() and dist.is_initialized():
+                dist.all_reduce(found_inf, op=dist.ReduceOp.MAX)
+        return {found_inf.device: found_inf}
+
+
+class FP16MixedPrecision(MixedPrecision):
+    """fp16 compute (autocast, and FSDP2 gathers fp16 parameters), fp32 master weights and gradient
+    reduction, dynamic loss scaling with a rank-consistent overflow check.
+
+    Args:
+        device: autocast device type; default "cuda" when a GPU is present, else "cpu".
+        init_scale: first loss scale.
+        growth_interval: steps without overflow before the scale doubles.
+    """
+
+    def __init__(self, device: Optional[str] = None, init_scale: float = 2.0**16, growth_interval: int = 2000) -> None:
+        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        scaler = MeshGradScaler(device, init_scale=init_scale, growth_interval=growth_interval)
+        super().__init__("16-mixed", device, scaler=scaler)
+
+
+def check_precision_plugin(plugin: Precision) -> None:
+    """Called before processes start: a precision MeshStrategy can shard, and fp16 only with its scaler."""
+    precision = str(plugin.precision)
+    if precision not in SUPPORTED_PRECISION:
+        raise ValueError(f"MeshStrategy does not support precision={precision!r}; choose one of {SUPPORTED_PRECISION}")
+    if precision == "16-mixed" and not isinstance(getattr(plugin, "scaler", None), MeshGradScaler):
+        raise ValueError(
+            "precision='16-mixed' under MeshStrategy needs a loss scaler that agrees over all ranks:"
+            " pass plugins=[lit_mesh.FP16MixedPrecision()] (and leave precision unset)"
+        )
