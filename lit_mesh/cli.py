@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+import torch.distributed as dist
+
 from lightning.pytorch import LightningDataModule, LightningModule
 from lightning.pytorch.cli import LightningCLI
 
@@ -43,6 +45,14 @@ def run(argv: list[str]) -> LightningCLI | None:
 def main() -> None:
     """The console script (its return value would become the exit status)."""
     run(sys.argv[1:])
+    close_process_groups()
+
+
+def close_process_groups() -> None:
+    """Destroy the process groups before the interpreter exits: gloo's threads torn down during interpreter
+    shutdown can abort a finished run ("terminate called without an active exception")."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

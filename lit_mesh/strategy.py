@@ -33,6 +33,7 @@ from lit_mesh.grad_norm import clip_grad_norm_
 from lit_mesh.mesh import MeshLayout, MeshViews, build_device_mesh, check_degrees, resolve_layout, tp_crosses_nodes
 from lit_mesh.parallel.apply import is_user_parallelised, materialize, parallelize
 from lit_mesh.parallel.checkpointing import ActivationCheckpointing, check_activation_checkpointing
+from lit_mesh.parallel.compile import check_compile
 from lit_mesh.parallel.data import fsdp_roots
 from lit_mesh.precision import check_precision_plugin
 
@@ -53,6 +54,9 @@ class MeshStrategy(ModelParallelStrategy):
         activation_checkpointing: "none", "full" (recompute whole blocks in backward) or "selective" (keep
             matmul, attention and collective outputs, recompute the rest).
         ac_every_n_blocks: checkpoint every n-th block only (1: all blocks).
+        compile_blocks: torch.compile each block's forward (after checkpointing, before FSDP); data-parallel
+            layouts only for now (with tp > 1 it is refused: compiled DTensor blocks get wrong gradients).
+        compile_backend: the torch.compile backend ("inductor"; "aot_eager" compiles fast and generates no code).
         stop_on_nonfinite_loss: stop with the step and the ranks when a training loss is NaN or infinite (one
             tiny all-reduce per step, so that every rank stops together instead of hanging).
         save_distributed_checkpoint: sharded checkpoints (a directory, one file per rank) or one full file.
@@ -76,6 +80,8 @@ class MeshStrategy(ModelParallelStrategy):
         sequence_parallel: bool = True,
         activation_checkpointing: ActivationCheckpointing = "none",
         ac_every_n_blocks: int = 1,
+        compile_blocks: bool = False,
+        compile_backend: str = "inductor",
         stop_on_nonfinite_loss: bool = True,
         save_distributed_checkpoint: bool = True,
         async_save: bool = False,
@@ -93,6 +99,9 @@ class MeshStrategy(ModelParallelStrategy):
         self.sequence_parallel = sequence_parallel
         self.activation_checkpointing = activation_checkpointing
         self.ac_every_n_blocks = ac_every_n_blocks
+        if compile_blocks:
+            check_compile(compile_backend, tp=tp)
+        self.compile_backend = compile_backend if compile_blocks else None
         self.stop_on_nonfinite_loss = stop_on_nonfinite_loss
         if async_save and not save_distributed_checkpoint:
             raise ValueError("async_save=True writes sharded checkpoints: keep save_distributed_checkpoint=True")
@@ -170,6 +179,7 @@ class MeshStrategy(ModelParallelStrategy):
                 precision=precision,
                 activation_checkpointing=self.activation_checkpointing,
                 ac_every_n_blocks=self.ac_every_n_blocks,
+                compile_backend=self.compile_backend,
             )
         materialize(self.model, owners, self.root_device)
         self.model_to_device()

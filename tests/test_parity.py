@@ -48,6 +48,7 @@ VARIANTS: dict[str, tuple[str, list[str]]] = {
     "fsdp2_tp2-ac-selective-every2": (
         "fsdp2_tp2", [f"{S}activation_checkpointing=selective", f"{S}ac_every_n_blocks=2"]
     ),
+    "fsdp2-compile": ("fsdp2", [f"{S}compile_blocks=true", f"{S}compile_backend=aot_eager"]),
     "fsdp2_tp2-bf16-mixed-ac-selective": (
         "fsdp2_tp2", ["--trainer.precision=bf16-mixed", f"{S}activation_checkpointing=selective"]
     ),
@@ -143,3 +144,8 @@ def test_activation_checkpointing_keeps_the_loss_curve(results: dict, variant: s
 def test_selective_checkpointing_under_bf16_mixed_changes_no_number(results: dict) -> None:
     # FSDP2 casts block inputs to bf16 in a hook that recompute runs inside the checkpointed region
     assert losses(results["gpt-fsdp2_tp2-bf16-mixed-ac-selective"]) == losses(results["gpt-fsdp2_tp2-bf16-mixed"])
+
+
+def test_compiled_blocks_keep_the_loss_curve(results: dict) -> None:
+    # aot_eager: dynamo + AOTAutograd over FSDP2 blocks, without inductor's code generation time
+    _assert_same_curve(losses(results["gpt-single"]), losses(results["gpt-fsdp2-compile"]), "compile")

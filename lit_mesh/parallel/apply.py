@@ -1,7 +1,7 @@
 """The one place where plans are applied, in the one order:
-TP/SP -> activation checkpointing -> FSDP/HSDP/DDP per block -> root.
+TP/SP -> activation checkpointing -> torch.compile -> FSDP/HSDP/DDP per block -> root.
 
-Later techniques slot in between (CP and EP after TP, compile after checkpointing) without changing the order.
+Later techniques slot in between (CP and EP after TP) without changing the order.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from lit_mesh.init import init_parameters
 from lit_mesh.mesh import MeshLayout, MeshViews
 from lit_mesh.parallel.checkpointing import apply_activation_checkpointing
+from lit_mesh.parallel.compile import apply_compile
 from lit_mesh.parallel.data import apply_data_parallel, data_parallel_mesh
 from lit_mesh.parallel.tensor import PlanError, apply_tensor_parallel
 from lit_mesh.plan import ParallelPlan
@@ -84,14 +85,17 @@ def parallelize(
     precision: str,
     activation_checkpointing: str = "none",
     ac_every_n_blocks: int = 1,
+    compile_backend: str | None = None,
 ) -> list[PlanOwner]:
     """Apply every technique to `root` (the LightningModule) in the fixed order; returns the plan owners."""
     owners = find_plan_owners(root)
-    if activation_checkpointing != "none" and not owners:
-        raise PlanError(
-            f"activation_checkpointing={activation_checkpointing!r} checkpoints the blocks a parallel_plan() names,"
-            f" but no module of {type(root).__name__} declares one; declare one (see examples/own_model_plan.py)"
-        )
+    per_block = {"activation_checkpointing": activation_checkpointing != "none", "compile_blocks": compile_backend}
+    for option, asked in per_block.items():
+        if asked and not owners:
+            raise PlanError(
+                f"{option} acts on the blocks a parallel_plan() names, but no module of {type(root).__name__}"
+                " declares one; declare one (see examples/own_model_plan.py)"
+            )
     if layout.tp > 1:
         if not owners:
             raise PlanError(
@@ -103,6 +107,8 @@ def parallelize(
     for owner in owners:
         blocks = list(owner.module.get_submodule(owner.plan.blocks))
         apply_activation_checkpointing(blocks, activation_checkpointing, ac_every_n_blocks)
+        if compile_backend is not None:
+            apply_compile(blocks, compile_backend)
     dp_mesh = data_parallel_mesh(mesh, layout)
     if dp_mesh is not None:
         for owner in owners:

@@ -16,7 +16,7 @@ import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.tensor import DTensor
 
-from lit_mesh.cli import run as run_cli
+from lit_mesh.cli import close_process_groups, run as run_cli
 
 
 def metrics_by_step(save_dir: Path) -> dict[str, dict[int, float]]:
@@ -52,3 +52,4 @@ if __name__ == "__main__":
     out, runs = Path(sys.argv[1]), json.loads(Path(sys.argv[2]).read_text())
     for spec in runs:
         run(out, spec["name"], spec["args"])
+    close_process_groups()
