@@ -20,11 +20,16 @@ def lit_mesh(*args: str, timeout: float = 300) -> str:
 
 def test_quickstart_recipe(tmp_path: Path) -> None:
     out = lit_mesh(
-        "fit", "-c", str(REPO / "configs/quickstart.yaml"), "--trainer.max_steps=4", "--trainer.val_check_interval=2",
+        "fit", "-c", str(REPO / "configs/quickstart.yaml"), "--trainer.max_steps=4", "--trainer.log_every_n_steps=2", "--trainer.val_check_interval=2",
         "--trainer.limit_val_batches=1", f"--trainer.logger.init_args.save_dir={tmp_path}", *QUIET,
     )  # fmt: skip
     assert "dp_shard=2 x cp=1 x tp=2 (world size 4" in out  # the mesh the README promises
-    assert list(tmp_path.rglob("events.out.tfevents*")), "TensorBoard logs are written"
+    events = list(tmp_path.rglob("events.out.tfevents*"))
+    assert events, "TensorBoard logs are written"
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    tags = set().union(*(EventAccumulator(str(e)).Reload().Tags()["scalars"] for e in events))
+    assert {"train_loss", "tokens_per_s", "monitor/step_time_s", "monitor/comm_mib/tp"} <= tags, tags
 
 
 @pytest.mark.parametrize(

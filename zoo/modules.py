@@ -14,6 +14,7 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 
+from zoo.flops import gpt_flops_per_token, vit_flops_per_token
 from zoo.gpt import GPT, GPTConfig
 from zoo.vit import ViT, ViTConfig
 
@@ -84,6 +85,10 @@ class GPTModule(L.LightningModule):
         h = self.hparams
         return _optimizer(self, h.lr, tuple(h.betas), h.weight_decay, h.warmup_steps)
 
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token (lit_mesh.MeshMonitor reads it for MFU)."""
+        return gpt_flops_per_token(self.config, seq_len)
+
 
 class ViTModule(L.LightningModule):
     """Image classification with `zoo.vit.ViT`; batches are (images (B, C, H, W), labels (B,))."""
@@ -138,3 +143,11 @@ class ViTModule(L.LightningModule):
     def configure_optimizers(self) -> Any:
         h = self.hparams
         return _optimizer(self, h.lr, (0.9, 0.999), h.weight_decay, h.warmup_steps)
+
+    def tokens_in_batch(self, batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[int, int]:
+        """(tokens, tokens per image) of a batch: patches, class token and registers of every image."""
+        return len(batch[0]) * self.config.seq_len, self.config.seq_len
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token (lit_mesh.MeshMonitor reads it for MFU)."""
+        return vit_flops_per_token(self.config)

@@ -1,0 +1,181 @@
+"""MeshMonitor: throughput, MFU, memory and communication per mesh dim, logged to any Lightning logger."""
+
+from __future__ import annotations
+
+import resource
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import lightning as L
+import torch
+import torch.distributed as dist
+from lightning.pytorch.callbacks import Callback
+
+from lit_mesh.monitor.comm import CollectiveBytes
+
+# bf16 dense peak FLOP/s per device, by name (vendor data sheets); MFU is quoted against it, as is usual
+PEAK_BF16_FLOPS = {"H200": 989.4e12, "H100": 989.4e12, "A100": 312e12, "L40S": 362e12, "A10G": 70e12, "L4": 121e12}
+# which group names count for which mesh dim: the first view that owns a group names it
+_VIEW_ORDER = ("tp", "cp", "dp_shard_cp", "dp_shard", "dp_replicate", "dp", "dp_cp", "pp")
+
+
+def default_tokens_in_batch(batch: Any) -> tuple[int, int]:
+    """(tokens, sequence length) of a local batch: B*T for a (B, T) token tensor first, else B samples."""
+    first = batch[0] if isinstance(batch, (tuple, list)) else batch
+    if isinstance(first, torch.Tensor) and first.dim() == 2 and not first.is_floating_point():
+        return first.numel(), first.shape[1]
+    return (len(first), 1)
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """Peak allocated memory of this process: CUDA's allocator peak, or the peak resident set on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024  # Linux reports KiB
+
+
+def _default_peak_flops(device: torch.device) -> float | None:
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((flops for key, flops in PEAK_BF16_FLOPS.items() if key in name), None)
+
+
+class MeshMonitor(Callback):
+    """Logs on every logged training step (Trainer `log_every_n_steps`):
+
+    monitor/step_time_s, tokens_per_s (global; also in the progress bar), monitor/tokens_per_s_per_device,
+    monitor/tflops_per_device (achieved model FLOP/s), monitor/mfu (when the device peak is known),
+    monitor/peak_memory_gib (the largest over ranks), monitor/comm_mib/<dim> (MiB each rank sends in that
+    step over the groups of each mesh dim, largest over ranks; ring-algorithm model of the measured
+    collective sizes).
+
+    Model FLOPs per token come from the LightningModule's `flops_per_token(seq_len)` when it has one (the zoo
+    modules do), else 6 x parameters. Tokens per batch come from its `tokens_in_batch(batch)` -> (tokens,
+    seq_len) when it has one, else B*T of a (B, T) token tensor or B samples.
+    """
+
+    def __init__(
+        self,
+        peak_flops_per_device: float | None = None,
+        measure_comm: bool = True,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        self.peak_flops_per_device = peak_flops_per_device
+        self.measure_comm = measure_comm
+        self._clock = clock
+        self._start: float | None = None
+        self._comm: CollectiveBytes | None = None
+        self._dim_of_group: dict[str, str] = {}
+        self._dims: list[str] = []
+
+    # ---- setup ---------------------------------------------------------------------------------------
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if self.peak_flops_per_device is None:
+            self.peak_flops_per_device = _default_peak_flops(pl_module.device)
+        self._dim_of_group = {}
+        views = getattr(trainer.strategy, "mesh_views", None)
+        if views is not None:
+            for name in _VIEW_ORDER:
+                mesh = views[name]
+                if mesh.size() > 1:
+                    self._dim_of_group.setdefault(mesh.get_group().group_name, name)
+            for name in ("dp_replicate", "dp_shard_cp"):  # HSDP/DDP reduce over the 2D view's own groups
+                if views.hsdp[name].size() > 1:
+                    self._dim_of_group.setdefault(views.hsdp.get_group(name).group_name, name)
+        self._dims = sorted(set(self._dim_of_group.values())) + ["other"]
+
+    def data_replicas(self, trainer: L.Trainer) -> int:
+        """How many ranks read distinct data: all but the TP and PP ranks of one replica."""
+        layout = getattr(trainer.strategy, "layout", None)
+        if layout is None:
+            return trainer.world_size
+        return trainer.world_size // (layout.tp * layout.pp)
+
+    # ---- per step ------------------------------------------------------------------------------------
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
+        self._start = None
+        if not trainer._logger_connector.should_update_logs:  # measure only the steps that are logged
+            return
+        if self.measure_comm and dist.is_initialized():
+            self._comm = CollectiveBytes()
+            self._comm.__enter__()
+        self._synchronize(pl_module)
+        self._start = self._clock()
+
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if self._start is None:
+            return
+        self._synchronize(pl_module)
+        step_time = self._clock() - self._start
+        sent = self._stop_counting()
+        for name, value in self.step_metrics(trainer, pl_module, batch, step_time, sent).items():
+            pl_module.log(name, value, on_step=True, on_epoch=False, prog_bar=name == "tokens_per_s")
+
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        self._stop_counting()
+
+    def _stop_counting(self) -> dict[str, float]:
+        if self._comm is None:
+            return {}
+        self._comm.__exit__(None, None, None)
+        sent, self._comm = dict(self._comm.sent), None
+        return sent
+
+    @staticmethod
+    def _synchronize(pl_module: L.LightningModule) -> None:
+        if pl_module.device.type == "cuda":
+            torch.cuda.synchronize(pl_module.device)
+
+    # ---- the numbers ---------------------------------------------------------------------------------
+
+    def step_metrics(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, step_time: float, sent: dict[str, float]
+    ) -> dict[str, float]:
+        count = getattr(pl_module, "tokens_in_batch", default_tokens_in_batch)
+        local_tokens, seq_len = count(batch)
+        tokens = local_tokens * self.data_replicas(trainer)
+        flops_per_token = self.flops_per_token(pl_module, seq_len)
+        world = trainer.world_size
+        metrics = {
+            "monitor/step_time_s": step_time,
+            "tokens_per_s": tokens / step_time,
+            "monitor/tokens_per_s_per_device": tokens / step_time / world,
+            "monitor/tflops_per_device": tokens * flops_per_token / step_time / world / 1e12,
+        }
+        if self.peak_flops_per_device:
+            metrics["monitor/mfu"] = tokens * flops_per_token / step_time / world / self.peak_flops_per_device
+        per_rank = [float(peak_memory_bytes(pl_module.device))]
+        if self.measure_comm:
+            by_dim = dict.fromkeys(self._dims, 0.0)
+            for group, nbytes in sent.items():
+                dim = self._dim_of_group.get(group, "other")
+                by_dim[dim] = by_dim.get(dim, 0.0) + nbytes
+            per_rank += [by_dim[d] for d in self._dims]
+        largest = self._max_over_ranks(per_rank, pl_module.device)
+        metrics["monitor/peak_memory_gib"] = largest[0] / 2**30
+        if self.measure_comm:
+            metrics.update({f"monitor/comm_mib/{d}": v / 2**20 for d, v in zip(self._dims, largest[1:])})
+        return metrics
+
+    @staticmethod
+    def flops_per_token(pl_module: L.LightningModule, seq_len: int) -> float:
+        declared = getattr(pl_module, "flops_per_token", None)
+        if callable(declared):
+            return float(declared(seq_len))
+        return 6.0 * sum(p.numel() for p in pl_module.parameters())  # DTensor numel is the global size
+
+    @staticmethod
+    def _max_over_ranks(values: list[float], device: torch.device) -> list[float]:
+        if not dist.is_initialized():
+            return values
+        tensor = torch.tensor(values, dtype=torch.float64, device=device)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+        return tensor.tolist()

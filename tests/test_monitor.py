@@ -1,0 +1,95 @@
+"""MeshMonitor: the logged throughput, FLOPs, memory and communication checked against hand-computed values,
+on two ranks (DDP and TP) through the `lit-mesh` CLI."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.launch import REPO, cli_runs
+from tests.workers.monitor_clock import STEP_SECONDS
+from zoo.flops import gpt_flops_per_token, vit_flops_per_token
+from zoo.gpt import GPT, GPTConfig
+from zoo.vit import ViTConfig
+
+S = "--trainer.strategy.init_args."
+STEPS, BATCH, SEQ = 3, 8, 64
+PEAK = 1e9
+COMMON = [
+    "-c", str(REPO / "configs/gpt.yaml"), "--trainer.devices=2", f"--trainer.max_steps={STEPS}",
+    "--trainer.log_every_n_steps=1", "--trainer.logger=CSVLogger", f"--data.global_batch_size={BATCH}",
+    "--seed_everything=0", "--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false",
+    "--trainer.enable_checkpointing=false", "--trainer.callbacks+=tests.workers.monitor_clock.SteppingClockMonitor",
+]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
+    out = tmp_path_factory.mktemp("monitor")
+    return cli_runs(2, out, [
+        {"name": "ddp2", "args": [*COMMON, f"{S}dp_replicate=2"]},
+        {"name": "tp2", "args": [*COMMON, f"{S}tp=2", f"--trainer.callbacks.init_args.peak_flops_per_device={PEAK}"]},
+    ])
+
+
+def _at_each_step(result: dict, key: str) -> list[float]:
+    per_step = result["metrics"][key]
+    assert len(per_step) == STEPS, f"{key} logged at steps {sorted(per_step)}"
+    return [per_step[s] for s in sorted(per_step)]
+
+
+@pytest.mark.parametrize("layout", ["ddp2", "tp2"])
+def test_throughput_and_flops_equal_the_hand_computed_values(runs: dict, layout: str) -> None:
+    tokens = BATCH * SEQ  # the global batch, whether dp ranks split it (ddp2) or tp ranks share it (tp2)
+    flops = tokens * gpt_flops_per_token(GPTConfig.from_preset("tiny"), SEQ)
+    result = runs[layout]
+    assert _at_each_step(result, "monitor/step_time_s") == [STEP_SECONDS] * STEPS
+    assert _at_each_step(result, "tokens_per_s") == [pytest.approx(tokens / STEP_SECONDS)] * STEPS
+    assert _at_each_step(result, "monitor/tokens_per_s_per_device") == [pytest.approx(tokens / STEP_SECONDS / 2)] * STEPS
+    assert _at_each_step(result, "monitor/tflops_per_device") == [pytest.approx(flops / STEP_SECONDS / 2 / 1e12)] * STEPS
+    for peak in _at_each_step(result, "monitor/peak_memory_gib"):
+        assert 0.05 < peak < 24  # a Python process with torch loaded, within this machine
+
+
+def test_mfu_is_achieved_over_peak_when_the_peak_is_known(runs: dict) -> None:
+    assert "monitor/mfu" not in runs["ddp2"]["metrics"]  # CPU: no known peak
+    achieved = _at_each_step(runs["tp2"], "monitor/tflops_per_device")
+    assert _at_each_step(runs["tp2"], "monitor/mfu") == [pytest.approx(a * 1e12 / PEAK) for a in achieved]
+
+
+def test_ddp_sends_the_gradients_once_over_dp_replicate(runs: dict) -> None:
+    # ring all-reduce over 2 ranks: each rank sends 2 (n-1)/n = 1 x the tensor. Per step: the fp32 gradients,
+    # the non-finite-loss vote (one fp32 per rank) and the train_loss sync_dist mean (one fp32). On two ranks
+    # every mesh dim reuses the world group, so all three count for dp_replicate.
+    parameters = sum(p.numel() for p in GPT(GPTConfig.from_preset("tiny")).parameters())
+    for sent in _at_each_step(runs["ddp2"], "monitor/comm_mib/dp_replicate"):
+        assert sent * 2**20 == 4 * parameters + 4 * 2 + 4
+    assert not any(k.startswith("monitor/comm_mib/tp") for k in runs["ddp2"]["metrics"])
+
+
+def test_tensor_parallel_traffic_is_counted_on_tp(runs: dict) -> None:
+    assert all(sent > 0 for sent in _at_each_step(runs["tp2"], "monitor/comm_mib/tp"))
+    assert not any(k.startswith("monitor/comm_mib/dp") for k in runs["tp2"]["metrics"])
+
+
+def test_vit_flops_per_token_from_the_formula() -> None:
+    c = ViTConfig.from_preset("tiny")
+    s, d = c.seq_len, c.dim
+    per_image = 6 * (c.n_patches * c.in_channels * c.patch_size**2 * d + s * c.depth * (4 * d * d + 2 * d * c.mlp_hidden)
+                     + d * c.n_classes) + 12 * c.depth * s * s * d
+    assert vit_flops_per_token(c) == pytest.approx(per_image / s)
+
+
+def test_gpt_flops_per_token_is_six_n_plus_attention() -> None:
+    c = GPTConfig.from_preset("tiny")
+    model = GPT(c)
+    matmul = sum(p.numel() for n, p in model.named_parameters() if p.dim() == 2 and "embeddings" not in n)
+    assert gpt_flops_per_token(c, 64) == 6 * matmul + 12 * c.n_layers * 64 * c.dim
+
+
+def test_collectives_outside_a_process_group_are_not_needed_to_run() -> None:
+    from lit_mesh.monitor import CollectiveBytes
+
+    with CollectiveBytes() as counter:
+        torch.ones(3).sum()
+    assert dict(counter.sent) == {}
