@@ -32,6 +32,13 @@ class ParallelPlan:
     tp_divides: sizes that the tp degree must divide, by name (heads, kv heads, FFN width, vocabulary).
     init:       (parameter-name glob, Init) rules, first match wins: how each parameter starts, so a
                 sharded model materialised on many ranks equals the single-device one.
+    pp_first:   direct children that run before the blocks (embeddings): they go to the first pipeline stage.
+    pp_last:    direct children that run after the blocks (final norm, output head): the last stage.
+                A pipeline stage sets the ones it does not hold to None, so the forward must skip None
+                modules and pass hidden states through (see zoo/gpt.py).
+    positions:  keyword of the model's forward that takes the tokens' positions (T,), for a stage whose input
+                is a sequence shard (pipeline stages after the first under sequence parallelism); None when
+                the blocks do not depend on positions.
     """
 
     blocks: str
@@ -39,6 +46,9 @@ class ParallelPlan:
     tp_block: Mapping[str, TPStyle] = field(default_factory=dict)
     tp_divides: Mapping[str, int] = field(default_factory=dict)
     init: Sequence[tuple[str, Init]] = ()
+    pp_first: Sequence[str] = ()
+    pp_last: Sequence[str] = ()
+    positions: str | None = None
 
     def __post_init__(self) -> None:
         for name, style in {**self.tp_root, **self.tp_block}.items():

@@ -30,11 +30,12 @@ from torch.distributed.device_mesh import DeviceMesh
 from lit_mesh.async_save import AsyncCheckpointSaver, staged_state, write_metadata
 from lit_mesh.checkpoint import load_sharded_checkpoint, publish_checkpoint
 from lit_mesh.grad_norm import clip_grad_norm_
-from lit_mesh.mesh import MeshLayout, MeshViews, build_device_mesh, check_degrees, resolve_layout, tp_crosses_nodes
-from lit_mesh.parallel.apply import is_user_parallelised, materialize, parallelize
+from lit_mesh.mesh import MeshConfigError, MeshLayout, MeshViews, build_device_mesh, check_degrees, resolve_layout, tp_crosses_nodes
+from lit_mesh.parallel.apply import Parallelized, is_user_parallelised, materialize, parallelize
 from lit_mesh.parallel.checkpointing import ActivationCheckpointing, check_activation_checkpointing
 from lit_mesh.parallel.compile import check_compile
 from lit_mesh.parallel.data import fsdp_roots
+from lit_mesh.parallel.pipeline import PipelineRunner, attach_runner, check_pipeline_settings
 from lit_mesh.precision import check_precision_plugin
 
 
@@ -48,8 +49,14 @@ class MeshStrategy(ModelParallelStrategy):
         dp_shard: FSDP shards per replica; "auto" fills the world size (the default when no dp degree is given).
         tp: tensor-parallel degree (innermost dim: keep it inside a node).
         cp: context-parallel degree (not yet supported: must be 1).
-        pp: pipeline-parallel degree (not yet supported: must be 1).
+        pp: pipeline-parallel degree (outermost dim: stages may span nodes). The LightningModule computes its loss
+            with `lit_mesh.loss_of(self.model, loss_fn, inputs, targets)` (and its outputs with `output_of`).
         ep: expert-parallel degree, borrowed from dp_shard x cp (not yet supported: must be 1).
+        pp_schedule: "gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "zero_bubble" (interleaved zero bubble),
+            "zbv" or "dualpipev" (V-shaped, 2 stages per rank).
+        pp_microbatches: micro-batches per step (must divide each pipeline replica's batch); default pp.
+        pp_stages_per_rank: virtual stages per rank for the interleaved schedules (default 2 there, else 1).
+        pp_split: blocks per stage, e.g. [3, 5]; default: balanced, counting embedding and head as one block each.
         sequence_parallel: shard activations over the sequence between TP regions (needs tp to divide it).
         activation_checkpointing: "none", "full" (recompute whole blocks in backward) or "selective" (keep
             matmul, attention and collective outputs, recompute the rest).
@@ -77,6 +84,10 @@ class MeshStrategy(ModelParallelStrategy):
         cp: int = 1,
         pp: int = 1,
         ep: int = 1,
+        pp_schedule: str = "1f1b",
+        pp_microbatches: Optional[int] = None,
+        pp_stages_per_rank: Optional[int] = None,
+        pp_split: Optional[list[int]] = None,
         sequence_parallel: bool = True,
         activation_checkpointing: ActivationCheckpointing = "none",
         ac_every_n_blocks: int = 1,
@@ -95,6 +106,8 @@ class MeshStrategy(ModelParallelStrategy):
         )
         self._degrees: dict[str, Any] = dict(dp=dp, dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp, cp=cp, pp=pp, ep=ep)
         check_degrees(**self._degrees)  # what needs no world size fails here, in the user's process
+        self.pipeline_settings = check_pipeline_settings(pp, pp_schedule, pp_microbatches, pp_stages_per_rank, pp_split)
+        self._pipeline: Optional[PipelineRunner] = None
         check_activation_checkpointing(activation_checkpointing, ac_every_n_blocks)
         self.sequence_parallel = sequence_parallel
         self.activation_checkpointing = activation_checkpointing
@@ -134,6 +147,11 @@ class MeshStrategy(ModelParallelStrategy):
         # Called by the Trainer before any process is spawned: validate here, not after spawning.
         check_precision_plugin(self.precision_plugin)
         layout = self.layout
+        if layout.pp > 1 and str(self.precision_plugin.precision) == "16-mixed":
+            raise MeshConfigError(
+                f"pp={layout.pp} with fp16 loss scaling: the pipeline schedule runs the backward itself, outside the"
+                " scaler; use precision='bf16-mixed' (no scaler needed) or pp=1"
+            )
         if self.num_processes and tp_crosses_nodes(layout, self.num_processes):
             rank_zero_warn(
                 f"tp={layout.tp} does not divide the {self.num_processes} devices of one node: tensor-parallel"
@@ -168,10 +186,15 @@ class MeshStrategy(ModelParallelStrategy):
         precision = str(self.precision_plugin.precision)
         self.model = self.precision_plugin.convert_module(self.model)  # bf16-true: cast while still on meta
         if is_user_parallelised(self.model):
+            if self.layout.pp > 1:
+                raise MeshConfigError(
+                    f"pp={self.layout.pp}: configure_model parallelised the model itself, so MeshStrategy cannot cut"
+                    " it into pipeline stages; declare a parallel_plan() instead, or use pp=1"
+                )
             rank_zero_info("MeshStrategy: configure_model parallelised the model itself; no plan is applied")
-            owners = []
+            done = Parallelized([])
         else:
-            owners = parallelize(
+            done = parallelize(
                 self.model,
                 self.mesh_views,
                 self.layout,
@@ -180,9 +203,12 @@ class MeshStrategy(ModelParallelStrategy):
                 activation_checkpointing=self.activation_checkpointing,
                 ac_every_n_blocks=self.ac_every_n_blocks,
                 compile_backend=self.compile_backend,
+                pipeline=self.pipeline_settings,
             )
-        materialize(self.model, owners, self.root_device)
+        materialize(self.model, done.owners, self.root_device)
         self.model_to_device()
+        if done.stages is not None:
+            self._setup_pipeline(done)
         # Lightning's default clipping cannot mix DTensors of different meshes; clip by the global norm.
         self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm  # type: ignore[method-assign]
         self.barrier()
@@ -192,10 +218,29 @@ class MeshStrategy(ModelParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
 
+    def _setup_pipeline(self, done: Parallelized) -> None:
+        owner = done.owners[0].module
+        assert done.stage_ranks is not None and self.mesh_views is not None
+        self._pipeline = PipelineRunner(
+            done.stages,
+            done.n_stages,
+            self.pipeline_settings,
+            self.mesh_views["pp"].get_group(),
+            last_stage_rank=done.stage_ranks[-1],
+            device=self.root_device,
+            parameters=lambda: list(owner.parameters()),
+        )
+        attach_runner(owner, self._pipeline)
+
     def _clip_grad_by_norm(self, optimizer: torch.optim.Optimizer, clip_val: Union[int, float]) -> None:
-        clip_grad_norm_(self.precision_plugin.main_params(optimizer), float(clip_val))
+        # pipeline stages hold different parameters: their norms add up over pp
+        across = self.mesh_views["pp"].get_group() if self._pipeline is not None else None
+        clip_grad_norm_(self.precision_plugin.main_params(optimizer), float(clip_val), across=across)
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._pipeline is not None:
+            assert self.lightning_module is not None
+            self._pipeline.accumulation = self.lightning_module.trainer.accumulate_grad_batches
         output = super().training_step(*args, **kwargs)
         if self.stop_on_nonfinite_loss:
             loss = output.get("loss") if isinstance(output, dict) else output
@@ -217,6 +262,18 @@ class MeshStrategy(ModelParallelStrategy):
                 " set gradient_clip_val, try precision='32-true', or resume from the last checkpoint"
                 " (stop_on_nonfinite_loss=False turns this check off)"
             )
+
+    def backward(self, closure_loss: Tensor, optimizer: Optional[torch.optim.Optimizer], *args: Any, **kwargs: Any) -> Tensor:
+        if self._pipeline is None:
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+        # the schedule ran forward and backward inside training_step (lit_mesh.loss_of); the hooks still run
+        assert self.lightning_module is not None
+        self.pre_backward(closure_loss)
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
+        self._pipeline.add_fresh_grads()
+        closure_loss = self.precision_plugin.post_backward(closure_loss, self.lightning_module)
+        self.post_backward(closure_loss)
+        return closure_loss
 
     # ---- collectives over the right groups ----------------------------------------------------------------
 

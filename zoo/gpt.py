@@ -163,6 +163,9 @@ class GPT(nn.Module):
         c = self.config
         return ParallelPlan(
             blocks="layers",
+            pp_first=("tok_embeddings",),
+            pp_last=("norm", "output"),
+            positions="positions",
             tp_root={"tok_embeddings": "embedding", "norm": "norm", "output": "head"},
             tp_block={
                 "attention_norm": "norm",

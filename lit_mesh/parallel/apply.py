@@ -1,5 +1,6 @@
 """The one place where plans are applied, in the one order:
-TP/SP -> activation checkpointing -> torch.compile -> FSDP/HSDP/DDP per block -> root.
+split into pipeline stages -> TP/SP -> activation checkpointing -> torch.compile -> FSDP/HSDP/DDP per block
+-> each stage's root.
 
 Later techniques slot in between (CP and EP after TP) without changing the order.
 """
@@ -19,6 +20,15 @@ from lit_mesh.mesh import MeshLayout, MeshViews
 from lit_mesh.parallel.checkpointing import apply_activation_checkpointing
 from lit_mesh.parallel.compile import apply_compile
 from lit_mesh.parallel.data import apply_data_parallel, data_parallel_mesh
+from lit_mesh.parallel.pipeline import PipelineSettings
+from lit_mesh.parallel.pipeline_split import (
+    Stage,
+    balanced_split,
+    check_split,
+    pass_global_positions,
+    split_into_stages,
+    stage_ranks,
+)
 from lit_mesh.parallel.tensor import PlanError, apply_tensor_parallel
 from lit_mesh.plan import ParallelPlan
 
@@ -76,6 +86,34 @@ def _units_outside_owners(module: nn.Module, prefix: str, owners: list[PlanOwner
     return units
 
 
+@dataclass
+class Parallelized:
+    """What `parallelize` did: the plan owners, and this rank's pipeline stages (None without pp)."""
+
+    owners: list[PlanOwner]
+    stages: list[Stage] | None = None
+    n_stages: int = 1
+    stage_ranks: list[int] | None = None
+
+
+def split_pipeline(root: nn.Module, owners: list[PlanOwner], mesh: MeshViews, pipeline: PipelineSettings) -> Parallelized:
+    """Cut the one plan owner into stages and keep this pp rank's (the first step of the order)."""
+    if len(owners) != 1:
+        found = [o.name for o in owners] or "none"
+        raise PlanError(
+            f"pp > 1 pipelines one model that declares parallel_plan(); {type(root).__name__} has {found}."
+            " Declare a plan on the network (see examples/own_model_plan.py), or use pp=1"
+        )
+    owner = owners[0]
+    n_blocks = len(owner.module.get_submodule(owner.plan.blocks))
+    pp = mesh["pp"].size()
+    n_stages = pp * pipeline.local_stages()
+    split = check_split(pipeline.split, n_blocks, n_stages) if pipeline.split else balanced_split(n_blocks, n_stages)
+    ranks = stage_ranks(n_stages, pp, pipeline.placement)
+    stages = split_into_stages(owner.module, owner.plan, split, ranks, mesh["pp"].get_local_rank())
+    return Parallelized(owners, stages, n_stages, ranks)
+
+
 def parallelize(
     root: nn.Module,
     mesh: MeshViews,
@@ -86,9 +124,11 @@ def parallelize(
     activation_checkpointing: str = "none",
     ac_every_n_blocks: int = 1,
     compile_backend: str | None = None,
-) -> list[PlanOwner]:
-    """Apply every technique to `root` (the LightningModule) in the fixed order; returns the plan owners."""
+    pipeline: PipelineSettings | None = None,
+) -> Parallelized:
+    """Apply every technique to `root` (the LightningModule) in the fixed order."""
     owners = find_plan_owners(root)
+    done = split_pipeline(root, owners, mesh, pipeline) if layout.pp > 1 and pipeline else Parallelized(owners)
     per_block = {"activation_checkpointing": activation_checkpointing != "none", "compile_blocks": compile_backend}
     for option, asked in per_block.items():
         if asked and not owners:
@@ -104,6 +144,9 @@ def parallelize(
             )
         for owner in owners:
             apply_tensor_parallel(owner.module, owner.plan, mesh["tp"], sequence_parallel)
+        if done.stages and sequence_parallel and owners[0].plan.positions:
+            for stage in (s for s in done.stages if s.index != 0):  # the first stage counts them itself
+                pass_global_positions(stage.module, owners[0].plan.positions, layout.tp)
     for owner in owners:
         blocks = list(owner.module.get_submodule(owner.plan.blocks))
         apply_activation_checkpointing(blocks, activation_checkpointing, ac_every_n_blocks)
@@ -113,10 +156,12 @@ def parallelize(
     if dp_mesh is not None:
         for owner in owners:
             blocks = owner.module.get_submodule(owner.plan.blocks)
-            apply_data_parallel(owner.module, list(blocks), dp_mesh, layout, precision)
+            # each pipeline stage is an FSDP root of its own (one stage per rank: the model itself)
+            stage_roots = [s.module for s in done.stages] if done.stages else [owner.module]
+            apply_data_parallel(stage_roots, list(blocks), dp_mesh, layout, precision)
         for unit in _units_outside_owners(root, "", owners):
-            apply_data_parallel(unit, [], dp_mesh, layout, precision)
-    return owners
+            apply_data_parallel([unit], [], dp_mesh, layout, precision)
+    return done
 
 
 def meta_modules(root: nn.Module) -> set[nn.Module]:

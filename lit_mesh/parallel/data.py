@@ -36,15 +36,17 @@ def mixed_precision_policy(precision: str) -> MixedPrecisionPolicy:
 
 
 def apply_data_parallel(
-    root: nn.Module, blocks: Iterable[nn.Module], dp_mesh: DeviceMesh, layout: MeshLayout, precision: str
+    roots: Iterable[nn.Module], blocks: Iterable[nn.Module], dp_mesh: DeviceMesh, layout: MeshLayout, precision: str
 ) -> None:
-    """fully_shard each block (the communication units), then the root for what is left."""
+    """fully_shard each block (the communication units), then each root for what is left (one root, or one per
+    pipeline stage of this rank)."""
     policy = mixed_precision_policy(precision)
     # DDP keeps parameters gathered between forward and backward (no re-gather), like torch DDP
     reshard = layout.data_parallel != "ddp"
     for block in blocks:
         fully_shard(block, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard)
-    fully_shard(root, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard)
+    for root in roots:
+        fully_shard(root, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard)
 
 
 def fsdp_roots(module: nn.Module) -> list[FSDPModule]:

@@ -102,6 +102,8 @@ def apply_tensor_parallel(model: nn.Module, plan: ParallelPlan, tp_mesh: DeviceM
     for block in model.get_submodule(plan.blocks):
         targets += [(block, name, style) for name, style in plan.tp_block.items()]
     for owner, name, style in targets:
+        if name.split(".")[0] in owner._modules and owner._modules[name.split(".")[0]] is None:
+            continue  # a pipeline stage that does not hold this module
         try:
             module = owner.get_submodule(name)
         except AttributeError:

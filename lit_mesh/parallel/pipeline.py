@@ -1,0 +1,275 @@
+"""Pipeline parallelism inside Lightning's own loop, with torch.distributed.pipelining as the engine.
+
+How it fits Lightning's automatic optimisation (see shared DESIGN, "Automatic optimisation"):
+- `training_step` calls `loss_of(self.model, self.loss_fn, inputs, targets)`: on a pipelined model that runs the
+  whole schedule (forward and backward over the micro-batches) and returns the true loss on every pp rank, so
+  `self.log("train_loss", loss)` and `ModelCheckpoint(monitor=...)` see the real value everywhere.
+- Lightning then calls `zero_grad` (first micro-step of an accumulation window) and `backward`: the gradients the
+  schedule made are set aside before `zero_grad` can wipe them and added back in the strategy's `backward`.
+- Losses are scaled by 1 / (micro-batches x accumulation) inside the schedule, built with `scale_grads=False`
+  (its own scaling would also divide gradients accumulated by earlier micro-steps).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining import schedules as torch_schedules
+
+from lit_mesh.parallel.pipeline_split import PipelineConfigError, Placement, Stage
+
+# name -> (torch schedule class, stages per rank: "one" or "many", placement of stages on ranks)
+SCHEDULES: dict[str, tuple[type, str, Placement]] = {
+    "gpipe": (torch_schedules.ScheduleGPipe, "one", "loop"),
+    "1f1b": (torch_schedules.Schedule1F1B, "one", "loop"),
+    "interleaved_1f1b": (torch_schedules.ScheduleInterleaved1F1B, "many", "loop"),
+    "looped_bfs": (torch_schedules.ScheduleLoopedBFS, "many", "loop"),
+    "zero_bubble": (torch_schedules.ScheduleInterleavedZeroBubble, "many", "loop"),
+    "zbv": (torch_schedules.ScheduleZBVZeroBubble, "two", "v"),
+    "dualpipev": (torch_schedules.ScheduleDualPipeV, "two", "v"),
+}
+
+
+@dataclass(frozen=True)
+class PipelineSettings:
+    """What the user chose: schedule, micro-batches per step, stages per rank, optional blocks per stage."""
+
+    schedule: str = "1f1b"
+    microbatches: Optional[int] = None  # None: pp (one per stage rank)
+    stages_per_rank: Optional[int] = None  # None: 1, or 2 for the schedules that need several
+    split: Optional[tuple[int, ...]] = None
+
+    @property
+    def placement(self) -> Placement:
+        return SCHEDULES[self.schedule][2]
+
+    def local_stages(self) -> int:
+        if self.stages_per_rank is not None:
+            return self.stages_per_rank
+        return 1 if SCHEDULES[self.schedule][1] == "one" else 2
+
+    def n_microbatches(self, pp: int) -> int:
+        return self.microbatches if self.microbatches is not None else pp
+
+
+def check_pipeline_settings(
+    pp: int, schedule: str, microbatches: Optional[int], stages_per_rank: Optional[int], split: Optional[Sequence[int]]
+) -> PipelineSettings:
+    """Everything that needs no model and no world: checked in MeshStrategy.__init__."""
+    if schedule not in SCHEDULES:
+        raise PipelineConfigError(f"pp_schedule={schedule!r} is not a schedule; choose one of {sorted(SCHEDULES)}")
+    for name, value in (("pp_microbatches", microbatches), ("pp_stages_per_rank", stages_per_rank)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise PipelineConfigError(f"{name}={value!r} must be a positive int (or None for the default)")
+    kind = SCHEDULES[schedule][1]
+    if stages_per_rank is not None:
+        if kind == "one" and stages_per_rank != 1:
+            raise PipelineConfigError(
+                f"pp_schedule={schedule!r} runs one stage per rank, not pp_stages_per_rank={stages_per_rank};"
+                " use 'interleaved_1f1b', 'looped_bfs' or 'zero_bubble' for several"
+            )
+        if kind == "many" and stages_per_rank < 2:
+            raise PipelineConfigError(
+                f"pp_schedule={schedule!r} interleaves several stages per rank, but pp_stages_per_rank="
+                f"{stages_per_rank}; set pp_stages_per_rank >= 2, or use '1f1b' for one stage per rank"
+            )
+        if kind == "two" and stages_per_rank != 2:
+            raise PipelineConfigError(
+                f"pp_schedule={schedule!r} runs exactly 2 stages per rank (V shape), not {stages_per_rank};"
+                " set pp_stages_per_rank=2"
+            )
+    settings = PipelineSettings(schedule, microbatches, stages_per_rank, tuple(split) if split is not None else None)
+    if split is not None and len(split) != pp * settings.local_stages():
+        raise PipelineConfigError(
+            f"pp_split={list(split)} has {len(split)} entries but pp={pp} x stages per rank"
+            f" {settings.local_stages()} = {pp * settings.local_stages()} stages; give one number of blocks per stage"
+        )
+    if pp == 1 and (schedule != "1f1b" or microbatches is not None or stages_per_rank is not None or split):
+        raise PipelineConfigError("pp_schedule, pp_microbatches, pp_stages_per_rank and pp_split need pp > 1")
+    return settings
+
+
+class PipelineRunner:
+    """This rank's stages and schedule, and the glue that runs them from Lightning's steps."""
+
+    def __init__(
+        self,
+        stages: list[Stage],
+        n_stages: int,
+        settings: PipelineSettings,
+        pp_group: dist.ProcessGroup,
+        last_stage_rank: int,
+        device: torch.device,
+        parameters: Callable[[], list[nn.Parameter]],
+    ) -> None:
+        self.settings = settings
+        self.group = pp_group
+        self.pp = dist.get_world_size(pp_group)
+        self.last_stage_rank = last_stage_rank  # in the pp group
+        self.holds_last_stage = dist.get_rank(pp_group) == last_stage_rank
+        self._parameters = parameters
+        self.accumulation = 1
+        self._loss_fn: Optional[Callable[[Tensor, Tensor], Tensor]] = None
+        self._loss_scale = 1.0
+        self._raw_losses: dict[int, Tensor] = {}  # id of the scaled loss the schedule keeps -> unscaled value
+        self._fresh_grads: Optional[list[Optional[Tensor]]] = None
+        self.n_microbatches = settings.n_microbatches(self.pp)
+        # Two schedules, each with stages of its own: torch re-runs its shape inference (a real forward and
+        # backward, which also drops .grad) whenever one schedule switches between step() and eval().
+        self.stages, self.schedule = self._build(stages, n_stages, device)
+        self.eval_stages, self.eval_schedule = self._build(stages, n_stages, device)
+        self.recorder: Any = None  # lit_mesh.pipeline_timeline.TimelineRecorder while one is attached
+
+    def _build(self, stages: list[Stage], n_stages: int, device: torch.device) -> tuple[list[PipelineStage], Any]:
+        built = [PipelineStage(s.module, s.index, n_stages, device, group=self.group) for s in stages]
+        schedule_cls, per_rank, _ = SCHEDULES[self.settings.schedule]
+        owned = built[0] if per_rank == "one" else built
+        schedule = schedule_cls(owned, n_microbatches=self.n_microbatches, loss_fn=self._microbatch_loss, scale_grads=False)
+        return built, schedule
+
+    # ---- the loss the schedule calls on the last stage, once per micro-batch ----------------------------
+
+    def _microbatch_loss(self, output: Tensor, target: Optional[Tensor]) -> Tensor:
+        if self._loss_fn is None or target is None:  # forward only (predict): no loss asked for
+            return output.new_zeros(())
+        loss = self._loss_fn(output, target)
+        scaled = loss * self._loss_scale
+        # keyed by the tensor the schedule reports: calls the schedule makes for shape inference do not count
+        self._raw_losses[id(scaled)] = loss.detach().float()
+        return scaled
+
+    def _check_batch(self, inputs: Tensor) -> None:
+        size = inputs.shape[0]
+        if size % self.n_microbatches:
+            raise PipelineConfigError(
+                f"pp_microbatches={self.n_microbatches} does not divide the batch of {size} samples each pipeline"
+                f" replica gets (global batch / data-parallel size); choose pp_microbatches among the divisors"
+                f" of {size}, or change global_batch_size"
+            )
+
+    # ---- from the LightningModule's steps ----------------------------------------------------------------
+
+    def loss(self, loss_fn: Callable[[Tensor, Tensor], Tensor], inputs: Tensor, targets: Tensor) -> Tensor:
+        """The mean loss of the batch, on every pp rank; in training, gradients are made here as well."""
+        self._check_batch(inputs)
+        self._loss_fn, self._raw_losses, losses = loss_fn, {}, []
+        try:
+            if torch.is_grad_enabled():
+                self._loss_scale = 1.0 / (self.n_microbatches * self.accumulation)
+                self._run_and_set_aside_grads(inputs, targets, losses)
+            else:
+                self._loss_scale = 1.0
+                with self._grads_kept():
+                    self.eval_schedule.eval(*self._first_stage_args(inputs), target=targets, losses=losses)
+        finally:
+            self._loss_fn = None
+        if self.holds_last_stage:
+            local = torch.stack([self._raw_losses[id(loss)] for loss in losses]).mean()
+        else:
+            local = torch.zeros((), device=inputs.device)
+        self._raw_losses = {}
+        return self._broadcast(local)
+
+    def output(self, inputs: Tensor) -> Tensor:
+        """The model's output for `inputs` (forward only), on every pp rank."""
+        self._check_batch(inputs)
+        with torch.no_grad(), self._grads_kept():
+            out = self.eval_schedule.eval(*self._first_stage_args(inputs))
+        meta = [(tuple(out.shape), out.dtype) if self.holds_last_stage else None]
+        dist.broadcast_object_list(meta, group=self.group, group_src=self.last_stage_rank)
+        shape, dtype = meta[0]
+        if not self.holds_last_stage:
+            out = torch.empty(shape, dtype=dtype, device=inputs.device)
+        return self._broadcast(out.contiguous())
+
+    def _first_stage_args(self, inputs: Tensor) -> tuple:
+        return (inputs,) if any(stage.is_first for stage in self.stages) else ()
+
+    @contextmanager
+    def _grads_kept(self) -> Iterator[None]:
+        # an evaluation in the middle of an accumulation window must not lose the gradients so far
+        # (the schedule's first call drops .grad after its shape inference)
+        params = self._parameters()
+        kept = [p.grad for p in params]
+        try:
+            yield
+        finally:
+            for p, grad in zip(params, kept):
+                p.grad = grad
+
+    def _broadcast(self, tensor: Tensor) -> Tensor:
+        dist.broadcast(tensor, group=self.group, group_src=self.last_stage_rank)
+        return tensor
+
+    # ---- gradients: made in training_step, handed to Lightning's backward -------------------------------
+
+    def _run_and_set_aside_grads(self, inputs: Tensor, targets: Tensor, losses: list) -> None:
+        params = self._parameters()
+        earlier = [p.grad for p in params]  # what earlier micro-steps accumulated; zero_grad may still clear it
+        for p in params:
+            p.grad = None
+        recorder = self.recorder
+        if recorder is not None:
+            recorder.start_step()
+        self.schedule.step(*self._first_stage_args(inputs), target=targets, losses=losses)
+        if recorder is not None:
+            recorder.end_step()
+        self._fresh_grads = [p.grad for p in params]
+        for p, grad in zip(params, earlier):
+            p.grad = grad
+
+    def add_fresh_grads(self) -> None:
+        """Called from the strategy's backward: add this step's gradients to what zero_grad left."""
+        if self._fresh_grads is None:
+            raise RuntimeError(
+                "backward ran without a pipelined forward: under pp > 1 the training_step must compute its loss"
+                " with lit_mesh.loss_of(self.model, loss_fn, inputs, targets)"
+            )
+        for p, fresh in zip(self._parameters(), self._fresh_grads):
+            if fresh is not None:
+                p.grad = fresh if p.grad is None else p.grad + fresh
+        self._fresh_grads = None
+
+
+_RUNNER_ATTR = "_lit_mesh_pipeline"
+
+
+def attach_runner(model: nn.Module, runner: PipelineRunner) -> None:
+    setattr(model, _RUNNER_ATTR, runner)  # a plain attribute: not a submodule, not in the state dict
+
+
+def runner_of(model: nn.Module) -> Optional[PipelineRunner]:
+    return getattr(model, _RUNNER_ATTR, None)
+
+
+def loss_of(model: nn.Module, loss_fn: Callable[[Tensor, Tensor], Tensor], inputs: Tensor, targets: Tensor) -> Tensor:
+    """`loss_fn(model(inputs), targets)`; when MeshStrategy pipelines `model` (pp > 1), the same loss computed by
+    the pipeline schedule over micro-batches (in training its backward runs here too), on every pp rank.
+
+    The one line a LightningModule changes for pipeline parallelism. `loss_fn` must be a mean over the batch.
+    """
+    runner = runner_of(model)
+    if runner is None:
+        return loss_fn(model(inputs), targets)
+    return runner.loss(loss_fn, inputs, targets)
+
+
+def output_of(model: nn.Module, inputs: Tensor) -> Tensor:
+    """`model(inputs)`; when MeshStrategy pipelines `model`, a forward-only pass through every stage whose
+    output (the last stage's) is returned on every pp rank. For evaluation and prediction."""
+    runner = runner_of(model)
+    if runner is None:
+        return model(inputs)
+    if torch.is_grad_enabled() and model.training:
+        raise RuntimeError(
+            "output_of() runs the pipeline forward only; in training_step use lit_mesh.loss_of(self.model, loss_fn,"
+            " inputs, targets) so that the schedule also runs the backward"
+        )
+    return runner.output(inputs)
