@@ -25,10 +25,11 @@ from lightning.pytorch.strategies.launchers.subprocess_script import _Subprocess
 from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
+from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 from torch.distributed.device_mesh import DeviceMesh
 
 from lit_mesh.async_save import AsyncCheckpointSaver, staged_state, write_metadata
-from lit_mesh.checkpoint import load_sharded_checkpoint, publish_checkpoint
+from lit_mesh.checkpoint import OPTIMIZER_STATE_OPTIONS, load_sharded_checkpoint, publish_checkpoint
 from lit_mesh.grad_norm import clip_grad_norm_
 from lit_mesh.mesh import MeshConfigError, MeshLayout, MeshViews, build_device_mesh, check_degrees, resolve_layout, tp_crosses_nodes
 from lit_mesh.parallel.apply import Parallelized, is_user_parallelised, materialize, parallelize
@@ -226,7 +227,7 @@ class MeshStrategy(ModelParallelStrategy):
             done.n_stages,
             self.pipeline_settings,
             self.mesh_views["pp"].get_group(),
-            last_stage_rank=done.stage_ranks[-1],
+            done.stage_ranks,
             device=self.root_device,
             parameters=lambda: list(owner.parameters()),
         )
@@ -326,6 +327,13 @@ class MeshStrategy(ModelParallelStrategy):
         if self.global_rank == 0:
             publish_checkpoint(staging, path)
         self.barrier()
+
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        if not self._save_distributed_checkpoint:
+            return super().optimizer_state(optimizer)
+        optimizer = getattr(optimizer, "_optimizer", optimizer)  # unwrap LightningOptimizer
+        assert self.model is not None
+        return get_optimizer_state_dict(self.model, optimizer, options=OPTIMIZER_STATE_OPTIONS)
 
     def wait_for_checkpoint(self) -> None:
         """Block until an asynchronous save in flight is on disk under its name (no-op otherwise)."""

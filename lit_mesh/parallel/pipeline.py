@@ -13,7 +13,7 @@ How it fits Lightning's automatic optimisation (see shared DESIGN, "Automatic op
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -35,6 +35,10 @@ SCHEDULES: dict[str, tuple[type, str, Placement]] = {
     "zbv": (torch_schedules.ScheduleZBVZeroBubble, "two", "v"),
     "dualpipev": (torch_schedules.ScheduleDualPipeV, "two", "v"),
 }
+
+
+_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64]
+_MAX_DIMS = 8
 
 
 @dataclass(frozen=True)
@@ -105,15 +109,17 @@ class PipelineRunner:
         n_stages: int,
         settings: PipelineSettings,
         pp_group: dist.ProcessGroup,
-        last_stage_rank: int,
+        stage_ranks: list[int],
         device: torch.device,
         parameters: Callable[[], list[nn.Parameter]],
     ) -> None:
         self.settings = settings
         self.group = pp_group
         self.pp = dist.get_world_size(pp_group)
-        self.last_stage_rank = last_stage_rank  # in the pp group
-        self.holds_last_stage = dist.get_rank(pp_group) == last_stage_rank
+        self.stage_ranks = stage_ranks  # pp rank of every stage
+        self.last_stage_rank = stage_ranks[-1]
+        self.holds_last_stage = dist.get_rank(pp_group) == self.last_stage_rank
+        self.local_stages = stages
         self._parameters = parameters
         self.accumulation = 1
         self._loss_fn: Optional[Callable[[Tensor, Tensor], Tensor]] = None
@@ -121,10 +127,13 @@ class PipelineRunner:
         self._raw_losses: dict[int, Tensor] = {}  # id of the scaled loss the schedule keeps -> unscaled value
         self._fresh_grads: Optional[list[Optional[Tensor]]] = None
         self.n_microbatches = settings.n_microbatches(self.pp)
-        # Two schedules, each with stages of its own: torch re-runs its shape inference (a real forward and
-        # backward, which also drops .grad) whenever one schedule switches between step() and eval().
+        # training only: evaluation has its own forward-only loop (_forward_only), because torch re-runs its
+        # shape inference (a real forward and backward, dropping .grad) whenever a schedule switches between
+        # step() and eval(), and eval() of the multi-stage schedules still runs backward actions (torch 2.13)
         self.stages, self.schedule = self._build(stages, n_stages, device)
-        self.eval_stages, self.eval_schedule = self._build(stages, n_stages, device)
+        self._inside = False  # True while this runner drives the stages
+        for stage in stages:
+            stage.module.register_forward_pre_hook(self._refuse_direct_calls, prepend=True)
         self.recorder: Any = None  # lit_mesh.pipeline_timeline.TimelineRecorder while one is attached
 
     def _build(self, stages: list[Stage], n_stages: int, device: torch.device) -> tuple[list[PipelineStage], Any]:
@@ -144,6 +153,22 @@ class PipelineRunner:
         # keyed by the tensor the schedule reports: calls the schedule makes for shape inference do not count
         self._raw_losses[id(scaled)] = loss.detach().float()
         return scaled
+
+    def _refuse_direct_calls(self, module: nn.Module, _args: Any) -> None:
+        if not self._inside:
+            raise RuntimeError(
+                f"{type(module).__name__} is one pipeline stage under MeshStrategy(pp={self.pp}): call it through"
+                " lit_mesh.loss_of(self.model, loss_fn, inputs, targets) in training_step (and output_of(self.model,"
+                " inputs) to get outputs), not directly"
+            )
+
+    @contextmanager
+    def _driving(self) -> Iterator[None]:
+        self._inside = True
+        try:
+            yield
+        finally:
+            self._inside = False
 
     def _check_batch(self, inputs: Tensor) -> None:
         size = inputs.shape[0]
@@ -165,44 +190,74 @@ class PipelineRunner:
                 self._loss_scale = 1.0 / (self.n_microbatches * self.accumulation)
                 self._run_and_set_aside_grads(inputs, targets, losses)
             else:
-                self._loss_scale = 1.0
-                with self._grads_kept():
-                    self.eval_schedule.eval(*self._first_stage_args(inputs), target=targets, losses=losses)
+                with self._driving():
+                    outputs = self._forward_only(inputs)
+                losses = [loss_fn(out, target) for out, target in zip(outputs, targets.tensor_split(self.n_microbatches))]
         finally:
             self._loss_fn = None
-        if self.holds_last_stage:
+        if not self.holds_last_stage:
+            local = torch.zeros((), device=inputs.device)
+        elif torch.is_grad_enabled():
             local = torch.stack([self._raw_losses[id(loss)] for loss in losses]).mean()
         else:
-            local = torch.zeros((), device=inputs.device)
+            local = torch.stack([loss.float() for loss in losses]).mean()
         self._raw_losses = {}
         return self._broadcast(local)
 
     def output(self, inputs: Tensor) -> Tensor:
         """The model's output for `inputs` (forward only), on every pp rank."""
         self._check_batch(inputs)
-        with torch.no_grad(), self._grads_kept():
-            out = self.eval_schedule.eval(*self._first_stage_args(inputs))
-        meta = [(tuple(out.shape), out.dtype) if self.holds_last_stage else None]
+        with torch.no_grad(), self._driving():
+            outputs = self._forward_only(inputs)
+        out = torch.cat(outputs) if self.holds_last_stage else None
+        meta = [(tuple(out.shape), out.dtype) if out is not None else None]
         dist.broadcast_object_list(meta, group=self.group, group_src=self.last_stage_rank)
         shape, dtype = meta[0]
-        if not self.holds_last_stage:
+        if out is None:
             out = torch.empty(shape, dtype=dtype, device=inputs.device)
         return self._broadcast(out.contiguous())
+
+    def _forward_only(self, inputs: Tensor) -> list[Tensor]:
+        """Every micro-batch through this rank's stages in stage order (a DAG: no cycle, no deadlock); returns
+        the last stage's outputs per micro-batch (empty on other ranks). Activations cross ranks by P2P."""
+        micro = list(inputs.tensor_split(self.n_microbatches))
+        handed: dict[int, list[Tensor]] = {}  # stage index -> its inputs, when the previous stage is local
+        outputs: list[Tensor] = []
+        pending: list[Any] = []
+        for stage in sorted(self.local_stages, key=lambda s: s.index):
+            ins = micro if stage.index == 0 else handed.pop(stage.index, None)
+            if ins is None:
+                ins = [self._recv(self.stage_ranks[stage.index - 1], inputs.device) for _ in micro]
+            outs = [stage.module(x) for x in ins]
+            if stage.index == len(self.stage_ranks) - 1:
+                outputs = outs
+            elif self.stage_ranks[stage.index + 1] == self.stage_ranks[stage.index]:
+                handed[stage.index + 1] = outs
+            else:
+                for out in outs:
+                    pending += self._send(out, self.stage_ranks[stage.index + 1])
+        for work in pending:
+            work.wait()
+        return outputs
+
+    def _send(self, tensor: Tensor, to: int) -> list[Any]:
+        tensor = tensor.contiguous()
+        header = torch.zeros(2 + _MAX_DIMS, dtype=torch.int64, device=tensor.device)
+        header[0], header[1] = _DTYPES.index(tensor.dtype), tensor.dim()
+        header[2 : 2 + tensor.dim()] = torch.tensor(tensor.shape)
+        return [dist.isend(header, group=self.group, group_dst=to), dist.isend(tensor, group=self.group, group_dst=to)]
+
+    def _recv(self, source: int, device: torch.device) -> Tensor:
+        header = torch.empty(2 + _MAX_DIMS, dtype=torch.int64, device=device)
+        dist.recv(header, group=self.group, group_src=source)
+        dtype, ndim = _DTYPES[int(header[0])], int(header[1])
+        tensor = torch.empty(header[2 : 2 + ndim].tolist(), dtype=dtype, device=device)
+        dist.recv(tensor, group=self.group, group_src=source)
+        return tensor
 
     def _first_stage_args(self, inputs: Tensor) -> tuple:
         return (inputs,) if any(stage.is_first for stage in self.stages) else ()
 
-    @contextmanager
-    def _grads_kept(self) -> Iterator[None]:
-        # an evaluation in the middle of an accumulation window must not lose the gradients so far
-        # (the schedule's first call drops .grad after its shape inference)
-        params = self._parameters()
-        kept = [p.grad for p in params]
-        try:
-            yield
-        finally:
-            for p, grad in zip(params, kept):
-                p.grad = grad
 
     def _broadcast(self, tensor: Tensor) -> Tensor:
         dist.broadcast(tensor, group=self.group, group_src=self.last_stage_rank)
@@ -215,12 +270,9 @@ class PipelineRunner:
         earlier = [p.grad for p in params]  # what earlier micro-steps accumulated; zero_grad may still clear it
         for p in params:
             p.grad = None
-        recorder = self.recorder
-        if recorder is not None:
-            recorder.start_step()
-        self.schedule.step(*self._first_stage_args(inputs), target=targets, losses=losses)
-        if recorder is not None:
-            recorder.end_step()
+        with self.recorder.recording() if self.recorder is not None else nullcontext():
+            with self._driving():
+                self.schedule.step(*self._first_stage_args(inputs), target=targets, losses=losses)
         self._fresh_grads = [p.grad for p in params]
         for p, grad in zip(params, earlier):
             p.grad = grad

@@ -13,12 +13,13 @@ from typing import Literal
 import torch
 from torch import nn
 
+from lit_mesh.mesh import MeshConfigError
 from lit_mesh.plan import ParallelPlan
 
 Placement = Literal["loop", "v"]
 
 
-class PipelineConfigError(ValueError):
+class PipelineConfigError(MeshConfigError):
     """A pipeline setting that cannot work, with the numbers and the fix."""
 
 
