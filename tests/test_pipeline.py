@@ -4,13 +4,14 @@ loss and final parameters too), logs the true loss on every rank, and resumes ex
 
 from __future__ import annotations
 
+import csv
 import json
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.launch import REPO, cli_runs
+from tests.launch import REPO, cli_runs, run_command
 
 STEPS = 10
 S = "--trainer.strategy.init_args."
@@ -137,3 +138,31 @@ def test_timeline_png(results: dict) -> None:
         assert 0 <= summary["bubble_fraction"] < 1
         assert summary["busy_s"] == pytest.approx(sum(b["end"] - b["start"] for b in blocks))
         assert summary["peak_saved_activation_bytes"] > 0
+
+
+def test_test_and_predict_run_through_the_pipeline_and_match_one_device(tmp_path: Path) -> None:
+    """The console script end to end: fit the ViT on pp=2 with a checkpoint, then `test` on pp=2 and on one
+    device from that checkpoint (a pp -> single reshard): the same test loss and accuracy; `predict` runs."""
+
+    def lit_mesh(*args: str) -> None:
+        proc = run_command(["lit-mesh", *args, "--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false"], 300)
+        assert proc.returncode == 0, f"lit-mesh {' '.join(args)}:\n{proc.stderr[-4000:]}"
+
+    common = ["-c", str(REPO / "configs/vit.yaml"), "--trainer.logger=CSVLogger", "--data.global_batch_size=8"]
+    pp2 = ["--trainer.devices=2", f"{S}pp=2"]
+    lit_mesh(
+        "fit", *common, *pp2, "--trainer.max_steps=3", "--trainer.limit_val_batches=1", f"--trainer.logger.save_dir={tmp_path}",
+        "--trainer.callbacks+=ModelCheckpoint", f"--trainer.callbacks.dirpath={tmp_path / 'ckpt'}",
+        "--trainer.callbacks.save_last=true",
+    )  # fmt: skip
+    checkpoint = f"--ckpt_path={tmp_path / 'ckpt' / 'last.ckpt'}"
+    tested = {}
+    for name, mesh in {"pp2": pp2, "single": ["--trainer.devices=1"]}.items():
+        save_dir = tmp_path / f"test_{name}"
+        lit_mesh("test", *common, *mesh, checkpoint, "--trainer.limit_test_batches=3", f"--trainer.logger.save_dir={save_dir}")
+        (metrics,) = list(save_dir.rglob("metrics.csv"))
+        tested[name] = {k: float(v) for k, v in next(csv.DictReader(metrics.open())).items() if k.startswith("test_")}
+    assert set(tested["pp2"]) == {"test_loss", "test_acc"}
+    for key, value in tested["single"].items():
+        assert tested["pp2"][key] == pytest.approx(value, rel=1e-5), (key, tested)
+    lit_mesh("predict", *common, *pp2, checkpoint, "--trainer.limit_predict_batches=2", f"--trainer.logger.save_dir={tmp_path}")
