@@ -17,7 +17,6 @@ MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 # Degrees whose parallelism has not landed yet: refused, never silently ignored.
 _NOT_YET = {
     "pp": "pipeline parallel (issue #3)",
-    "cp": "context parallel (issue #4)",
     "ep": "expert parallel (issue #5)",
 }
 

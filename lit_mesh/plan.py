@@ -32,6 +32,10 @@ class ParallelPlan:
     tp_divides: sizes that the tp degree must divide, by name (heads, kv heads, FFN width, vocabulary).
     init:       (parameter-name glob, Init) rules, first match wins: how each parameter starts, so a
                 sharded model materialised on many ranks equals the single-device one.
+    attention:  the module inside every block whose forward calls F.scaled_dot_product_attention on
+                (batch, heads, sequence, head_dim) tensors: context parallel swaps that call ("" : none).
+    positions:  the keyword of the model's forward that takes the global positions (T,) of its tokens:
+                context parallel passes each rank's ("" : none; cp > 1 then is refused).
     """
 
     blocks: str
@@ -39,6 +43,8 @@ class ParallelPlan:
     tp_block: Mapping[str, TPStyle] = field(default_factory=dict)
     tp_divides: Mapping[str, int] = field(default_factory=dict)
     init: Sequence[tuple[str, Init]] = ()
+    attention: str = ""
+    positions: str = ""
 
     def __post_init__(self) -> None:
         for name, style in {**self.tp_root, **self.tp_block}.items():

@@ -34,6 +34,7 @@ from lit_mesh.mesh import MeshLayout, MeshViews, build_device_mesh, check_degree
 from lit_mesh.parallel.apply import is_user_parallelised, materialize, parallelize
 from lit_mesh.parallel.checkpointing import ActivationCheckpointing, check_activation_checkpointing
 from lit_mesh.parallel.compile import check_compile
+from lit_mesh.parallel.context import CPStyle, check_cp_style, shard_batch
 from lit_mesh.parallel.data import fsdp_roots
 from lit_mesh.precision import check_precision_plugin
 
@@ -47,7 +48,10 @@ class MeshStrategy(ModelParallelStrategy):
         dp_replicate: replicas (DDP); with dp_shard > 1 as well, HSDP.
         dp_shard: FSDP shards per replica; "auto" fills the world size (the default when no dp degree is given).
         tp: tensor-parallel degree (innermost dim: keep it inside a node).
-        cp: context-parallel degree (not yet supported: must be 1).
+        cp: context-parallel degree: each sample's sequence is split over cp ranks (needs a plan that declares
+            its attention and positions); FSDP then shards over dp_shard x cp.
+        cp_style: "ring" (K/V blocks circulate, load-balanced causal), "ulysses" (all-to-all to head shards;
+            cp must divide the heads per tp rank) or "allgather" (all-gather K/V, load-balanced causal).
         pp: pipeline-parallel degree (not yet supported: must be 1).
         ep: expert-parallel degree, borrowed from dp_shard x cp (not yet supported: must be 1).
         sequence_parallel: shard activations over the sequence between TP regions (needs tp to divide it).
@@ -75,6 +79,7 @@ class MeshStrategy(ModelParallelStrategy):
         dp_shard: Union[int, Literal["auto"], None] = None,
         tp: int = 1,
         cp: int = 1,
+        cp_style: CPStyle = "ring",
         pp: int = 1,
         ep: int = 1,
         sequence_parallel: bool = True,
@@ -96,6 +101,8 @@ class MeshStrategy(ModelParallelStrategy):
         self._degrees: dict[str, Any] = dict(dp=dp, dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp, cp=cp, pp=pp, ep=ep)
         check_degrees(**self._degrees)  # what needs no world size fails here, in the user's process
         check_activation_checkpointing(activation_checkpointing, ac_every_n_blocks)
+        check_cp_style(cp_style)
+        self.cp_style = cp_style
         self.sequence_parallel = sequence_parallel
         self.activation_checkpointing = activation_checkpointing
         self.ac_every_n_blocks = ac_every_n_blocks
@@ -180,6 +187,7 @@ class MeshStrategy(ModelParallelStrategy):
                 activation_checkpointing=self.activation_checkpointing,
                 ac_every_n_blocks=self.ac_every_n_blocks,
                 compile_backend=self.compile_backend,
+                cp_style=self.cp_style,
             )
         materialize(self.model, owners, self.root_device)
         self.model_to_device()
@@ -191,6 +199,12 @@ class MeshStrategy(ModelParallelStrategy):
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
+
+    def batch_to_device(self, batch: Any, device: Optional[torch.device] = None, dataloader_idx: int = 0) -> Any:
+        batch = super().batch_to_device(batch, device, dataloader_idx)
+        if self.layout.cp > 1:  # every loop (fit, validate, test, predict): each cp rank keeps its part of the sequence
+            batch = shard_batch(batch, self.mesh_views["cp"], self.cp_style)
+        return batch
 
     def _clip_grad_by_norm(self, optimizer: torch.optim.Optimizer, clip_val: Union[int, float]) -> None:
         clip_grad_norm_(self.precision_plugin.main_params(optimizer), float(clip_val))

@@ -191,6 +191,8 @@ class GPT(nn.Module):
                 ("*.w2.weight", Init("normal", 0.02 / math.sqrt(2 * c.n_layers))),
                 ("*", Init("normal", 0.02)),
             ),
+            attention="attention",  # context parallel swaps its scaled_dot_product_attention
+            positions="positions",
         )
 
     def num_params(self, exclude_embedding: bool = False) -> int:

@@ -1,5 +1,5 @@
 """The one place where plans are applied, in the one order:
-TP/SP -> activation checkpointing -> torch.compile -> FSDP/HSDP/DDP per block -> root.
+TP/SP -> CP -> activation checkpointing -> torch.compile -> FSDP/HSDP/DDP per block -> root.
 
 Later techniques slot in between (CP and EP after TP) without changing the order.
 """
@@ -18,6 +18,7 @@ from lit_mesh.init import init_parameters
 from lit_mesh.mesh import MeshLayout, MeshViews
 from lit_mesh.parallel.checkpointing import apply_activation_checkpointing
 from lit_mesh.parallel.compile import apply_compile
+from lit_mesh.parallel.context import apply_context_parallel
 from lit_mesh.parallel.data import apply_data_parallel, data_parallel_mesh
 from lit_mesh.parallel.tensor import PlanError, apply_tensor_parallel
 from lit_mesh.plan import ParallelPlan
@@ -86,6 +87,7 @@ def parallelize(
     activation_checkpointing: str = "none",
     ac_every_n_blocks: int = 1,
     compile_backend: str | None = None,
+    cp_style: str = "ring",
 ) -> list[PlanOwner]:
     """Apply every technique to `root` (the LightningModule) in the fixed order; returns the plan owners."""
     owners = find_plan_owners(root)
@@ -104,6 +106,14 @@ def parallelize(
             )
         for owner in owners:
             apply_tensor_parallel(owner.module, owner.plan, mesh["tp"], sequence_parallel)
+    if layout.cp > 1:
+        if not owners:
+            raise PlanError(
+                f"cp={layout.cp} but no module of {type(root).__name__} declares parallel_plan() with its attention;"
+                " declare one (ParallelPlan.attention and .positions, see zoo/gpt.py), or use cp=1"
+            )
+        for owner in owners:
+            apply_context_parallel(owner.module, owner.plan, mesh["cp"], cp_style)
     for owner in owners:
         blocks = list(owner.module.get_submodule(owner.plan.blocks))
         apply_activation_checkpointing(blocks, activation_checkpointing, ac_every_n_blocks)
