@@ -23,7 +23,7 @@ S = "--trainer.strategy.init_args."
         ({"tp": "two"}, "tp='two' must be a positive int"),
         ({"dp": 2.5}, "dp=2.5 must be a positive int or 'auto'"),
         ({"dp": "auto", "dp_shard": "auto"}, "only one degree may be 'auto'"),
-        ({"cp": 2}, "cp=2: context parallel"),
+        ({"cp": 2, "cp_style": "zigzag"}, "cp_style='zigzag'; choose one of ('ring', 'ulysses', 'allgather')"),
         ({"pp": 2}, "pp=2: pipeline parallel"),
         ({"ep": 4}, "ep=4: expert parallel"),
     ],
@@ -84,6 +84,9 @@ def test_errors_after_start_are_clear(tmp_path: Path) -> None:
         "tp_vs_ffn": _gpt(f"{S}tp=2", "--model.init_args.config_overrides={ffn_hidden: 129}"),
         "sp_vs_seq_len": _gpt(f"{S}tp=2", "--data.init_args.seq_len=63"),
         "batch_vs_dp": _gpt(f"{S}dp=2", "--data.init_args.global_batch_size=3"),
+        "cp_vs_seq_len": _gpt(f"{S}cp=2", "--data.init_args.seq_len=66"),
+        "ulysses_vs_heads": _gpt(f"{S}cp=2", f"{S}cp_style=ulysses", "--model.init_args.config_overrides={dim: 96, n_heads: 3, n_kv_heads: 3}"),
+        "cp_without_attention": [a.replace("gpt.yaml", "vit.yaml") for a in _gpt(f"{S}cp=2")],  # ViT: no attention in its plan
         "nan_loss": _gpt(
             f"{S}dp=2", "--trainer.max_steps=6", "--model=tests.workers.faulty_modules.NaNLossAt",
             "--model.init_args.step=3", "--model.init_args.rank=1",
@@ -99,6 +102,9 @@ def test_errors_after_start_are_clear(tmp_path: Path) -> None:
     assert "sequence length divisible by tp" in errors["sp_vs_seq_len"]["message"]
     assert "length 63, tp=2" in errors["sp_vs_seq_len"]["message"]
     assert "global_batch_size=3 is not divisible by the data-parallel size 2" in errors["batch_vs_dp"]["message"]
+    assert "sequence length is 66; use a sequence length that is a multiple of 4" in errors["cp_vs_seq_len"]["message"]
+    assert "3 query heads on this rank (after tp) are not divisible by cp=2" in errors["ulysses_vs_heads"]["message"]
+    assert "declares no attention module (ParallelPlan.attention)" in errors["cp_without_attention"]["message"]
     # a NaN on one rank stops every rank together, naming the step and the rank
     assert errors["nan_loss"]["type"] == "FloatingPointError"
     assert "non-finite training loss at step 3 on rank(s) [1]" in errors["nan_loss"]["message"]

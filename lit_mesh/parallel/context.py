@@ -34,6 +34,7 @@ from torch.distributed import _functional_collectives as funcol
 from torch.distributed.device_mesh import DeviceMesh
 from torch.overrides import TorchFunctionMode
 
+from lit_mesh.mesh import MeshConfigError
 from lit_mesh.parallel.tensor import PlanError
 from lit_mesh.plan import ParallelPlan
 
@@ -48,7 +49,7 @@ class ContextParallelError(PlanError):
 
 def check_cp_style(style: str) -> None:
     if style not in CP_STYLES:
-        raise ContextParallelError(f"cp_style={style!r}; choose one of {CP_STYLES}")
+        raise MeshConfigError(f"cp_style={style!r}; choose one of {CP_STYLES}")
 
 
 def is_load_balanced(style: str) -> bool:
@@ -115,29 +116,53 @@ def shard_batch(batch: Any, cp_mesh: DeviceMesh, style: str) -> Any:
     return apply_to_collection(batch, Tensor, shard)
 
 
-# ---- attention block math (fp32; plain math on every device) ------------------------------------------
+# ---- attention of one block: the kernels ---------------------------------------------------------------
+# q (B, H, Tq, D), k/v (B, H, Tk, D) (K/V heads already repeated to the query heads); causal: top-left aligned.
+# forward -> (output, log-sum-exp per query row in fp32); backward takes the FINAL output and log-sum-exp of
+# the merged attention (flash-attention's identity: each block's gradient needs only those).
 
 
-def _grouped(q: Tensor, kv_heads: int) -> Tensor:
-    """(B, H, T, D) -> (B, H_kv, H/H_kv, T, D): query head h uses kv head h // (H/H_kv), as in repeat_interleave."""
-    B, H, T, D = q.shape
-    return q.reshape(B, kv_heads, H // kv_heads, T, D)
+def _math_forward(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool) -> tuple[Tensor, Tensor]:
+    s = _scores(q, k, scale, causal)
+    lse = torch.logsumexp(s, dim=-1)
+    return torch.matmul(torch.exp(s - lse.unsqueeze(-1)), v.float()), lse
+
+
+def _math_backward(
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float, causal: bool
+) -> tuple[Tensor, Tensor, Tensor]:
+    dout = dout.float()
+    p = torch.exp(_scores(q, k, scale, causal) - lse.unsqueeze(-1))
+    ds = p * (torch.matmul(dout, v.float().transpose(-1, -2)) - (dout * out.float()).sum(-1, keepdim=True))
+    return torch.matmul(ds, k.float()) * scale, torch.matmul(ds.transpose(-1, -2), q.float()) * scale, torch.matmul(p.transpose(-1, -2), dout)
 
 
 def _scores(q: Tensor, k: Tensor, scale: float, causal: bool) -> Tensor:
-    """Scaled scores of grouped queries (B, Hkv, R, Tq, D) against keys (B, Hkv, Tk, D); causal: lower-triangular."""
-    s = torch.matmul(q, k.unsqueeze(2).transpose(-1, -2)) * scale
+    s = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
     if causal:
         Tq, Tk = s.shape[-2:]
         s = s.masked_fill(torch.ones(Tq, Tk, dtype=torch.bool, device=s.device).triu(1), float("-inf"))
     return s
 
 
-def _block_forward(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool) -> tuple[Tensor, Tensor]:
-    """Softmax attention of one block: (output, log-sum-exp per query row)."""
-    s = _scores(q, k, scale, causal)
-    lse = torch.logsumexp(s, dim=-1)
-    return torch.matmul(torch.exp(s - lse.unsqueeze(-1)), v.unsqueeze(2)), lse
+def _cpu_flash_forward(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool) -> tuple[Tensor, Tensor]:
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+
+
+def _cpu_flash_backward(
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float, causal: bool
+) -> tuple[Tensor, Tensor, Tensor]:
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        dout.to(q.dtype), q, k, v, out.to(q.dtype), lse, 0.0, causal, scale=scale
+    )
+
+
+# "math" materialises the block's scores (any device); "cpu_flash" is torch's fused CPU kernel (memory O(T))
+BLOCK_KERNELS = {"math": (_math_forward, _math_backward), "cpu_flash": (_cpu_flash_forward, _cpu_flash_backward)}
+
+
+def _default_kernel(device: torch.device) -> str:
+    return "cpu_flash" if device.type == "cpu" else "math"
 
 
 def _ring_block(step_source: int, rank: int, causal: bool, length: int) -> tuple[slice, slice, bool]:
@@ -182,70 +207,75 @@ class _RingExchange:
         return received
 
 
+def _sum_groups(grad: Tensor, kv_heads: int) -> Tensor:
+    """Gradient of K/V repeated to the query heads -> of the kv heads (B, H_kv, T, D)."""
+    B, H, T, D = grad.shape
+    return grad.reshape(B, kv_heads, H // kv_heads, T, D).sum(2)
+
+
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, group: dist.ProcessGroup, causal: bool, scale: float) -> Tensor:
+    def forward(
+        ctx: Any, q: Tensor, k: Tensor, v: Tensor, group: dist.ProcessGroup, causal: bool, scale: float, kernel: str
+    ) -> Tensor:
         cp, rank = dist.get_world_size(group), dist.get_rank(group)
+        block_forward = BLOCK_KERNELS[kernel][0]
         ring = _RingExchange(group)
-        B, H, T, D = q.shape
-        kv_heads = k.shape[1]
-        qg = _grouped(q.float(), kv_heads)
-        out = torch.zeros_like(qg)
-        lse = torch.full(qg.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
+        heads, T = q.shape[1], q.shape[2]
+        out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
         kv = torch.stack([k, v])  # one message per step
         for step in range(cp):
             pending = ring.start(kv) if step + 1 < cp else None  # the next block travels during this one's math
             rows, cols, masked = _ring_block((rank - step) % cp, rank, causal, T)
-            block_out, block_lse = _block_forward(qg[..., rows, :], kv[0, :, :, cols].float(), kv[1, :, :, cols].float(), scale, masked)
-            merged = torch.logaddexp(lse[..., rows], block_lse)
-            out[..., rows, :] = (
-                out[..., rows, :] * torch.exp(lse[..., rows] - merged).unsqueeze(-1)
-                + block_out * torch.exp(block_lse - merged).unsqueeze(-1)
+            kb, vb = (_repeat_kv(t[:, :, cols], heads) for t in kv)
+            block_out, block_lse = block_forward(q[:, :, rows], kb, vb, scale, masked)
+            merged = torch.logaddexp(lse[..., rows], block_lse)  # online softmax: rescale both parts to the new sum
+            out[:, :, rows] = (
+                out[:, :, rows] * torch.exp(lse[..., rows] - merged).unsqueeze(-1)
+                + block_out.float() * torch.exp(block_lse - merged).unsqueeze(-1)
             )
             lse[..., rows] = merged
             if pending is not None:
                 kv = _RingExchange.finish(pending)
+        out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.group, ctx.causal, ctx.scale = group, causal, scale
-        return out.reshape(B, H, T, D).to(q.dtype)
+        ctx.group, ctx.causal, ctx.scale, ctx.kernel = group, causal, scale, kernel
+        return out
 
     @staticmethod
     def backward(ctx: Any, grad_out: Tensor) -> tuple[Optional[Tensor], ...]:
         q, k, v, out, lse = ctx.saved_tensors
         group, causal, scale = ctx.group, ctx.causal, ctx.scale
+        block_backward = BLOCK_KERNELS[ctx.kernel][1]
         cp, rank = dist.get_world_size(group), dist.get_rank(group)
         ring = _RingExchange(group)
-        T, kv_heads = q.shape[2], k.shape[1]
-        qg = _grouped(q.float(), kv_heads)
-        dout = _grouped(grad_out.float(), kv_heads)
-        delta = (dout * out).sum(-1)  # rowsum(dO * O): the softmax backward's correction term
-        dq = torch.zeros_like(qg)
+        heads, T, kv_heads = q.shape[1], q.shape[2], k.shape[1]
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         kv = torch.stack([k, v])
         dkv_pending = None  # the dK/dV accumulator of the block we hold, arriving from the previous rank
         for step in range(cp):
             kv_pending = ring.start(kv) if step + 1 < cp else None
             rows, cols, masked = _ring_block((rank - step) % cp, rank, causal, T)
-            kb, vb = kv[0, :, :, cols].float(), kv[1, :, :, cols].float()
-            p = torch.exp(_scores(qg[..., rows, :], kb, scale, masked) - lse[..., rows].unsqueeze(-1))
-            d_rows = dout[..., rows, :]
-            dv = torch.matmul(p.transpose(-1, -2), d_rows).sum(2)  # summed over the query heads of a kv head
-            ds = p * (torch.matmul(d_rows, vb.unsqueeze(2).transpose(-1, -2)) - delta[..., rows].unsqueeze(-1))
-            dq[..., rows, :] += torch.matmul(ds, kb.unsqueeze(2)) * scale
-            dk = torch.matmul(ds.transpose(-1, -2), qg[..., rows, :]).sum(2) * scale
+            kb, vb = (_repeat_kv(t[:, :, cols], heads) for t in kv)
+            dq_block, dk, dv = block_backward(grad_out[:, :, rows], q[:, :, rows], kb, vb, out[:, :, rows], lse[..., rows], scale, masked)
+            dq[:, :, rows] += dq_block.float()
             dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device) if dkv_pending is None else _RingExchange.finish(dkv_pending)
-            dkv[0, :, :, cols] += dk
-            dkv[1, :, :, cols] += dv
-            dkv_pending = ring.start(dkv)  # on to the next rank; after the last step it arrives home
+            dkv[0, :, :, cols] += _sum_groups(dk.float(), kv_heads)
+            dkv[1, :, :, cols] += _sum_groups(dv.float(), kv_heads)
+            dkv_pending = ring.start(dkv)  # on to the next rank, overlapping the next block; the last turn brings it home
             if kv_pending is not None:
                 kv = _RingExchange.finish(kv_pending)
         dkv = _RingExchange.finish(dkv_pending)
-        return dq.reshape(q.shape).to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None
 
 
-def ring_attention(q: Tensor, k: Tensor, v: Tensor, group: dist.ProcessGroup, causal: bool, scale: float) -> Tensor:
+def ring_attention(
+    q: Tensor, k: Tensor, v: Tensor, group: dist.ProcessGroup, causal: bool, scale: float, kernel: Optional[str] = None
+) -> Tensor:
     """Exact attention of this rank's queries over the whole sequence; q (B, H, T/cp, D), k/v (B, H_kv, T/cp, D)
-    in the load-balanced layout (for causal; any layout without a mask)."""
-    return _RingAttention.apply(q, k, v, group, causal, scale)
+    in the load-balanced layout (for causal; any layout without a mask). K/V circulate with their own heads."""
+    return _RingAttention.apply(q, k, v, group, causal, scale, kernel or _default_kernel(q.device))
 
 
 # ---- Ulysses and all-gather -----------------------------------------------------------------------------
@@ -312,14 +342,24 @@ ATTENTION: dict[str, Callable[..., Tensor]] = {"ring": ring_attention, "ulysses"
 
 
 def context_parallel_attention(
-    q: Tensor, k: Tensor, v: Tensor, group: dist.ProcessGroup, style: str, causal: bool, scale: Optional[float] = None
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    group: dist.ProcessGroup,
+    style: str,
+    causal: bool,
+    scale: Optional[float] = None,
+    ring_kernel: Optional[str] = None,
 ) -> Tensor:
-    """Attention over the whole sequence when q, k, v (B, heads, T/cp, head_dim) hold this rank's part of it."""
+    """Attention over the whole sequence when q, k, v (B, heads, T/cp, head_dim) hold this rank's part of it.
+    `ring_kernel` ("math" or "cpu_flash") picks the ring's per-block kernel; default by device."""
     check_cp_style(style)
     if q.shape[1] % k.shape[1] or k.shape != v.shape:
         raise ContextParallelError(f"query heads {q.shape[1]} must be a multiple of key/value heads {k.shape[1]}")
     _check_length(q.shape[2] * dist.get_world_size(group), dist.get_world_size(group), is_load_balanced(style) and causal)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    if style == "ring":
+        return ring_attention(q, k, v, group, causal, scale, ring_kernel)
     return ATTENTION[style](q, k, v, group, causal, scale)
 
 

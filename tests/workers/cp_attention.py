@@ -31,7 +31,7 @@ def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad: torch.Ten
     return [out.detach(), q.grad, k.grad, v.grad]
 
 
-def compare(cp_mesh, style: str, causal: bool, kv_heads: int, length: int) -> list[float]:
+def compare(cp_mesh, style: str, causal: bool, kv_heads: int, length: int, ring_kernel: str | None = None) -> list[float]:
     gen = torch.Generator().manual_seed(length * 100 + kv_heads)
     q = torch.randn(B, HEADS, length, D, generator=gen)
     k, v = (torch.randn(B, kv_heads, length, D, generator=gen) for _ in range(2))
@@ -43,7 +43,7 @@ def compare(cp_mesh, style: str, causal: bool, kv_heads: int, length: int) -> li
         return shard_sequence(t, cp, rank, balanced, dim=SEQ_DIM)
 
     ql, kl, vl = (shard(t).requires_grad_() for t in (q, k, v))
-    out = context_parallel_attention(ql, kl, vl, cp_mesh.get_group(), style, causal)
+    out = context_parallel_attention(ql, kl, vl, cp_mesh.get_group(), style, causal, ring_kernel=ring_kernel)
     out.backward(shard(grad))
     errors = torch.tensor([(got - shard(want)).abs().max().item() for got, want in zip([out.detach(), ql.grad, kl.grad, vl.grad], expected)])
     dist.all_reduce(errors, op=dist.ReduceOp.MAX)
@@ -71,6 +71,8 @@ if __name__ == "__main__":
                 for kv_heads in (HEADS, 2):  # multi-head and grouped-query (4 query heads per kv head)
                     name = f"cp{cp}-{style}-{'causal' if causal else 'full'}-kv{kv_heads}"
                     results[name] = compare(mesh, style, causal, kv_heads, length=32)
+                    if style == "ring":  # the default on CPU is torch's fused kernel; the plain math serves GPUs
+                        results[f"{name}-math"] = compare(mesh, style, causal, kv_heads, length=32, ring_kernel="math")
     group4 = meshes[4].get_group()
     x = torch.zeros(1, 6, 8, 4)
     results["ulysses_heads"] = refused(lambda: context_parallel_attention(x, x, x, group4, "ulysses", True))
