@@ -34,7 +34,7 @@ from lit_mesh.mesh import MeshLayout, MeshViews, build_device_mesh, check_degree
 from lit_mesh.parallel.apply import is_user_parallelised, materialize, parallelize
 from lit_mesh.parallel.checkpointing import ActivationCheckpointing, check_activation_checkpointing
 from lit_mesh.parallel.compile import check_compile
-from lit_mesh.parallel.context import CPStyle, check_cp_style, shard_batch
+from lit_mesh.parallel.context import CPStyle, check_cp_style, gather_batch, shard_batch
 from lit_mesh.parallel.data import fsdp_roots
 from lit_mesh.precision import check_precision_plugin
 
@@ -205,6 +205,12 @@ class MeshStrategy(ModelParallelStrategy):
         if self.layout.cp > 1:  # every loop (fit, validate, test, predict): each cp rank keeps its part of the sequence
             batch = shard_batch(batch, self.mesh_views["cp"], self.cp_style)
         return batch
+
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        output = super().predict_step(*args, **kwargs)
+        if self.layout.cp > 1:  # predictions in token order, whole, as on one device
+            output = gather_batch(output, self.mesh_views["cp"], self.cp_style)
+        return output
 
     def _clip_grad_by_norm(self, optimizer: torch.optim.Optimizer, clip_val: Union[int, float]) -> None:
         clip_grad_norm_(self.precision_plugin.main_params(optimizer), float(clip_val))

@@ -103,6 +103,11 @@ def test_attention_refuses_what_it_cannot_split(attention_errors: dict) -> None:
     assert "sequence length is 12; use a sequence length that is a multiple of 8" in attention_errors["ring_length"]
 
 
+@pytest.mark.parametrize("style", ["ring", "ulysses", "allgather"])
+def test_predictions_come_back_whole_and_in_order(attention_errors: dict, style: str) -> None:
+    assert attention_errors[f"gather_{style}"] is True
+
+
 # ---- the layout of the sequence (no processes) ------------------------------------------------------------
 
 

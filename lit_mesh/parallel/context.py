@@ -116,6 +116,22 @@ def shard_batch(batch: Any, cp_mesh: DeviceMesh, style: str) -> Any:
     return apply_to_collection(batch, Tensor, shard)
 
 
+def gather_batch(output: Any, cp_mesh: DeviceMesh, style: str) -> Any:
+    """The whole sequence back on every cp rank, in token order, for every tensor with a sequence dim (ndim >= 2):
+    what predict returns is then the same as on one device."""
+    from lightning.fabric.utilities.apply_func import apply_to_collection
+
+    cp, balanced = cp_mesh.size(), is_load_balanced(style)
+
+    def gather(x: Tensor) -> Tensor:
+        if x.dim() < 2:
+            return x
+        parts = funcol.wait_tensor(funcol.all_gather_single(x.contiguous(), 0, cp_mesh.get_group()))
+        return unshard_sequence(list(parts.chunk(cp, dim=0)), balanced)
+
+    return apply_to_collection(output, Tensor, gather)
+
+
 # ---- attention of one block: the kernels ---------------------------------------------------------------
 # q (B, H, Tq, D), k/v (B, H, Tk, D) (K/V heads already repeated to the query heads); causal: top-left aligned.
 # forward -> (output, log-sum-exp per query row in fp32); backward takes the FINAL output and log-sum-exp of
@@ -328,7 +344,7 @@ def allgather_attention(q: Tensor, k: Tensor, v: Tensor, group: dist.ProcessGrou
     """All-gather K/V (load-balanced layout), local queries attend to all keys whose position is not later."""
     cp, rank = dist.get_world_size(group), dist.get_rank(group)
     B, H, T, D = q.shape
-    kv = funcol.wait_tensor(funcol.all_gather_tensor_autograd(torch.stack([k, v]).contiguous(), 0, group))
+    kv = funcol.wait_tensor(funcol.all_gather_single_autograd(torch.stack([k, v]).contiguous(), 0, group))
     kv = kv.reshape(cp, 2, *k.shape).permute(1, 2, 3, 0, 4, 5).reshape(2, B, k.shape[1], cp * T, D)
     mask = None
     if causal:

@@ -17,7 +17,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 
-from lit_mesh.parallel.context import CP_STYLES, context_parallel_attention, is_load_balanced, shard_sequence
+from lit_mesh.parallel.context import CP_STYLES, context_parallel_attention, gather_batch, is_load_balanced, shard_batch, shard_sequence
 
 B, HEADS, D = 2, 8, 8
 SEQ_DIM = 2  # (B, heads, T, D)
@@ -78,6 +78,10 @@ if __name__ == "__main__":
     results["ulysses_heads"] = refused(lambda: context_parallel_attention(x, x, x, group4, "ulysses", True))
     y = torch.zeros(1, 8, 3, 4)  # 3 tokens per rank: 12 in all, not a multiple of 2 x 4 = 8
     results["ring_length"] = refused(lambda: context_parallel_attention(y, y, y, group4, "ring", True))
+    for style in CP_STYLES:  # predictions: every cp rank gets the whole sequence back, in token order
+        whole = (torch.arange(2 * 16).view(2, 16), {"logits": torch.randn(2, 16, 3, generator=torch.Generator().manual_seed(1))})
+        back = gather_batch(shard_batch(whole, meshes[4], style), meshes[4], style)
+        results[f"gather_{style}"] = torch.equal(back[0], whole[0]) and torch.equal(back[1]["logits"], whole[1]["logits"])
     if dist.get_rank() == 0:
         Path(sys.argv[1]).write_text(json.dumps(results))
     dist.barrier()  # no rank tears gloo down while another still talks to it
