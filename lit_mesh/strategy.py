@@ -34,7 +34,7 @@ from lit_mesh.mesh import MeshLayout, MeshViews, build_device_mesh, check_degree
 from lit_mesh.parallel.apply import is_user_parallelised, materialize, parallelize
 from lit_mesh.parallel.checkpointing import ActivationCheckpointing, check_activation_checkpointing
 from lit_mesh.parallel.compile import check_compile
-from lit_mesh.parallel.context import CPStyle, check_cp_style, gather_batch, shard_batch
+from lit_mesh.parallel.context import CPStyle, check_cp_style, gather_batch, refuse_cp_without_plan, shard_batch
 from lit_mesh.parallel.data import fsdp_roots
 from lit_mesh.precision import check_precision_plugin
 
@@ -176,6 +176,7 @@ class MeshStrategy(ModelParallelStrategy):
         self.model = self.precision_plugin.convert_module(self.model)  # bf16-true: cast while still on meta
         if is_user_parallelised(self.model):
             rank_zero_info("MeshStrategy: configure_model parallelised the model itself; no plan is applied")
+            refuse_cp_without_plan(self.layout.cp, type(self.lightning_module).__name__)
             owners = []
         else:
             owners = parallelize(

@@ -87,6 +87,7 @@ def test_errors_after_start_are_clear(tmp_path: Path) -> None:
         "cp_vs_seq_len": _gpt(f"{S}cp=2", "--data.init_args.seq_len=66"),
         "ulysses_vs_heads": _gpt(f"{S}cp=2", f"{S}cp_style=ulysses", "--model.init_args.config_overrides={dim: 96, n_heads: 3, n_kv_heads: 3}"),
         "cp_without_attention": [a.replace("gpt.yaml", "vit.yaml") for a in _gpt(f"{S}cp=2")],  # ViT: no attention in its plan
+        "cp_self_parallelised": _gpt(f"{S}cp=2", "--model=tests.workers.cp_modules.SelfShardedGPT"),
         "nan_loss": _gpt(
             f"{S}dp=2", "--trainer.max_steps=6", "--model=tests.workers.faulty_modules.NaNLossAt",
             "--model.init_args.step=3", "--model.init_args.rank=1",
@@ -105,6 +106,7 @@ def test_errors_after_start_are_clear(tmp_path: Path) -> None:
     assert "sequence length is 66; use a sequence length that is a multiple of 4" in errors["cp_vs_seq_len"]["message"]
     assert "3 query heads on this rank (after tp) are not divisible by cp=2" in errors["ulysses_vs_heads"]["message"]
     assert "declares no attention module (ParallelPlan.attention)" in errors["cp_without_attention"]["message"]
+    assert "cp=2 but configure_model of SelfShardedGPT parallelised the model itself" in errors["cp_self_parallelised"]["message"]
     # a NaN on one rank stops every rank together, naming the step and the rank
     assert errors["nan_loss"]["type"] == "FloatingPointError"
     assert "non-finite training loss at step 3 on rank(s) [1]" in errors["nan_loss"]["message"]

@@ -150,7 +150,9 @@ def _math_backward(
     dout = dout.float()
     p = torch.exp(_scores(q, k, scale, causal) - lse.unsqueeze(-1))
     ds = p * (torch.matmul(dout, v.float().transpose(-1, -2)) - (dout * out.float()).sum(-1, keepdim=True))
-    return torch.matmul(ds, k.float()) * scale, torch.matmul(ds.transpose(-1, -2), q.float()) * scale, torch.matmul(p.transpose(-1, -2), dout)
+    dq = torch.matmul(ds, k.float()) * scale
+    dk = torch.matmul(ds.transpose(-1, -2), q.float()) * scale
+    return dq, dk, torch.matmul(p.transpose(-1, -2), dout)
 
 
 def _scores(q: Tensor, k: Tensor, scale: float, causal: bool) -> Tensor:
@@ -207,11 +209,12 @@ class _RingExchange:
         self.next = dist.get_global_rank(group, (rank + 1) % size)
         self.prev = dist.get_global_rank(group, (rank - 1) % size)
 
-    def start(self, tensor: Tensor) -> tuple[list, Tensor]:
+    def start(self, tensor: Tensor, tag: int = 0) -> tuple[list, Tensor]:
+        # backward has K/V and dK/dV in flight between the same ranks: tags keep them apart where honoured (gloo)
         received = torch.empty_like(tensor)
         ops = [
-            dist.P2POp(dist.isend, tensor, self.next, self.group),
-            dist.P2POp(dist.irecv, received, self.prev, self.group),
+            dist.P2POp(dist.isend, tensor, self.next, self.group, tag),
+            dist.P2POp(dist.irecv, received, self.prev, self.group, tag),
         ]
         return dist.batch_isend_irecv(ops), received
 
@@ -246,7 +249,8 @@ class _RingAttention(torch.autograd.Function):
             rows, cols, masked = _ring_block((rank - step) % cp, rank, causal, T)
             kb, vb = (_repeat_kv(t[:, :, cols], heads) for t in kv)
             block_out, block_lse = block_forward(q[:, :, rows], kb, vb, scale, masked)
-            merged = torch.logaddexp(lse[..., rows], block_lse)  # online softmax: rescale both parts to the new sum
+            # online softmax: rescale the running result and the block's to their common log-sum-exp
+            merged = torch.logaddexp(lse[..., rows], block_lse)
             out[:, :, rows] = (
                 out[:, :, rows] * torch.exp(lse[..., rows] - merged).unsqueeze(-1)
                 + block_out.float() * torch.exp(block_lse - merged).unsqueeze(-1)
@@ -274,12 +278,18 @@ class _RingAttention(torch.autograd.Function):
             kv_pending = ring.start(kv) if step + 1 < cp else None
             rows, cols, masked = _ring_block((rank - step) % cp, rank, causal, T)
             kb, vb = (_repeat_kv(t[:, :, cols], heads) for t in kv)
-            dq_block, dk, dv = block_backward(grad_out[:, :, rows], q[:, :, rows], kb, vb, out[:, :, rows], lse[..., rows], scale, masked)
+            dq_block, dk, dv = block_backward(
+                grad_out[:, :, rows], q[:, :, rows], kb, vb, out[:, :, rows], lse[..., rows], scale, masked
+            )
             dq[:, :, rows] += dq_block.float()
-            dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device) if dkv_pending is None else _RingExchange.finish(dkv_pending)
+            if dkv_pending is None:
+                dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)
+            else:
+                dkv = _RingExchange.finish(dkv_pending)
             dkv[0, :, :, cols] += _sum_groups(dk.float(), kv_heads)
             dkv[1, :, :, cols] += _sum_groups(dv.float(), kv_heads)
-            dkv_pending = ring.start(dkv)  # on to the next rank, overlapping the next block; the last turn brings it home
+            # on to the next rank while the next block is computed; after the last step it arrives home
+            dkv_pending = ring.start(dkv, tag=1)
             if kv_pending is not None:
                 kv = _RingExchange.finish(kv_pending)
         dkv = _RingExchange.finish(dkv_pending)
@@ -336,7 +346,8 @@ def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, group: dist.ProcessGroup,
         k, v = _repeat_kv(k, kv_heads), _repeat_kv(v, kv_heads)
     q, k, v = (_sequence_to_heads(t, group) for t in (q, k, v))
     local_heads = q.shape[1]
-    out = F.scaled_dot_product_attention(q, _repeat_kv(k, local_heads), _repeat_kv(v, local_heads), is_causal=causal, scale=scale)
+    k, v = _repeat_kv(k, local_heads), _repeat_kv(v, local_heads)
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
     return _heads_to_sequence(out, group)
 
 
@@ -354,7 +365,11 @@ def allgather_attention(q: Tensor, k: Tensor, v: Tensor, group: dist.ProcessGrou
     return F.scaled_dot_product_attention(q, _repeat_kv(kv[0], H), _repeat_kv(kv[1], H), attn_mask=mask, scale=scale)
 
 
-ATTENTION: dict[str, Callable[..., Tensor]] = {"ring": ring_attention, "ulysses": ulysses_attention, "allgather": allgather_attention}
+ATTENTION: dict[str, Callable[..., Tensor]] = {
+    "ring": ring_attention,
+    "ulysses": ulysses_attention,
+    "allgather": allgather_attention,
+}
 
 
 def context_parallel_attention(
@@ -409,7 +424,8 @@ class ContextParallelAttention(TorchFunctionMode):
             )
         if a["dropout_p"]:
             raise ContextParallelError(f"{self.where} uses attention dropout_p={a['dropout_p']}; context parallel needs 0")
-        return context_parallel_attention(a["query"], a["key"], a["value"], self.group, self.style, a["is_causal"], a["scale"])
+        q, k, v = a["query"], a["key"], a["value"]
+        return context_parallel_attention(q, k, v, self.group, self.style, a["is_causal"], a["scale"])
 
 
 def _swap_attention(module: nn.Module, mode: ContextParallelAttention) -> None:
@@ -430,6 +446,16 @@ def _positions_hook(keyword: str, cp: int, rank: int, load_balanced: bool) -> Ca
         return args, kwargs
 
     return pass_positions
+
+
+def refuse_cp_without_plan(cp: int, module_name: str) -> None:
+    """The strategy shards batches over cp; without a plan applied, attention would see only its shard."""
+    if cp > 1:
+        raise PlanError(
+            f"cp={cp} but configure_model of {module_name} parallelised the model itself, so MeshStrategy applies no"
+            " plan and cannot make its attention span the cp ranks (it would see only its shard of the sequence);"
+            " use cp=1, or leave parallelisation to a parallel_plan() that declares attention and positions"
+        )
 
 
 def apply_context_parallel(model: nn.Module, plan: ParallelPlan, cp_mesh: DeviceMesh, style: str) -> None:
