@@ -15,10 +15,13 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from lit_mesh.parallel.context import (
+    ContextParallelAttention,
     ContextParallelError,
     _ring_block,
+    _swap_attention,
     local_positions,
     shard_sequence,
     unshard_sequence,
@@ -143,3 +146,33 @@ def test_sequence_not_divisible_is_refused_with_the_fix() -> None:
 
 def test_checkpointing_recomputes_the_ring_exactly(results: dict) -> None:
     assert losses(results["cp2_ac_selective"]) == losses(results["cp2"])
+
+
+class _Attention(torch.nn.Module):
+    """Attention computed by hand or by SDPA with a mask/dropout: what CP must refuse, never silently shard."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how = how
+
+    def forward(self, q: torch.Tensor) -> torch.Tensor:
+        if self.how == "by_hand":
+            return torch.softmax(q @ q.transpose(-1, -2), dim=-1) @ q
+        if self.how == "mask":
+            return F.scaled_dot_product_attention(q, q, q, attn_mask=torch.ones(4, 4, dtype=torch.bool))
+        return F.scaled_dot_product_attention(q, q, q, dropout_p=0.1)
+
+
+@pytest.mark.parametrize(
+    ("how", "message"),
+    [
+        ("by_hand", "M.attention ran without calling F.scaled_dot_product_attention"),
+        ("mask", "M.attention passes attn_mask to scaled_dot_product_attention"),
+        ("dropout", "M.attention uses attention dropout_p=0.1; context parallel needs 0"),
+    ],
+)
+def test_attention_it_cannot_split_is_refused(how: str, message: str) -> None:
+    module = _Attention(how)
+    _swap_attention(module, ContextParallelAttention(group=None, style="ring", where="M.attention"))  # refused before any collective
+    with pytest.raises(ContextParallelError, match=message):
+        module(torch.randn(1, 2, 4, 8))

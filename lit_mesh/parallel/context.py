@@ -7,7 +7,8 @@ and run on any backend (gloo/CPU, NCCL/GPU):
              computed); partial results merge by log-sum-exp (online softmax). Backward circulates K/V again,
              each block travelling with its dK/dV accumulator, which arrives home after a full turn.
   ulysses    all-to-all from sequence-sharded to head-sharded, ordinary attention on H/cp heads over the whole
-             sequence, all-to-all back. Grouped-query K/V travel with their own (fewer) heads.
+             sequence, all-to-all back. Grouped-query K/V travel with their own (fewer) heads, repeated only as
+             far as cp must divide them.
   allgather  all-gather K/V; the local queries attend to the whole sequence (backward: reduce-scatter dK/dV).
 
 Layout of the sequence. Ring and allgather balance causal work: the sequence is cut into 2·cp chunks and cp rank i
@@ -411,6 +412,7 @@ class ContextParallelAttention(TorchFunctionMode):
     def __init__(self, group: dist.ProcessGroup, style: str, where: str) -> None:
         super().__init__()
         self.group, self.style, self.where = group, style, where
+        self.calls = 0  # attention calls redirected during the current forward
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         kwargs = kwargs or {}
@@ -425,6 +427,7 @@ class ContextParallelAttention(TorchFunctionMode):
         if a["dropout_p"]:
             raise ContextParallelError(f"{self.where} uses attention dropout_p={a['dropout_p']}; context parallel needs 0")
         q, k, v = a["query"], a["key"], a["value"]
+        self.calls += 1
         return context_parallel_attention(q, k, v, self.group, self.style, a["is_causal"], a["scale"])
 
 
@@ -432,8 +435,15 @@ def _swap_attention(module: nn.Module, mode: ContextParallelAttention) -> None:
     original = module.forward
 
     def forward(*args: Any, **kwargs: Any) -> Any:
+        mode.calls = 0
         with mode:
-            return original(*args, **kwargs)
+            out = original(*args, **kwargs)
+        if mode.calls == 0:  # attention computed some other way would silently see only this rank's shard
+            raise ContextParallelError(
+                f"{mode.where} ran without calling F.scaled_dot_product_attention, so context parallel cannot make"
+                " its attention span the cp ranks; compute attention with F.scaled_dot_product_attention, or use cp=1"
+            )
+        return out
 
     module.forward = forward  # type: ignore[method-assign]
 
