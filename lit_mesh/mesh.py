@@ -16,7 +16,6 @@ Degree = Union[int, Literal["auto"], None]
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 # Degrees whose parallelism has not landed yet: refused, never silently ignored.
 _NOT_YET = {
-    "cp": "context parallel (issue #4)",
     "ep": "expert parallel (issue #5)",
 }
 

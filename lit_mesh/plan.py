@@ -36,9 +36,11 @@ class ParallelPlan:
     pp_last:    direct children that run after the blocks (final norm, output head): the last stage.
                 A pipeline stage sets the ones it does not hold to None, so the forward must skip None
                 modules and pass hidden states through (see zoo/gpt.py).
-    positions:  keyword of the model's forward that takes the tokens' positions (T,), for a stage whose input
-                is a sequence shard (pipeline stages after the first under sequence parallelism); None when
-                the blocks do not depend on positions.
+    attention:  the module inside every block whose forward calls F.scaled_dot_product_attention on
+                (batch, heads, sequence, head_dim) tensors: context parallel swaps that call ("" : none).
+    positions:  the keyword of the model's forward that takes the global positions (T,) of its tokens:
+                context parallel passes each rank's, and pipeline stages after the first get them under
+                sequence parallelism (their input is a sequence shard) ("" : none; cp > 1 then is refused).
     """
 
     blocks: str
@@ -48,7 +50,8 @@ class ParallelPlan:
     init: Sequence[tuple[str, Init]] = ()
     pp_first: Sequence[str] = ()
     pp_last: Sequence[str] = ()
-    positions: str | None = None
+    attention: str = ""
+    positions: str = ""
 
     def __post_init__(self) -> None:
         for name, style in {**self.tp_root, **self.tp_block}.items():

@@ -35,6 +35,7 @@ from lit_mesh.mesh import MeshConfigError, MeshLayout, MeshViews, build_device_m
 from lit_mesh.parallel.apply import Parallelized, is_user_parallelised, materialize, parallelize
 from lit_mesh.parallel.checkpointing import ActivationCheckpointing, check_activation_checkpointing
 from lit_mesh.parallel.compile import check_compile
+from lit_mesh.parallel.context import CPStyle, check_cp_style, gather_batch, refuse_cp_without_plan, shard_batch
 from lit_mesh.parallel.data import fsdp_roots
 from lit_mesh.parallel.pipeline import PipelineRunner, attach_runner, check_pipeline_settings
 from lit_mesh.precision import check_precision_plugin
@@ -49,7 +50,10 @@ class MeshStrategy(ModelParallelStrategy):
         dp_replicate: replicas (DDP); with dp_shard > 1 as well, HSDP.
         dp_shard: FSDP shards per replica; "auto" fills the world size (the default when no dp degree is given).
         tp: tensor-parallel degree (innermost dim: keep it inside a node).
-        cp: context-parallel degree (not yet supported: must be 1).
+        cp: context-parallel degree: each sample's sequence is split over cp ranks (needs a plan that declares
+            its attention and positions); FSDP then shards over dp_shard x cp.
+        cp_style: "ring" (K/V blocks circulate, load-balanced causal), "ulysses" (all-to-all to head shards;
+            cp must divide the heads per tp rank) or "allgather" (all-gather K/V, load-balanced causal).
         pp: pipeline-parallel degree (outermost dim: stages may span nodes). The LightningModule computes its loss
             with `lit_mesh.loss_of(self.model, loss_fn, inputs, targets)` (and its outputs with `output_of`).
         ep: expert-parallel degree, borrowed from dp_shard x cp (not yet supported: must be 1).
@@ -83,6 +87,7 @@ class MeshStrategy(ModelParallelStrategy):
         dp_shard: Union[int, Literal["auto"], None] = None,
         tp: int = 1,
         cp: int = 1,
+        cp_style: CPStyle = "ring",
         pp: int = 1,
         ep: int = 1,
         pp_schedule: str = "1f1b",
@@ -108,8 +113,14 @@ class MeshStrategy(ModelParallelStrategy):
         self._degrees: dict[str, Any] = dict(dp=dp, dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp, cp=cp, pp=pp, ep=ep)
         check_degrees(**self._degrees)  # what needs no world size fails here, in the user's process
         self.pipeline_settings = check_pipeline_settings(pp, pp_schedule, pp_microbatches, pp_stages_per_rank, pp_split)
+        if pp > 1 and cp > 1:
+            raise MeshConfigError(
+                f"pp={pp} with cp={cp}: pipeline and context parallel together are not supported yet; use one of them"
+            )
         self._pipeline: Optional[PipelineRunner] = None
         check_activation_checkpointing(activation_checkpointing, ac_every_n_blocks)
+        check_cp_style(cp_style)
+        self.cp_style = cp_style
         self.sequence_parallel = sequence_parallel
         self.activation_checkpointing = activation_checkpointing
         self.ac_every_n_blocks = ac_every_n_blocks
@@ -193,6 +204,7 @@ class MeshStrategy(ModelParallelStrategy):
                     " it into pipeline stages; declare a parallel_plan() instead, or use pp=1"
                 )
             rank_zero_info("MeshStrategy: configure_model parallelised the model itself; no plan is applied")
+            refuse_cp_without_plan(self.layout.cp, type(self.lightning_module).__name__)
             done = Parallelized([])
         else:
             done = parallelize(
@@ -205,6 +217,7 @@ class MeshStrategy(ModelParallelStrategy):
                 ac_every_n_blocks=self.ac_every_n_blocks,
                 compile_backend=self.compile_backend,
                 pipeline=self.pipeline_settings,
+                cp_style=self.cp_style,
             )
         materialize(self.model, done.owners, self.root_device)
         self.model_to_device()
@@ -232,6 +245,18 @@ class MeshStrategy(ModelParallelStrategy):
             parameters=lambda: list(owner.parameters()),
         )
         attach_runner(owner, self._pipeline)
+
+    def batch_to_device(self, batch: Any, device: Optional[torch.device] = None, dataloader_idx: int = 0) -> Any:
+        batch = super().batch_to_device(batch, device, dataloader_idx)
+        if self.layout.cp > 1:  # every loop (fit, validate, test, predict): each cp rank keeps its part of the sequence
+            batch = shard_batch(batch, self.mesh_views["cp"], self.cp_style)
+        return batch
+
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        output = super().predict_step(*args, **kwargs)
+        if self.layout.cp > 1:  # predictions in token order, whole, as on one device
+            output = gather_batch(output, self.mesh_views["cp"], self.cp_style)
+        return output
 
     def _clip_grad_by_norm(self, optimizer: torch.optim.Optimizer, clip_val: Union[int, float]) -> None:
         # pipeline stages hold different parameters: their norms add up over pp

@@ -30,6 +30,9 @@ S = "--trainer.strategy.init_args."
         ({"pp": 2, "pp_split": [1, 1, 2]}, "pp_split=[1, 1, 2] has 3 entries but pp=2 x stages per rank 1 = 2"),
         ({"pp": 2, "pp_microbatches": 0}, "pp_microbatches=0 must be a positive int"),
         ({"pp_schedule": "gpipe"}, "need pp > 1"),
+        ({"pp": 2, "cp": 2}, "pp=2 with cp=2: pipeline and context parallel together are not supported yet"),
+        ({"cp": 2, "cp_style": "zigzag"}, "cp_style='zigzag'; choose one of ('ring', 'ulysses', 'allgather')"),
+        ({"pp": 2}, "pp=2: pipeline parallel"),
         ({"ep": 4}, "ep=4: expert parallel"),
     ],
 )
@@ -93,6 +96,10 @@ def test_errors_after_start_are_clear(tmp_path: Path) -> None:
         "pp_stages_vs_blocks": _gpt(f"{S}pp=2", f"{S}pp_schedule=interleaved_1f1b"),
         "pp_split_vs_blocks": _gpt(f"{S}pp=2", f"{S}pp_split=[1, 2]"),
         "pp_microbatches_vs_batch": _gpt(f"{S}pp=2", f"{S}pp_microbatches=3"),
+        "cp_vs_seq_len": _gpt(f"{S}cp=2", "--data.init_args.seq_len=66"),
+        "ulysses_vs_heads": _gpt(f"{S}cp=2", f"{S}cp_style=ulysses", "--model.init_args.config_overrides={dim: 96, n_heads: 3, n_kv_heads: 3}"),
+        "cp_without_attention": [a.replace("gpt.yaml", "vit.yaml") for a in _gpt(f"{S}cp=2")],  # ViT: no attention in its plan
+        "cp_self_parallelised": _gpt(f"{S}cp=2", "--model=tests.workers.cp_modules.SelfShardedGPT"),
         "nan_loss": _gpt(
             f"{S}dp=2", "--trainer.max_steps=6", "--model=tests.workers.faulty_modules.NaNLossAt",
             "--model.init_args.step=3", "--model.init_args.rank=1",
@@ -113,6 +120,10 @@ def test_errors_after_start_are_clear(tmp_path: Path) -> None:
     assert "pp_split=[1, 2] must give every stage >= 1 block and add up to the model's 2 blocks" in errors[
         "pp_split_vs_blocks"]["message"]
     assert "pp_microbatches=3 does not divide the batch of 8 samples" in errors["pp_microbatches_vs_batch"]["message"]
+    assert "sequence length is 66; use a sequence length that is a multiple of 4" in errors["cp_vs_seq_len"]["message"]
+    assert "3 query heads on this rank (after tp) are not divisible by cp=2" in errors["ulysses_vs_heads"]["message"]
+    assert "declares no attention module (ParallelPlan.attention)" in errors["cp_without_attention"]["message"]
+    assert "cp=2 but configure_model of SelfShardedGPT parallelised the model itself" in errors["cp_self_parallelised"]["message"]
     # a NaN on one rank stops every rank together, naming the step and the rank
     assert errors["nan_loss"]["type"] == "FloatingPointError"
     assert "non-finite training loss at step 3 on rank(s) [1]" in errors["nan_loss"]["message"]

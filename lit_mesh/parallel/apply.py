@@ -1,6 +1,6 @@
 """The one place where plans are applied, in the one order:
-split into pipeline stages -> TP/SP -> activation checkpointing -> torch.compile -> FSDP/HSDP/DDP per block
--> each stage's root.
+split into pipeline stages -> TP/SP -> CP -> activation checkpointing -> torch.compile -> FSDP/HSDP/DDP per
+block -> each stage's root.
 
 Later techniques slot in between (CP and EP after TP) without changing the order.
 """
@@ -19,6 +19,7 @@ from lit_mesh.init import init_parameters
 from lit_mesh.mesh import MeshLayout, MeshViews
 from lit_mesh.parallel.checkpointing import apply_activation_checkpointing
 from lit_mesh.parallel.compile import apply_compile
+from lit_mesh.parallel.context import apply_context_parallel
 from lit_mesh.parallel.data import apply_data_parallel, data_parallel_mesh
 from lit_mesh.parallel.pipeline import PipelineSettings
 from lit_mesh.parallel.pipeline_split import (
@@ -125,6 +126,7 @@ def parallelize(
     ac_every_n_blocks: int = 1,
     compile_backend: str | None = None,
     pipeline: PipelineSettings | None = None,
+    cp_style: str = "ring",
 ) -> Parallelized:
     """Apply every technique to `root` (the LightningModule) in the fixed order."""
     owners = find_plan_owners(root)
@@ -147,6 +149,14 @@ def parallelize(
         if done.stages and sequence_parallel and owners[0].plan.positions:
             for stage in (s for s in done.stages if s.index != 0):  # the first stage counts them itself
                 pass_global_positions(stage.module, owners[0].plan.positions, layout.tp)
+    if layout.cp > 1:
+        if not owners:
+            raise PlanError(
+                f"cp={layout.cp} but no module of {type(root).__name__} declares parallel_plan() with its attention;"
+                " declare one (ParallelPlan.attention and .positions, see zoo/gpt.py), or use cp=1"
+            )
+        for owner in owners:
+            apply_context_parallel(owner.module, owner.plan, mesh["cp"], cp_style)
     for owner in owners:
         blocks = list(owner.module.get_submodule(owner.plan.blocks))
         apply_activation_checkpointing(blocks, activation_checkpointing, ac_every_n_blocks)
