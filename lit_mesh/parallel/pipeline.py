@@ -145,9 +145,8 @@ class PipelineRunner:
 
     # ---- the loss the schedule calls on the last stage, once per micro-batch ----------------------------
 
-    def _microbatch_loss(self, output: Tensor, target: Optional[Tensor]) -> Tensor:
-        if self._loss_fn is None or target is None:  # forward only (predict): no loss asked for
-            return output.new_zeros(())
+    def _microbatch_loss(self, output: Tensor, target: Tensor) -> Tensor:
+        assert self._loss_fn is not None, "the schedule runs only from loss()"
         loss = self._loss_fn(output, target)
         scaled = loss * self._loss_scale
         # keyed by the tensor the schedule reports: calls the schedule makes for shape inference do not count
