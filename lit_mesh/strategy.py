@@ -29,6 +29,9 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from lit_mesh.async_save import AsyncCheckpointSaver, staged_state, write_metadata
 from lit_mesh.checkpoint import load_sharded_checkpoint, publish_checkpoint
+from lit_mesh.comm.compression import GradientCompression
+from lit_mesh.comm.options import CompressionConfigError, CompressionOptions, resolve_compression
+from lit_mesh.comm.state import load_compression_state, save_compression_state
 from lit_mesh.grad_norm import clip_grad_norm_
 from lit_mesh.mesh import MeshLayout, MeshViews, build_device_mesh, check_degrees, resolve_layout, tp_crosses_nodes
 from lit_mesh.parallel.apply import is_user_parallelised, materialize, parallelize
@@ -62,6 +65,9 @@ class MeshStrategy(ModelParallelStrategy):
         save_distributed_checkpoint: sharded checkpoints (a directory, one file per rank) or one full file.
         async_save: write sharded checkpoints in a background thread (training goes on once the state is
             copied in memory); the directory appears under its name only when every rank has written it.
+        grad_compression: compress every data-parallel gradient reduction: "fp16", "bf16", "powersgd", "onebit",
+            "topk", or a `lit_mesh.CompressionOptions` (rank, ratio, warm-up, schedule, ...); None: off.
+            See lit_mesh/comm/compression.py.
         process_group_backend: "gloo", "nccl", ...; default from the device.
         timeout: timeout of collectives.
     """
@@ -85,6 +91,7 @@ class MeshStrategy(ModelParallelStrategy):
         stop_on_nonfinite_loss: bool = True,
         save_distributed_checkpoint: bool = True,
         async_save: bool = False,
+        grad_compression: Union[str, CompressionOptions, None] = None,
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout,
     ) -> None:
@@ -106,6 +113,8 @@ class MeshStrategy(ModelParallelStrategy):
         if async_save and not save_distributed_checkpoint:
             raise ValueError("async_save=True writes sharded checkpoints: keep save_distributed_checkpoint=True")
         self._async_saver = AsyncCheckpointSaver() if async_save else None
+        self.grad_compression_options = resolve_compression(grad_compression)
+        self.grad_compression: Optional[GradientCompression] = None  # the run's state, made in setup()
         self._layout: Optional[MeshLayout] = None
         self.mesh_views: Optional[MeshViews] = None
 
@@ -134,6 +143,12 @@ class MeshStrategy(ModelParallelStrategy):
         # Called by the Trainer before any process is spawned: validate here, not after spawning.
         check_precision_plugin(self.precision_plugin)
         layout = self.layout
+        if self.grad_compression_options is not None and layout.data_parallel == "none":
+            raise CompressionConfigError(
+                f"grad_compression={self.grad_compression_options.mode!r} but the mesh has no data-parallel dim"
+                f" ({layout.describe()}): there is no gradient reduction to compress; give dp or dp_replicate > 1,"
+                " or set grad_compression=None"
+            )
         if self.num_processes and tp_crosses_nodes(layout, self.num_processes):
             rank_zero_warn(
                 f"tp={layout.tp} does not divide the {self.num_processes} devices of one node: tensor-parallel"
@@ -167,7 +182,14 @@ class MeshStrategy(ModelParallelStrategy):
         self.accelerator.setup(trainer)
         precision = str(self.precision_plugin.precision)
         self.model = self.precision_plugin.convert_module(self.model)  # bf16-true: cast while still on meta
+        if self.grad_compression_options is not None:
+            self.grad_compression = GradientCompression(self.grad_compression_options, self.root_device)
         if is_user_parallelised(self.model):
+            if self.grad_compression is not None:
+                raise CompressionConfigError(
+                    "grad_compression hooks into the data parallelism MeshStrategy applies, but configure_model"
+                    " parallelised the model itself; let MeshStrategy apply it (a parallel_plan()), or drop grad_compression"
+                )
             rank_zero_info("MeshStrategy: configure_model parallelised the model itself; no plan is applied")
             owners = []
         else:
@@ -180,6 +202,7 @@ class MeshStrategy(ModelParallelStrategy):
                 activation_checkpointing=self.activation_checkpointing,
                 ac_every_n_blocks=self.ac_every_n_blocks,
                 compile_backend=self.compile_backend,
+                grad_compression=self.grad_compression,
             )
         materialize(self.model, owners, self.root_device)
         self.model_to_device()
@@ -196,6 +219,8 @@ class MeshStrategy(ModelParallelStrategy):
         clip_grad_norm_(self.precision_plugin.main_params(optimizer), float(clip_val))
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self.grad_compression is not None:
+            self.grad_compression.begin_step(self.lightning_module.trainer.global_step)
         output = super().training_step(*args, **kwargs)
         if self.stop_on_nonfinite_loss:
             loss = output.get("loss") if isinstance(output, dict) else output
@@ -255,6 +280,8 @@ class MeshStrategy(ModelParallelStrategy):
         if self.global_rank == 0 and staging.exists():
             shutil.rmtree(staging)  # left by an earlier crash
         self.barrier()
+        if self.grad_compression is not None:  # per-rank residuals, beside the shards
+            save_compression_state(self.grad_compression, staging, self.global_rank, self.world_size, self.layout.describe())
         if self._async_saver is not None:
             state = staged_state(checkpoint)
             if self.global_rank == 0:
@@ -286,7 +313,10 @@ class MeshStrategy(ModelParallelStrategy):
             return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         assert self.model is not None and self.lightning_module is not None
         optimizers = {f"optimizer_{i}": optimizer for i, optimizer in enumerate(self.optimizers)}
-        return load_sharded_checkpoint(path, self.model, optimizers, strict=self.lightning_module.strict_loading)
+        loaded = load_sharded_checkpoint(path, self.model, optimizers, strict=self.lightning_module.strict_loading)
+        if self.grad_compression is not None:
+            load_compression_state(self.grad_compression, path, self.global_rank, self.world_size, self.layout.describe())
+        return loaded
 
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:  # noqa: A002 - Lightning's name
         """Agree over every rank (ModelCheckpoint, EarlyStopping): the world, not reduce()'s dp x cp group."""

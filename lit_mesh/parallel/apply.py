@@ -1,5 +1,5 @@
 """The one place where plans are applied, in the one order:
-TP/SP -> activation checkpointing -> torch.compile -> FSDP/HSDP/DDP per block -> root.
+TP/SP -> activation checkpointing -> torch.compile -> FSDP/HSDP/DDP per block -> root -> communication hooks.
 
 Later techniques slot in between (CP and EP after TP) without changing the order.
 """
@@ -18,7 +18,8 @@ from lit_mesh.init import init_parameters
 from lit_mesh.mesh import MeshLayout, MeshViews
 from lit_mesh.parallel.checkpointing import apply_activation_checkpointing
 from lit_mesh.parallel.compile import apply_compile
-from lit_mesh.parallel.data import apply_data_parallel, data_parallel_mesh
+from lit_mesh.comm.compression import GradientCompression
+from lit_mesh.parallel.data import apply_data_parallel, attach_compression, data_parallel_mesh
 from lit_mesh.parallel.tensor import PlanError, apply_tensor_parallel
 from lit_mesh.plan import ParallelPlan
 
@@ -86,6 +87,7 @@ def parallelize(
     activation_checkpointing: str = "none",
     ac_every_n_blocks: int = 1,
     compile_backend: str | None = None,
+    grad_compression: GradientCompression | None = None,
 ) -> list[PlanOwner]:
     """Apply every technique to `root` (the LightningModule) in the fixed order; returns the plan owners."""
     owners = find_plan_owners(root)
@@ -109,13 +111,15 @@ def parallelize(
         apply_activation_checkpointing(blocks, activation_checkpointing, ac_every_n_blocks)
         if compile_backend is not None:
             apply_compile(blocks, compile_backend)
-    dp_mesh = data_parallel_mesh(mesh, layout)
+    dp_mesh = data_parallel_mesh(mesh, layout, replicate_in_hook=grad_compression is not None)
     if dp_mesh is not None:
         for owner in owners:
             blocks = owner.module.get_submodule(owner.plan.blocks)
             apply_data_parallel(owner.module, list(blocks), dp_mesh, layout, precision)
         for unit in _units_outside_owners(root, "", owners):
             apply_data_parallel(unit, [], dp_mesh, layout, precision)
+        if grad_compression is not None:  # communication hooks come last
+            attach_compression(root, grad_compression, mesh, layout)
     return owners
 
 
