@@ -182,10 +182,10 @@ class MeshStrategy(ModelParallelStrategy):
         self.accelerator.setup(trainer)
         precision = str(self.precision_plugin.precision)
         self.model = self.precision_plugin.convert_module(self.model)  # bf16-true: cast while still on meta
-        if self.grad_compression_options is not None:
+        if self.grad_compression_options is not None and self.grad_compression is None:
             self.grad_compression = GradientCompression(self.grad_compression_options, self.root_device)
         if is_user_parallelised(self.model):
-            if self.grad_compression is not None:
+            if self.grad_compression is not None and not self.grad_compression.compressors:  # not hooked by us
                 raise CompressionConfigError(
                     "grad_compression hooks into the data parallelism MeshStrategy applies, but configure_model"
                     " parallelised the model itself; let MeshStrategy apply it (a parallel_plan()), or drop grad_compression"
