@@ -55,8 +55,9 @@ def train(args: argparse.Namespace, mode: str) -> dict[str, Any]:
         def __init__(self) -> None:
             self.losses: list[float] = []
 
-        def on_train_batch_end(self, trainer: L.Trainer, *_: Any) -> None:
-            self.losses.append(float(trainer.callback_metrics["train_loss"]))
+        def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, *_: Any) -> None:
+            # the global batch's loss: the mean over the data-parallel ranks of their local losses
+            self.losses.append(float(trainer.strategy.reduce(outputs["loss"].detach(), reduce_op="mean")))
 
     L.seed_everything(0, verbose=False)
     compression = None if mode == "fp32" else CompressionOptions(
@@ -126,7 +127,7 @@ def plot(path: Path, curves: dict[str, list[float]], title: str) -> None:
     width, height, left, right, top, bottom = 900, 560, 70, 160, 40, 50
     smooth = {m: [statistics.mean(c[max(0, i - 9) : i + 1]) for i in range(len(c))] for m, c in curves.items()}
     lo = min(min(c) for c in smooth.values())
-    hi = max(max(c[5:] or c) for c in smooth.values())
+    hi = max(max(c[len(c) // 20 :]) for c in smooth.values())  # the first steps' high loss would flatten the rest
     steps = max(len(c) for c in smooth.values())
     image = Image.new("RGB", (width, height), "white")
     draw = ImageDraw.Draw(image)
