@@ -116,3 +116,30 @@ def test_compressors_over_gloo(tmp_path: Path) -> None:
     failed = {name: detail for name, detail in checks.items() if detail is not True}
     assert not failed, failed
     assert len(checks) >= 8
+
+
+def test_checkpoint_state_restores_on_the_same_layout_and_resets_with_a_warning_on_another(tmp_path: Path) -> None:
+    from lit_mesh.comm.compression import GradientCompression
+    from lit_mesh.comm.state import load_compression_state, save_compression_state
+
+    saved = GradientCompression(CompressionOptions(mode="fp16", schedule=[CompressionStage("onebit", start_step=3)]))
+    site = saved.compressor("model.layers.0:reduce_scatter")
+    site.residual, site.qs = torch.randn(10), {0: torch.randn(4, 2)}
+    saved.begin_step(0)
+    saved.begin_step(3)  # now in the onebit stage
+    save_compression_state(saved, tmp_path, rank=1, world_size=2, layout="dp_replicate=2")
+
+    same = GradientCompression(saved.options)
+    same.compressor("model.layers.0:reduce_scatter")
+    assert load_compression_state(same, tmp_path, rank=1, world_size=2, layout="dp_replicate=2") is None
+    assert torch.equal(same.compressors["model.layers.0:reduce_scatter"].residual, site.residual)
+    assert torch.equal(same.compressors["model.layers.0:reduce_scatter"].qs[0], site.qs[0])
+    assert (same.stage, same.step, same.mode) == (1, 3, "onebit")
+
+    other = GradientCompression(saved.options)
+    other.compressor("model.layers.0:reduce_scatter")
+    with pytest.warns(UserWarning, match="gradient compression starts afresh .* saved on 'dp_replicate=2', this run is 'dp=4'"):
+        why = load_compression_state(other, tmp_path, rank=1, world_size=4, layout="dp=4")
+    assert why is not None
+    assert other.compressors["model.layers.0:reduce_scatter"].residual is None  # reset
+    assert other.mode == "onebit"  # the schedule's position is kept

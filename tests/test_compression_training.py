@@ -51,6 +51,10 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict:
                 runs.append(_run(f"{layout}-{mode}", layout, [f"{S}grad_compression={mode}"], ckpt))
             # the seams alone: warm-up longer than the run, so every step goes uncompressed through our hooks
             runs.append(_run(f"{layout}-hooks-uncompressed", layout, [f"{S}grad_compression={{mode: onebit, warmup_steps: 100}}"]))
+        if nproc == 2:
+            schedule = "{mode: fp16, warmup_steps: 2, schedule: [{mode: onebit, start_step: 5}]}"
+            runs.append(_run("ddp2-schedule", "ddp2", [f"{S}grad_compression={schedule}"]))
+            runs.append(_run("fsdp2-onebit-accum2", "fsdp2", [f"{S}grad_compression=onebit", "--trainer.accumulate_grad_batches=2"]))
         for layout, mode in RESUMED.items():
             if LAYOUTS[layout][0] == nproc:
                 resume = f"--ckpt_path={out / f'ckpt-{layout}-{mode}' / 'step=5.ckpt'}"
@@ -121,3 +125,25 @@ def test_resume_with_compression_equals_the_uninterrupted_run(results: dict, lay
         sites = saved["state"]["compressors"]
         assert sites and all(s["residual"] is not None and s["residual"].abs().sum() > 0 for s in sites.values())
         assert mode != "powersgd" or all(s["qs"] for s in sites.values())
+
+
+def test_schedule_warm_up_then_fp16_then_onebit(results: dict) -> None:
+    metrics = results["ddp2-schedule"]["metrics"]
+    stage = {int(s): v for s, v in metrics["grad_compression/stage"].items()}
+    assert [stage[s] for s in range(STEPS)] == [0, 0, 1, 1, 1, 2, 2, 2, 2, 2]
+    ratio = {int(s): v for s, v in metrics["grad_compression/ratio"].items()}
+    assert ratio[0] == ratio[1] == 1.0  # warm-up: the plain collective
+    assert all(1.9 < ratio[s] <= 2.0 for s in (2, 3, 4))  # fp16
+    assert all(ratio[s] > 20 for s in range(5, STEPS))  # 1-bit
+    reference, got = curve(results["fsdp2-fp32"]), curve(results["ddp2-schedule"])
+    for step in range(3):  # the losses of steps 1-3 come before any compressed update
+        assert abs(reference[step] - got[step]) <= 1e-4 * reference[step], (step, reference, got)
+    assert got[-1] < 0.95 * got[0]
+
+
+def test_accumulation_reduces_once_per_step(results: dict) -> None:
+    accum, plain = results["fsdp2-onebit-accum2"]["metrics"], results["fsdp2-onebit"]["metrics"]
+    key = "grad_compression/sent_bytes/dp_shard_cp"
+    assert accum[key] == plain[key], "one compressed reduce-scatter per optimizer step, not per micro-batch"
+    got = curve(results["fsdp2-onebit-accum2"])
+    assert len(got) == STEPS and got[-1] < 0.95 * got[0]
