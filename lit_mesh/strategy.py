@@ -114,6 +114,8 @@ class MeshStrategy(ModelParallelStrategy):
             raise ValueError("async_save=True writes sharded checkpoints: keep save_distributed_checkpoint=True")
         self._async_saver = AsyncCheckpointSaver() if async_save else None
         self.grad_compression_options = resolve_compression(grad_compression)
+        if self.grad_compression_options is not None and not save_distributed_checkpoint:
+            rank_zero_warn("grad_compression: single-file checkpoints do not hold its per-rank state; a resume restarts it")
         self.grad_compression: Optional[GradientCompression] = None  # the run's state, made in setup()
         self._layout: Optional[MeshLayout] = None
         self.mesh_views: Optional[MeshViews] = None
