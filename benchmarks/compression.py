@@ -39,6 +39,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--powersgd-rank", type=int, default=4)
     p.add_argument("--topk-ratio", type=float, default=0.01)
+    p.add_argument("--onebit-block", type=int, default=1024, help="entries per 1-bit scale")
+    p.add_argument("--warmup-steps", type=int, default=0, help="uncompressed steps first (every mode)")
     p.add_argument("--plot", default="", help="write the loss-vs-step PNG here")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds for the whole launch")
     return p.parse_args(argv)
@@ -61,7 +63,8 @@ def train(args: argparse.Namespace, mode: str) -> dict[str, Any]:
 
     L.seed_everything(0, verbose=False)
     compression = None if mode == "fp32" else CompressionOptions(
-        mode=mode, powersgd_rank=args.powersgd_rank, topk_ratio=args.topk_ratio
+        mode=mode, powersgd_rank=args.powersgd_rank, topk_ratio=args.topk_ratio, onebit_block=args.onebit_block,
+        warmup_steps=args.warmup_steps,
     )
     degrees = {"dp_replicate": 2} if args.layout == "ddp2" else {"dp": 2}
     strategy = MeshStrategy(**degrees, grad_compression=compression, process_group_backend="gloo")
@@ -113,7 +116,7 @@ def worker(args: argparse.Namespace) -> None:
     C.emit({
         "benchmark": "compression", "layout": args.layout, "preset": args.preset, "steps": args.steps,
         "global_batch_size": args.global_batch_size, "seq_len": args.seq_len, "powersgd_rank": args.powersgd_rank,
-        "topk_ratio": args.topk_ratio, "table": table, "goals": goals,
+        "topk_ratio": args.topk_ratio, "onebit_block": args.onebit_block, "warmup_steps": args.warmup_steps, "table": table, "goals": goals,
         "goal_met": all(g["met"] for g in goals.values()), "plot": args.plot or None, **C.environment(),
     })  # fmt: skip
 

@@ -73,9 +73,11 @@ class GradientCompressor:
     @torch.no_grad()
     def reduce_scatter(
         self, output: Tensor, input: Tensor, group: Any, average: bool, dim: str,
-        segments: Optional[list[Segment]] = None,
+        segments: Optional[list[Segment]] = None, final: bool = True,
     ) -> None:  # fmt: skip
-        """output = (sum or mean over ranks of input)[chunk of this rank]; input is n chunks laid end to end."""
+        """output = (sum or mean over ranks of input)[chunk of this rank]; input is n chunks laid end to end.
+
+        final=False: an all-reduce follows (HSDP), so the schedule's gradient statistics are taken there."""
         n = group.size()
         self.run.meter.uncompressed(dim, "reduce_scatter", input, n)
         x = self._with_residual(input)
@@ -89,7 +91,8 @@ class GradientCompressor:
         else:
             result = self._stage_one(x, n, group, dim)
         output.copy_(result / n if average else result)
-        self.run.record_norm(output)
+        if final:
+            self.run.record_norm(output)
 
     @torch.no_grad()
     def all_reduce(

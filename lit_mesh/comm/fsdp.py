@@ -45,10 +45,11 @@ def unit_segments(module: FSDPModule) -> list[Segment]:
 class CompressedReduceScatter(ReduceScatter):
     """FSDP2's reduce-scatter, sent compressed (signature of torch's ReduceScatter comm)."""
 
-    def __init__(self, compressor: GradientCompressor, module: FSDPModule, dim: str) -> None:
+    def __init__(self, compressor: GradientCompressor, module: FSDPModule, dim: str, final: bool) -> None:
         self.compressor = compressor
         self.module = module
         self.dim = dim
+        self.final = final  # no replicate all-reduce follows
 
     def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.empty(*size, dtype=dtype, device=device)
@@ -61,7 +62,8 @@ class CompressedReduceScatter(ReduceScatter):
             raise RuntimeError(f"compressed reduce-scatter supports SUM and AVG, FSDP asked for {op}")
         segments = unit_segments(self.module) if self.compressor.run.mode == "powersgd" else None
         self.compressor.reduce_scatter(
-            output_tensor, input_tensor, group, average=op == dist.ReduceOp.AVG, dim=self.dim, segments=segments
+            output_tensor, input_tensor, group, average=op == dist.ReduceOp.AVG, dim=self.dim, segments=segments,
+            final=self.final,
         )
 
 
@@ -94,10 +96,11 @@ def attach_gradient_compression(
         if not isinstance(module, FSDPModule) or not module._get_fsdp_state()._fsdp_param_groups:
             continue
         unit = name or "<root>"
+        replicated = replicate_group is not None and replicate_group.size() > 1
         if shard_group.size() > 1:
             site = run.compressor(f"{unit}:reduce_scatter")
-            module.set_custom_reduce_scatter(CompressedReduceScatter(site, module, shard_dim))
-        if replicate_group is not None and replicate_group.size() > 1:
+            module.set_custom_reduce_scatter(CompressedReduceScatter(site, module, shard_dim, final=not replicated))
+        if replicated:
             site = run.compressor(f"{unit}:all_reduce")
             module.set_all_reduce_hook(CompressedReplicaAllReduce(site, module, replicate_group, replicate_dim))
         hooked += 1
