@@ -31,7 +31,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lit_mesh.comm.codecs import Codec, make_codec
-from lit_mesh.comm.fusion import fused
+from lit_mesh.comm.fusion import fused, plan_buckets
 from lit_mesh.comm.meter import WireMeter
 from lit_mesh.comm.options import CompressionOptions
 from lit_mesh.comm.powersgd import initial_q, low_rank_sum, worth_compressing
@@ -123,15 +123,9 @@ class GradientCompressor:
         """All-reduce a list of tensors: small ones fused into buckets of `bucket_mb`, each bucket compressed
         as one buffer (PowerSGD keeps every tensor's own matrix shape)."""
         cap = int(self.run.options.bucket_mb * 2**20)
-        buckets: list[list[Tensor]] = [[]]
-        size = 0
-        for t in tensors:
-            if buckets[-1] and size + t.numel() * t.element_size() > cap:
-                buckets.append([])
-                size = 0
-            buckets[-1].append(t)
-            size += t.numel() * t.element_size()
-        for i, bucket in enumerate(buckets):
+        itemsize = tensors[0].element_size() if tensors else 4
+        for i, members in enumerate(plan_buckets([t.numel() for t in tensors], itemsize, cap)):
+            bucket = [tensors[j] for j in members]
             site = self if i == 0 else self.run.compressor(f"{self.name}/bucket{i}")
             flat = torch.cat([t.reshape(-1) for t in bucket])
             site.all_reduce(flat, group, average, dim, segments_of_shapes([t.shape for t in bucket]))

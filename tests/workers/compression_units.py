@@ -128,7 +128,7 @@ def nothing_lost_across_steps_and_switches() -> None:
 
 def none_is_the_plain_collective() -> None:
     n, me = dist.get_world_size(), dist.get_rank()
-    run = GradientCompression(CompressionOptions(warmup_steps=3))
+    run = GradientCompression(CompressionOptions(warmup_steps=3, bucket_mb=100 / 2**20))  # 100-byte buckets
     run.begin_step(0)
     assert run.mode == "none"
     xs = inputs(600)
@@ -138,6 +138,7 @@ def none_is_the_plain_collective() -> None:
     tensors = [xs[me][:10].clone(), xs[me][10:600].clone().view(59, 10)]
     run.compressor("many").all_reduce_many(tensors, dist.group.WORLD, "dp_replicate")
     torch.testing.assert_close(torch.cat([t.flatten() for t in tensors]), sum(xs) / n, rtol=1e-6, atol=1e-7)
+    assert sorted(run.compressors) == ["many", "many/bucket1", "rs"]  # 40 bytes, then 2360 bytes alone
 
 
 def schedule_switches_by_rule_on_all_ranks_together() -> None:
