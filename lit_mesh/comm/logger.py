@@ -14,7 +14,9 @@ class CompressionLogger(Callback):
     `grad_compression/ratio` and `grad_compression/stage` (position in the schedule). Needs
     MeshStrategy(grad_compression=...)."""
 
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         run = getattr(trainer.strategy, "grad_compression", None)
         if run is not None:
             metrics = run.metrics()

@@ -2,7 +2,8 @@
 
 Residuals are per-rank data, so a resume on the same layout continues exactly. On another layout (world
 size, mesh degrees or reduction sites differ) the saved residuals do not fit the new shards: residuals and
-PowerSGD factors are reset with a warning (the schedule's position is kept) (losing one step's worth of dropped gradient, which error feedback would have re-sent).
+PowerSGD factors are reset with a warning, the schedule's position is kept. What is lost is what compression
+dropped in the last step before the save, which error feedback would have re-sent.
 """
 
 from __future__ import annotations
@@ -22,7 +23,9 @@ def _file(checkpoint_dir: Path, rank: int) -> Path:
     return checkpoint_dir / DIRECTORY / f"rank{rank}.pt"
 
 
-def save_compression_state(run: GradientCompression, checkpoint_dir: Path, rank: int, world_size: int, layout: str) -> None:
+def save_compression_state(
+    run: GradientCompression, checkpoint_dir: Path, rank: int, world_size: int, layout: str
+) -> None:
     path = _file(checkpoint_dir, rank)
     path.parent.mkdir(parents=True, exist_ok=True)
     state = {"world_size": world_size, "layout": layout, "sites": sorted(run.compressors), "state": run.state_dict()}

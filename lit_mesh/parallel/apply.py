@@ -14,11 +14,11 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from lit_mesh.comm.compression import GradientCompression
 from lit_mesh.init import init_parameters
 from lit_mesh.mesh import MeshLayout, MeshViews
 from lit_mesh.parallel.checkpointing import apply_activation_checkpointing
 from lit_mesh.parallel.compile import apply_compile
-from lit_mesh.comm.compression import GradientCompression
 from lit_mesh.parallel.data import apply_data_parallel, attach_compression, data_parallel_mesh
 from lit_mesh.parallel.tensor import PlanError, apply_tensor_parallel
 from lit_mesh.plan import ParallelPlan
