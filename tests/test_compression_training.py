@@ -48,7 +48,9 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict:
                 continue
             for mode in MODES:
                 ckpt = out / f"ckpt-{layout}-{mode}" if RESUMED.get(layout) == mode else None
-                runs.append(_run(f"{layout}-{mode}", layout, [f"{S}grad_compression={mode}"], ckpt))
+                # ddp2-onebit: MeshMonitor's dispatch-mode byte counter too, to cross-check the compressor's meter
+                monitor = ["--trainer.callbacks+=lit_mesh.MeshMonitor"] if f"{layout}-{mode}" == "ddp2-onebit" else []
+                runs.append(_run(f"{layout}-{mode}", layout, [f"{S}grad_compression={mode}", *monitor], ckpt))
             # the seams alone: warm-up longer than the run, so every step goes uncompressed through our hooks
             runs.append(_run(f"{layout}-hooks-uncompressed", layout, [f"{S}grad_compression={{mode: onebit, warmup_steps: 100}}"]))
         if nproc == 2:
@@ -105,6 +107,11 @@ def test_bytes_on_the_wire_per_mesh_dim(results: dict) -> None:
     assert "grad_compression/sent_bytes/dp_shard_cp" in metrics["fsdp2-onebit"]
     assert {"grad_compression/sent_bytes/dp_shard_cp", "grad_compression/sent_bytes/dp_replicate"} <= set(metrics["hsdp2x2-onebit"])
     assert min(metrics["ddp2-onebit"]["grad_compression/ratio"].values()) > 20  # 1 bit + a 32-bit scale per 1024
+    # an independent count (MeshMonitor sees every collective's tensors): the same bytes, plus the few bytes of
+    # the per-step loss and non-finite checks
+    sent, seen = metrics["ddp2-onebit"]["grad_compression/sent_bytes/dp_replicate"], metrics["ddp2-onebit"]["monitor/comm_mib/dp_replicate"]
+    for step, value in sent.items():
+        assert 0 <= seen[step] * 2**20 - value < 64, (step, seen[step] * 2**20, value)
     assert min(metrics["ddp2-powersgd"]["grad_compression/ratio"].values()) > 3  # tiny preset: 64-wide matrices, rank 4
 
 
