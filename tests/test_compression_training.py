@@ -19,11 +19,12 @@ COMMON = [
     "--trainer.enable_model_summary=false", "--trainer.num_sanity_val_steps=0", "--trainer.limit_val_batches=0",
 ]  # fmt: skip
 LAYOUTS = {"ddp2": (2, [f"{S}dp_replicate=2"]), "fsdp2": (2, [f"{S}dp=2"]), "hsdp2x2": (4, [f"{S}dp_replicate=2", f"{S}dp_shard=2"])}
+TP_LAYOUT = {"fsdp2_tp2": (4, [f"{S}tp=2"])}  # dp_shard fills the rest: 2
 RESUMED = {"ddp2": "onebit", "fsdp2": "powersgd"}  # (layout, mode) pairs that also checkpoint at step 5
 
 
 def _run(name: str, layout: str, extra: list[str], ckpt_dir: Path | None = None) -> dict:
-    nproc, degrees = LAYOUTS[layout]
+    nproc, degrees = {**LAYOUTS, **TP_LAYOUT}[layout]
     args = ["-c", str(REPO / "configs/gpt.yaml"), f"--trainer.devices={nproc}", *COMMON, *degrees, *extra]
     args += ["--trainer.callbacks+=lit_mesh.CompressionLogger"]
     if ckpt_dir is None:
@@ -53,6 +54,10 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict:
                 runs.append(_run(f"{layout}-{mode}", layout, [f"{S}grad_compression={mode}", *monitor], ckpt))
             # the seams alone: warm-up longer than the run, so every step goes uncompressed through our hooks
             runs.append(_run(f"{layout}-hooks-uncompressed", layout, [f"{S}grad_compression={{mode: onebit, warmup_steps: 100}}"]))
+        if nproc == 4:  # with tensor parallel: FSDP2 reduces the local TP shards
+            runs.append(_run("fsdp2_tp2-powersgd", "fsdp2_tp2", [f"{S}grad_compression=powersgd"]))
+            warm = f"{S}grad_compression={{mode: onebit, warmup_steps: 100}}"
+            runs.append(_run("fsdp2_tp2-hooks-uncompressed", "fsdp2_tp2", [warm]))
         if nproc == 2:
             schedule = "{mode: fp16, warmup_steps: 2, schedule: [{mode: onebit, start_step: 5}]}"
             runs.append(_run("ddp2-schedule", "ddp2", [f"{S}grad_compression={schedule}"]))
@@ -154,3 +159,13 @@ def test_accumulation_reduces_once_per_step(results: dict) -> None:
     assert accum[key] == plain[key], "one compressed reduce-scatter per optimizer step, not per micro-batch"
     got = curve(results["fsdp2-onebit-accum2"])
     assert len(got) == STEPS and got[-1] < 0.95 * got[0]
+
+
+def test_compression_composes_with_tensor_parallel(results: dict) -> None:
+    reference = curve(results["fsdp2-fp32"])
+    assert results["fsdp2_tp2-powersgd"]["world_size"] == 4
+    for step, (a, b) in enumerate(zip(reference, curve(results["fsdp2_tp2-hooks-uncompressed"])), start=1):
+        assert abs(a - b) <= 1e-4 * abs(a), (step, a, b)
+    got = curve(results["fsdp2_tp2-powersgd"])
+    assert got != reference and got[-1] < 0.95 * got[0]
+    assert min(results["fsdp2_tp2-powersgd"]["metrics"]["grad_compression/ratio"].values()) > 1.5
