@@ -1,5 +1,6 @@
 """lit-mesh: one N-D DeviceMesh and every parallelism, as a PyTorch Lightning strategy."""
 
+from lit_mesh.comm import CompressionLogger, CompressionOptions, CompressionStage
 from lit_mesh.init import Init, init_parameters
 from lit_mesh.mesh import MeshConfigError, MeshLayout
 from lit_mesh.monitor import MeshMonitor
@@ -10,4 +11,8 @@ from lit_mesh.plan import ParallelPlan
 from lit_mesh.precision import FP16MixedPrecision
 from lit_mesh.strategy import MeshStrategy
 
-__all__ = ["FP16MixedPrecision", "Init", "MeshConfigError", "MeshLayout", "MeshMonitor", "MeshStrategy", "ParallelPlan", "PipelineTimeline", "PlanError", "init_parameters", "loss_of", "output_of"]
+__all__ = [
+    "CompressionLogger", "CompressionOptions", "CompressionStage", "FP16MixedPrecision", "Init", "MeshConfigError",
+    "MeshLayout", "MeshMonitor", "MeshStrategy", "ParallelPlan", "PipelineTimeline", "PlanError", "init_parameters",
+    "loss_of", "output_of",
+]  # fmt: skip

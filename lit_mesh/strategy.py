@@ -30,6 +30,9 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from lit_mesh.async_save import AsyncCheckpointSaver, staged_state, write_metadata
 from lit_mesh.checkpoint import OPTIMIZER_STATE_OPTIONS, load_sharded_checkpoint, publish_checkpoint
+from lit_mesh.comm.compression import GradientCompression
+from lit_mesh.comm.options import CompressionConfigError, CompressionOptions, resolve_compression
+from lit_mesh.comm.state import load_compression_state, save_compression_state
 from lit_mesh.grad_norm import clip_grad_norm_
 from lit_mesh.mesh import MeshConfigError, MeshLayout, MeshViews, build_device_mesh, check_degrees, resolve_layout, tp_crosses_nodes
 from lit_mesh.parallel.apply import Parallelized, is_user_parallelised, materialize, parallelize
@@ -74,6 +77,9 @@ class MeshStrategy(ModelParallelStrategy):
         save_distributed_checkpoint: sharded checkpoints (a directory, one file per rank) or one full file.
         async_save: write sharded checkpoints in a background thread (training goes on once the state is
             copied in memory); the directory appears under its name only when every rank has written it.
+        grad_compression: compress every data-parallel gradient reduction: "fp16", "bf16", "powersgd", "onebit",
+            "topk", or a `lit_mesh.CompressionOptions` (rank, ratio, warm-up, schedule, ...); None: off.
+            See lit_mesh/comm/compression.py.
         process_group_backend: "gloo", "nccl", ...; default from the device.
         timeout: timeout of collectives.
     """
@@ -102,6 +108,7 @@ class MeshStrategy(ModelParallelStrategy):
         stop_on_nonfinite_loss: bool = True,
         save_distributed_checkpoint: bool = True,
         async_save: bool = False,
+        grad_compression: Union[str, CompressionOptions, None] = None,
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout,
     ) -> None:
@@ -131,6 +138,10 @@ class MeshStrategy(ModelParallelStrategy):
         if async_save and not save_distributed_checkpoint:
             raise ValueError("async_save=True writes sharded checkpoints: keep save_distributed_checkpoint=True")
         self._async_saver = AsyncCheckpointSaver() if async_save else None
+        self.grad_compression_options = resolve_compression(grad_compression)
+        if self.grad_compression_options is not None and not save_distributed_checkpoint:
+            rank_zero_warn("grad_compression: single-file checkpoints do not hold its per-rank state; a resume restarts it")
+        self.grad_compression: Optional[GradientCompression] = None  # the run's state, made in setup()
         self._layout: Optional[MeshLayout] = None
         self.mesh_views: Optional[MeshViews] = None
 
@@ -163,6 +174,12 @@ class MeshStrategy(ModelParallelStrategy):
             raise MeshConfigError(
                 f"pp={layout.pp} with fp16 loss scaling: the pipeline schedule runs the backward itself, outside the"
                 " scaler; use precision='bf16-mixed' (no scaler needed) or pp=1"
+            )
+        if self.grad_compression_options is not None and layout.data_parallel == "none":
+            raise CompressionConfigError(
+                f"grad_compression={self.grad_compression_options.mode!r} but the mesh has no data-parallel dim"
+                f" ({layout.describe()}): there is no gradient reduction to compress; give dp or dp_replicate > 1,"
+                " or set grad_compression=None"
             )
         if self.num_processes and tp_crosses_nodes(layout, self.num_processes):
             rank_zero_warn(
@@ -197,11 +214,18 @@ class MeshStrategy(ModelParallelStrategy):
         self.accelerator.setup(trainer)
         precision = str(self.precision_plugin.precision)
         self.model = self.precision_plugin.convert_module(self.model)  # bf16-true: cast while still on meta
+        if self.grad_compression_options is not None and self.grad_compression is None:
+            self.grad_compression = GradientCompression(self.grad_compression_options, self.root_device)
         if is_user_parallelised(self.model):
             if self.layout.pp > 1:
                 raise MeshConfigError(
                     f"pp={self.layout.pp}: configure_model parallelised the model itself, so MeshStrategy cannot cut"
                     " it into pipeline stages; declare a parallel_plan() instead, or use pp=1"
+                )
+            if self.grad_compression is not None and not self.grad_compression.compressors:  # not hooked by us
+                raise CompressionConfigError(
+                    "grad_compression hooks into the data parallelism MeshStrategy applies, but configure_model"
+                    " parallelised the model itself; let MeshStrategy apply it (a parallel_plan()), or drop grad_compression"
                 )
             rank_zero_info("MeshStrategy: configure_model parallelised the model itself; no plan is applied")
             refuse_cp_without_plan(self.layout.cp, type(self.lightning_module).__name__)
@@ -218,6 +242,7 @@ class MeshStrategy(ModelParallelStrategy):
                 compile_backend=self.compile_backend,
                 pipeline=self.pipeline_settings,
                 cp_style=self.cp_style,
+                grad_compression=self.grad_compression,
             )
         materialize(self.model, done.owners, self.root_device)
         self.model_to_device()
@@ -267,6 +292,8 @@ class MeshStrategy(ModelParallelStrategy):
         if self._pipeline is not None:
             assert self.lightning_module is not None
             self._pipeline.accumulation = self.lightning_module.trainer.accumulate_grad_batches
+        if self.grad_compression is not None:
+            self.grad_compression.begin_step(self.lightning_module.trainer.global_step)
         output = super().training_step(*args, **kwargs)
         if self.stop_on_nonfinite_loss:
             loss = output.get("loss") if isinstance(output, dict) else output
@@ -338,6 +365,8 @@ class MeshStrategy(ModelParallelStrategy):
         if self.global_rank == 0 and staging.exists():
             shutil.rmtree(staging)  # left by an earlier crash
         self.barrier()
+        if self.grad_compression is not None:  # per-rank residuals, beside the shards
+            save_compression_state(self.grad_compression, staging, self.global_rank, self.world_size, self.layout.describe())
         if self._async_saver is not None:
             state = staged_state(checkpoint)
             if self.global_rank == 0:
@@ -376,7 +405,10 @@ class MeshStrategy(ModelParallelStrategy):
             return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         assert self.model is not None and self.lightning_module is not None
         optimizers = {f"optimizer_{i}": optimizer for i, optimizer in enumerate(self.optimizers)}
-        return load_sharded_checkpoint(path, self.model, optimizers, strict=self.lightning_module.strict_loading)
+        loaded = load_sharded_checkpoint(path, self.model, optimizers, strict=self.lightning_module.strict_loading)
+        if self.grad_compression is not None:
+            load_compression_state(self.grad_compression, path, self.global_rank, self.world_size, self.layout.describe())
+        return loaded
 
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:  # noqa: A002 - Lightning's name
         """Agree over every rank (ModelCheckpoint, EarlyStopping): the world, not reduce()'s dp x cp group."""

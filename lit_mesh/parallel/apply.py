@@ -1,6 +1,6 @@
 """The one place where plans are applied, in the one order:
 split into pipeline stages -> TP/SP -> CP -> activation checkpointing -> torch.compile -> FSDP/HSDP/DDP per
-block -> each stage's root.
+block -> each stage's root -> communication hooks.
 
 Later techniques slot in between (CP and EP after TP) without changing the order.
 """
@@ -15,12 +15,13 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from lit_mesh.comm.compression import GradientCompression
 from lit_mesh.init import init_parameters
 from lit_mesh.mesh import MeshLayout, MeshViews
 from lit_mesh.parallel.checkpointing import apply_activation_checkpointing
 from lit_mesh.parallel.compile import apply_compile
 from lit_mesh.parallel.context import apply_context_parallel
-from lit_mesh.parallel.data import apply_data_parallel, data_parallel_mesh
+from lit_mesh.parallel.data import apply_data_parallel, attach_compression, data_parallel_mesh
 from lit_mesh.parallel.pipeline import PipelineSettings
 from lit_mesh.parallel.pipeline_split import (
     Stage,
@@ -127,6 +128,7 @@ def parallelize(
     compile_backend: str | None = None,
     pipeline: PipelineSettings | None = None,
     cp_style: str = "ring",
+    grad_compression: GradientCompression | None = None,
 ) -> Parallelized:
     """Apply every technique to `root` (the LightningModule) in the fixed order."""
     owners = find_plan_owners(root)
@@ -162,7 +164,7 @@ def parallelize(
         apply_activation_checkpointing(blocks, activation_checkpointing, ac_every_n_blocks)
         if compile_backend is not None:
             apply_compile(blocks, compile_backend)
-    dp_mesh = data_parallel_mesh(mesh, layout)
+    dp_mesh = data_parallel_mesh(mesh, layout, replicate_in_hook=grad_compression is not None)
     if dp_mesh is not None:
         for owner in owners:
             blocks = owner.module.get_submodule(owner.plan.blocks)
@@ -171,6 +173,8 @@ def parallelize(
             apply_data_parallel(stage_roots, list(blocks), dp_mesh, layout, precision)
         for unit in _units_outside_owners(root, "", owners):
             apply_data_parallel([unit], [], dp_mesh, layout, precision)
+        if grad_compression is not None:  # communication hooks come last
+            attach_compression(root, grad_compression, mesh, layout)
     return done
 
 
