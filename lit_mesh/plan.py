@@ -18,7 +18,17 @@ from lit_mesh.init import Init
 #   gather_input a module whose first positional input leaves the sequence-sharded region (SP only);
 #                other inputs must be passed as keywords
 #   head         the output projection: split over its output features, gathered to full logits
-TPStyle = Literal["colwise", "rowwise", "embedding", "shard_output", "norm", "gather_input", "head"]
+#   vocab_embedding  Embedding split over the vocabulary, output summed to whole (replicated) activations even
+#                with SP: for models that read the sequence length from it before their blocks
+#   shard_hidden_states   a module whose hidden states (first positional input, or `hidden_states=`) enter the
+#                sequence-sharded region (SP only): e.g. the first decoder layer of a model that reads the
+#                sequence length between its embedding and its layers (Hugging Face models)
+#   gather_hidden_states  a module whose hidden states (first positional input, or `hidden_states=`) leave the
+#                sequence-sharded region (SP only); its other inputs pass untouched
+TPStyle = Literal[
+    "colwise", "rowwise", "embedding", "shard_output", "norm", "gather_input", "head",
+    "vocab_embedding", "shard_hidden_states", "gather_hidden_states",
+]  # fmt: skip
 TP_STYLES: tuple[str, ...] = TPStyle.__args__  # type: ignore[attr-defined]
 
 
@@ -32,6 +42,8 @@ class ParallelPlan:
     tp_divides: sizes that the tp degree must divide, by name (heads, kv heads, FFN width, vocabulary).
     init:       (parameter-name glob, Init) rules, first match wins: how each parameter starts, so a
                 sharded model materialised on many ranks equals the single-device one.
+    tp_unavailable: why this model cannot be tensor-parallelised and how to fix that; tp > 1 then fails
+                with this message (a plan for data parallelism only).
     """
 
     blocks: str
@@ -39,6 +51,7 @@ class ParallelPlan:
     tp_block: Mapping[str, TPStyle] = field(default_factory=dict)
     tp_divides: Mapping[str, int] = field(default_factory=dict)
     init: Sequence[tuple[str, Init]] = ()
+    tp_unavailable: str = ""
 
     def __post_init__(self) -> None:
         for name, style in {**self.tp_root, **self.tp_block}.items():
