@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from lit_mesh.init import Init
 
@@ -44,6 +44,8 @@ class ParallelPlan:
                 sharded model materialised on many ranks equals the single-device one.
     tp_unavailable: why this model cannot be tensor-parallelised and how to fix that; tp > 1 then fails
                 with this message (a plan for data parallelism only).
+    custom_styles: TP styles of the model's own, by name (usable in tp_root/tp_block): a function of
+                sequence_parallel returning a torch ParallelStyle, for modules the built-in styles do not fit.
     """
 
     blocks: str
@@ -52,8 +54,9 @@ class ParallelPlan:
     tp_divides: Mapping[str, int] = field(default_factory=dict)
     init: Sequence[tuple[str, Init]] = ()
     tp_unavailable: str = ""
+    custom_styles: Mapping[str, Callable[[bool], Any]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for name, style in {**self.tp_root, **self.tp_block}.items():
-            if style not in TP_STYLES:
+            if style not in TP_STYLES and style not in self.custom_styles:
                 raise ValueError(f"ParallelPlan: module {name!r} has TP style {style!r}; choose one of {TP_STYLES}")

@@ -125,7 +125,10 @@ def apply_tensor_parallel(model: nn.Module, plan: ParallelPlan, tp_mesh: DeviceM
         if sequence_parallel and style == "shard_output":
             check = _sequence_check(tp, name)
             module.register_forward_hook(lambda _m, _args, out, check=check: check(out.shape[1]))
-        torch_plan = torch_style(style, sequence_parallel, _sequence_check(tp, name))
+        if style in plan.custom_styles:
+            torch_plan = plan.custom_styles[style](sequence_parallel)
+        else:
+            torch_plan = torch_style(style, sequence_parallel, _sequence_check(tp, name))
         if torch_plan is not None:
             parallelize_module(owner, tp_mesh, {name: torch_plan})
     replicate_remaining(model, tp_mesh)
