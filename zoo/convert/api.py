@@ -59,7 +59,8 @@ def hf_to_zoo(model: nn.Module) -> nn.Module:
 def _load(factory: Any, config: Any, state: dict[str, torch.Tensor]) -> nn.Module:
     with torch.device("meta"):
         model = factory(config)
-    model.load_state_dict({k: v.detach().cpu() for k, v in state.items()}, strict=True, assign=True)
+    # copies: the converted model never shares storage with the source
+    model.load_state_dict({k: v.detach().cpu().clone() for k, v in state.items()}, strict=True, assign=True)
     _rebuild_buffers(model)
     return model.eval()
 
