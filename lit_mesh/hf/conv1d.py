@@ -1,9 +1,13 @@
 """Tensor-parallel styles for transformers' Conv1D (GPT-2's linears, weight stored (in, out)).
 
 torch's ColwiseParallel/RowwiseParallel take only nn.Linear and nn.Embedding, and GPT-2 fuses q, k and v into
-one Conv1D: a plain column split would hand rank 0 all of q and part of k. `parts=3` shards each third
-separately (DTensor's _StridedShard), so every rank holds whole heads of q, k and v, in that order; the
-attention then splits the local output at its local width (`LocalSplitWidth`).
+one Conv1D: a plain column split would hand rank 0 all of q and part of k. For the fused projection
+(`parts=3`) each rank must hold its share of each third (DTensor's _StridedShard). Sharding the WEIGHT that
+way computes right, but torch.distributed.checkpoint cannot save a _StridedShard tensor ("overlapping
+chunks", torch 2.13), so the fused weight stays replicated over tp and only its OUTPUT is split that way:
+every rank computes the whole projection (no tp saving on it) and keeps its heads of q, k and v; backward
+gathers the output gradient. The attention then splits the local output at its local width
+(`LocalSplitWidth`).
 """
 
 from __future__ import annotations
@@ -40,14 +44,19 @@ class Conv1DColwise(ParallelStyle):
         self.parts = parts
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        placements = {"weight": _shard(1, self.parts), "bias": _shard(0, self.parts)}
+        if self.parts == 1:
+            placements = {"weight": Shard(1), "bias": Shard(0)}
+        else:
+            placements = {"weight": Replicate(), "bias": Replicate()}  # see the module docstring
+        output_share = _shard(2, self.parts)  # the output is (batch, sequence, features)
 
         def inputs(_m: nn.Module, args: tuple, mesh: DeviceMesh) -> tuple:
             x = args[0]
             return (x if isinstance(x, DTensor) else DTensor.from_local(x, mesh, [Replicate()], run_check=False), *args[1:])
 
         def outputs(_m: nn.Module, out: Any, _mesh: DeviceMesh) -> Any:
-            return out.to_local()  # the view keeps this rank's (strided) share: exactly its heads
+            # this rank's share of every part: exactly its heads of q, k and v (a local slice, no communication)
+            return out.redistribute(placements=[output_share]).to_local()
 
         return distribute_module(module, device_mesh, lambda _n, m, mesh: _distribute(m, mesh, placements), inputs, outputs)
 
