@@ -62,7 +62,7 @@ LAUNCHES: dict[int, list[dict]] = {
         _fit("vit-fsdp2", 2, IMAGES, f"{S}dp=2"),
         # a zoo GPT trained sharded, exported to a transformers Llama directory
         _fit("zoo-gpt-fsdp2", 2, ["-c", str(REPO / "configs/gpt.yaml"), "--data.global_batch_size=8"], f"{S}dp=2",
-             "--trainer.max_steps=2", checkpoint=True),  # fmt: skip
+             "--trainer.max_steps=2", "--trainer.limit_val_batches=0", checkpoint=True),  # fmt: skip
         {"kind": "example", "name": "example-tp2", "args": ["hf_model.py", "--devices", "2", "--tp", "2"]},
         _error("no_plan", f"{S}tp=2", "--model.init_args.architecture=opt"),
         _error("tp_vs_kv_heads", f"{S}tp=2", "--model.init_args.config_overrides={num_key_value_heads: 1}"),
@@ -100,7 +100,7 @@ def assert_same_curve(reference: list[float], got: list[float], what: str) -> No
 @pytest.mark.parametrize("name", sorted(PARITY))
 def test_transformers_model_matches_single_device(out: Path, name: str) -> None:
     reference = losses(out, PARITY[name])
-    assert len(set(reference)) == STEPS and reference[-1] < reference[0], "the reference run must learn"
+    assert len(set(reference)) == STEPS, "the reference run must update the model at every step"
     assert_same_curve(reference, losses(out, name), name)
     ref_params = torch.load(out / PARITY[name] / "params.pt", weights_only=True)
     params = torch.load(out / name / "params.pt", weights_only=True)
