@@ -2,7 +2,8 @@
 
 Layout parity through the `lit-mesh` CLI (fp32: relative 1e-4 per step over 10 steps, final full parameters
 1e-4): transformers GPT-2 and Llama in a plain LightningModule (zoo.hf.HFCausalLM) under tp2 and fsdp2 x tp2,
-ViT under fsdp2, and the user example examples/hf_model.py under tp2. One torchrun launch per world size
+ViT under fsdp2, Llama built whole in __init__ (not on the meta device) under tp2, and the user example
+examples/hf_model.py under tp2. One torchrun launch per world size
 (1, 2, 4) runs every run, the export checkpoints and the error cases.
 """
 
@@ -48,18 +49,22 @@ PARITY = {
     "gpt2-tp2": "gpt2-single",
     "gpt2-fsdp2_tp2": "gpt2-single",
     "vit-fsdp2": "vit-single",
+    "llama-init-tp2": "llama-init-single",  # built whole in __init__ (as from_pretrained), then sharded
 }
+INIT = "--model.init_args.build=init"
 LAUNCHES: dict[int, list[dict]] = {
     1: [
         _fit("llama-single", 1, TEXT),
         _fit("gpt2-single", 1, TEXT, *_gpt2()),
         _fit("vit-single", 1, IMAGES),
+        _fit("llama-init-single", 1, TEXT, INIT),
         {"kind": "example", "name": "example-single", "args": ["hf_model.py", "--devices", "1"]},
     ],
     2: [
         _fit("llama-tp2", 2, TEXT, f"{S}tp=2", checkpoint=True),  # its checkpoint is exported below
         _fit("gpt2-tp2", 2, TEXT, *_gpt2(f"{S}tp=2"), checkpoint=True),
         _fit("vit-fsdp2", 2, IMAGES, f"{S}dp=2"),
+        _fit("llama-init-tp2", 2, TEXT, INIT, f"{S}tp=2"),
         # a zoo GPT trained sharded, exported to a transformers Llama directory
         _fit("zoo-gpt-fsdp2", 2, ["-c", str(REPO / "configs/gpt.yaml"), "--data.global_batch_size=8"], f"{S}dp=2",
              "--trainer.max_steps=2", "--trainer.limit_val_batches=0", checkpoint=True),  # fmt: skip
