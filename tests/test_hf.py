@@ -71,6 +71,7 @@ LAUNCHES: dict[int, list[dict]] = {
         {"kind": "example", "name": "example-tp2", "args": ["hf_model.py", "--devices", "2", "--tp", "2"]},
         _error("no_plan", f"{S}tp=2", "--model.init_args.architecture=opt"),
         _error("tp_vs_kv_heads", f"{S}tp=2", "--model.init_args.config_overrides={num_key_value_heads: 1}"),
+        _error("sp_vs_seq_len", f"{S}tp=2", "--data.init_args.seq_len=63"),
     ],
     4: [
         _fit("llama-fsdp2_tp2", 4, TEXT, f"{S}tp=2"),
@@ -182,6 +183,10 @@ def test_errors_name_the_model_and_the_fix(out: Path) -> None:
     assert "lit_mesh.hf.register_plan('OPTForCausalLM', builder)" in message and "tp=1" in message
     message = errors["tp_vs_kv_heads"]["message"]
     assert "tp=2 does not divide num_key_value_heads=1 of LlamaForCausalLM (choose tp in [1])" in message
+    # sequence parallelism shards the first decoder layer's input: an odd length is refused there, by number
+    message = errors["sp_vs_seq_len"]["message"]
+    assert "sequence length divisible by tp: model.layers.0 sees length 63, tp=2" in message
+    assert "sequence_parallel=False" in message
 
 
 # ---- in this process: conversions and plan selection ------------------------------------------------------
