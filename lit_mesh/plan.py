@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from lit_mesh.init import Init
 
@@ -18,7 +18,17 @@ from lit_mesh.init import Init
 #   gather_input a module whose first positional input leaves the sequence-sharded region (SP only);
 #                other inputs must be passed as keywords
 #   head         the output projection: split over its output features, gathered to full logits
-TPStyle = Literal["colwise", "rowwise", "embedding", "shard_output", "norm", "gather_input", "head"]
+#   vocab_embedding  Embedding split over the vocabulary, output summed to whole (replicated) activations even
+#                with SP: for models that read the sequence length from it before their blocks
+#   shard_hidden_states   a module whose hidden states (first positional input, or `hidden_states=`) enter the
+#                sequence-sharded region (SP only): e.g. the first decoder layer of a model that reads the
+#                sequence length between its embedding and its layers (Hugging Face models)
+#   gather_hidden_states  a module whose hidden states (first positional input, or `hidden_states=`) leave the
+#                sequence-sharded region (SP only); its other inputs pass untouched
+TPStyle = Literal[
+    "colwise", "rowwise", "embedding", "shard_output", "norm", "gather_input", "head",
+    "vocab_embedding", "shard_hidden_states", "gather_hidden_states",
+]  # fmt: skip
 TP_STYLES: tuple[str, ...] = TPStyle.__args__  # type: ignore[attr-defined]
 
 
@@ -41,6 +51,10 @@ class ParallelPlan:
     positions:  the keyword of the model's forward that takes the global positions (T,) of its tokens:
                 context parallel passes each rank's, and pipeline stages after the first get them under
                 sequence parallelism (their input is a sequence shard) ("" : none; cp > 1 then is refused).
+    tp_unavailable: why this model cannot be tensor-parallelised and how to fix that; tp > 1 then fails
+                with this message (a plan for data parallelism only).
+    custom_styles: TP styles of the model's own, by name (usable in tp_root/tp_block): a function of
+                sequence_parallel returning a torch ParallelStyle, for modules the built-in styles do not fit.
     """
 
     blocks: str
@@ -52,8 +66,10 @@ class ParallelPlan:
     pp_last: Sequence[str] = ()
     attention: str = ""
     positions: str = ""
+    tp_unavailable: str = ""
+    custom_styles: Mapping[str, Callable[[bool], Any]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for name, style in {**self.tp_root, **self.tp_block}.items():
-            if style not in TP_STYLES:
+            if style not in TP_STYLES and style not in self.custom_styles:
                 raise ValueError(f"ParallelPlan: module {name!r} has TP style {style!r}; choose one of {TP_STYLES}")

@@ -32,7 +32,6 @@ S = "--trainer.strategy.init_args."
         ({"pp_schedule": "gpipe"}, "need pp > 1"),
         ({"pp": 2, "cp": 2}, "pp=2 with cp=2: pipeline and context parallel together are not supported yet"),
         ({"cp": 2, "cp_style": "zigzag"}, "cp_style='zigzag'; choose one of ('ring', 'ulysses', 'allgather')"),
-        ({"pp": 2}, "pp=2: pipeline parallel"),
         ({"ep": 4}, "ep=4: expert parallel"),
     ],
 )

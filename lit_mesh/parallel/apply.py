@@ -16,6 +16,8 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from lit_mesh.comm.compression import GradientCompression
+from lit_mesh.hf import declared_plan as transformers_plan
+from lit_mesh.hf.init import initialise_weights as initialise_transformers_weights
 from lit_mesh.init import init_parameters
 from lit_mesh.mesh import MeshLayout, MeshViews
 from lit_mesh.parallel.checkpointing import apply_activation_checkpointing
@@ -31,7 +33,7 @@ from lit_mesh.parallel.pipeline_split import (
     split_into_stages,
     stage_ranks,
 )
-from lit_mesh.parallel.tensor import PlanError, apply_tensor_parallel
+from lit_mesh.parallel.tensor import PlanError, apply_tensor_parallel, retie, tied_parameters
 from lit_mesh.plan import ParallelPlan
 
 
@@ -51,6 +53,8 @@ def find_plan_owners(root: nn.Module) -> list[PlanOwner]:
         if not name or any(name.startswith(f"{o.name}.") for o in owners):
             continue
         declare = getattr(module, "parallel_plan", None)
+        if not callable(declare):
+            declare = transformers_plan(module)  # a transformers model: its registered or derived plan
         if callable(declare):
             plan = declare()
             if not isinstance(plan, ParallelPlan):
@@ -197,12 +201,16 @@ def materialize(root: nn.Module, owners: list[PlanOwner], device: torch.device) 
     pending = meta_modules(root)
     if not pending:
         return
+    tied = tied_parameters(root)
     root.to_empty(device=device)
+    retie(tied, type(root).__name__)  # to_empty gives each use of a tied meta parameter its own copy
     for owner in owners:
         owned = set(owner.module.modules())
         if owner.plan.init and owned & pending:
             init_parameters(owner.module, owner.plan.init)
             pending -= {m for m in owned if not any(True for _ in m.buffers(recurse=False))}
+        elif owned & pending and initialise_transformers_weights(owner.module):  # transformers' own init
+            pending -= owned
     missing = []
     for module in root.modules():  # a fixed order: every rank draws the same random numbers
         if module not in pending:
