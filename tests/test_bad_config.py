@@ -24,7 +24,6 @@ S = "--trainer.strategy.init_args."
         ({"tp": "two"}, "tp='two' must be a positive int"),
         ({"dp": 2.5}, "dp=2.5 must be a positive int or 'auto'"),
         ({"dp": "auto", "dp_shard": "auto"}, "only one degree may be 'auto'"),
-        ({"cp": 2}, "cp=2: context parallel"),
         ({"pp": 2, "pp_schedule": "zigzag"}, "pp_schedule='zigzag' is not a schedule; choose one of"),
         ({"pp": 2, "pp_schedule": "interleaved_1f1b", "pp_stages_per_rank": 1}, "set pp_stages_per_rank >= 2"),
         ({"pp": 2, "pp_split": [1, 1, 2]}, "pp_split=[1, 1, 2] has 3 entries but pp=2 x stages per rank 1 = 2"),
