@@ -70,17 +70,6 @@ def coords_of(rank: int, layout: MeshLayout) -> RankCoords:
     return RankCoords(**out)
 
 
-def stage_params(shapes: ModelShapes, pp: int, stage: int) -> list[ParamShape]:
-    """The parameters pipeline stage `stage` of `pp` holds (all of them for pp=1)."""
-    blocks = balanced_split(shapes.n_blocks, pp)[stage]
-    held = list(shapes.block) * blocks
-    if stage == 0:
-        held += shapes.first
-    if stage == pp - 1:
-        held += shapes.last
-    return held
-
-
 def fsdp_degree(layout: MeshLayout) -> int:
     return layout.dp_shard * layout.cp
 
@@ -88,10 +77,15 @@ def fsdp_degree(layout: MeshLayout) -> int:
 def state_numel(shapes: ModelShapes, layout: MeshLayout, rank: int = 0) -> int:
     """Elements of the parameter shards global rank `rank` holds (gradients and AdamW moments: the same)."""
     c = coords_of(rank, layout)
-    shard_rank = c.dp_shard * layout.cp + c.cp  # dp_shard_cp is flattened dp_shard-major
-    return sum(
-        local_numel(p, layout.tp, c.tp, fsdp_degree(layout), shard_rank) for p in stage_params(shapes, layout.pp, c.pp)
-    )
+    shard, shard_rank = fsdp_degree(layout), c.dp_shard * layout.cp + c.cp  # dp_shard_cp: dp_shard-major
+    local = lambda params: sum(local_numel(p, layout.tp, c.tp, shard, shard_rank) for p in params)  # noqa: E731
+    blocks = balanced_split(shapes.n_blocks, layout.pp)[c.pp]
+    n = blocks * local(shapes.block)  # every block has the same shapes
+    if c.pp == 0:
+        n += local(shapes.first)
+    if c.pp == layout.pp - 1:
+        n += local(shapes.last)
+    return n
 
 
 def state_bytes(shapes: ModelShapes, layout: MeshLayout, precision: str, rank: int = 0) -> dict[str, int]:
@@ -108,17 +102,26 @@ def first_rank_of_stage(layout: MeshLayout, stage: int) -> int:
 
 @dataclass(frozen=True)
 class Workload:
-    """What one optimizer step processes."""
+    """What one optimizer step processes, and in what pieces.
 
-    global_batch: int  # sequences per step
+    micro_batch: sequences one data-parallel rank runs forward/backward at once. With pp > 1 the schedule runs
+    local_batch / micro_batch micro-batches per step; with pp = 1 Lightning accumulates that many batches
+    (accumulate_grad_batches).
+    """
+
+    global_batch: int  # sequences per optimizer step
     seq_len: int
+    micro_batch: int = 1
 
     def local_batch(self, layout: MeshLayout) -> int:
         return self.global_batch // layout.dp
 
     def microbatches(self, layout: MeshLayout) -> int:
-        """Pipeline micro-batches per step: micro-batches of one sequence (1 without pp)."""
-        return self.local_batch(layout) if layout.pp > 1 else 1
+        return max(1, self.local_batch(layout) // self.micro_batch)
+
+    def tokens_per_microbatch(self, layout: MeshLayout) -> int:
+        """Tokens of one micro-batch on one rank (cp splits each sequence)."""
+        return self.micro_batch * self.seq_len // layout.cp
 
 
 def block_activation_elements_per_token(shapes: ModelShapes, tp: int, ac: str) -> float:
@@ -141,8 +144,9 @@ def block_activation_elements_per_token(shapes: ModelShapes, tp: int, ac: str) -
 def activation_bytes(shapes: ModelShapes, layout: MeshLayout, work: Workload, precision: str, ac: str, stage: int) -> int:
     """Activations pipeline stage `stage` holds at its peak (1F1B: up to pp - stage micro-batches in flight)."""
     b = PRECISION_BYTES[precision]["activation"]
-    tokens = work.local_batch(layout) // work.microbatches(layout) * work.seq_len // layout.cp  # per micro-batch
-    in_flight = min(layout.pp - stage, work.microbatches(layout))
+    tokens = work.tokens_per_microbatch(layout)
+    # 1F1B: stage s holds up to pp - s micro-batches in flight; accumulation frees each before the next
+    in_flight = min(layout.pp - stage, work.microbatches(layout)) if layout.pp > 1 else 1
     blocks = balanced_split(shapes.n_blocks, layout.pp)[stage]
     per_token = blocks * block_activation_elements_per_token(shapes, layout.tp, ac) * b
     if ac == "full":  # the block being recomputed holds everything once
@@ -166,11 +170,34 @@ def buffer_bytes(shapes: ModelShapes, layout: MeshLayout, precision: str, stage:
     return int(2 * block * gather + root_numel * gather + block * 4)
 
 
+def stages_to_check(shapes: ModelShapes, pp: int) -> list[int]:
+    """Stages that can be the worst: the first, the last, and the first stage of each block count (later
+    stages with as many blocks hold the same state and fewer micro-batches in flight)."""
+    split = balanced_split(shapes.n_blocks, pp)
+    first_with = {}
+    for stage, blocks in enumerate(split):
+        first_with.setdefault(blocks, stage)
+    return sorted({0, pp - 1, *first_with.values()})
+
+
+_STATE_CACHE: dict[tuple, tuple[ModelShapes, dict[str, int]]] = {}
+
+
+def _cached_state(shapes: ModelShapes, layout: MeshLayout, precision: str, stage: int) -> dict[str, int]:
+    key = (id(shapes), layout, precision, stage)
+    hit = _STATE_CACHE.get(key)
+    if hit is None or hit[0] is not shapes:
+        if len(_STATE_CACHE) > 100_000:
+            _STATE_CACHE.clear()
+        hit = _STATE_CACHE[key] = (shapes, state_bytes(shapes, layout, precision, first_rank_of_stage(layout, stage)))
+    return hit[1]
+
+
 def rank_memory(shapes: ModelShapes, layout: MeshLayout, work: Workload, precision: str, ac: str) -> dict[str, int]:
     """The worst stage's per-rank bytes by component (the first rank of each stage holds the most)."""
     worst: dict[str, int] = {}
-    for stage in range(layout.pp):
-        m = state_bytes(shapes, layout, precision, first_rank_of_stage(layout, stage))
+    for stage in stages_to_check(shapes, layout.pp):
+        m = dict(_cached_state(shapes, layout, precision, stage))
         m["activations"] = activation_bytes(shapes, layout, work, precision, ac, stage)
         m["buffers"] = buffer_bytes(shapes, layout, precision, stage)
         m["total"] = sum(m.values())

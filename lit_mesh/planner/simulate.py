@@ -3,7 +3,9 @@ model on torch's fake process group (no memory, no communication), then the byte
 
 Parameters: the local shards after parallelize (what MeshStrategy.setup builds). Gradients: what FSDP2 and
 DTensor give each parameter (a tensor of the parameter's placements and dtype), allocated as zeros_like.
-Optimizer: a real AdamW step on those meta tensors, then its exp_avg and exp_avg_sq.
+Optimizer: a real AdamW step, then its exp_avg and exp_avg_sq. It steps the rank's local shards: a DTensor
+parameter's state is a DTensor of the same local shard, and stepping the shards directly takes a fraction of
+the time (DTensor dispatch per op dominates on hundreds of parameters).
 """
 
 from __future__ import annotations
@@ -50,7 +52,10 @@ def simulate_rank(config: GPTConfig, layout: MeshLayout, rank: int = 0, precisio
             for p in params:
                 p.grad = torch.zeros_like(p)
             out["grads"] = sum(_local_bytes(p.grad) for p in params)
-            adamw = torch.optim.AdamW(params, foreach=True)
+            shards = [(p.to_local() if hasattr(p, "to_local") else p).detach().requires_grad_() for p in params]
+            for shard, p in zip(shards, params):
+                shard.grad = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+            adamw = torch.optim.AdamW(shards, foreach=True)
             adamw.step()
             out["optimizer"] = sum(_local_bytes(s[k]) for s in adamw.state.values() for k in ("exp_avg", "exp_avg_sq"))
     finally:
