@@ -74,10 +74,11 @@ def test_memory_budget_is_respected_when_it_binds() -> None:
     assert any(c.memory["total"] > usable for c in loose.ranked)  # the tight budget removed these
 
 
-# (preset, layout, rank, precision): 64, 512 and 1024 ranks; HSDP, TP, PP (first and last stages), CP,
+# (preset, layout, rank, precision): 64, 512 and 1024 ranks; HSDP, DDP, TP, PP (first and last stages), CP,
 # uneven torch.chunk pieces (1000-way FSDP leaves the last ranks nothing of some tensors), bf16-true
 SIMULATED = [
     ("llama3-8b", MeshLayout(dp_replicate=2, dp_shard=4, tp=8), 63, "bf16-mixed"),
+    ("llama3-8b", MeshLayout(dp_replicate=8, tp=8), 9, "bf16-mixed"),  # DDP x TP: parameters whole over dp
     ("llama3-70b", MeshLayout(pp=4, dp_shard=16, tp=8), 511, "bf16-true"),
     ("llama3-405b", MeshLayout(pp=8, dp_replicate=2, dp_shard=8, tp=8), 0, "32-true"),
     ("llama3-8b", MeshLayout(dp_shard=512, cp=2), 1023, "bf16-mixed"),

@@ -95,7 +95,8 @@ def summary(c: Candidate) -> dict[str, Any]:
 
 
 def report(result: PlanResult, args: argparse.Namespace, hw: Hardware, params: int) -> None:
-    print(f"lit-mesh plan: {args.preset} ({params / 1e9:.2f} B parameters) on {hw.world_size} devices"
+    size = f"{params / 1e9:.2f} B" if params >= 1e9 else f"{params / 1e6:.2f} M"
+    print(f"lit-mesh plan: {args.preset} ({size} parameters) on {hw.world_size} devices"
           f" ({hw.nodes} nodes x {hw.devices_per_node}), {args.memory_gb:g} GB each; global batch"
           f" {args.global_batch} x {args.seq_len} tokens")
     print(f"considered {result.considered} (mesh, precision, AC) options; {len(result.ranked)} run and fit")
@@ -108,7 +109,7 @@ def report(result: PlanResult, args: argparse.Namespace, hw: Hardware, params: i
             return
         state_total = s.memory["params"] + s.memory["grads"] + s.memory["optimizer"]
         need = hw.world_size * state_total / hw.usable_bytes
-        print(f"nothing fits. The least memory: {s.name()} at {s.memory['total'] / GIB:.1f} GiB per device.")
+        print(f"nothing fits. The least memory: {s.name()} at {s.memory['total'] / GIB:.1f} GiB per device:")
         print("  " + s.reasons[0])
         print(f"  parameters + gradients + AdamW alone need about {need:.0f} devices of this size: use more devices,"
               " bf16-true (--precision bf16-true), or devices with more memory")

@@ -160,7 +160,12 @@ def plan(shapes: ModelShapes, work: Workload, hw: Hardware, precisions: Iterable
 
 
 def _gib(n: float) -> str:
-    return f"{n / GIB:.1f} GiB"
+    """Bytes in GiB, or MiB below one GiB (tiny models are planned too)."""
+    return f"{n / GIB:.1f} GiB" if n >= GIB else f"{n / 2**20:.1f} MiB"
+
+
+def _s(t: float) -> str:
+    return f"{t:.3f} s" if t >= 0.1 else f"{1e3 * t:.3f} ms"
 
 
 def explain(c: Candidate, shapes: ModelShapes, work: Workload, hw: Hardware) -> list[str]:
@@ -170,16 +175,16 @@ def explain(c: Candidate, shapes: ModelShapes, work: Workload, hw: Hardware) -> 
         f"memory {_gib(m['total'])} of {_gib(hw.usable_bytes)} usable (worst stage {m['stage']}): params"
         f" {_gib(m['params'])}, grads {_gib(m['grads'])}, AdamW {_gib(m['optimizer'])}, activations"
         f" {_gib(m['activations'])}, FSDP buffers {_gib(m['buffers'])}",
-        f"step {t.total:.3f} s: compute {t.compute:.3f} s"
-        + "".join(f", {k} {v:.3f} s (overlapped)" for k, v in t.overlapped.items())
-        + "".join(f", {k} {v:.3f} s (exposed)" for k, v in t.exposed.items())
+        f"step {_s(t.total)}: compute {_s(t.compute)}"
+        + "".join(f", {k} {_s(v)} (overlapped)" for k, v in t.overlapped.items())
+        + "".join(f", {k} {_s(v)} (exposed)" for k, v in t.exposed.items())
         + (f", pipeline bubble +{100 * t.bubble:.0f}%" if t.bubble else "")
         + f"; {c.tokens_per_s:,.0f} tokens/s, MFU {100 * c.mfu:.0f}%",
     ]
     overlapped = sum(t.overlapped.values())
     if overlapped:
         hidden = "hidden behind compute" if overlapped <= t.compute else "NOT hidden: it exceeds compute"
-        out.append(f"data-parallel/cp traffic {overlapped:.3f} s, {hidden}")
+        out.append(f"data-parallel/cp traffic {_s(overlapped)}, {hidden}")
     if layout.tp > 1:
         out.append(f"tp={layout.tp} inside a node: weights and activations / {layout.tp}, collectives on NVLink")
     if layout.dp_replicate > 1:
