@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 from lit_mesh import MeshStrategy
 from lit_mesh.mesh import MeshLayout, resolve_layout
@@ -149,9 +150,15 @@ def test_written_yaml_trains(capsys: pytest.CaptureFixture, tmp_path: Path) -> N
     _, tp_plan, _ = _run(capsys, *common, "--memory-gb", "0.003", "--global-batch", "16", "--tp", "2", "--pp", "1",
                          "--ac", "selective", "--out", str(tp_yaml))
     _, pp_plan, _ = _run(capsys, *common, "--memory-gb", "1", "--global-batch", "8", "--pp", "2", "--tp", "1",
-                         "--ac", "full", "--out", str(pp_yaml))
+                         "--ac", "full", "--config-overrides", "{n_layers: 4}", "--out", str(pp_yaml))
     assert tp_plan["ranked"][0]["microbatches"] == 2, "the budget should force 2 accumulated micro-batches"
-    assert pp_plan["ranked"][0]["layout"]["pp"] == 2
+    tp_config, pp_config = (yaml.safe_load(p.read_text()) for p in (tp_yaml, pp_yaml))
+    assert tp_config["trainer"]["accumulate_grad_batches"] == 2 and tp_config["data"]["init_args"]["global_batch_size"] == 8
+    assert tp_config["trainer"]["strategy"]["init_args"] | {"dp_shard": 2, "tp": 2, "activation_checkpointing": "selective"} \
+        == tp_config["trainer"]["strategy"]["init_args"]
+    pp_args = pp_config["trainer"]["strategy"]["init_args"]
+    assert pp_args["pp"] == 2 and pp_args["dp_shard"] == 2 and pp_args["pp_microbatches"] == pp_plan["ranked"][0]["microbatches"]
+    assert pp_config["model"]["init_args"]["config_overrides"] == {"n_layers": 4}
     overrides = ["--trainer.max_steps=4", "--trainer.accelerator=cpu", "--trainer.logger=CSVLogger",
                  "--trainer.log_every_n_steps=1", "--trainer.enable_progress_bar=false",
                  "--trainer.enable_checkpointing=false", "--trainer.enable_model_summary=false"]
