@@ -39,10 +39,13 @@ def plot_mesh(layout: MeshLayout, hw: Hardware, path: str | Path) -> Path:
     fig, axes = plt.subplots(1, len(dims), figsize=(1.2 + 0.45 * hw.devices_per_node * len(dims), 1 + 0.3 * nodes),
                              squeeze=False)
     for ax, dim in zip(axes[0], dims):
-        grid = [[group_of(n * hw.devices_per_node + d, layout, dim) for d in range(hw.devices_per_node)]
+        groups = layout.world_size // getattr(layout, dim)
+        # one of tab20's 20 colours per group (neighbouring groups always differ; more than 20 groups repeat them)
+        grid = [[group_of(n * hw.devices_per_node + d, layout, dim) % 20 for d in range(hw.devices_per_node)]
                 for n in range(nodes)]
-        ax.imshow(grid, cmap="tab20", aspect="auto", interpolation="nearest")
-        ax.set_title(f"{dim}={getattr(layout, dim)}\n(same colour: one group)", fontsize=9)
+        ax.imshow(grid, cmap="tab20", vmin=-0.5, vmax=19.5, aspect="auto", interpolation="nearest")
+        repeat = ", colours repeat" if groups > 20 else ""
+        ax.set_title(f"{dim}={getattr(layout, dim)}: {groups} groups\n(same colour: one group{repeat})", fontsize=9)
         ax.set_xlabel("device in node")
         ax.set_ylabel("node")
         if nodes * hw.devices_per_node <= 128:
