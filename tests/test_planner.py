@@ -168,3 +168,27 @@ def test_written_yaml_trains(capsys: pytest.CaptureFixture, tmp_path: Path) -> N
         losses = [v for _, v in sorted(results[name]["metrics"]["train_loss"].items(), key=lambda kv: int(kv[0]))]
         assert results[name]["world_size"] == 4 and len(losses) == 4
         assert all(math.isfinite(x) for x in losses) and losses[-1] < losses[0], (name, losses)
+
+
+def test_step_time_is_the_roofline_plus_the_alpha_beta_collectives() -> None:
+    """Hand-computed for FSDP 8 on one node and for FSDP 2 across two nodes (tiny GPT, fp32)."""
+    from lit_mesh.planner.cost import step_time
+    from zoo.flops import gpt_flops_per_token
+
+    config = GPTConfig.from_preset("tiny")
+    shapes, work = gpt_shapes(config), Workload(global_batch=16, seq_len=64, micro_batch=2)
+    hw = Hardware(nodes=1, devices_per_node=8, memory_bytes=80 * GB, peak_flops=1e12, compute_efficiency=0.5,
+                  intra_node_bandwidth=100e9, intra_node_latency=1e-6, inter_node_bandwidth=10e9, inter_node_latency=1e-5)
+    n = sum(p.numel() for p in GPT(config).parameters())  # every parameter: pp = 1, no tp
+    t = step_time(shapes, MeshLayout(dp_shard=8), work, "32-true", "none", hw)
+    assert t.compute == pytest.approx(gpt_flops_per_token(config, 64) * 16 * 64 / 8 / (1e12 * 0.5))
+    ring = lambda nbytes, k, bw, alpha: (k - 1) * alpha + (k - 1) / k * nbytes / bw  # noqa: E731
+    # 2 sequences per rank, micro-batch 2: one micro-batch; gathered forward and backward, reduce-scattered once
+    assert t.overlapped["fsdp"] == pytest.approx(3 * ring(4 * n, 8, 100e9, 1e-6))
+    assert t.total == pytest.approx(max(t.compute, t.overlapped["fsdp"]))
+    # two nodes of one device: the FSDP group crosses nodes; 8 sequences per rank in 4 micro-batches of 2
+    two_nodes = Hardware(nodes=2, devices_per_node=1, memory_bytes=80 * GB, peak_flops=1e12, compute_efficiency=0.5,
+                         intra_node_bandwidth=100e9, intra_node_latency=1e-6, inter_node_bandwidth=10e9,
+                         inter_node_latency=1e-5)
+    t2 = step_time(shapes, MeshLayout(dp_shard=2), work, "32-true", "none", two_nodes)
+    assert t2.overlapped["fsdp"] == pytest.approx(2 * 4 * ring(4 * n, 2, 10e9, 1e-5) + ring(4 * n, 2, 10e9, 1e-5))
