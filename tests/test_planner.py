@@ -134,6 +134,9 @@ def test_fit_and_no_fit_examples(capsys: pytest.CaptureFixture) -> None:
         ([], "give --devices N"),
         (["--devices", "8", "--memory-gb", "2"], "leaves nothing after the reserve"),
         (["--devices", "8", "--preset", "llama4"], "unknown GPT preset 'llama4'"),
+        (["--devices", "8", "--config-overrides", "{layers: 4}"], "must map GPTConfig fields (vocab_size, dim"),
+        (["--devices", "8", "--tp", "3"], "--tp 3: the fixed degrees must be >= 1 and their product must divide the 8"),
+        (["--devices", "8", "--tp", "4", "--pp", "4"], "product must divide the 8 devices"),
     ],
 )
 def test_bad_plan_arguments_name_the_value_and_the_fix(argv: list[str], message: str) -> None:

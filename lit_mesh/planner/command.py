@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -124,10 +125,21 @@ def main(argv: list[str]) -> int:
     args = parse_args(argv)
     start = time.perf_counter()
     overrides = yaml.safe_load(args.config_overrides) if args.config_overrides else {}
+    fields = [f.name for f in dataclasses.fields(GPTConfig)]
+    if not isinstance(overrides or {}, dict) or set(overrides or {}) - set(fields):
+        raise SystemExit(f"lit-mesh plan: --config-overrides {args.config_overrides!r} must map GPTConfig fields"
+                         f" ({', '.join(fields)}) to values, e.g. '{{n_layers: 40}}'")
     config = GPTConfig.from_preset(args.preset, **(overrides or {}))
     hw = hardware_of(args)
     shapes = gpt_shapes(config)
     fixed = {d: getattr(args, d) for d in DIMS if getattr(args, d) is not None}
+    product = 1
+    for dim, degree in fixed.items():
+        product *= degree
+        if degree < 1 or hw.world_size % product:
+            given = ", ".join(f"--{d.replace('_', '-')} {v}" for d, v in fixed.items())
+            raise SystemExit(f"lit-mesh plan: {given}: the fixed degrees must be >= 1 and their product must divide the"
+                             f" {hw.world_size} devices; choose degrees among the divisors of {hw.world_size}")
     work = Workload(args.global_batch, args.seq_len)
     result = plan(shapes, work, hw, args.precision, args.ac, fixed)
     report(result, args, hw, shapes.numel())
