@@ -46,6 +46,11 @@ REFERENCE = {"gpt-pp2-fsdp2-accum2-clip": "gpt-single-accum2-clip"}
 TIMELINE = "gpt-pp2-zero_bubble"  # this run also draws the PipelineTimeline of its step 3
 
 
+def reference_name(name: str) -> str:
+    """The single-device run a pipelined run is compared with."""
+    return REFERENCE.get(name, name.split("-")[0] + "-single")
+
+
 def _checkpointing(directory: Path) -> list[str]:
     return [
         "--trainer.enable_checkpointing=true", "--trainer.callbacks+=ModelCheckpoint",
@@ -86,7 +91,7 @@ def _assert_close(reference: dict[int, float], got: dict[int, float], what: str)
 
 @pytest.mark.parametrize("name", [n for n, (world, _, _) in RUNS.items() if world > 1])
 def test_pipeline_matches_single_device(results: dict, name: str) -> None:
-    reference = results[REFERENCE.get(name, name.split("-")[0] + "-single")]
+    reference = results[reference_name(name)]
     candidate = results[name]
     assert candidate["world_size"] == RUNS[name][0]
     ref_train = _per_step(reference, "train_loss")
@@ -101,10 +106,6 @@ def test_pipeline_matches_single_device(results: dict, name: str) -> None:
     for key, ref in ref_params.items():
         diff = (params[key] - ref).abs().max().item()
         assert diff <= 1e-4, f"{name}: parameter {key} differs by {diff}"
-
-
-def reference_name(name: str) -> str:
-    return REFERENCE.get(name, name.split("-")[0] + "-single")
 
 
 def test_the_clip_in_the_accumulation_case_bites(results: dict) -> None:
