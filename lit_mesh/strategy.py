@@ -262,7 +262,6 @@ class MeshStrategy(ModelParallelStrategy):
         assert done.stage_ranks is not None and self.mesh_views is not None
         self._pipeline = PipelineRunner(
             done.stages,
-            done.n_stages,
             self.pipeline_settings,
             self.mesh_views["pp"].get_group(),
             done.stage_ranks,

@@ -98,7 +98,6 @@ class Parallelized:
 
     owners: list[PlanOwner]
     stages: list[Stage] | None = None
-    n_stages: int = 1
     stage_ranks: list[int] | None = None
 
 
@@ -117,7 +116,7 @@ def split_pipeline(root: nn.Module, owners: list[PlanOwner], mesh: MeshViews, pi
     split = check_split(pipeline.split, n_blocks, n_stages) if pipeline.split else balanced_split(n_blocks, n_stages)
     ranks = stage_ranks(n_stages, pp, pipeline.placement)
     stages = split_into_stages(owner.module, owner.plan, split, ranks, mesh["pp"].get_local_rank())
-    return Parallelized(owners, stages, n_stages, ranks)
+    return Parallelized(owners, stages, ranks)
 
 
 def parallelize(

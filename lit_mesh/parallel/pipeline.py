@@ -106,7 +106,6 @@ class PipelineRunner:
     def __init__(
         self,
         stages: list[Stage],
-        n_stages: int,
         settings: PipelineSettings,
         pp_group: dist.ProcessGroup,
         stage_ranks: list[int],
@@ -130,13 +129,14 @@ class PipelineRunner:
         # training only: evaluation has its own forward-only loop (_forward_only), because torch re-runs its
         # shape inference (a real forward and backward, dropping .grad) whenever a schedule switches between
         # step() and eval(), and eval() of the multi-stage schedules still runs backward actions (torch 2.13)
-        self.stages, self.schedule = self._build(stages, n_stages, device)
+        self.stages, self.schedule = self._build(stages, device)
         self._inside = False  # True while this runner drives the stages
         for stage in stages:
             stage.module.register_forward_pre_hook(self._refuse_direct_calls, prepend=True)
         self.recorder: Any = None  # lit_mesh.pipeline_timeline.TimelineRecorder while one is attached
 
-    def _build(self, stages: list[Stage], n_stages: int, device: torch.device) -> tuple[list[PipelineStage], Any]:
+    def _build(self, stages: list[Stage], device: torch.device) -> tuple[list[PipelineStage], Any]:
+        n_stages = len(self.stage_ranks)
         built = [PipelineStage(s.module, s.index, n_stages, device, group=self.group) for s in stages]
         schedule_cls, per_rank, _ = SCHEDULES[self.settings.schedule]
         owned = built[0] if per_rank == "one" else built
