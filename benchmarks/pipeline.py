@@ -27,15 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as C  # noqa: E402
 
 from lit_mesh import MeshStrategy  # noqa: E402
-from lit_mesh.pipeline_timeline import TimelineRecorder  # noqa: E402
-
-
-def bubble_formula(schedule: str, p: int, m: int, v: int) -> float:
-    if schedule in ("gpipe", "1f1b"):
-        return (p - 1) / (m + p - 1)
-    if schedule in ("interleaved_1f1b", "looped_bfs"):
-        return (p - 1) / (v * m + p - 1)
-    return (p - 1) / (3 * v * m + p - 1)  # zero bubble: only F + B - W of each warm-up slot stays idle
+from lit_mesh.pipeline_timeline import TimelineRecorder, bubble_formula  # noqa: E402
 
 
 class RecordSteps(L.Callback):

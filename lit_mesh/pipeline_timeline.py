@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -26,6 +26,22 @@ from lit_mesh.parallel.pipeline import PipelineRunner
 
 # the stage methods torch's schedules call for each block of work, and the letter each block gets
 _BLOCKS = {"forward_one_chunk": "F", "backward_one_chunk": "B", "backward_weight_one_chunk": "W"}
+
+
+def bubble_formula(schedule: str, p: int, m: int, v: int = 1) -> Optional[float]:
+    """The textbook idle fraction of a schedule with p stage ranks, m micro-batches and v stages per rank, for
+    equal F / B / W block times; None for the V-shaped schedules (zbv, dualpipev), which have no such closed form.
+
+    gpipe, 1f1b (p-1)/(m+p-1); interleaved_1f1b, looped_bfs (p-1)/(v m+p-1); zero_bubble (interleaved, ZB-H1
+    shape: only F + B - W of each warm-up slot stays idle) (p-1)/(3 v m+p-1).
+    """
+    if schedule in ("gpipe", "1f1b"):
+        return (p - 1) / (m + p - 1)
+    if schedule in ("interleaved_1f1b", "looped_bfs"):
+        return (p - 1) / (v * m + p - 1)
+    if schedule == "zero_bubble":
+        return (p - 1) / (3 * v * m + p - 1)
+    return None
 
 
 @dataclass
@@ -69,9 +85,10 @@ class _SavedBytes:
 class TimelineRecorder:
     """Times every F/B/W block of this rank's stages for the steps run inside `recording()`."""
 
-    def __init__(self, runner: PipelineRunner, device: torch.device) -> None:
+    def __init__(self, runner: PipelineRunner, device: torch.device, count_saved: bool = True) -> None:
         self.runner = runner
         self.device = device
+        self.count_saved = count_saved  # False: no saved-tensor hook (MeshMonitor needs only the block times)
         self.blocks: list[Block] = []
         self.step_time = 0.0
         self.peak_saved_bytes = 0
@@ -108,7 +125,7 @@ class TimelineRecorder:
         self._sync()
         self._t0 = time.perf_counter()
         try:
-            with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
+            with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack) if self.count_saved else nullcontext():
                 yield
         finally:
             self._sync()

@@ -1,5 +1,5 @@
-"""MeshMonitor: the logged throughput, FLOPs, memory and communication checked against hand-computed values,
-on two ranks (DDP and TP) through the `lit-mesh` CLI."""
+"""MeshMonitor: the logged throughput, FLOPs, memory, communication and pipeline bubble checked against
+hand-computed values, on two ranks (DDP, TP and PP) through the `lit-mesh` CLI."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from zoo.vit import ViTConfig
 S = "--trainer.strategy.init_args."
 STEPS, BATCH, SEQ = 3, 8, 64
 PEAK = 1e9
+MICRO = 4  # pp2 run: 1F1B (the default schedule) over 4 micro-batches
 COMMON = [
     "-c", str(REPO / "configs/gpt.yaml"), "--trainer.devices=2", f"--trainer.max_steps={STEPS}",
     "--trainer.log_every_n_steps=1", "--trainer.logger=CSVLogger", f"--data.global_batch_size={BATCH}",
@@ -29,6 +30,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
     return cli_runs(2, out, [
         {"name": "ddp2", "args": [*COMMON, f"{S}dp_replicate=2"]},
         {"name": "tp2", "args": [*COMMON, f"{S}tp=2", f"--trainer.callbacks.init_args.peak_flops_per_device={PEAK}"]},
+        {"name": "pp2", "args": [*COMMON, f"{S}pp=2", f"{S}pp_microbatches={MICRO}"]},
     ])
 
 
@@ -38,9 +40,9 @@ def _at_each_step(result: dict, key: str) -> list[float]:
     return [per_step[s] for s in sorted(per_step)]
 
 
-@pytest.mark.parametrize("layout", ["ddp2", "tp2"])
+@pytest.mark.parametrize("layout", ["ddp2", "tp2", "pp2"])
 def test_throughput_and_flops_equal_the_hand_computed_values(runs: dict, layout: str) -> None:
-    tokens = BATCH * SEQ  # the global batch, whether dp ranks split it (ddp2) or tp ranks share it (tp2)
+    tokens = BATCH * SEQ  # the global batch, whether dp ranks split it (ddp2) or tp/pp ranks share it (tp2, pp2)
     flops = tokens * gpt_flops_per_token(GPTConfig.from_preset("tiny"), SEQ)
     result = runs[layout]
     assert _at_each_step(result, "monitor/step_time_s") == [STEP_SECONDS] * STEPS
@@ -70,6 +72,26 @@ def test_ddp_sends_the_gradients_once_over_dp_replicate(runs: dict) -> None:
 def test_tensor_parallel_traffic_is_counted_on_tp(runs: dict) -> None:
     assert all(sent > 0 for sent in _at_each_step(runs["tp2"], "monitor/comm_mib/tp"))
     assert not any(k.startswith("monitor/comm_mib/dp") for k in runs["tp2"]["metrics"])
+
+
+def test_pipeline_bubble_is_measured_and_next_to_its_formula(runs: dict) -> None:
+    # 1F1B, p = 2 stage ranks, m = 4 micro-batches: (p-1)/(m+p-1) = 1/5
+    assert _at_each_step(runs["pp2"], "monitor/pp_bubble_formula") == [pytest.approx(1 / 5)] * STEPS
+    for bubble in _at_each_step(runs["pp2"], "monitor/pp_bubble"):
+        assert 0 < bubble < 1  # a rank idles at least while the other computes the first forward
+    for layout in ("ddp2", "tp2"):  # no pipeline: no bubble, no recorder
+        assert not any(k.startswith("monitor/pp_bubble") for k in runs[layout]["metrics"])
+
+
+def test_bubble_formulas_by_hand() -> None:
+    from lit_mesh.pipeline_timeline import bubble_formula
+
+    assert bubble_formula("gpipe", 4, 8) == pytest.approx(3 / 11)
+    assert bubble_formula("1f1b", 2, 2) == pytest.approx(1 / 3)
+    assert bubble_formula("interleaved_1f1b", 4, 8, 2) == pytest.approx(3 / 19)
+    assert bubble_formula("looped_bfs", 2, 4, 2) == pytest.approx(1 / 9)
+    assert bubble_formula("zero_bubble", 2, 4, 2) == pytest.approx(1 / 25)
+    assert bubble_formula("zbv", 2, 4, 2) is None
 
 
 def test_vit_flops_per_token_from_the_formula() -> None:

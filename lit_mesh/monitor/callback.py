@@ -14,6 +14,7 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 
 from lit_mesh.monitor.comm import CollectiveBytes
+from lit_mesh.pipeline_timeline import TimelineRecorder, bubble_formula
 
 # bf16 dense peak FLOP/s per device, by name (vendor data sheets); MFU is quoted against it, as is usual
 PEAK_BF16_FLOPS = {"H200": 989.4e12, "H100": 989.4e12, "A100": 312e12, "L40S": 362e12, "A10G": 70e12, "L4": 121e12}
@@ -51,7 +52,11 @@ class MeshMonitor(Callback):
     monitor/tflops_per_device (achieved model FLOP/s), monitor/mfu (when the device peak is known),
     monitor/peak_memory_gib (the largest over ranks), monitor/comm_mib/<dim> (MiB each rank sends in that
     step over the groups of each mesh dim, largest over ranks; ring-algorithm model of the measured
-    collective sizes).
+    collective sizes). Under pp > 1 also monitor/pp_bubble (1 - busy / step time of the F/B/W blocks this rank
+    ran inside the schedule, largest over ranks) and monitor/pp_bubble_formula (the schedule's textbook value,
+    `lit_mesh.pipeline_timeline.bubble_formula`; absent for zbv/dualpipev). Timing the blocks wraps the stage
+    methods for the logged steps only (plus a device synchronisation per block on GPU); `measure_pp_bubble=False`
+    turns it off.
 
     Model FLOPs per token come from the LightningModule's `flops_per_token(seq_len)` when it has one (the zoo
     modules do), else 6 x parameters. Tokens per batch come from its `tokens_in_batch(batch)` -> (tokens,
@@ -62,10 +67,13 @@ class MeshMonitor(Callback):
         self,
         peak_flops_per_device: float | None = None,
         measure_comm: bool = True,
+        measure_pp_bubble: bool = True,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         self.peak_flops_per_device = peak_flops_per_device
         self.measure_comm = measure_comm
+        self.measure_pp_bubble = measure_pp_bubble
+        self._recorder: TimelineRecorder | None = None
         self._clock = clock
         self._start: float | None = None
         self._comm: CollectiveBytes | None = None
@@ -105,6 +113,9 @@ class MeshMonitor(Callback):
         if self.measure_comm and dist.is_initialized():
             self._comm = CollectiveBytes()
             self._comm.__enter__()
+        runner = getattr(trainer.strategy, "_pipeline", None)
+        if self.measure_pp_bubble and runner is not None and runner.recorder is None:  # None: a PipelineTimeline has it
+            self._recorder = runner.recorder = TimelineRecorder(runner, pl_module.device, count_saved=False)
         self._synchronize(pl_module)
         self._start = self._clock()
 
@@ -116,11 +127,26 @@ class MeshMonitor(Callback):
         self._synchronize(pl_module)
         step_time = self._clock() - self._start
         sent = self._stop_counting()
-        for name, value in self.step_metrics(trainer, pl_module, batch, step_time, sent).items():
+        bubble = self._stop_recording()
+        for name, value in self.step_metrics(trainer, pl_module, batch, step_time, sent, bubble).items():
             pl_module.log(name, value, on_step=True, on_epoch=False, prog_bar=name == "tokens_per_s")
 
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
         self._stop_counting()
+        self._stop_recording()
+
+    def _stop_recording(self) -> tuple[float, float | None] | None:
+        """(measured bubble fraction of this rank, the schedule's formula) of the step just run, if recorded."""
+        recorder, self._recorder = self._recorder, None
+        if recorder is None:
+            return None
+        runner = recorder.runner
+        if runner.recorder is recorder:
+            runner.recorder = None
+        if recorder.step_time <= 0:  # the schedule did not run under it (e.g. a PipelineTimeline took its place)
+            return None
+        formula = bubble_formula(runner.settings.schedule, runner.pp, runner.n_microbatches, runner.settings.local_stages())
+        return recorder.summary()["bubble_fraction"], formula
 
     def _stop_counting(self) -> dict[str, float]:
         if self._comm is None:
@@ -137,7 +163,13 @@ class MeshMonitor(Callback):
     # ---- the numbers ---------------------------------------------------------------------------------
 
     def step_metrics(
-        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, step_time: float, sent: dict[str, float]
+        self,
+        trainer: L.Trainer,
+        pl_module: L.LightningModule,
+        batch: Any,
+        step_time: float,
+        sent: dict[str, float],
+        bubble: tuple[float, float | None] | None = None,
     ) -> dict[str, float]:
         count = getattr(pl_module, "tokens_in_batch", default_tokens_in_batch)
         local_tokens, seq_len = count(batch)
@@ -159,10 +191,16 @@ class MeshMonitor(Callback):
                 dim = self._dim_of_group.get(group, "other")
                 by_dim[dim] = by_dim.get(dim, 0.0) + nbytes
             per_rank += [by_dim[d] for d in self._dims]
+        if bubble is not None:  # every rank records the same steps, so the lists stay the same length
+            per_rank.append(bubble[0])
         largest = self._max_over_ranks(per_rank, pl_module.device)
         metrics["monitor/peak_memory_gib"] = largest[0] / 2**30
         if self.measure_comm:
             metrics.update({f"monitor/comm_mib/{d}": v / 2**20 for d, v in zip(self._dims, largest[1:])})
+        if bubble is not None:
+            metrics["monitor/pp_bubble"] = largest[-1]
+            if bubble[1] is not None:
+                metrics["monitor/pp_bubble_formula"] = bubble[1]
         return metrics
 
     @staticmethod
