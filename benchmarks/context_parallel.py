@@ -97,7 +97,7 @@ def build(config: GPTConfig, cp: int, style: str) -> tuple[Holder, Any]:
     mesh = build_device_mesh(layout, "cpu")
     with torch.device("meta"):
         root = Holder(config)
-    owners = parallelize(root, mesh, layout, sequence_parallel=False, precision="32-true", cp_style=style)
+    owners = parallelize(root, mesh, layout, sequence_parallel=False, precision="32-true", cp_style=style).owners
     materialize(root, owners, torch.device("cpu"))
     return root, mesh
 
