@@ -168,7 +168,11 @@ def main(argv: list[str]) -> int:
         run_benchmark(args.new, command, args.timeout)
     if args.run:
         rerun(args.run)
-    text = render()
+    try:
+        text = render()
+    except jinja2.TemplateError as e:  # e.g. a template names a result file not recorded yet
+        print(f"README.md not rendered: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
     if args.check:
         if README.read_text() != text:
             print("benchmarks/README.md is not the rendering of report/ + results/: run python benchmarks/report.py", file=sys.stderr)

@@ -38,6 +38,27 @@ def peak_memory_bytes(device: torch.device) -> int:
     return peak if sys.platform == "darwin" else peak * 1024  # Linux reports KiB
 
 
+def moe_layers(module: torch.nn.Module) -> list[torch.nn.Module]:
+    """The MoE layers under `module`: what records its routing as zoo.moe.MoE does (n_experts, load, aux_loss)."""
+    return [
+        m for m in module.modules()
+        if isinstance(getattr(m, "n_experts", None), int) and isinstance(getattr(m, "load", None), torch.Tensor)
+        and isinstance(getattr(m, "aux_loss", None), torch.Tensor)
+    ]  # fmt: skip
+
+
+def moe_balance(layers: list[torch.nn.Module]) -> dict[str, Any]:
+    """Tokens per expert summed over layers, mean and worst max/mean over layers, and the summed aux loss."""
+    load = torch.stack([m.load.detach().float().cpu() for m in layers])  # (layers, experts), global counts
+    imbalance = load.max(dim=1).values / load.mean(dim=1).clamp_min(1e-9)
+    return {
+        "tokens_per_expert": load.sum(dim=0).tolist(),
+        "imbalance": imbalance.mean().item(),
+        "imbalance_max": imbalance.max().item(),
+        "aux_loss": sum(m.aux_loss.detach().float().item() for m in layers),
+    }
+
+
 def _default_peak_flops(device: torch.device) -> float | None:
     if device.type != "cuda":
         return None
@@ -56,7 +77,11 @@ class MeshMonitor(Callback):
     ran inside the schedule, largest over ranks) and monitor/pp_bubble_formula (the schedule's textbook value,
     `lit_mesh.pipeline_timeline.bubble_formula`; absent for zbv/dualpipev). Timing the blocks wraps the stage
     methods for the logged steps only (plus a device synchronisation per block on GPU); `measure_pp_bubble=False`
-    turns it off.
+    turns it off. With MoE layers (modules that keep `n_experts`, the global `load` of tokens per expert and
+    their `aux_loss` of the last forward, as zoo.moe.MoE does): monitor/moe_tokens_per_expert/<i> (global batch,
+    summed over MoE layers), monitor/moe_imbalance (max / mean tokens per expert, mean over layers),
+    monitor/moe_imbalance_max (the worst layer) and monitor/moe_aux_loss (sum over layers, mean over ranks).
+    Under pp > 1 these are rank 0's stage's layers.
 
     Model FLOPs per token come from the LightningModule's `flops_per_token(seq_len)` when it has one (the zoo
     modules do), else 6 x parameters. Tokens per batch come from its `tokens_in_batch(batch)` -> (tokens,
@@ -79,6 +104,7 @@ class MeshMonitor(Callback):
         self._comm: CollectiveBytes | None = None
         self._dim_of_group: dict[str, str] = {}
         self._dims: list[str] = []
+        self._moe: list[torch.nn.Module] | None = None  # found at the first measured step (after configure_model)
 
     # ---- setup ---------------------------------------------------------------------------------------
 
@@ -197,10 +223,27 @@ class MeshMonitor(Callback):
         metrics["monitor/peak_memory_gib"] = largest[0] / 2**30
         if self.measure_comm:
             metrics.update({f"monitor/comm_mib/{d}": v / 2**20 for d, v in zip(self._dims, largest[1:])})
+        metrics.update(self.moe_metrics(pl_module))
         if bubble is not None:
             metrics["monitor/pp_bubble"] = largest[-1]
             if bubble[1] is not None:
                 metrics["monitor/pp_bubble_formula"] = bubble[1]
+        return metrics
+
+    def moe_metrics(self, pl_module: L.LightningModule) -> dict[str, float]:
+        if self._moe is None:
+            self._moe = moe_layers(pl_module)
+        if not self._moe:
+            return {}
+        balance = moe_balance(self._moe)
+        # the load is global already; the aux loss uses this rank's router probabilities: mean over ranks
+        aux = torch.tensor(balance["aux_loss"], dtype=torch.float64, device=pl_module.device)
+        if dist.is_initialized():
+            dist.all_reduce(aux)
+            aux /= dist.get_world_size()
+        metrics = {f"monitor/moe_tokens_per_expert/{i}": n for i, n in enumerate(balance["tokens_per_expert"])}
+        metrics.update({"monitor/moe_imbalance": balance["imbalance"], "monitor/moe_imbalance_max": balance["imbalance_max"],
+                        "monitor/moe_aux_loss": aux.item()})  # fmt: skip
         return metrics
 
     @staticmethod

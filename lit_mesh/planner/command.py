@@ -23,10 +23,19 @@ from lit_mesh.planner.shapes import gpt_shapes
 from zoo.gpt import PRESETS, GPTConfig
 
 
+def config_class_of(model: str) -> Any:
+    if model == "moe":
+        from zoo.moe import MoEConfig
+
+        return MoEConfig
+    return GPTConfig
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="lit-mesh plan", description=__doc__.split("\n\n")[0])
-    p.add_argument("--preset", default="llama3-8b", help=f"zoo GPT preset: {', '.join(PRESETS)}")
-    p.add_argument("--config-overrides", default="", help="GPTConfig fields over the preset, YAML/JSON: '{n_layers: 40}'")
+    p.add_argument("--model", default="gpt", choices=("gpt", "moe"), help="zoo model family: GPT or MoE (zoo/moe.py)")
+    p.add_argument("--preset", default="llama3-8b", help=f"zoo preset: GPT {', '.join(PRESETS)}; MoE see zoo/moe.py")
+    p.add_argument("--config-overrides", default="", help="config fields over the preset, YAML/JSON: '{n_layers: 40}'")
     p.add_argument("--devices", type=int, default=None, help="total devices (default: nodes x devices per node)")
     p.add_argument("--nodes", type=int, default=None, help="nodes (default: devices / devices per node)")
     p.add_argument("--devices-per-node", type=int, default=8)
@@ -42,7 +51,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--seq-len", type=int, default=8192)
     p.add_argument("--precision", nargs="+", default=["bf16-mixed"], choices=sorted(PRECISION_BYTES))
     p.add_argument("--ac", nargs="+", default=list(AC_MODES), choices=AC_MODES, help="activation checkpointing modes")
-    for dim in DIMS:
+    for dim in (*DIMS, "ep"):
         p.add_argument(f"--{dim.replace('_', '-')}", type=int, default=None, help=f"fix {dim} to this degree")
     p.add_argument("--top", type=int, default=3, help="how many layouts to print")
     p.add_argument("--out", default="", help="write the best layout as a `lit-mesh fit` config (YAML) here")
@@ -74,7 +83,7 @@ def hardware_of(args: argparse.Namespace) -> Hardware:
     )
 
 
-def simulate_best(c: Candidate, config: GPTConfig, shapes: Any) -> list[dict[str, Any]]:
+def simulate_best(c: Candidate, config: Any, shapes: Any) -> list[dict[str, Any]]:
     """Estimate vs the real sharding on fake ranks, for the first rank of every stage that can be the worst."""
     from lit_mesh.planner.simulate import simulate_rank
 
@@ -89,7 +98,7 @@ def simulate_best(c: Candidate, config: GPTConfig, shapes: Any) -> list[dict[str
 
 
 def summary(c: Candidate) -> dict[str, Any]:
-    return {"layout": {d: getattr(c.layout, d) for d in DIMS}, "precision": c.precision, "ac": c.ac,
+    return {"layout": {d: getattr(c.layout, d) for d in (*DIMS, "ep")}, "precision": c.precision, "ac": c.ac,
             "micro_batch": c.work.micro_batch, "microbatches": c.work.microbatches(c.layout),
             "memory": c.memory, "step_s": c.time.total, "tokens_per_s": c.tokens_per_s, "mfu": c.mfu,
             "reasons": c.reasons}
@@ -125,14 +134,20 @@ def main(argv: list[str]) -> int:
     args = parse_args(argv)
     start = time.perf_counter()
     overrides = yaml.safe_load(args.config_overrides) if args.config_overrides else {}
-    fields = [f.name for f in dataclasses.fields(GPTConfig)]
+    config_class = config_class_of(args.model)
+    fields = [f.name for f in dataclasses.fields(config_class)]
     if not isinstance(overrides or {}, dict) or set(overrides or {}) - set(fields):
-        raise SystemExit(f"lit-mesh plan: --config-overrides {args.config_overrides!r} must map GPTConfig fields"
-                         f" ({', '.join(fields)}) to values, e.g. '{{n_layers: 40}}'")
-    config = GPTConfig.from_preset(args.preset, **(overrides or {}))
+        raise SystemExit(f"lit-mesh plan: --config-overrides {args.config_overrides!r} must map {config_class.__name__}"
+                         f" fields ({', '.join(fields)}) to values, e.g. '{{n_layers: 40}}'")
+    try:
+        config = config_class.from_preset(args.preset, **(overrides or {}))
+    except ValueError as e:
+        raise SystemExit(f"lit-mesh plan --model {args.model}: {e}") from None
     hw = hardware_of(args)
     shapes = gpt_shapes(config)
     fixed = {d: getattr(args, d) for d in DIMS if getattr(args, d) is not None}
+    if args.ep is not None and not shapes.is_moe:
+        raise SystemExit(f"lit-mesh plan: --ep {args.ep} needs an MoE model (--model moe); a dense model runs ep=1")
     product = 1
     for dim, degree in fixed.items():
         product *= degree
@@ -141,7 +156,7 @@ def main(argv: list[str]) -> int:
             raise SystemExit(f"lit-mesh plan: {given}: the fixed degrees must be >= 1 and their product must divide the"
                              f" {hw.world_size} devices; choose degrees among the divisors of {hw.world_size}")
     work = Workload(args.global_batch, args.seq_len)
-    result = plan(shapes, work, hw, args.precision, args.ac, fixed)
+    result = plan(shapes, work, hw, args.precision, args.ac, {**fixed, **({"ep": args.ep} if args.ep else {})})
     report(result, args, hw, shapes.numel())
     out: dict[str, Any] = {"preset": args.preset, "devices": hw.world_size, "ranked": [summary(c) for c in result.ranked[: args.top]],
                            "rejected": dict(result.rejected), "considered": result.considered}
@@ -183,7 +198,7 @@ def main(argv: list[str]) -> int:
 def _write(args: argparse.Namespace, best: Candidate, overrides: dict[str, Any], hw: Hardware, header: list[str]) -> Path:
     from lit_mesh.planner.config_yaml import write_fit_config
 
-    return write_fit_config(args.out, best, args.preset, overrides, hw, args.max_steps, header)
+    return write_fit_config(args.out, best, args.preset, overrides, hw, args.max_steps, header, args.model)
 
 
 if __name__ == "__main__":

@@ -11,12 +11,18 @@ from lit_mesh.planner.hardware import Hardware
 from lit_mesh.planner.search import Candidate
 
 
-def fit_config(c: Candidate, preset: str, overrides: dict[str, Any], hw: Hardware, max_steps: int) -> dict[str, Any]:
+MODULES = {"gpt": "zoo.GPTModule", "moe": "zoo.MoEModule"}  # the LightningModule of each model family
+
+
+def fit_config(c: Candidate, preset: str, overrides: dict[str, Any], hw: Hardware, max_steps: int, model_family: str = "gpt"
+               ) -> dict[str, Any]:
     layout, work = c.layout, c.work
     strategy: dict[str, Any] = {
         "dp_replicate": layout.dp_replicate, "dp_shard": layout.dp_shard, "tp": layout.tp, "cp": layout.cp,
         "pp": layout.pp, "sequence_parallel": layout.tp > 1, "activation_checkpointing": c.ac,
     }
+    if layout.ep > 1:
+        strategy["ep"] = layout.ep
     steps = work.microbatches(layout)
     if layout.pp > 1:  # the schedule runs every micro-batch of the step
         strategy.update(pp_schedule="1f1b", pp_microbatches=steps)
@@ -35,15 +41,15 @@ def fit_config(c: Candidate, preset: str, overrides: dict[str, Any], hw: Hardwar
             "strategy": {"class_path": "lit_mesh.MeshStrategy", "init_args": strategy},
             "callbacks": [{"class_path": "lit_mesh.MeshMonitor"}],
         },
-        "model": {"class_path": "zoo.GPTModule", "init_args": model},
+        "model": {"class_path": MODULES[model_family], "init_args": model},
         "data": {"class_path": "zoo.TextDataModule", "init_args": {"global_batch_size": per_batch, "seq_len": work.seq_len}},
     }
 
 
 def write_fit_config(path: str | Path, c: Candidate, preset: str, overrides: dict[str, Any], hw: Hardware,
-                     max_steps: int, header: list[str]) -> Path:
+                     max_steps: int, header: list[str], model_family: str = "gpt") -> Path:
     path = Path(path)
-    body = yaml.safe_dump(fit_config(c, preset, overrides, hw, max_steps), sort_keys=False)
+    body = yaml.safe_dump(fit_config(c, preset, overrides, hw, max_steps, model_family), sort_keys=False)
     comments = "".join(f"# {line}\n" for line in header)
     path.write_text(comments + body)
     return path

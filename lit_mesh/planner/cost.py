@@ -7,7 +7,9 @@ A group's bandwidth and alpha are the intra-node ones when its ranks share a nod
 (the ring is as slow as its slowest link). Overlap rule: FSDP/HSDP/DDP gradient and parameter traffic and the
 context-parallel ring hide behind compute (prefetch, ring overlap): max(compute, overlapped); tensor-parallel
 collectives sit on the critical path and add; pipeline send/receive adds; the 1F1B bubble stretches the whole
-step by (pp - 1) / micro-batches.
+step by (pp - 1) / micro-batches. MoE: the expert weights' FSDP traffic runs over expert_dp (dp_shard x cp / ep)
+ranks, and every MoE block sends its routed tokens to their experts and back with all-to-alls over ep
+(dispatch + combine in forward, both again in backward, and in the recomputed forward under full AC), exposed.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from dataclasses import dataclass, field
 from lit_mesh.mesh import MeshLayout
 from lit_mesh.parallel.pipeline_split import balanced_split
 from lit_mesh.planner.hardware import Hardware
-from lit_mesh.planner.memory import PRECISION_BYTES, Workload, fsdp_degree, local_numel
+from lit_mesh.planner.memory import PRECISION_BYTES, Workload, fsdp_degree, unsharded_numel
 from lit_mesh.planner.shapes import ModelShapes
 from zoo.flops import gpt_flops_per_token
 
@@ -47,13 +49,21 @@ class StepTime:
         return (max(self.compute, sum(self.overlapped.values())) + sum(self.exposed.values())) * (1 + self.bubble)
 
 
+def flops_per_token(shapes: ModelShapes, seq_len: int) -> float:
+    if shapes.is_moe:  # the experts a token uses (top_k routed + shared) and the router
+        from zoo.moe import moe_flops_per_token
+
+        return moe_flops_per_token(shapes.config, seq_len)
+    return gpt_flops_per_token(shapes.config, seq_len)
+
+
 def model_flops_per_step(shapes: ModelShapes, work: Workload) -> float:
-    return gpt_flops_per_token(shapes.config, work.seq_len) * work.global_batch * work.seq_len
+    return flops_per_token(shapes, work.seq_len) * work.global_batch * work.seq_len
 
 
 def dim_strides(layout: MeshLayout) -> dict[str, int]:
     """Distance between neighbouring ranks of each dim's groups (tp innermost, on consecutive ranks)."""
-    return {"tp": 1, "cp": layout.tp, "dp_shard": layout.tp * layout.cp,
+    return {"tp": 1, "cp": layout.tp, "ep": layout.tp, "dp_shard": layout.tp * layout.cp,
             "dp_replicate": layout.tp * layout.cp * layout.dp_shard, "pp": layout.world_size // layout.pp}
 
 
@@ -68,8 +78,9 @@ def step_time(shapes: ModelShapes, layout: MeshLayout, work: Workload, precision
     t = StepTime(compute=compute)
 
     # data parallel traffic of the stage's tp-local parameters (first stage: it also holds the embedding)
-    stage_numel = blocks * sum(local_numel(p, layout.tp, 0, 1, 0) for p in shapes.block)
-    stage_numel += sum(local_numel(p, layout.tp, 0, 1, 0) for p in (*shapes.first, *shapes.last)) / layout.pp
+    stage_numel = blocks * sum(unsharded_numel(p, layout) for p in shapes.block if not p.expert)
+    stage_numel += sum(unsharded_numel(p, layout) for p in (*shapes.first, *shapes.last)) / layout.pp
+    expert_numel = blocks * sum(unsharded_numel(p, layout) for p in shapes.block if p.expert)
     k = fsdp_degree(layout)
     shard_link = hw.link(stride["cp"] if layout.cp > 1 else stride["dp_shard"], k)
     microbatches = work.microbatches(layout)
@@ -77,9 +88,14 @@ def step_time(shapes: ModelShapes, layout: MeshLayout, work: Workload, precision
         # gradients reduce-scattered in fp32 once per step (no sync while accumulating)
         t.overlapped["fsdp"] = 2 * microbatches * all_gather_time(stage_numel * bytes_of["gather"], k, shard_link) + all_gather_time(
             stage_numel * 4, k, shard_link)
+    k_experts = k // layout.ep
+    if expert_numel and k_experts > 1:  # the experts' own FSDP units, over expert_dp
+        t.overlapped["fsdp_experts"] = 2 * microbatches * all_gather_time(
+            expert_numel * bytes_of["gather"], k_experts, shard_link) + all_gather_time(expert_numel * 4, k_experts, shard_link)
     if layout.dp_replicate > 1:  # the (sharded) gradients all-reduced over the replicas
         t.overlapped["dp_replicate"] = all_reduce_time(
-            stage_numel / k * 4, layout.dp_replicate, hw.link(stride["dp_replicate"], layout.dp_replicate))
+            (stage_numel / k + expert_numel / max(k_experts, 1)) * 4, layout.dp_replicate,
+            hw.link(stride["dp_replicate"], layout.dp_replicate))
 
     tokens = work.tokens_per_microbatch(layout)
     act = bytes_of["activation"]
@@ -89,6 +105,10 @@ def step_time(shapes: ModelShapes, layout: MeshLayout, work: Workload, precision
         per_block = (8 + (4 if ac == "full" else 0)) * all_gather_time(tokens * c.dim * act, layout.tp, hw.link(1, layout.tp))
         logits = all_gather_time(tokens * c.vocab_size * act, layout.tp, hw.link(1, layout.tp)) / layout.pp
         t.exposed["tp"] = microbatches * (blocks * per_block + logits)
+    if layout.ep > 1:  # the whole sequence of the micro-batch is routed on every tp rank: top_k copies per token
+        routed = work.micro_batch * work.seq_len // layout.cp * c.top_k * c.dim * act
+        per_block = (4 + (2 if ac == "full" else 0)) * all_gather_time(routed, layout.ep, hw.link(stride["ep"], layout.ep))
+        t.exposed["ep"] = microbatches * blocks * per_block
     if layout.cp > 1:  # ring: cp - 1 K/V blocks pass in forward; K/V and their gradients in backward
         kv = tokens * 2 * c.n_kv_heads * c.head_dim // layout.tp * act
         per_block = 3 * (layout.cp - 1) * kv / hw.link(stride["cp"], layout.cp)[0] + 3 * (layout.cp - 1) * hw.link(

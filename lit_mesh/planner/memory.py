@@ -7,6 +7,8 @@ Exact sharding rules, the ones torch applies under lit_mesh.parallel:
 - FSDP2 then splits dim 0 of each rank's tp piece over dp_shard x cp the same way (DDP: no split).
 - A pipeline stage holds its blocks (lit_mesh's balanced split), plus the embedding (first) or the final norm
   and head (last).
+- MoE experts (stacked (E, ...) weights) skip TP: EP splits dim 0 over ep (the innermost ranks of dp_shard x cp),
+  then FSDP2 splits dim 1 over the remaining expert_dp = dp_shard x cp / ep ranks (lit_mesh/parallel/expert.py).
 """
 
 from __future__ import annotations
@@ -32,8 +34,14 @@ def chunk(n: int, parts: int, index: int) -> int:
     return max(0, min(size, n - index * size))
 
 
-def local_numel(p: ParamShape, tp: int, tp_rank: int, shard: int, shard_rank: int) -> int:
+def local_numel(p: ParamShape, tp: int, tp_rank: int, shard: int, shard_rank: int, ep: int = 1) -> int:
+    """Elements of `p` on the rank at (tp_rank, shard_rank of dp_shard x cp); ep ranks are the innermost of those."""
     shape = list(p.shape)
+    if p.expert:
+        shape[0] = chunk(shape[0], ep, shard_rank % ep)
+        if shard // ep > 1:
+            shape[1] = chunk(shape[1], shard // ep, shard_rank // ep)
+        return _prod(shape)
     if tp > 1 and p.tp_style in ("colwise", "head", "rowwise", "embedding"):
         torch_rowwise = p.tp_style in ("rowwise", "embedding")  # the plan's "embedding" is RowwiseParallel
         if len(shape) == 1:  # a bias: split with the colwise output, replicated under rowwise
@@ -46,10 +54,19 @@ def local_numel(p: ParamShape, tp: int, tp_rank: int, shard: int, shard_rank: in
             shape[dim] = chunk(shape[dim], tp, tp_rank)
     if shard > 1:
         shape[0] = chunk(shape[0], shard, shard_rank)
+    return _prod(shape)
+
+
+def _prod(shape: list[int]) -> int:
     n = 1
     for d in shape:
         n *= d
     return n
+
+
+def unsharded_numel(p: ParamShape, layout: MeshLayout) -> int:
+    """Elements of `p` that FSDP gathers on a rank: its tp piece (an expert weight: its ep piece)."""
+    return local_numel(p, layout.tp, 0, layout.ep if p.expert else 1, 0, layout.ep)
 
 
 @dataclass(frozen=True)
@@ -78,7 +95,7 @@ def state_numel(shapes: ModelShapes, layout: MeshLayout, rank: int = 0) -> int:
     """Elements of the parameter shards global rank `rank` holds (gradients and AdamW moments: the same)."""
     c = coords_of(rank, layout)
     shard, shard_rank = fsdp_degree(layout), c.dp_shard * layout.cp + c.cp  # dp_shard_cp: dp_shard-major
-    local = lambda params: sum(local_numel(p, layout.tp, c.tp, shard, shard_rank) for p in params)  # noqa: E731
+    local = lambda params: sum(local_numel(p, layout.tp, c.tp, shard, shard_rank, layout.ep) for p in params)  # noqa: E731
     blocks = balanced_split(shapes.n_blocks, layout.pp)[c.pp]
     n = blocks * local(shapes.block)  # every block has the same shapes
     if c.pp == 0:
@@ -127,17 +144,25 @@ class Workload:
 def block_activation_elements_per_token(shapes: ModelShapes, tp: int, ac: str) -> float:
     """Elements one block keeps for backward per token of this rank's sequence (flash-style attention: no
     T x T scores). Under sequence parallelism the norm inputs are sequence shards (/tp); the all-gathered
-    inputs of the column-parallel linears are whole; everything between the column and row linears is /tp."""
+    inputs of the column-parallel linears are whole; everything between the column and row linears is /tp.
+    An MoE block routes the whole sequence on every tp rank (not /tp): per token the router scores, and per
+    routed copy (top_k of them, plus each shared expert) the gathered input, w1 / w3 / silu / product outputs,
+    the expert output and its weighted copy."""
     c = shapes.config
-    h, f, kv = c.dim, c.ffn_hidden, c.n_kv_heads * c.head_dim
+    h, kv = c.dim, c.n_kv_heads * c.head_dim
     sequence_sharded = 2 * h / tp  # inputs of attention_norm and ffn_norm (the residual stream)
     gathered = 2 * h  # norm outputs, gathered for wq/wk/wv and w1/w3
-    # q, k, v; roped q, k; k, v repeated to all heads; attention output; w1, w3, silu and product outputs
-    inside = (h + 2 * kv) + (h + kv) + 2 * h + h + 4 * f
+    attention = (h + 2 * kv) + (h + kv) + 2 * h + h  # q, k, v; roped q, k; k, v repeated; attention output
+    if shapes.is_moe:
+        eh, copies = c.expert_hidden, c.top_k + c.n_shared_experts
+        ffn, ffn_matmul_outputs, ffn_tp = c.n_experts + copies * (3 * h + 4 * eh), c.n_experts + copies * (2 * h + 2 * eh), 1
+    else:
+        f = c.ffn_hidden
+        ffn, ffn_matmul_outputs, ffn_tp = 4 * f, 2 * f, tp  # w1, w3, silu and product outputs
     if ac == "none":
-        return sequence_sharded + gathered + inside / tp
+        return sequence_sharded + gathered + attention / tp + ffn / ffn_tp
     if ac == "selective":  # matmul, attention and collective outputs kept; norms and elementwise recomputed
-        return sequence_sharded + gathered + (h + 2 * kv + h + 2 * f) / tp
+        return sequence_sharded + gathered + (h + 2 * kv + h) / tp + ffn_matmul_outputs / ffn_tp
     return h / tp  # full: only each block's input
 
 
@@ -164,9 +189,9 @@ def buffer_bytes(shapes: ModelShapes, layout: MeshLayout, precision: str, stage:
     if fsdp_degree(layout) == 1:
         return 0
     gather = PRECISION_BYTES[precision]["gather"]
-    block = sum(local_numel(p, layout.tp, 0, 1, 0) for p in shapes.block)
+    block = sum(unsharded_numel(p, layout) for p in shapes.block)
     root = [*(shapes.first if stage == 0 else ()), *(shapes.last if stage == layout.pp - 1 else ())]
-    root_numel = sum(local_numel(p, layout.tp, 0, 1, 0) for p in root)
+    root_numel = sum(unsharded_numel(p, layout) for p in root)
     return int(2 * block * gather + root_numel * gather + block * 4)
 
 

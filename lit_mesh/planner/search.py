@@ -1,7 +1,7 @@
 """Enumerate every mesh (pp, dp_replicate, dp_shard, cp, tp) x activation checkpointing x precision for a world
 size, keep the ones lit_mesh can run and whose per-rank memory fits, and rank them by estimated step time.
 
-Expert parallel is not enumerated: its cost depends on the MoE model (experts, routing), which is not modelled.
+For an MoE model every ep that divides dp_shard x cp (ep borrows those ranks) is tried as well.
 """
 
 from __future__ import annotations
@@ -36,6 +36,8 @@ class Candidate:
 
     def name(self) -> str:
         degrees = " x ".join(f"{d}={getattr(self.layout, d)}" for d in DIMS if getattr(self.layout, d) > 1) or "one device"
+        if self.layout.ep > 1:
+            degrees += f" (ep={self.layout.ep} of dp_shard x cp)"
         return f"{degrees}, {self.precision}, AC {self.ac}, micro-batch {self.work.micro_batch}"
 
 
@@ -52,8 +54,20 @@ def factorisations(world: int) -> Iterable[MeshLayout]:
                     yield MeshLayout(pp=pp, dp_replicate=replicate, dp_shard=dp // replicate, cp=cp, tp=tp)
 
 
+def with_expert_parallel(layouts: Iterable[MeshLayout], shapes: ModelShapes) -> Iterable[MeshLayout]:
+    """Each layout with every ep it can borrow from dp_shard x cp (a dense model: ep = 1 only)."""
+    for layout in layouts:
+        yield layout
+        if shapes.is_moe:
+            for ep in divisors(layout.dp_shard * layout.cp)[1:]:
+                yield replace(layout, ep=ep)
+
+
 def why_invalid(layout: MeshLayout, shapes: ModelShapes, work: Workload, hw: Hardware) -> str | None:
     """The first reason lit_mesh could not run this layout (or would run it badly), or None."""
+    for what, size in shapes.ep_divides.items():
+        if size % layout.ep:
+            return f"ep must divide {what}={size}"
     if hw.devices_per_node % layout.tp:
         return f"tp must divide the {hw.devices_per_node} devices of a node (tensor parallel stays on NVLink)"
     for what, size in shapes.tp_divides.items():
@@ -133,7 +147,7 @@ def plan(shapes: ModelShapes, work: Workload, hw: Hardware, precisions: Iterable
     ranked: list[Candidate] = []
     smallest: Candidate | None = None
     considered = 0
-    for layout in factorisations(hw.world_size):
+    for layout in with_expert_parallel(factorisations(hw.world_size), shapes):
         if any(getattr(layout, d) != v for d, v in fixed.items()):
             continue
         options = len(precisions) * len(ac_modes)
@@ -185,6 +199,9 @@ def explain(c: Candidate, shapes: ModelShapes, work: Workload, hw: Hardware) -> 
     if overlapped:
         hidden = "hidden behind compute" if overlapped <= t.compute else "NOT hidden: it exceeds compute"
         out.append(f"data-parallel/cp traffic {_s(overlapped)}, {hidden}")
+    if layout.ep > 1:
+        out.append(f"ep={layout.ep}: {shapes.config.n_experts // layout.ep} of {shapes.config.n_experts} experts per rank,"
+                   f" tokens to their experts by all-to-all ({_s(t.exposed['ep'])} exposed)")
     if layout.tp > 1:
         out.append(f"tp={layout.tp} inside a node: weights and activations / {layout.tp}, collectives on NVLink")
     if layout.dp_replicate > 1:

@@ -1,12 +1,14 @@
-"""The parameters of a zoo GPT by role, read from a one-block model on the meta device and its ParallelPlan
+"""The parameters of a zoo GPT or MoE by role, read from a one-block model on the meta device and its ParallelPlan
 (the TP style of each module is the plan's, so the planner shards exactly what lit_mesh.parallel shards)."""
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
+from torch import nn
 
 from zoo.gpt import GPT, GPTConfig
 
@@ -17,19 +19,25 @@ class ParamShape:
     shape: tuple[int, ...]
     tp_style: str | None  # the plan's style of the module holding it (None: replicated over tp)
     is_embedding: bool  # an nn.Embedding weight (RowwiseParallel shards its rows, a Linear's columns)
+    expert: bool = False  # a stacked expert weight (E, ...): split over ep by expert, FSDP over expert_dp by dim 1
 
 
 @dataclass(frozen=True)
 class ModelShapes:
-    config: GPTConfig
+    config: Any  # GPTConfig or zoo.moe.MoEConfig
     block: tuple[ParamShape, ...]  # one block's parameters; every block has the same
     first: tuple[ParamShape, ...]  # before the blocks (the first pipeline stage holds them)
     last: tuple[ParamShape, ...]  # after the blocks (the last stage)
     tp_divides: dict[str, int]
+    ep_divides: dict[str, int] = field(default_factory=dict)  # empty: a dense model (ep must stay 1)
 
     @property
     def n_blocks(self) -> int:
         return self.config.n_layers
+
+    @property
+    def is_moe(self) -> bool:
+        return bool(self.ep_divides)
 
     def numel(self) -> int:
         count = lambda params: sum(_numel(p.shape) for p in params)  # noqa: E731
@@ -43,10 +51,24 @@ def _numel(shape: tuple[int, ...]) -> int:
     return n
 
 
-def gpt_shapes(config: GPTConfig) -> ModelShapes:
+def build_model(config: Any) -> nn.Module:
+    """The zoo network of a config: GPT for a GPTConfig, MoETransformer for an MoEConfig."""
+    if isinstance(config, GPTConfig):
+        return GPT(config)
+    from zoo.moe import MoETransformer  # the only other family
+
+    return MoETransformer(config)
+
+
+def gpt_shapes(config: Any) -> ModelShapes:
+    """The shapes of a GPTConfig's or an MoEConfig's model (every block alike: MoE needs moe_every = 1)."""
+    if getattr(config, "moe_every", 1) != 1:
+        raise ValueError(f"moe_every={config.moe_every}: the planner models identical blocks; plan MoE models with"
+                         " moe_every=1 (every block MoE)")
     with torch.device("meta"):
-        model = GPT(dataclasses.replace(config, n_layers=1))
+        model = build_model(dataclasses.replace(config, n_layers=1))
     plan = model.parallel_plan()
+    experts = f"{plan.blocks}.0.{plan.moe_layer}.experts." if getattr(plan, "moe_layer", None) else None
     modules = dict(model.named_modules())
     block, first, last = [], [], []
     for name, p in model.named_parameters():
@@ -54,7 +76,9 @@ def gpt_shapes(config: GPTConfig) -> ModelShapes:
         embedding = isinstance(modules[owner], torch.nn.Embedding)
         if name.startswith(f"{plan.blocks}.0."):
             local = owner[len(plan.blocks) + 3 :]
-            block.append(ParamShape(name[len(plan.blocks) + 3 :], tuple(p.shape), plan.tp_block.get(local), embedding))
+            expert = experts is not None and name.startswith(experts)  # TP leaves them to EP
+            style = None if expert else plan.tp_block.get(local)
+            block.append(ParamShape(name[len(plan.blocks) + 3 :], tuple(p.shape), style, embedding, expert))
             continue
         child = name.split(".")[0]
         entry = ParamShape(name, tuple(p.shape), plan.tp_root.get(owner), embedding)
@@ -64,4 +88,5 @@ def gpt_shapes(config: GPTConfig) -> ModelShapes:
             last.append(entry)
         else:
             raise ValueError(f"{name}: neither in a block nor in the plan's pp_first / pp_last")
-    return ModelShapes(config, tuple(block), tuple(first), tuple(last), dict(plan.tp_divides))
+    ep_divides = dict(getattr(plan, "ep_divides", None) or {})
+    return ModelShapes(config, tuple(block), tuple(first), tuple(last), dict(plan.tp_divides), ep_divides)

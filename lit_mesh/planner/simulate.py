@@ -20,6 +20,7 @@ from torch import nn
 from lit_mesh.mesh import MeshLayout, build_device_mesh, resolve_layout
 from lit_mesh.parallel.apply import parallelize
 from lit_mesh.parallel.pipeline import PipelineSettings
+from lit_mesh.planner.shapes import build_model
 from zoo.gpt import GPT, GPTConfig
 
 
@@ -28,7 +29,7 @@ def _local_bytes(t: torch.Tensor) -> int:
     return local.numel() * local.element_size()
 
 
-def simulate_rank(config: GPTConfig, layout: MeshLayout, rank: int = 0, precision: str = "bf16-mixed",
+def simulate_rank(config: Any, layout: MeshLayout, rank: int = 0, precision: str = "bf16-mixed",
                   optimizer: bool = True) -> dict[str, Any]:
     """Bytes of parameters, gradients and AdamW state on global rank `rank` of `layout` (fake process group)."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -40,7 +41,7 @@ def simulate_rank(config: GPTConfig, layout: MeshLayout, rank: int = 0, precisio
     try:
         root = nn.Module()  # stands in for the LightningModule, which holds the network as `model`
         with torch.device("meta"):
-            root.model = GPT(config)
+            root.model = build_model(config)  # GPT or MoETransformer
         if precision == "bf16-true":  # Lightning's precision plugin casts the meta model before setup
             root.to(torch.bfloat16)
         pipeline = PipelineSettings() if layout.pp > 1 else None
