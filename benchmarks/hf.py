@@ -55,6 +55,11 @@ class BenchLlamaModule(C.BenchGPTModule):
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids=tokens).logits
 
+    def training_step(self, batch: C.Batch, batch_idx: int) -> torch.Tensor:
+        # BenchGPTModule calls loss_of(self.model, ...): transformers' model returns an output object, not logits
+        tokens, targets = batch
+        return self.loss_fn(self(tokens), targets)
+
 
 def run(args: argparse.Namespace, module_class: type, world_size: int) -> list[float]:
     import lightning as L
