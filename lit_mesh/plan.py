@@ -18,7 +18,9 @@ from lit_mesh.init import Init
 #   gather_input a module whose first positional input leaves the sequence-sharded region (SP only);
 #                other inputs must be passed as keywords
 #   head         the output projection: split over its output features, gathered to full logits
-TPStyle = Literal["colwise", "rowwise", "embedding", "shard_output", "norm", "gather_input", "head"]
+#   whole_sequence a module that runs replicated on the whole sequence (e.g. an MoE layer): its first input is
+#                gathered, its output re-sharded over the sequence (SP only)
+TPStyle = Literal["colwise", "rowwise", "embedding", "shard_output", "norm", "gather_input", "head", "whole_sequence"]
 TP_STYLES: tuple[str, ...] = TPStyle.__args__  # type: ignore[attr-defined]
 
 
@@ -32,6 +34,9 @@ class ParallelPlan:
     tp_divides: sizes that the tp degree must divide, by name (heads, kv heads, FFN width, vocabulary).
     init:       (parameter-name glob, Init) rules, first match wins: how each parameter starts, so a
                 sharded model materialised on many ranks equals the single-device one.
+    moe_layer:  name, inside a block, of its mixture-of-experts layer (blocks without one are dense). The layer
+                has `experts` (stacked weights, n_experts first) and `dispatcher`, which expert parallel swaps.
+    ep_divides: sizes that the ep degree must divide, by name (number of experts).
     """
 
     blocks: str
@@ -39,6 +44,8 @@ class ParallelPlan:
     tp_block: Mapping[str, TPStyle] = field(default_factory=dict)
     tp_divides: Mapping[str, int] = field(default_factory=dict)
     init: Sequence[tuple[str, Init]] = ()
+    moe_layer: str = ""
+    ep_divides: Mapping[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for name, style in {**self.tp_root, **self.tp_block}.items():

@@ -1,7 +1,7 @@
 """The one place where plans are applied, in the one order:
-TP/SP -> activation checkpointing -> torch.compile -> FSDP/HSDP/DDP per block -> root.
+TP/SP -> EP -> activation checkpointing -> torch.compile -> FSDP/HSDP/DDP per block (experts first) -> root.
 
-Later techniques slot in between (CP and EP after TP) without changing the order.
+Later techniques slot in between (CP after TP) without changing the order.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from lit_mesh.mesh import MeshLayout, MeshViews
 from lit_mesh.parallel.checkpointing import apply_activation_checkpointing
 from lit_mesh.parallel.compile import apply_compile
 from lit_mesh.parallel.data import apply_data_parallel, data_parallel_mesh
+from lit_mesh.parallel.expert import apply_expert_parallel, expert_modules, shard_experts
 from lit_mesh.parallel.tensor import PlanError, apply_tensor_parallel
 from lit_mesh.plan import ParallelPlan
 
@@ -103,7 +104,11 @@ def parallelize(
                 " (see examples/own_model_plan.py), or apply TP yourself in configure_model with self.device_mesh['tp']"
             )
         for owner in owners:
-            apply_tensor_parallel(owner.module, owner.plan, mesh["tp"], sequence_parallel)
+            experts = expert_modules(owner.module, owner.plan)  # placed by EP below
+            apply_tensor_parallel(owner.module, owner.plan, mesh["tp"], sequence_parallel, skip=experts)
+    if layout.world_size > 1:
+        for owner in owners:
+            apply_expert_parallel(owner.module, owner.plan, mesh, layout)
     for owner in owners:
         blocks = list(owner.module.get_submodule(owner.plan.blocks))
         apply_activation_checkpointing(blocks, activation_checkpointing, ac_every_n_blocks)
@@ -112,6 +117,7 @@ def parallelize(
     dp_mesh = data_parallel_mesh(mesh, layout)
     if dp_mesh is not None:
         for owner in owners:
+            shard_experts(owner.module, owner.plan, mesh, layout, precision)
             blocks = owner.module.get_submodule(owner.plan.blocks)
             apply_data_parallel(owner.module, list(blocks), dp_mesh, layout, precision)
         for unit in _units_outside_owners(root, "", owners):
