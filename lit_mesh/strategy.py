@@ -49,7 +49,8 @@ class MeshStrategy(ModelParallelStrategy):
         tp: tensor-parallel degree (innermost dim: keep it inside a node).
         cp: context-parallel degree (not yet supported: must be 1).
         pp: pipeline-parallel degree (not yet supported: must be 1).
-        ep: expert-parallel degree, borrowed from dp_shard x cp (not yet supported: must be 1).
+        ep: expert-parallel degree, borrowed from dp_shard x cp (it adds no ranks): experts of the plan's MoE
+            layers are split over ep, their weights FSDP-sharded over dp_shard x cp / ep.
         sequence_parallel: shard activations over the sequence between TP regions (needs tp to divide it).
         activation_checkpointing: "none", "full" (recompute whole blocks in backward) or "selective" (keep
             matmul, attention and collective outputs, recompute the rest).
