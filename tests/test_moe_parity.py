@@ -22,9 +22,10 @@ LAYOUTS: dict[str, tuple[int, list[str]]] = {
     "fsdp4_ep2": (4, [f"{S}dp=4", f"{S}ep=2"]),  # experts FSDP-sharded over the 2 ranks beside ep
     "tp2_ep2": (4, [f"{S}tp=2", f"{S}ep=2"]),  # dense parts TP/SP 2 x FSDP 2; MoE replicated over tp
 }
-# shared experts, sigmoid scores and a dense block beside the MoE block (the TP plan of both kinds of blocks)
+# shared experts, sigmoid scores, a dense block beside the MoE block (the TP plan of both kinds of blocks) and
+# capacity-factor dropping (counted per sequence, so it drops the same assignments on every layout)
 VARIANT = ["--model.init_args.config_overrides={n_layers: 3, moe_every: 2, n_shared_experts: 1, score_func: sigmoid,"
-           " aux_loss_coef: 0.01, bias_update_rate: 0.001}"]  # fmt: skip
+           " aux_loss_coef: 0.01, bias_update_rate: 0.001, capacity_factor: 1.0}"]  # fmt: skip
 VARIANT_LAYOUTS = {"single": 1, "tp2_ep2": 4}
 
 
@@ -93,8 +94,12 @@ def test_balancing_is_logged_and_acts(results: dict) -> None:
     assert bias.abs().max() > 0 and steps.abs().max() <= 10 and torch.allclose(steps, steps.round(), atol=1e-3)
 
 
-def test_dense_and_moe_blocks_under_tp_and_ep(results: dict) -> None:
+def test_dense_and_moe_blocks_and_capacity_dropping_under_tp_and_ep(results: dict) -> None:
     _assert_same_curve(losses(results["variant-single"]), losses(results["variant-tp2_ep2"]), "variant tp2_ep2")
+    ref_dropped = results["variant-single"]["metrics"]["moe/dropped_fraction"]
+    dropped = results["variant-tp2_ep2"]["metrics"]["moe/dropped_fraction"]
+    assert max(ref_dropped.values()) > 0, "capacity 1.0 must drop some assignments of the unbalanced router"
+    assert all(abs(dropped[step] - ref_dropped[step]) <= 1e-6 for step in ref_dropped), (ref_dropped, dropped)
     ref_params, params = _load(results, "variant-single", "params.pt"), _load(results, "variant-tp2_ep2", "params.pt")
     assert any("feed_forward.w1" in n for n in params) and any("shared_experts" in n for n in params)
     for name, ref in ref_params.items():
