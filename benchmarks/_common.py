@@ -42,6 +42,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # `python benchmarks/x.py` puts benchmarks/, not the repo, on sys.path
     sys.path.insert(0, str(REPO))
 
+from lit_mesh.parallel.pipeline import loss_of  # noqa: E402
 from zoo.gpt import GPT, GPTConfig  # noqa: E402
 from zoo.modules import GPTModule  # noqa: E402
 
@@ -125,7 +126,7 @@ class BenchGPTModule(GPTModule):
         if self.log_loss:
             return super().training_step(batch, batch_idx)
         tokens, targets = batch
-        return self.loss_fn(self(tokens), targets)
+        return loss_of(self.model, self.loss_fn, tokens, targets)
 
 
 def make_optimizer(params: Any) -> torch.optim.Optimizer:

@@ -53,14 +53,14 @@ import lightning as L
 import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
-from torch import nn
 
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 import _common as C  # noqa: N812 (benchmarks/ is on sys.path when run as a script)
-from zoo.gpt import GPT, GPTConfig  # noqa: E402 (importable once _common has put the repo on sys.path)
+from lit_mesh.planner.simulate import fake_rank_params  # noqa: E402 (importable once _common has put the repo on sys.path)
+from zoo.gpt import GPT, GPTConfig  # noqa: E402
 
 GOAL = 1.05
 COMPONENTS = ("params", "grads", "optimizer")
@@ -248,29 +248,6 @@ def summarize_activations(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         entry["tokens_per_rank"] = ranks[0]["tokens_per_rank"]
         out.append(entry)
     return out
-
-
-def fake_rank_params(preset: str, n: int) -> dict[str, Any]:
-    """Rank 0's parameter bytes for `preset` sharded over n fake ranks by lit_mesh.parallel.apply.parallelize."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    from lit_mesh.mesh import build_device_mesh, resolve_layout
-    from lit_mesh.parallel.apply import parallelize
-
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=n)
-    try:
-        layout = resolve_layout(n, dp=n)
-        root = nn.Module()  # stands in for the LightningModule, which holds the network as `model`
-        root.model = C.meta_gpt(preset)
-        total = sum(p.numel() * p.element_size() for p in root.parameters())
-        parallelize(root, build_device_mesh(layout, "cpu"), layout, sequence_parallel=True, precision="32-true")
-        rank0 = sum(C.local_bytes(p) for p in root.parameters())
-    finally:
-        dist.destroy_process_group()
-    ideal = total / n
-    return {"preset": preset, "fsdp": n, "layout": layout.describe(), "single_device_param_bytes": total,
-            "rank0_param_bytes": rank0, "ideal_param_bytes": ideal, "ratio": round(rank0 / ideal, 4),
-            "note": "fake process group + meta tensors; grads and AdamW state share the parameters' sharding"}
 
 
 def _meta_numel(config: GPTConfig) -> int:

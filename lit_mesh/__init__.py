@@ -1,11 +1,18 @@
 """lit-mesh: one N-D DeviceMesh and every parallelism, as a PyTorch Lightning strategy."""
 
+from lit_mesh.comm import CompressionLogger, CompressionOptions, CompressionStage
 from lit_mesh.init import Init, init_parameters
 from lit_mesh.mesh import MeshConfigError, MeshLayout
 from lit_mesh.monitor import MeshMonitor
+from lit_mesh.parallel.pipeline import loss_of, output_of
+from lit_mesh.pipeline_timeline import PipelineTimeline
 from lit_mesh.parallel.tensor import PlanError
 from lit_mesh.plan import ParallelPlan
 from lit_mesh.precision import FP16MixedPrecision
 from lit_mesh.strategy import MeshStrategy
 
-__all__ = ["FP16MixedPrecision", "Init", "MeshConfigError", "MeshLayout", "MeshMonitor", "MeshStrategy", "ParallelPlan", "PlanError", "init_parameters"]
+__all__ = [
+    "CompressionLogger", "CompressionOptions", "CompressionStage", "FP16MixedPrecision", "Init", "MeshConfigError",
+    "MeshLayout", "MeshMonitor", "MeshStrategy", "ParallelPlan", "PipelineTimeline", "PlanError", "init_parameters",
+    "loss_of", "output_of",
+]  # fmt: skip

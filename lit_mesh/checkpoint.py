@@ -19,6 +19,11 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 
+# Optimizer state keyed by parameter name, hyper-parameters too ("param_groups.<name>.lr"): every rank's
+# entries are its own, so pipeline stages (different parameters per rank) and any reshard load back exactly.
+OPTIMIZER_STATE_OPTIONS = StateDictOptions(cpu_offload=True, flatten_optimizer_state_dict=True)
+
+
 def publish_checkpoint(staging: Path, path: Path) -> None:
     """Move a finished checkpoint directory into place; an older one of the same name goes only after."""
     retired = path.with_name(path.name + ".old")
@@ -72,11 +77,9 @@ def load_sharded_checkpoint(
     dcp.load(model_state, checkpoint_id=path)
     model.load_state_dict(model_state["state_dict"], strict=strict)
     for key, optimizer in optimizers.items():
-        optimizer_state = {key: get_optimizer_state_dict(model, optimizer)}
+        optimizer_state = {key: get_optimizer_state_dict(model, optimizer, options=OPTIMIZER_STATE_OPTIONS)}
         dcp.load(optimizer_state, checkpoint_id=path)
-        set_optimizer_state_dict(
-            model, optimizer, optim_state_dict=optimizer_state[key], options=StateDictOptions(cpu_offload=True)
-        )
+        set_optimizer_state_dict(model, optimizer, optim_state_dict=optimizer_state[key], options=OPTIMIZER_STATE_OPTIONS)
     return metadata
 
 

@@ -1,4 +1,4 @@
-"""The `lit-mesh` command: LightningCLI (fit, validate, test, predict) plus `export`."""
+"""The `lit-mesh` command: LightningCLI (fit, validate, test, predict) plus `export` and `plan`."""
 
 from __future__ import annotations
 
@@ -28,9 +28,15 @@ def export_main(argv: list[str]) -> None:
 
 
 def run(argv: list[str]) -> LightningCLI | None:
-    """Run `lit-mesh ARGV` in this process; returns the LightningCLI (its trainer and model), None for export."""
+    """Run `lit-mesh ARGV` in this process; returns the LightningCLI (its trainer and model), None for export/plan."""
     if argv[:1] == ["export"]:
         export_main(argv[1:])
+        return None
+    if argv[:1] == ["plan"]:
+        from lit_mesh.planner.command import main as plan_main
+
+        if plan_main(argv[1:]):
+            raise SystemExit(1)  # --simulate found the estimate and the real sharding apart
         return None
     return LightningCLI(
         LightningModule,

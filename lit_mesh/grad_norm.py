@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
+from typing import Optional
 
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 
@@ -40,10 +42,25 @@ def global_grad_norm(parameters: Iterable[torch.Tensor], norm_type: float = 2.0)
 
 
 @torch.no_grad()
-def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-    """Scale gradients so their global norm is at most `max_norm`; returns the norm before clipping."""
+def clip_grad_norm_(
+    parameters: Iterable[torch.Tensor],
+    max_norm: float,
+    norm_type: float = 2.0,
+    across: Optional[dist.ProcessGroup] = None,
+) -> torch.Tensor:
+    """Scale gradients so their global norm is at most `max_norm`; returns the norm before clipping.
+
+    `across`: a group whose ranks hold *different* parameters (pipeline stages): their norms are combined too.
+    """
     parameters = [p for p in parameters if p.grad is not None]
     total = global_grad_norm(parameters, norm_type)
+    if across is not None:
+        if norm_type == float("inf"):
+            dist.all_reduce(total, op=dist.ReduceOp.MAX, group=across)
+        else:
+            powered = total.pow(norm_type)
+            dist.all_reduce(powered, group=across)
+            total = powered.pow(1.0 / norm_type)
     scale = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for p in parameters:
         p.grad.mul_(scale.to(p.grad.dtype))

@@ -16,11 +16,6 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 Degree = Union[int, Literal["auto"], None]
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
-# Degrees whose parallelism has not landed yet: refused, never silently ignored.
-_NOT_YET = {
-    "pp": "pipeline parallel (issue #3)",
-    "cp": "context parallel (issue #4)",
-}
 
 
 class MeshConfigError(ValueError):
@@ -72,10 +67,6 @@ def check_degree(name: str, value: Degree, allow_auto: bool = False) -> None:
         raise MeshConfigError(f"{name}={value!r} must be {allowed}")
     if value < 1:
         raise MeshConfigError(f"{name}={value} must be >= 1 (1 means the dim is not parallelised)")
-    if value > 1 and name in _NOT_YET:
-        raise MeshConfigError(
-            f"{name}={value}: {_NOT_YET[name]} is not yet supported by this version of MeshStrategy; use {name}=1"
-        )
 
 
 def check_degrees(**degrees: Degree) -> None:

@@ -25,16 +25,22 @@ from lightning.pytorch.strategies.launchers.subprocess_script import _Subprocess
 from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
+from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 from torch.distributed.device_mesh import DeviceMesh
 
 from lit_mesh.async_save import AsyncCheckpointSaver, staged_state, write_metadata
-from lit_mesh.checkpoint import load_sharded_checkpoint, publish_checkpoint
+from lit_mesh.checkpoint import OPTIMIZER_STATE_OPTIONS, load_sharded_checkpoint, publish_checkpoint
+from lit_mesh.comm.compression import GradientCompression
+from lit_mesh.comm.options import CompressionConfigError, CompressionOptions, resolve_compression
+from lit_mesh.comm.state import load_compression_state, save_compression_state
 from lit_mesh.grad_norm import clip_grad_norm_
-from lit_mesh.mesh import MeshLayout, MeshViews, build_device_mesh, check_degrees, resolve_layout, tp_crosses_nodes
-from lit_mesh.parallel.apply import is_user_parallelised, materialize, parallelize
+from lit_mesh.mesh import MeshConfigError, MeshLayout, MeshViews, build_device_mesh, check_degrees, resolve_layout, tp_crosses_nodes
+from lit_mesh.parallel.apply import Parallelized, is_user_parallelised, materialize, parallelize
 from lit_mesh.parallel.checkpointing import ActivationCheckpointing, check_activation_checkpointing
 from lit_mesh.parallel.compile import check_compile
+from lit_mesh.parallel.context import CPStyle, check_cp_style, gather_batch, refuse_cp_without_plan, shard_batch
 from lit_mesh.parallel.data import fsdp_roots
+from lit_mesh.parallel.pipeline import PipelineRunner, attach_runner, check_pipeline_settings
 from lit_mesh.precision import check_precision_plugin
 
 
@@ -47,10 +53,19 @@ class MeshStrategy(ModelParallelStrategy):
         dp_replicate: replicas (DDP); with dp_shard > 1 as well, HSDP.
         dp_shard: FSDP shards per replica; "auto" fills the world size (the default when no dp degree is given).
         tp: tensor-parallel degree (innermost dim: keep it inside a node).
-        cp: context-parallel degree (not yet supported: must be 1).
-        pp: pipeline-parallel degree (not yet supported: must be 1).
+        cp: context-parallel degree: each sample's sequence is split over cp ranks (needs a plan that declares
+            its attention and positions); FSDP then shards over dp_shard x cp.
+        cp_style: "ring" (K/V blocks circulate, load-balanced causal), "ulysses" (all-to-all to head shards;
+            cp must divide the heads per tp rank) or "allgather" (all-gather K/V, load-balanced causal).
+        pp: pipeline-parallel degree (outermost dim: stages may span nodes). The LightningModule computes its loss
+            with `lit_mesh.loss_of(self.model, loss_fn, inputs, targets)` (and its outputs with `output_of`).
         ep: expert-parallel degree, borrowed from dp_shard x cp (it adds no ranks): experts of the plan's MoE
             layers are split over ep, their weights FSDP-sharded over dp_shard x cp / ep.
+        pp_schedule: "gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "zero_bubble" (interleaved zero bubble),
+            "zbv" or "dualpipev" (V-shaped, 2 stages per rank).
+        pp_microbatches: micro-batches per step (must divide each pipeline replica's batch); default pp.
+        pp_stages_per_rank: virtual stages per rank for the interleaved schedules (default 2 there, else 1).
+        pp_split: blocks per stage, e.g. [3, 5]; default: balanced, counting embedding and head as one block each.
         sequence_parallel: shard activations over the sequence between TP regions (needs tp to divide it).
         activation_checkpointing: "none", "full" (recompute whole blocks in backward) or "selective" (keep
             matmul, attention and collective outputs, recompute the rest).
@@ -63,6 +78,9 @@ class MeshStrategy(ModelParallelStrategy):
         save_distributed_checkpoint: sharded checkpoints (a directory, one file per rank) or one full file.
         async_save: write sharded checkpoints in a background thread (training goes on once the state is
             copied in memory); the directory appears under its name only when every rank has written it.
+        grad_compression: compress every data-parallel gradient reduction: "fp16", "bf16", "powersgd", "onebit",
+            "topk", or a `lit_mesh.CompressionOptions` (rank, ratio, warm-up, schedule, ...); None: off.
+            See lit_mesh/comm/compression.py.
         process_group_backend: "gloo", "nccl", ...; default from the device.
         timeout: timeout of collectives.
     """
@@ -76,8 +94,13 @@ class MeshStrategy(ModelParallelStrategy):
         dp_shard: Union[int, Literal["auto"], None] = None,
         tp: int = 1,
         cp: int = 1,
+        cp_style: CPStyle = "ring",
         pp: int = 1,
         ep: int = 1,
+        pp_schedule: str = "1f1b",
+        pp_microbatches: Optional[int] = None,
+        pp_stages_per_rank: Optional[int] = None,
+        pp_split: Optional[list[int]] = None,
         sequence_parallel: bool = True,
         activation_checkpointing: ActivationCheckpointing = "none",
         ac_every_n_blocks: int = 1,
@@ -86,6 +109,7 @@ class MeshStrategy(ModelParallelStrategy):
         stop_on_nonfinite_loss: bool = True,
         save_distributed_checkpoint: bool = True,
         async_save: bool = False,
+        grad_compression: Union[str, CompressionOptions, None] = None,
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout,
     ) -> None:
@@ -96,7 +120,15 @@ class MeshStrategy(ModelParallelStrategy):
         )
         self._degrees: dict[str, Any] = dict(dp=dp, dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp, cp=cp, pp=pp, ep=ep)
         check_degrees(**self._degrees)  # what needs no world size fails here, in the user's process
+        self.pipeline_settings = check_pipeline_settings(pp, pp_schedule, pp_microbatches, pp_stages_per_rank, pp_split)
+        if pp > 1 and cp > 1:
+            raise MeshConfigError(
+                f"pp={pp} with cp={cp}: pipeline and context parallel together are not supported yet; use one of them"
+            )
+        self._pipeline: Optional[PipelineRunner] = None
         check_activation_checkpointing(activation_checkpointing, ac_every_n_blocks)
+        check_cp_style(cp_style)
+        self.cp_style = cp_style
         self.sequence_parallel = sequence_parallel
         self.activation_checkpointing = activation_checkpointing
         self.ac_every_n_blocks = ac_every_n_blocks
@@ -107,6 +139,10 @@ class MeshStrategy(ModelParallelStrategy):
         if async_save and not save_distributed_checkpoint:
             raise ValueError("async_save=True writes sharded checkpoints: keep save_distributed_checkpoint=True")
         self._async_saver = AsyncCheckpointSaver() if async_save else None
+        self.grad_compression_options = resolve_compression(grad_compression)
+        if self.grad_compression_options is not None and not save_distributed_checkpoint:
+            rank_zero_warn("grad_compression: single-file checkpoints do not hold its per-rank state; a resume restarts it")
+        self.grad_compression: Optional[GradientCompression] = None  # the run's state, made in setup()
         self._layout: Optional[MeshLayout] = None
         self.mesh_views: Optional[MeshViews] = None
 
@@ -135,6 +171,17 @@ class MeshStrategy(ModelParallelStrategy):
         # Called by the Trainer before any process is spawned: validate here, not after spawning.
         check_precision_plugin(self.precision_plugin)
         layout = self.layout
+        if layout.pp > 1 and str(self.precision_plugin.precision) == "16-mixed":
+            raise MeshConfigError(
+                f"pp={layout.pp} with fp16 loss scaling: the pipeline schedule runs the backward itself, outside the"
+                " scaler; use precision='bf16-mixed' (no scaler needed) or pp=1"
+            )
+        if self.grad_compression_options is not None and layout.data_parallel == "none":
+            raise CompressionConfigError(
+                f"grad_compression={self.grad_compression_options.mode!r} but the mesh has no data-parallel dim"
+                f" ({layout.describe()}): there is no gradient reduction to compress; give dp or dp_replicate > 1,"
+                " or set grad_compression=None"
+            )
         if self.num_processes and tp_crosses_nodes(layout, self.num_processes):
             rank_zero_warn(
                 f"tp={layout.tp} does not divide the {self.num_processes} devices of one node: tensor-parallel"
@@ -168,11 +215,24 @@ class MeshStrategy(ModelParallelStrategy):
         self.accelerator.setup(trainer)
         precision = str(self.precision_plugin.precision)
         self.model = self.precision_plugin.convert_module(self.model)  # bf16-true: cast while still on meta
+        if self.grad_compression_options is not None and self.grad_compression is None:
+            self.grad_compression = GradientCompression(self.grad_compression_options, self.root_device)
         if is_user_parallelised(self.model):
+            if self.layout.pp > 1:
+                raise MeshConfigError(
+                    f"pp={self.layout.pp}: configure_model parallelised the model itself, so MeshStrategy cannot cut"
+                    " it into pipeline stages; declare a parallel_plan() instead, or use pp=1"
+                )
+            if self.grad_compression is not None and not self.grad_compression.compressors:  # not hooked by us
+                raise CompressionConfigError(
+                    "grad_compression hooks into the data parallelism MeshStrategy applies, but configure_model"
+                    " parallelised the model itself; let MeshStrategy apply it (a parallel_plan()), or drop grad_compression"
+                )
             rank_zero_info("MeshStrategy: configure_model parallelised the model itself; no plan is applied")
-            owners = []
+            refuse_cp_without_plan(self.layout.cp, type(self.lightning_module).__name__)
+            done = Parallelized([])
         else:
-            owners = parallelize(
+            done = parallelize(
                 self.model,
                 self.mesh_views,
                 self.layout,
@@ -181,9 +241,14 @@ class MeshStrategy(ModelParallelStrategy):
                 activation_checkpointing=self.activation_checkpointing,
                 ac_every_n_blocks=self.ac_every_n_blocks,
                 compile_backend=self.compile_backend,
+                pipeline=self.pipeline_settings,
+                cp_style=self.cp_style,
+                grad_compression=self.grad_compression,
             )
-        materialize(self.model, owners, self.root_device)
+        materialize(self.model, done.owners, self.root_device)
         self.model_to_device()
+        if done.stages is not None:
+            self._setup_pipeline(done)
         # Lightning's default clipping cannot mix DTensors of different meshes; clip by the global norm.
         self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm  # type: ignore[method-assign]
         self.barrier()
@@ -193,10 +258,42 @@ class MeshStrategy(ModelParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
 
+    def _setup_pipeline(self, done: Parallelized) -> None:
+        owner = done.owners[0].module
+        assert done.stage_ranks is not None and self.mesh_views is not None
+        self._pipeline = PipelineRunner(
+            done.stages,
+            self.pipeline_settings,
+            self.mesh_views["pp"].get_group(),
+            done.stage_ranks,
+            device=self.root_device,
+            parameters=lambda: list(owner.parameters()),
+        )
+        attach_runner(owner, self._pipeline)
+
+    def batch_to_device(self, batch: Any, device: Optional[torch.device] = None, dataloader_idx: int = 0) -> Any:
+        batch = super().batch_to_device(batch, device, dataloader_idx)
+        if self.layout.cp > 1:  # every loop (fit, validate, test, predict): each cp rank keeps its part of the sequence
+            batch = shard_batch(batch, self.mesh_views["cp"], self.cp_style)
+        return batch
+
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        output = super().predict_step(*args, **kwargs)
+        if self.layout.cp > 1:  # predictions in token order, whole, as on one device
+            output = gather_batch(output, self.mesh_views["cp"], self.cp_style)
+        return output
+
     def _clip_grad_by_norm(self, optimizer: torch.optim.Optimizer, clip_val: Union[int, float]) -> None:
-        clip_grad_norm_(self.precision_plugin.main_params(optimizer), float(clip_val))
+        # pipeline stages hold different parameters: their norms add up over pp
+        across = self.mesh_views["pp"].get_group() if self._pipeline is not None else None
+        clip_grad_norm_(self.precision_plugin.main_params(optimizer), float(clip_val), across=across)
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._pipeline is not None:
+            assert self.lightning_module is not None
+            self._pipeline.accumulation = self.lightning_module.trainer.accumulate_grad_batches
+        if self.grad_compression is not None:
+            self.grad_compression.begin_step(self.lightning_module.trainer.global_step)
         output = super().training_step(*args, **kwargs)
         if self.stop_on_nonfinite_loss:
             loss = output.get("loss") if isinstance(output, dict) else output
@@ -218,6 +315,18 @@ class MeshStrategy(ModelParallelStrategy):
                 " set gradient_clip_val, try precision='32-true', or resume from the last checkpoint"
                 " (stop_on_nonfinite_loss=False turns this check off)"
             )
+
+    def backward(self, closure_loss: Tensor, optimizer: Optional[torch.optim.Optimizer], *args: Any, **kwargs: Any) -> Tensor:
+        if self._pipeline is None:
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+        # the schedule ran forward and backward inside training_step (lit_mesh.loss_of); the hooks still run
+        assert self.lightning_module is not None
+        self.pre_backward(closure_loss)
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
+        self._pipeline.add_fresh_grads()
+        closure_loss = self.precision_plugin.post_backward(closure_loss, self.lightning_module)
+        self.post_backward(closure_loss)
+        return closure_loss
 
     # ---- collectives over the right groups ----------------------------------------------------------------
 
@@ -256,6 +365,8 @@ class MeshStrategy(ModelParallelStrategy):
         if self.global_rank == 0 and staging.exists():
             shutil.rmtree(staging)  # left by an earlier crash
         self.barrier()
+        if self.grad_compression is not None:  # per-rank residuals, beside the shards
+            save_compression_state(self.grad_compression, staging, self.global_rank, self.world_size, self.layout.describe())
         if self._async_saver is not None:
             state = staged_state(checkpoint)
             if self.global_rank == 0:
@@ -270,6 +381,13 @@ class MeshStrategy(ModelParallelStrategy):
         if self.global_rank == 0:
             publish_checkpoint(staging, path)
         self.barrier()
+
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        if not self._save_distributed_checkpoint:
+            return super().optimizer_state(optimizer)
+        optimizer = getattr(optimizer, "_optimizer", optimizer)  # unwrap LightningOptimizer
+        assert self.model is not None
+        return get_optimizer_state_dict(self.model, optimizer, options=OPTIMIZER_STATE_OPTIONS)
 
     def wait_for_checkpoint(self) -> None:
         """Block until an asynchronous save in flight is on disk under its name (no-op otherwise)."""
@@ -287,7 +405,10 @@ class MeshStrategy(ModelParallelStrategy):
             return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         assert self.model is not None and self.lightning_module is not None
         optimizers = {f"optimizer_{i}": optimizer for i, optimizer in enumerate(self.optimizers)}
-        return load_sharded_checkpoint(path, self.model, optimizers, strict=self.lightning_module.strict_loading)
+        loaded = load_sharded_checkpoint(path, self.model, optimizers, strict=self.lightning_module.strict_loading)
+        if self.grad_compression is not None:
+            load_compression_state(self.grad_compression, path, self.global_rank, self.world_size, self.layout.describe())
+        return loaded
 
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:  # noqa: A002 - Lightning's name
         """Agree over every rank (ModelCheckpoint, EarlyStopping): the world, not reduce()'s dp x cp group."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import time
 from pathlib import Path
 
@@ -23,13 +24,18 @@ S = "--trainer.strategy.init_args."
         ({"tp": "two"}, "tp='two' must be a positive int"),
         ({"dp": 2.5}, "dp=2.5 must be a positive int or 'auto'"),
         ({"dp": "auto", "dp_shard": "auto"}, "only one degree may be 'auto'"),
-        ({"cp": 2}, "cp=2: context parallel"),
-        ({"pp": 2}, "pp=2: pipeline parallel"),
+        ({"pp": 2, "pp_schedule": "zigzag"}, "pp_schedule='zigzag' is not a schedule; choose one of"),
+        ({"pp": 2, "pp_schedule": "interleaved_1f1b", "pp_stages_per_rank": 1}, "set pp_stages_per_rank >= 2"),
+        ({"pp": 2, "pp_split": [1, 1, 2]}, "pp_split=[1, 1, 2] has 3 entries but pp=2 x stages per rank 1 = 2"),
+        ({"pp": 2, "pp_microbatches": 0}, "pp_microbatches=0 must be a positive int"),
+        ({"pp_schedule": "gpipe"}, "need pp > 1"),
+        ({"pp": 2, "cp": 2}, "pp=2 with cp=2: pipeline and context parallel together are not supported yet"),
+        ({"cp": 2, "cp_style": "zigzag"}, "cp_style='zigzag'; choose one of ('ring', 'ulysses', 'allgather')"),
         ({"ep": 0}, "ep=0 must be >= 1"),
     ],
 )
 def test_degree_errors_at_construction(kwargs: dict, message: str) -> None:
-    with pytest.raises(MeshConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+    with pytest.raises(MeshConfigError, match=re.escape(message)):
         MeshStrategy(**kwargs)
 
 
@@ -85,6 +91,14 @@ def test_errors_after_start_are_clear(tmp_path: Path) -> None:
         "tp_vs_ffn": _gpt(f"{S}tp=2", "--model.init_args.config_overrides={ffn_hidden: 129}"),
         "sp_vs_seq_len": _gpt(f"{S}tp=2", "--data.init_args.seq_len=63"),
         "batch_vs_dp": _gpt(f"{S}dp=2", "--data.init_args.global_batch_size=3"),
+        # pipeline: the model's blocks and the batch are known only once the processes run
+        "pp_stages_vs_blocks": _gpt(f"{S}pp=2", f"{S}pp_schedule=interleaved_1f1b"),
+        "pp_split_vs_blocks": _gpt(f"{S}pp=2", f"{S}pp_split=[1, 2]"),
+        "pp_microbatches_vs_batch": _gpt(f"{S}pp=2", f"{S}pp_microbatches=3"),
+        "cp_vs_seq_len": _gpt(f"{S}cp=2", "--data.init_args.seq_len=66"),
+        "ulysses_vs_heads": _gpt(f"{S}cp=2", f"{S}cp_style=ulysses", "--model.init_args.config_overrides={dim: 96, n_heads: 3, n_kv_heads: 3}"),
+        "cp_without_attention": [a.replace("gpt.yaml", "vit.yaml") for a in _gpt(f"{S}cp=2")],  # ViT: no attention in its plan
+        "cp_self_parallelised": _gpt(f"{S}cp=2", "--model=tests.workers.cp_modules.SelfShardedGPT"),
         "nan_loss": _gpt(
             f"{S}dp=2", "--trainer.max_steps=6", "--model=tests.workers.faulty_modules.NaNLossAt",
             "--model.init_args.step=3", "--model.init_args.rank=1",
@@ -105,6 +119,15 @@ def test_errors_after_start_are_clear(tmp_path: Path) -> None:
     assert "sequence length divisible by tp" in errors["sp_vs_seq_len"]["message"]
     assert "length 63, tp=2" in errors["sp_vs_seq_len"]["message"]
     assert "global_batch_size=3 is not divisible by the data-parallel size 2" in errors["batch_vs_dp"]["message"]
+    assert "4 pipeline stages but the model has 2 blocks" in errors["pp_stages_vs_blocks"]["message"]
+    assert "choose pp x pp_stages_per_rank <= 2" in errors["pp_stages_vs_blocks"]["message"]
+    assert "pp_split=[1, 2] must give every stage >= 1 block and add up to the model's 2 blocks" in errors[
+        "pp_split_vs_blocks"]["message"]
+    assert "pp_microbatches=3 does not divide the batch of 8 samples" in errors["pp_microbatches_vs_batch"]["message"]
+    assert "sequence length is 66; use a sequence length that is a multiple of 4" in errors["cp_vs_seq_len"]["message"]
+    assert "3 query heads on this rank (after tp) are not divisible by cp=2" in errors["ulysses_vs_heads"]["message"]
+    assert "declares no attention module (ParallelPlan.attention)" in errors["cp_without_attention"]["message"]
+    assert "cp=2 but configure_model of SelfShardedGPT parallelised the model itself" in errors["cp_self_parallelised"]["message"]
     # a NaN on one rank stops every rank together, naming the step and the rank
     assert errors["nan_loss"]["type"] == "FloatingPointError"
     assert "non-finite training loss at step 3 on rank(s) [1]" in errors["nan_loss"]["message"]

@@ -163,6 +163,8 @@ class GPT(nn.Module):
         c = self.config
         return ParallelPlan(
             blocks="layers",
+            pp_first=("tok_embeddings",),
+            pp_last=("norm", "output"),
             tp_root={"tok_embeddings": "embedding", "norm": "norm", "output": "head"},
             tp_block={
                 "attention_norm": "norm",
@@ -191,6 +193,8 @@ class GPT(nn.Module):
                 ("*.w2.weight", Init("normal", 0.02 / math.sqrt(2 * c.n_layers))),
                 ("*", Init("normal", 0.02)),
             ),
+            attention="attention",  # context parallel swaps its scaled_dot_product_attention
+            positions="positions",
         )
 
     def num_params(self, exclude_embedding: bool = False) -> int:

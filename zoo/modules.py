@@ -4,6 +4,9 @@ The network is created in `configure_model()`: under MeshStrategy that hook runs
 strategy then parallelises and initialises the weights; under any other strategy the model is built and
 initialised directly (the same weights for the same seed). Losses are fp32 means over the local batch:
 every dp rank holds the same number of tokens (samples), so the mean over ranks is the global mean.
+
+Losses go through `lit_mesh.loss_of(model, loss_fn, inputs, targets)` and outputs through `output_of(model,
+inputs)`: plain calls on one device, the pipeline schedule when MeshStrategy pipelines the model (pp > 1).
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 
+from lit_mesh.parallel.pipeline import loss_of, output_of
 from zoo.flops import gpt_flops_per_token, vit_flops_per_token
 from zoo.gpt import GPT, GPTConfig
 from zoo.vit import ViT, ViTConfig
@@ -57,7 +61,7 @@ class GPTModule(L.LightningModule):
             self.model = GPT(self.config)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.model(tokens)
+        return output_of(self.model, tokens)
 
     @staticmethod
     def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -66,17 +70,17 @@ class GPTModule(L.LightningModule):
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         tokens, targets = batch
-        loss = self.loss_fn(self(tokens), targets)
+        loss = loss_of(self.model, self.loss_fn, tokens, targets)
         self.log("train_loss", loss, prog_bar=True, sync_dist=True)
         return loss
 
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
         tokens, targets = batch
-        self.log("val_loss", self.loss_fn(self(tokens), targets), prog_bar=True, sync_dist=True)
+        self.log("val_loss", loss_of(self.model, self.loss_fn, tokens, targets), prog_bar=True, sync_dist=True)
 
     def test_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
         tokens, targets = batch
-        self.log("test_loss", self.loss_fn(self(tokens), targets), sync_dist=True)
+        self.log("test_loss", loss_of(self.model, self.loss_fn, tokens, targets), sync_dist=True)
 
     def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         return self(_inputs(batch))
@@ -111,7 +115,7 @@ class ViTModule(L.LightningModule):
             self.model = ViT(self.config)
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
-        return self.model(images)
+        return output_of(self.model, images)
 
     @staticmethod
     def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -120,7 +124,7 @@ class ViTModule(L.LightningModule):
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         images, labels = batch
-        loss = self.loss_fn(self(images), labels)
+        loss = loss_of(self.model, self.loss_fn, images, labels)
         self.log("train_loss", loss, prog_bar=True, sync_dist=True)
         return loss
 

@@ -153,6 +153,8 @@ class ViT(nn.Module):
         trunc = Init("trunc_normal", 0.02)
         return ParallelPlan(
             blocks="blocks",
+            pp_first=("embed",),
+            pp_last=("norm", "head"),
             tp_root={"embed": "shard_output", "norm": "gather_input"},
             tp_block={
                 "norm1": "norm",

@@ -20,6 +20,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from lit_mesh.parallel.hidden_states import HiddenStatesLayout
 from lit_mesh.plan import ParallelPlan
 
 
@@ -27,8 +28,11 @@ class PlanError(ValueError):
     """A plan that cannot be applied to this model on this mesh, with the numbers and the fix."""
 
 
-def torch_style(style: str, sequence_parallel: bool) -> ParallelStyle | None:
-    """The torch ParallelStyle for one plan style; None where the style is a no-op without SP."""
+def torch_style(style: str, sequence_parallel: bool, check: Any = None) -> ParallelStyle | None:
+    """The torch ParallelStyle for one plan style; None where the style is a no-op without SP.
+
+    `check(sequence_length)` guards the styles that shard the sequence of a replicated input.
+    """
     sequence = Shard(1)  # activations are (batch, sequence, features)
     between_blocks = sequence if sequence_parallel else Replicate()
     if style == "colwise":
@@ -37,6 +41,8 @@ def torch_style(style: str, sequence_parallel: bool) -> ParallelStyle | None:
         return RowwiseParallel(output_layouts=between_blocks)
     if style == "embedding":
         return RowwiseParallel(input_layouts=Replicate(), output_layouts=between_blocks)
+    if style == "vocab_embedding":
+        return RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
     if style == "head":
         return ColwiseParallel(input_layouts=between_blocks, output_layouts=Replicate(), use_local_output=True)
     if not sequence_parallel:
@@ -54,6 +60,10 @@ def torch_style(style: str, sequence_parallel: bool) -> ParallelStyle | None:
         return PrepareModuleOutput(
             output_layouts=Replicate(), desired_output_layouts=sequence, use_local_output=True
         )
+    if style == "shard_hidden_states":
+        return HiddenStatesLayout(Replicate(), sequence, check)
+    if style == "gather_hidden_states":
+        return HiddenStatesLayout(sequence, Replicate())
     raise PlanError(f"unknown TP style {style!r}")
 
 
@@ -109,15 +119,20 @@ def apply_tensor_parallel(
 ) -> None:
     """Shard `model` over `tp_mesh` as its plan says (modules inside blocks, then the rest)."""
     tp = tp_mesh.size()
+    if plan.tp_unavailable:
+        raise PlanError(f"tp={tp}: {plan.tp_unavailable}")
     check_tp_divides(plan, tp, type(model).__name__)
+    tied = tied_parameters(model)
     targets: list[tuple[nn.Module, str, str]] = [(model, name, style) for name, style in plan.tp_root.items()]
     blocks = list(model.get_submodule(plan.blocks))
     for name in plan.tp_block:  # blocks may differ (dense and MoE): a name must exist in at least one
-        if not any(_has_submodule(block, name) for block in blocks):
+        if blocks and not any(_has_submodule(block, name) for block in blocks):
             raise PlanError(f"{type(model).__name__}.parallel_plan() names {name!r}, which no block has")
     for block in blocks:
         targets += [(block, name, style) for name, style in plan.tp_block.items() if _has_submodule(block, name)]
     for owner, name, style in targets:
+        if name.split(".")[0] in owner._modules and owner._modules[name.split(".")[0]] is None:
+            continue  # a pipeline stage that does not hold this module
         try:
             module = owner.get_submodule(name)
         except AttributeError:
@@ -128,10 +143,39 @@ def apply_tensor_parallel(
         if sequence_parallel and style == "shard_output":
             check = _sequence_check(tp, name)
             module.register_forward_hook(lambda _m, _args, out, check=check: check(out.shape[1]))
-        torch_plan = torch_style(style, sequence_parallel)
+        if style in plan.custom_styles:
+            torch_plan = plan.custom_styles[style](sequence_parallel)
+        else:
+            torch_plan = torch_style(style, sequence_parallel, _sequence_check(tp, name))
         if torch_plan is not None:
             parallelize_module(owner, tp_mesh, {name: torch_plan})
     replicate_remaining(model, tp_mesh, skip)
+    retie(tied, type(model).__name__)
+
+
+def tied_parameters(model: nn.Module) -> list[list[tuple[nn.Module, str]]]:
+    """Every parameter used by more than one module (tied embeddings), as its (module, name) uses."""
+    uses: dict[int, list[tuple[nn.Module, str]]] = {}
+    for module in model.modules():
+        for name, param in module._parameters.items():
+            if param is not None:
+                uses.setdefault(id(param), []).append((module, name))
+    return [group for group in uses.values() if len(group) > 1]
+
+
+def retie(tied: list[list[tuple[nn.Module, str]]], model_name: str) -> None:
+    """Tie again what distributing the modules one by one untied: every use gets the first use's DTensor."""
+    for (first_module, first_name), *others in tied:
+        shared = first_module._parameters[first_name]
+        for module, name in others:
+            own = module._parameters[name]
+            if isinstance(own, DTensor) and isinstance(shared, DTensor) and own.placements != shared.placements:
+                raise PlanError(
+                    f"{model_name}: tied parameter {first_name!r} of {type(first_module).__name__} is"
+                    f" {shared.placements} but its tie in {type(module).__name__} is {own.placements}; give both"
+                    " modules TP styles that shard the weight alike (embedding + head), or leave both unsharded"
+                )
+            module._parameters[name] = shared
 
 
 def _has_submodule(module: nn.Module, name: str) -> bool:

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.tensor import DTensor
 
@@ -32,9 +33,17 @@ def metrics_by_step(save_dir: Path) -> dict[str, dict[int, float]]:
 
 
 def full_parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The whole model's unsharded parameters (pipeline stages' parts merged); complete on rank 0."""
     if any(isinstance(p, DTensor) for p in model.parameters()):
-        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    return {name: p.detach().cpu().clone() for name, p in model.state_dict().items()}
+        local = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+        local = {name: t.detach().cpu() for name, t in local.items()}
+    else:
+        local = {name: p.detach().cpu().clone() for name, p in model.state_dict().items()}
+    if not dist.is_initialized():
+        return local
+    parts: list = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, local)  # tiny test models: pipeline stages hold different parameters
+    return {name: t for part in parts for name, t in part.items()}
 
 
 def run(out_dir: Path, name: str, args: list[str]) -> None:

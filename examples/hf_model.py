@@ -1,0 +1,136 @@
+"""A Hugging Face transformers model in your own LightningModule, trained with MeshStrategy.
+
+    python examples/hf_model.py --devices 2 --tp 2                 # tensor + sequence parallel over 2 ranks
+    python examples/hf_model.py --devices 4 --tp 2                 # FSDP over 2 x TP over 2
+    python examples/hf_model.py --arch gpt2 --devices 2            # GPT-2, FSDP over 2
+    python examples/hf_model.py --devices 2 --tp 2 --export-dir out   # then: LlamaForCausalLM.from_pretrained("out/hf")
+
+Plain Lightning code around `LlamaForCausalLM` (or `GPT2LMHeadModel`) built from a config, no download. Nothing
+here names a mesh or a plan: MeshStrategy recognises the transformers model and applies its plan (transformers'
+own tensor-parallel plan for Llama, ours for GPT-2; FSDP per decoder layer). The model is created in
+`configure_model`, so each rank materialises only its shards, initialised as transformers would. Built in
+`__init__` instead (e.g. with `from_pretrained`), it is sharded from the whole weights.
+
+The task: continue arithmetic sequences of tokens (start, start + step, ...). Every data-parallel rank takes its
+slice of the same global batch, so the per-step losses match a single-device run. With `--export-dir` the
+trained, sharded checkpoint is written as a transformers directory (config.json + model.safetensors).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, TensorDataset
+
+from lit_mesh import MeshStrategy
+
+GLOBAL_BATCH = 8
+SEQ_LEN = 32
+VOCAB = 128
+
+
+def make_config(arch: str):  # noqa: ANN201 - a transformers config
+    from transformers import GPT2Config, LlamaConfig
+
+    if arch == "llama":
+        return LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ_LEN)  # fmt: skip
+    if arch == "gpt2":  # dropout off: the losses are compared step by step across layouts
+        return GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=SEQ_LEN,
+                          resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)  # fmt: skip
+    raise ValueError(f"--arch {arch!r}: choose llama or gpt2")
+
+
+def make_data(n_samples: int, seed: int = 1234) -> tuple[torch.Tensor, torch.Tensor]:
+    """Arithmetic token sequences (mod VOCAB) and their next tokens. The same on every rank."""
+    g = torch.Generator().manual_seed(seed)
+    start = torch.randint(0, VOCAB, (n_samples, 1), generator=g)
+    step = torch.randint(1, 8, (n_samples, 1), generator=g)
+    sequence = (start + step * torch.arange(SEQ_LEN + 1)) % VOCAB
+    return sequence[:, :-1], sequence[:, 1:]
+
+
+class CausalLM(L.LightningModule):
+    def __init__(self, arch: str = "llama", lr: float = 3e-3) -> None:
+        super().__init__()
+        self.config = make_config(arch)
+        self.lr = lr
+        self.model = None
+        self.losses: list[float] = []
+
+    def configure_model(self) -> None:
+        if self.model is None:  # under MeshStrategy: on the meta device, sharded and initialised in setup
+            from transformers import AutoModelForCausalLM
+
+            self.model = AutoModelForCausalLM.from_config(self.config)
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        tokens, targets = batch
+        logits = self.model(input_ids=tokens).logits  # whole logits on every tensor-parallel rank
+        loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+        # loss of the global batch: mean over the data-parallel ranks (tp ranks hold copies)
+        self.losses.append(self.trainer.strategy.reduce(loss.detach(), reduce_op="mean").item())
+        return loss
+
+    def train_dataloader(self) -> DataLoader:
+        dp = self.trainer.strategy.distributed_sampler_kwargs  # the data-parallel rank and size
+        replicas, rank = dp["num_replicas"], dp["rank"]
+        if GLOBAL_BATCH % replicas:
+            raise ValueError(f"global batch {GLOBAL_BATCH} is not divisible by {replicas} data-parallel ranks")
+        tokens, targets = make_data(GLOBAL_BATCH * 64)
+        local = TensorDataset(tokens[rank::replicas], targets[rank::replicas])
+        return DataLoader(local, batch_size=GLOBAL_BATCH // replicas, shuffle=False, drop_last=True)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=self.lr)
+
+
+def main(argv: list[str] | None = None) -> list[float]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--arch", default="llama", choices=["llama", "gpt2"])
+    parser.add_argument("--devices", type=int, default=1)
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel degree; dp = devices / tp")
+    parser.add_argument("--max-steps", type=int, default=10)
+    parser.add_argument("--export-dir", default=None, help="write the trained model here as a transformers directory")
+    parser.add_argument("--out", default=None, help="JSON file for the per-step losses (written by rank 0)")
+    args = parser.parse_args(argv)
+    if args.devices % args.tp:
+        parser.error(f"--tp {args.tp} must divide --devices {args.devices}")
+
+    L.seed_everything(0, verbose=False)
+    module = CausalLM(args.arch)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=args.devices,
+        strategy=MeshStrategy(dp=args.devices // args.tp, tp=args.tp),
+        max_steps=args.max_steps,
+        use_distributed_sampler=False,  # we slice the global batch ourselves (train_dataloader)
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(module)
+    if args.export_dir:
+        checkpoint = Path(args.export_dir) / "trained.ckpt"
+        trainer.save_checkpoint(checkpoint)  # sharded: one file per rank
+        if trainer.is_global_zero:
+            from zoo.convert import export_hf
+
+            print("wrote", export_hf(checkpoint, Path(args.export_dir) / "hf", config=module.config))
+        trainer.strategy.barrier()
+    if trainer.is_global_zero:
+        print("losses:", " ".join(f"{v:.6f}" for v in module.losses))
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump({"losses": module.losses, "world_size": trainer.world_size}, f)
+    return module.losses
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,131 @@
+"""What the user asks for: `MeshStrategy(grad_compression=...)` as a name or a typed options object.
+
+Plain dataclasses, so LightningCLI YAML can give them:
+    grad_compression: {mode: powersgd, powersgd_rank: 4, warmup_steps: 10}
+Every check runs in MeshStrategy.__init__, in the user's process, before any rank starts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Optional, Union
+
+MODES = ("fp16", "bf16", "powersgd", "onebit", "topk")
+STAGE_MODES = ("none", *MODES)  # a schedule stage may also send uncompressed
+
+
+class CompressionConfigError(ValueError):
+    """A gradient-compression setting that cannot work, with the value and the fix in the message."""
+
+
+@dataclass
+class CompressionStage:
+    """A later phase of training with another mode. It starts at `start_step`, or once the global norm of the
+    reduced gradients changes by less than `grad_norm_change_below` (relative, step to step) for `patience`
+    steps in a row, whichever comes first. Error-feedback residuals and PowerSGD factors carry over."""
+
+    mode: str
+    start_step: Optional[int] = None
+    grad_norm_change_below: Optional[float] = None
+    patience: int = 3
+
+
+@dataclass
+class CompressionOptions:
+    """Gradient compression in every data-parallel reduction (FSDP reduce-scatter, DDP/HSDP all-reduce).
+
+    mode: "fp16" / "bf16" (cast), "powersgd" (low rank), "onebit" (sign + scale), "topk" (largest entries).
+    powersgd_rank: rank of PowerSGD's factors P and Q.
+    topk_ratio: fraction of entries top-k sends, in (0, 1].
+    onebit_block: entries sharing one scale in 1-bit codes (the scale costs 32 bits per block).
+    warmup_steps: optimizer steps sent uncompressed before `mode` starts.
+    bucket_mb: tensor fusion: pieces sent per tensor (PowerSGD factors, uncompressed 1-D tensors, lists
+        given to the standalone API) are packed into buckets of up to this size, one collective each.
+    error_feedback: keep what compression dropped, per rank, and add it to the next step's gradient.
+    schedule: later stages (e.g. fp16 after warm-up, then 1-bit once the gradient norm settles).
+    seed: seed of PowerSGD's first Q (the same on every rank).
+    """
+
+    mode: str = "onebit"
+    powersgd_rank: int = 4
+    topk_ratio: float = 0.01
+    onebit_block: int = 1024
+    warmup_steps: int = 0
+    bucket_mb: float = 25.0
+    error_feedback: bool = True
+    schedule: list[CompressionStage] = field(default_factory=list)
+    seed: int = 0
+
+    def stages(self) -> list[CompressionStage]:
+        """The whole timeline: uncompressed warm-up, then `mode`, then the schedule's stages."""
+        timeline = [CompressionStage("none", start_step=0)] if self.warmup_steps else []
+        timeline.append(CompressionStage(self.mode, start_step=self.warmup_steps))
+        return timeline + list(self.schedule)
+
+
+GradCompression = Union[str, CompressionOptions, None]
+
+
+def _check_mode(mode: object, allowed: tuple[str, ...], what: str) -> None:
+    if mode not in allowed:
+        raise CompressionConfigError(
+            f"{what}={mode!r} is not a compression mode; choose one of {', '.join(map(repr, allowed))}"
+            + (" (or None for no compression)" if "none" not in allowed else "")
+        )
+
+
+def resolve_compression(value: GradCompression) -> Optional[CompressionOptions]:
+    """A mode name or options -> checked options (None: no compression)."""
+    if value is None or value == "none":
+        return None
+    if isinstance(value, dict):  # a plain mapping from Python code
+        value = CompressionOptions(**value)
+    if isinstance(value, str):
+        _check_mode(value, MODES, "grad_compression")
+        value = CompressionOptions(mode=value)
+    if not isinstance(value, CompressionOptions):
+        raise CompressionConfigError(
+            f"grad_compression={value!r} must be a mode name ({', '.join(MODES)}), a CompressionOptions or None"
+        )
+    options = replace(value, schedule=[CompressionStage(**s) if isinstance(s, dict) else s for s in value.schedule])
+    check_options(options)
+    return options
+
+
+def check_options(o: CompressionOptions) -> None:
+    _check_mode(o.mode, MODES, "grad_compression mode")
+    if isinstance(o.powersgd_rank, bool) or not isinstance(o.powersgd_rank, int) or o.powersgd_rank < 1:
+        raise CompressionConfigError(
+            f"powersgd_rank={o.powersgd_rank!r} must be an int >= 1 (the rank of PowerSGD's factors; 4 is a good start)"
+        )
+    if not isinstance(o.topk_ratio, (int, float)) or not 0 < o.topk_ratio <= 1:
+        raise CompressionConfigError(
+            f"topk_ratio={o.topk_ratio!r} must be in (0, 1] (the fraction of gradient entries top-k sends, e.g. 0.01)"
+        )
+    if isinstance(o.warmup_steps, bool) or not isinstance(o.warmup_steps, int) or o.warmup_steps < 0:
+        raise CompressionConfigError(
+            f"warmup_steps={o.warmup_steps!r} must be an int >= 0 (optimizer steps sent uncompressed first; 0: none)"
+        )
+    if not isinstance(o.onebit_block, int) or o.onebit_block < 1:
+        raise CompressionConfigError(f"onebit_block={o.onebit_block!r} must be an int >= 1 (entries per 1-bit scale)")
+    if not isinstance(o.bucket_mb, (int, float)) or o.bucket_mb <= 0:
+        raise CompressionConfigError(f"bucket_mb={o.bucket_mb!r} must be > 0 (tensor-fusion bucket size in MiB, e.g. 25)")
+    last_start = o.warmup_steps
+    for i, stage in enumerate(o.schedule):
+        where = f"grad_compression schedule[{i}]"
+        _check_mode(stage.mode, STAGE_MODES, f"{where}.mode")
+        if stage.start_step is None and stage.grad_norm_change_below is None:
+            raise CompressionConfigError(
+                f"{where} ({stage.mode!r}) has neither start_step nor grad_norm_change_below; give one of them"
+            )
+        if stage.start_step is not None:
+            if stage.start_step < last_start:
+                raise CompressionConfigError(
+                    f"{where}.start_step={stage.start_step} comes before the stage before it (step {last_start});"
+                    " list stages in the order they start"
+                )
+            last_start = stage.start_step
+        if stage.grad_norm_change_below is not None and not stage.grad_norm_change_below > 0:
+            raise CompressionConfigError(f"{where}.grad_norm_change_below={stage.grad_norm_change_below} must be > 0")
+        if stage.patience < 1:
+            raise CompressionConfigError(f"{where}.patience={stage.patience} must be >= 1")

@@ -1,0 +1,89 @@
+"""A ParallelPlan from the tensor-parallel plan transformers ships with a model (`config.base_model_tp_plan`
+and the head's `_tp_plan`, merged by transformers into `model._tp_plan`), plus sequence parallelism around it.
+
+transformers' plan says which linears are column- or row-wise; it says nothing about sequence parallelism.
+For a block made of norms, an attention and an MLP (Llama, Qwen2, Mistral and alike) SP follows from the
+structure: the norms run on the sequence shard, the sub-modules that hold split linears gather the sequence
+first, the first block shards its input (the model reads the sequence length before its blocks, so the
+embedding must hand on whole activations), and the final norm runs on the shard before the head gathers.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from lit_mesh.hf.blocks import base_prefix, find_blocks
+from lit_mesh.plan import ParallelPlan, TPStyle
+
+# transformers' style names -> ours; anything else is refused by name
+HF_STYLES: dict[str, TPStyle] = {
+    "colwise": "colwise",
+    "rowwise": "rowwise",
+    "colwise_gather_output": "head",
+    "embedding_rowwise": "vocab_embedding",
+}
+_SPLIT = ("colwise", "rowwise")
+
+
+def is_norm(module: nn.Module) -> bool:
+    # transformers names its norms <Model>RMSNorm / <Model>LayerNorm (the same test its own init uses)
+    return isinstance(module, (nn.LayerNorm, nn.RMSNorm)) or "Norm" in type(module).__name__
+
+
+def hf_tp_plan(model: nn.Module) -> dict[str, str]:
+    """transformers' merged plan for this model, full module names ('*' for the layer index)."""
+    return dict(getattr(model, "_tp_plan", None) or {})
+
+
+def plan_from_hf(model: nn.Module, tp_divides: dict[str, int]) -> ParallelPlan:
+    """The plan for a model whose transformers TP plan uses only styles we apply; tp_unavailable otherwise."""
+    name = type(model).__name__
+    blocks = find_blocks(model)
+    if blocks is None:
+        raise ValueError(f"{name}: no ModuleList of its _no_split_modules {getattr(model, '_no_split_modules', None)}")
+    hf_plan = hf_tp_plan(model)
+    unknown = {key: style for key, style in hf_plan.items() if style not in HF_STYLES}
+    if not hf_plan or unknown:
+        why = (
+            f"transformers' tensor-parallel plan of {name} uses styles lit-mesh does not apply: {unknown}"
+            if unknown else f"{name}'s config has no base_model_tp_plan"
+        )
+        return ParallelPlan(blocks=blocks, tp_unavailable=no_plan_message(name, why))
+
+    in_block = f"{blocks}.*."
+    tp_root: dict[str, TPStyle] = {}
+    tp_block: dict[str, TPStyle] = {}
+    for key, style in hf_plan.items():
+        if key.startswith(in_block):
+            tp_block[key[len(in_block):]] = HF_STYLES[style]
+        else:
+            tp_root[key] = HF_STYLES[style]
+
+    # sequence parallelism around the split linears
+    layer = model.get_submodule(blocks)[0]
+    for child_name, child in layer.named_children():
+        if is_norm(child):
+            tp_block[child_name] = "norm"
+        elif any(key.startswith(f"{child_name}.") and tp_block[key] in _SPLIT for key in tp_block):
+            tp_block[child_name] = "gather_hidden_states"
+    tp_root[f"{blocks}.0"] = "shard_hidden_states"
+    base = base_prefix(model)
+    for child_name, child in model.get_submodule(base.rstrip(".")).named_children() if base else model.named_children():
+        if is_norm(child):
+            tp_root[f"{base}{child_name}"] = "norm"  # the final norm: after the blocks, before the head
+    head = next((key for key, style in tp_root.items() if style == "head"), None)
+    output = getattr(model, "get_output_embeddings", lambda: None)()
+    if head is None and output is not None:
+        # a head left whole (replicated) takes the whole sequence
+        head_name = next(n for n, m in model.named_modules() if m is output)
+        tp_root[head_name] = "gather_input"
+    return ParallelPlan(blocks=blocks, tp_root=tp_root, tp_block=tp_block, tp_divides=tp_divides)
+
+
+def no_plan_message(model_name: str, why: str) -> str:
+    return (
+        f"no tensor-parallel plan is known for the transformers model {model_name} ({why}). Supply one:"
+        f" lit_mesh.hf.register_plan({model_name!r}, builder) with a builder(model) -> lit_mesh.ParallelPlan"
+        " (see lit_mesh/hf/gpt2.py), or give the LightningModule's model a parallel_plan(); or train it with"
+        " tp=1 (FSDP/HSDP/DDP per block need no plan)"
+    )

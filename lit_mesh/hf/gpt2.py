@@ -1,0 +1,52 @@
+"""GPT-2 (GPT2Model, GPT2LMHeadModel): transformers ships no TP plan for it; this is ours.
+
+GPT-2's linears are Conv1D (weight (in, out)) and q, k, v are one fused Conv1D (c_attn): custom styles
+(lit_mesh/hf/conv1d.py) split them, the attention splits c_attn's output at its local width. With SP the
+first block shards its input over the sequence (the model adds position embeddings to the token embeddings
+first), the layer norms run on the shard, attention and MLP gather it. The token embedding stays whole: it
+is tied to the head (lm_head), which gathers the sequence and computes all logits on every rank.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed.tensor import Replicate, Shard
+
+from lit_mesh.hf.blocks import base_prefix
+from lit_mesh.hf.conv1d import Conv1DColwise, Conv1DRowwise, LocalSplitWidth
+from lit_mesh.plan import ParallelPlan
+
+
+def _between_blocks(sequence_parallel: bool) -> Shard | Replicate:
+    return Shard(1) if sequence_parallel else Replicate()
+
+
+CUSTOM_STYLES = {
+    "gpt2_attention": lambda sp: LocalSplitWidth("split_size", sp),
+    "conv1d_qkv": lambda sp: Conv1DColwise(parts=3),
+    "conv1d_colwise": lambda sp: Conv1DColwise(),
+    "conv1d_rowwise": lambda sp: Conv1DRowwise(_between_blocks(sp)),
+}
+
+
+def gpt2_plan(model: nn.Module) -> ParallelPlan:
+    config, base = model.config, base_prefix(model)
+    tp_root = {f"{base}h.0": "shard_hidden_states", f"{base}ln_f": "norm"}
+    if hasattr(model, "lm_head"):
+        tp_root["lm_head"] = "gather_input"
+    return ParallelPlan(
+        blocks=f"{base}h",
+        tp_root=tp_root,
+        tp_block={
+            "ln_1": "norm",
+            "attn": "gpt2_attention",
+            "attn.c_attn": "conv1d_qkv",
+            "attn.c_proj": "conv1d_rowwise",
+            "ln_2": "norm",
+            "mlp": "gather_hidden_states",
+            "mlp.c_fc": "conv1d_colwise",
+            "mlp.c_proj": "conv1d_rowwise",
+        },
+        tp_divides={"n_head": config.n_head, "n_inner (MLP width)": config.n_inner or 4 * config.n_embd},
+        custom_styles=CUSTOM_STYLES,
+    )

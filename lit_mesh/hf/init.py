@@ -1,0 +1,77 @@
+"""Initialise a transformers model built on the meta device exactly as transformers would, on any mesh.
+
+transformers initialises in `_init_weights(module)`, children before parents (`initialize_weights`); a parent
+may set a child's weight (GPT-2 scales c_proj). We call it in that order on WHOLE tensors, drawn from the
+global generator (the same on every rank after seed_everything), and each rank keeps its shards: the weights
+do not depend on the layout. DTensor random ops would draw per rank on CPU, hence the whole tensors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from lit_mesh.hf.blocks import find_blocks
+from lit_mesh.hf.registry import is_transformers_model
+
+
+def _children_first(module: nn.Module, init: Callable[[nn.Module], None]) -> Iterator[tuple[nn.Module, Callable]]:
+    """(module, its _init_weights) in transformers' order; a nested PreTrainedModel brings its own."""
+    for child in module.children():
+        yield from _children_first(child, child._init_weights if is_transformers_model(child) else init)
+    yield module, init
+
+
+@contextmanager
+def _whole_parameters(module: nn.Module, recurse: bool) -> Iterator[None]:
+    """Swap the module's DTensor parameters for whole local tensors; afterwards each rank keeps its shards."""
+    swapped: dict[int, tuple[DTensor, torch.Tensor]] = {}  # by id: a tied parameter is drawn once
+    places = []
+    for owner in module.modules() if recurse else (module,):
+        for name, param in owner._parameters.items():
+            if isinstance(param, DTensor):
+                if id(param) not in swapped:
+                    whole = torch.empty(param.shape, dtype=param.dtype, device=param.to_local().device)
+                    swapped[id(param)] = (param, nn.Parameter(whole, requires_grad=param.requires_grad))
+                places.append((owner, name, param))
+                owner._parameters[name] = swapped[id(param)][1]
+    try:
+        yield
+    finally:
+        for owner, name, param in places:
+            owner._parameters[name] = param
+    for param, whole in swapped.values():
+        local = distribute_tensor(whole.detach(), param.device_mesh, param.placements, src_data_rank=None).to_local()
+        param.to_local().copy_(local)
+
+
+@torch.no_grad()
+def initialise_weights(model: nn.Module) -> bool:
+    """transformers' own initialisation of `model` (materialised, possibly sharded); False if not a
+    transformers model. Each subtree beside the blocks' ancestors (each block, the embeddings, the head) is
+    made whole once, initialised children first, then sharded back: never the whole model at once."""
+    if not is_transformers_model(model):
+        return False
+    blocks = find_blocks(model)
+    ancestors = {model}
+    if blocks:
+        parts = blocks.split(".")
+        ancestors |= {model.get_submodule(".".join(parts[:i])) for i in range(1, len(parts) + 1)}
+
+    def walk(module: nn.Module, init: Callable[[nn.Module], None]) -> None:
+        if module in ancestors:
+            for child in module.children():
+                walk(child, child._init_weights if is_transformers_model(child) else init)
+            with _whole_parameters(module, recurse=False):
+                init(module)
+            return
+        with _whole_parameters(module, recurse=True):
+            for sub, sub_init in _children_first(module, init):
+                sub_init(sub)
+
+    walk(model, model._init_weights)
+    return True

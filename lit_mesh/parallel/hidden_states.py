@@ -1,0 +1,51 @@
+"""A TP style that moves only a module's hidden states in or out of the sequence-sharded region.
+
+torch's PrepareModuleInput needs one layout per positional input and cannot take an input that comes either
+positionally or as a keyword. Hugging Face layers get their hidden states both ways (`layer(h, mask, ...)`,
+`self_attn(hidden_states=h, ...)`), next to masks and caches that must pass untouched: hence this style.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Placement
+from torch.distributed.tensor.parallel import ParallelStyle
+
+KEYWORD = "hidden_states"
+
+
+class HiddenStatesLayout(ParallelStyle):
+    """Redistribute the hidden states (first positional input, else `hidden_states=`) from `given` to `wanted`.
+
+    The module receives a plain tensor (the local part of `wanted`); `check(sequence_length)` runs first.
+    """
+
+    def __init__(self, given: Placement, wanted: Placement, check: Callable[[int], None] | None = None) -> None:
+        super().__init__()
+        self.given, self.wanted, self.check = given, wanted, check
+
+    def _convert(self, x: Any, mesh: DeviceMesh) -> Any:
+        if not isinstance(x, torch.Tensor):
+            return x
+        dtensor = x if isinstance(x, DTensor) else DTensor.from_local(x, mesh, (self.given,), run_check=False)
+        if self.check is not None:
+            self.check(dtensor.shape[1])
+        return dtensor.redistribute(placements=(self.wanted,)).to_local()
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def pre_hook(_module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+            if args:
+                return (self._convert(args[0], device_mesh), *args[1:]), kwargs
+            if KEYWORD in kwargs:
+                return args, {**kwargs, KEYWORD: self._convert(kwargs[KEYWORD], device_mesh)}
+            raise ValueError(
+                f"{type(_module).__name__} got neither a positional input nor {KEYWORD}=: the plan's"
+                " shard_hidden_states/gather_hidden_states style does not fit this module"
+            )
+
+        module.register_forward_pre_hook(pre_hook, with_kwargs=True)
+        return module

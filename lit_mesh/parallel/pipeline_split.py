@@ -1,0 +1,154 @@
+"""Which blocks each pipeline stage holds, which rank runs each stage, and the per-stage views of a model.
+
+Pure bookkeeping, no communication: lit_mesh.parallel.pipeline builds the schedule on top of it.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import nn
+
+from lit_mesh.mesh import MeshConfigError
+from lit_mesh.plan import ParallelPlan
+
+Placement = Literal["loop", "v"]
+
+
+class PipelineConfigError(MeshConfigError):
+    """A pipeline setting that cannot work, with the numbers and the fix."""
+
+
+def balanced_split(n_blocks: int, n_stages: int) -> list[int]:
+    """Blocks per stage, contiguous, balancing a cost in which the first stage's embedding and the last
+    stage's output head each count as one block (so the outer stages get one block fewer)."""
+    if n_stages > n_blocks:
+        raise PipelineConfigError(
+            f"{n_stages} pipeline stages but the model has {n_blocks} blocks: every stage needs at least one;"
+            f" choose pp x pp_stages_per_rank <= {n_blocks}"
+        )
+    if n_stages == 1:
+        return [n_blocks]
+    extra = [1] + [0] * (n_stages - 2) + [1]  # embedding on the first stage, head on the last
+    units = n_blocks + 2
+    # smallest per-stage cost that lets every stage hold >= 1 block, then fill greedily from the front
+    for cap in range(-(-units // n_stages), units + 1):
+        counts, left = [], n_blocks
+        for stage in range(n_stages):
+            stages_after = n_stages - stage - 1
+            take = min(cap - extra[stage], left - stages_after)
+            if take < 1:
+                break
+            counts.append(take)
+            left -= take
+        if len(counts) == n_stages and left == 0:
+            return counts
+    raise AssertionError("unreachable: cap = units always fits")
+
+
+def check_split(split: Sequence[int], n_blocks: int, n_stages: int) -> list[int]:
+    """An explicit split (blocks per stage) must have one entry per stage and cover every block once."""
+    split = list(split)
+    if len(split) != n_stages:
+        raise PipelineConfigError(
+            f"pp_split={split} has {len(split)} entries but there are {n_stages} stages (pp x pp_stages_per_rank);"
+            f" give {n_stages} numbers of blocks"
+        )
+    if any(n < 1 for n in split) or sum(split) != n_blocks:
+        raise PipelineConfigError(
+            f"pp_split={split} must give every stage >= 1 block and add up to the model's {n_blocks} blocks"
+            f" (it adds up to {sum(split)})"
+        )
+    return split
+
+
+def stage_ranks(n_stages: int, pp: int, placement: Placement) -> list[int]:
+    """The pp rank that runs each stage: looped (stage s on s mod pp) or V (rank r runs r and 2pp-1-r)."""
+    if placement == "v":
+        return [s if s < pp else 2 * pp - 1 - s for s in range(n_stages)]
+    return [s % pp for s in range(n_stages)]
+
+
+@dataclass
+class Stage:
+    """One pipeline stage on this rank: its index and the module that runs it."""
+
+    index: int
+    module: nn.Module
+
+
+def _view(module: nn.Module) -> nn.Module:
+    """A shallow copy that shares every submodule and parameter but has registries and hooks of its own,
+    so a stage can drop modules and FSDP can hook it without touching the original."""
+    view = copy.copy(module)
+    for name, value in vars(view).items():
+        if isinstance(value, (dict, set)):
+            setattr(view, name, copy.copy(value))
+    return view
+
+
+def _keep_blocks(module: nn.Module, blocks_attr: str, keep: set[int]) -> None:
+    blocks = module.get_submodule(blocks_attr)
+    kept = nn.ModuleList()
+    # keep the original indices as names ("layers.5" stays "layers.5" on every layout), so checkpoints and
+    # layout-independent init see the same names; ModuleList iterates its _modules in order
+    kept._modules = {name: block for i, (name, block) in enumerate(blocks._modules.items()) if i in keep}
+    module._modules[blocks_attr] = kept
+
+
+def split_into_stages(
+    model: nn.Module, plan: ParallelPlan, split: list[int], ranks: list[int], pp_rank: int
+) -> list[Stage]:
+    """Prune `model` in place to what this pp rank runs, and return one view per local stage.
+
+    With one stage per rank the stage is the model itself; with several (interleaved, V schedules) each
+    stage is a view sharing the model's modules, and the model keeps the union (for the optimizer and
+    checkpoints, under the original parameter names).
+    """
+    if "." in plan.blocks:
+        raise PipelineConfigError(
+            f"pipeline parallel needs the blocks as a direct child of the model; the plan names {plan.blocks!r}"
+        )
+    starts = [sum(split[:s]) for s in range(len(split))]
+    local = [s for s, r in enumerate(ranks) if r == pp_rank]
+    last = len(split) - 1
+
+    def blocks_of(stage: int) -> set[int]:
+        return set(range(starts[stage], starts[stage] + split[stage]))
+
+    def outer_modules(stage: int) -> set[str]:
+        return (set(plan.pp_first) if stage == 0 else set()) | (set(plan.pp_last) if stage == last else set())
+
+    def prune(module: nn.Module, stages: list[int]) -> None:
+        _keep_blocks(module, plan.blocks, set().union(*(blocks_of(s) for s in stages)))
+        keep = set().union(*(outer_modules(s) for s in stages))
+        for name in (*plan.pp_first, *plan.pp_last):
+            if name not in keep:
+                module._modules[name] = None
+
+    if len(local) == 1:
+        prune(model, local)
+        return [Stage(local[0], model)]
+    views = []
+    for stage in local:
+        view = _view(model)
+        prune(view, [stage])
+        views.append(Stage(stage, view))
+    prune(model, local)
+    return views
+
+
+def pass_global_positions(stage: nn.Module, keyword: str, tp: int) -> None:
+    """Under sequence parallelism a stage after the first receives its tp rank's shard of the sequence, so the
+    model cannot count the positions itself: give them (0 .. T-1 of the whole sequence) as `keyword`."""
+
+    def hook(_module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if keyword not in kwargs:
+            kwargs[keyword] = torch.arange(args[0].shape[1] * tp, device=args[0].device)
+        return args, kwargs
+
+    stage.register_forward_pre_hook(hook, with_kwargs=True, prepend=True)

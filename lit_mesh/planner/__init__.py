@@ -1,0 +1,11 @@
+"""`lit-mesh plan`: which mesh, checkpointing and precision to train a zoo GPT with on a given cluster.
+
+shapes.py       the model's parameters by role, from its ParallelPlan
+memory.py       per-rank bytes: exact parameter/gradient/AdamW shards, activations and FSDP buffers by formula
+cost.py         step time: compute roofline + alpha-beta collectives
+search.py       enumerate meshes x AC x precision x micro-batch, keep the valid and fitting, rank, explain
+simulate.py     the real plan on meta tensors over torch's fake process group: the bytes one rank truly holds
+config_yaml.py  the best plan as a `lit-mesh fit` config
+plot.py         the mesh on the nodes and the memory breakdown, as PNGs
+command.py      the command line
+"""

@@ -1,0 +1,190 @@
+"""`lit-mesh plan`: the best meshes for a zoo GPT on a cluster, why, and a `lit-mesh fit` config for the best.
+
+    lit-mesh plan --preset llama3-70b --devices 256 --out plan.yaml
+    lit-mesh plan --preset llama3-8b --devices 64 --simulate --plot plots/
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from lit_mesh.planner.hardware import GB, GIB, Hardware
+from lit_mesh.planner.memory import AC_MODES, PRECISION_BYTES, Workload, first_rank_of_stage, state_bytes, stages_to_check
+from lit_mesh.planner.search import DIMS, Candidate, PlanResult, plan
+from lit_mesh.planner.shapes import gpt_shapes
+from zoo.gpt import PRESETS, GPTConfig
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="lit-mesh plan", description=__doc__.split("\n\n")[0])
+    p.add_argument("--preset", default="llama3-8b", help=f"zoo GPT preset: {', '.join(PRESETS)}")
+    p.add_argument("--config-overrides", default="", help="GPTConfig fields over the preset, YAML/JSON: '{n_layers: 40}'")
+    p.add_argument("--devices", type=int, default=None, help="total devices (default: nodes x devices per node)")
+    p.add_argument("--nodes", type=int, default=None, help="nodes (default: devices / devices per node)")
+    p.add_argument("--devices-per-node", type=int, default=8)
+    p.add_argument("--memory-gb", type=float, default=80.0, help="memory per device, GB (1e9 bytes)")
+    p.add_argument("--reserve-gib", type=float, default=4.0, help="per-device memory kept free (context, fragmentation)")
+    p.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak per device, TFLOP/s")
+    p.add_argument("--efficiency", type=float, default=0.6, help="fraction of peak dense matmuls reach")
+    p.add_argument("--intra-node-gbps", type=float, default=450.0, help="per device, GB/s (NVLink)")
+    p.add_argument("--inter-node-gbps", type=float, default=50.0, help="per device, GB/s (network)")
+    p.add_argument("--intra-node-latency-us", type=float, default=5.0)
+    p.add_argument("--inter-node-latency-us", type=float, default=15.0)
+    p.add_argument("--global-batch", type=int, default=256, help="sequences per optimizer step")
+    p.add_argument("--seq-len", type=int, default=8192)
+    p.add_argument("--precision", nargs="+", default=["bf16-mixed"], choices=sorted(PRECISION_BYTES))
+    p.add_argument("--ac", nargs="+", default=list(AC_MODES), choices=AC_MODES, help="activation checkpointing modes")
+    for dim in DIMS:
+        p.add_argument(f"--{dim.replace('_', '-')}", type=int, default=None, help=f"fix {dim} to this degree")
+    p.add_argument("--top", type=int, default=3, help="how many layouts to print")
+    p.add_argument("--out", default="", help="write the best layout as a `lit-mesh fit` config (YAML) here")
+    p.add_argument("--max-steps", type=int, default=1000, help="trainer.max_steps of the written config")
+    p.add_argument("--simulate", action="store_true",
+                   help="build the best layout on meta tensors over fake ranks and compare the true bytes")
+    p.add_argument("--plot", default="", help="directory for mesh.png and memory.png")
+    p.add_argument("--json", action="store_true", help="end with one JSON line (the ranked layouts)")
+    return p.parse_args(argv)
+
+
+def hardware_of(args: argparse.Namespace) -> Hardware:
+    dpn = args.devices_per_node
+    if args.devices is None and args.nodes is None:
+        raise SystemExit("lit-mesh plan: give --devices N (or --nodes N)")
+    nodes = args.nodes if args.nodes is not None else args.devices // dpn
+    if args.devices is not None and (args.devices % dpn or nodes * dpn != args.devices):
+        raise SystemExit(
+            f"lit-mesh plan: --devices {args.devices} is not --nodes x --devices-per-node ({dpn}); give a multiple"
+            f" of {dpn}, or set --devices-per-node to the devices of one node"
+        )
+    if nodes < 1:
+        raise SystemExit(f"lit-mesh plan: {args.devices} devices fill no node of {dpn}; set --devices-per-node")
+    return Hardware(
+        nodes=nodes, devices_per_node=dpn, memory_bytes=args.memory_gb * GB, peak_flops=args.peak_tflops * 1e12,
+        intra_node_bandwidth=args.intra_node_gbps * GB, inter_node_bandwidth=args.inter_node_gbps * GB,
+        intra_node_latency=args.intra_node_latency_us * 1e-6, inter_node_latency=args.inter_node_latency_us * 1e-6,
+        reserve_bytes=args.reserve_gib * GIB, compute_efficiency=args.efficiency,
+    )
+
+
+def simulate_best(c: Candidate, config: GPTConfig, shapes: Any) -> list[dict[str, Any]]:
+    """Estimate vs the real sharding on fake ranks, for the first rank of every stage that can be the worst."""
+    from lit_mesh.planner.simulate import simulate_rank
+
+    rows = []
+    for stage in stages_to_check(shapes, c.layout.pp):
+        rank = first_rank_of_stage(c.layout, stage)
+        estimate = state_bytes(shapes, c.layout, c.precision, rank)
+        simulated = simulate_rank(config, c.layout, rank, c.precision)
+        same = all(estimate[k] == simulated[k] for k in estimate)
+        rows.append({"rank": rank, "stage": stage, "estimate": estimate, "simulated": simulated, "equal": same})
+    return rows
+
+
+def summary(c: Candidate) -> dict[str, Any]:
+    return {"layout": {d: getattr(c.layout, d) for d in DIMS}, "precision": c.precision, "ac": c.ac,
+            "micro_batch": c.work.micro_batch, "microbatches": c.work.microbatches(c.layout),
+            "memory": c.memory, "step_s": c.time.total, "tokens_per_s": c.tokens_per_s, "mfu": c.mfu,
+            "reasons": c.reasons}
+
+
+def report(result: PlanResult, args: argparse.Namespace, hw: Hardware, params: int) -> None:
+    size = f"{params / 1e9:.2f} B" if params >= 1e9 else f"{params / 1e6:.2f} M"
+    print(f"lit-mesh plan: {args.preset} ({size} parameters) on {hw.world_size} devices"
+          f" ({hw.nodes} nodes x {hw.devices_per_node}), {args.memory_gb:g} GB each; global batch"
+          f" {args.global_batch} x {args.seq_len} tokens")
+    print(f"considered {result.considered} (mesh, precision, AC) options; {len(result.ranked)} run and fit")
+    for reason, count in result.rejected.most_common():
+        print(f"  rejected {count}: {reason}")
+    if not result.ranked:
+        s = result.smallest
+        if s is None:
+            print("no mesh passes the divisibility rules: see the reasons above (e.g. --global-batch, --seq-len)")
+            return
+        state_total = s.memory["params"] + s.memory["grads"] + s.memory["optimizer"]
+        need = hw.world_size * state_total / hw.usable_bytes
+        print(f"nothing fits. The least memory: {s.name()} at {s.memory['total'] / GIB:.1f} GiB per device:")
+        print("  " + s.reasons[0])
+        print(f"  parameters + gradients + AdamW alone need about {need:.0f} devices of this size: use more devices,"
+              " bf16-true (--precision bf16-true), or devices with more memory")
+        return
+    for i, c in enumerate(result.ranked[: args.top], start=1):
+        print(f"\n#{i} {c.name()}")
+        for line in c.reasons:
+            print(f"   - {line}")
+
+
+def main(argv: list[str]) -> int:
+    args = parse_args(argv)
+    start = time.perf_counter()
+    overrides = yaml.safe_load(args.config_overrides) if args.config_overrides else {}
+    fields = [f.name for f in dataclasses.fields(GPTConfig)]
+    if not isinstance(overrides or {}, dict) or set(overrides or {}) - set(fields):
+        raise SystemExit(f"lit-mesh plan: --config-overrides {args.config_overrides!r} must map GPTConfig fields"
+                         f" ({', '.join(fields)}) to values, e.g. '{{n_layers: 40}}'")
+    config = GPTConfig.from_preset(args.preset, **(overrides or {}))
+    hw = hardware_of(args)
+    shapes = gpt_shapes(config)
+    fixed = {d: getattr(args, d) for d in DIMS if getattr(args, d) is not None}
+    product = 1
+    for dim, degree in fixed.items():
+        product *= degree
+        if degree < 1 or hw.world_size % product:
+            given = ", ".join(f"--{d.replace('_', '-')} {v}" for d, v in fixed.items())
+            raise SystemExit(f"lit-mesh plan: {given}: the fixed degrees must be >= 1 and their product must divide the"
+                             f" {hw.world_size} devices; choose degrees among the divisors of {hw.world_size}")
+    work = Workload(args.global_batch, args.seq_len)
+    result = plan(shapes, work, hw, args.precision, args.ac, fixed)
+    report(result, args, hw, shapes.numel())
+    out: dict[str, Any] = {"preset": args.preset, "devices": hw.world_size, "ranked": [summary(c) for c in result.ranked[: args.top]],
+                           "rejected": dict(result.rejected), "considered": result.considered}
+    status = 0
+    if result.ranked:
+        best = result.ranked[0]
+        if args.out:
+            header = [f"lit-mesh plan {' '.join(argv)}", f"best of {len(result.ranked)}: {best.name()}", *best.reasons]
+            path = _write(args, best, overrides or {}, hw, header)
+            print(f"\nwrote {path}: lit-mesh fit -c {path}")
+            out["config"] = str(path)
+        if args.simulate:
+            rows = simulate_best(best, config, shapes)
+            print(f"\nsimulated on {hw.world_size} fake ranks (meta tensors, lit_mesh's parallelize):")
+            for r in rows:
+                e, s = r["estimate"], r["simulated"]
+                print(f"  rank {r['rank']} (stage {r['stage']}): params {s['params']:,} B, grads {s['grads']:,} B,"
+                      f" AdamW {s['optimizer']:,} B in {s['seconds']:.1f} s; estimate"
+                      f" {'equal' if r['equal'] else 'DIFFERS: ' + str(e)}")
+            out["simulation"] = rows
+            status = 0 if all(r["equal"] for r in rows) else 1
+        if args.plot:
+            from lit_mesh.planner.plot import plot_memory, plot_mesh
+
+            folder = Path(args.plot)
+            folder.mkdir(parents=True, exist_ok=True)
+            pictures = [plot_mesh(best.layout, hw, folder / "mesh.png"),
+                        plot_memory(result.ranked[: args.top], hw, folder / "memory.png")]
+            print("\npictures: " + ", ".join(str(p) for p in pictures))
+            out["plots"] = [str(p) for p in pictures]
+    elif args.out:
+        print(f"\nnothing fits: {args.out} not written")
+    out["seconds"] = round(time.perf_counter() - start, 3)
+    if args.json:
+        print(json.dumps(out))
+    return status
+
+
+def _write(args: argparse.Namespace, best: Candidate, overrides: dict[str, Any], hw: Hardware, header: list[str]) -> Path:
+    from lit_mesh.planner.config_yaml import write_fit_config
+
+    return write_fit_config(args.out, best, args.preset, overrides, hw, args.max_steps, header)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,55 @@
+"""What the planner plans for: how many devices, how they sit on nodes, and what each one can do."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+GB = 1e9
+GIB = 1024**3
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """Devices on nodes, with per-device memory, peak FLOP/s and the two link classes of an alpha-beta model.
+
+    Bandwidths are per device and per direction, in bytes/s; latencies (alpha) in seconds per ring step.
+    Defaults: an H100 SXM node (80 GB, 989 TFLOP/s dense bf16, NVLink 450 GB/s, one 400 Gb/s NIC per GPU).
+    """
+
+    nodes: int = 1
+    devices_per_node: int = 8
+    memory_bytes: float = 80 * GB
+    peak_flops: float = 989e12
+    intra_node_bandwidth: float = 450 * GB
+    inter_node_bandwidth: float = 50 * GB
+    intra_node_latency: float = 5e-6
+    inter_node_latency: float = 15e-6
+    reserve_bytes: float = 4 * GIB  # CUDA context, allocator fragmentation, kernels' workspaces
+    compute_efficiency: float = 0.6  # the fraction of peak that dense matmuls reach
+
+    def __post_init__(self) -> None:
+        for name in ("nodes", "devices_per_node"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        if not 0 < self.compute_efficiency <= 1:
+            raise ValueError(f"compute_efficiency={self.compute_efficiency} must be in (0, 1]")
+        if self.memory_bytes <= self.reserve_bytes:
+            raise ValueError(
+                f"per-device memory {self.memory_bytes / GIB:.1f} GiB leaves nothing after the reserve of"
+                f" {self.reserve_bytes / GIB:.1f} GiB; give more memory or a smaller reserve"
+            )
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.devices_per_node
+
+    @property
+    def usable_bytes(self) -> float:
+        return self.memory_bytes - self.reserve_bytes
+
+    def link(self, stride: int, size: int) -> tuple[float, float]:
+        """(bandwidth, latency) of a group of `size` ranks spaced `stride` apart (consecutive ranks share a
+        node): inside a node when the group's span fits in one, else bound by the inter-node links."""
+        if stride * size <= self.devices_per_node:
+            return self.intra_node_bandwidth, self.intra_node_latency
+        return self.inter_node_bandwidth, self.inter_node_latency

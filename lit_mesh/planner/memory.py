@@ -1,0 +1,207 @@
+"""Per-rank memory of a layout: parameters, gradients and AdamW state exactly as lit_mesh shards them
+(checked against the real sharding by lit_mesh.planner.simulate), activations and transient buffers by formula.
+
+Exact sharding rules, the ones torch applies under lit_mesh.parallel:
+- TP (DTensor Shard): colwise / head / an embedding's rows split dim 0 over tp, rowwise splits dim 1, the rest
+  is replicated; a split gives rank t `torch.chunk`'s t-th piece (pieces of ceil(n / tp), the last ones short).
+- FSDP2 then splits dim 0 of each rank's tp piece over dp_shard x cp the same way (DDP: no split).
+- A pipeline stage holds its blocks (lit_mesh's balanced split), plus the embedding (first) or the final norm
+  and head (last).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from lit_mesh.mesh import MeshLayout
+from lit_mesh.parallel.pipeline_split import balanced_split
+from lit_mesh.planner.shapes import ModelShapes, ParamShape
+
+# bytes per element of: parameters, gradients, AdamW state (two moments), activations, all-gathered parameters
+PRECISION_BYTES = {
+    "32-true": dict(param=4, grad=4, optimizer=8, activation=4, gather=4),
+    "bf16-mixed": dict(param=4, grad=4, optimizer=8, activation=2, gather=2),  # fp32 masters, bf16 compute
+    "bf16-true": dict(param=2, grad=2, optimizer=4, activation=2, gather=2),
+}
+AC_MODES = ("none", "selective", "full")
+
+
+def chunk(n: int, parts: int, index: int) -> int:
+    """Length of torch.chunk(range(n), parts)[index] (0 when torch makes fewer pieces)."""
+    size = -(-n // parts)
+    return max(0, min(size, n - index * size))
+
+
+def local_numel(p: ParamShape, tp: int, tp_rank: int, shard: int, shard_rank: int) -> int:
+    shape = list(p.shape)
+    if tp > 1 and p.tp_style in ("colwise", "head", "rowwise", "embedding"):
+        torch_rowwise = p.tp_style in ("rowwise", "embedding")  # the plan's "embedding" is RowwiseParallel
+        if len(shape) == 1:  # a bias: split with the colwise output, replicated under rowwise
+            dim = None if torch_rowwise else 0
+        elif p.is_embedding:  # nn.Embedding (vocab, dim): rowwise splits the vocabulary
+            dim = 0 if torch_rowwise else 1
+        else:  # nn.Linear (out, in)
+            dim = 1 if torch_rowwise else 0
+        if dim is not None:
+            shape[dim] = chunk(shape[dim], tp, tp_rank)
+    if shard > 1:
+        shape[0] = chunk(shape[0], shard, shard_rank)
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+@dataclass(frozen=True)
+class RankCoords:
+    pp: int = 0
+    dp_replicate: int = 0
+    dp_shard: int = 0
+    cp: int = 0
+    tp: int = 0
+
+
+def coords_of(rank: int, layout: MeshLayout) -> RankCoords:
+    """Mesh coordinates of a global rank (dims pp, dp_replicate, dp_shard, cp, tp, the last fastest)."""
+    out = {}
+    for dim in ("tp", "cp", "dp_shard", "dp_replicate", "pp"):
+        size = getattr(layout, dim)
+        out[dim], rank = rank % size, rank // size
+    return RankCoords(**out)
+
+
+def fsdp_degree(layout: MeshLayout) -> int:
+    return layout.dp_shard * layout.cp
+
+
+def state_numel(shapes: ModelShapes, layout: MeshLayout, rank: int = 0) -> int:
+    """Elements of the parameter shards global rank `rank` holds (gradients and AdamW moments: the same)."""
+    c = coords_of(rank, layout)
+    shard, shard_rank = fsdp_degree(layout), c.dp_shard * layout.cp + c.cp  # dp_shard_cp: dp_shard-major
+    local = lambda params: sum(local_numel(p, layout.tp, c.tp, shard, shard_rank) for p in params)  # noqa: E731
+    blocks = balanced_split(shapes.n_blocks, layout.pp)[c.pp]
+    n = blocks * local(shapes.block)  # every block has the same shapes
+    if c.pp == 0:
+        n += local(shapes.first)
+    if c.pp == layout.pp - 1:
+        n += local(shapes.last)
+    return n
+
+
+def state_bytes(shapes: ModelShapes, layout: MeshLayout, precision: str, rank: int = 0) -> dict[str, int]:
+    """Bytes of parameters, gradients and AdamW exp_avg + exp_avg_sq on global rank `rank`."""
+    n = state_numel(shapes, layout, rank)
+    b = PRECISION_BYTES[precision]
+    return {"params": n * b["param"], "grads": n * b["grad"], "optimizer": n * b["optimizer"]}
+
+
+def first_rank_of_stage(layout: MeshLayout, stage: int) -> int:
+    """Rank 0 of each stage holds the largest torch.chunk pieces: the worst rank of that stage."""
+    return stage * (layout.world_size // layout.pp)
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What one optimizer step processes, and in what pieces.
+
+    micro_batch: sequences one data-parallel rank runs forward/backward at once. With pp > 1 the schedule runs
+    local_batch / micro_batch micro-batches per step; with pp = 1 Lightning accumulates that many batches
+    (accumulate_grad_batches).
+    """
+
+    global_batch: int  # sequences per optimizer step
+    seq_len: int
+    micro_batch: int = 1
+
+    def local_batch(self, layout: MeshLayout) -> int:
+        return self.global_batch // layout.dp
+
+    def microbatches(self, layout: MeshLayout) -> int:
+        return max(1, self.local_batch(layout) // self.micro_batch)
+
+    def tokens_per_microbatch(self, layout: MeshLayout) -> int:
+        """Tokens of one micro-batch on one rank (cp splits each sequence)."""
+        return self.micro_batch * self.seq_len // layout.cp
+
+
+def block_activation_elements_per_token(shapes: ModelShapes, tp: int, ac: str) -> float:
+    """Elements one block keeps for backward per token of this rank's sequence (flash-style attention: no
+    T x T scores). Under sequence parallelism the norm inputs are sequence shards (/tp); the all-gathered
+    inputs of the column-parallel linears are whole; everything between the column and row linears is /tp."""
+    c = shapes.config
+    h, f, kv = c.dim, c.ffn_hidden, c.n_kv_heads * c.head_dim
+    sequence_sharded = 2 * h / tp  # inputs of attention_norm and ffn_norm (the residual stream)
+    gathered = 2 * h  # norm outputs, gathered for wq/wk/wv and w1/w3
+    # q, k, v; roped q, k; k, v repeated to all heads; attention output; w1, w3, silu and product outputs
+    inside = (h + 2 * kv) + (h + kv) + 2 * h + h + 4 * f
+    if ac == "none":
+        return sequence_sharded + gathered + inside / tp
+    if ac == "selective":  # matmul, attention and collective outputs kept; norms and elementwise recomputed
+        return sequence_sharded + gathered + (h + 2 * kv + h + 2 * f) / tp
+    return h / tp  # full: only each block's input
+
+
+def activation_bytes(shapes: ModelShapes, layout: MeshLayout, work: Workload, precision: str, ac: str, stage: int) -> int:
+    """Activations pipeline stage `stage` holds at its peak (1F1B: up to pp - stage micro-batches in flight)."""
+    b = PRECISION_BYTES[precision]["activation"]
+    tokens = work.tokens_per_microbatch(layout)
+    # 1F1B: stage s holds up to pp - s micro-batches in flight; accumulation frees each before the next
+    in_flight = min(layout.pp - stage, work.microbatches(layout)) if layout.pp > 1 else 1
+    blocks = balanced_split(shapes.n_blocks, layout.pp)[stage]
+    per_token = blocks * block_activation_elements_per_token(shapes, layout.tp, ac) * b
+    if ac == "full":  # the block being recomputed holds everything once
+        per_token += block_activation_elements_per_token(shapes, layout.tp, "none") * b / in_flight
+    if stage == layout.pp - 1:
+        # whole logits (the head gathers them), their fp32 copy in the loss and its gradient
+        per_token += shapes.config.vocab_size * (b + 4 + 4) / in_flight
+    return int(tokens * in_flight * per_token)
+
+
+def buffer_bytes(shapes: ModelShapes, layout: MeshLayout, precision: str, stage: int) -> int:
+    """FSDP2's transient unsharded copies: two blocks' parameters (computing + prefetched) and the stage root's
+    (embedding / head, kept from forward to backward) in the compute dtype, plus one block's unsharded fp32
+    gradient before its reduce-scatter. Nothing without sharding (parameters already whole)."""
+    if fsdp_degree(layout) == 1:
+        return 0
+    gather = PRECISION_BYTES[precision]["gather"]
+    block = sum(local_numel(p, layout.tp, 0, 1, 0) for p in shapes.block)
+    root = [*(shapes.first if stage == 0 else ()), *(shapes.last if stage == layout.pp - 1 else ())]
+    root_numel = sum(local_numel(p, layout.tp, 0, 1, 0) for p in root)
+    return int(2 * block * gather + root_numel * gather + block * 4)
+
+
+def stages_to_check(shapes: ModelShapes, pp: int) -> list[int]:
+    """Stages that can be the worst: the first, the last, and the first stage of each block count (later
+    stages with as many blocks hold the same state and fewer micro-batches in flight)."""
+    split = balanced_split(shapes.n_blocks, pp)
+    first_with = {}
+    for stage, blocks in enumerate(split):
+        first_with.setdefault(blocks, stage)
+    return sorted({0, pp - 1, *first_with.values()})
+
+
+_STATE_CACHE: dict[tuple, tuple[ModelShapes, dict[str, int]]] = {}
+
+
+def _cached_state(shapes: ModelShapes, layout: MeshLayout, precision: str, stage: int) -> dict[str, int]:
+    key = (id(shapes), layout, precision, stage)
+    hit = _STATE_CACHE.get(key)
+    if hit is None or hit[0] is not shapes:
+        if len(_STATE_CACHE) > 100_000:
+            _STATE_CACHE.clear()
+        hit = _STATE_CACHE[key] = (shapes, state_bytes(shapes, layout, precision, first_rank_of_stage(layout, stage)))
+    return hit[1]
+
+
+def rank_memory(shapes: ModelShapes, layout: MeshLayout, work: Workload, precision: str, ac: str) -> dict[str, int]:
+    """The worst stage's per-rank bytes by component (the first rank of each stage holds the most)."""
+    worst: dict[str, int] = {}
+    for stage in stages_to_check(shapes, layout.pp):
+        m = dict(_cached_state(shapes, layout, precision, stage))
+        m["activations"] = activation_bytes(shapes, layout, work, precision, ac, stage)
+        m["buffers"] = buffer_bytes(shapes, layout, precision, stage)
+        m["total"] = sum(m.values())
+        m["stage"] = stage
+        if not worst or m["total"] > worst["total"]:
+            worst = m
+    return worst

@@ -1,0 +1,204 @@
+"""Enumerate every mesh (pp, dp_replicate, dp_shard, cp, tp) x activation checkpointing x precision for a world
+size, keep the ones lit_mesh can run and whose per-rank memory fits, and rank them by estimated step time.
+
+Expert parallel is not enumerated: its cost depends on the MoE model (experts, routing), which is not modelled.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field, replace
+
+from lit_mesh.mesh import MeshLayout
+from lit_mesh.planner.cost import StepTime, model_flops_per_step, step_time
+from lit_mesh.planner.hardware import GIB, Hardware
+from lit_mesh.planner.memory import AC_MODES, PRECISION_BYTES, Workload, rank_memory
+from lit_mesh.planner.shapes import ModelShapes
+
+DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+
+
+@dataclass
+class Candidate:
+    layout: MeshLayout
+    precision: str
+    ac: str
+    work: Workload  # with the micro-batch chosen
+    memory: dict[str, int]
+    time: StepTime
+    tokens_per_s: float
+    mfu: float
+    reasons: list[str] = field(default_factory=list)
+
+    def fits(self, hw: Hardware) -> bool:
+        return self.memory["total"] <= hw.usable_bytes
+
+    def name(self) -> str:
+        degrees = " x ".join(f"{d}={getattr(self.layout, d)}" for d in DIMS if getattr(self.layout, d) > 1) or "one device"
+        return f"{degrees}, {self.precision}, AC {self.ac}, micro-batch {self.work.micro_batch}"
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def factorisations(world: int) -> Iterable[MeshLayout]:
+    for pp in divisors(world):
+        for tp in divisors(world // pp):
+            for cp in divisors(world // pp // tp):
+                dp = world // pp // tp // cp
+                for replicate in divisors(dp):
+                    yield MeshLayout(pp=pp, dp_replicate=replicate, dp_shard=dp // replicate, cp=cp, tp=tp)
+
+
+def why_invalid(layout: MeshLayout, shapes: ModelShapes, work: Workload, hw: Hardware) -> str | None:
+    """The first reason lit_mesh could not run this layout (or would run it badly), or None."""
+    if hw.devices_per_node % layout.tp:
+        return f"tp must divide the {hw.devices_per_node} devices of a node (tensor parallel stays on NVLink)"
+    for what, size in shapes.tp_divides.items():
+        if size % layout.tp:
+            return f"tp must divide {what}={size}"
+    if layout.pp > shapes.n_blocks:
+        return f"pp must not exceed the {shapes.n_blocks} blocks"
+    if layout.pp > 1 and layout.cp > 1:
+        return "pp and cp together are not supported by MeshStrategy"
+    if work.global_batch % layout.dp:
+        return f"dp must divide the global batch of {work.global_batch} sequences"
+    if layout.pp > 1 and work.local_batch(layout) < layout.pp:
+        return "1F1B needs at least pp micro-batches (sequences per data-parallel rank)"
+    if work.seq_len % (2 * layout.cp) and layout.cp > 1:
+        return "cp (ring, load-balanced) needs the sequence length divisible by 2 x cp"
+    if (work.seq_len // layout.cp) % layout.tp:
+        return "sequence parallel needs each rank's sequence length divisible by tp"
+    return None
+
+
+def evaluate(layout: MeshLayout, shapes: ModelShapes, work: Workload, hw: Hardware, precision: str, ac: str) -> Candidate:
+    memory = rank_memory(shapes, layout, work, precision, ac)
+    time = step_time(shapes, layout, work, precision, ac, hw)
+    tokens = work.global_batch * work.seq_len
+    mfu = model_flops_per_step(shapes, work) / (time.total * layout.world_size * hw.peak_flops)
+    return Candidate(layout, precision, ac, work, memory, time, tokens / time.total, mfu)
+
+
+MAX_MICRO_BATCH = 32
+
+
+def micro_batches(layout: MeshLayout, work: Workload) -> list[int]:
+    """Sequences per micro-batch to try, largest first: divisors of the local batch (pp > 1: leaving at least pp
+    micro-batches for the schedule)."""
+    local = work.local_batch(layout)
+    sizes = [m for m in divisors(local) if m <= MAX_MICRO_BATCH and (layout.pp == 1 or local // m >= layout.pp)]
+    return sorted(sizes, reverse=True)
+
+
+def best_option(layout: MeshLayout, shapes: ModelShapes, work: Workload, hw: Hardware, precision: str, ac: str
+                ) -> tuple[Candidate | None, Candidate]:
+    """(the fastest fitting micro-batch size or None, the least-memory one)."""
+    fitting: list[Candidate] = []
+    smallest = None
+    for micro in micro_batches(layout, work):
+        w = replace(work, micro_batch=micro)
+        memory = rank_memory(shapes, layout, w, precision, ac)
+        if memory["total"] <= hw.usable_bytes:
+            fitting.append(evaluate(layout, shapes, w, hw, precision, ac))
+        elif smallest is None or memory["total"] < smallest[1]:
+            smallest = (w, memory["total"])
+    if fitting:
+        best = min(fitting, key=lambda c: c.time.total)
+        return best, min(fitting, key=lambda c: c.memory["total"])
+    assert smallest is not None
+    return None, evaluate(layout, shapes, smallest[0], hw, precision, ac)
+
+
+@dataclass
+class PlanResult:
+    ranked: list[Candidate]  # valid and fitting, fastest first
+    rejected: Counter  # reason -> number of (layout, precision, AC) options
+    smallest: Candidate | None  # the valid option with the least memory (what to show when nothing fits)
+    considered: int
+
+
+def plan(shapes: ModelShapes, work: Workload, hw: Hardware, precisions: Iterable[str] = ("bf16-mixed",),
+         ac_modes: Iterable[str] = AC_MODES, fixed: Mapping[str, int] | None = None) -> PlanResult:
+    precisions, ac_modes, fixed = tuple(precisions), tuple(ac_modes), dict(fixed or {})
+    for p in precisions:
+        if p not in PRECISION_BYTES:
+            raise ValueError(f"precision {p!r}; choose from {sorted(PRECISION_BYTES)}")
+    for a in ac_modes:
+        if a not in AC_MODES:
+            raise ValueError(f"activation checkpointing {a!r}; choose from {AC_MODES}")
+    rejected: Counter = Counter()
+    ranked: list[Candidate] = []
+    smallest: Candidate | None = None
+    considered = 0
+    for layout in factorisations(hw.world_size):
+        if any(getattr(layout, d) != v for d, v in fixed.items()):
+            continue
+        options = len(precisions) * len(ac_modes)
+        considered += options
+        reason = why_invalid(layout, shapes, work, hw)
+        if reason:
+            rejected[reason] += options
+            continue
+        for precision in precisions:
+            for ac in ac_modes:
+                best, least = best_option(layout, shapes, work, hw, precision, ac)
+                if smallest is None or least.memory["total"] < smallest.memory["total"]:
+                    smallest = least
+                if best is not None:
+                    ranked.append(best)
+                else:
+                    rejected[f"over {hw.usable_bytes / GIB:.1f} GiB per device (memory minus reserve)"] += 1
+    ranked.sort(key=lambda c: (c.time.total, c.memory["total"]))
+    for c in ranked:
+        c.reasons = explain(c, shapes, work, hw)
+    if smallest is not None:
+        smallest.reasons = explain(smallest, shapes, work, hw)
+    return PlanResult(ranked, rejected, smallest, considered)
+
+
+def _gib(n: float) -> str:
+    """Bytes in GiB, or MiB below one GiB (tiny models are planned too)."""
+    return f"{n / GIB:.1f} GiB" if n >= GIB else f"{n / 2**20:.1f} MiB"
+
+
+def _s(t: float) -> str:
+    return f"{t:.3f} s" if t >= 0.1 else f"{1e3 * t:.3f} ms"
+
+
+def explain(c: Candidate, shapes: ModelShapes, work: Workload, hw: Hardware) -> list[str]:
+    """Why this option: memory against the budget, where the time goes, and what each dim buys."""
+    m, t, layout = c.memory, c.time, c.layout
+    out = [
+        f"memory {_gib(m['total'])} of {_gib(hw.usable_bytes)} usable (worst stage {m['stage']}): params"
+        f" {_gib(m['params'])}, grads {_gib(m['grads'])}, AdamW {_gib(m['optimizer'])}, activations"
+        f" {_gib(m['activations'])}, FSDP buffers {_gib(m['buffers'])}",
+        f"step {_s(t.total)}: compute {_s(t.compute)}"
+        + "".join(f", {k} {_s(v)} (overlapped)" for k, v in t.overlapped.items())
+        + "".join(f", {k} {_s(v)} (exposed)" for k, v in t.exposed.items())
+        + (f", pipeline bubble +{100 * t.bubble:.0f}%" if t.bubble else "")
+        + f"; {c.tokens_per_s:,.0f} tokens/s, MFU {100 * c.mfu:.0f}%",
+    ]
+    overlapped = sum(t.overlapped.values())
+    if overlapped:
+        hidden = "hidden behind compute" if overlapped <= t.compute else "NOT hidden: it exceeds compute"
+        out.append(f"data-parallel/cp traffic {_s(overlapped)}, {hidden}")
+    if layout.tp > 1:
+        out.append(f"tp={layout.tp} inside a node: weights and activations / {layout.tp}, collectives on NVLink")
+    if layout.dp_replicate > 1:
+        out.append(f"HSDP: shards over {layout.dp_shard * layout.cp} ranks, replicas all-reduce across"
+                   f" {layout.dp_replicate} groups (less inter-node traffic than sharding over all)")
+    if layout.cp > 1:
+        out.append(f"cp={layout.cp}: each rank holds {work.seq_len // layout.cp} of {work.seq_len} tokens per sequence")
+    if layout.pp > 1:
+        out.append(f"pp={layout.pp}: {c.work.microbatches(layout)} micro-batches of {c.work.micro_batch} per step,"
+                   f" bubble {100 * t.bubble:.0f}%")
+    elif c.work.microbatches(layout) > 1:
+        out.append(f"gradient accumulation: {c.work.microbatches(layout)} micro-batches of {c.work.micro_batch}"
+                   " sequences per step (the whole local batch would not fit)")
+    if c.ac != "none":
+        extra = "+33% compute" if c.ac == "full" else "no extra matmuls"
+        out.append(f"AC {c.ac}: activations {_gib(m['activations'])} ({extra})")
+    return out

@@ -1,0 +1,145 @@
+"""Gradient compression, unit level: codecs, error feedback, PowerSGD, fusion, options (one process), and the
+compressors over real gloo groups (one 2-rank launch, tests/workers/compression_units.py)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from lightning.pytorch import Trainer
+
+from lit_mesh import CompressionOptions, CompressionStage, MeshStrategy
+from lit_mesh.comm.codecs import CastCodec, SignCodec, TopKCodec
+from lit_mesh.comm.fusion import fused, plan_buckets
+from lit_mesh.comm.options import CompressionConfigError
+from lit_mesh.comm.powersgd import initial_q, low_rank_sum
+from tests.launch import torchrun
+
+CODECS = {"fp16": CastCodec(torch.float16), "bf16": CastCodec(torch.bfloat16), "onebit": SignCodec(64), "topk": TopKCodec(0.05)}
+
+
+@pytest.mark.parametrize("name", sorted(CODECS))
+def test_error_feedback_conserves_the_signal_exactly(name: str) -> None:
+    codec = CODECS[name]
+    # fp32 gradients as fp64 tensors: the residual arithmetic is then exact for every codec (1-bit's
+    # sign x scale included); cast and top-k are exact in fp32 too
+    for dtype in (torch.float64, torch.float32):
+        x = torch.randn(1000, generator=torch.Generator().manual_seed(0)).float().to(dtype)
+        sent = codec.decode(codec.encode(x), x.numel(), dtype)
+        residual = x - sent
+        if dtype == torch.float32 and name == "onebit":
+            continue  # x - sign x scale rounds in fp32 (the residual is kept in the gradient's dtype)
+        assert torch.equal(sent + residual, x), name
+        assert not torch.equal(sent, x), "the codec must actually drop something"
+
+
+def test_powersgd_reconstructs_a_rank_r_matrix_exactly_at_rank_r() -> None:
+    gen = torch.Generator().manual_seed(1)
+    for rank in (1, 4):
+        m = torch.randn(48, rank, generator=gen, dtype=torch.float64) @ torch.randn(rank, 32, generator=gen, dtype=torch.float64)
+        q = initial_q(32, rank, "site", 0, torch.device("cpu")).double()
+        (approx,) = low_rank_sum([m], [q], lambda tensors: None)  # one rank: the sum is the matrix
+        torch.testing.assert_close(approx, m, rtol=1e-10, atol=1e-10)
+    # rank r cannot hold a rank r+1 matrix
+    m = torch.randn(48, 5, generator=gen, dtype=torch.float64) @ torch.randn(5, 32, generator=gen, dtype=torch.float64)
+    (approx,) = low_rank_sum([m], [initial_q(32, 4, "site", 0, torch.device("cpu")).double()], lambda t: None)
+    assert (approx - m).norm() > 1e-3 * m.norm()
+
+
+def test_topk_keeps_the_k_largest() -> None:
+    x = torch.randn(997, generator=torch.Generator().manual_seed(2))
+    codec = TopKCodec(0.03)
+    k = codec.k(x.numel())
+    assert k == math.ceil(0.03 * 997)
+    decoded = codec.decode(codec.encode(x), x.numel(), torch.float32)
+    kept = decoded.nonzero().flatten()
+    assert sorted(kept.tolist()) == sorted(x.abs().topk(k).indices.tolist())
+    assert torch.equal(decoded[kept], x[kept])
+    assert codec.payload_bytes(997) == 8 * k
+
+
+def test_onebit_codec_is_sign_times_block_mean() -> None:
+    x = torch.randn(300, generator=torch.Generator().manual_seed(3))
+    x[7] = 0.0
+    codec = SignCodec(64)
+    decoded = codec.decode(codec.encode(x), 300, torch.float32)
+    scale = torch.cat([x[i : i + 64].abs().mean().expand(len(x[i : i + 64])) for i in range(0, 300, 64)])
+    torch.testing.assert_close(decoded, torch.where(x >= 0, 1.0, -1.0) * scale, rtol=0, atol=0)
+    assert codec.payload_bytes(300) == 4 * 5 + 40  # 5 fp32 scales, 300 bits padded to whole words
+
+
+def test_fusion_packs_small_tensors_into_buckets() -> None:
+    assert plan_buckets([10, 10, 10, 100, 5], itemsize=4, cap_bytes=80) == [[0, 1], [2], [3], [4]]
+    tensors = [torch.full((n,), float(i)) for i, n in enumerate([3, 4, 50, 2])]
+    calls = []
+    fused(tensors, cap_bytes=40, collective=lambda flat: (calls.append(flat.numel()), flat.mul_(2)))
+    assert calls == [7, 50, 2]
+    assert [t.unique().item() for t in tensors] == [0.0, 2.0, 4.0, 6.0]
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ("fp8", "grad_compression='fp8' is not a compression mode; choose one of 'fp16', 'bf16', 'powersgd'"),
+        (CompressionOptions(mode="svd"), "grad_compression mode='svd' is not a compression mode"),
+        (CompressionOptions(mode="powersgd", powersgd_rank=0), "powersgd_rank=0 must be an int >= 1"),
+        (CompressionOptions(mode="topk", topk_ratio=0.0), "topk_ratio=0.0 must be in (0, 1]"),
+        (CompressionOptions(mode="topk", topk_ratio=1.5), "topk_ratio=1.5 must be in (0, 1]"),
+        (CompressionOptions(warmup_steps=-1), "warmup_steps=-1 must be an int >= 0"),
+        (CompressionOptions(schedule=[CompressionStage("onebit")]), "has neither start_step nor grad_norm_change_below"),
+        (CompressionOptions(warmup_steps=5, schedule=[CompressionStage("fp16", start_step=2)]), "start_step=2 comes before"),
+    ],
+)
+def test_bad_compression_settings_fail_at_construction(value: object, message: str) -> None:
+    with pytest.raises(CompressionConfigError) as error:
+        MeshStrategy(grad_compression=value)
+    assert message in str(error.value)
+
+
+def test_compression_without_a_data_parallel_dim_fails_before_any_process_starts() -> None:
+    with pytest.raises(CompressionConfigError) as error:
+        Trainer(accelerator="cpu", devices=2, strategy=MeshStrategy(tp=2, grad_compression="onebit"), logger=False)
+    assert "grad_compression='onebit' but the mesh has no data-parallel dim" in str(error.value)
+    assert "give dp or dp_replicate > 1" in str(error.value)
+
+
+def test_compressors_over_gloo(tmp_path: Path) -> None:
+    """2 ranks: the two-stage 1-bit all-reduce equals its formula; top-k and fp16 reduce-scatters equal theirs;
+    PowerSGD sums rank-r matrices exactly; nothing is lost across steps and mode switches; bytes counted."""
+    out = tmp_path / "units.json"
+    proc = torchrun(2, "compression_units.py", str(out), timeout=180)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-4000:]
+    checks = json.loads(out.read_text())
+    failed = {name: detail for name, detail in checks.items() if detail is not True}
+    assert not failed, failed
+    assert len(checks) >= 8
+
+
+def test_checkpoint_state_restores_on_the_same_layout_and_resets_with_a_warning_on_another(tmp_path: Path) -> None:
+    from lit_mesh.comm.compression import GradientCompression
+    from lit_mesh.comm.state import load_compression_state, save_compression_state
+
+    saved = GradientCompression(CompressionOptions(mode="fp16", schedule=[CompressionStage("onebit", start_step=3)]))
+    site = saved.compressor("model.layers.0:reduce_scatter")
+    site.residual, site.qs = torch.randn(10), {0: torch.randn(4, 2)}
+    saved.begin_step(0)
+    saved.begin_step(3)  # now in the onebit stage
+    save_compression_state(saved, tmp_path, rank=1, world_size=2, layout="dp_replicate=2")
+
+    same = GradientCompression(saved.options)
+    same.compressor("model.layers.0:reduce_scatter")
+    assert load_compression_state(same, tmp_path, rank=1, world_size=2, layout="dp_replicate=2") is None
+    assert torch.equal(same.compressors["model.layers.0:reduce_scatter"].residual, site.residual)
+    assert torch.equal(same.compressors["model.layers.0:reduce_scatter"].qs[0], site.qs[0])
+    assert (same.stage, same.step, same.mode) == (1, 3, "onebit")
+
+    other = GradientCompression(saved.options)
+    other.compressor("model.layers.0:reduce_scatter")
+    with pytest.warns(UserWarning, match="gradient compression starts afresh .* saved on 'dp_replicate=2', this run is 'dp=4'"):
+        why = load_compression_state(other, tmp_path, rank=1, world_size=4, layout="dp=4")
+    assert why is not None
+    assert other.compressors["model.layers.0:reduce_scatter"].residual is None  # reset
+    assert other.mode == "onebit"  # the schedule's position is kept

@@ -1,0 +1,293 @@
+"""Hugging Face transformers models under MeshStrategy, and zoo <-> transformers conversions.
+
+Layout parity through the `lit-mesh` CLI (fp32: relative 1e-4 per step over 10 steps, final full parameters
+1e-4): transformers GPT-2 and Llama in a plain LightningModule (zoo.hf.HFCausalLM) under tp2 and fsdp2 x tp2,
+ViT under fsdp2, Llama built whole in __init__ (not on the meta device) under tp2, and the user example
+examples/hf_model.py under tp2. One torchrun launch per world size
+(1, 2, 4) runs every run, the export checkpoints and the error cases.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.launch import REPO, torchrun
+
+STEPS = 10
+S = "--trainer.strategy.init_args."
+QUIET = [
+    f"--trainer.max_steps={STEPS}", "--trainer.log_every_n_steps=1", "--trainer.logger=CSVLogger",
+    "--seed_everything=0", "--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false",
+]  # fmt: skip
+NO_CKPT = ["--trainer.enable_checkpointing=false"]
+TEXT = ["-c", str(REPO / "configs/gpt.yaml"), "--data.global_batch_size=8", "--model=zoo.hf.HFCausalLM"]
+IMAGES = ["-c", str(REPO / "configs/vit.yaml"), "--model=zoo.hf.HFImageClassifier"]
+
+
+def _fit(name: str, n: int, base: list[str], *extra: str, checkpoint: bool = False) -> dict:
+    args = [*base, f"--trainer.devices={n}", *QUIET, *([] if checkpoint else NO_CKPT), *extra]
+    return {"kind": "fit", "name": name, "args": args}
+
+
+def _gpt2(*extra: str) -> tuple[str, ...]:
+    return ("--model.init_args.architecture=gpt2", *extra)
+
+
+def _error(name: str, *extra: str) -> dict:
+    args = [*TEXT, "--trainer.devices=2", "--trainer.max_steps=1", "--trainer.logger=false", *NO_CKPT, *extra]
+    return {"kind": "error", "name": name, "args": args}
+
+
+# name -> the single-device run it must match
+PARITY = {
+    "llama-tp2": "llama-single",
+    "llama-fsdp2_tp2": "llama-single",
+    "gpt2-tp2": "gpt2-single",
+    "gpt2-fsdp2_tp2": "gpt2-single",
+    "vit-fsdp2": "vit-single",
+    "llama-init-tp2": "llama-init-single",  # built whole in __init__ (as from_pretrained), then sharded
+}
+INIT = "--model.init_args.build=init"
+LAUNCHES: dict[int, list[dict]] = {
+    1: [
+        _fit("llama-single", 1, TEXT),
+        _fit("gpt2-single", 1, TEXT, *_gpt2()),
+        _fit("vit-single", 1, IMAGES),
+        _fit("llama-init-single", 1, TEXT, INIT),
+        {"kind": "example", "name": "example-single", "args": ["hf_model.py", "--devices", "1"]},
+    ],
+    2: [
+        _fit("llama-tp2", 2, TEXT, f"{S}tp=2", checkpoint=True),  # its checkpoint is exported below
+        _fit("gpt2-tp2", 2, TEXT, *_gpt2(f"{S}tp=2"), checkpoint=True),
+        _fit("vit-fsdp2", 2, IMAGES, f"{S}dp=2"),
+        _fit("llama-init-tp2", 2, TEXT, INIT, f"{S}tp=2"),
+        # a zoo GPT trained sharded, exported to a transformers Llama directory
+        _fit("zoo-gpt-fsdp2", 2, ["-c", str(REPO / "configs/gpt.yaml"), "--data.global_batch_size=8"], f"{S}dp=2",
+             "--trainer.max_steps=2", "--trainer.limit_val_batches=0", checkpoint=True),  # fmt: skip
+        {"kind": "example", "name": "example-tp2", "args": ["hf_model.py", "--devices", "2", "--tp", "2"]},
+        _error("no_plan", f"{S}tp=2", "--model.init_args.architecture=opt"),
+        _error("tp_vs_kv_heads", f"{S}tp=2", "--model.init_args.config_overrides={num_key_value_heads: 1}"),
+        _error("sp_vs_seq_len", f"{S}tp=2", "--data.init_args.seq_len=63"),
+    ],
+    4: [
+        _fit("llama-fsdp2_tp2", 4, TEXT, f"{S}tp=2"),
+        _fit("gpt2-fsdp2_tp2", 4, TEXT, *_gpt2(f"{S}tp=2")),
+    ],
+}
+
+
+@pytest.fixture(scope="module")
+def out(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("hf")
+    for nproc, runs in LAUNCHES.items():
+        spec = out / f"runs_{nproc}.json"
+        spec.write_text(json.dumps(runs))
+        proc = torchrun(nproc, "hf_runs.py", str(out), str(spec), timeout=600)
+        if proc.returncode != 0:
+            raise AssertionError(f"hf_runs with {nproc} processes failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    return out
+
+
+def losses(out: Path, name: str) -> list[float]:
+    per_step = json.loads((out / name / "result.json").read_text())["metrics"]["train_loss"]
+    return [per_step[s] for s in sorted(per_step, key=int)]
+
+
+def assert_same_curve(reference: list[float], got: list[float], what: str) -> None:
+    assert len(reference) == len(got) == STEPS, (what, reference, got)
+    for step, (a, b) in enumerate(zip(reference, got), start=1):
+        assert abs(a - b) <= 1e-4 * abs(a), f"step {step}: {what} loss {b} vs single-device {a}"
+
+
+@pytest.mark.parametrize("name", sorted(PARITY))
+def test_transformers_model_matches_single_device(out: Path, name: str) -> None:
+    reference = losses(out, PARITY[name])
+    assert len(set(reference)) == STEPS, "the reference run must update the model at every step"
+    assert_same_curve(reference, losses(out, name), name)
+    ref_params = torch.load(out / PARITY[name] / "params.pt", weights_only=True)
+    params = torch.load(out / name / "params.pt", weights_only=True)
+    assert ref_params.keys() == params.keys()
+    for key, ref in ref_params.items():
+        diff = (params[key] - ref).abs().max().item()
+        assert diff <= 1e-4, f"{name}: parameter {key} differs by {diff}"
+
+
+def test_parity_check_can_fail(out: Path) -> None:
+    """Another model, or a 1e-3 nudge of one step, is caught."""
+    with pytest.raises(AssertionError):
+        assert_same_curve(losses(out, "llama-single"), losses(out, "gpt2-single"), "another model")
+    nudged = [v * (1 + 1e-3) if i == 4 else v for i, v in enumerate(losses(out, "llama-tp2"))]
+    with pytest.raises(AssertionError):
+        assert_same_curve(losses(out, "llama-single"), nudged, "nudged")
+
+
+def test_example_matches_single_device(out: Path) -> None:
+    single = json.loads((out / "example-single.json").read_text())
+    tp2 = json.loads((out / "example-tp2.json").read_text())
+    assert (single["world_size"], tp2["world_size"]) == (1, 2)
+    assert len(set(single["losses"])) == STEPS and single["losses"][-1] < single["losses"][0]
+    for step, (a, b) in enumerate(zip(single["losses"], tp2["losses"], strict=True), start=1):
+        assert abs(a - b) <= 1e-4 * abs(a), f"example step {step}: tp2 {b} vs single {a}"
+
+
+def _checkpoint(out: Path, name: str) -> Path:
+    found = sorted((out / name).rglob("*.ckpt"))
+    assert found, f"{name} wrote no checkpoint"
+    assert found[-1].is_dir(), "MeshStrategy writes sharded checkpoints (a directory)"
+    return found[-1]
+
+
+@pytest.mark.parametrize(("name", "architecture"), [("llama-tp2", "llama"), ("gpt2-tp2", "gpt2")])
+def test_exported_checkpoint_loads_with_from_pretrained(out: Path, tmp_path: Path, name: str, architecture: str) -> None:
+    """A tp2-sharded checkpoint -> transformers directory -> from_pretrained: the trained model's logits."""
+    from transformers import AutoModelForCausalLM
+
+    from zoo.convert import export_hf
+    from zoo.hf import tiny_config
+
+    directory = export_hf(_checkpoint(out, name), tmp_path / "hf")
+    assert (directory / "config.json").is_file() and list(directory.glob("*.safetensors"))
+    loaded = AutoModelForCausalLM.from_pretrained(directory).eval()
+    trained = AutoModelForCausalLM.from_config(tiny_config(architecture)).eval()
+    weights = torch.load(out / name / "params.pt", weights_only=True)
+    trained.load_state_dict({k.removeprefix("model."): v for k, v in weights.items()})
+    tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert (loaded(input_ids=tokens).logits - trained(input_ids=tokens).logits).abs().max().item() <= 1e-5
+
+
+def test_exported_zoo_gpt_checkpoint_is_a_llama(out: Path, tmp_path: Path) -> None:
+    from transformers import LlamaForCausalLM
+
+    from zoo import GPT, GPTConfig
+    from zoo.convert import export_hf
+
+    directory = export_hf(_checkpoint(out, "zoo-gpt-fsdp2"), tmp_path / "llama")
+    llama = LlamaForCausalLM.from_pretrained(directory).eval()
+    gpt = GPT(GPTConfig.from_preset("tiny")).eval()
+    weights = torch.load(out / "zoo-gpt-fsdp2" / "params.pt", weights_only=True)
+    gpt.load_state_dict({k.removeprefix("model."): v for k, v in weights.items()})
+    tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert (llama(input_ids=tokens).logits - gpt(tokens)).abs().max().item() <= 1e-5
+
+
+def test_errors_name_the_model_and_the_fix(out: Path) -> None:
+    errors = json.loads((out / "errors_2.json").read_text())
+    message = errors["no_plan"]["message"]
+    assert "tp=2: no tensor-parallel plan is known for the transformers model OPTForCausalLM" in message
+    assert "lit_mesh.hf.register_plan('OPTForCausalLM', builder)" in message and "tp=1" in message
+    message = errors["tp_vs_kv_heads"]["message"]
+    assert "tp=2 does not divide num_key_value_heads=1 of LlamaForCausalLM (choose tp in [1])" in message
+    # sequence parallelism shards the first decoder layer's input: an odd length is refused there, by number
+    message = errors["sp_vs_seq_len"]["message"]
+    assert "sequence length divisible by tp: model.layers.0 sees length 63, tp=2" in message
+    assert "sequence_parallel=False" in message
+
+
+# ---- in this process: conversions and plan selection ------------------------------------------------------
+
+
+def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a - b).abs().max().item()
+
+
+def test_zoo_gpt_and_llama_give_the_same_logits_both_ways(tmp_path: Path) -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from zoo import GPT, GPTConfig
+    from zoo.convert import hf_to_zoo, load_hf_as_zoo, save_hf, zoo_to_hf
+
+    torch.manual_seed(0)
+    tokens = torch.randint(0, 256, (2, 24))
+    gpt = GPT(GPTConfig.from_preset("tiny")).eval()
+    with torch.no_grad():
+        assert _max_diff(zoo_to_hf(gpt)(input_ids=tokens).logits, gpt(tokens)) <= 1e-5
+        llama = LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+                                             num_attention_heads=8, num_key_value_heads=2)).eval()  # fmt: skip
+        assert _max_diff(hf_to_zoo(llama)(tokens), llama(input_ids=tokens).logits) <= 1e-5
+        # through a transformers directory (config.json + safetensors), both ways
+        save_hf(gpt, tmp_path / "llama")
+        assert _max_diff(LlamaForCausalLM.from_pretrained(tmp_path / "llama")(input_ids=tokens).logits, gpt(tokens)) <= 1e-5
+        assert _max_diff(load_hf_as_zoo(tmp_path / "llama")(tokens), gpt(tokens)) <= 1e-5
+        # the check can fail: another weight gives other logits
+        other = zoo_to_hf(gpt)
+        other.model.layers[0].mlp.up_proj.weight.mul_(1.01)
+        assert _max_diff(other(input_ids=tokens).logits, gpt(tokens)) > 1e-5
+
+
+def test_zoo_vit_and_transformers_vit_give_the_same_logits_both_ways() -> None:
+    from zoo import ViT, ViTConfig
+    from zoo.convert import hf_to_zoo, zoo_to_hf
+
+    torch.manual_seed(0)
+    images = torch.rand(3, 1, 8, 8)
+    vit = ViT(ViTConfig.from_preset("tiny", n_registers=0)).eval()
+    with torch.no_grad():
+        hf = zoo_to_hf(vit)
+        assert _max_diff(hf(pixel_values=images).logits, vit(images)) <= 1e-5
+        hf.vit.layers[1].mlp.fc1.weight.mul_(1.05)  # a transformers model with weights of its own
+        assert _max_diff(hf_to_zoo(hf)(images), hf(pixel_values=images).logits) <= 1e-5
+        assert _max_diff(hf(pixel_values=images).logits, vit(images)) > 1e-5
+
+
+def test_conversion_between_mismatched_shapes_names_the_tensors() -> None:
+    from zoo import GPT, GPTConfig, ViTConfig
+    from zoo.convert import ConversionError
+    from zoo.convert.api import zoo_state_to_hf
+    from zoo.convert.llama import LLAMA
+    from zoo.convert.vit import to_vit_hf_config
+
+    with torch.device("meta"):
+        state = GPT(GPTConfig.from_preset("tiny")).state_dict()
+    with pytest.raises(ConversionError) as error:
+        zoo_state_to_hf(LLAMA, state, GPTConfig.from_preset("tiny", dim=128, n_heads=8))
+    message = str(error.value)
+    assert "do not fit the transformers model LlamaForCausalLM" in message
+    assert "model.embed_tokens.weight: (256, 64) given, (256, 128) expected" in message
+    assert "convert with the configuration the weights were trained with" in message
+    with pytest.raises(ValueError, match="n_registers=3: transformers' ViT has no register tokens"):
+        to_vit_hf_config(ViTConfig.from_preset("tiny"))
+
+
+def test_plans_are_selected_by_class_and_can_be_named() -> None:
+    from transformers import AutoModelForCausalLM
+
+    from lit_mesh.hf import declared_plan, plan_for, register_plan, use_plan
+    from lit_mesh.parallel.apply import find_plan_owners
+    from zoo.hf import tiny_config
+
+    with torch.device("meta"):
+        llama = AutoModelForCausalLM.from_config(tiny_config("llama"))
+        opt = AutoModelForCausalLM.from_config(tiny_config("opt"))
+    plan = plan_for(llama)  # transformers' own TP plan, plus SP and the blocks
+    assert plan.blocks == "model.layers"
+    assert plan.tp_block["self_attn.q_proj"] == "colwise" and plan.tp_block["mlp.down_proj"] == "rowwise"
+    assert plan.tp_block["self_attn"] == "gather_hidden_states" and plan.tp_block["input_layernorm"] == "norm"
+    assert plan.tp_root["lm_head"] == "head" and plan.tp_root["model.embed_tokens"] == "vocab_embedding"
+    assert plan.tp_root["model.layers.0"] == "shard_hidden_states"
+    assert plan.tp_divides == {"num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 128, "vocab_size": 256}
+    # found inside a LightningModule-like root, only the outermost transformers model
+    root = torch.nn.Module()
+    root.model = llama
+    assert [(o.name, o.plan.blocks) for o in find_plan_owners(root)] == [("model", "model.layers")]
+    assert declared_plan(torch.nn.Linear(2, 2)) is None
+    # no known plan: FSDP per decoder layer, TP refused by name
+    assert plan_for(opt).blocks == "model.decoder.layers" and "OPTForCausalLM" in plan_for(opt).tp_unavailable
+    # named explicitly: for one model, or for a class
+    assert plan_for(use_plan(opt, lambda m: plan)) is plan
+    register_plan("OPTForCausalLM", lambda m: plan)
+    try:
+        with torch.device("meta"):
+            another_opt = AutoModelForCausalLM.from_config(tiny_config("opt"))
+        assert plan_for(another_opt) is plan
+    finally:
+        from lit_mesh.hf.registry import _BY_CLASS
+
+        _BY_CLASS.pop("OPTForCausalLM")
+    with pytest.raises(ValueError, match="unknown architecture 'bert'"):
+        register_plan("BertModel", "bert")

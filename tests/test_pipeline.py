@@ -1,0 +1,169 @@
+"""Pipeline parallel through the `lit-mesh` CLI: every schedule, and pp with FSDP and TP, trains the same
+model on the same global batches as one device (fp32, relative 1e-4 per step over 10 steps; validation
+loss and final parameters too), logs the true loss on every rank, and resumes exactly from a checkpoint."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.launch import REPO, cli_runs, run_command
+
+STEPS = 10
+S = "--trainer.strategy.init_args."
+COMMON = [
+    f"--trainer.max_steps={STEPS}", "--trainer.log_every_n_steps=1", "--trainer.logger=CSVLogger",
+    "--seed_everything=0", "--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false",
+    "--trainer.enable_checkpointing=false", "--trainer.num_sanity_val_steps=0",
+    # validation through the pipeline twice during training (batch 5 is inside an accumulation window)
+    "--trainer.val_check_interval=5", "--trainer.limit_val_batches=2",
+]  # fmt: skip
+GPT = ["-c", str(REPO / "configs/gpt.yaml"), "--model.init_args.config_overrides={n_layers: 4}", "--data.global_batch_size=8"]
+VIT = ["-c", str(REPO / "configs/vit.yaml"), "--data.global_batch_size=8"]
+ACCUM_CLIP = ["--trainer.accumulate_grad_batches=2", "--trainer.gradient_clip_val=0.05"]  # a clip that bites
+
+# name: (world size, recipe, arguments); "<recipe>-single" runs are the references
+RUNS: dict[str, tuple[int, list[str], list[str]]] = {
+    "gpt-single": (1, GPT, []),
+    "gpt-single-accum2-clip": (1, GPT, ACCUM_CLIP),
+    "vit-single": (1, VIT, []),
+    "gpt-pp2-gpipe": (2, GPT, [f"{S}pp=2", f"{S}pp_schedule=gpipe"]),
+    "gpt-pp2-1f1b": (2, GPT, [f"{S}pp=2", f"{S}pp_schedule=1f1b"]),
+    "gpt-pp2-interleaved": (2, GPT, [f"{S}pp=2", f"{S}pp_schedule=interleaved_1f1b", f"{S}pp_stages_per_rank=2"]),
+    "gpt-pp2-zero_bubble": (2, GPT, [f"{S}pp=2", f"{S}pp_schedule=zero_bubble"]),
+    "gpt-pp2-zbv": (2, GPT, [f"{S}pp=2", f"{S}pp_schedule=zbv", f"{S}pp_microbatches=4"]),
+    "vit-pp2": (2, VIT, [f"{S}pp=2"]),
+    "gpt-pp4-1f1b": (4, GPT, [f"{S}pp=4", f"{S}pp_schedule=1f1b"]),
+    "gpt-pp2-fsdp2": (4, GPT, [f"{S}pp=2", f"{S}dp=2"]),
+    "gpt-pp2-tp2": (4, GPT, [f"{S}pp=2", f"{S}tp=2"]),
+    "gpt-pp2-fsdp2-accum2-clip": (4, GPT, [f"{S}pp=2", f"{S}dp=2", *ACCUM_CLIP]),
+}
+REFERENCE = {"gpt-pp2-fsdp2-accum2-clip": "gpt-single-accum2-clip"}
+TIMELINE = "gpt-pp2-zero_bubble"  # this run also draws the PipelineTimeline of its step 3
+
+
+def reference_name(name: str) -> str:
+    """The single-device run a pipelined run is compared with."""
+    return REFERENCE.get(name, name.split("-")[0] + "-single")
+
+
+def _checkpointing(directory: Path) -> list[str]:
+    return [
+        "--trainer.enable_checkpointing=true", "--trainer.callbacks+=ModelCheckpoint",
+        f"--trainer.callbacks.dirpath={directory}", "--trainer.callbacks.every_n_train_steps=5",
+        "--trainer.callbacks.save_top_k=-1", "--trainer.callbacks.filename={step}",
+    ]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    out = tmp_path_factory.mktemp("pipeline")
+    found: dict = {"_dir": out}
+    pp2_fsdp2 = [*GPT, "--trainer.devices=4", *COMMON, f"{S}pp=2", f"{S}dp=2", "--trainer.limit_val_batches=0"]
+    resume = [
+        {"name": "resume-first", "args": [*pp2_fsdp2, "--trainer.max_steps=5", *_checkpointing(out / "ckpt")]},
+        {"name": "resume-rest", "args": [*pp2_fsdp2, *_checkpointing(out / "ckpt_rest"), f"--ckpt_path={out / 'ckpt' / 'step=5.ckpt'}"]},
+    ]  # fmt: skip
+    timeline = ["--trainer.callbacks+=lit_mesh.PipelineTimeline", f"--trainer.callbacks.dirpath={out / 'timeline'}"]
+    for nproc in (1, 2, 4):
+        runs = [
+            {"name": name, "args": [*recipe, f"--trainer.devices={n}", *COMMON, *extra, *(timeline if name == TIMELINE else [])]}
+            for name, (n, recipe, extra) in RUNS.items()
+            if n == nproc
+        ]
+        found.update(cli_runs(nproc, out, runs + (resume if nproc == 4 else [])))
+    return found
+
+
+def _per_step(result: dict, key: str) -> dict[int, float]:
+    return {int(step): value for step, value in result["metrics"][key].items()}
+
+
+def _assert_close(reference: dict[int, float], got: dict[int, float], what: str) -> None:
+    assert sorted(reference) == sorted(got), (what, sorted(reference), sorted(got))
+    for step, value in reference.items():
+        assert abs(got[step] - value) <= 1e-4 * abs(value), f"{what} at step {step}: {got[step]} vs one device {value}"
+
+
+@pytest.mark.parametrize("name", [n for n, (world, _, _) in RUNS.items() if world > 1])
+def test_pipeline_matches_single_device(results: dict, name: str) -> None:
+    reference = results[reference_name(name)]
+    candidate = results[name]
+    assert candidate["world_size"] == RUNS[name][0]
+    ref_train = _per_step(reference, "train_loss")
+    assert len(ref_train) == STEPS and len(set(ref_train.values())) == STEPS
+    # rank 0 holds the first stage, which computes no loss: what it logs is the last stage's, broadcast
+    _assert_close(ref_train, _per_step(candidate, "train_loss"), f"{name} train_loss")
+    _assert_close(_per_step(reference, "val_loss"), _per_step(candidate, "val_loss"), f"{name} val_loss")
+    out: Path = results["_dir"]
+    ref_params = torch.load(out / reference_name(name) / "params.pt", weights_only=True)
+    params = torch.load(out / name / "params.pt", weights_only=True)
+    assert ref_params.keys() == params.keys(), "every stage's parameters, under the single-device names"
+    for key, ref in ref_params.items():
+        diff = (params[key] - ref).abs().max().item()
+        assert diff <= 1e-4, f"{name}: parameter {key} differs by {diff}"
+
+
+def test_the_clip_in_the_accumulation_case_bites(results: dict) -> None:
+    plain, clipped = _per_step(results["gpt-single"], "train_loss"), _per_step(results["gpt-single-accum2-clip"], "train_loss")
+    assert plain[STEPS - 1] != pytest.approx(clipped[STEPS - 1], rel=1e-3)
+
+
+def test_resume_from_a_pp2_fsdp2_checkpoint_continues_exactly(results: dict) -> None:
+    full = _per_step(results["gpt-pp2-fsdp2"], "train_loss")
+    first, rest = _per_step(results["resume-first"], "train_loss"), _per_step(results["resume-rest"], "train_loss")
+    assert sorted(first) == list(range(5)) and sorted(rest) == list(range(5, STEPS))
+    assert (results["_dir"] / "ckpt" / "step=5.ckpt").is_dir()
+    for step in range(STEPS):
+        value = first[step] if step < 5 else rest[step]
+        assert abs(value - full[step]) <= 1e-6 * abs(full[step]), (step, value, full[step])
+
+
+def test_timeline_png(results: dict) -> None:
+    out: Path = results["_dir"] / "timeline"
+    assert (out / "pipeline_timeline.png").stat().st_size > 10_000
+    timeline = json.loads((out / "pipeline_timeline.json").read_text())
+    assert timeline["title"].startswith("zero_bubble, pp=2, 2 micro-batches")
+    assert len(timeline["ranks"]) == 2
+    for rank, summary in enumerate(timeline["ranks"]):
+        blocks = summary["blocks"]
+        # 2 stages on each rank x 2 micro-batches: each block kind once per (stage, micro-batch)
+        for kind in ("F", "I", "W"):
+            done = sorted((b["stage"], b["microbatch"]) for b in blocks if b["kind"] == kind)
+            assert done == [(s, m) for s in (rank, rank + 2) for m in (0, 1)], (rank, kind, done)
+        assert all(0 <= b["start"] <= b["end"] <= summary["step_time_s"] for b in blocks)
+        assert 0 <= summary["bubble_fraction"] < 1
+        assert summary["busy_s"] == pytest.approx(sum(b["end"] - b["start"] for b in blocks))
+        assert summary["peak_saved_activation_bytes"] > 0
+
+
+def test_test_and_predict_run_through_the_pipeline_and_match_one_device(tmp_path: Path) -> None:
+    """The console script end to end: fit the ViT on pp=2 with a checkpoint, then `test` on pp=2 and on one
+    device from that checkpoint (a pp -> single reshard): the same test loss and accuracy; `predict` runs."""
+
+    def lit_mesh(*args: str) -> None:
+        proc = run_command(["lit-mesh", *args, "--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false"], 300)
+        assert proc.returncode == 0, f"lit-mesh {' '.join(args)}:\n{proc.stderr[-4000:]}"
+
+    common = ["-c", str(REPO / "configs/vit.yaml"), "--trainer.logger=CSVLogger", "--data.global_batch_size=8"]
+    pp2 = ["--trainer.devices=2", f"{S}pp=2"]
+    lit_mesh(
+        "fit", *common, *pp2, "--trainer.max_steps=3", "--trainer.limit_val_batches=1", f"--trainer.logger.save_dir={tmp_path}",
+        "--trainer.callbacks+=ModelCheckpoint", f"--trainer.callbacks.dirpath={tmp_path / 'ckpt'}",
+        "--trainer.callbacks.save_last=true",
+    )  # fmt: skip
+    checkpoint = f"--ckpt_path={tmp_path / 'ckpt' / 'last.ckpt'}"
+    tested = {}
+    for name, mesh in {"pp2": pp2, "single": ["--trainer.devices=1"]}.items():
+        save_dir = tmp_path / f"test_{name}"
+        lit_mesh("test", *common, *mesh, checkpoint, "--trainer.limit_test_batches=3", f"--trainer.logger.save_dir={save_dir}")
+        (metrics,) = list(save_dir.rglob("metrics.csv"))
+        tested[name] = {k: float(v) for k, v in next(csv.DictReader(metrics.open())).items() if k.startswith("test_")}
+    assert set(tested["pp2"]) == {"test_loss", "test_acc"}
+    for key, value in tested["single"].items():
+        assert tested["pp2"][key] == pytest.approx(value, rel=1e-5), (key, tested)
+    lit_mesh("predict", *common, *pp2, checkpoint, "--trainer.limit_predict_batches=2", f"--trainer.logger.save_dir={tmp_path}")

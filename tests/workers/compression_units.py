@@ -1,0 +1,189 @@
+"""Gradient compressors over a real gloo group (run by tests/test_compression.py with 2 ranks).
+
+Usage: torchrun --nproc_per_node=2 tests/workers/compression_units.py OUT_JSON
+Rank 0 writes {check: True or what went wrong}.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import traceback
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from lit_mesh.comm.codecs import make_codec
+from lit_mesh.comm.compression import GradientCompression, Segment
+from lit_mesh.comm.options import CompressionOptions, CompressionStage
+
+
+def gathered(x: torch.Tensor) -> list[torch.Tensor]:
+    out = [torch.empty_like(x) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, x.contiguous())
+    return out
+
+
+def inputs(length: int, step: int = 0) -> list[torch.Tensor]:
+    """Every rank's input (each rank draws all of them: the formulas need them all)."""
+    return [torch.randn(length, generator=torch.Generator().manual_seed(100 * step + r)) for r in range(dist.get_world_size())]
+
+
+def roundtrip(codec, x: torch.Tensor) -> torch.Tensor:
+    return codec.decode(codec.encode(x), x.numel(), x.dtype)
+
+
+def onebit_all_reduce_formula() -> None:
+    n, me = dist.get_world_size(), dist.get_rank()
+    run = GradientCompression(CompressionOptions(mode="onebit", onebit_block=64))
+    site, codec = run.compressor("ar"), make_codec("onebit", 64, 0.0)
+    xs = inputs(1000)
+    out = xs[me].clone()
+    site.all_reduce(out, dist.group.WORLD, average=True, dim="dp_replicate")
+    # stage one: every rank's chunks as sent; rank j sums chunk j; stage two: the mean chunk re-encoded
+    sent = [torch.cat([roundtrip(codec, c) for c in x.view(n, -1)]) for x in xs]
+    means = (torch.stack(sent).sum(0) / n).view(n, -1)
+    expected = torch.cat([roundtrip(codec, m) for m in means])
+    torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(site.residual, xs[me] - sent[me], rtol=0, atol=0)
+    torch.testing.assert_close(site.server_residual, means[me] - roundtrip(codec, means[me]), rtol=0, atol=0)
+    # bytes: n-1 of the n 1-bit payloads out in each stage, against a ring all-reduce of fp32
+    payload = codec.payload_bytes(1000 // n)
+    got = run.meter.current["dp_replicate"]
+    assert got["sent"] == 2 * (n - 1) * payload, got
+    assert got["uncompressed"] == 2 * (n - 1) / n * 4000, got
+
+
+def reduce_scatter_formula(mode: str) -> None:
+    n, me = dist.get_world_size(), dist.get_rank()
+    run = GradientCompression(CompressionOptions(mode=mode, topk_ratio=0.1))
+    site, codec = run.compressor("rs"), run.codec()
+    xs = inputs(1200)
+    out = torch.empty(1200 // n)
+    site.reduce_scatter(out, xs[me], dist.group.WORLD, average=True, dim="dp_shard")
+    expected = torch.stack([roundtrip(codec, x.view(n, -1)[me]) for x in xs]).sum(0) / n
+    torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-7)
+    mine = torch.cat([roundtrip(codec, c) for c in xs[me].view(n, -1)])
+    assert torch.equal(site.residual + mine, xs[me]) or mode == "onebit"
+
+
+def powersgd_sums_rank_r_matrices_exactly() -> None:
+    n, me = dist.get_world_size(), dist.get_rank()
+    gen = torch.Generator().manual_seed(7)
+    shared = torch.randn(64, 3, generator=gen)
+    ms = [shared @ torch.randn(3, 40, generator=torch.Generator().manual_seed(10 + r)) for r in range(n)]
+    bias = [torch.randn(40, generator=torch.Generator().manual_seed(20 + r)) for r in range(n)]
+    mean_m, mean_b = sum(ms) / n, sum(bias) / n
+    run = GradientCompression(CompressionOptions(mode="powersgd", powersgd_rank=3))
+    # all-reduce: one matrix and one 1-D tensor (sent uncompressed)
+    flat = torch.cat([ms[me].flatten(), bias[me]])
+    run.compressor("ar").all_reduce(flat, dist.group.WORLD, True, "dp_replicate", [Segment(0, 64, 40), Segment(2560, 40, 1)])
+    torch.testing.assert_close(flat[:2560].view(64, 40), mean_m, rtol=1e-4, atol=1e-5)
+    assert torch.equal(flat[2560:], mean_b) or torch.allclose(flat[2560:], mean_b, rtol=0, atol=1e-7)
+    # reduce-scatter: rank j keeps rows of chunk j
+    out = torch.empty(2560 // n)
+    run.compressor("rs").reduce_scatter(out, ms[me].flatten(), dist.group.WORLD, True, "dp_shard", [Segment(0, 64 // n, 40)])
+    torch.testing.assert_close(out.view(-1, 40), mean_m.view(n, -1, 40)[me], rtol=1e-4, atol=1e-5)
+    sent = run.meter.current["dp_shard"]["sent"]
+    assert sent < run.meter.current["dp_shard"]["uncompressed"] / 4, run.meter.current
+
+
+def nothing_lost_across_steps_and_switches() -> None:
+    """mean input + what was held back before == output + what is held back now, at every step, through
+    onebit -> topk -> powersgd -> fp16 -> onebit -> none (residuals carried, the server's folded back)."""
+    n, me = dist.get_world_size(), dist.get_rank()
+    modes = ["onebit", "topk", "powersgd", "fp16", "onebit", "none"]
+    stages = [CompressionStage(m, start_step=i) for i, m in enumerate(modes) if i]
+    run = GradientCompression(CompressionOptions(mode=modes[0], topk_ratio=0.05, onebit_block=32, schedule=stages))
+    site = run.compressor("ar")
+    length = 64 * 48
+
+    def held_back() -> torch.Tensor:
+        worker = site.residual if site.residual is not None else torch.zeros(length)
+        total = worker.clone()
+        dist.all_reduce(total)
+        total /= n
+        server = site.server_residual if site.server_residual is not None else torch.zeros(length // n)
+        return total + torch.cat(gathered(server))
+
+    for step, mode in enumerate(modes):
+        run.begin_step(step)
+        assert run.mode == mode, (step, run.mode, mode)
+        x = inputs(length, step)[me].double()
+        before = held_back() if step else torch.zeros(length, dtype=torch.float64)
+        if site.residual is not None:
+            site.residual = site.residual.double()
+        if site.server_residual is not None:
+            site.server_residual = site.server_residual.double()
+        mean_x = x.clone()
+        dist.all_reduce(mean_x)
+        mean_x /= n
+        out = x.clone()
+        site.all_reduce(out, dist.group.WORLD, True, "dp_replicate", [Segment(0, 64, 48)])
+        after = held_back().double()
+        torch.testing.assert_close(out + after, mean_x + before.double(), rtol=0, atol=1e-9, msg=f"step {step} {mode}")
+    assert site.residual is None and site.server_residual is None, "uncompressed sends flush every residual"
+
+
+def none_is_the_plain_collective() -> None:
+    n, me = dist.get_world_size(), dist.get_rank()
+    run = GradientCompression(CompressionOptions(warmup_steps=3, bucket_mb=100 / 2**20))  # 100-byte buckets
+    run.begin_step(0)
+    assert run.mode == "none"
+    xs = inputs(600)
+    out = torch.empty(600 // n)
+    run.compressor("rs").reduce_scatter(out, xs[me], dist.group.WORLD, True, "dp_shard")
+    torch.testing.assert_close(out, (sum(xs) / n).view(n, -1)[me], rtol=1e-6, atol=1e-7)
+    tensors = [xs[me][:10].clone(), xs[me][10:600].clone().view(59, 10)]
+    run.compressor("many").all_reduce_many(tensors, dist.group.WORLD, "dp_replicate")
+    torch.testing.assert_close(torch.cat([t.flatten() for t in tensors]), sum(xs) / n, rtol=1e-6, atol=1e-7)
+    assert sorted(run.compressors) == ["many", "many/bucket1", "rs"]  # 40 bytes, then 2360 bytes alone
+
+
+def schedule_switches_by_rule_on_all_ranks_together() -> None:
+    stage = CompressionStage("onebit", grad_norm_change_below=0.5, patience=2)
+    run = GradientCompression(CompressionOptions(mode="fp16", schedule=[stage]))
+    site = run.compressor("ar")
+    seen = []
+    for step in range(6):
+        run.begin_step(step)
+        seen.append(run.mode)
+        # rank 1's gradients swing more than rank 0's, but the decision is taken on the world's norm
+        x = torch.full((100,), 1.0 + 0.01 * step * (1 + dist.get_rank()))
+        site.all_reduce(x, dist.group.WORLD, True, "dp_replicate")
+    modes = [None] * dist.get_world_size()
+    dist.all_gather_object(modes, seen)
+    assert all(m == modes[0] for m in modes), modes
+    assert seen == ["fp16", "fp16", "fp16", "onebit", "onebit", "onebit"], seen
+
+
+CHECKS = [
+    onebit_all_reduce_formula,
+    lambda: reduce_scatter_formula("topk"),
+    lambda: reduce_scatter_formula("fp16"),
+    lambda: reduce_scatter_formula("onebit"),
+    powersgd_sums_rank_r_matrices_exactly,
+    nothing_lost_across_steps_and_switches,
+    none_is_the_plain_collective,
+    schedule_switches_by_rule_on_all_ranks_together,
+]
+NAMES = ["onebit_all_reduce", "topk_reduce_scatter", "fp16_reduce_scatter", "onebit_reduce_scatter", "powersgd",
+         "conservation_across_switches", "none", "schedule_rule"]  # fmt: skip
+
+
+if __name__ == "__main__":
+    dist.init_process_group("gloo")
+    results = {}
+    for name, check in zip(NAMES, CHECKS):
+        try:
+            check()
+            results[name] = True
+        except Exception:  # noqa: BLE001 - report every failing check, not only the first
+            results[name] = traceback.format_exc(limit=3)
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, results)
+    if dist.get_rank() == 0:
+        merged = {name: next((r[name] for r in everyone if r[name] is not True), True) for name in NAMES}
+        Path(sys.argv[1]).write_text(json.dumps(merged))
+    dist.destroy_process_group()

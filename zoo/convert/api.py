@@ -1,0 +1,102 @@
+"""Convert zoo models to transformers models and back, and write/read transformers directories
+(config.json + model.safetensors) that `from_pretrained` loads."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from zoo.convert.llama import LLAMA
+from zoo.convert.rules import ConversionError, Converter, build_on_meta, check_against, rename
+from zoo.convert.vit import VIT
+
+CONVERTERS: dict[str, Converter] = {c.name: c for c in (LLAMA, VIT)}
+# which converter a class takes: zoo class name or transformers class name
+_BY_CLASS = {"GPT": "llama", "LlamaForCausalLM": "llama", "ViT": "vit", "ViTForImageClassification": "vit"}
+
+
+def converter_for(model: nn.Module) -> Converter:
+    name = _BY_CLASS.get(type(model).__name__)
+    if name is None:
+        raise ConversionError(f"no conversion for {type(model).__name__}; converters: {sorted(_BY_CLASS)}")
+    return CONVERTERS[name]
+
+
+def zoo_state_to_hf(converter: Converter, state: dict[str, torch.Tensor], zoo_config: Any) -> tuple[Any, dict[str, torch.Tensor]]:
+    """(transformers config, state dict) of a zoo model's weights; shapes checked against that config."""
+    hf_config = converter.to_hf_config(zoo_config)
+    extra = set(converter.zoo_only(zoo_config))
+    hf_state = rename({k: v for k, v in state.items() if k not in extra}, converter.rules, "zoo", hf_config)
+    check_against(hf_state, build_on_meta(converter.hf_model, hf_config), "the transformers model")
+    return hf_config, hf_state
+
+
+def hf_state_to_zoo(converter: Converter, state: dict[str, torch.Tensor], hf_config: Any) -> tuple[Any, dict[str, torch.Tensor]]:
+    """(zoo config, state dict) of a transformers model's weights; shapes checked against that config."""
+    zoo_config = converter.to_zoo_config(hf_config)
+    zoo_state = {**rename(state, converter.rules, "hf", hf_config), **converter.zoo_only(zoo_config)}
+    check_against(zoo_state, build_on_meta(converter.zoo_model, zoo_config), "the zoo model")
+    return zoo_config, zoo_state
+
+
+def zoo_to_hf(model: nn.Module) -> nn.Module:
+    """A transformers model with the zoo model's weights (eval mode, on the CPU)."""
+    converter = converter_for(model)
+    hf_config, state = zoo_state_to_hf(converter, model.state_dict(), model.config)
+    return _load(converter.hf_model, hf_config, state)
+
+
+def hf_to_zoo(model: nn.Module) -> nn.Module:
+    """A zoo model with the transformers model's weights (eval mode, on the CPU)."""
+    converter = converter_for(model)
+    zoo_config, state = hf_state_to_zoo(converter, model.state_dict(), model.config)
+    return _load(converter.zoo_model, zoo_config, state)
+
+
+def _load(factory: Any, config: Any, state: dict[str, torch.Tensor]) -> nn.Module:
+    with torch.device("meta"):
+        model = factory(config)
+    # copies: the converted model never shares storage with the source
+    model.load_state_dict({k: v.detach().cpu().clone() for k, v in state.items()}, strict=True, assign=True)
+    _rebuild_buffers(model)
+    return model.eval()
+
+
+def _rebuild_buffers(model: nn.Module) -> None:
+    """Non-persistent buffers (rotary frequencies) are not in a state dict: transformers computes them."""
+    init = getattr(model, "_init_weights", None)
+    for module in model.modules():
+        if any(b.is_meta for b in module.buffers(recurse=False)):
+            if init is None:
+                raise ConversionError(f"{type(module).__name__} has meta buffers and no way to compute them")
+            module.to_empty(device="cpu", recurse=False)
+            init(module)
+
+
+def save_hf(model: nn.Module, directory: str | Path) -> Path:
+    """Write a zoo model as a transformers directory (config.json + model.safetensors)."""
+    out = Path(directory)
+    zoo_to_hf(model).save_pretrained(out)
+    return out
+
+
+def load_hf_as_zoo(directory: str | Path) -> nn.Module:
+    """Read a transformers directory (config.json + *.safetensors) into the matching zoo model."""
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+
+    path = Path(directory)
+    config = AutoConfig.from_pretrained(path)
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{str(path)!r} holds no *.safetensors file")
+    state = {k: v for f in files for k, v in load_file(f).items()}
+    arch = (config.architectures or [None])[0]
+    if arch not in _BY_CLASS:
+        raise ConversionError(f"{str(path)!r} holds a {arch}; converters: {sorted(_BY_CLASS)}")
+    converter = CONVERTERS[_BY_CLASS[arch]]
+    zoo_config, zoo_state = hf_state_to_zoo(converter, state, config)
+    return _load(converter.zoo_model, zoo_config, zoo_state)

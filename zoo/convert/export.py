@@ -1,0 +1,77 @@
+"""A trained checkpoint (sharded MeshStrategy directory or one Lightning file) -> a transformers directory
+(config.json + model.safetensors) that `from_pretrained(directory)` loads.
+
+The model configuration comes from the checkpoint's hyper-parameters: zoo GPTModule/ViTModule (preset +
+config_overrides, converted to Llama/ViT) and zoo.hf modules (architecture + config_overrides); for your
+own LightningModule around a transformers model pass its `config`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.fabric.utilities.load import _METADATA_FILENAME
+
+from lit_mesh.checkpoint import load_full_state_dict
+from zoo.convert.api import CONVERTERS, _load, zoo_state_to_hf
+from zoo.convert.rules import ConversionError
+
+
+def checkpoint_hyperparameters(checkpoint: str | Path) -> dict[str, Any]:
+    path = Path(checkpoint)
+    source = path / _METADATA_FILENAME if path.is_dir() else path
+    return dict(torch.load(source, map_location="cpu", weights_only=True).get("hyper_parameters") or {})
+
+
+def _zoo_config(weights: dict[str, torch.Tensor], hparams: dict[str, Any]) -> tuple[str, Any] | None:
+    """(converter name, zoo config) when the weights are a zoo GPT or ViT, else None."""
+    overrides = hparams.get("config_overrides") or {}
+    if "tok_embeddings.weight" in weights or "layers.0.attention.wq.weight" in weights:
+        from zoo.gpt import GPTConfig
+
+        return "llama", GPTConfig.from_preset(hparams.get("preset", "tiny"), **overrides)
+    if "embed.pos_embed" in weights:
+        from zoo.vit import ViTConfig
+
+        return "vit", ViTConfig.from_preset(hparams.get("preset", "tiny"), **overrides)
+    return None
+
+
+def _hf_model(config: Any, weights: dict[str, torch.Tensor]) -> Any:
+    import transformers
+
+    auto = transformers.AutoModelForCausalLM if "lm_head.weight" in weights else (
+        transformers.AutoModelForImageClassification if "classifier.weight" in weights else transformers.AutoModel
+    )
+    return _load(auto.from_config, config, weights)
+
+
+def export_hf(checkpoint: str | Path, directory: str | Path, prefix: str = "model", config: Any = None) -> Path:
+    """Write the model under `prefix` of `checkpoint` as a transformers directory; returns the directory."""
+    weights = load_full_state_dict(checkpoint)
+    start = prefix.rstrip(".") + "." if prefix else ""
+    weights = {k[len(start):]: v for k, v in weights.items() if k.startswith(start)}
+    if not weights:
+        raise ConversionError(f"no weights under prefix {prefix!r} in {str(checkpoint)!r}")
+    hparams = checkpoint_hyperparameters(checkpoint)
+    zoo = _zoo_config(weights, hparams)
+    if zoo is not None:
+        converter = CONVERTERS[zoo[0]]
+        hf_config, hf_weights = zoo_state_to_hf(converter, weights, zoo[1])
+        model = _load(converter.hf_model, hf_config, hf_weights)
+    else:
+        if config is None:
+            if "architecture" not in hparams:
+                raise ConversionError(
+                    f"{str(checkpoint)!r}: the model is neither a zoo model nor a zoo.hf module; pass its"
+                    " transformers config: export_hf(checkpoint, directory, config=model.config)"
+                )
+            from zoo.hf.configs import tiny_config
+
+            config = tiny_config(hparams["architecture"], **(hparams.get("config_overrides") or {}))
+        model = _hf_model(config, weights)
+    out = Path(directory)
+    model.save_pretrained(out)
+    return out
