@@ -1,5 +1,5 @@
 """Expert-parallel parity through the `lit-mesh` CLI with configs/moe.yaml (dropless routing, aux loss and
-aux-loss-free balancing on): ep2, ep4, fsdp4 x ep2, tp2 x ep2 and hsdp 2x2 x ep2 train the same model on the same global
+aux-loss-free balancing on): ep2, ep4, fsdp4 x ep2, tp2 x ep2, hsdp 2x2 x ep2 and cp2 x ep2 train the same model on the same global
 batches as one device: relative 1e-4 per step over 10 steps, final full parameters within 1e-4, and the
 router and expert gradients of the first step within 1e-5 of the single-device ones."""
 
@@ -22,6 +22,7 @@ LAYOUTS: dict[str, tuple[int, list[str]]] = {
     "fsdp4_ep2": (4, [f"{S}dp=4", f"{S}ep=2"]),  # experts FSDP-sharded over the 2 ranks beside ep
     "tp2_ep2": (4, [f"{S}tp=2", f"{S}ep=2"]),  # dense parts TP/SP 2 x FSDP 2; MoE replicated over tp
     "hsdp2x2_ep2": (4, [f"{S}dp_replicate=2", f"{S}dp_shard=2", f"{S}ep=2"]),  # experts replicated over dp_replicate
+    "cp2_ep2": (4, [f"{S}cp=2", f"{S}ep=2"]),  # sequences split over cp; ep borrows from dp_shard x cp
 }
 # shared experts, sigmoid scores, a dense block beside the MoE block (the TP plan of both kinds of blocks) and
 # capacity-factor dropping (counted per sequence, so it drops the same assignments on every layout)

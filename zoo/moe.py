@@ -298,12 +298,17 @@ class MoETransformer(nn.Module):
         if next(self.parameters()).device.type != "meta":
             init_parameters(self, self.parallel_plan().init)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """tokens (B, T) -> logits (B, T, vocab_size); each MoE layer keeps its aux loss and load."""
+    def forward(self, tokens: torch.Tensor, *, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens (B, T) -> logits (B, T, vocab_size); each MoE layer keeps its aux loss and load.
+
+        `positions` (T,) overrides 0..T-1, e.g. for a context-parallel shard of the sequence.
+        """
         T = tokens.shape[1]
-        if T > self.config.max_seq_len:
-            raise ValueError(f"sequence length {T} exceeds max_seq_len={self.config.max_seq_len}")
-        rope = rope_cos_sin(torch.arange(T, device=tokens.device), self.config.head_dim, self.config.rope_theta)
+        if positions is None:
+            if T > self.config.max_seq_len:
+                raise ValueError(f"sequence length {T} exceeds max_seq_len={self.config.max_seq_len}")
+            positions = torch.arange(T, device=tokens.device)
+        rope = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta)
         h = self.tok_embeddings(tokens)
         for layer in self.layers:
             h = layer(h, rope=rope)
@@ -347,6 +352,8 @@ class MoETransformer(nn.Module):
             tp_divides=tp_divides,
             moe_layer="moe",
             ep_divides={"n_experts": c.n_experts},
+            attention="attention",  # context parallel swaps its scaled_dot_product_attention
+            positions="positions",
             init=(
                 ("*norm.weight", Init("ones")),
                 ("*.wo.weight", Init("normal", residual_std)),
