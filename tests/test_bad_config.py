@@ -108,6 +108,7 @@ def test_errors_after_start_are_clear(tmp_path: Path) -> None:
             "--model.init_args.config_overrides={n_experts: 3}",
         ],
         "ep_dense_model": _gpt(f"{S}ep=2"),
+        "pp_moe": ["fit", "-c", str(REPO / "configs/moe.yaml"), *_gpt(f"{S}pp=2")[3:]],
     }
     spec, out = tmp_path / "cases.json", tmp_path / "errors.json"
     spec.write_text(json.dumps(cases))
@@ -133,6 +134,7 @@ def test_errors_after_start_are_clear(tmp_path: Path) -> None:
     assert "non-finite training loss at step 3 on rank(s) [1]" in errors["nan_loss"]["message"]
     assert "ep=2 does not divide n_experts=3 of MoETransformer (choose ep in [1, 3])" in errors["ep_vs_experts"]["message"]
     assert "ep=2 but GPT.parallel_plan() declares no MoE layer" in errors["ep_dense_model"]["message"]
+    assert "pp=2 with the MoE model MoETransformer: pipeline stages do not carry" in errors["pp_moe"]["message"]
 
 
 def test_console_script_exits_with_the_message_instead_of_hanging() -> None:
