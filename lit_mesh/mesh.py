@@ -2,7 +2,9 @@
 
 Dims, outermost to innermost: pp, dp_replicate, dp_shard, cp, tp (tp innermost: the fastest links).
 Named flattened views: dp = dp_replicate x dp_shard (data loading), dp_shard_cp = dp_shard x cp (FSDP
-shards over it), dp_cp = dp x cp (loss and metric reduction). Size-1 dims cost nothing.
+shards over it), dp_cp = dp x cp (loss and metric reduction). Expert parallel adds no dim: ep borrows the
+innermost ranks of dp_shard x cp, and expert_dp = (dp_replicate, dp_shard x cp / ep) shards the expert
+weights. Size-1 dims cost nothing.
 """
 
 from __future__ import annotations
@@ -14,10 +16,6 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 Degree = Union[int, Literal["auto"], None]
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
-# Degrees whose parallelism has not landed yet: refused, never silently ignored.
-_NOT_YET = {
-    "ep": "expert parallel (issue #5)",
-}
 
 
 class MeshConfigError(ValueError):
@@ -52,7 +50,8 @@ class MeshLayout:
 
     def describe(self) -> str:
         degrees = " x ".join(f"{f.name}={getattr(self, f.name)}" for f in fields(self) if f.name != "ep")
-        return f"{degrees} (world size {self.world_size}; data parallel: {self.data_parallel})"
+        experts = f"; ep={self.ep} borrowed from dp_shard x cp" if self.ep > 1 else ""
+        return f"{degrees} (world size {self.world_size}; data parallel: {self.data_parallel}{experts})"
 
 
 def _divisors(n: int) -> list[int]:
@@ -68,10 +67,6 @@ def check_degree(name: str, value: Degree, allow_auto: bool = False) -> None:
         raise MeshConfigError(f"{name}={value!r} must be {allowed}")
     if value < 1:
         raise MeshConfigError(f"{name}={value} must be >= 1 (1 means the dim is not parallelised)")
-    if value > 1 and name in _NOT_YET:
-        raise MeshConfigError(
-            f"{name}={value}: {_NOT_YET[name]} is not yet supported by this version of MeshStrategy; use {name}=1"
-        )
 
 
 def check_degrees(**degrees: Degree) -> None:
@@ -153,6 +148,11 @@ def resolve_layout(
             f" = {layout.world_size}, but the world size (devices x num_nodes) is {world_size};"
             f" choose degrees whose product is {world_size}, or set dp='auto' to fill it"
         )
+    if (dp_shard * cp) % ep:
+        raise MeshConfigError(
+            f"ep={ep} does not divide dp_shard x cp = {dp_shard} x {cp} = {dp_shard * cp} (expert parallel borrows"
+            f" its ranks from them, it does not add any); choose ep in {_divisors(dp_shard * cp)}"
+        )
     return layout
 
 
@@ -171,6 +171,8 @@ class MeshViews:
     dp_shard_cp: DeviceMesh  # FSDP shards over it
     dp_cp: DeviceMesh  # loss and metric reduction
     hsdp: DeviceMesh  # 2D (dp_replicate, dp_shard_cp): FSDP2's replicate-and-shard mesh
+    ep: DeviceMesh  # experts are split over it (innermost ranks of dp_shard x cp)
+    expert_dp: DeviceMesh  # expert weights are FSDP-sharded over what remains: (edp_replicate, efsdp)
 
     def __getitem__(self, name: str) -> DeviceMesh:
         view = getattr(self, name, None)
@@ -182,6 +184,9 @@ def build_device_mesh(layout: MeshLayout, device_type: str) -> MeshViews:
     shape = tuple(getattr(layout, dim) for dim in MESH_DIMS)
     root = init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIMS)
     dp_cp = root["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")
+    # ep borrows the innermost ranks of dp_shard x cp; the expert weights are sharded over the rest
+    expert_shards = layout.dp_shard * layout.cp // layout.ep
+    experts = dp_cp._unflatten(0, (layout.dp_replicate, expert_shards, layout.ep), ("edp_replicate", "efsdp", "ep"))
     return MeshViews(
         root=root,
         dp=root["dp_replicate", "dp_shard"]._flatten("dp"),
@@ -189,4 +194,6 @@ def build_device_mesh(layout: MeshLayout, device_type: str) -> MeshViews:
         dp_cp=dp_cp,
         # dp_cp is ordered replicate-major, so unflattening it gives the (replicate, shard) grid
         hsdp=dp_cp._unflatten(0, (layout.dp_replicate, layout.dp_shard * layout.cp), ("dp_replicate", "dp_shard_cp")),
+        ep=experts["ep"],
+        expert_dp=experts["edp_replicate", "efsdp"],
     )

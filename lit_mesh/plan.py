@@ -18,6 +18,8 @@ from lit_mesh.init import Init
 #   gather_input a module whose first positional input leaves the sequence-sharded region (SP only);
 #                other inputs must be passed as keywords
 #   head         the output projection: split over its output features, gathered to full logits
+#   whole_sequence a module that runs replicated on the whole sequence (e.g. an MoE layer): its first input is
+#                gathered, its output re-sharded over the sequence (SP only)
 #   vocab_embedding  Embedding split over the vocabulary, output summed to whole (replicated) activations even
 #                with SP: for models that read the sequence length from it before their blocks
 #   shard_hidden_states   a module whose hidden states (first positional input, or `hidden_states=`) enter the
@@ -27,7 +29,7 @@ from lit_mesh.init import Init
 #                sequence-sharded region (SP only); its other inputs pass untouched
 TPStyle = Literal[
     "colwise", "rowwise", "embedding", "shard_output", "norm", "gather_input", "head",
-    "vocab_embedding", "shard_hidden_states", "gather_hidden_states",
+    "vocab_embedding", "shard_hidden_states", "gather_hidden_states", "whole_sequence",
 ]  # fmt: skip
 TP_STYLES: tuple[str, ...] = TPStyle.__args__  # type: ignore[attr-defined]
 
@@ -55,6 +57,9 @@ class ParallelPlan:
                 with this message (a plan for data parallelism only).
     custom_styles: TP styles of the model's own, by name (usable in tp_root/tp_block): a function of
                 sequence_parallel returning a torch ParallelStyle, for modules the built-in styles do not fit.
+    moe_layer:  name, inside a block, of its mixture-of-experts layer (blocks without one are dense). The layer
+                has `experts` (stacked weights, n_experts first) and `dispatcher`, which expert parallel swaps.
+    ep_divides: sizes that the ep degree must divide, by name (number of experts).
     """
 
     blocks: str
@@ -68,6 +73,8 @@ class ParallelPlan:
     positions: str = ""
     tp_unavailable: str = ""
     custom_styles: Mapping[str, Callable[[bool], Any]] = field(default_factory=dict)
+    moe_layer: str = ""
+    ep_divides: Mapping[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for name, style in {**self.tp_root, **self.tp_block}.items():

@@ -59,7 +59,8 @@ class MeshStrategy(ModelParallelStrategy):
             cp must divide the heads per tp rank) or "allgather" (all-gather K/V, load-balanced causal).
         pp: pipeline-parallel degree (outermost dim: stages may span nodes). The LightningModule computes its loss
             with `lit_mesh.loss_of(self.model, loss_fn, inputs, targets)` (and its outputs with `output_of`).
-        ep: expert-parallel degree, borrowed from dp_shard x cp (not yet supported: must be 1).
+        ep: expert-parallel degree, borrowed from dp_shard x cp (it adds no ranks): experts of the plan's MoE
+            layers are split over ep, their weights FSDP-sharded over dp_shard x cp / ep.
         pp_schedule: "gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "zero_bubble" (interleaved zero bubble),
             "zbv" or "dualpipev" (V-shaped, 2 stages per rank).
         pp_microbatches: micro-batches per step (must divide each pipeline replica's batch); default pp.

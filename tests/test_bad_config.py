@@ -31,7 +31,7 @@ S = "--trainer.strategy.init_args."
         ({"pp_schedule": "gpipe"}, "need pp > 1"),
         ({"pp": 2, "cp": 2}, "pp=2 with cp=2: pipeline and context parallel together are not supported yet"),
         ({"cp": 2, "cp_style": "zigzag"}, "cp_style='zigzag'; choose one of ('ring', 'ulysses', 'allgather')"),
-        ({"ep": 4}, "ep=4: expert parallel"),
+        ({"ep": 0}, "ep=0 must be >= 1"),
     ],
 )
 def test_degree_errors_at_construction(kwargs: dict, message: str) -> None:
@@ -48,6 +48,7 @@ def test_degree_errors_at_construction(kwargs: dict, message: str) -> None:
         (4, {"dp": 2, "dp_replicate": 2, "dp_shard": 2}, "dp_replicate=2 x dp_shard=2 = 4 but dp=2"),
         (2, {"tp": 4}, "tp=4 = 4 does not divide the world size 2"),
         (4, {"dp": 4, "dp_shard": 3}, "dp_shard=3 does not divide dp=4"),
+        (4, {"tp": 2, "ep": 4}, "ep=4 does not divide dp_shard x cp = 2 x 1 = 2"),
     ],
 )
 def test_world_size_errors_before_any_process_starts(devices: int, kwargs: dict, message: str) -> None:
@@ -102,6 +103,12 @@ def test_errors_after_start_are_clear(tmp_path: Path) -> None:
             f"{S}dp=2", "--trainer.max_steps=6", "--model=tests.workers.faulty_modules.NaNLossAt",
             "--model.init_args.step=3", "--model.init_args.rank=1",
         ),
+        "ep_vs_experts": [
+            "fit", "-c", str(REPO / "configs/moe.yaml"), *_gpt(f"{S}ep=2")[3:],
+            "--model.init_args.config_overrides={n_experts: 3}",
+        ],
+        "ep_dense_model": _gpt(f"{S}ep=2"),
+        "pp_moe": ["fit", "-c", str(REPO / "configs/moe.yaml"), *_gpt(f"{S}pp=2")[3:]],
     }
     spec, out = tmp_path / "cases.json", tmp_path / "errors.json"
     spec.write_text(json.dumps(cases))
@@ -125,6 +132,9 @@ def test_errors_after_start_are_clear(tmp_path: Path) -> None:
     # a NaN on one rank stops every rank together, naming the step and the rank
     assert errors["nan_loss"]["type"] == "FloatingPointError"
     assert "non-finite training loss at step 3 on rank(s) [1]" in errors["nan_loss"]["message"]
+    assert "ep=2 does not divide n_experts=3 of MoETransformer (choose ep in [1, 3])" in errors["ep_vs_experts"]["message"]
+    assert "ep=2 but GPT.parallel_plan() declares no MoE layer" in errors["ep_dense_model"]["message"]
+    assert "pp=2 with the MoE model MoETransformer: pipeline stages do not carry" in errors["pp_moe"]["message"]
 
 
 def test_console_script_exits_with_the_message_instead_of_hanging() -> None:

@@ -37,6 +37,7 @@ def test_quickstart_recipe(tmp_path: Path) -> None:
     [
         ("gpt", [f"--trainer.strategy.init_args.tp=2"], ["validate", "predict"]),
         ("vit", [f"--trainer.strategy.init_args.dp_replicate=2"], ["test"]),
+        ("moe", [f"--trainer.strategy.init_args.ep=2"], ["validate"]),  # expert weights sharded over ep in the checkpoint
     ],
 )
 def test_recipe_fit_then_evaluate_from_checkpoint(tmp_path: Path, recipe: str, mesh: list[str], after: list[str]) -> None:

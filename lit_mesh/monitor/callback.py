@@ -19,7 +19,7 @@ from lit_mesh.pipeline_timeline import TimelineRecorder, bubble_formula
 # bf16 dense peak FLOP/s per device, by name (vendor data sheets); MFU is quoted against it, as is usual
 PEAK_BF16_FLOPS = {"H200": 989.4e12, "H100": 989.4e12, "A100": 312e12, "L40S": 362e12, "A10G": 70e12, "L4": 121e12}
 # which group names count for which mesh dim: the first view that owns a group names it
-_VIEW_ORDER = ("tp", "cp", "dp_shard_cp", "dp_shard", "dp_replicate", "dp", "dp_cp", "pp")
+_VIEW_ORDER = ("tp", "cp", "ep", "dp_shard_cp", "dp_shard", "dp_replicate", "dp", "dp_cp", "pp")
 
 
 def default_tokens_in_batch(batch: Any) -> tuple[int, int]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import Any
 
 from torch import nn
@@ -12,6 +13,7 @@ from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
     PrepareModuleInput,
+    PrepareModuleInputOutput,
     PrepareModuleOutput,
     RowwiseParallel,
     SequenceParallel,
@@ -47,6 +49,11 @@ def torch_style(style: str, sequence_parallel: bool, check: Any = None) -> Paral
         return None  # norm, gather_input, shard_output only move activations in and out of the SP region
     if style == "norm":
         return SequenceParallel()
+    if style == "whole_sequence":
+        return PrepareModuleInputOutput(
+            input_layouts=(sequence,), desired_input_layouts=(Replicate(),), use_local_input=True,
+            output_layouts=(Replicate(),), desired_output_layouts=(sequence,), use_local_output=True,
+        )
     if style == "gather_input":
         return PrepareModuleInput(input_layouts=(sequence,), desired_input_layouts=(Replicate(),), use_local_output=True)
     if style == "shard_output":
@@ -92,19 +99,24 @@ def _to_local(_module: nn.Module, outputs: Any, _mesh: DeviceMesh) -> Any:
     return outputs.to_local() if isinstance(outputs, DTensor) else outputs
 
 
-def replicate_remaining(model: nn.Module, tp_mesh: DeviceMesh) -> None:
+def replicate_remaining(model: nn.Module, tp_mesh: DeviceMesh, skip: Collection[nn.Module] = ()) -> None:
     """Make the parameters the plan left whole into Replicate DTensors on the tp mesh.
 
     Every parameter is then a DTensor, so foreach optimizers and clipping never mix Tensor and DTensor;
-    the module runs on replicated inputs and hands plain tensors on, as before.
+    the module runs on replicated inputs and hands plain tensors on, as before. `skip`: modules another
+    technique places (MoE experts: expert parallel makes them DTensors on the ep mesh).
     """
     for module in model.modules():
+        if module in skip:
+            continue
         own = list(module.parameters(recurse=False))
         if own and not any(isinstance(p, DTensor) for p in own):
             distribute_module(module, tp_mesh, input_fn=_to_replicated, output_fn=_to_local)
 
 
-def apply_tensor_parallel(model: nn.Module, plan: ParallelPlan, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
+def apply_tensor_parallel(
+    model: nn.Module, plan: ParallelPlan, tp_mesh: DeviceMesh, sequence_parallel: bool, skip: Collection[nn.Module] = ()
+) -> None:
     """Shard `model` over `tp_mesh` as its plan says (modules inside blocks, then the rest)."""
     tp = tp_mesh.size()
     if plan.tp_unavailable:
@@ -112,8 +124,12 @@ def apply_tensor_parallel(model: nn.Module, plan: ParallelPlan, tp_mesh: DeviceM
     check_tp_divides(plan, tp, type(model).__name__)
     tied = tied_parameters(model)
     targets: list[tuple[nn.Module, str, str]] = [(model, name, style) for name, style in plan.tp_root.items()]
-    for block in model.get_submodule(plan.blocks):
-        targets += [(block, name, style) for name, style in plan.tp_block.items()]
+    blocks = list(model.get_submodule(plan.blocks))
+    for name in plan.tp_block:  # blocks may differ (dense and MoE): a name must exist in at least one
+        if blocks and not any(_has_submodule(block, name) for block in blocks):
+            raise PlanError(f"{type(model).__name__}.parallel_plan() names {name!r}, which no block has")
+    for block in blocks:
+        targets += [(block, name, style) for name, style in plan.tp_block.items() if _has_submodule(block, name)]
     for owner, name, style in targets:
         if name.split(".")[0] in owner._modules and owner._modules[name.split(".")[0]] is None:
             continue  # a pipeline stage that does not hold this module
@@ -133,7 +149,7 @@ def apply_tensor_parallel(model: nn.Module, plan: ParallelPlan, tp_mesh: DeviceM
             torch_plan = torch_style(style, sequence_parallel, _sequence_check(tp, name))
         if torch_plan is not None:
             parallelize_module(owner, tp_mesh, {name: torch_plan})
-    replicate_remaining(model, tp_mesh)
+    replicate_remaining(model, tp_mesh, skip)
     retie(tied, type(model).__name__)
 
 
@@ -160,3 +176,10 @@ def retie(tied: list[list[tuple[nn.Module, str]]], model_name: str) -> None:
                     " modules TP styles that shard the weight alike (embedding + head), or leave both unsharded"
                 )
             module._parameters[name] = shared
+
+
+def _has_submodule(module: nn.Module, name: str) -> bool:
+    try:
+        return module.get_submodule(name) is not None
+    except AttributeError:
+        return False

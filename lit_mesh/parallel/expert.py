@@ -1,0 +1,156 @@
+"""Expert parallelism: a plan's MoE layers get an all-to-all dispatcher, their experts are split over `ep`.
+
+ep borrows the innermost ranks of dp_shard x cp (see lit_mesh/mesh.py): the ranks of one ep group read
+different batches, send each token to the rank that holds its expert, and get the results back. What changes
+on an MoE layer (the plan's `moe_layer` in a block):
+- `dispatcher`: `AllToAllDispatch` sums the load over dp x cp (the auxiliary loss and the balancing bias use
+  global statistics, identical on every rank) and, with ep > 1, moves tokens with variable-split all-to-alls:
+  token counts first, then the tokens, the experts' outputs back the same way;
+- `experts`: the stacked weights become DTensors sharded over ep by expert (dim 0), then FSDP-sharded over the
+  remaining ranks (`expert_dp`) by their dim 1, before the blocks are wrapped.
+
+Gradients: a rank's experts see the tokens of all ep ranks, so their gradient is the sum of ep ranks'
+contributions, while FSDP averages only over expert_dp (world / ep ranks): the expert weights' gradient is
+scaled by 1/ep inside the dispatch, the gradient of the tokens is left as it is.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed._functional_collectives import all_to_all_single_autograd
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import Shard, distribute_tensor
+
+from lit_mesh.mesh import MeshLayout, MeshViews
+from lit_mesh.parallel.data import mixed_precision_policy
+from lit_mesh.parallel.tensor import PlanError
+from lit_mesh.plan import ParallelPlan
+
+
+def moe_layers(model: nn.Module, plan: ParallelPlan) -> Iterator[nn.Module]:
+    """The MoE layers of the plan's blocks (blocks without `plan.moe_layer` are dense)."""
+    if not plan.moe_layer:
+        return
+    for block in model.get_submodule(plan.blocks):
+        layer = getattr(block, plan.moe_layer, None)
+        if isinstance(layer, nn.Module):
+            yield layer
+
+
+def expert_modules(model: nn.Module, plan: ParallelPlan) -> list[nn.Module]:
+    """The stacked-weight expert modules (kept out of TP's replication: they are placed here)."""
+    return [layer.experts for layer in moe_layers(model, plan)]
+
+
+def check_ep_divides(plan: ParallelPlan, ep: int, model_name: str) -> None:
+    for what, size in plan.ep_divides.items():
+        if size % ep:
+            choices = [d for d in range(1, size + 1) if size % d == 0]
+            raise PlanError(f"ep={ep} does not divide {what}={size} of {model_name} (choose ep in {choices})")
+
+
+class _ScaleGradient(torch.autograd.Function):
+    """Identity forward; multiplies the gradient by `scale` in backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad * ctx.scale, None
+
+
+class AllToAllDispatch:
+    """Global load over `load_group`; tokens to their experts' ranks over `ep_group` (None: ep = 1)."""
+
+    def __init__(self, n_experts: int, load_group: dist.ProcessGroup, ep_group: dist.ProcessGroup | None) -> None:
+        self.n_experts = n_experts
+        self.load_group = load_group
+        self.ep_group = ep_group
+        self.ep = dist.get_world_size(ep_group) if ep_group is not None else 1
+
+    def global_load(self, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        load = tokens_per_expert.clone()
+        dist.all_reduce(load, group=self.load_group)
+        return load
+
+    def compute(self, experts: nn.Module, tokens: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        """tokens grouped by (global) expert id -> the experts' outputs, in the same order."""
+        if self.ep_group is None:
+            return experts(tokens, tokens_per_expert.tolist())
+        ep, local_experts = self.ep, self.n_experts // self.ep
+        # 1. counts: row r = how many tokens this rank sends to each expert of rank r, and receives back
+        send_counts = tokens_per_expert.view(ep, local_experts)
+        recv_counts = torch.empty_like(send_counts)
+        dist.all_to_all_single(recv_counts, send_counts, group=self.ep_group)
+        send_splits, recv_splits = send_counts.sum(dim=1).tolist(), recv_counts.sum(dim=1).tolist()
+        # 2. tokens; they arrive grouped by (source rank, local expert): regroup by local expert
+        received = all_to_all_single_autograd(tokens, recv_splits, send_splits, group=self.ep_group)
+        source_expert = torch.arange(ep * local_experts, device=tokens.device).repeat_interleave(recv_counts.flatten())
+        by_expert = torch.argsort(source_expert % local_experts * ep + source_expert // local_experts, stable=True)
+        grouped = _ScaleGradient.apply(received[by_expert], float(ep))
+        out = experts(grouped, recv_counts.sum(dim=0).tolist())
+        # the weights' gradient / ep (FSDP averages over world / ep ranks); the tokens' gradient unchanged
+        out = _ScaleGradient.apply(out, 1.0 / ep)
+        # 3. outputs back to the ranks the tokens came from, in the order they were sent
+        back = out[torch.argsort(by_expert)]
+        return all_to_all_single_autograd(back, send_splits, recv_splits, group=self.ep_group)
+
+
+def apply_expert_parallel(model: nn.Module, plan: ParallelPlan, mesh: MeshViews, layout: MeshLayout) -> None:
+    """Swap the dispatcher of every MoE layer and split the stacked expert weights over ep (dim 0)."""
+    layers = list(moe_layers(model, plan))
+    if not layers:
+        if layout.ep > 1:
+            raise PlanError(
+                f"ep={layout.ep} but {type(model).__name__}.parallel_plan() declares no MoE layer (moe_layer);"
+                " use ep=1 for a dense model"
+            )
+        return
+    check_ep_divides(plan, layout.ep, type(model).__name__)
+    ep_group = mesh.ep.get_group() if layout.ep > 1 else None
+    load_group = mesh.dp_cp.get_group()
+    for layer in layers:
+        n_experts = layer.experts.w1.shape[0]
+        layer.dispatcher = AllToAllDispatch(n_experts, load_group, ep_group)
+        if getattr(layer, "capacity_factor", None) is not None and layout.cp > 1:
+            raise PlanError(
+                f"capacity_factor={layer.capacity_factor} counts capacity per sequence, which cp={layout.cp} splits;"
+                " use capacity_factor=None (dropless) with context parallel"
+            )
+        for name, param in list(layer.experts.named_parameters(recurse=False)):
+            sharded = distribute_tensor(param.data, mesh.ep, [Shard(0)], src_data_rank=None)
+            layer.experts.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
+
+
+def expert_data_parallel_mesh(mesh: MeshViews, layout: MeshLayout) -> DeviceMesh | None:
+    """FSDP2's mesh for the expert weights: 1D efsdp to shard, 2D (edp_replicate, efsdp) to replicate too."""
+    if layout.data_parallel == "none":
+        return None
+    return mesh.expert_dp["efsdp"] if layout.dp_replicate == 1 else mesh.expert_dp
+
+
+def shard_experts(model: nn.Module, plan: ParallelPlan, mesh: MeshViews, layout: MeshLayout, precision: str) -> None:
+    """fully_shard each MoE layer's experts over expert_dp, before the blocks (their own FSDP units).
+
+    Dim 1: dim 0 is already split over ep, and there may be fewer local experts than expert_dp ranks.
+    """
+    expert_mesh = expert_data_parallel_mesh(mesh, layout)
+    if expert_mesh is None:
+        return
+    for experts in expert_modules(model, plan):
+        fully_shard(
+            experts,
+            mesh=expert_mesh,
+            mp_policy=mixed_precision_policy(precision),
+            reshard_after_forward=layout.data_parallel != "ddp",
+            shard_placement_fn=lambda _param: Shard(1),
+        )

@@ -1,0 +1,108 @@
+"""Expert-parallel parity through the `lit-mesh` CLI with configs/moe.yaml (dropless routing, aux loss and
+aux-loss-free balancing on): ep2, ep4, fsdp4 x ep2, tp2 x ep2, hsdp 2x2 x ep2 and cp2 x ep2 train the same model on the same global
+batches as one device: relative 1e-4 per step over 10 steps, final full parameters within 1e-4, and the
+router and expert gradients of the first step within 1e-5 of the single-device ones."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.launch import REPO, cli_runs
+from tests.test_parity import COMMON, S, _assert_same_curve, losses
+
+CONFIG = str(REPO / "configs/moe.yaml")
+GRADS = ["--trainer.callbacks+=tests.workers.moe_grads.SaveRoutingGradients"]
+LAYOUTS: dict[str, tuple[int, list[str]]] = {
+    "single": (1, []),
+    "ep2": (2, [f"{S}ep=2"]),  # dp_shard 2, one expert pair per rank
+    "ep4": (4, [f"{S}ep=4"]),  # dp_shard 4, one expert per rank
+    "fsdp4_ep2": (4, [f"{S}dp=4", f"{S}ep=2"]),  # experts FSDP-sharded over the 2 ranks beside ep
+    "tp2_ep2": (4, [f"{S}tp=2", f"{S}ep=2"]),  # dense parts TP/SP 2 x FSDP 2; MoE replicated over tp
+    "hsdp2x2_ep2": (4, [f"{S}dp_replicate=2", f"{S}dp_shard=2", f"{S}ep=2"]),  # experts replicated over dp_replicate
+    "cp2_ep2": (4, [f"{S}cp=2", f"{S}ep=2"]),  # sequences split over cp; ep borrows from dp_shard x cp
+}
+# shared experts, sigmoid scores, a dense block beside the MoE block (the TP plan of both kinds of blocks) and
+# capacity-factor dropping (counted per sequence, so it drops the same assignments on every layout)
+VARIANT = ["--model.init_args.config_overrides={n_layers: 3, moe_every: 2, n_shared_experts: 1, score_func: sigmoid,"
+           " aux_loss_coef: 0.01, bias_update_rate: 0.001, capacity_factor: 1.0}"]  # fmt: skip
+VARIANT_LAYOUTS = {"single": 1, "tp2_ep2": 4}
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
+    out = tmp_path_factory.mktemp("moe_parity")
+    found: dict[str, dict] = {}
+    for nproc in (1, 2, 4):
+        runs = [
+            {"name": layout, "args": ["-c", CONFIG, f"--trainer.devices={n}", *COMMON, *GRADS, *extra]}
+            for layout, (n, extra) in LAYOUTS.items()
+            if n == nproc
+        ]
+        runs += [
+            {"name": f"variant-{layout}", "args": ["-c", CONFIG, f"--trainer.devices={n}", *COMMON, *LAYOUTS[layout][1], *VARIANT]}
+            for layout, n in VARIANT_LAYOUTS.items()
+            if n == nproc
+        ]
+        found.update(cli_runs(nproc, out, runs))
+    found["_dir"] = {"path": str(out)}
+    return found
+
+
+def _load(results: dict, name: str, file: str) -> dict[str, torch.Tensor]:
+    return torch.load(Path(results["_dir"]["path"]) / name / file, weights_only=True)
+
+
+@pytest.mark.parametrize("layout", [name for name in LAYOUTS if name != "single"])
+def test_expert_parallel_matches_single_device(results: dict, layout: str) -> None:
+    reference, candidate = results["single"], results[layout]
+    assert candidate["world_size"] == LAYOUTS[layout][0]
+    ref_losses = losses(reference)
+    assert len(set(ref_losses)) == len(ref_losses), "the reference run must actually update the model"
+    _assert_same_curve(ref_losses, losses(candidate), layout)
+    for metric in ("train_aux_loss", "moe/imbalance", "moe/tokens_expert_0"):
+        ref, got = reference["metrics"][metric], candidate["metrics"][metric]
+        assert ref.keys() == got.keys()
+        for step in ref:
+            assert abs(ref[step] - got[step]) <= 1e-4 * abs(ref[step]), (metric, step, ref[step], got[step])
+
+    ref_params, params = _load(results, "single", "params.pt"), _load(results, layout, "params.pt")
+    assert ref_params.keys() == params.keys()
+    for name, ref in ref_params.items():  # includes the balancing bias buffers
+        diff = (params[name].float() - ref.float()).abs().max().item()
+        assert diff <= 1e-4, f"{layout}: {name} differs by {diff}"
+
+    ref_grads, grads = _load(results, "single", "grads.pt"), _load(results, layout, "grads.pt")
+    assert ref_grads.keys() == grads.keys() and any("experts.w1" in n for n in grads) and any("router.gate" in n for n in grads)
+    for name, ref in ref_grads.items():
+        assert ref.abs().max() > 0, name
+        diff = (grads[name] - ref).abs().max().item()
+        assert diff <= 1e-5 * max(1.0, ref.abs().max().item()), f"{layout}: gradient of {name} differs by {diff}"
+
+
+def test_balancing_is_logged_and_acts(results: dict) -> None:
+    metrics = results["single"]["metrics"]
+    per_expert = [metrics[f"moe/tokens_expert_{e}"] for e in range(4)]
+    # 2 MoE layers x top-2 x 8 sequences x 64 tokens assignments per step, all counted
+    assert all(sum(counts[step] for counts in per_expert) == 2 * 2 * 8 * 64 for step in per_expert[0])
+    assert all(value >= 1.0 for value in metrics["moe/imbalance"].values())
+    assert all(0 < value < 0.1 for value in metrics["train_aux_loss"].values())
+    params = _load(results, "single", "params.pt")
+    bias = params["model.layers.0.moe.router.expert_bias.bias"]
+    # 10 updates of -0.001, 0 or +0.001 each: the bias moved, by whole multiples of the rate
+    steps = bias / 0.001
+    assert bias.abs().max() > 0 and steps.abs().max() <= 10 and torch.allclose(steps, steps.round(), atol=1e-3)
+
+
+def test_dense_and_moe_blocks_and_capacity_dropping_under_tp_and_ep(results: dict) -> None:
+    _assert_same_curve(losses(results["variant-single"]), losses(results["variant-tp2_ep2"]), "variant tp2_ep2")
+    ref_dropped = results["variant-single"]["metrics"]["moe/dropped_fraction"]
+    dropped = results["variant-tp2_ep2"]["metrics"]["moe/dropped_fraction"]
+    assert max(ref_dropped.values()) > 0, "capacity 1.0 must drop some assignments of the unbalanced router"
+    assert all(abs(dropped[step] - ref_dropped[step]) <= 1e-6 for step in ref_dropped), (ref_dropped, dropped)
+    ref_params, params = _load(results, "variant-single", "params.pt"), _load(results, "variant-tp2_ep2", "params.pt")
+    assert any("feed_forward.w1" in n for n in params) and any("shared_experts" in n for n in params)
+    for name, ref in ref_params.items():
+        assert (params[name] - ref).abs().max().item() <= 1e-4, name

@@ -1,0 +1,381 @@
+"""A sparse mixture-of-experts decoder (Mixtral / DeepSeek-MoE / Qwen-MoE style) in plain PyTorch.
+
+The zoo GPT's attention, RMSNorm and RoPE (imported, not copied), with feed-forward layers that are MoE
+layers (all, or every k-th): a token-choice top-k router (softmax or sigmoid scores), optional shared experts,
+and SwiGLU experts stored as stacked weights (n_experts, ...) so that all experts are one parameter each.
+
+Routing, in `Router` and `MoE.forward`:
+- selection: the top-k experts by score (+ the balancing bias, for selection only); ties go to the lower
+  expert index (a stable sort), so routing is deterministic;
+- dropless by default; with `capacity_factor` each expert takes at most ceil(cf * seq_len * top_k / n_experts)
+  assignments per sequence, first choices before second choices, earlier tokens first; the rest are dropped
+  (the token keeps its residual and the shared experts). Counting per sequence keeps dropping independent of
+  how sequences are spread over ranks;
+- balancing: the Switch auxiliary loss coef * E * sum_i f_i * P_i, with f_i the fraction of assignments to
+  expert i over the GLOBAL batch (the dispatcher sums the counts over data-parallel ranks) and P_i the mean
+  router probability of this rank's tokens: averaging the per-rank losses over ranks then gives exactly the
+  single-device loss and gradients. Aux-loss-free balancing (DeepSeek-V3): a per-expert bias added to the
+  scores for selection only, nudged after each optimizer step by rate * sign(mean load - load).
+
+Nothing here knows about meshes: tokens reach the experts through `MoE.dispatcher` (`LocalDispatch` here),
+which expert parallel swaps for an all-to-all (lit_mesh/parallel/expert.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lit_mesh.init import Init, init_parameters
+from lit_mesh.plan import ParallelPlan, TPStyle
+from zoo.gpt import Attention, FeedForward, GPTConfig, rope_cos_sin
+
+
+@dataclass
+class MoEConfig:
+    vocab_size: int = 256
+    dim: int = 64
+    n_layers: int = 2
+    n_heads: int = 4
+    n_kv_heads: int = 2
+    ffn_hidden: int = 128  # the dense feed-forward layers (when moe_every > 1)
+    n_experts: int = 4
+    top_k: int = 2
+    expert_hidden: int = 64
+    n_shared_experts: int = 0  # each of width expert_hidden, seen by every token
+    moe_every: int = 1  # layers k-1, 2k-1, ... are MoE; 1: all
+    score_func: Literal["softmax", "sigmoid"] = "softmax"
+    normalize_top_k: bool = True  # gate weights of the chosen experts sum to 1
+    capacity_factor: float | None = None  # None: dropless
+    aux_loss_coef: float = 0.01  # 0: no auxiliary loss
+    bias_update_rate: float = 0.0  # aux-loss-free balancing step (DeepSeek-V3 uses 0.001); 0: off
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    max_seq_len: int = 256
+
+    def __post_init__(self) -> None:
+        self.attention_config()  # dim / heads / RoPE checks of the zoo GPT
+        if self.n_experts < 1:
+            raise ValueError(f"n_experts={self.n_experts} must be >= 1")
+        if not 1 <= self.top_k <= self.n_experts:
+            raise ValueError(
+                f"top_k={self.top_k} must be between 1 and n_experts={self.n_experts}; choose top_k <= {self.n_experts}"
+            )
+        if self.capacity_factor is not None and not self.capacity_factor > 0:
+            raise ValueError(
+                f"capacity_factor={self.capacity_factor} must be > 0 (e.g. 1.25), or None for dropless routing"
+            )
+        if self.score_func not in ("softmax", "sigmoid"):
+            raise ValueError(f"score_func={self.score_func!r}: choose 'softmax' or 'sigmoid'")
+        if self.moe_every < 1:
+            raise ValueError(f"moe_every={self.moe_every} must be >= 1 (1: every layer is MoE)")
+        if self.n_layers < self.moe_every:
+            raise ValueError(f"moe_every={self.moe_every} > n_layers={self.n_layers} leaves no MoE layer")
+        if self.aux_loss_coef < 0 or self.bias_update_rate < 0:
+            raise ValueError(
+                f"aux_loss_coef={self.aux_loss_coef} and bias_update_rate={self.bias_update_rate} must be >= 0"
+            )
+
+    def attention_config(self) -> GPTConfig:
+        """The zoo GPT's config for the shared pieces (attention, dense feed-forward)."""
+        return GPTConfig(
+            self.vocab_size, self.dim, self.n_layers, self.n_heads, self.n_kv_heads, self.ffn_hidden,
+            self.norm_eps, self.rope_theta, self.max_seq_len,
+        )  # fmt: skip
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    def is_moe_layer(self, index: int) -> bool:
+        return (index + 1) % self.moe_every == 0
+
+    @classmethod
+    def from_preset(cls, name: str, **overrides: object) -> MoEConfig:
+        if name not in PRESETS:
+            raise ValueError(f"unknown MoE preset {name!r}; choose one of {sorted(PRESETS)}")
+        return dataclasses.replace(PRESETS[name], **overrides)
+
+
+PRESETS: dict[str, MoEConfig] = {
+    "tiny": MoEConfig(256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, n_experts=4, top_k=2, expert_hidden=64),
+    "small": MoEConfig(
+        256, dim=128, n_layers=4, n_heads=4, n_kv_heads=2, ffn_hidden=384, n_experts=8, top_k=2, expert_hidden=128,
+        n_shared_experts=1, max_seq_len=512,
+    ),
+    # Mixtral-8x7B's shapes: 8 experts, top-2 softmax, 14336-wide SwiGLU experts, every layer MoE
+    "mixtral-8x7b": MoEConfig(
+        32000, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_hidden=14336, n_experts=8, top_k=2,
+        expert_hidden=14336, rope_theta=1e6, max_seq_len=32768,
+    ),
+    # DeepSeek-V3-style routing at a small size: sigmoid scores, 1 shared + 16 fine-grained experts, top-4
+    "deepseek-small": MoEConfig(
+        256, dim=128, n_layers=4, n_heads=4, n_kv_heads=4, n_experts=16, top_k=4, expert_hidden=64,
+        n_shared_experts=1, score_func="sigmoid", aux_loss_coef=0.0, bias_update_rate=0.001, max_seq_len=512,
+    ),
+}  # fmt: skip
+
+
+class ExpertBias(nn.Module):
+    """The aux-loss-free balancing bias: added to the scores for expert selection only (not a parameter)."""
+
+    def __init__(self, n_experts: int) -> None:
+        super().__init__()
+        self.register_buffer("bias", torch.zeros(n_experts))
+
+    def reset_parameters(self) -> None:  # called on meta-device materialisation
+        self.bias.zero_()
+
+
+@dataclass
+class Routing:
+    """What the router decides for N tokens: top-k expert ids and gate weights (N, k), and the router
+    probabilities over all experts (N, E) that the auxiliary loss uses."""
+
+    expert_ids: torch.Tensor
+    weights: torch.Tensor
+    probs: torch.Tensor
+
+
+class Router(nn.Module):
+    """Token-choice top-k routing in fp32."""
+
+    def __init__(self, config: MoEConfig) -> None:
+        super().__init__()
+        self.top_k = config.top_k
+        self.score_func = config.score_func
+        self.normalize_top_k = config.normalize_top_k
+        self.gate = nn.Linear(config.dim, config.n_experts, bias=False)
+        self.expert_bias = ExpertBias(config.n_experts)
+
+    def forward(self, tokens: torch.Tensor) -> Routing:
+        logits = self.gate(tokens).float()
+        scores = logits.softmax(dim=-1) if self.score_func == "softmax" else logits.sigmoid()
+        selection = scores.detach() + self.expert_bias.bias
+        # a stable descending sort: equal scores keep index order, so ties go to the lower expert id
+        expert_ids = torch.sort(selection, dim=-1, descending=True, stable=True).indices[:, : self.top_k]
+        weights = scores.gather(1, expert_ids)
+        if self.normalize_top_k:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        probs = scores if self.score_func == "softmax" else scores / scores.sum(dim=-1, keepdim=True)
+        return Routing(expert_ids, weights, probs)
+
+
+def _local(weight: torch.Tensor) -> torch.Tensor:
+    # expert parallel keeps the stacked weights as DTensors sharded by expert; compute on this rank's slice
+    to_local = getattr(weight, "to_local", None)
+    return to_local() if to_local is not None else weight
+
+
+class GroupedExperts(nn.Module):
+    """n_experts SwiGLU feed-forwards as stacked weights: w2(silu(x w1) * x w3) per expert."""
+
+    def __init__(self, n_experts: int, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.w1 = nn.Parameter(torch.empty(n_experts, dim, hidden))
+        self.w3 = nn.Parameter(torch.empty(n_experts, dim, hidden))
+        self.w2 = nn.Parameter(torch.empty(n_experts, hidden, dim))
+
+    def forward(self, tokens: torch.Tensor, tokens_per_expert: list[int]) -> torch.Tensor:
+        """tokens (M, dim) grouped by expert, tokens_per_expert[e] rows each -> (M, dim)."""
+        w1, w2, w3 = _local(self.w1), _local(self.w2), _local(self.w3)
+        if len(tokens_per_expert) != w1.shape[0]:
+            raise ValueError(f"{len(tokens_per_expert)} token groups for {w1.shape[0]} experts")
+        outputs = [
+            (F.silu(x @ a) * (x @ c)) @ b for x, a, b, c in zip(tokens.split(tokens_per_expert), w1, w2, w3)
+        ]
+        return torch.cat(outputs) if outputs else tokens[:0]
+
+
+class LocalDispatch:
+    """All experts on this device: the global load is the local one, tokens go straight to the experts."""
+
+    def global_load(self, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        return tokens_per_expert
+
+    def compute(self, experts: GroupedExperts, tokens: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        return experts(tokens, tokens_per_expert.tolist())
+
+
+def capacity_mask(expert_ids: torch.Tensor, n_experts: int, capacity: int) -> torch.Tensor:
+    """Which assignments (B, T, k) fit: per sequence and expert the first `capacity`, in the order
+    (choice rank, position): every token's first choice before any second choice, earlier tokens first."""
+    B, T, k = expert_ids.shape
+    order = expert_ids.transpose(1, 2).reshape(B, k * T)  # choice-major
+    one_hot = F.one_hot(order, n_experts)
+    slot = (one_hot.cumsum(dim=1) * one_hot).sum(dim=-1) - 1  # position of each assignment in its expert's queue
+    return (slot < capacity).view(B, k, T).transpose(1, 2)
+
+
+class MoE(nn.Module):
+    """Routed experts (+ shared experts) replacing the dense feed-forward of a block."""
+
+    def __init__(self, config: MoEConfig) -> None:
+        super().__init__()
+        self.n_experts = config.n_experts
+        self.top_k = config.top_k
+        self.capacity_factor = config.capacity_factor
+        self.aux_loss_coef = config.aux_loss_coef
+        self.bias_update_rate = config.bias_update_rate
+        self.router = Router(config)
+        self.experts = GroupedExperts(config.n_experts, config.dim, config.expert_hidden)
+        self.shared_experts: FeedForward | None = None
+        if config.n_shared_experts:
+            shared = dataclasses.replace(config, ffn_hidden=config.n_shared_experts * config.expert_hidden)
+            self.shared_experts = FeedForward(shared.attention_config())
+        self.dispatcher = LocalDispatch()  # expert parallel swaps in an all-to-all (the plan's `moe_layer`)
+        # statistics of the last forward (detached), read by the LightningModule for logging and balancing
+        self.load = torch.zeros(config.n_experts)
+        self.dropped = torch.zeros(())
+        self.aux_loss: torch.Tensor = torch.zeros(())
+
+    def capacity(self, seq_len: int) -> int:
+        assert self.capacity_factor is not None
+        return math.ceil(self.capacity_factor * seq_len * self.top_k / self.n_experts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, D = x.shape
+        tokens = x.reshape(B * T, D)
+        routing = self.router(tokens)
+        load = self.dispatcher.global_load(torch.bincount(routing.expert_ids.flatten(), minlength=self.n_experts))
+        self.load = load.detach()
+        self.aux_loss = self.aux_loss_coef * self.n_experts * ((load / load.sum()) * routing.probs.mean(dim=0)).sum()
+
+        token_index = torch.arange(B * T, device=x.device).repeat_interleave(self.top_k)
+        expert_ids, weights = routing.expert_ids.flatten(), routing.weights.flatten()
+        if self.capacity_factor is not None:
+            keep = capacity_mask(routing.expert_ids.view(B, T, self.top_k), self.n_experts, self.capacity(T)).flatten()
+            self.dropped = (~keep).sum().detach()
+            token_index, expert_ids, weights = token_index[keep], expert_ids[keep], weights[keep]
+        order = torch.argsort(expert_ids, stable=True)  # group the assignments by expert
+        token_index, weights = token_index[order], weights[order]
+        tokens_per_expert = torch.bincount(expert_ids, minlength=self.n_experts)
+        expert_out = self.dispatcher.compute(self.experts, tokens[token_index], tokens_per_expert)
+        out = torch.zeros_like(tokens).index_add(0, token_index, expert_out * weights[:, None].to(expert_out.dtype))
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(tokens)
+        return out.view(B, T, D)
+
+    @torch.no_grad()
+    def update_expert_bias(self, load: torch.Tensor) -> None:
+        """Aux-loss-free balancing: raise the bias of underloaded experts, lower it for overloaded ones."""
+        if self.bias_update_rate > 0:
+            bias = self.router.expert_bias.bias
+            bias += self.bias_update_rate * torch.sign(load.float().mean() - load.float()).to(bias.device, bias.dtype)
+
+
+class MoEBlock(nn.Module):
+    def __init__(self, config: MoEConfig, moe: bool) -> None:
+        super().__init__()
+        gpt = config.attention_config()
+        self.attention_norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
+        self.attention = Attention(gpt)
+        self.ffn_norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
+        # one of the two: blocks are MoE or dense (then exactly the zoo GPT's feed-forward)
+        self.moe: MoE | None = MoE(config) if moe else None
+        self.feed_forward: FeedForward | None = None if moe else FeedForward(gpt)
+
+    def forward(self, x: torch.Tensor, *, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), rope=rope)
+        ffn = self.moe if self.moe is not None else self.feed_forward
+        return x + ffn(self.ffn_norm(x))
+
+
+class MoETransformer(nn.Module):
+    def __init__(self, config: MoEConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
+        self.layers = nn.ModuleList(MoEBlock(config, config.is_moe_layer(i)) for i in range(config.n_layers))
+        self.norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
+        self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
+        if next(self.parameters()).device.type != "meta":
+            init_parameters(self, self.parallel_plan().init)
+
+    def forward(self, tokens: torch.Tensor, *, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens (B, T) -> logits (B, T, vocab_size); each MoE layer keeps its aux loss and load.
+
+        `positions` (T,) overrides 0..T-1, e.g. for a context-parallel shard of the sequence.
+        """
+        T = tokens.shape[1]
+        if positions is None:
+            if T > self.config.max_seq_len:
+                raise ValueError(f"sequence length {T} exceeds max_seq_len={self.config.max_seq_len}")
+            positions = torch.arange(T, device=tokens.device)
+        rope = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta)
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers:
+            h = layer(h, rope=rope)
+        return self.output(self.norm(h))
+
+    def moe_layers(self) -> list[MoE]:
+        return [layer.moe for layer in self.layers if layer.moe is not None]
+
+    def aux_loss(self) -> torch.Tensor:
+        """Sum of the MoE layers' auxiliary losses of the last forward (differentiable)."""
+        return torch.stack([moe.aux_loss for moe in self.moe_layers()]).sum()
+
+    def parallel_plan(self) -> ParallelPlan:
+        c = self.config
+        tp_divides = {"n_heads": c.n_heads, "n_kv_heads": c.n_kv_heads, "vocab_size": c.vocab_size}
+        tp_block: dict[str, TPStyle] = {
+            "attention_norm": "norm",
+            "attention": "gather_input",
+            "attention.wq": "colwise",
+            "attention.wk": "colwise",
+            "attention.wv": "colwise",
+            "attention.wo": "rowwise",
+            "ffn_norm": "norm",
+            # MoE blocks route the whole sequence, replicated over tp: routing and capacity then see the
+            # same tokens on every layout
+            "moe": "whole_sequence",
+        }
+        if any(layer.feed_forward is not None for layer in self.layers):  # dense blocks: the zoo GPT's plan
+            tp_divides["ffn_hidden"] = c.ffn_hidden
+            tp_block.update({
+                "feed_forward": "gather_input",
+                "feed_forward.w1": "colwise",
+                "feed_forward.w3": "colwise",
+                "feed_forward.w2": "rowwise",
+            })  # fmt: skip
+        residual_std = 0.02 / math.sqrt(2 * c.n_layers)
+        return ParallelPlan(
+            blocks="layers",
+            tp_root={"tok_embeddings": "embedding", "norm": "norm", "output": "head"},
+            tp_block=tp_block,
+            tp_divides=tp_divides,
+            moe_layer="moe",
+            ep_divides={"n_experts": c.n_experts},
+            attention="attention",  # context parallel swaps its scaled_dot_product_attention
+            positions="positions",
+            init=(
+                ("*norm.weight", Init("ones")),
+                ("*.wo.weight", Init("normal", residual_std)),
+                ("*.w2.weight", Init("normal", residual_std)),
+                ("*.experts.w2", Init("normal", residual_std)),
+                ("*", Init("normal", 0.02)),
+            ),
+        )
+
+    def num_params(self, exclude_embedding: bool = False) -> int:
+        n = sum(p.numel() for p in self.parameters())
+        return n - self.tok_embeddings.weight.numel() if exclude_embedding else n
+
+
+def moe_flops_per_token(config: MoEConfig, seq_len: int) -> float:
+    """Training FLOPs per token counting only the experts a token uses (top_k routed + shared) and the router."""
+    hd = config.head_dim
+    attention = config.dim * config.n_heads * hd * 2 + config.dim * config.n_kv_heads * hd * 2
+    n_moe = sum(config.is_moe_layer(i) for i in range(config.n_layers))
+    active_experts = config.top_k + config.n_shared_experts
+    moe = 3 * config.dim * config.expert_hidden * active_experts + config.dim * config.n_experts
+    dense = 3 * config.dim * config.ffn_hidden
+    matmul_params = config.n_layers * attention + n_moe * moe + (config.n_layers - n_moe) * dense
+    matmul_params += config.dim * config.vocab_size
+    return 6.0 * matmul_params + 12.0 * config.n_layers * seq_len * config.n_heads * hd
