@@ -1,5 +1,5 @@
 """MeshMonitor: the logged throughput, FLOPs, memory, communication and pipeline bubble checked against
-hand-computed values, on two ranks (DDP, TP and PP) through the `lit-mesh` CLI."""
+hand-computed values, on two ranks (DDP, TP, PP and MoE with expert parallel) through the `lit-mesh` CLI."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from tests.launch import REPO, cli_runs
 from tests.workers.monitor_clock import STEP_SECONDS
 from zoo.flops import gpt_flops_per_token, vit_flops_per_token
 from zoo.gpt import GPT, GPTConfig
+from zoo.moe import MoEConfig
 from zoo.vit import ViTConfig
 
 S = "--trainer.strategy.init_args."
@@ -23,6 +24,8 @@ COMMON = [
     "--trainer.enable_checkpointing=false", "--trainer.callbacks+=tests.workers.monitor_clock.SteppingClockMonitor",
 ]
 
+MOE = ["-c", str(REPO / "configs/moe.yaml"), *COMMON[2:]]  # the same run options on the zoo MoE (tiny preset)
+
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
@@ -31,6 +34,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
         {"name": "ddp2", "args": [*COMMON, f"{S}dp_replicate=2"]},
         {"name": "tp2", "args": [*COMMON, f"{S}tp=2", f"--trainer.callbacks.init_args.peak_flops_per_device={PEAK}"]},
         {"name": "pp2", "args": [*COMMON, f"{S}pp=2", f"{S}pp_microbatches={MICRO}"]},
+        {"name": "moe-ep2", "args": [*MOE, f"{S}dp=2", f"{S}ep=2"]},
     ])
 
 
@@ -81,6 +85,30 @@ def test_pipeline_bubble_is_measured_and_next_to_its_formula(runs: dict) -> None
         assert 0 < bubble < 1  # a rank idles at least while the other computes the first forward
     for layout in ("ddp2", "tp2"):  # no pipeline: no bubble, no recorder
         assert not any(k.startswith("monitor/pp_bubble") for k in runs[layout]["metrics"])
+
+
+def test_moe_balance_is_logged_from_the_routing(runs: dict) -> None:
+    c = MoEConfig.from_preset("tiny")
+    layers = sum(c.is_moe_layer(i) for i in range(c.n_layers))
+    metrics = runs["moe-ep2"]["metrics"]
+    per_expert = [_at_each_step(runs["moe-ep2"], f"monitor/moe_tokens_per_expert/{e}") for e in range(c.n_experts)]
+    for step in range(STEPS):
+        counts = [tokens[step] for tokens in per_expert]
+        # every token of the global batch goes to top_k experts in every MoE layer (dropless routing)
+        assert sum(counts) == BATCH * SEQ * c.top_k * layers
+        # max/mean of the layers' summed load is at most the mean over layers of each layer's max/mean
+        imbalance = _at_each_step(runs["moe-ep2"], "monitor/moe_imbalance")[step]
+        assert max(counts) / (sum(counts) / c.n_experts) <= imbalance + 1e-9
+        assert 1 <= imbalance <= _at_each_step(runs["moe-ep2"], "monitor/moe_imbalance_max")[step] <= c.n_experts
+    # the MoE module logs the same routing its own way: the monitor agrees with it
+    for e in range(c.n_experts):
+        assert per_expert[e] == _at_each_step(runs["moe-ep2"], f"moe/tokens_expert_{e}")
+    assert _at_each_step(runs["moe-ep2"], "monitor/moe_imbalance") == pytest.approx(_at_each_step(runs["moe-ep2"], "moe/imbalance"))
+    assert _at_each_step(runs["moe-ep2"], "monitor/moe_aux_loss") == pytest.approx(
+        _at_each_step(runs["moe-ep2"], "train_aux_loss"), rel=1e-5)
+    assert "monitor/comm_mib/ep" in metrics  # the token all-to-alls go over the ep group
+    for layout in ("ddp2", "tp2", "pp2"):  # dense models: no MoE keys
+        assert not any(k.startswith("monitor/moe") for k in runs[layout]["metrics"])
 
 
 def test_bubble_formulas_by_hand() -> None:

@@ -81,7 +81,6 @@ class MeshMonitor(Callback):
     their `aux_loss` of the last forward, as zoo.moe.MoE does): monitor/moe_tokens_per_expert/<i> (global batch,
     summed over MoE layers), monitor/moe_imbalance (max / mean tokens per expert, mean over layers),
     monitor/moe_imbalance_max (the worst layer) and monitor/moe_aux_loss (sum over layers, mean over ranks).
-    Under pp > 1 these are rank 0's stage's layers.
 
     Model FLOPs per token come from the LightningModule's `flops_per_token(seq_len)` when it has one (the zoo
     modules do), else 6 x parameters. Tokens per batch come from its `tokens_in_batch(batch)` -> (tokens,
