@@ -21,11 +21,12 @@ from lit_mesh.planner.command import main as plan_main
 from lit_mesh.planner.config_yaml import fit_config
 from lit_mesh.planner.hardware import GB, Hardware
 from lit_mesh.planner.memory import Workload, state_bytes
-from lit_mesh.planner.search import plan
+from lit_mesh.planner.search import plan, why_invalid
 from lit_mesh.planner.shapes import gpt_shapes
 from lit_mesh.planner.simulate import simulate_rank
 from tests.launch import cli_runs
 from zoo.gpt import GPT, GPTConfig
+from zoo.moe import MoEConfig
 
 PRESETS = ("llama3-8b", "llama3-70b", "llama3-405b")
 COMPONENTS = ("params", "grads", "optimizer")
@@ -195,3 +196,72 @@ def test_step_time_is_the_roofline_plus_the_alpha_beta_collectives() -> None:
                          inter_node_latency=1e-5)
     t2 = step_time(shapes, MeshLayout(dp_shard=2), work, "32-true", "none", two_nodes)
     assert t2.overlapped["fsdp"] == pytest.approx(2 * 4 * ring(4 * n, 2, 10e9, 1e-5) + ring(4 * n, 2, 10e9, 1e-5))
+
+
+# MoE (zoo.moe, Mixtral-8x7B shapes): experts split over ep, then FSDP over the rest of dp_shard x cp by dim 1;
+# 64, 512 and 1024 ranks, HSDP x TP, CP x TP, and ep = 1 (the experts FSDP-sharded over all 64 ranks)
+SIMULATED_MOE = [
+    (MeshLayout(dp_shard=64, ep=8), 63, "bf16-mixed"),
+    (MeshLayout(dp_replicate=4, dp_shard=16, tp=8, ep=4), 511, "bf16-mixed"),
+    (MeshLayout(dp_shard=64, cp=2, tp=8, ep=8), 1023, "bf16-true"),
+    (MeshLayout(dp_shard=64), 5, "32-true"),
+]
+
+
+@pytest.mark.parametrize(("layout", "rank", "precision"), SIMULATED_MOE,
+                         ids=[f"mixtral-{l.world_size}-ep{l.ep}-r{r}" for l, r, _ in SIMULATED_MOE])
+def test_moe_estimate_equals_simulation(layout: MeshLayout, rank: int, precision: str) -> None:
+    config = MoEConfig.from_preset("mixtral-8x7b")
+    simulated = simulate_rank(config, layout, rank, precision)
+    assert {k: simulated[k] for k in COMPONENTS} == state_bytes(gpt_shapes(config), layout, precision, rank)
+
+
+def test_moe_layouts_that_fsdp_cannot_shard_evenly_are_refused() -> None:
+    # 1000-way FSDP with ep 8 leaves 125 expert_dp ranks, which do not divide dim 1 (4096) of the expert weights
+    config = MoEConfig.from_preset("mixtral-8x7b")
+    layout = MeshLayout(dp_shard=1000, ep=8)
+    hw = Hardware(nodes=125, devices_per_node=8, memory_bytes=80 * GB)
+    reason = why_invalid(layout, gpt_shapes(config), Workload(global_batch=1000, seq_len=8192), hw)
+    assert reason is not None and "dim 1" in reason
+    with pytest.raises(NotImplementedError, match="uneven sharding on dim 1"):  # what the real sharding says
+        simulate_rank(config, layout, 999, "32-true", optimizer=False)
+
+
+def test_moe_plan_proposes_only_runnable_layouts_and_simulates_its_best(capsys: pytest.CaptureFixture) -> None:
+    config = MoEConfig.from_preset("mixtral-8x7b")
+    shapes, work = gpt_shapes(config), Workload(global_batch=256, seq_len=8192)
+    with_ep = 0
+    for devices in (64, 512, 1024):
+        hw = Hardware(nodes=devices // 8, devices_per_node=8, memory_bytes=80 * GB)
+        result = plan(shapes, work, hw)
+        assert result.ranked, devices
+        for c in result.ranked:
+            layout = c.layout
+            assert layout.pp == 1  # MeshStrategy refuses pp with MoE
+            assert config.n_experts % layout.ep == 0 and (layout.dp_shard * layout.cp) % layout.ep == 0
+            strategy = fit_config(c, "mixtral-8x7b", {}, hw, 10, "moe")["trainer"]["strategy"]["init_args"]
+            MeshStrategy(**strategy)  # the strategy's own argument checks
+            degrees = {d: strategy[d] for d in ("pp", "dp_replicate", "dp_shard", "cp", "tp")}
+            assert resolve_layout(devices, **degrees, ep=strategy.get("ep", 1)) == layout  # ep included
+            assert c.memory["total"] <= hw.memory_bytes - hw.reserve_bytes
+            with_ep += layout.ep > 1
+    assert with_ep > 0
+    status, out, text = _run(capsys, "--model", "moe", "--preset", "mixtral-8x7b", "--devices", "1024", "--simulate")
+    assert status == 0 and out["simulation"] and all(r["equal"] for r in out["simulation"]), text
+    assert "experts per rank, tokens to their experts by all-to-all" in text or out["ranked"][0]["layout"]["ep"] == 1
+
+
+def test_moe_all_to_all_in_the_step_time_by_hand() -> None:
+    """Tiny MoE, fsdp 4 with ep 4 on one node: per MoE block and micro-batch, dispatch + combine forward and
+    backward move top_k copies of every token of the micro-batch; ring cost (k-1) alpha + (k-1)/k B / bandwidth."""
+    from lit_mesh.planner.cost import step_time
+
+    config = MoEConfig.from_preset("tiny")
+    shapes, work = gpt_shapes(config), Workload(global_batch=16, seq_len=64, micro_batch=2)
+    hw = Hardware(nodes=1, devices_per_node=4, memory_bytes=80 * GB, peak_flops=1e12, compute_efficiency=0.5,
+                  intra_node_bandwidth=100e9, intra_node_latency=1e-6, inter_node_bandwidth=10e9, inter_node_latency=1e-5)
+    t = step_time(shapes, MeshLayout(dp_shard=4, ep=4), work, "32-true", "none", hw)
+    routed = 2 * 64 * config.top_k * config.dim * 4  # bytes of one micro-batch's routed tokens, fp32
+    microbatches = 16 // 4 // 2
+    assert t.exposed["ep"] == pytest.approx(microbatches * config.n_layers * 4 * (3 * 1e-6 + 3 / 4 * routed / 100e9))
+    assert "ep" not in step_time(shapes, MeshLayout(dp_shard=4), work, "32-true", "none", hw).exposed

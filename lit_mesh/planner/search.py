@@ -73,6 +73,13 @@ def why_invalid(layout: MeshLayout, shapes: ModelShapes, work: Workload, hw: Har
     for what, size in shapes.tp_divides.items():
         if size % layout.tp:
             return f"tp must divide {what}={size}"
+    expert_dp = layout.dp_shard * layout.cp // layout.ep
+    for p in shapes.block:
+        if p.expert and expert_dp > 1 and p.shape[1] % expert_dp:  # FSDP2 refuses uneven shards off dim 0
+            return (f"dp_shard x cp / ep must divide the expert weights' dim 1 ({p.name}: {p.shape[1]}): FSDP2 shards"
+                    " them on dim 1, evenly only")
+    if layout.pp > 1 and shapes.is_moe:
+        return "pp with the MoE model is refused by MeshStrategy (stages do not carry the MoE layers' statistics)"
     if layout.pp > shapes.n_blocks:
         return f"pp must not exceed the {shapes.n_blocks} blocks"
     if layout.pp > 1 and layout.cp > 1:

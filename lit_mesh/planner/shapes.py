@@ -82,7 +82,7 @@ def gpt_shapes(config: Any) -> ModelShapes:
             continue
         child = name.split(".")[0]
         entry = ParamShape(name, tuple(p.shape), plan.tp_root.get(owner), embedding)
-        if child in plan.pp_first:
+        if child in plan.pp_first or not (plan.pp_first or plan.pp_last):  # no pp split declared (MoE): one stage
             first.append(entry)
         elif child in plan.pp_last:
             last.append(entry)
