@@ -8,6 +8,7 @@ Nothing here trains: the estimates are the model's, only the simulated bytes are
 
     python benchmarks/planner.py
     python benchmarks/planner.py --presets llama3-8b --devices 64 1024 --no-simulate
+    python benchmarks/planner.py --moe-presets mixtral-8x7b --moe-devices 64 512 1024   (the MoE rows; default)
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from lit_mesh.planner.memory import Workload  # noqa: E402
 from lit_mesh.planner.search import DIMS, plan  # noqa: E402
 from lit_mesh.planner.shapes import gpt_shapes  # noqa: E402
 from zoo.gpt import GPTConfig  # noqa: E402
+from zoo.moe import MoEConfig  # noqa: E402
 
 GOAL_SECONDS = 10.0
 
@@ -32,6 +34,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--presets", nargs="+", default=["llama3-8b", "llama3-70b", "llama3-405b"])
     p.add_argument("--devices", type=int, nargs="+", default=[8, 64, 512, 1024])
+    p.add_argument("--moe-presets", nargs="*", default=["mixtral-8x7b"], help="zoo MoE presets (expert parallel planned)")
+    p.add_argument("--moe-devices", type=int, nargs="+", default=[64, 512, 1024])
     p.add_argument("--global-batch", type=int, default=256)
     p.add_argument("--seq-len", type=int, default=8192)
     p.add_argument("--no-simulate", action="store_true")
@@ -41,18 +45,19 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def main(argv: list[str]) -> None:
     args = parse_args(argv)
     rows: list[dict[str, Any]] = []
-    for preset in args.presets:
-        config = GPTConfig.from_preset(preset)
-        for devices in args.devices:
+    families = [("gpt", GPTConfig.from_preset(p), p, args.devices) for p in args.presets]
+    families += [("moe", MoEConfig.from_preset(p), p, args.moe_devices) for p in args.moe_presets]
+    for model, config, preset, device_counts in families:
+        for devices in device_counts:
             hw = Hardware(nodes=devices // 8, devices_per_node=8, memory_bytes=80 * GB)
             start = time.perf_counter()
             shapes = gpt_shapes(config)
             result = plan(shapes, Workload(args.global_batch, args.seq_len), hw)
-            row: dict[str, Any] = {"preset": preset, "devices": devices, "plan_seconds": round(time.perf_counter() - start, 3),
+            row: dict[str, Any] = {"model": model, "preset": preset, "devices": devices, "plan_seconds": round(time.perf_counter() - start, 3),
                                    "considered": result.considered, "fit": len(result.ranked)}
             if result.ranked:
                 best = result.ranked[0]
-                row["best"] = {"layout": {d: getattr(best.layout, d) for d in DIMS}, "ac": best.ac,
+                row["best"] = {"layout": {d: getattr(best.layout, d) for d in (*DIMS, "ep")}, "ac": best.ac,
                                "micro_batch": best.work.micro_batch, "memory_gib": round(best.memory["total"] / GIB, 2),
                                "step_s": round(best.time.total, 3), "tokens_per_s": round(best.tokens_per_s),
                                "mfu": round(best.mfu, 3)}

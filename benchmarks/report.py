@@ -63,8 +63,9 @@ def _yes(value: Any) -> str:
 
 def _mesh(layout: dict[str, int]) -> str:
     """{"pp": 2, "dp_shard": 8, "tp": 4, "cp": 1} -> 'pp 2 x dp_shard 8 x tp 4' (size-1 dims left out)."""
-    dims = [f"{dim} {size}" for dim, size in layout.items() if size != 1]
-    return " x ".join(dims) or "one device"
+    dims = [f"{dim} {size}" for dim, size in layout.items() if size != 1 and dim != "ep"]
+    borrowed = f" (ep {layout['ep']} of dp_shard x cp)" if layout.get("ep", 1) > 1 else ""  # ep adds no ranks
+    return (" x ".join(dims) or "one device") + borrowed
 
 
 def _about(entry: dict[str, Any]) -> str:
