@@ -146,8 +146,9 @@ def test_bad_plan_arguments_name_the_value_and_the_fix(argv: list[str], message:
 
 
 def test_written_yaml_trains(capsys: pytest.CaptureFixture, tmp_path: Path) -> None:
-    """Two plans of the tiny preset on 4 CPU processes: fsdp 2 x tp 2 under a memory budget that forces gradient
-    accumulation, and pp 2 x fsdp 2 with its micro-batches; the written configs train through `lit-mesh fit`."""
+    """Three plans of the tiny presets on 4 CPU processes: fsdp 2 x tp 2 under a memory budget that forces gradient
+    accumulation, pp 2 x fsdp 2 with its micro-batches, and the MoE with ep 2; the written configs train through
+    `lit-mesh fit`."""
     common = ["--preset", "tiny", "--devices", "4", "--devices-per-node", "4", "--reserve-gib", "0",
               "--precision", "32-true", "--seq-len", "64", "--dp-replicate", "1", "--cp", "1"]
     tp_yaml, pp_yaml = tmp_path / "tp.yaml", tmp_path / "pp.yaml"
@@ -163,12 +164,20 @@ def test_written_yaml_trains(capsys: pytest.CaptureFixture, tmp_path: Path) -> N
     pp_args = pp_config["trainer"]["strategy"]["init_args"]
     assert pp_args["pp"] == 2 and pp_args["dp_shard"] == 2 and pp_args["pp_microbatches"] == pp_plan["ranked"][0]["microbatches"]
     assert pp_config["model"]["init_args"]["config_overrides"] == {"n_layers": 4}
+    # the zoo MoE (tiny: 4 experts) with ep fixed to 2 on fsdp 4: its YAML names MoEModule and ep
+    moe_yaml = tmp_path / "moe.yaml"
+    _, moe_plan, _ = _run(capsys, "--model", "moe", *common, "--memory-gb", "1", "--global-batch", "8", "--tp", "1",
+                          "--pp", "1", "--ep", "2", "--out", str(moe_yaml))
+    moe_config = yaml.safe_load(moe_yaml.read_text())
+    assert moe_plan["ranked"][0]["layout"]["ep"] == 2 and moe_config["model"]["class_path"] == "zoo.MoEModule"
+    assert moe_config["trainer"]["strategy"]["init_args"]["ep"] == 2
     overrides = ["--trainer.max_steps=4", "--trainer.accelerator=cpu", "--trainer.logger=CSVLogger",
                  "--trainer.log_every_n_steps=1", "--trainer.enable_progress_bar=false",
                  "--trainer.enable_checkpointing=false", "--trainer.enable_model_summary=false"]
-    runs = [{"name": name, "args": ["-c", str(path), *overrides]} for name, path in (("tp", tp_yaml), ("pp", pp_yaml))]
+    runs = [{"name": name, "args": ["-c", str(path), *overrides]}
+            for name, path in (("tp", tp_yaml), ("pp", pp_yaml), ("moe", moe_yaml))]
     results = cli_runs(4, tmp_path, runs, timeout=400)
-    for name in ("tp", "pp"):
+    for name in ("tp", "pp", "moe"):
         losses = [v for _, v in sorted(results[name]["metrics"]["train_loss"].items(), key=lambda kv: int(kv[0]))]
         assert results[name]["world_size"] == 4 and len(losses) == 4
         assert all(math.isfinite(x) for x in losses) and losses[-1] < losses[0], (name, losses)
