@@ -89,6 +89,7 @@ def environment(templates: Path) -> jinja2.Environment:
     )
     env.filters.update(n=_number, r=_ratio, yes=_yes, about=_about, mesh=_mesh, sci=_sci)
     env.globals["cmd"] = lambda entry: f"`{entry['command']}`"
+    env.globals["zip"] = zip
     return env
 
 
