@@ -1,4 +1,5 @@
-"""`lit-mesh plan`: which mesh (ep too, for the zoo MoE), checkpointing and precision to train a zoo GPT or MoE with on a given cluster.
+"""`lit-mesh plan`: which mesh (ep too, for the zoo MoE), checkpointing and precision to train a zoo GPT or MoE
+with on a given cluster.
 
 shapes.py       the model's parameters by role, from its ParallelPlan
 memory.py       per-rank bytes: exact parameter/gradient/AdamW shards, activations and FSDP buffers by formula
