@@ -99,7 +99,7 @@ def test_moe_balance_is_logged_from_the_routing(runs: dict) -> None:
         # max/mean of the layers' summed load is at most the mean over layers of each layer's max/mean
         imbalance = _at_each_step(runs["moe-ep2"], "monitor/moe_imbalance")[step]
         assert max(counts) / (sum(counts) / c.n_experts) <= imbalance * (1 + 1e-6)  # float32 logging
-        assert 1 <= imbalance <= _at_each_step(runs["moe-ep2"], "monitor/moe_imbalance_max")[step] <= c.n_experts
+        assert 1 - 1e-6 <= imbalance <= _at_each_step(runs["moe-ep2"], "monitor/moe_imbalance_max")[step] <= c.n_experts
     # the MoE module logs the same routing its own way: the monitor agrees with it
     for e in range(c.n_experts):
         assert per_expert[e] == _at_each_step(runs["moe-ep2"], f"moe/tokens_expert_{e}")
