@@ -299,7 +299,8 @@ def test_zoo_moe_and_mixtral_give_the_same_logits_both_ways(tmp_path: Path) -> N
         assert _max_diff(hf_to_zoo(mixtral)(tokens), mixtral(input_ids=tokens).logits) <= 1e-5
         # through a directory: transformers writes the hub's per-expert layout, read back here
         save_hf(moe, tmp_path / "mixtral")
-        assert _max_diff(MixtralForCausalLM.from_pretrained(tmp_path / "mixtral")(input_ids=tokens).logits, moe(tokens)) <= 1e-5
+        loaded = MixtralForCausalLM.from_pretrained(tmp_path / "mixtral")
+        assert _max_diff(loaded(input_ids=tokens).logits, moe(tokens)) <= 1e-5
         assert _max_diff(load_hf_as_zoo(tmp_path / "mixtral")(tokens), moe(tokens)) <= 1e-5
         # the check can fail: one expert's up projection (the second half of gate_up_proj) changed
         hf.model.layers[1].mlp.experts.gate_up_proj[:, 64:].mul_(1.01)

@@ -68,7 +68,8 @@ class DispatchedMoE(nn.Module):
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         B, T, D = hidden_states.shape
         if self.training and self.jitter_noise > 0:  # as transformers does (drawn per rank)
-            hidden_states = hidden_states * torch.empty_like(hidden_states).uniform_(1 - self.jitter_noise, 1 + self.jitter_noise)
+            noise = torch.empty_like(hidden_states).uniform_(1 - self.jitter_noise, 1 + self.jitter_noise)
+            hidden_states = hidden_states * noise
         tokens = hidden_states.reshape(B * T, D)
         _, weights, expert_ids = (_local(t) for t in self.gate(tokens))  # the router's own call (output recording)
         n_experts, k = self.gate.num_experts, expert_ids.shape[1]

@@ -1,6 +1,6 @@
 """The one place where plans are applied, in the one order:
-MoE layer adapters -> split into pipeline stages -> TP/SP -> CP -> EP -> activation checkpointing -> torch.compile -> FSDP/HSDP/DDP
-per block (experts first) -> each stage's root -> communication hooks.
+MoE layer adapters -> split into pipeline stages -> TP/SP -> CP -> EP -> activation checkpointing ->
+torch.compile -> FSDP/HSDP/DDP per block (experts first) -> each stage's root -> communication hooks.
 
 """
 

@@ -35,7 +35,9 @@ def zoo_state_to_hf(converter: Converter, state: dict[str, torch.Tensor], zoo_co
     extra = converter.zoo_only(zoo_config)
     for key, expected in extra.items():  # transformers cannot hold them: they must be what it implies
         given = state.get(key)
-        if given is not None and not given.is_meta and not (given.shape == expected.shape and torch.equal(given.cpu(), expected)):
+        if given is None or given.is_meta:
+            continue
+        if not (given.shape == expected.shape and torch.equal(given.cpu(), expected)):
             raise ConversionError(
                 f"{key} holds values the transformers model has no place for (it implies {expected.tolist()}"
                 f" of shape {tuple(expected.shape)}); convert a model trained without them"
@@ -49,7 +51,8 @@ def zoo_state_to_hf(converter: Converter, state: dict[str, torch.Tensor], zoo_co
 def hf_state_to_zoo(converter: Converter, state: dict[str, torch.Tensor], hf_config: Any) -> tuple[Any, dict[str, torch.Tensor]]:
     """(zoo config, state dict) of a transformers model's weights; shapes checked against that config."""
     zoo_config = converter.to_zoo_config(hf_config)
-    zoo_state = {**converter.unpack(rename(converter.from_checkpoint(state), converter.rules, "hf", hf_config)), **converter.zoo_only(zoo_config)}
+    renamed = rename(converter.from_checkpoint(state), converter.rules, "hf", hf_config)
+    zoo_state = {**converter.unpack(renamed), **converter.zoo_only(zoo_config)}
     check_against(zoo_state, build_on_meta(converter.zoo_model, zoo_config), "the zoo model")
     return zoo_config, zoo_state
 

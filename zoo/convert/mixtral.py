@@ -55,7 +55,8 @@ def to_moe_config(c: Any) -> MoEConfig:
         "tie_word_embeddings": bool(c.tie_word_embeddings),
     }  # fmt: skip
     if any(unlike.values()):
-        given = {name: rope.get("rope_type") if name == "rope_type" else getattr(c, name) for name, bad in unlike.items() if bad}
+        values = {**vars(c), "rope_type": rope.get("rope_type")}
+        given = {name: values.get(name) for name, bad in unlike.items() if bad}
         raise ValueError(
             f"{type(c).__name__} with {given}: the zoo MoE has default RoPE, SiLU experts, full causal attention,"
             " no router jitter and an output head apart from the embedding; convert a Mixtral config with"
@@ -64,7 +65,9 @@ def to_moe_config(c: Any) -> MoEConfig:
         )
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     if head_dim * c.num_attention_heads != c.hidden_size:
-        raise ValueError(f"head_dim={head_dim} x num_attention_heads={c.num_attention_heads} != hidden_size={c.hidden_size}")
+        raise ValueError(
+            f"head_dim={head_dim} x num_attention_heads={c.num_attention_heads} != hidden_size={c.hidden_size}"
+        )
     return MoEConfig(
         vocab_size=c.vocab_size, dim=c.hidden_size, n_layers=c.num_hidden_layers, n_heads=c.num_attention_heads,
         n_kv_heads=c.num_key_value_heads, ffn_hidden=c.intermediate_size, n_experts=c.num_local_experts,
@@ -128,14 +131,16 @@ def _from_hub_layout(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         for w in ("w1", "w2", "w3"):
             found = experts.get((layer, w), {})
             if sorted(found) != list(range(len(found))) or not found:
-                raise ConversionError(f"{layer}.block_sparse_moe.experts.*.{w}.weight: experts {sorted(found)} found, expected 0..n-1")
+                raise ConversionError(
+                    f"{layer}.block_sparse_moe.experts.*.{w}.weight: experts {sorted(found)} found, expected 0..n-1"
+                )
             stacked[w] = torch.stack([found[e] for e in range(len(found))])
         out[f"{layer}.mlp.experts.gate_up_proj"] = torch.cat([stacked["w1"], stacked["w3"]], dim=1)
         out[f"{layer}.mlp.experts.down_proj"] = stacked["w2"]
     return out
 
 
-def _transpose(tensor: torch.Tensor, _config: Any) -> torch.Tensor:  # w2 (E, hidden, dim) <-> down_proj (E, dim, hidden)
+def _transpose(tensor: torch.Tensor, _config: Any) -> torch.Tensor:  # w2 (E, hidden, dim) <-> down_proj
     return tensor.transpose(1, 2).contiguous()
 
 
