@@ -3,11 +3,13 @@
     python examples/hf_model.py --devices 2 --tp 2                 # tensor + sequence parallel over 2 ranks
     python examples/hf_model.py --devices 4 --tp 2                 # FSDP over 2 x TP over 2
     python examples/hf_model.py --arch gpt2 --devices 2            # GPT-2, FSDP over 2
+    python examples/hf_model.py --arch mixtral --devices 2 --ep 2  # Mixtral, FSDP over 2, experts split over 2
     python examples/hf_model.py --devices 2 --tp 2 --export-dir out   # then: LlamaForCausalLM.from_pretrained("out/hf")
 
-Plain Lightning code around `LlamaForCausalLM` (or `GPT2LMHeadModel`) built from a config, no download. Nothing
-here names a mesh or a plan: MeshStrategy recognises the transformers model and applies its plan (transformers'
-own tensor-parallel plan for Llama, ours for GPT-2; FSDP per decoder layer). The model is created in
+Plain Lightning code around `LlamaForCausalLM` (or `GPT2LMHeadModel`, `MixtralForCausalLM`) built from a config,
+no download. Nothing here names a mesh or a plan: MeshStrategy recognises the transformers model and applies its
+plan (transformers' own tensor-parallel plan for Llama, ours for GPT-2, attention TP and expert parallel for
+Mixtral; FSDP per decoder layer). The model is created in
 `configure_model`, so each rank materialises only its shards, initialised as transformers would. Built in
 `__init__` instead (e.g. with `from_pretrained`), it is sharded from the whole weights.
 
@@ -35,7 +37,7 @@ VOCAB = 128
 
 
 def make_config(arch: str):  # noqa: ANN201 - a transformers config
-    from transformers import GPT2Config, LlamaConfig
+    from transformers import GPT2Config, LlamaConfig, MixtralConfig
 
     if arch == "llama":
         return LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -43,7 +45,11 @@ def make_config(arch: str):  # noqa: ANN201 - a transformers config
     if arch == "gpt2":  # dropout off: the losses are compared step by step across layouts
         return GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=SEQ_LEN,
                           resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)  # fmt: skip
-    raise ValueError(f"--arch {arch!r}: choose llama or gpt2")
+    if arch == "mixtral":  # 4 experts, top-2
+        return MixtralConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                             num_experts_per_tok=2, max_position_embeddings=SEQ_LEN)  # fmt: skip
+    raise ValueError(f"--arch {arch!r}: choose llama, gpt2 or mixtral")
 
 
 def make_data(n_samples: int, seed: int = 1234) -> tuple[torch.Tensor, torch.Tensor]:
@@ -92,9 +98,10 @@ class CausalLM(L.LightningModule):
 
 def main(argv: list[str] | None = None) -> list[float]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--arch", default="llama", choices=["llama", "gpt2"])
+    parser.add_argument("--arch", default="llama", choices=["llama", "gpt2", "mixtral"])
     parser.add_argument("--devices", type=int, default=1)
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel degree; dp = devices / tp")
+    parser.add_argument("--ep", type=int, default=1, help="expert-parallel degree (Mixtral), borrowed from dp")
     parser.add_argument("--max-steps", type=int, default=10)
     parser.add_argument("--export-dir", default=None, help="write the trained model here as a transformers directory")
     parser.add_argument("--out", default=None, help="JSON file for the per-step losses (written by rank 0)")
@@ -107,7 +114,7 @@ def main(argv: list[str] | None = None) -> list[float]:
     trainer = L.Trainer(
         accelerator="cpu",
         devices=args.devices,
-        strategy=MeshStrategy(dp=args.devices // args.tp, tp=args.tp),
+        strategy=MeshStrategy(dp=args.devices // args.tp, tp=args.tp, ep=args.ep),
         max_steps=args.max_steps,
         use_distributed_sampler=False,  # we slice the global batch ourselves (train_dataloader)
         logger=False,

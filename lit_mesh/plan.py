@@ -60,6 +60,9 @@ class ParallelPlan:
     moe_layer:  name, inside a block, of its mixture-of-experts layer (blocks without one are dense). The layer
                 has `experts` (stacked weights, n_experts first) and `dispatcher`, which expert parallel swaps.
     ep_divides: sizes that the ep degree must divide, by name (number of experts).
+    moe_adapter: for a model whose MoE layer has no `experts`/`dispatcher` of that kind (transformers'
+                Mixtral): a function called on every MoE layer before anything else is applied, on every
+                layout, that makes it so in place (lit_mesh/hf/mixtral.py). None: the layer already is.
     """
 
     blocks: str
@@ -75,6 +78,7 @@ class ParallelPlan:
     custom_styles: Mapping[str, Callable[[bool], Any]] = field(default_factory=dict)
     moe_layer: str = ""
     ep_divides: Mapping[str, int] = field(default_factory=dict)
+    moe_adapter: Callable[[Any], None] | None = None
 
     def __post_init__(self) -> None:
         for name, style in {**self.tp_root, **self.tp_block}.items():

@@ -9,6 +9,7 @@ examples/hf_model.py under tp2. One torchrun launch per world size
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -50,7 +51,14 @@ PARITY = {
     "gpt2-fsdp2_tp2": "gpt2-single",
     "vit-fsdp2": "vit-single",
     "llama-init-tp2": "llama-init-single",  # built whole in __init__ (as from_pretrained), then sharded
+    "mixtral-fsdp2": "mixtral-single",
+    "mixtral-tp2": "mixtral-single",
+    "mixtral-ep2": "mixtral-single",
+    "mixtral-tp2_ep2": "mixtral-single",
 }
+MIXTRAL = "--model.init_args.architecture=mixtral"
+# the zoo MoE (configs/moe.yaml) without the balancing bias, which Mixtral has no place for
+ZOO_MOE = ["-c", str(REPO / "configs/moe.yaml"), "--model.init_args.config_overrides={bias_update_rate: 0.0}"]
 INIT = "--model.init_args.build=init"
 LAUNCHES: dict[int, list[dict]] = {
     1: [
@@ -58,6 +66,7 @@ LAUNCHES: dict[int, list[dict]] = {
         _fit("gpt2-single", 1, TEXT, *_gpt2()),
         _fit("vit-single", 1, IMAGES),
         _fit("llama-init-single", 1, TEXT, INIT),
+        _fit("mixtral-single", 1, TEXT, MIXTRAL),
         {"kind": "example", "name": "example-single", "args": ["hf_model.py", "--devices", "1"]},
     ],
     2: [
@@ -68,14 +77,22 @@ LAUNCHES: dict[int, list[dict]] = {
         # a zoo GPT trained sharded, exported to a transformers Llama directory
         _fit("zoo-gpt-fsdp2", 2, ["-c", str(REPO / "configs/gpt.yaml"), "--data.global_batch_size=8"], f"{S}dp=2",
              "--trainer.max_steps=2", "--trainer.limit_val_batches=0", checkpoint=True),  # fmt: skip
+        _fit("mixtral-fsdp2", 2, TEXT, MIXTRAL, f"{S}dp=2"),
+        _fit("mixtral-tp2", 2, TEXT, MIXTRAL, f"{S}tp=2"),
+        _fit("mixtral-ep2", 2, TEXT, MIXTRAL, f"{S}ep=2", checkpoint=True),  # exported below
+        # a zoo MoE trained with experts split over ep=2, exported to a transformers Mixtral directory
+        _fit("zoo-moe-ep2", 2, ZOO_MOE, f"{S}ep=2", "--trainer.max_steps=2", "--trainer.limit_val_batches=0",
+             checkpoint=True),  # fmt: skip
         {"kind": "example", "name": "example-tp2", "args": ["hf_model.py", "--devices", "2", "--tp", "2"]},
         _error("no_plan", f"{S}tp=2", "--model.init_args.architecture=opt"),
         _error("tp_vs_kv_heads", f"{S}tp=2", "--model.init_args.config_overrides={num_key_value_heads: 1}"),
         _error("sp_vs_seq_len", f"{S}tp=2", "--data.init_args.seq_len=63"),
+        _error("ep_vs_experts", f"{S}ep=2", MIXTRAL, "--model.init_args.config_overrides={num_local_experts: 3}"),
     ],
     4: [
         _fit("llama-fsdp2_tp2", 4, TEXT, f"{S}tp=2"),
         _fit("gpt2-fsdp2_tp2", 4, TEXT, *_gpt2(f"{S}tp=2")),
+        _fit("mixtral-tp2_ep2", 4, TEXT, MIXTRAL, f"{S}tp=2", f"{S}ep=2"),
     ],
 }
 
@@ -141,7 +158,9 @@ def _checkpoint(out: Path, name: str) -> Path:
     return found[-1]
 
 
-@pytest.mark.parametrize(("name", "architecture"), [("llama-tp2", "llama"), ("gpt2-tp2", "gpt2")])
+@pytest.mark.parametrize(
+    ("name", "architecture"), [("llama-tp2", "llama"), ("gpt2-tp2", "gpt2"), ("mixtral-ep2", "mixtral")]
+)
 def test_exported_checkpoint_loads_with_from_pretrained(out: Path, tmp_path: Path, name: str, architecture: str) -> None:
     """A tp2-sharded checkpoint -> transformers directory -> from_pretrained: the trained model's logits."""
     from transformers import AutoModelForCausalLM
@@ -176,6 +195,26 @@ def test_exported_zoo_gpt_checkpoint_is_a_llama(out: Path, tmp_path: Path) -> No
         assert (llama(input_ids=tokens).logits - gpt(tokens)).abs().max().item() <= 1e-5
 
 
+def test_exported_zoo_moe_checkpoint_is_a_mixtral(out: Path, tmp_path: Path) -> None:
+    """A zoo MoE trained with its experts split over ep=2 (sharded checkpoint) -> from_pretrained: same logits."""
+    from transformers import MixtralForCausalLM
+
+    from zoo.convert import export_hf
+    from zoo.moe import MoEConfig, MoETransformer
+
+    directory = export_hf(_checkpoint(out, "zoo-moe-ep2"), tmp_path / "mixtral")
+    mixtral = MixtralForCausalLM.from_pretrained(directory).eval()
+    moe = MoETransformer(MoEConfig.from_preset("tiny", bias_update_rate=0.0)).eval()
+    weights = torch.load(out / "zoo-moe-ep2" / "params.pt", weights_only=True)
+    moe.load_state_dict({k.removeprefix("model."): v for k, v in weights.items()})
+    tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert (mixtral(input_ids=tokens).logits - moe(tokens)).abs().max().item() <= 1e-5
+        # the check can fail: the untrained model gives other logits
+        untrained = MoETransformer(MoEConfig.from_preset("tiny")).eval()
+        assert (mixtral(input_ids=tokens).logits - untrained(tokens)).abs().max().item() > 1e-5
+
+
 def test_errors_name_the_model_and_the_fix(out: Path) -> None:
     errors = json.loads((out / "errors_2.json").read_text())
     message = errors["no_plan"]["message"]
@@ -187,6 +226,8 @@ def test_errors_name_the_model_and_the_fix(out: Path) -> None:
     message = errors["sp_vs_seq_len"]["message"]
     assert "sequence length divisible by tp: model.layers.0 sees length 63, tp=2" in message
     assert "sequence_parallel=False" in message
+    message = errors["ep_vs_experts"]["message"]
+    assert "ep=2 does not divide num_local_experts=3 of MixtralForCausalLM (choose ep in [1, 3])" in message
 
 
 # ---- in this process: conversions and plan selection ------------------------------------------------------
@@ -235,6 +276,51 @@ def test_zoo_vit_and_transformers_vit_give_the_same_logits_both_ways() -> None:
         assert _max_diff(hf(pixel_values=images).logits, vit(images)) > 1e-5
 
 
+def test_zoo_moe_and_mixtral_give_the_same_logits_both_ways(tmp_path: Path) -> None:
+    """The zoo MoE's default routing is Mixtral's (softmax over all experts, top-k renormalised): exact maps."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    from zoo.convert import hf_to_zoo, load_hf_as_zoo, save_hf, zoo_to_hf
+    from zoo.convert.mixtral import to_moe_config
+    from zoo.moe import MoEConfig, MoETransformer
+
+    torch.manual_seed(0)
+    tokens = torch.randint(0, 256, (2, 24))
+    moe = MoETransformer(MoEConfig.from_preset("tiny")).eval()
+    with torch.no_grad():
+        hf = zoo_to_hf(moe)
+        # the config maps back, but for the dense width (no dense layer uses it): the expert width comes back
+        assert to_moe_config(hf.config) == dataclasses.replace(moe.config, ffn_hidden=moe.config.expert_hidden)
+        assert _max_diff(hf(input_ids=tokens).logits, moe(tokens)) <= 1e-5
+        mixtral = MixtralForCausalLM(MixtralConfig(
+            vocab_size=256, hidden_size=64, intermediate_size=48, num_hidden_layers=3, num_attention_heads=8,
+            num_key_value_heads=2, num_local_experts=6, num_experts_per_tok=3,
+        )).eval()  # fmt: skip
+        assert _max_diff(hf_to_zoo(mixtral)(tokens), mixtral(input_ids=tokens).logits) <= 1e-5
+        # through a directory: transformers writes the hub's per-expert layout, read back here
+        save_hf(moe, tmp_path / "mixtral")
+        loaded = MixtralForCausalLM.from_pretrained(tmp_path / "mixtral")
+        assert _max_diff(loaded(input_ids=tokens).logits, moe(tokens)) <= 1e-5
+        assert _max_diff(load_hf_as_zoo(tmp_path / "mixtral")(tokens), moe(tokens)) <= 1e-5
+        # the check can fail: one expert's up projection (the second half of gate_up_proj) changed
+        hf.model.layers[1].mlp.experts.gate_up_proj[:, 64:].mul_(1.01)
+        assert _max_diff(hf(input_ids=tokens).logits, moe(tokens)) > 1e-5
+
+
+def test_zoo_moe_without_mixtral_routing_is_refused() -> None:
+    from zoo.convert import ConversionError, zoo_to_hf
+    from zoo.convert.mixtral import to_mixtral_config
+    from zoo.moe import MoEConfig, MoETransformer
+
+    with pytest.raises(ValueError, match=r"MoEConfig with \{'score_func': 'sigmoid', 'n_shared_experts': 1\}") as error:
+        to_mixtral_config(MoEConfig.from_preset("tiny", score_func="sigmoid", n_shared_experts=1))
+    assert "convert a zoo MoE built with {'score_func': 'softmax', 'n_shared_experts': 0}" in str(error.value)
+    moe = MoETransformer(MoEConfig.from_preset("tiny"))
+    moe.layers[0].moe.router.expert_bias.bias.fill_(0.5)  # balancing bias trained, then bias_update_rate reset
+    with pytest.raises(ConversionError, match="layers.0.moe.router.expert_bias.bias holds values the transformers"):
+        zoo_to_hf(moe)
+
+
 def test_conversion_between_mismatched_shapes_names_the_tensors() -> None:
     from zoo import GPT, GPTConfig, ViTConfig
     from zoo.convert import ConversionError
@@ -252,6 +338,18 @@ def test_conversion_between_mismatched_shapes_names_the_tensors() -> None:
     assert "convert with the configuration the weights were trained with" in message
     with pytest.raises(ValueError, match="n_registers=3: transformers' ViT has no register tokens"):
         to_vit_hf_config(ViTConfig.from_preset("tiny"))
+    # zoo MoE -> Mixtral with another expert width: the fused tensor is named, with both shapes
+    from zoo.convert.mixtral import MIXTRAL
+    from zoo.moe import MoEConfig, MoETransformer
+
+    with torch.device("meta"):
+        state = MoETransformer(MoEConfig.from_preset("tiny")).state_dict()
+    with pytest.raises(ConversionError) as error:
+        zoo_state_to_hf(MIXTRAL, state, MoEConfig.from_preset("tiny", expert_hidden=32))
+    message = str(error.value)
+    assert "do not fit the transformers model MixtralForCausalLM" in message
+    assert "model.layers.0.mlp.experts.gate_up_proj: (4, 128, 64) given, (4, 64, 64) expected" in message
+    assert "convert with the configuration the weights were trained with" in message
 
 
 def test_plans_are_selected_by_class_and_can_be_named() -> None:
@@ -291,3 +389,33 @@ def test_plans_are_selected_by_class_and_can_be_named() -> None:
         _BY_CLASS.pop("OPTForCausalLM")
     with pytest.raises(ValueError, match="unknown architecture 'bert'"):
         register_plan("BertModel", "bert")
+
+
+def test_mixtral_plan_and_its_expert_adapter() -> None:
+    """Attention TP from transformers' plan, the MoE block whole over tp, EP through the adapter, which
+    computes what transformers' own MoE block does (same parameters and names)."""
+    import copy
+
+    from transformers import AutoModelForCausalLM
+
+    from lit_mesh.hf import plan_for
+    from lit_mesh.parallel.expert import adapt_moe_layers, expert_modules
+    from zoo.hf import tiny_config
+
+    torch.manual_seed(0)
+    mixtral = AutoModelForCausalLM.from_config(tiny_config("mixtral")).eval()
+    plan = plan_for(mixtral)
+    assert plan.blocks == "model.layers" and plan.moe_layer == "mlp" and plan.ep_divides == {"num_local_experts": 4}
+    assert plan.tp_block["self_attn.q_proj"] == "colwise" and plan.tp_block["self_attn.o_proj"] == "rowwise"
+    assert plan.tp_block["mlp"] == "whole_sequence" and not any(k.startswith("mlp.") for k in plan.tp_block)
+    assert plan.tp_divides == {"num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256}
+    adapted = copy.deepcopy(mixtral)
+    adapt_moe_layers(adapted, plan)
+    adapt_moe_layers(adapted, plan)  # idempotent
+    assert expert_modules(adapted, plan)[0] is adapted.model.layers[0].mlp.experts
+    assert adapted.state_dict().keys() == mixtral.state_dict().keys()
+    tokens = torch.randint(0, 256, (2, 24))
+    with torch.no_grad():
+        assert _max_diff(adapted(input_ids=tokens).logits, mixtral(input_ids=tokens).logits) <= 1e-5
+        adapted.model.layers[0].mlp.experts.down_proj[1].mul_(1.01)  # the adapter's experts are used
+        assert _max_diff(adapted(input_ids=tokens).logits, mixtral(input_ids=tokens).logits) > 1e-5

@@ -35,13 +35,14 @@ def hf_tp_plan(model: nn.Module) -> dict[str, str]:
     return dict(getattr(model, "_tp_plan", None) or {})
 
 
-def plan_from_hf(model: nn.Module, tp_divides: dict[str, int]) -> ParallelPlan:
-    """The plan for a model whose transformers TP plan uses only styles we apply; tp_unavailable otherwise."""
+def plan_from_hf(model: nn.Module, tp_divides: dict[str, int], hf_plan: dict[str, str] | None = None) -> ParallelPlan:
+    """The plan for a model whose transformers TP plan (or `hf_plan`, a part of it) uses only styles we apply;
+    tp_unavailable otherwise."""
     name = type(model).__name__
     blocks = find_blocks(model)
     if blocks is None:
         raise ValueError(f"{name}: no ModuleList of its _no_split_modules {getattr(model, '_no_split_modules', None)}")
-    hf_plan = hf_tp_plan(model)
+    hf_plan = hf_tp_plan(model) if hf_plan is None else hf_plan
     unknown = {key: style for key, style in hf_plan.items() if style not in HF_STYLES}
     if not hf_plan or unknown:
         why = (

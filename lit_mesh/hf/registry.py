@@ -26,15 +26,18 @@ def architectures() -> dict[str, PlanBuilder]:
     """The plan builders by architecture name (imported late: each module may read transformers' classes)."""
     from lit_mesh.hf.decoder import decoder_plan
     from lit_mesh.hf.gpt2 import gpt2_plan
+    from lit_mesh.hf.mixtral import mixtral_plan
     from lit_mesh.hf.vit import vit_plan
 
     return {"decoder": decoder_plan, "llama": decoder_plan, "qwen2": decoder_plan, "mistral": decoder_plan,
-            "gpt2": gpt2_plan, "vit": vit_plan}  # fmt: skip
+            "mixtral": mixtral_plan, "gpt2": gpt2_plan, "vit": vit_plan}  # fmt: skip
 
 
 # transformers classes with a plan of ours (the base models and their task heads)
 KNOWN: dict[str, str] = {
     **{f"{arch}{task}": "decoder" for arch in ("Llama", "Qwen2", "Mistral") for task in ("Model", "ForCausalLM")},
+    "MixtralModel": "mixtral",
+    "MixtralForCausalLM": "mixtral",
     "GPT2Model": "gpt2",
     "GPT2LMHeadModel": "gpt2",
     "ViTModel": "vit",

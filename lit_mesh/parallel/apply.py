@@ -1,6 +1,6 @@
 """The one place where plans are applied, in the one order:
-split into pipeline stages -> TP/SP -> CP -> EP -> activation checkpointing -> torch.compile -> FSDP/HSDP/DDP
-per block (experts first) -> each stage's root -> communication hooks.
+MoE layer adapters -> split into pipeline stages -> TP/SP -> CP -> EP -> activation checkpointing ->
+torch.compile -> FSDP/HSDP/DDP per block (experts first) -> each stage's root -> communication hooks.
 
 """
 
@@ -23,7 +23,7 @@ from lit_mesh.parallel.checkpointing import apply_activation_checkpointing
 from lit_mesh.parallel.compile import apply_compile
 from lit_mesh.parallel.context import apply_context_parallel
 from lit_mesh.parallel.data import apply_data_parallel, attach_compression, data_parallel_mesh
-from lit_mesh.parallel.expert import apply_expert_parallel, expert_modules, shard_experts
+from lit_mesh.parallel.expert import adapt_moe_layers, apply_expert_parallel, expert_modules, shard_experts
 from lit_mesh.parallel.pipeline import PipelineSettings
 from lit_mesh.parallel.pipeline_split import (
     Stage,
@@ -140,6 +140,8 @@ def parallelize(
 ) -> Parallelized:
     """Apply every technique to `root` (the LightningModule) in the fixed order."""
     owners = find_plan_owners(root)
+    for owner in owners:
+        adapt_moe_layers(owner.module, owner.plan)
     done = split_pipeline(root, owners, mesh, pipeline) if layout.pp > 1 and pipeline else Parallelized(owners)
     per_block = {"activation_checkpointing": activation_checkpointing != "none", "compile_blocks": compile_backend}
     for option, asked in per_block.items():

@@ -43,6 +43,13 @@ def moe_layers(model: nn.Module, plan: ParallelPlan) -> Iterator[nn.Module]:
             yield layer
 
 
+def adapt_moe_layers(model: nn.Module, plan: ParallelPlan) -> None:
+    """The plan's moe_adapter on every MoE layer (before any technique: all layouts then compute alike)."""
+    if plan.moe_adapter is not None:
+        for layer in moe_layers(model, plan):
+            plan.moe_adapter(layer)
+
+
 def expert_modules(model: nn.Module, plan: ParallelPlan) -> list[nn.Module]:
     """The stacked-weight expert modules (kept out of TP's replication: they are placed here)."""
     return [layer.experts for layer in moe_layers(model, plan)]
@@ -119,7 +126,7 @@ def apply_expert_parallel(model: nn.Module, plan: ParallelPlan, mesh: MeshViews,
     ep_group = mesh.ep.get_group() if layout.ep > 1 else None
     load_group = mesh.dp_cp.get_group()
     for layer in layers:
-        n_experts = layer.experts.w1.shape[0]
+        n_experts = next(layer.experts.parameters()).shape[0]  # stacked weights: experts first
         layer.dispatcher = AllToAllDispatch(n_experts, load_group, ep_group)
         if getattr(layer, "capacity_factor", None) is not None and layout.cp > 1:
             raise PlanError(

@@ -10,12 +10,16 @@ import torch
 from torch import nn
 
 from zoo.convert.llama import LLAMA
+from zoo.convert.mixtral import MIXTRAL
 from zoo.convert.rules import ConversionError, Converter, build_on_meta, check_against, rename
 from zoo.convert.vit import VIT
 
-CONVERTERS: dict[str, Converter] = {c.name: c for c in (LLAMA, VIT)}
+CONVERTERS: dict[str, Converter] = {c.name: c for c in (LLAMA, MIXTRAL, VIT)}
 # which converter a class takes: zoo class name or transformers class name
-_BY_CLASS = {"GPT": "llama", "LlamaForCausalLM": "llama", "ViT": "vit", "ViTForImageClassification": "vit"}
+_BY_CLASS = {
+    "GPT": "llama", "LlamaForCausalLM": "llama", "MoETransformer": "mixtral", "MixtralForCausalLM": "mixtral",
+    "ViT": "vit", "ViTForImageClassification": "vit",
+}  # fmt: skip
 
 
 def converter_for(model: nn.Module) -> Converter:
@@ -28,8 +32,18 @@ def converter_for(model: nn.Module) -> Converter:
 def zoo_state_to_hf(converter: Converter, state: dict[str, torch.Tensor], zoo_config: Any) -> tuple[Any, dict[str, torch.Tensor]]:
     """(transformers config, state dict) of a zoo model's weights; shapes checked against that config."""
     hf_config = converter.to_hf_config(zoo_config)
-    extra = set(converter.zoo_only(zoo_config))
-    hf_state = rename({k: v for k, v in state.items() if k not in extra}, converter.rules, "zoo", hf_config)
+    extra = converter.zoo_only(zoo_config)
+    for key, expected in extra.items():  # transformers cannot hold them: they must be what it implies
+        given = state.get(key)
+        if given is None or given.is_meta:
+            continue
+        if not (given.shape == expected.shape and torch.equal(given.cpu(), expected)):
+            raise ConversionError(
+                f"{key} holds values the transformers model has no place for (it implies {expected.tolist()}"
+                f" of shape {tuple(expected.shape)}); convert a model trained without them"
+            )
+    state = converter.pack({k: v for k, v in state.items() if k not in extra})
+    hf_state = rename(state, converter.rules, "zoo", hf_config)
     check_against(hf_state, build_on_meta(converter.hf_model, hf_config), "the transformers model")
     return hf_config, hf_state
 
@@ -37,7 +51,8 @@ def zoo_state_to_hf(converter: Converter, state: dict[str, torch.Tensor], zoo_co
 def hf_state_to_zoo(converter: Converter, state: dict[str, torch.Tensor], hf_config: Any) -> tuple[Any, dict[str, torch.Tensor]]:
     """(zoo config, state dict) of a transformers model's weights; shapes checked against that config."""
     zoo_config = converter.to_zoo_config(hf_config)
-    zoo_state = {**rename(state, converter.rules, "hf", hf_config), **converter.zoo_only(zoo_config)}
+    renamed = rename(converter.from_checkpoint(state), converter.rules, "hf", hf_config)
+    zoo_state = {**converter.unpack(renamed), **converter.zoo_only(zoo_config)}
     check_against(zoo_state, build_on_meta(converter.zoo_model, zoo_config), "the zoo model")
     return zoo_config, zoo_state
 

@@ -1,9 +1,9 @@
 """A trained checkpoint (sharded MeshStrategy directory or one Lightning file) -> a transformers directory
 (config.json + model.safetensors) that `from_pretrained(directory)` loads.
 
-The model configuration comes from the checkpoint's hyper-parameters: zoo GPTModule/ViTModule (preset +
-config_overrides, converted to Llama/ViT) and zoo.hf modules (architecture + config_overrides); for your
-own LightningModule around a transformers model pass its `config`.
+The model configuration comes from the checkpoint's hyper-parameters: zoo GPTModule/MoEModule/ViTModule
+(preset + config_overrides, converted to Llama/Mixtral/ViT) and zoo.hf modules (architecture +
+config_overrides); for your own LightningModule around a transformers model pass its `config`.
 """
 
 from __future__ import annotations
@@ -26,8 +26,12 @@ def checkpoint_hyperparameters(checkpoint: str | Path) -> dict[str, Any]:
 
 
 def _zoo_config(weights: dict[str, torch.Tensor], hparams: dict[str, Any]) -> tuple[str, Any] | None:
-    """(converter name, zoo config) when the weights are a zoo GPT or ViT, else None."""
+    """(converter name, zoo config) when the weights are a zoo GPT, MoE or ViT, else None."""
     overrides = hparams.get("config_overrides") or {}
+    if any(key.endswith(".moe.router.gate.weight") for key in weights):  # before the GPT: the same embedding
+        from zoo.moe import MoEConfig
+
+        return "mixtral", MoEConfig.from_preset(hparams.get("preset", "tiny"), **overrides)
     if "tok_embeddings.weight" in weights or "layers.0.attention.wq.weight" in weights:
         from zoo.gpt import GPTConfig
 

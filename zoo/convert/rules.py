@@ -46,6 +46,13 @@ class Converter:
     rules: Sequence[Rule]
     # zoo tensors transformers has no counterpart for, made from the zoo config (e.g. zero register tokens)
     zoo_only: Callable[[Any], dict[str, torch.Tensor]] = lambda _config: {}
+    # where transformers fuses several zoo tensors into one (Mixtral's gate_up_proj): `pack` turns a zoo state
+    # dict into one with the fused tensors (still zoo names, before renaming), `unpack` undoes it (after)
+    pack: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] = lambda state: state
+    unpack: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] = lambda state: state
+    # transformers may save a model in another layout than it holds it in memory (Mixtral: the hub's
+    # per-expert tensors): that layout -> the in-memory one, before renaming (the in-memory one passes)
+    from_checkpoint: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] = lambda state: state
 
 
 def rename(state: dict[str, torch.Tensor], rules: Sequence[Rule], source: str, target_config: Any) -> dict[str, torch.Tensor]:

@@ -42,7 +42,7 @@ class _HFModule(L.LightningModule):
 
 
 class HFCausalLM(_HFModule):
-    """Next-token prediction with a transformers causal LM (llama, qwen2, mistral, gpt2); batches are
+    """Next-token prediction with a transformers causal LM (llama, qwen2, mistral, mixtral, gpt2); batches are
     (tokens, targets), both (B, T), as zoo.TextDataModule gives them."""
 
     def __init__(

@@ -1,0 +1,111 @@
+"""Mixtral (MixtralModel, MixtralForCausalLM): FSDP per decoder layer and per layer's experts, TP of the
+attention from transformers' own plan (+SP), expert parallel over `ep`.
+
+transformers' plan also splits each expert's width over tp (packed_colwise / moe_tp_experts styles, which
+lit-mesh does not apply); as for the zoo MoE, the MoE block instead runs replicated over tp on the whole
+sequence ("whole_sequence"), its experts placed by expert parallel.
+
+Expert parallel needs an MoE layer that sends grouped tokens through a `dispatcher` to `experts(tokens,
+tokens_per_expert)` (lit_mesh/parallel/expert.py). transformers' MixtralSparseMoeBlock loops over its experts
+itself, so the plan's `moe_adapter` swaps the classes of the block and its experts for subclasses that do
+(as FSDP2 swaps a module's class; parameters, names and transformers' initialisation stay): the router is
+transformers' own (softmax over all experts, top-k renormalised), only the expert computation is regrouped.
+It is applied on every layout, single device included, so all layouts compute alike.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from lit_mesh.hf.decoder import tp_divides
+from lit_mesh.hf.from_config import hf_tp_plan, plan_from_hf
+from lit_mesh.plan import ParallelPlan
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    # expert weights are DTensors sharded over ep; router outputs DTensors replicated over tp
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+class LocalDispatch:
+    """All experts on this device (expert parallel swaps in lit_mesh.parallel.expert.AllToAllDispatch)."""
+
+    def global_load(self, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        return tokens_per_expert
+
+    def compute(self, experts: nn.Module, tokens: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        return experts(tokens, tokens_per_expert.tolist())
+
+
+class GroupedExperts(nn.Module):
+    """Mixed into transformers' MixtralExperts: tokens already grouped by expert, this rank's experts."""
+
+    gate_up_proj: nn.Parameter
+    down_proj: nn.Parameter
+
+    def forward(self, tokens: torch.Tensor, tokens_per_expert: list[int]) -> torch.Tensor:
+        gate_up, down = _local(self.gate_up_proj), _local(self.down_proj)
+        if len(tokens_per_expert) != gate_up.shape[0]:
+            raise ValueError(f"{len(tokens_per_expert)} token groups for {gate_up.shape[0]} experts")
+        outputs = []
+        for x, w_gate_up, w_down in zip(tokens.split(tokens_per_expert), gate_up, down):
+            gate, up = F.linear(x, w_gate_up).chunk(2, dim=-1)  # transformers' [gate; up] layout
+            outputs.append(F.linear(self.act_fn(gate) * up, w_down))
+        return torch.cat(outputs) if outputs else tokens[:0]
+
+
+class DispatchedMoE(nn.Module):
+    """Mixed into transformers' MixtralSparseMoeBlock: route with its router, then group the (token, expert)
+    assignments by expert and hand them to `dispatcher` (the zoo MoE's scheme, zoo/moe.py)."""
+
+    dispatcher: LocalDispatch
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        B, T, D = hidden_states.shape
+        if self.training and self.jitter_noise > 0:  # as transformers does (drawn per rank)
+            noise = torch.empty_like(hidden_states).uniform_(1 - self.jitter_noise, 1 + self.jitter_noise)
+            hidden_states = hidden_states * noise
+        tokens = hidden_states.reshape(B * T, D)
+        _, weights, expert_ids = (_local(t) for t in self.gate(tokens))  # the router's own call (output recording)
+        n_experts, k = self.gate.num_experts, expert_ids.shape[1]
+        token_index = torch.arange(B * T, device=tokens.device).repeat_interleave(k)
+        order = torch.argsort(expert_ids.flatten(), stable=True)
+        token_index, weights = token_index[order], weights.flatten()[order]
+        tokens_per_expert = torch.bincount(expert_ids.flatten(), minlength=n_experts)
+        out = self.dispatcher.compute(self.experts, tokens[token_index], tokens_per_expert)
+        mixed = torch.zeros_like(tokens).index_add(0, token_index, out * weights[:, None].to(out.dtype))
+        return mixed.view(B, T, D)
+
+
+def _swap_class(module: nn.Module, mixin: type) -> None:
+    if not isinstance(module, mixin):
+        cls = type(module)
+        module.__class__ = type(f"{mixin.__name__}{cls.__name__}", (mixin, cls), {})
+
+
+def dispatch_experts(moe: nn.Module) -> None:
+    """The plan's moe_adapter: make a MixtralSparseMoeBlock route through a dispatcher (idempotent)."""
+    _swap_class(moe.experts, GroupedExperts)
+    _swap_class(moe, DispatchedMoE)
+    if not hasattr(moe, "dispatcher"):
+        moe.dispatcher = LocalDispatch()
+
+
+def mixtral_plan(model: nn.Module) -> ParallelPlan:
+    config = model.config
+    # transformers' plan without its expert entries (see the module docstring)
+    attention_only = {key: style for key, style in hf_tp_plan(model).items() if ".mlp." not in f"{key}."}
+    divides = {name: size for name, size in tp_divides(model).items() if name != "intermediate_size"}
+    plan = plan_from_hf(model, divides, attention_only)
+    return dataclasses.replace(
+        plan,
+        tp_block={**plan.tp_block, "mlp": "whole_sequence"},
+        moe_layer="mlp",
+        moe_adapter=dispatch_experts,
+        ep_divides={"num_local_experts": config.num_local_experts},
+    )
