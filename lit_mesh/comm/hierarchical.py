@@ -131,11 +131,12 @@ class Hierarchy:
 
 
 def build_hierarchy(
-    root_ranks: Tensor, dims: tuple[int, ...], group: Any, topology: Topology, mode: AllReduceMode, dim: str
+    root_ranks: Tensor, dims: tuple[int, ...], group: Any, topology: Topology, mode: AllReduceMode, dim: str,
+    skip_trivial: bool = True,
 ) -> Optional[Hierarchy]:
     """The hierarchy of the mesh group over `dims` (call on every rank, in the same order: it creates process
     groups). None with mode "flat", or where it would change nothing (the group inside one node, or one rank
-    per node) or the group is not spread evenly over nodes."""
+    per node; skip_trivial=False builds it anyway, for tests) or the group is not spread evenly over nodes."""
     if mode == "flat":
         return None
     split = split_by_node(groups_of(root_ranks, dims), topology)
@@ -143,7 +144,7 @@ def build_hierarchy(
         return None
     intra_lists, inter_lists = split
     g, n = len(intra_lists[0]), len(inter_lists[0])
-    if g == 1 or n == 1:
+    if skip_trivial and (g == 1 or n == 1):
         return None
     intra, _ = dist.new_subgroups_by_enumeration(intra_lists)
     inter, _ = dist.new_subgroups_by_enumeration(inter_lists)
