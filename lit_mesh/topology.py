@@ -9,7 +9,7 @@ MeshStrategy checks the mesh against it (tp, then cp, inside a node; pp outermos
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Optional
 
 from lit_mesh.mesh import MESH_DIMS, MeshConfigError, MeshLayout
@@ -27,10 +27,11 @@ class Topology:
 
     Bandwidths are bytes/s per device and direction; latencies (alpha) seconds per ring step. The defaults are
     an H100 SXM node (NVLink 450 GB/s, one 400 Gb/s NIC per GPU), as in lit_mesh.planner.hardware.
+    `nodes` / `devices_per_node` left None are read from the cluster environment (give only the links).
     """
 
-    nodes: int = 1
-    devices_per_node: int = 1
+    nodes: Optional[int] = None
+    devices_per_node: Optional[int] = None
     intra_node_bandwidth: float = 450 * GB
     inter_node_bandwidth: float = 50 * GB
     intra_node_latency: float = 5e-6
@@ -39,6 +40,8 @@ class Topology:
     def __post_init__(self) -> None:
         for name in ("nodes", "devices_per_node"):
             value = getattr(self, name)
+            if value is None:
+                continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise TopologyError(f"Topology({name}={value!r}) must be a positive int")
         for name in ("intra_node_bandwidth", "inter_node_bandwidth"):
@@ -119,6 +122,11 @@ def topology_from_environment(
         _check_torchelastic(num_nodes, devices_per_node)
     if given is None:
         return Topology(nodes=num_nodes, devices_per_node=devices_per_node)
+    if given.devices_per_node is None:  # only the links given, or only the node count
+        per_node = devices_per_node if given.nodes is None else num_nodes * devices_per_node // given.nodes
+        given = replace(given, devices_per_node=max(per_node, 1))
+    if given.nodes is None:
+        given = replace(given, nodes=max(num_nodes * devices_per_node // given.devices_per_node, 1))
     world = num_nodes * devices_per_node
     if world % given.devices_per_node:
         raise TopologyError(

@@ -157,3 +157,17 @@ def test_torchrun_two_nodes_gpt_hierarchical_equals_flat(tmp_path: Path) -> None
     for name, p in flat_params.items():
         torch.testing.assert_close(hier_params[name], p, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(losses("layered_fp16"), losses("flat"), rtol=1e-3, atol=0)
+
+
+def test_topology_from_the_trainer_with_only_the_links_given() -> None:
+    from lightning.pytorch import Trainer
+
+    from lit_mesh import MeshStrategy
+
+    strategy = MeshStrategy(dp_replicate=4, topology=Topology(inter_node_bandwidth=25e9))
+    Trainer(accelerator="cpu", devices=2, num_nodes=2, strategy=strategy, logger=False)
+    assert strategy.topology == Topology(nodes=2, devices_per_node=2, inter_node_bandwidth=25e9)
+    # one machine split into simulated nodes (Lightning's own launcher, num_nodes=1)
+    strategy = MeshStrategy(topology=Topology(nodes=2))
+    Trainer(accelerator="cpu", devices=4, strategy=strategy, logger=False)
+    assert (strategy.topology.nodes, strategy.topology.devices_per_node) == (2, 2)
