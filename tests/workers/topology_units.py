@@ -25,7 +25,7 @@ from torch import nn
 from lit_mesh import CompressionOptions, MeshStrategy, Topology
 from lit_mesh.comm import hierarchical
 from lit_mesh.comm.codecs import make_codec
-from lit_mesh.comm.compression import GradientCompression
+from lit_mesh.comm.compression import GradientCompression, segments_of_shapes
 from lit_mesh.mesh import MeshLayout, build_device_mesh
 from lit_mesh.parallel.data import apply_data_parallel, attach_compression, data_parallel_mesh
 
@@ -139,6 +139,17 @@ def layered_fp16_and_onebit(h: hierarchical.Hierarchy) -> None:
         expected.append(torch.cat([roundtrip(m) for m in means]) / g)
     torch.testing.assert_close(out, torch.cat(expected), rtol=1e-5, atol=1e-6)
     assert site.residual is not None and site.residual.numel() == out.numel() // g  # error feedback on the piece only
+    # PowerSGD needs whole matrices: exact node sum, then the whole matrix compressed between nodes
+    xs = every_rank(32 * 16, integer=False)
+    segments = segments_of_shapes([torch.Size([32, 16])])
+    run = GradientCompression(CompressionOptions(mode="powersgd", powersgd_rank=2))
+    out = hierarchical.all_reduce(xs[RANK].clone(), h, average=True, compressor=run.compressor("site"), segments=segments)
+    node_sum = torch.stack([xs[r] for r in members if TOPOLOGY.node_of(r) == TOPOLOGY.node_of(RANK)]).sum(0)
+    reference = GradientCompression(CompressionOptions(mode="powersgd", powersgd_rank=2))
+    reference.compressor("site").all_reduce(node_sum, h.inter, average=True, dim="ref", segments=segments)
+    torch.testing.assert_close(out, node_sum / g, rtol=1e-5, atol=1e-6)
+    mean = torch.stack([xs[r] for r in members]).mean(0)
+    assert (out - mean).norm() > 1e-3 * mean.norm(), "rank 2 of a random 32 x 16 matrix must lose something"
 
 
 class MLP(nn.Module):
