@@ -133,7 +133,10 @@ def test_torchrun_two_nodes_gpt_hierarchical_equals_flat(tmp_path: Path) -> None
     ]
     spec = tmp_path / "runs.json"
     spec.write_text(json.dumps(runs))
-    torchrun_nodes(2, 2, WORKERS / "topology_runs.py", str(tmp_path), str(spec))
+    outputs = torchrun_nodes(2, 2, WORKERS / "topology_runs.py", str(tmp_path), str(spec))
+    # rank 0 (node 0's torchrun) prints where every rank sits
+    assert "rank    3 -> node 1, local rank 1: pp=0, dp_replicate=3, dp_shard=0, cp=0, tp=0" in outputs[0], outputs[0][-3000:]
+    assert "dp_replicate all-reduce hierarchical: 2 nodes x 2 ranks per node" in outputs[0]
     results = {r["name"]: json.loads((tmp_path / r["name"] / "result.json").read_text()) for r in runs}
 
     flat_ranks, hier_ranks = results["flat"]["ranks"], results["hierarchical"]["ranks"]
