@@ -62,7 +62,7 @@ def slurm_launch(nodes: int, per_node: int, script: Path, *args: str, timeout: f
             MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
         )  # fmt: skip
         cmd = [sys.executable, str(script), *args]
-        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=None if os.environ.get("LIT_MESH_TIMING") else subprocess.STDOUT, text=True,
+        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                       cwd=tempfile.mkdtemp(prefix="lit-mesh-test-")))  # fmt: skip
     wait_all(procs, timeout)
 
@@ -76,7 +76,7 @@ def torchrun_nodes(nodes: int, per_node: int, script: Path, *args: str, timeout:
             sys.executable, "-m", "torch.distributed.run", f"--nnodes={nodes}", f"--node-rank={node}",
             f"--nproc-per-node={per_node}", "--master-addr=127.0.0.1", f"--master-port={port}", str(script), *args,
         ]  # fmt: skip
-        procs.append(subprocess.Popen(cmd, env=clean_env(), stdout=subprocess.PIPE, stderr=None if os.environ.get("LIT_MESH_TIMING") else subprocess.STDOUT, text=True,
+        procs.append(subprocess.Popen(cmd, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                       cwd=tempfile.mkdtemp(prefix="lit-mesh-test-")))  # fmt: skip
     return wait_all(procs, timeout)
 

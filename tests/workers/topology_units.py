@@ -10,10 +10,7 @@ from __future__ import annotations
 import json
 import os
 import sys
-import time
 import traceback
-
-START = time.monotonic()
 from pathlib import Path
 
 import torch
@@ -205,8 +202,6 @@ if __name__ == "__main__":
     results: dict[str, str] = {}
 
     def check(name, fn, *args):
-        if os.environ.get("LIT_MESH_TIMING") and RANK == 0:
-            print(f"{time.monotonic() - START:.1f}s: {name}", file=sys.stderr, flush=True)
         try:
             value = fn(*args)
             results[name] = "ok"
