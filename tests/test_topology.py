@@ -118,7 +118,7 @@ GPT = [
     "-c", str(REPO / "configs/gpt.yaml"), "--trainer.num_nodes=2", "--trainer.devices=2", f"--trainer.max_steps={STEPS}",
     "--trainer.log_every_n_steps=1", "--trainer.logger=CSVLogger", "--data.global_batch_size=8", "--seed_everything=0",
     "--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false", "--trainer.enable_checkpointing=false",
-    "--trainer.limit_val_batches=0", f"{S}dp_replicate=4",
+    "--trainer.limit_val_batches=0", f"{S}dp_replicate=4", "--trainer.callbacks+=lit_mesh.MeshMonitor",
 ]  # fmt: skip
 
 
@@ -160,6 +160,18 @@ def test_torchrun_two_nodes_gpt_hierarchical_equals_flat(tmp_path: Path) -> None
     for name, p in flat_params.items():
         torch.testing.assert_close(hier_params[name], p, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(losses("layered_fp16"), losses("flat"), rtol=1e-3, atol=0)
+
+    # MeshMonitor's bytes per group: the cross-node group carries 1/3 of the flat all-reduce's bytes
+    # (2(n-1)/n·S/g = S/2 against 2(N-1)/N·S = 3S/2), the node-local one the other 2/3
+    def mib(name: str, dim: str) -> float:
+        by_step = results[name]["metrics"][f"monitor/comm_mib/{dim}"]
+        return by_step[max(by_step, key=int)]
+
+    flat = mib("flat", "dp_replicate")
+    assert mib("hierarchical", "dp_replicate:inter") == pytest.approx(flat / 3, rel=0.02)
+    assert mib("hierarchical", "dp_replicate:intra") == pytest.approx(flat * 2 / 3, rel=0.02)
+    # left on the flat replicate group (here the world): only the non-finite-loss check, 4 floats
+    assert mib("hierarchical", "dp_replicate") * 2**20 == 2 * 3 / 4 * 16
 
 
 def test_topology_from_the_trainer_with_only_the_links_given() -> None:
