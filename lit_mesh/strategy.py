@@ -210,7 +210,6 @@ class MeshStrategy(ModelParallelStrategy):
             rank_zero_warn(warning)
         # Always configure the launcher: with processes created externally (SLURM, torchrun) it spawns
         # nothing but still validates the cluster settings.
-        assert self.cluster_environment is not None
         self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
 
     def setup_environment(self) -> None:
@@ -232,6 +231,7 @@ class MeshStrategy(ModelParallelStrategy):
             self.topology = Topology(nodes=self.num_nodes, devices_per_node=self.num_processes)
         rank_zero_info(self.topology.placement(layout))
         ranks = views.root.mesh
+        self.replicate_hierarchy = self.metric_hierarchy = None
         if layout.dp_replicate > 1:
             self.replicate_hierarchy = build_hierarchy(
                 ranks, (1,), views.root.get_group("dp_replicate"), self.topology, self.allreduce, "dp_replicate"

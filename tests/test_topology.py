@@ -186,3 +186,12 @@ def test_topology_from_the_trainer_with_only_the_links_given() -> None:
     strategy = MeshStrategy(topology=Topology(nodes=2))
     Trainer(accelerator="cpu", devices=4, strategy=strategy, logger=False)
     assert (strategy.topology.nodes, strategy.topology.devices_per_node) == (2, 2)
+
+
+def test_cp_across_nodes_warns() -> None:
+    from lightning.pytorch import Trainer
+
+    from lit_mesh import MeshStrategy
+
+    with pytest.warns(UserWarning, match=r"cp=2 x tp=2 = 4 does not divide the 2 devices of one node"):
+        Trainer(accelerator="cpu", devices=2, num_nodes=2, strategy=MeshStrategy(cp=2, tp=2), logger=False)
