@@ -10,9 +10,11 @@ from lit_mesh.parallel.tensor import PlanError
 from lit_mesh.plan import ParallelPlan
 from lit_mesh.precision import FP16MixedPrecision
 from lit_mesh.strategy import MeshStrategy
+from lit_mesh.topology import Topology, TopologyError
 
 __all__ = [
     "CompressionLogger", "CompressionOptions", "CompressionStage", "FP16MixedPrecision", "Init", "MeshConfigError",
-    "MeshLayout", "MeshMonitor", "MeshStrategy", "ParallelPlan", "PipelineTimeline", "PlanError", "init_parameters",
+    "MeshLayout", "MeshMonitor", "MeshStrategy", "ParallelPlan", "PipelineTimeline", "PlanError", "Topology", "TopologyError",
+    "init_parameters",
     "loss_of", "output_of",
 ]  # fmt: skip

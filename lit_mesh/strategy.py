@@ -30,11 +30,13 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from lit_mesh.async_save import AsyncCheckpointSaver, staged_state, write_metadata
 from lit_mesh.checkpoint import OPTIMIZER_STATE_OPTIONS, load_sharded_checkpoint, publish_checkpoint
+from lit_mesh.comm import hierarchical
 from lit_mesh.comm.compression import GradientCompression
+from lit_mesh.comm.hierarchical import AllReduceMode, Hierarchy, build_hierarchy, check_allreduce_mode
 from lit_mesh.comm.options import CompressionConfigError, CompressionOptions, resolve_compression
 from lit_mesh.comm.state import load_compression_state, save_compression_state
 from lit_mesh.grad_norm import clip_grad_norm_
-from lit_mesh.mesh import MeshConfigError, MeshLayout, MeshViews, build_device_mesh, check_degrees, resolve_layout, tp_crosses_nodes
+from lit_mesh.mesh import MeshConfigError, MeshLayout, MeshViews, build_device_mesh, check_degrees, resolve_layout
 from lit_mesh.parallel.apply import Parallelized, is_user_parallelised, materialize, parallelize
 from lit_mesh.parallel.checkpointing import ActivationCheckpointing, check_activation_checkpointing
 from lit_mesh.parallel.compile import check_compile
@@ -42,6 +44,7 @@ from lit_mesh.parallel.context import CPStyle, check_cp_style, gather_batch, ref
 from lit_mesh.parallel.data import fsdp_roots
 from lit_mesh.parallel.pipeline import PipelineRunner, attach_runner, check_pipeline_settings
 from lit_mesh.precision import check_precision_plugin
+from lit_mesh.topology import Topology, topology_from_environment
 
 
 
@@ -81,6 +84,14 @@ class MeshStrategy(ModelParallelStrategy):
         grad_compression: compress every data-parallel gradient reduction: "fp16", "bf16", "powersgd", "onebit",
             "topk", or a `lit_mesh.CompressionOptions` (rank, ratio, warm-up, schedule, ...); None: off.
             See lit_mesh/comm/compression.py.
+        topology: nodes, devices per node and link bandwidths/latencies (`lit_mesh.Topology`); default: read
+            from the cluster environment (SLURM, torchrun) and Trainer(num_nodes, devices). Given explicitly, it
+            must agree with them (on one machine it may split the devices into simulated nodes).
+        strict_topology: refuse a tensor-parallel group that would cross nodes (else: a warning with the numbers).
+        allreduce: replicated gradients (DDP, HSDP's replicate dim) and metric reductions: "hierarchical"
+            (reduce-scatter in the node, all-reduce of the 1/g piece between nodes, all-gather in the node; with
+            grad_compression only the inter-node step is compressed), "flat", or "auto" (the topology's
+            alpha-beta cost model decides per tensor size). See lit_mesh/comm/hierarchical.py.
         process_group_backend: "gloo", "nccl", ...; default from the device.
         timeout: timeout of collectives.
     """
@@ -110,6 +121,9 @@ class MeshStrategy(ModelParallelStrategy):
         save_distributed_checkpoint: bool = True,
         async_save: bool = False,
         grad_compression: Union[str, CompressionOptions, None] = None,
+        topology: Optional[Topology] = None,
+        strict_topology: bool = False,
+        allreduce: AllReduceMode = "auto",
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout,
     ) -> None:
@@ -145,6 +159,13 @@ class MeshStrategy(ModelParallelStrategy):
         self.grad_compression: Optional[GradientCompression] = None  # the run's state, made in setup()
         self._layout: Optional[MeshLayout] = None
         self.mesh_views: Optional[MeshViews] = None
+        check_allreduce_mode(allreduce)
+        self.allreduce = allreduce
+        self.strict_topology = strict_topology
+        self._given_topology = topology
+        self.topology: Optional[Topology] = topology  # the run's, once the Trainer has set num_nodes and devices
+        self.replicate_hierarchy: Optional[Hierarchy] = None  # DDP/HSDP gradients (None: flat)
+        self.metric_hierarchy: Optional[Hierarchy] = None  # reduce() over dp x cp (None: flat)
 
     # ---- degrees and mesh -------------------------------------------------------------------------------
 
@@ -182,14 +203,14 @@ class MeshStrategy(ModelParallelStrategy):
                 f" ({layout.describe()}): there is no gradient reduction to compress; give dp or dp_replicate > 1,"
                 " or set grad_compression=None"
             )
-        if self.num_processes and tp_crosses_nodes(layout, self.num_processes):
-            rank_zero_warn(
-                f"tp={layout.tp} does not divide the {self.num_processes} devices of one node: tensor-parallel"
-                f" groups will cross nodes, which is slow; choose tp dividing {self.num_processes}"
-            )
+        assert self.cluster_environment is not None
+        self.topology = topology_from_environment(
+            self.cluster_environment, self.num_nodes, self.num_processes, self._given_topology
+        )
+        for warning in self.topology.check_layout(layout, self.strict_topology):
+            rank_zero_warn(warning)
         # Always configure the launcher: with processes created externally (SLURM, torchrun) it spawns
         # nothing but still validates the cluster settings.
-        assert self.cluster_environment is not None
         self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
 
     def setup_environment(self) -> None:
@@ -197,10 +218,32 @@ class MeshStrategy(ModelParallelStrategy):
         self.mesh_views = build_device_mesh(self.layout, self.root_device.type)
         self._device_mesh = self.mesh_views.root
         rank_zero_info(f"MeshStrategy: {self.layout.describe()}")
+        self._setup_topology()
         if self._async_saver is not None:
             self._async_saver.setup()
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = self._device_mesh
+
+    def _setup_topology(self) -> None:
+        """Print where every rank sits; make the node-local/cross-node groups of the hierarchical all-reduces."""
+        layout, views = self.layout, self.mesh_views
+        assert views is not None
+        if self.topology is None:  # _configure_launcher did not run (a Strategy used outside the Trainer)
+            self.topology = Topology(nodes=self.num_nodes, devices_per_node=self.num_processes)
+        rank_zero_info(self.topology.placement(layout))
+        ranks = views.root.mesh
+        self.replicate_hierarchy = self.metric_hierarchy = None
+        if layout.dp_replicate > 1:
+            self.replicate_hierarchy = build_hierarchy(
+                ranks, (1,), views.root.get_group("dp_replicate"), self.topology, self.allreduce, "dp_replicate"
+            )
+        if views.dp_cp.size() > 1:
+            self.metric_hierarchy = build_hierarchy(
+                ranks, (1, 2, 3), views.dp_cp.get_group(), self.topology, self.allreduce, "dp_cp"
+            )
+        for h in (self.replicate_hierarchy, self.metric_hierarchy):
+            if h is not None:
+                rank_zero_info(f"MeshStrategy: {h.dim} all-reduce {h.mode}: {h.nodes} nodes x {h.per_node} ranks per node")
 
     @contextmanager
     def tensor_init_context(self, empty_init: Optional[bool] = None) -> Generator[None, None, None]:
@@ -244,6 +287,7 @@ class MeshStrategy(ModelParallelStrategy):
                 pipeline=self.pipeline_settings,
                 cp_style=self.cp_style,
                 grad_compression=self.grad_compression,
+                replicate_hierarchy=self.replicate_hierarchy,
             )
         materialize(self.model, done.owners, self.root_device)
         self.model_to_device()
@@ -350,6 +394,11 @@ class MeshStrategy(ModelParallelStrategy):
             return tensor
         if group is None:
             group = self.mesh_views.dp_cp.get_group()
+            op = reduce_op.lower() if isinstance(reduce_op, str) else reduce_op
+            h = self.metric_hierarchy
+            summed = op in ("sum", "mean", "avg") or (not isinstance(op, str) and op == ReduceOp.SUM)
+            if h is not None and summed and tensor.is_floating_point() and h.use_hierarchical(tensor.nbytes):
+                return hierarchical.all_reduce(tensor, h, average=op in ("mean", "avg"))
         return _sync_ddp(tensor, group=group, reduce_op=reduce_op)
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from lightning.pytorch import Trainer
 
-from lit_mesh import MeshConfigError, MeshStrategy
+from lit_mesh import MeshConfigError, MeshStrategy, Topology
 from tests.launch import REPO, run_command, torchrun
 
 S = "--trainer.strategy.init_args."
@@ -32,6 +32,7 @@ S = "--trainer.strategy.init_args."
         ({"pp": 2, "cp": 2}, "pp=2 with cp=2: pipeline and context parallel together are not supported yet"),
         ({"cp": 2, "cp_style": "zigzag"}, "cp_style='zigzag'; choose one of ('ring', 'ulysses', 'allgather')"),
         ({"ep": 0}, "ep=0 must be >= 1"),
+        ({"allreduce": "ring"}, "allreduce='ring'; choose one of ('auto', 'flat', 'hierarchical')"),
     ],
 )
 def test_degree_errors_at_construction(kwargs: dict, message: str) -> None:
@@ -63,6 +64,50 @@ def test_world_size_errors_before_any_process_starts(devices: int, kwargs: dict,
 def test_tp_across_nodes_warns() -> None:
     with pytest.warns(UserWarning, match="tp=4 does not divide the 2 devices of one node"):
         Trainer(accelerator="cpu", devices=2, num_nodes=2, strategy=MeshStrategy(tp=4), logger=False)
+
+
+def _slurm(nodes: int, per_node: int, ntasks: int) -> dict[str, str]:
+    return {"SLURM_NTASKS_PER_NODE": str(per_node), "SLURM_NTASKS": str(ntasks), "SLURM_NNODES": str(nodes), "SLURM_PROCID": "0", "SLURM_LOCALID": "0",
+           "SLURM_NODEID": "0", "SLURM_JOB_NAME": "train", "SLURM_JOB_ID": "1", "SLURM_NODELIST": "localhost"}  # fmt: skip
+
+
+_TORCHRUN = {"TORCHELASTIC_RUN_ID": "x", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0",
+             "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29999"}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("trainer", "kwargs", "env", "message"),
+    [
+        ({"devices": 4}, {"topology": Topology(nodes=2, devices_per_node=3)}, {},
+         "topology devices_per_node=3 does not divide the world size 4 (num_nodes=1 x devices=4); choose"),
+        ({"devices": 2, "num_nodes": 2}, {"tp": 4, "strict_topology": True}, {},
+         "tp=4 does not divide the 2 devices of one node: tensor-parallel groups cross nodes"),
+        ({"devices": 4}, {"tp": 4, "strict_topology": True, "topology": Topology(nodes=2, devices_per_node=2)}, {},
+         "choose tp dividing 2 (or strict_topology=False to run anyway)"),
+        ({"devices": 2, "num_nodes": 2}, {"topology": Topology(nodes=4, devices_per_node=1)}, {},
+         "topology=Topology(nodes=4, devices_per_node=1) contradicts the run: LightningEnvironment and the Trainer"
+         " give num_nodes=2 x devices=2; set Trainer(num_nodes=4, devices=1)"),
+        ({"devices": 2, "num_nodes": 1}, {}, _slurm(2, 2, 4),
+         "Trainer(num_nodes=1) but the SLURM allocation has 2 nodes (SLURM_NNODES); set num_nodes=2"),
+        ({"devices": 4, "num_nodes": 2}, {}, _slurm(2, 2, 4),
+         "Trainer(devices=4) but SLURM runs 2 tasks per node (SLURM_NTASKS_PER_NODE); set devices=2"),
+        ({"devices": 4, "num_nodes": 2}, {}, _slurm(2, 4, 6),
+         "num_nodes=2 x devices=4 = 8 processes but SLURM runs 6 tasks (SLURM_NTASKS); the devices per node must divide"),
+        ({"devices": 2, "num_nodes": 2}, {"topology": Topology(nodes=1, devices_per_node=4)}, _slurm(2, 2, 4),
+         "contradicts the run: SLURMEnvironment and the Trainer give num_nodes=2 x devices=2"),
+        ({"devices": 2, "num_nodes": 1}, {}, _TORCHRUN,
+         "num_nodes=1 x devices=2 = 2 but torchrun's world has 4 processes; set num_nodes=2"),
+    ],
+)
+def test_topology_errors_before_any_process_starts(trainer: dict, kwargs: dict, env: dict, message: str, monkeypatch) -> None:
+    """Devices per node that do not divide the world, TP larger than a node (strict), num_nodes against the
+    SLURM allocation or torchrun, a topology that contradicts the environment: each named, with the fix."""
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(MeshConfigError) as error:
+        Trainer(accelerator="cpu", strategy=MeshStrategy(**kwargs), logger=False, **trainer)
+    assert message in str(error.value)
+    assert any(fix in str(error.value) for fix in ("choose", "set ", "give", "use "))
 
 
 @pytest.mark.parametrize("precision", ["16-mixed", "16-true", "64-true"])

@@ -97,3 +97,43 @@ def test_comparison_detects_a_different_run(losses: dict[str, dict]) -> None:
 
 def test_meta_built_model_without_plan_starts_like_an_eager_one(losses: dict[str, dict]) -> None:
     assert losses["own-lazy"]["losses"] == losses["own"]["losses"]
+
+
+_RECORD_ARGV = """#!/bin/sh
+for a in "$@"; do printf '%s\\n' "$a"; done > "$ARGV_OUT"
+"""
+
+
+@pytest.mark.parametrize(
+    ("script", "launcher", "env", "cli_after"),
+    [
+        ("examples/slurm/train_gpt.sbatch", "srun", {"SLURM_JOB_NUM_NODES": "2", "SLURM_NTASKS_PER_NODE": "4(x2)"}, "lit-mesh"),
+        ("examples/torchrun.sh", "torchrun", {"NNODES": "2", "NPROC_PER_NODE": "4"}, "lit_mesh.cli"),
+    ],
+)
+def test_multinode_launch_scripts_parse(script: str, launcher: str, env: dict, cli_after: str, tmp_path: Path, monkeypatch, capsys) -> None:
+    """The scripts run with a stand-in launcher that records its arguments (no cluster here): the launcher gets
+    the node count and processes per node, and LightningCLI accepts the lit-mesh arguments with the same numbers."""
+    import os
+    import subprocess
+
+    from lit_mesh.cli import run
+
+    fake = tmp_path / "bin" / launcher
+    fake.parent.mkdir()
+    fake.write_text(_RECORD_ARGV)
+    fake.chmod(0o755)
+    argv_out = tmp_path / "argv.txt"
+    run_env = {**os.environ, **env, "PATH": f"{fake.parent}{os.pathsep}{os.environ['PATH']}", "ARGV_OUT": str(argv_out)}
+    proc = subprocess.run(["bash", str(REPO / script)], env=run_env, cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    argv = argv_out.read_text().splitlines()
+    if launcher == "torchrun":
+        assert {"--nnodes=2", "--node-rank=0", "--nproc-per-node=4"} <= set(argv), argv
+    cli_args = argv[argv.index(cli_after) + 1 :]
+    assert {"--trainer.num_nodes=2", "--trainer.devices=4", "--trainer.strategy.init_args.dp_replicate=8"} <= set(cli_args)
+    monkeypatch.chdir(REPO)
+    with pytest.raises(SystemExit):
+        run([*cli_args, "--print_config"])
+    printed = capsys.readouterr().out
+    assert "num_nodes: 2" in printed and "allreduce: auto" in printed, printed[-2000:]

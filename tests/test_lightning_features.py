@@ -11,7 +11,6 @@ from lightning.pytorch.strategies.launchers.subprocess_script import _Subprocess
 
 from lit_mesh import MeshStrategy
 from tests.launch import torchrun
-from zoo import GPTModule, TextDataModule
 
 
 @pytest.fixture(scope="module")
@@ -89,9 +88,9 @@ def test_launcher_is_configured_and_validates_slurm(monkeypatch: pytest.MonkeyPa
     }  # fmt: skip
     for key, value in slurm.items():
         monkeypatch.setenv(key, value)
-    # the allocation has 4 tasks, the Trainer asks for 2 devices: Lightning's SLURM check must run and refuse
-    trainer = Trainer(accelerator="cpu", devices=2, strategy=MeshStrategy(), logger=False)
+    trainer = Trainer(accelerator="cpu", devices=4, strategy=MeshStrategy(), logger=False)
     assert isinstance(trainer.strategy.launcher, _SubprocessScriptLauncher)
     assert trainer.strategy.cluster_environment.creates_processes_externally
+    # the allocation has 4 tasks per node, the Trainer asks for 2 devices: refused when the Trainer is made
     with pytest.raises(ValueError, match="ntasks"):
-        trainer.fit(GPTModule(), TextDataModule())
+        Trainer(accelerator="cpu", devices=2, strategy=MeshStrategy(), logger=False)

@@ -15,6 +15,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from lit_mesh.comm.compression import GradientCompression
+from lit_mesh.comm.hierarchical import Hierarchy, attach_hierarchical_all_reduce
 from lit_mesh.hf import declared_plan as transformers_plan
 from lit_mesh.hf.init import initialise_weights as initialise_transformers_weights
 from lit_mesh.init import init_parameters
@@ -137,6 +138,7 @@ def parallelize(
     pipeline: PipelineSettings | None = None,
     cp_style: str = "ring",
     grad_compression: GradientCompression | None = None,
+    replicate_hierarchy: Hierarchy | None = None,
 ) -> Parallelized:
     """Apply every technique to `root` (the LightningModule) in the fixed order."""
     owners = find_plan_owners(root)
@@ -178,7 +180,8 @@ def parallelize(
         apply_activation_checkpointing(blocks, activation_checkpointing, ac_every_n_blocks)
         if compile_backend is not None:
             apply_compile(blocks, compile_backend)
-    dp_mesh = data_parallel_mesh(mesh, layout, replicate_in_hook=grad_compression is not None)
+    in_hook = grad_compression is not None or replicate_hierarchy is not None
+    dp_mesh = data_parallel_mesh(mesh, layout, replicate_in_hook=in_hook)
     if dp_mesh is not None:
         for owner in owners:
             shard_experts(owner.module, owner.plan, mesh, layout, precision)
@@ -190,6 +193,8 @@ def parallelize(
             apply_data_parallel([unit], [], dp_mesh, layout, precision)
         if grad_compression is not None:  # communication hooks come last
             attach_compression(root, grad_compression, mesh, layout)
+        if replicate_hierarchy is not None:  # replaces the flat replicate all-reduce (compressed or not)
+            attach_hierarchical_all_reduce(root, replicate_hierarchy, grad_compression)
     return done
 
 

@@ -1,0 +1,235 @@
+"""Hierarchical all-reduce over a group that spans nodes: n nodes holding g of its ranks each.
+
+  1. reduce-scatter inside the node (g ranks, fast links): each rank holds the node's sum of 1/g of the tensor;
+  2. all-reduce of that 1/g piece between nodes (n ranks, one per node: the slow links carry S/g, not S);
+  3. all-gather inside the node.
+Per rank, the bytes crossing nodes drop from 2(N-1)/N·S (flat ring over N = n·g) to 2(n-1)/n·S/g, and the
+sequential inter-node ring steps from 2(N-1) to 2(n-1). Layered compression: only step 2 goes through the
+run's GradientCompressor (lit_mesh/comm/compression.py); the node-local steps stay exact. PowerSGD, whose
+factors need whole matrices, all-reduces the whole tensor inside the node instead and compresses the whole
+tensor between nodes (every rank of a node sends the same factors on its own inter-node group).
+
+Used for replicated gradients (DDP, HSDP's replicate dim: FSDP2's all-reduce hook, the seam compression uses,
+lit_mesh/comm/fsdp.py) and metric reductions (MeshStrategy.reduce). torch has no hierarchical all-reduce on
+gloo/NCCL process groups, hence ours. The groups come from the Topology (node = rank // devices per node).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Literal, Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.fsdp import FSDPModule
+
+from lit_mesh.comm.compression import GradientCompression, GradientCompressor
+from lit_mesh.comm.fsdp import unit_segments
+from lit_mesh.topology import Topology
+
+AllReduceMode = Literal["auto", "flat", "hierarchical"]
+ALLREDUCE_MODES = ("auto", "flat", "hierarchical")
+
+
+def check_allreduce_mode(mode: str) -> None:
+    if mode not in ALLREDUCE_MODES:
+        from lit_mesh.mesh import MeshConfigError
+
+        raise MeshConfigError(f"allreduce={mode!r}; choose one of {ALLREDUCE_MODES}")
+
+
+# ---- the alpha-beta cost model (ring collectives; the formulas of lit_mesh/planner/cost.py) ----------------
+
+
+def ring_time(nbytes: float, k: int, link: tuple[float, float], steps_per_round: int = 1) -> float:
+    """All-gather / reduce-scatter (steps_per_round=1) or all-reduce (2) of nbytes over k ranks."""
+    bandwidth, alpha = link
+    return 0.0 if k <= 1 else steps_per_round * ((k - 1) * alpha + (k - 1) / k * nbytes / bandwidth)
+
+
+def flat_time(nbytes: float, n: int, g: int, topology: Topology) -> float:
+    """A ring over all n·g ranks is as slow as its slowest (inter-node) link."""
+    link = (topology.inter_node_bandwidth, topology.inter_node_latency)
+    if n == 1:
+        link = (topology.intra_node_bandwidth, topology.intra_node_latency)
+    return ring_time(nbytes, n * g, link, 2)
+
+
+def hierarchical_time(nbytes: float, n: int, g: int, topology: Topology) -> float:
+    intra = (topology.intra_node_bandwidth, topology.intra_node_latency)
+    inter = (topology.inter_node_bandwidth, topology.inter_node_latency)
+    return 2 * ring_time(nbytes, g, intra) + ring_time(nbytes / g, n, inter, 2)
+
+
+def inter_node_bytes(nbytes: float, n: int, g: int, hierarchical: bool) -> float:
+    """Bytes one rank sends across the node boundary (flat: every ring step's share is bound by it)."""
+    if hierarchical:
+        return 2 * (n - 1) / n * nbytes / g if n > 1 else 0.0
+    return 2 * (n * g - 1) / (n * g) * nbytes if n > 1 else 0.0
+
+
+def inter_node_steps(n: int, g: int, hierarchical: bool) -> int:
+    """Sequential ring steps that cross nodes."""
+    if n <= 1:
+        return 0
+    return 2 * (n - 1) if hierarchical else 2 * (n * g - 1)
+
+
+# ---- groups --------------------------------------------------------------------------------------------------
+
+
+def groups_of(mesh_ranks: Tensor, dims: tuple[int, ...]) -> list[list[int]]:
+    """Every group of the flattened `dims` of a mesh's rank tensor (the groups of all ranks, not only ours)."""
+    others = [d for d in range(mesh_ranks.dim()) if d not in dims]
+    size = math.prod(mesh_ranks.shape[d] for d in dims)
+    return mesh_ranks.permute(*others, *dims).reshape(-1, size).tolist()
+
+
+def split_by_node(groups: list[list[int]], topology: Topology) -> Optional[tuple[list[list[int]], list[list[int]]]]:
+    """(intra-node lists, inter-node lists) of every group, or None where a group holds unequal numbers of
+    ranks on the nodes it spans (no uniform hierarchy: flat it is)."""
+    intra, inter = [], []
+    for group in groups:
+        by_node: dict[int, list[int]] = {}
+        for rank in group:
+            by_node.setdefault(topology.node_of(rank), []).append(rank)
+        counts = {len(members) for members in by_node.values()}
+        if len(counts) != 1:
+            return None
+        parts = list(by_node.values())
+        intra.extend(parts)
+        inter.extend([list(column) for column in zip(*parts)])
+    return intra, inter
+
+
+@dataclass
+class Hierarchy:
+    """One rank's view of a group split by node: `intra` (g ranks of its node), `inter` (n ranks, one per node)."""
+
+    group: Any
+    intra: Any
+    inter: Any
+    nodes: int  # n
+    per_node: int  # g
+    mode: AllReduceMode
+    topology: Topology
+    dim: str
+
+    @property
+    def size(self) -> int:
+        return self.nodes * self.per_node
+
+    def use_hierarchical(self, nbytes: float) -> bool:
+        """"hierarchical" always; "auto" where the cost model predicts it faster for this size."""
+        if self.mode == "hierarchical":
+            return True
+        return self.mode == "auto" and hierarchical_time(nbytes, self.nodes, self.per_node, self.topology) < flat_time(
+            nbytes, self.nodes, self.per_node, self.topology
+        )
+
+
+def build_hierarchy(
+    root_ranks: Tensor, dims: tuple[int, ...], group: Any, topology: Topology, mode: AllReduceMode, dim: str,
+    skip_trivial: bool = True,
+) -> Optional[Hierarchy]:
+    """The hierarchy of the mesh group over `dims` (call on every rank, in the same order: it creates process
+    groups). None with mode "flat", or where it would change nothing (the group inside one node, or one rank
+    per node; skip_trivial=False builds it anyway, for tests) or the group is not spread evenly over nodes."""
+    if mode == "flat":
+        return None
+    split = split_by_node(groups_of(root_ranks, dims), topology)
+    if split is None:
+        return None
+    intra_lists, inter_lists = split
+    g, n = len(intra_lists[0]), len(inter_lists[0])
+    if skip_trivial and (g == 1 or n == 1):
+        return None
+    intra, _ = dist.new_subgroups_by_enumeration(intra_lists)
+    inter, _ = dist.new_subgroups_by_enumeration(inter_lists)
+    return Hierarchy(group, intra, inter, n, g, mode, topology, dim)
+
+
+# ---- the all-reduce -------------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def all_reduce(
+    tensor: Tensor,
+    hierarchy: Hierarchy,
+    average: bool,
+    compressor: Optional[GradientCompressor] = None,
+    segments: Optional[list] = None,
+) -> Tensor:
+    """tensor <- sum (or mean) over the hierarchy's whole group, in place, by the three steps; with a compressor,
+    the inter-node step is compressed (its bytes metered under "<dim>:inter", the node-local ones exact under
+    "<dim>:intra")."""
+    g, n, dim = hierarchy.per_node, hierarchy.nodes, hierarchy.dim
+    flat = tensor.reshape(-1)
+    length = flat.numel()
+    meter = compressor.run.meter if compressor is not None else None
+    if compressor is not None and compressor.run.mode == "powersgd":
+        whole = flat.clone()
+        dist.all_reduce(whole, group=hierarchy.intra)
+        if meter is not None:
+            meter.sent(f"{dim}:intra", "all_reduce", whole, g)
+            meter.uncompressed(f"{dim}:intra", "all_reduce", whole, g)
+        compressor.all_reduce(whole, hierarchy.inter, average=average, dim=f"{dim}:inter", segments=segments)
+        tensor.copy_((whole / g if average else whole).view_as(tensor))
+        return tensor
+    chunk = math.ceil(length / g)
+    padded = torch.zeros(g * chunk, dtype=flat.dtype, device=flat.device)
+    padded[:length] = flat
+    piece = torch.empty(chunk, dtype=flat.dtype, device=flat.device)
+    dist.reduce_scatter_tensor(piece, padded, group=hierarchy.intra)
+    if compressor is None:
+        dist.all_reduce(piece, group=hierarchy.inter)
+    else:
+        compressor.all_reduce(piece, hierarchy.inter, average=average, dim=f"{dim}:inter")
+    gathered = torch.empty_like(padded)
+    dist.all_gather_into_tensor(gathered, piece, group=hierarchy.intra)
+    if meter is not None:
+        for kind in ("reduce_scatter", "all_gather"):
+            meter.sent(f"{dim}:intra", kind, padded, g)
+            meter.uncompressed(f"{dim}:intra", kind, padded, g)
+    result = gathered[:length]
+    if average:  # a compressor averaged over the n nodes already
+        result = result / (g if compressor is not None else g * n)
+    tensor.copy_(result.view_as(tensor))
+    return tensor
+
+
+class HierarchicalReplicaAllReduce:
+    """FSDP2's all-reduce hook over the replicate dim (DDP, HSDP): the mean over replicas of this rank's reduced
+    gradient shard, hierarchically (or flat, where the cost model says so), with layered compression."""
+
+    def __init__(self, hierarchy: Hierarchy, module: FSDPModule, compressor: Optional[GradientCompressor]) -> None:
+        self.hierarchy = hierarchy
+        self.module = module
+        self.compressor = compressor
+
+    def __call__(self, reduced_shard: Tensor) -> None:
+        powersgd = self.compressor is not None and self.compressor.run.mode == "powersgd"
+        segments = unit_segments(self.module) if powersgd else None
+        nbytes = reduced_shard.numel() * reduced_shard.element_size()
+        if self.hierarchy.use_hierarchical(nbytes):
+            all_reduce(reduced_shard, self.hierarchy, average=True, compressor=self.compressor, segments=segments)
+        elif self.compressor is not None:
+            self.compressor.all_reduce(reduced_shard, self.hierarchy.group, True, self.hierarchy.dim, segments)
+        else:
+            dist.all_reduce(reduced_shard, group=self.hierarchy.group)
+            reduced_shard.div_(self.hierarchy.size)
+
+
+def attach_hierarchical_all_reduce(root: nn.Module, hierarchy: Hierarchy, run: Optional[GradientCompression]) -> int:
+    """Hook the replicate all-reduce of every FSDP2 unit under `root` (on a 1-D shard mesh, as compression does;
+    the compression sites keep their names "<unit>:all_reduce", so checkpointed state finds them)."""
+    hooked = 0
+    for name, module in root.named_modules():
+        if not isinstance(module, FSDPModule) or not module._get_fsdp_state()._fsdp_param_groups:
+            continue
+        site = run.compressor(f"{name or '<root>'}:all_reduce") if run is not None else None
+        module.set_all_reduce_hook(HierarchicalReplicaAllReduce(hierarchy, module, site))
+        hooked += 1
+    return hooked

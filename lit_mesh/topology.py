@@ -1,0 +1,183 @@
+"""Where the ranks sit: nodes, devices per node and the two link classes (inside a node, between nodes).
+
+Ranks are numbered node-major, as every launcher does it (SLURM, torchrun, Lightning): node = rank // devices
+per node. Read from Lightning's cluster environment and the Trainer's `num_nodes` x `devices`, or given
+explicitly (`MeshStrategy(topology=Topology(nodes=4, devices_per_node=8))`, also as LightningCLI YAML).
+MeshStrategy checks the mesh against it (tp, then cp, inside a node; pp outermost) and prints the placement.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+from typing import Any, Optional
+
+from lit_mesh.mesh import MESH_DIMS, MeshConfigError, MeshLayout
+
+GB = 1e9
+
+
+class TopologyError(MeshConfigError):
+    """A topology that cannot hold the mesh, or contradicts the cluster environment."""
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Devices on nodes with an alpha-beta model of each link class.
+
+    Bandwidths are bytes/s per device and direction; latencies (alpha) seconds per ring step. The defaults are
+    an H100 SXM node (NVLink 450 GB/s, one 400 Gb/s NIC per GPU), as in lit_mesh.planner.hardware.
+    `nodes` / `devices_per_node` left None are read from the cluster environment (give only the links).
+    """
+
+    nodes: Optional[int] = None
+    devices_per_node: Optional[int] = None
+    intra_node_bandwidth: float = 450 * GB
+    inter_node_bandwidth: float = 50 * GB
+    intra_node_latency: float = 5e-6
+    inter_node_latency: float = 15e-6
+
+    def __post_init__(self) -> None:
+        for name in ("nodes", "devices_per_node"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise TopologyError(f"Topology({name}={value!r}) must be a positive int")
+        for name in ("intra_node_bandwidth", "inter_node_bandwidth"):
+            if not getattr(self, name) > 0:
+                raise TopologyError(f"Topology({name}={getattr(self, name)!r}) must be > 0 bytes/s")
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.devices_per_node
+
+    def node_of(self, rank: int) -> int:
+        return rank // self.devices_per_node
+
+    def local_rank_of(self, rank: int) -> int:
+        return rank % self.devices_per_node
+
+    def link(self, ranks: list[int]) -> tuple[float, float]:
+        """(bandwidth, alpha) of a group: the intra-node link when all its ranks share a node."""
+        if len({self.node_of(r) for r in ranks}) <= 1:
+            return self.intra_node_bandwidth, self.intra_node_latency
+        return self.inter_node_bandwidth, self.inter_node_latency
+
+    # ---- the mesh on the nodes ------------------------------------------------------------------------------
+
+    def check_layout(self, layout: MeshLayout, strict: bool) -> list[str]:
+        """Refuse what cannot run; return warnings (a TP/CP group crossing nodes: refused for tp when strict)."""
+        if layout.world_size != self.world_size:
+            raise TopologyError(
+                f"the mesh has {layout.world_size} ranks ({layout.describe()}) but the topology has {self.nodes} nodes"
+                f" x {self.devices_per_node} devices = {self.world_size}; give nodes x devices_per_node ="
+                f" {layout.world_size}"
+            )
+        warnings = []
+        d = self.devices_per_node
+        if layout.tp > d or d % layout.tp:
+            message = (
+                f"tp={layout.tp} does not divide the {d} devices of one node: tensor-parallel groups cross nodes"
+                f" (their all-reduces per layer then run at {self.inter_node_bandwidth / GB:g} GB/s instead of"
+                f" {self.intra_node_bandwidth / GB:g} GB/s); choose tp dividing {d}"
+            )
+            if strict:
+                raise TopologyError(message + " (or strict_topology=False to run anyway)")
+            warnings.append(message)
+        elif d % (layout.tp * layout.cp):
+            warnings.append(
+                f"cp={layout.cp} x tp={layout.tp} = {layout.cp * layout.tp} does not divide the {d} devices of one"
+                f" node: context-parallel groups cross nodes; choose cp x tp dividing {d}"
+            )
+        return warnings
+
+    def placement(self, layout: MeshLayout, max_ranks: int = 64) -> str:
+        """rank -> node, local rank, mesh coordinates (one line per rank, the first `max_ranks`; printed by rank 0
+        at start)."""
+        shape = [getattr(layout, dim) for dim in MESH_DIMS]
+        lines = [f"topology: {self.nodes} node(s) x {self.devices_per_node} device(s); mesh {layout.describe()}"]
+        for rank in range(min(layout.world_size, max_ranks)):
+            coords, rest = [], rank
+            for size in reversed(shape):
+                coords.append(rest % size)
+                rest //= size
+            where = ", ".join(f"{dim}={c}" for dim, c in zip(MESH_DIMS, reversed(coords)))
+            lines.append(f"  rank {rank:>4} -> node {self.node_of(rank)}, local rank {self.local_rank_of(rank)}: {where}")
+        if layout.world_size > max_ranks:
+            lines.append(f"  ... ({layout.world_size - max_ranks} more ranks, node = rank // {self.devices_per_node})")
+        return "\n".join(lines)
+
+
+def topology_from_environment(
+    cluster_environment: Any, num_nodes: int, devices_per_node: int, given: Optional[Topology] = None
+) -> Topology:
+    """The topology of the run: Lightning's cluster environment and the Trainer's num_nodes x devices, checked
+    against each other (and against `given`, whose link figures are kept). Called before any process spawns."""
+    from lightning.fabric.plugins.environments import SLURMEnvironment, TorchElasticEnvironment
+
+    if isinstance(cluster_environment, SLURMEnvironment):
+        _check_slurm(num_nodes, devices_per_node)
+    elif isinstance(cluster_environment, TorchElasticEnvironment):
+        _check_torchelastic(num_nodes, devices_per_node)
+    if given is None:
+        return Topology(nodes=num_nodes, devices_per_node=devices_per_node)
+    if given.devices_per_node is None:  # only the links given, or only the node count
+        per_node = devices_per_node if given.nodes is None else num_nodes * devices_per_node // given.nodes
+        given = replace(given, devices_per_node=max(per_node, 1))
+    if given.nodes is None:
+        given = replace(given, nodes=max(num_nodes * devices_per_node // given.devices_per_node, 1))
+    world = num_nodes * devices_per_node
+    if world % given.devices_per_node:
+        raise TopologyError(
+            f"topology devices_per_node={given.devices_per_node} does not divide the world size {world}"
+            f" (num_nodes={num_nodes} x devices={devices_per_node}); choose devices_per_node in"
+            f" {[d for d in range(1, world + 1) if world % d == 0]}"
+        )
+    # One machine under Lightning's own launcher may be split into simulated nodes; a node count that comes
+    # from outside (SLURM, torchrun, num_nodes > 1) must be the topology's.
+    external = isinstance(cluster_environment, (SLURMEnvironment, TorchElasticEnvironment)) or num_nodes > 1
+    if given.world_size != world or (external and given.nodes != num_nodes):
+        source = type(cluster_environment).__name__
+        raise TopologyError(
+            f"topology=Topology(nodes={given.nodes}, devices_per_node={given.devices_per_node}) contradicts the"
+            f" run: {source} and the Trainer give num_nodes={num_nodes} x devices={devices_per_node}; set"
+            f" Trainer(num_nodes={given.nodes}, devices={given.devices_per_node}), or give a topology with"
+            f" nodes={num_nodes}, devices_per_node={devices_per_node} (or none: it is read from the environment)"
+        )
+    return given
+
+
+def _check_slurm(num_nodes: int, devices: int) -> None:
+    # Lightning checks these too, but only once the launcher runs; here with what to put in the sbatch script
+    nnodes, per_node, ntasks = (os.environ.get(k) for k in ("SLURM_NNODES", "SLURM_NTASKS_PER_NODE", "SLURM_NTASKS"))
+    if nnodes is not None and int(nnodes) != num_nodes:
+        raise TopologyError(
+            f"Trainer(num_nodes={num_nodes}) but the SLURM allocation has {nnodes} nodes (SLURM_NNODES);"
+            f" set num_nodes={nnodes}, or submit with #SBATCH --nodes={num_nodes}"
+        )
+    if per_node is not None and per_node.isdigit() and int(per_node) != devices:
+        raise TopologyError(
+            f"Trainer(devices={devices}) but SLURM runs {per_node} tasks per node (SLURM_NTASKS_PER_NODE);"
+            f" set devices={per_node}, or submit with #SBATCH --ntasks-per-node={devices}"
+        )
+    if ntasks is not None and int(ntasks) != num_nodes * devices:
+        raise TopologyError(
+            f"num_nodes={num_nodes} x devices={devices} = {num_nodes * devices} processes but SLURM runs"
+            f" {ntasks} tasks (SLURM_NTASKS); the devices per node must divide the world: use"
+            f" --ntasks-per-node={devices} on {num_nodes} nodes"
+        )
+
+
+def _check_torchelastic(num_nodes: int, devices: int) -> None:
+    world, local = os.environ.get("WORLD_SIZE"), os.environ.get("LOCAL_WORLD_SIZE")
+    if local is not None and int(local) != devices:
+        raise TopologyError(
+            f"Trainer(devices={devices}) but torchrun started {local} processes on this node"
+            f" (--nproc-per-node); set devices={local}"
+        )
+    if world is not None and int(world) != num_nodes * devices:
+        raise TopologyError(
+            f"num_nodes={num_nodes} x devices={devices} = {num_nodes * devices} but torchrun's world has {world}"
+            f" processes; set num_nodes={int(world) // max(devices, 1)} (torchrun --nnodes) or devices to match"
+        )
