@@ -21,6 +21,8 @@ COMMON = [
 LAYOUTS = {"ddp2": (2, [f"{S}dp_replicate=2"]), "fsdp2": (2, [f"{S}dp=2"]), "hsdp2x2": (4, [f"{S}dp_replicate=2", f"{S}dp_shard=2"])}
 TP_LAYOUT = {"fsdp2_tp2": (4, [f"{S}tp=2"])}  # dp_shard fills the rest: 2
 RESUMED = {"ddp2": "onebit", "fsdp2": "powersgd"}  # (layout, mode) pairs that also checkpoint at step 5
+# 1-bit with lit_mesh.OneBitAdam on fsdp2: 3 steps uncompressed, variance frozen from step 4, checkpoint at step 5
+ONEBIT_ADAM = [f"{S}grad_compression={{mode: onebit, warmup_steps: 3}}", "--model.init_args.variance_freeze_step=3"]
 
 
 def _run(name: str, layout: str, extra: list[str], ckpt_dir: Path | None = None) -> dict:
@@ -61,6 +63,9 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict:
         if nproc == 2:
             schedule = "{mode: fp16, warmup_steps: 2, schedule: [{mode: onebit, start_step: 5}]}"
             runs.append(_run("ddp2-schedule", "ddp2", [f"{S}grad_compression={schedule}"]))
+            runs.append(_run("fsdp2-onebitadam", "fsdp2", ONEBIT_ADAM, out / "ckpt-fsdp2-onebitadam"))
+            resume = f"--ckpt_path={out / 'ckpt-fsdp2-onebitadam' / 'step=5.ckpt'}"
+            runs.append(_run("fsdp2-onebitadam-resumed", "fsdp2", [*ONEBIT_ADAM, resume]))
             runs.append(_run("fsdp2-onebit-accum2", "fsdp2", [f"{S}grad_compression=onebit", "--trainer.accumulate_grad_batches=2"]))
         for layout, mode in RESUMED.items():
             if LAYOUTS[layout][0] == nproc:
@@ -120,7 +125,7 @@ def test_bytes_on_the_wire_per_mesh_dim(results: dict) -> None:
     assert min(metrics["ddp2-powersgd"]["grad_compression/ratio"].values()) > 3  # tiny preset: 64-wide matrices, rank 4
 
 
-@pytest.mark.parametrize(("layout", "mode"), sorted(RESUMED.items()))
+@pytest.mark.parametrize(("layout", "mode"), [*sorted(RESUMED.items()), ("fsdp2", "onebitadam")])
 def test_resume_with_compression_equals_the_uninterrupted_run(results: dict, layout: str, mode: str) -> None:
     full, resumed = losses(results[f"{layout}-{mode}"]), losses(results[f"{layout}-{mode}-resumed"])
     assert sorted(resumed) == list(range(5, STEPS))
@@ -137,6 +142,21 @@ def test_resume_with_compression_equals_the_uninterrupted_run(results: dict, lay
         sites = saved["state"]["compressors"]
         assert sites and all(s["residual"] is not None and s["residual"].abs().sum() > 0 for s in sites.values())
         assert mode != "powersgd" or all(s["qs"] for s in sites.values())
+
+
+def test_onebit_adam_trains_with_its_variance_frozen_across_the_resume(results: dict) -> None:
+    got = curve(results["fsdp2-onebitadam"])
+    assert len(got) == STEPS and got[-1] < 0.95 * got[0]
+    ratio = {int(s): v for s, v in results["fsdp2-onebitadam"]["metrics"]["grad_compression/ratio"].items()}
+    assert ratio[0] == 1.0 and all(ratio[s] > 20 for s in range(3, STEPS))  # the warm-up, then 1 bit
+    # the checkpoint at step 5 holds OneBitAdam's step counter past the freeze and its frozen second moment:
+    # the final frozen variance of both runs is the one of step 3 (same params at the end: the resume test)
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    meta = FileSystemReader(str(results["_dir"] / "ckpt-fsdp2-onebitadam" / "step=5.ckpt")).read_metadata()
+    keys = [k for k, m in meta.state_dict_metadata.items() if isinstance(m, TensorStorageMetadata)]
+    assert any(k.endswith("exp_avg_sq") for k in keys) and any(k.endswith("step") for k in keys), keys[:20]
 
 
 def test_schedule_warm_up_then_fp16_then_onebit(results: dict) -> None:

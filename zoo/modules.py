@@ -24,9 +24,17 @@ from zoo.vit import ViT, ViTConfig
 
 
 def _optimizer(
-    module: L.LightningModule, lr: float, betas: tuple[float, float], weight_decay: float, warmup_steps: int
+    module: L.LightningModule, lr: float, betas: tuple[float, float], weight_decay: float, warmup_steps: int,
+    variance_freeze_step: int | None = None,
 ) -> Any:
-    optimizer = torch.optim.AdamW(module.parameters(), lr=lr, betas=betas, weight_decay=weight_decay, foreach=True)
+    if variance_freeze_step is None:
+        optimizer = torch.optim.AdamW(module.parameters(), lr=lr, betas=betas, weight_decay=weight_decay, foreach=True)
+    else:  # for 1-bit gradient compression: see lit_mesh/comm/onebit_adam.py
+        from lit_mesh.comm.onebit_adam import OneBitAdam
+
+        optimizer = OneBitAdam(
+            module.parameters(), lr=lr, betas=betas, weight_decay=weight_decay, freeze_step=variance_freeze_step
+        )
     if warmup_steps <= 0:
         return optimizer
     # linear warm-up from lr / warmup_steps to lr, then constant
@@ -49,7 +57,10 @@ class GPTModule(L.LightningModule):
         betas: tuple[float, float] = (0.9, 0.95),
         warmup_steps: int = 0,
         config_overrides: dict[str, Any] | None = None,
+        variance_freeze_step: int | None = None,
     ) -> None:
+        """variance_freeze_step: None: AdamW; an int: lit_mesh.OneBitAdam, whose second moment freezes after that
+        many steps (give it grad_compression's warmup_steps when compressing to 1 bit)."""
         super().__init__()
         self.save_hyperparameters()
         # validate the preset now, not after the trainer has started
@@ -87,7 +98,7 @@ class GPTModule(L.LightningModule):
 
     def configure_optimizers(self) -> Any:
         h = self.hparams
-        return _optimizer(self, h.lr, tuple(h.betas), h.weight_decay, h.warmup_steps)
+        return _optimizer(self, h.lr, tuple(h.betas), h.weight_decay, h.warmup_steps, h.variance_freeze_step)
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token (lit_mesh.MeshMonitor reads it for MFU)."""
