@@ -154,6 +154,10 @@ def test_errors_after_start_are_clear(tmp_path: Path) -> None:
         ],
         "ep_dense_model": _gpt(f"{S}ep=2"),
         "pp_moe": ["fit", "-c", str(REPO / "configs/moe.yaml"), *_gpt(f"{S}pp=2")[3:]],
+        "experts_vs_shards": [
+            "fit", "-c", str(REPO / "configs/moe.yaml"), *_gpt(f"{S}dp=2")[3:],
+            "--model.init_args.config_overrides={expert_hidden: 63}",
+        ],
     }
     spec, out = tmp_path / "cases.json", tmp_path / "errors.json"
     spec.write_text(json.dumps(cases))
@@ -180,6 +184,8 @@ def test_errors_after_start_are_clear(tmp_path: Path) -> None:
     assert "ep=2 does not divide n_experts=3 of MoETransformer (choose ep in [1, 3])" in errors["ep_vs_experts"]["message"]
     assert "ep=2 but GPT.parallel_plan() declares no MoE layer" in errors["ep_dense_model"]["message"]
     assert "pp=2 with the MoE model MoETransformer: pipeline stages do not carry" in errors["pp_moe"]["message"]
+    assert "is FSDP-sharded by its dim 1 (63) over dp_shard x cp / ep = 2 x 1 / 1 = 2 ranks" in errors[
+        "experts_vs_shards"]["message"]
 
 
 def test_console_script_exits_with_the_message_instead_of_hanging() -> None:

@@ -153,7 +153,9 @@ def shard_experts(model: nn.Module, plan: ParallelPlan, mesh: MeshViews, layout:
     expert_mesh = expert_data_parallel_mesh(mesh, layout)
     if expert_mesh is None:
         return
+    shards = expert_mesh.size(expert_mesh.ndim - 1)  # efsdp: (edp_replicate, efsdp) or efsdp alone
     for experts in expert_modules(model, plan):
+        _check_even_shards(experts, shards, layout)
         fully_shard(
             experts,
             mesh=expert_mesh,
@@ -161,3 +163,16 @@ def shard_experts(model: nn.Module, plan: ParallelPlan, mesh: MeshViews, layout:
             reshard_after_forward=layout.data_parallel != "ddp",
             shard_placement_fn=lambda _param: Shard(1),
         )
+
+
+def _check_even_shards(experts: nn.Module, shards: int, layout: MeshLayout) -> None:
+    # FSDP2 cannot shard a dim other than 0 unevenly (NotImplementedError deep in setup): say why, with the fix
+    for name, param in experts.named_parameters(recurse=False):
+        if param.shape[1] % shards:
+            choices = [d for d in range(1, layout.dp_shard * layout.cp + 1) if (layout.dp_shard * layout.cp) % d == 0]
+            raise PlanError(
+                f"expert weight {name!r} {tuple(param.shape)} is FSDP-sharded by its dim 1 ({param.shape[1]}) over"
+                f" dp_shard x cp / ep = {layout.dp_shard} x {layout.cp} / {layout.ep} = {shards} ranks, which does not"
+                f" divide it; choose ep in {choices} so that the rest divides {param.shape[1]}, or an expert size"
+                f" divisible by {shards}"
+            )
