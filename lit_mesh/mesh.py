@@ -156,11 +156,6 @@ def resolve_layout(
     return layout
 
 
-def tp_crosses_nodes(layout: MeshLayout, devices_per_node: int) -> bool:
-    """True when a TP group would span nodes (tp is innermost, so it stays in a node iff it divides it)."""
-    return devices_per_node % layout.tp != 0
-
-
 @dataclass(frozen=True)
 class MeshViews:
     """The root mesh and the flattened views every technique reads (kept here: torch deprecates slicing

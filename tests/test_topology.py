@@ -81,11 +81,12 @@ def torchrun_nodes(nodes: int, per_node: int, script: Path, *args: str, timeout:
     return wait_all(procs, timeout)
 
 
-def test_slurm_two_nodes_topology_groups_and_hierarchical_equals_flat(tmp_path: Path) -> None:
-    """2 nodes x 2 tasks (the worker runs unchanged on 2 x 4, where HSDP 4 x 2 has two replicas per node and
-    so a real node-local step in its replicate all-reduce; 8 processes cost too much time here)."""
-    slurm_launch(2, 2, WORKERS / "topology_units.py", str(tmp_path))
-    for rank in range(4):
+@pytest.mark.parametrize("per_node", [2, 4])
+def test_slurm_two_nodes_topology_groups_and_hierarchical_equals_flat(tmp_path: Path, per_node: int) -> None:
+    """2 nodes x 2 tasks, and 2 x 4: there HSDP 4 x 2 has two replicas per node, so its replicate all-reduce has a
+    real node-local step (at 2 x 2 it has one replica per node and the hierarchy is trivial)."""
+    slurm_launch(2, per_node, WORKERS / "topology_units.py", str(tmp_path), timeout=120 * per_node)
+    for rank in range(2 * per_node):
         results = json.loads((tmp_path / f"rank{rank}.json").read_text())
         failed = {name: error for name, error in results.items() if error != "ok"}
         assert not failed, f"rank {rank}: " + "\n".join(f"{n}:\n{e}" for n, e in failed.items())
