@@ -45,13 +45,17 @@ def _llama(config: Any) -> Any:
     return LlamaForCausalLM(config)
 
 
-_LAYER = [
+# (zoo, transformers) names inside a decoder layer; Mixtral's layers share the attention half
+ATTENTION_LAYER = [
     ("attention_norm.weight", "input_layernorm.weight"),
     ("attention.wq.weight", "self_attn.q_proj.weight"),
     ("attention.wk.weight", "self_attn.k_proj.weight"),
     ("attention.wv.weight", "self_attn.v_proj.weight"),
     ("attention.wo.weight", "self_attn.o_proj.weight"),
     ("ffn_norm.weight", "post_attention_layernorm.weight"),
+]
+_LAYER = [
+    *ATTENTION_LAYER,
     ("feed_forward.w1.weight", "mlp.gate_proj.weight"),
     ("feed_forward.w3.weight", "mlp.up_proj.weight"),
     ("feed_forward.w2.weight", "mlp.down_proj.weight"),

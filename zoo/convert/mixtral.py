@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from zoo.convert.llama import ATTENTION_LAYER
 from zoo.convert.rules import ConversionError, Converter, Rule
 from zoo.moe import MoEConfig, MoETransformer
 
@@ -149,12 +150,7 @@ def _no_bias(c: MoEConfig) -> dict[str, torch.Tensor]:
 
 
 _LAYER = [
-    ("attention_norm.weight", "input_layernorm.weight"),
-    ("attention.wq.weight", "self_attn.q_proj.weight"),
-    ("attention.wk.weight", "self_attn.k_proj.weight"),
-    ("attention.wv.weight", "self_attn.v_proj.weight"),
-    ("attention.wo.weight", "self_attn.o_proj.weight"),
-    ("ffn_norm.weight", "post_attention_layernorm.weight"),
+    *ATTENTION_LAYER,
     ("moe.router.gate.weight", "mlp.gate.weight"),
     ("moe.experts.w13", "mlp.experts.gate_up_proj"),
 ]
