@@ -20,12 +20,12 @@ import torch.nn.functional as F
 from lit_mesh.parallel.context import (
     ContextParallelAttention,
     ContextParallelError,
-    _ring_block,
     _swap_attention,
     local_positions,
     shard_sequence,
     unshard_sequence,
 )
+from lit_mesh.parallel.context_attention import _ring_block
 from tests.launch import REPO, cli_runs, torchrun
 from tests.test_parity import COMMON, STEPS, _assert_same_curve, losses
 

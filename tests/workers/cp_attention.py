@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 
 from lit_mesh.parallel.context import CP_STYLES, context_parallel_attention, gather_batch, is_load_balanced, shard_batch, shard_sequence
+from tests.workers import exit_skipping_teardown
 
 B, HEADS, D = 2, 8, 8
 SEQ_DIM = 2  # (B, heads, T, D)
@@ -86,3 +87,4 @@ if __name__ == "__main__":
         Path(sys.argv[1]).write_text(json.dumps(results))
     dist.barrier()  # no rank tears gloo down while another still talks to it
     dist.destroy_process_group()
+    exit_skipping_teardown()

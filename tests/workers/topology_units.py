@@ -25,6 +25,7 @@ from lit_mesh.comm.codecs import make_codec
 from lit_mesh.comm.compression import GradientCompression, segments_of_shapes
 from lit_mesh.mesh import MeshLayout, build_device_mesh
 from lit_mesh.parallel.data import apply_data_parallel, attach_compression, data_parallel_mesh
+from tests.workers import exit_skipping_teardown
 
 NODES, PER_NODE = int(os.environ["SLURM_NNODES"]), int(os.environ["SLURM_NTASKS_PER_NODE"])
 RANK, WORLD = int(os.environ["SLURM_PROCID"]), int(os.environ["SLURM_NTASKS"])
@@ -225,3 +226,4 @@ if __name__ == "__main__":
     (out / f"rank{RANK}.json").write_text(json.dumps(results))
     dist.barrier()
     dist.destroy_process_group()
+    exit_skipping_teardown()
