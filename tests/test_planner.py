@@ -16,7 +16,7 @@ import yaml
 from lit_mesh import MeshStrategy
 from lit_mesh.mesh import MeshLayout, resolve_layout
 from lit_mesh.parallel.pipeline_split import balanced_split
-from lit_mesh.parallel.tensor import check_tp_divides
+from lit_mesh.parallel.tensor import PlanError, check_tp_divides
 from lit_mesh.planner.command import main as plan_main
 from lit_mesh.planner.config_yaml import fit_config
 from lit_mesh.planner.hardware import GB, Hardware
@@ -232,7 +232,8 @@ def test_moe_layouts_that_fsdp_cannot_shard_evenly_are_refused() -> None:
     hw = Hardware(nodes=125, devices_per_node=8, memory_bytes=80 * GB)
     reason = why_invalid(layout, gpt_shapes(config), Workload(global_batch=1000, seq_len=8192), hw)
     assert reason is not None and "dim 1" in reason
-    with pytest.raises(NotImplementedError, match="uneven sharding on dim 1"):  # what the real sharding says
+    # the real sharding refuses it too, before FSDP2 would (NotImplementedError: uneven sharding on dim 1)
+    with pytest.raises(PlanError, match=r"by its dim 1 \(4096\) over dp_shard x cp / ep = 1000 x 1 / 8 = 125 ranks.*choose expert sizes divisible by 125"):
         simulate_rank(config, layout, 999, "32-true", optimizer=False)
 
 

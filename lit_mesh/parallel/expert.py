@@ -167,12 +167,16 @@ def shard_experts(model: nn.Module, plan: ParallelPlan, mesh: MeshViews, layout:
 
 def _check_even_shards(experts: nn.Module, shards: int, layout: MeshLayout) -> None:
     # FSDP2 cannot shard a dim other than 0 unevenly (NotImplementedError deep in setup): say why, with the fix
-    for name, param in experts.named_parameters(recurse=False):
+    params = dict(experts.named_parameters(recurse=False))
+    for name, param in params.items():
         if param.shape[1] % shards:
-            choices = [d for d in range(1, layout.dp_shard * layout.cp + 1) if (layout.dp_shard * layout.cp) % d == 0]
+            ranks = layout.dp_shard * layout.cp
+            fits = [
+                ep for ep in range(1, ranks + 1)
+                if ranks % ep == 0 and param.shape[0] % ep == 0 and all(p.shape[1] % (ranks // ep) == 0 for p in params.values())
+            ]  # fmt: skip
             raise PlanError(
                 f"expert weight {name!r} {tuple(param.shape)} is FSDP-sharded by its dim 1 ({param.shape[1]}) over"
                 f" dp_shard x cp / ep = {layout.dp_shard} x {layout.cp} / {layout.ep} = {shards} ranks, which does not"
-                f" divide it; choose ep in {choices} so that the rest divides {param.shape[1]}, or an expert size"
-                f" divisible by {shards}"
+                f" divide it; choose " + (f"ep in {fits}, or " if fits else "") + f"expert sizes divisible by {shards}"
             )
