@@ -40,6 +40,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--powersgd-rank", type=int, default=4)
     p.add_argument("--topk-ratio", type=float, default=0.01)
     p.add_argument("--onebit-block", type=int, default=1024, help="entries per 1-bit scale")
+    p.add_argument("--onebit-rms-refresh", type=int, default=0,
+                   help="1-bit codes scaled per entry by its RMS, shared every this many steps (0: block scale only)")
     p.add_argument("--warmup-steps", type=int, default=0, help="uncompressed steps first (every mode)")
     p.add_argument("--optimizer", choices=("adamw", "onebit_adam"), default="adamw",
                    help="onebit_adam: lit_mesh.OneBitAdam freezing its variance after --warmup-steps (compressed modes; fp32 stays AdamW)")
@@ -66,7 +68,7 @@ def train(args: argparse.Namespace, mode: str) -> dict[str, Any]:
     L.seed_everything(0, verbose=False)
     compression = None if mode == "fp32" else CompressionOptions(
         mode=mode, powersgd_rank=args.powersgd_rank, topk_ratio=args.topk_ratio, onebit_block=args.onebit_block,
-        warmup_steps=args.warmup_steps,
+        onebit_rms_refresh=args.onebit_rms_refresh, warmup_steps=args.warmup_steps,
     )
     degrees = {"dp_replicate": 2} if args.layout == "ddp2" else {"dp": 2}
     strategy = MeshStrategy(**degrees, grad_compression=compression, process_group_backend="gloo")
@@ -119,7 +121,7 @@ def worker(args: argparse.Namespace) -> None:
     C.emit({
         "benchmark": "compression", "layout": args.layout, "preset": args.preset, "steps": args.steps,
         "global_batch_size": args.global_batch_size, "seq_len": args.seq_len, "powersgd_rank": args.powersgd_rank,
-        "topk_ratio": args.topk_ratio, "onebit_block": args.onebit_block, "warmup_steps": args.warmup_steps, "optimizer": args.optimizer, "table": table, "goals": goals,
+        "topk_ratio": args.topk_ratio, "onebit_block": args.onebit_block, "onebit_rms_refresh": args.onebit_rms_refresh, "warmup_steps": args.warmup_steps, "optimizer": args.optimizer, "table": table, "goals": goals,
         "goal_met": all(g["met"] for g in goals.values()), "plot": args.plot or None, **C.environment(),
     })  # fmt: skip
 

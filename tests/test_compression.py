@@ -115,7 +115,7 @@ def test_compressors_over_gloo(tmp_path: Path) -> None:
     checks = json.loads(out.read_text())
     failed = {name: detail for name, detail in checks.items() if detail is not True}
     assert not failed, failed
-    assert len(checks) >= 8
+    assert len(checks) >= 9
 
 
 def test_checkpoint_state_restores_on_the_same_layout_and_resets_with_a_warning_on_another(tmp_path: Path) -> None:

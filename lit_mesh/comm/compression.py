@@ -31,6 +31,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lit_mesh.comm.codecs import Codec, make_codec
+from lit_mesh.comm.entry_scales import EntryScales
 from lit_mesh.comm.fusion import fused, plan_buckets
 from lit_mesh.comm.meter import WireMeter
 from lit_mesh.comm.options import CompressionOptions
@@ -59,7 +60,7 @@ def segments_of_shapes(shapes: list[torch.Size]) -> list[Segment]:
 
 class GradientCompressor:
     """Compression state of one reduction site: worker residual (input layout), server residual (this rank's
-    chunk of a two-stage all-reduce), PowerSGD's Q per matrix."""
+    chunk of a two-stage all-reduce), PowerSGD's Q per matrix, 1-bit's per-entry scales."""
 
     def __init__(self, name: str, run: GradientCompression) -> None:
         self.name = name
@@ -67,6 +68,7 @@ class GradientCompressor:
         self.residual: Optional[Tensor] = None
         self.server_residual: Optional[Tensor] = None
         self.qs: dict[int, Tensor] = {}
+        self.entry_scales: Optional[EntryScales] = None
 
     # ---- public entry points ---------------------------------------------------------------------------
 
@@ -80,6 +82,7 @@ class GradientCompressor:
         final=False: an all-reduce follows (HSDP), so the schedule's gradient statistics are taken there."""
         n = group.size()
         self.run.meter.uncompressed(dim, "reduce_scatter", input, n)
+        self._observe(input)
         x = self._with_residual(input)
         mode = self.run.mode
         if mode == "none":
@@ -89,7 +92,7 @@ class GradientCompressor:
         elif mode == "powersgd":
             result = self._powersgd(x, n, group, dim, segments, keep_chunk=dist.get_rank(group))
         else:
-            result = self._stage_one(x, n, group, dim)
+            result = self._stage_one(x, n, group, dim, self._scales(n, group, dim))
         output.copy_(result / n if average else result)
         if final:
             self.run.record_norm(output)
@@ -101,6 +104,7 @@ class GradientCompressor:
         """tensor <- sum (or mean) over ranks of tensor, in place."""
         n = group.size()
         self.run.meter.uncompressed(dim, "all_reduce", tensor, n)
+        self._observe(_padded(tensor, n))
         x = self._with_residual(tensor)
         mode = self.run.mode
         if mode in ("none", "powersgd"):
@@ -161,17 +165,33 @@ class GradientCompressor:
         decoded = torch.stack([codec.decode(p, chunks.shape[1], chunks.dtype) for p in payloads])
         return payloads, decoded
 
-    def _stage_one(self, x: Tensor, n: int, group: Any, dim: str) -> Tensor:
-        """Every rank's chunk j of x, encoded, sent to rank j and summed there: this rank's chunk of the sum."""
+    def _stage_one(self, x: Tensor, n: int, group: Any, dim: str, scales: Optional[Tensor]) -> Tensor:
+        """Every rank's chunk j of x, encoded, sent to rank j and summed there: this rank's chunk of the sum.
+        With per-entry `scales` (x's layout), x / scales is encoded and the decoded codes are multiplied back."""
         codec = self.run.codec()
         chunks = x.view(n, -1)
-        payloads, decoded = self._encode_chunks(chunks, codec)
-        self._keep(x, decoded.view(-1))
+        unit = torch.ones(1, dtype=x.dtype, device=x.device) if scales is None else scales.view(n, -1).to(x.dtype)
+        payloads, decoded = self._encode_chunks(chunks / unit, codec)
+        self._keep(x, (decoded * unit).view(-1))
         received = torch.empty_like(payloads)
         dist.all_to_all_single(received, payloads, group=group)
         self.run.meter.sent(dim, "all_to_all", payloads, n)
         work = torch.promote_types(x.dtype, torch.float32)
-        return torch.stack([codec.decode(p, chunks.shape[1], work) for p in received]).sum(0)
+        mine = unit[dist.get_rank(group) if scales is not None else 0].to(work)
+        return torch.stack([codec.decode(p, chunks.shape[1], work) for p in received]).sum(0) * mine
+
+    # ---- 1-bit's per-entry scales (onebit_rms_refresh > 0; lit_mesh/comm/entry_scales.py) -------------------
+
+    def _observe(self, gradient: Tensor) -> None:
+        refresh = self.run.options.onebit_rms_refresh
+        if refresh and self.run.mode == "onebit":
+            self.entry_scales = self.entry_scales or EntryScales(refresh)
+            self.entry_scales.observe(gradient)
+
+    def _scales(self, n: int, group: Any, dim: str) -> Optional[Tensor]:
+        if self.entry_scales is None or not self.run.options.onebit_rms_refresh or self.run.mode != "onebit":
+            return None
+        return self.entry_scales.scales(n, group, self.run.step, lambda b: self.run.meter.sent(dim, "all_gather", b, n))
 
     def _fold_server_residual(self, x: Tensor, n: int, group: Any, average: bool) -> None:
         """A scheme without a second stage takes over what the last two-stage all-reduce kept back: it joins
@@ -186,25 +206,27 @@ class GradientCompressor:
 
     def _codec_all_reduce(self, x: Tensor, n: int, group: Any, dim: str, average: bool) -> Tensor:
         length, chunk = x.numel(), math.ceil(x.numel() / n)
-        padded = torch.zeros(n * chunk, dtype=x.dtype, device=x.device)
-        padded[:length] = x
-        reduced = self._stage_one(padded, n, group, dim)
+        padded = _padded(x, n)
+        scales = self._scales(n, group, dim)
+        reduced = self._stage_one(padded, n, group, dim, scales)
         if self.residual is not None:
             self.residual = self.residual[:length]  # the padding is no signal
         if average:
             reduced = reduced / n
         # stage two: re-encode this rank's reduced chunk (with its own residual) and gather every chunk
         codec = self.run.codec()
+        unit = torch.ones(n, 1, dtype=x.dtype, device=x.device) if scales is None else scales.view(n, -1).to(x.dtype)
+        mine = unit[dist.get_rank(group)]
         if self.server_residual is not None:
             reduced = reduced + self.server_residual
-        payload = codec.encode(reduced)
+        payload = codec.encode(reduced / mine)
         if self.run.options.error_feedback:
-            self.server_residual = reduced - codec.decode(payload, chunk, reduced.dtype)
+            self.server_residual = reduced - codec.decode(payload, chunk, reduced.dtype) * mine
         gathered = torch.empty(n * payload.numel(), dtype=torch.uint8, device=x.device)
         dist.all_gather_into_tensor(gathered, payload, group=group)
         self.run.meter.sent(dim, "all_gather", gathered, n)
         parts = gathered.view(n, -1)
-        return torch.cat([codec.decode(p, chunk, x.dtype) for p in parts])[:length]
+        return torch.cat([codec.decode(p, chunk, x.dtype) * unit[r] for r, p in enumerate(parts)])[:length]
 
     # ---- PowerSGD -------------------------------------------------------------------------------------------
 
@@ -263,6 +285,16 @@ class GradientCompressor:
             out_chunk[~mask] = reduced_rest
         self._keep(x, sent.view(-1))
         return out_chunk
+
+
+def _padded(x: Tensor, n: int) -> Tensor:
+    """x with zeros appended up to a multiple of n entries (n equal chunks)."""
+    chunk = math.ceil(x.numel() / n)
+    if x.numel() == n * chunk:
+        return x
+    out = torch.zeros(n * chunk, dtype=x.dtype, device=x.device)
+    out[: x.numel()] = x
+    return out
 
 
 class GradientCompression:
@@ -350,7 +382,10 @@ class GradientCompression:
             "last_norm": self._last_norm,
             "calm_steps": self._calm_steps,
             "compressors": {
-                name: {"residual": c.residual, "server_residual": c.server_residual, "qs": dict(c.qs)}
+                name: {
+                    "residual": c.residual, "server_residual": c.server_residual, "qs": dict(c.qs),
+                    "entry_scales": None if c.entry_scales is None else c.entry_scales.state_dict(),
+                }
                 for name, c in self.compressors.items()
             },
         }
@@ -366,3 +401,6 @@ class GradientCompression:
             move = lambda t: None if t is None else t.to(self.device)  # noqa: E731
             site.residual, site.server_residual = move(saved["residual"]), move(saved["server_residual"])
             site.qs = {int(i): move(q) for i, q in saved["qs"].items()}
+            if saved.get("entry_scales") is not None:
+                site.entry_scales = EntryScales(self.options.onebit_rms_refresh)
+                site.entry_scales.load_state_dict(saved["entry_scales"], self.device)

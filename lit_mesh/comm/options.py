@@ -38,6 +38,10 @@ class CompressionOptions:
     powersgd_rank: rank of PowerSGD's factors P and Q.
     topk_ratio: fraction of entries top-k sends, in (0, 1].
     onebit_block: entries sharing one scale in 1-bit codes (the scale costs 32 bits per block).
+    onebit_rms_refresh: 0: 1-bit codes decode to their block's mean |x|. k > 0: every entry is first divided
+        by its own running RMS (each rank's uncompressed gradients; shared as 8-bit log codes every k optimizer
+        steps, 1/4 of an fp32 all-gather each time), so that after decoding every coordinate keeps its own size
+        under AdamW (lit_mesh/comm/entry_scales.py). 16 is a good start.
     warmup_steps: optimizer steps sent uncompressed before `mode` starts.
     bucket_mb: tensor fusion: pieces sent per tensor (PowerSGD factors, uncompressed 1-D tensors, lists
         given to the standalone API) are packed into buckets of up to this size, one collective each.
@@ -50,6 +54,7 @@ class CompressionOptions:
     powersgd_rank: int = 4
     topk_ratio: float = 0.01
     onebit_block: int = 1024
+    onebit_rms_refresh: int = 0
     warmup_steps: int = 0
     bucket_mb: float = 25.0
     error_feedback: bool = True
@@ -108,6 +113,11 @@ def check_options(o: CompressionOptions) -> None:
         )
     if not isinstance(o.onebit_block, int) or o.onebit_block < 1:
         raise CompressionConfigError(f"onebit_block={o.onebit_block!r} must be an int >= 1 (entries per 1-bit scale)")
+    if isinstance(o.onebit_rms_refresh, bool) or not isinstance(o.onebit_rms_refresh, int) or o.onebit_rms_refresh < 0:
+        raise CompressionConfigError(
+            f"onebit_rms_refresh={o.onebit_rms_refresh!r} must be an int >= 0 (optimizer steps between shares of the"
+            " per-entry RMS scales of 1-bit codes, e.g. 16; 0: one scale per block only)"
+        )
     if not isinstance(o.bucket_mb, (int, float)) or o.bucket_mb <= 0:
         raise CompressionConfigError(f"bucket_mb={o.bucket_mb!r} must be > 0 (tensor-fusion bucket size in MiB, e.g. 25)")
     last_start = o.warmup_steps

@@ -56,6 +56,47 @@ def onebit_all_reduce_formula() -> None:
     assert got["uncompressed"] == 2 * (n - 1) / n * 4000, got
 
 
+def onebit_scaled_by_entry_rms() -> None:
+    """onebit_rms_refresh: the RMS of chunk j comes from rank j's own gradients (8-bit log codes, all-gathered),
+    every entry is divided by it before its sign is taken and multiplied back after; error feedback stays exact;
+    the codes are sent again only once `refresh` steps have passed, and their bytes are counted."""
+    from lit_mesh.comm.entry_scales import FLOOR, decode_log, encode_log
+
+    n, me = dist.get_world_size(), dist.get_rank()
+    run = GradientCompression(CompressionOptions(mode="onebit", onebit_block=64, onebit_rms_refresh=2))
+    site, codec = run.compressor("ar"), make_codec("onebit", 64, 0.0)
+    # entries of very different but steady sizes in one block (as gradients are, step to step): what the
+    # per-entry scales are for
+    sizes = 10 ** (4 * torch.rand(1000, generator=torch.Generator().manual_seed(3)) - 3)  # 1e-3 .. 10, mixed
+    xs = [sizes * (x.sign() + 0.2 * x) for x in inputs(1000)]
+    run.begin_step(0)
+    out = xs[me].clone()
+    site.all_reduce(out, dist.group.WORLD, average=True, dim="dp_replicate")
+    rms = torch.cat([decode_log(encode_log(xs[r].view(n, -1)[r].abs())) for r in range(n)]).view(n, -1)
+    scales = torch.maximum(rms, FLOOR * rms.mean(1, keepdim=True))
+    sent = [torch.cat([roundtrip(codec, c / s) * s for c, s in zip(x.view(n, -1), scales)]) for x in xs]
+    means = (torch.stack(sent).sum(0) / n).view(n, -1)
+    expected = torch.cat([roundtrip(codec, m / s) * s for m, s in zip(means, scales)])
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(site.residual, xs[me] - sent[me], rtol=1e-6, atol=1e-7)
+    # decoded entries keep their own size: relative to each entry's size (what AdamW sees), far closer to the
+    # mean input than with one scale per block
+    plain = GradientCompression(CompressionOptions(mode="onebit", onebit_block=64)).compressor("ar")
+    unscaled = xs[me].clone()
+    plain.all_reduce(unscaled, dist.group.WORLD, average=True, dim="dp_replicate")
+    mean_x = sum(xs) / n
+    scaled_error, plain_error = (((y - mean_x) / sizes).norm() / (mean_x / sizes).norm() for y in (out, unscaled))
+    assert scaled_error < 0.5 * plain_error, (float(scaled_error), float(plain_error))
+    codes_bytes = (n - 1) / n * 1000  # one 8-bit code per entry, all-gathered
+    payload = codec.payload_bytes(1000 // n)
+    assert run.meter.current["dp_replicate"]["sent"] == 2 * (n - 1) * payload + codes_bytes, run.meter.current
+    for step, shares in [(1, False), (2, True)]:  # refresh=2: the codes go out again at step 2, not at step 1
+        run.begin_step(step)
+        site.all_reduce(xs[me].clone(), dist.group.WORLD, average=True, dim="dp_replicate")
+        extra = run.meter.current["dp_replicate"]["sent"] - 2 * (n - 1) * payload
+        assert extra == (codes_bytes if shares else 0), (step, extra)
+
+
 def reduce_scatter_formula(mode: str) -> None:
     n, me = dist.get_world_size(), dist.get_rank()
     run = GradientCompression(CompressionOptions(mode=mode, topk_ratio=0.1))
@@ -161,6 +202,7 @@ def schedule_switches_by_rule_on_all_ranks_together() -> None:
 
 CHECKS = [
     onebit_all_reduce_formula,
+    onebit_scaled_by_entry_rms,
     lambda: reduce_scatter_formula("topk"),
     lambda: reduce_scatter_formula("fp16"),
     lambda: reduce_scatter_formula("onebit"),
@@ -169,7 +211,7 @@ CHECKS = [
     none_is_the_plain_collective,
     schedule_switches_by_rule_on_all_ranks_together,
 ]
-NAMES = ["onebit_all_reduce", "topk_reduce_scatter", "fp16_reduce_scatter", "onebit_reduce_scatter", "powersgd",
+NAMES = ["onebit_all_reduce", "onebit_entry_rms", "topk_reduce_scatter", "fp16_reduce_scatter", "onebit_reduce_scatter", "powersgd",
          "conservation_across_switches", "none", "schedule_rule"]  # fmt: skip
 
 
