@@ -45,6 +45,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--warmup-steps", type=int, default=0, help="uncompressed steps first (every mode)")
     p.add_argument("--optimizer", choices=("adamw", "onebit_adam"), default="adamw",
                    help="onebit_adam: lit_mesh.OneBitAdam freezing its variance after --warmup-steps (compressed modes; fp32 stays AdamW)")
+    p.add_argument("--cosine", action="store_true",
+                   help="every mode (fp32 too): lr decays by a cosine to 10%% of 3e-3 over the run, as LLM recipes do")
     p.add_argument("--plot", default="", help="write the loss-vs-step PNG here")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds for the whole launch")
     return p.parse_args(argv)
@@ -80,7 +82,9 @@ def train(args: argparse.Namespace, mode: str) -> dict[str, Any]:
         log_every_n_steps=1, callbacks=[losses],
     )  # fmt: skip
     freeze = max(1, args.warmup_steps) if args.optimizer == "onebit_adam" and mode != "fp32" else None
-    module = GPTModule(preset=args.preset, lr=3e-3, variance_freeze_step=freeze)
+    module = GPTModule(
+        preset=args.preset, lr=3e-3, variance_freeze_step=freeze, decay_steps=args.steps if args.cosine else 0
+    )
     data = TextDataModule(global_batch_size=args.global_batch_size, seq_len=args.seq_len)
     start = time.perf_counter()
     trainer.fit(module, data)
@@ -121,7 +125,7 @@ def worker(args: argparse.Namespace) -> None:
     C.emit({
         "benchmark": "compression", "layout": args.layout, "preset": args.preset, "steps": args.steps,
         "global_batch_size": args.global_batch_size, "seq_len": args.seq_len, "powersgd_rank": args.powersgd_rank,
-        "topk_ratio": args.topk_ratio, "onebit_block": args.onebit_block, "onebit_rms_refresh": args.onebit_rms_refresh, "warmup_steps": args.warmup_steps, "optimizer": args.optimizer, "table": table, "goals": goals,
+        "topk_ratio": args.topk_ratio, "onebit_block": args.onebit_block, "onebit_rms_refresh": args.onebit_rms_refresh, "lr_schedule": "cosine" if args.cosine else "constant", "warmup_steps": args.warmup_steps, "optimizer": args.optimizer, "table": table, "goals": goals,
         "goal_met": all(g["met"] for g in goals.values()), "plot": args.plot or None, **C.environment(),
     })  # fmt: skip
 

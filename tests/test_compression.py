@@ -89,6 +89,7 @@ def test_fusion_packs_small_tensors_into_buckets() -> None:
         (CompressionOptions(mode="topk", topk_ratio=0.0), "topk_ratio=0.0 must be in (0, 1]"),
         (CompressionOptions(mode="topk", topk_ratio=1.5), "topk_ratio=1.5 must be in (0, 1]"),
         (CompressionOptions(warmup_steps=-1), "warmup_steps=-1 must be an int >= 0"),
+        (CompressionOptions(onebit_rms_refresh=-2), "onebit_rms_refresh=-2 must be an int >= 0"),
         (CompressionOptions(schedule=[CompressionStage("onebit")]), "has neither start_step nor grad_norm_change_below"),
         (CompressionOptions(warmup_steps=5, schedule=[CompressionStage("fp16", start_step=2)]), "start_step=2 comes before"),
     ],

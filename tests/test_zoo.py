@@ -309,6 +309,27 @@ def test_gpt_module_fits_on_text(tmp_path):
     assert module.lr_schedulers() is not None
 
 
+def test_lr_schedule_warms_up_then_decays_by_a_cosine(tmp_path):
+    from zoo.modules import lr_factor
+
+    f = lr_factor(warmup_steps=4, decay_steps=14, min_lr_ratio=0.1)
+    assert [f(s) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]  # linear warm-up
+    assert f(4) == 1.0 and math.isclose(f(9), 0.55) and math.isclose(f(14), 0.1) and f(100) == f(14)
+    assert all(f(s) >= f(s + 1) for s in range(4, 20))
+    assert lr_factor(3, 0, 0.1)(50) == 1.0  # no decay: constant after the warm-up
+    with pytest.raises(ValueError, match="decay_steps=3 must be 0 .* more than warmup_steps=5"):
+        GPTModule(warmup_steps=5, decay_steps=3)
+    with pytest.raises(ValueError, match="min_lr_ratio=1.5 must be in"):
+        GPTModule(decay_steps=10, min_lr_ratio=1.5)
+    # the Trainer steps the schedule every optimizer step
+    module = GPTModule(lr=1e-2, decay_steps=6, min_lr_ratio=0.0, config_overrides={"n_layers": 1})
+    (tmp_path / "a.txt").write_text("hello world, " * 100)
+    data = TextDataModule(global_batch_size=2, seq_len=8, source=str(tmp_path), val_fraction=0.1)
+    trainer = _trainer(max_steps=6, limit_val_batches=0, num_sanity_val_steps=0)
+    trainer.fit(module, data)
+    assert math.isclose(trainer.optimizers[0].param_groups[0]["lr"], 0.0, abs_tol=1e-12)
+
+
 def test_vit_module_fits_on_synthetic_digits():
     L.seed_everything(0)
     data = DigitsDataModule(global_batch_size=64, source="synthetic", synthetic_samples=512)

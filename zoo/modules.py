@@ -11,7 +11,8 @@ inputs)`: plain calls on one device, the pipeline schedule when MeshStrategy pip
 
 from __future__ import annotations
 
-from typing import Any
+import math
+from typing import Any, Callable
 
 import lightning as L
 import torch
@@ -25,7 +26,7 @@ from zoo.vit import ViT, ViTConfig
 
 def _optimizer(
     module: L.LightningModule, lr: float, betas: tuple[float, float], weight_decay: float, warmup_steps: int,
-    variance_freeze_step: int | None = None,
+    variance_freeze_step: int | None = None, decay_steps: int = 0, min_lr_ratio: float = 0.1,
 ) -> Any:
     if variance_freeze_step is None:
         optimizer = torch.optim.AdamW(module.parameters(), lr=lr, betas=betas, weight_decay=weight_decay, foreach=True)
@@ -35,11 +36,29 @@ def _optimizer(
         optimizer = OneBitAdam(
             module.parameters(), lr=lr, betas=betas, weight_decay=weight_decay, freeze_step=variance_freeze_step
         )
-    if warmup_steps <= 0:
+    if warmup_steps <= 0 and decay_steps <= 0:
         return optimizer
-    # linear warm-up from lr / warmup_steps to lr, then constant
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / warmup_steps))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor(warmup_steps, decay_steps, min_lr_ratio))
     return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def lr_factor(warmup_steps: int, decay_steps: int, min_lr_ratio: float) -> Callable[[int], float]:
+    """lr multiplier per step: linear warm-up from 1/warmup_steps to 1; then, with decay_steps > 0, a cosine down
+    to min_lr_ratio at step decay_steps (counted from the start), constant after; else constant 1."""
+    if decay_steps and decay_steps <= warmup_steps:
+        raise ValueError(f"decay_steps={decay_steps} must be 0 (no decay) or more than warmup_steps={warmup_steps}")
+    if not 0 <= min_lr_ratio <= 1:
+        raise ValueError(f"min_lr_ratio={min_lr_ratio} must be in [0, 1] (the final lr as a fraction of lr)")
+
+    def factor(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / warmup_steps
+        if not decay_steps:
+            return 1.0
+        progress = min(1.0, (step - warmup_steps) / (decay_steps - warmup_steps))
+        return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return factor
 
 
 def _inputs(batch: Any) -> torch.Tensor:
@@ -58,11 +77,15 @@ class GPTModule(L.LightningModule):
         warmup_steps: int = 0,
         config_overrides: dict[str, Any] | None = None,
         variance_freeze_step: int | None = None,
+        decay_steps: int = 0,
+        min_lr_ratio: float = 0.1,
     ) -> None:
         """variance_freeze_step: None: AdamW; an int: lit_mesh.OneBitAdam, whose second moment freezes after that
-        many steps (give it grad_compression's warmup_steps when compressing to 1 bit)."""
+        many steps (give it grad_compression's warmup_steps when compressing to 1 bit).
+        decay_steps: 0: constant lr after the warm-up; else a cosine down to min_lr_ratio x lr at that step."""
         super().__init__()
         self.save_hyperparameters()
+        lr_factor(warmup_steps, decay_steps, min_lr_ratio)  # bad values fail here, before any rank starts
         # validate the preset now, not after the trainer has started
         self.config = GPTConfig.from_preset(preset, **(config_overrides or {}))
         self.model: GPT | None = None
@@ -98,7 +121,10 @@ class GPTModule(L.LightningModule):
 
     def configure_optimizers(self) -> Any:
         h = self.hparams
-        return _optimizer(self, h.lr, tuple(h.betas), h.weight_decay, h.warmup_steps, h.variance_freeze_step)
+        return _optimizer(
+            self, h.lr, tuple(h.betas), h.weight_decay, h.warmup_steps, h.variance_freeze_step, h.decay_steps,
+            h.min_lr_ratio,
+        )
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token (lit_mesh.MeshMonitor reads it for MFU)."""
