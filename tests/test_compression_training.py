@@ -3,6 +3,7 @@ fp32 with fp16/bf16, sends what it claims, and resumes exactly. Two launches: 2 
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -23,6 +24,8 @@ TP_LAYOUT = {"fsdp2_tp2": (4, [f"{S}tp=2"])}  # dp_shard fills the rest: 2
 RESUMED = {"ddp2": "onebit", "fsdp2": "powersgd"}  # (layout, mode) pairs that also checkpoint at step 5
 # 1-bit with lit_mesh.OneBitAdam on fsdp2: 3 steps uncompressed, variance frozen from step 4, checkpoint at step 5
 ONEBIT_ADAM = [f"{S}grad_compression={{mode: onebit, warmup_steps: 3}}", "--model.init_args.variance_freeze_step=3"]
+# 1-bit with per-entry RMS scales on fsdp2 (the reduce-scatter path), shared at steps 0, 4, 8: checkpoint at 5
+ONEBIT_RMS = [f"{S}grad_compression={{mode: onebit, onebit_rms_refresh: 4}}"]
 
 
 def _run(name: str, layout: str, extra: list[str], ckpt_dir: Path | None = None) -> dict:
@@ -66,6 +69,9 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict:
             runs.append(_run("fsdp2-onebitadam", "fsdp2", ONEBIT_ADAM, out / "ckpt-fsdp2-onebitadam"))
             resume = f"--ckpt_path={out / 'ckpt-fsdp2-onebitadam' / 'step=5.ckpt'}"
             runs.append(_run("fsdp2-onebitadam-resumed", "fsdp2", [*ONEBIT_ADAM, resume]))
+            runs.append(_run("fsdp2-onebitrms", "fsdp2", ONEBIT_RMS, out / "ckpt-fsdp2-onebitrms"))
+            resume = f"--ckpt_path={out / 'ckpt-fsdp2-onebitrms' / 'step=5.ckpt'}"
+            runs.append(_run("fsdp2-onebitrms-resumed", "fsdp2", [*ONEBIT_RMS, resume]))
             runs.append(_run("fsdp2-onebit-accum2", "fsdp2", [f"{S}grad_compression=onebit", "--trainer.accumulate_grad_batches=2"]))
         for layout, mode in RESUMED.items():
             if LAYOUTS[layout][0] == nproc:
@@ -125,7 +131,7 @@ def test_bytes_on_the_wire_per_mesh_dim(results: dict) -> None:
     assert min(metrics["ddp2-powersgd"]["grad_compression/ratio"].values()) > 3  # tiny preset: 64-wide matrices, rank 4
 
 
-@pytest.mark.parametrize(("layout", "mode"), [*sorted(RESUMED.items()), ("fsdp2", "onebitadam")])
+@pytest.mark.parametrize(("layout", "mode"), [*sorted(RESUMED.items()), ("fsdp2", "onebitadam"), ("fsdp2", "onebitrms")])
 def test_resume_with_compression_equals_the_uninterrupted_run(results: dict, layout: str, mode: str) -> None:
     full, resumed = losses(results[f"{layout}-{mode}"]), losses(results[f"{layout}-{mode}-resumed"])
     assert sorted(resumed) == list(range(5, STEPS))
@@ -142,6 +148,22 @@ def test_resume_with_compression_equals_the_uninterrupted_run(results: dict, lay
         sites = saved["state"]["compressors"]
         assert sites and all(s["residual"] is not None and s["residual"].abs().sum() > 0 for s in sites.values())
         assert mode != "powersgd" or all(s["qs"] for s in sites.values())
+        # per-entry scales: each rank's second moment and the codes shared at step 4, in the checkpoint
+        assert mode != "onebitrms" or all(
+            s["entry_scales"]["shared_at"] == 4 and s["entry_scales"]["codes"].dtype == torch.uint8
+            and s["entry_scales"]["local_sq"].abs().sum() > 0 for s in sites.values()
+        )
+
+
+def test_onebit_with_entry_rms_trains_and_counts_its_scale_codes(results: dict) -> None:
+    got = curve(results["fsdp2-onebitrms"])
+    assert len(got) == STEPS and got[-1] < 0.95 * got[0]
+    plain = {int(s): v for s, v in results["fsdp2-onebit"]["metrics"]["grad_compression/ratio"].items()}
+    ratio = {int(s): v for s, v in results["fsdp2-onebitrms"]["metrics"]["grad_compression/ratio"].items()}
+    # the 8-bit codes go out at steps 0, 4, 8 only: those steps send more than plain 1-bit, the others the same
+    for step in range(STEPS - 1):  # the last step's ratio is logged before it is complete
+        shared = step % 4 == 0
+        assert (ratio[step] < 0.5 * plain[step]) if shared else math.isclose(ratio[step], plain[step], rel_tol=1e-6), (step, ratio[step], plain[step])
 
 
 def test_onebit_adam_trains_with_its_variance_frozen_across_the_resume(results: dict) -> None:

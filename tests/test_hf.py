@@ -72,7 +72,7 @@ LAUNCHES: dict[int, list[dict]] = {
     2: [
         _fit("llama-tp2", 2, TEXT, f"{S}tp=2", checkpoint=True),  # its checkpoint is exported below
         _fit("gpt2-tp2", 2, TEXT, *_gpt2(f"{S}tp=2"), checkpoint=True),
-        _fit("vit-fsdp2", 2, IMAGES, f"{S}dp=2"),
+        _fit("vit-fsdp2", 2, IMAGES, f"{S}dp=2", checkpoint=True),  # its checkpoint is exported below
         _fit("llama-init-tp2", 2, TEXT, INIT, f"{S}tp=2"),
         # a zoo GPT trained sharded, exported to a transformers Llama directory
         _fit("zoo-gpt-fsdp2", 2, ["-c", str(REPO / "configs/gpt.yaml"), "--data.global_batch_size=8"], f"{S}dp=2",
@@ -179,6 +179,24 @@ def test_exported_checkpoint_loads_with_from_pretrained(out: Path, tmp_path: Pat
         assert (loaded(input_ids=tokens).logits - trained(input_ids=tokens).logits).abs().max().item() <= 1e-5
 
 
+def test_exported_vit_checkpoint_loads_with_from_pretrained(out: Path, tmp_path: Path) -> None:
+    """The fsdp2-sharded checkpoint of a transformers ViT -> transformers directory -> from_pretrained: same logits."""
+    from transformers import ViTForImageClassification
+
+    from zoo.convert import export_hf
+    from zoo.hf import tiny_config
+
+    directory = export_hf(_checkpoint(out, "vit-fsdp2"), tmp_path / "vit")
+    loaded = ViTForImageClassification.from_pretrained(directory).eval()
+    trained = ViTForImageClassification(tiny_config("vit")).eval()
+    weights = torch.load(out / "vit-fsdp2" / "params.pt", weights_only=True)
+    trained.load_state_dict({k.removeprefix("model."): v for k, v in weights.items()})
+    images = torch.rand(3, trained.config.num_channels, trained.config.image_size, trained.config.image_size,
+                        generator=torch.Generator().manual_seed(0))  # fmt: skip
+    with torch.no_grad():
+        assert _max_diff(loaded(pixel_values=images).logits, trained(pixel_values=images).logits) <= 1e-5
+
+
 def test_exported_zoo_gpt_checkpoint_is_a_llama(out: Path, tmp_path: Path) -> None:
     from transformers import LlamaForCausalLM
 
@@ -261,9 +279,11 @@ def test_zoo_gpt_and_llama_give_the_same_logits_both_ways(tmp_path: Path) -> Non
         assert _max_diff(other(input_ids=tokens).logits, gpt(tokens)) > 1e-5
 
 
-def test_zoo_vit_and_transformers_vit_give_the_same_logits_both_ways() -> None:
+def test_zoo_vit_and_transformers_vit_give_the_same_logits_both_ways(tmp_path: Path) -> None:
+    from transformers import ViTForImageClassification
+
     from zoo import ViT, ViTConfig
-    from zoo.convert import hf_to_zoo, zoo_to_hf
+    from zoo.convert import hf_to_zoo, load_hf_as_zoo, save_hf, zoo_to_hf
 
     torch.manual_seed(0)
     images = torch.rand(3, 1, 8, 8)
@@ -271,6 +291,12 @@ def test_zoo_vit_and_transformers_vit_give_the_same_logits_both_ways() -> None:
     with torch.no_grad():
         hf = zoo_to_hf(vit)
         assert _max_diff(hf(pixel_values=images).logits, vit(images)) <= 1e-5
+        # through a transformers directory (config.json + safetensors), both ways
+        save_hf(vit, tmp_path / "vit")
+        assert list((tmp_path / "vit").glob("*.safetensors"))
+        loaded = ViTForImageClassification.from_pretrained(tmp_path / "vit").eval()
+        assert _max_diff(loaded(pixel_values=images).logits, vit(images)) <= 1e-5
+        assert _max_diff(load_hf_as_zoo(tmp_path / "vit")(images), vit(images)) <= 1e-5
         hf.vit.layers[1].mlp.fc1.weight.mul_(1.05)  # a transformers model with weights of its own
         assert _max_diff(hf_to_zoo(hf)(images), hf(pixel_values=images).logits) <= 1e-5
         assert _max_diff(hf(pixel_values=images).logits, vit(images)) > 1e-5

@@ -99,19 +99,17 @@ def save_hf(model: nn.Module, directory: str | Path) -> Path:
 
 
 def load_hf_as_zoo(directory: str | Path) -> nn.Module:
-    """Read a transformers directory (config.json + *.safetensors) into the matching zoo model."""
-    from safetensors.torch import load_file
+    """Read a transformers directory (config.json + *.safetensors) into the matching zoo model. transformers
+    loads it first: the hub's tensor names (e.g. ViT's `encoder.layer.N.attention.attention.key`, Mixtral's
+    per-expert weights) differ from its modules' names in memory, and it alone knows the mapping."""
+    import transformers
     from transformers import AutoConfig
 
     path = Path(directory)
-    config = AutoConfig.from_pretrained(path)
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
+    if not list(path.glob("*.safetensors")):
         raise FileNotFoundError(f"{str(path)!r} holds no *.safetensors file")
-    state = {k: v for f in files for k, v in load_file(f).items()}
+    config = AutoConfig.from_pretrained(path)
     arch = (config.architectures or [None])[0]
     if arch not in _BY_CLASS:
         raise ConversionError(f"{str(path)!r} holds a {arch}; converters: {sorted(_BY_CLASS)}")
-    converter = CONVERTERS[_BY_CLASS[arch]]
-    zoo_config, zoo_state = hf_state_to_zoo(converter, state, config)
-    return _load(converter.zoo_model, zoo_config, zoo_state)
+    return hf_to_zoo(getattr(transformers, arch).from_pretrained(path))
