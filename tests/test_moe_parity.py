@@ -5,6 +5,8 @@ router and expert gradients of the first step within 1e-5 of the single-device o
 
 from __future__ import annotations
 
+import json
+import math
 from pathlib import Path
 
 import pytest
@@ -53,6 +55,25 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
 
 def _load(results: dict, name: str, file: str) -> dict[str, torch.Tensor]:
     return torch.load(Path(results["_dir"]["path"]) / name / file, weights_only=True)
+
+
+# layout -> (ep, ranks the expert weights are split over in all: ep x the FSDP shards beside it)
+EXPERT_SPLIT = {"single": (1, 1), "ep2": (2, 2), "ep4": (4, 4), "fsdp4_ep2": (2, 4), "tp2_ep2": (2, 2),
+                "hsdp2x2_ep2": (2, 2), "cp2_ep2": (2, 4)}  # fmt: skip
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_expert_parallel_is_really_applied(results: dict, layout: str) -> None:
+    """Each MoE layer dispatches by all-to-all over ep ranks, and holds 1/(ep x FSDP shards) of the experts."""
+    ep, split = EXPERT_SPLIT[layout]
+    found = json.loads((Path(results["_dir"]["path"]) / layout / "expert_layout.json").read_text())
+    assert len(found) == 2, found  # configs/moe.yaml: both layers MoE
+    for name, layer in found.items():
+        assert layer["dispatcher"] == ("AllToAllDispatch" if ep > 1 else "LocalDispatch"), (name, layer)
+        assert layer["ep"] == ep, (name, layer)
+        full, local = layer["w1"], layer["w1_local"]
+        assert local[0] == full[0] // ep, (name, layer)  # experts split by expert id over ep
+        assert math.prod(local) * split == math.prod(full), (name, layer)
 
 
 @pytest.mark.parametrize("layout", [name for name in LAYOUTS if name != "single"])

@@ -108,9 +108,13 @@ def test_plan_simulates_its_best_layout_at_1024_ranks(capsys: pytest.CaptureFixt
 
 @pytest.mark.parametrize("preset", PRESETS)
 def test_plan_answers_for_llama3_on_8_to_1024_gpus(capsys: pytest.CaptureFixture, preset: str) -> None:
-    for devices in (8, 64, 1024):
+    # fp32 weights + gradients + AdamW are 16 B per parameter: 70B needs more than 8 x 80 GB, 405B more than
+    # 64 x 80 GB; every other case fits
+    fits_from = {"llama3-8b": 8, "llama3-70b": 64, "llama3-405b": 512}[preset]
+    for devices in (8, 64, 512, 1024):
         status, out, text = _run(capsys, "--preset", preset, "--devices", str(devices), "--memory-gb", "80")
         assert status == 0 and out["seconds"] < 15, (preset, devices, out["seconds"])
+        assert bool(out["ranked"]) == (devices >= fits_from), (preset, devices, text[-2000:])
         if out["ranked"]:
             best = out["ranked"][0]
             assert math.prod(best["layout"].values()) == devices

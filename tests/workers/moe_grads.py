@@ -1,7 +1,9 @@
-"""A callback for the MoE parity tests: the full gradients of the router and the experts at the first step."""
+"""A callback for the MoE parity tests: the full gradients of the router and the experts at the first step, and
+how expert parallelism was applied (so that a layout that silently fell back to no EP cannot pass)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -24,3 +26,18 @@ class SaveRoutingGradients(L.Callback):
                 grads[name] = (grad.full_tensor() if isinstance(grad, DTensor) else grad).detach().cpu().clone()
         if trainer.global_rank == 0:
             torch.save(grads, Path(trainer.logger.save_dir) / "grads.pt")
+            (Path(trainer.logger.save_dir) / "expert_layout.json").write_text(json.dumps(expert_layout(pl_module)))
+
+
+def expert_layout(module: torch.nn.Module) -> dict[str, dict[str, Any]]:
+    """Per MoE layer: its dispatcher's class and ep, and the full and rank-local shapes of the expert weight w1."""
+    out = {}
+    for name, sub in module.named_modules():
+        if hasattr(sub, "dispatcher") and hasattr(sub, "experts"):
+            w1 = sub.experts.w1
+            local = w1.to_local() if isinstance(w1, DTensor) else w1
+            out[name] = {
+                "dispatcher": type(sub.dispatcher).__name__, "ep": getattr(sub.dispatcher, "ep", 1),
+                "w1": list(w1.shape), "w1_local": list(local.shape),
+            }  # fmt: skip
+    return out

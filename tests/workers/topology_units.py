@@ -159,13 +159,16 @@ class MLP(nn.Module):
         return self.blocks[1](torch.relu(self.blocks[0](x)))
 
 
-def fsdp_gradients(layout: MeshLayout, h: hierarchical.Hierarchy | None, compression: str | None) -> dict[str, torch.Tensor]:
-    """Gradients of one step (integer weights and inputs: every sum is exact), the full tensors."""
+def fsdp_gradients(
+    layout: MeshLayout, h: hierarchical.Hierarchy | None, compression: str | None, integer: bool = True
+) -> dict[str, torch.Tensor]:
+    """Gradients of one step, the full tensors. integer: integer weights and inputs, so every sum is exact;
+    else random floats (sums differ by rounding with the order of reduction)."""
     torch.manual_seed(0)
     model = MLP()
     with torch.no_grad():
         for p in model.parameters():
-            p.copy_(torch.randint(-3, 4, p.shape).float())
+            p.copy_(torch.randint(-3, 4, p.shape).float() if integer else torch.randn(p.shape))
     views = build_device_mesh(layout, "cpu")
     run = GradientCompression(CompressionOptions(mode=compression)) if compression else None
     mesh = data_parallel_mesh(views, layout, replicate_in_hook=h is not None or run is not None)
@@ -176,7 +179,8 @@ def fsdp_gradients(layout: MeshLayout, h: hierarchical.Hierarchy | None, compres
         hierarchical.attach_hierarchical_all_reduce(model, h, run)
     if run is not None:
         run.begin_step(0)
-    x = torch.randint(-2, 3, (4, 16), generator=torch.Generator().manual_seed(RANK)).float()
+    gen = torch.Generator().manual_seed(RANK)
+    x = torch.randint(-2, 3, (4, 16), generator=gen).float() if integer else torch.randn(4, 16, generator=gen)
     model(x).sum().backward()
     return {name: p.grad.full_tensor() for name, p in model.named_parameters()}
 
@@ -196,6 +200,14 @@ def ddp_and_hsdp_gradients() -> None:
             got = fsdp_gradients(layout, h, compression)
             for name, grad in flat.items():
                 assert torch.equal(got[name], grad), (layout, compression, name, (got[name] - grad).abs().max())
+        # random floats: equal within fp32 rounding; with layered fp16 within fp16 rounding of the inter-node step
+        flat = fsdp_gradients(layout, None, None, integer=False)
+        for compression, rtol in ((None, 1e-5), ("fp16", 2e-3)):
+            got = fsdp_gradients(layout, h, compression, integer=False)
+            for name, grad in flat.items():
+                torch.testing.assert_close(got[name], grad, rtol=rtol, atol=rtol * grad.abs().max().item(),
+                                           msg=f"{layout} {compression} {name}")  # fmt: skip
+        assert not torch.equal(got["blocks.0.weight"], flat["blocks.0.weight"]), "fp16 between nodes must round"
 
 
 if __name__ == "__main__":
