@@ -131,6 +131,8 @@ def test_torchrun_two_nodes_gpt_hierarchical_equals_flat(tmp_path: Path) -> None
         {"name": "flat", "args": [*GPT, f"{S}allreduce=flat"]},
         {"name": "hierarchical", "args": [*GPT, f"{S}allreduce=hierarchical"]},
         {"name": "layered_fp16", "args": [*GPT, f"{S}allreduce=auto", f"{S}grad_compression=fp16"]},
+        # DDP 2 x TP 2: every TP group inside one node, the replicas across the nodes
+        {"name": "ddp2_tp2", "args": [*GPT, f"{S}dp_replicate=2", f"{S}tp=2", f"{S}strict_topology=true"]},
     ]
     spec = tmp_path / "runs.json"
     spec.write_text(json.dumps(runs))
@@ -161,6 +163,9 @@ def test_torchrun_two_nodes_gpt_hierarchical_equals_flat(tmp_path: Path) -> None
     for name, p in flat_params.items():
         torch.testing.assert_close(hier_params[name], p, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(losses("layered_fp16"), losses("flat"), rtol=1e-3, atol=0)
+    for rank, facts in enumerate(results["ddp2_tp2"]["ranks"]):
+        assert facts["tp_nodes"] == [rank // 2], (rank, facts["tp_nodes"])
+    torch.testing.assert_close(losses("ddp2_tp2"), losses("flat"), rtol=1e-4, atol=0)
 
     # MeshMonitor's bytes per group: the cross-node group carries 1/3 of the flat all-reduce's bytes
     # (2(n-1)/n·S/g = S/2 against 2(N-1)/N·S = 3S/2), the node-local one the other 2/3
