@@ -55,6 +55,8 @@ PARITY = {
     "mixtral-tp2": "mixtral-single",
     "mixtral-ep2": "mixtral-single",
     "mixtral-tp2_ep2": "mixtral-single",
+    "qwen2-tp2": "qwen2-single",  # Qwen- and Mistral-style decoders: transformers' own TP plan, our SP
+    "mistral-tp2": "mistral-single",
 }
 MIXTRAL = "--model.init_args.architecture=mixtral"
 # the zoo MoE (configs/moe.yaml) without the balancing bias, which Mixtral has no place for
@@ -67,6 +69,8 @@ LAUNCHES: dict[int, list[dict]] = {
         _fit("vit-single", 1, IMAGES),
         _fit("llama-init-single", 1, TEXT, INIT),
         _fit("mixtral-single", 1, TEXT, MIXTRAL),
+        _fit("qwen2-single", 1, TEXT, "--model.init_args.architecture=qwen2"),
+        _fit("mistral-single", 1, TEXT, "--model.init_args.architecture=mistral"),
         {"kind": "example", "name": "example-single", "args": ["hf_model.py", "--devices", "1"]},
     ],
     2: [
@@ -74,6 +78,8 @@ LAUNCHES: dict[int, list[dict]] = {
         _fit("gpt2-tp2", 2, TEXT, *_gpt2(f"{S}tp=2"), checkpoint=True),
         _fit("vit-fsdp2", 2, IMAGES, f"{S}dp=2", checkpoint=True),  # its checkpoint is exported below
         _fit("llama-init-tp2", 2, TEXT, INIT, f"{S}tp=2"),
+        _fit("qwen2-tp2", 2, TEXT, "--model.init_args.architecture=qwen2", f"{S}tp=2"),
+        _fit("mistral-tp2", 2, TEXT, "--model.init_args.architecture=mistral", f"{S}tp=2"),
         # a zoo GPT trained sharded, exported to a transformers Llama directory
         _fit("zoo-gpt-fsdp2", 2, ["-c", str(REPO / "configs/gpt.yaml"), "--data.global_batch_size=8"], f"{S}dp=2",
              "--trainer.max_steps=2", "--trainer.limit_val_batches=0", checkpoint=True),  # fmt: skip
@@ -87,6 +93,7 @@ LAUNCHES: dict[int, list[dict]] = {
         _error("no_plan", f"{S}tp=2", "--model.init_args.architecture=opt"),
         _error("tp_vs_kv_heads", f"{S}tp=2", "--model.init_args.config_overrides={num_key_value_heads: 1}"),
         _error("sp_vs_seq_len", f"{S}tp=2", "--data.init_args.seq_len=63"),
+        _error("gpt2_tp_vs_heads", f"{S}tp=2", *_gpt2("--model.init_args.config_overrides={n_head: 1}")),
         _error("ep_vs_experts", f"{S}ep=2", MIXTRAL, "--model.init_args.config_overrides={num_local_experts: 3}"),
     ],
     4: [
@@ -240,6 +247,8 @@ def test_errors_name_the_model_and_the_fix(out: Path) -> None:
     assert "lit_mesh.hf.register_plan('OPTForCausalLM', builder)" in message and "tp=1" in message
     message = errors["tp_vs_kv_heads"]["message"]
     assert "tp=2 does not divide num_key_value_heads=1 of LlamaForCausalLM (choose tp in [1])" in message
+    message = errors["gpt2_tp_vs_heads"]["message"]
+    assert "tp=2 does not divide n_head=1 of GPT2LMHeadModel (choose tp in [1])" in message
     # sequence parallelism shards the first decoder layer's input: an odd length is refused there, by number
     message = errors["sp_vs_seq_len"]["message"]
     assert "sequence length divisible by tp: model.layers.0 sees length 63, tp=2" in message
@@ -376,6 +385,19 @@ def test_conversion_between_mismatched_shapes_names_the_tensors() -> None:
     assert "do not fit the transformers model MixtralForCausalLM" in message
     assert "model.layers.0.mlp.experts.gate_up_proj: (4, 128, 64) given, (4, 64, 64) expected" in message
     assert "convert with the configuration the weights were trained with" in message
+    # transformers -> zoo: a Llama state dict read with a config of another width
+    from transformers import LlamaForCausalLM
+
+    from zoo.convert.api import hf_state_to_zoo
+    from zoo.hf import tiny_config
+
+    with torch.device("meta"):
+        llama_state = LlamaForCausalLM(tiny_config("llama")).state_dict()
+    with pytest.raises(ConversionError) as error:
+        hf_state_to_zoo(LLAMA, llama_state, tiny_config("llama", hidden_size=128))
+    message = str(error.value)
+    assert "the weights do not fit the zoo model GPT" in message
+    assert "tok_embeddings.weight: (256, 64) given, (256, 128) expected" in message
 
 
 def test_plans_are_selected_by_class_and_can_be_named() -> None:
