@@ -51,6 +51,8 @@ def test_throughput_and_flops_equal_the_hand_computed_values(runs: dict, layout:
     result = runs[layout]
     assert _at_each_step(result, "monitor/step_time_s") == [STEP_SECONDS] * STEPS
     assert _at_each_step(result, "tokens_per_s") == [pytest.approx(tokens / STEP_SECONDS)] * STEPS
+    assert result["progress_bar"]["tokens_per_s"] == pytest.approx(tokens / STEP_SECONDS)  # shown in the bar
+    assert "monitor/step_time_s" not in result["progress_bar"]  # the rest stays in the logger
     assert _at_each_step(result, "monitor/tokens_per_s_per_device") == [pytest.approx(tokens / STEP_SECONDS / 2)] * STEPS
     assert _at_each_step(result, "monitor/tflops_per_device") == [pytest.approx(flops / STEP_SECONDS / 2 / 1e12)] * STEPS
     for peak in _at_each_step(result, "monitor/peak_memory_gib"):

@@ -53,7 +53,10 @@ def run(out_dir: Path, name: str, args: list[str]) -> None:
     params = full_parameters(cli.model)
     if cli.trainer.global_rank == 0:
         torch.save(params, save_dir / "params.pt")
-        result = {"metrics": metrics_by_step(save_dir), "world_size": cli.trainer.world_size}
+        result = {
+            "metrics": metrics_by_step(save_dir), "world_size": cli.trainer.world_size,
+            "progress_bar": {k: float(v) for k, v in cli.trainer.progress_bar_metrics.items()},  # the last step's
+        }  # fmt: skip
         (save_dir / "result.json").write_text(json.dumps(result))
 
 
