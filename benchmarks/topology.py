@@ -98,20 +98,47 @@ def worker(args: argparse.Namespace) -> None:
     C.emit(out)
 
 
+# a layout per preset that fits 80 GB and keeps several replicas on a node (else the hierarchy has g = 1):
+# small on DDP over every GPU (8 replicas per node); llama3-8b on HSDP, FSDP over 4 GPUs (2 replicas per node)
+STEP_LAYOUTS = {"small": 1, "llama3-8b": 4}  # preset -> dp_shard
+STEP_SEQ_LEN = {"small": 512, "llama3-8b": 4096}  # one sequence per GPU per step, bf16-mixed, no AC
+
+
 def predicted(presets: list[str], clusters: list[tuple[int, int]]) -> list[dict[str, Any]]:
+    """Per preset and cluster: the gradient all-reduce over the replicas, flat and hierarchical, and the step
+    time of the planner's cost model (compute roofline, overlapped and exposed collectives) with either."""
+    from lit_mesh.mesh import MeshLayout
+    from lit_mesh.planner.cost import step_time
+    from lit_mesh.planner.hardware import Hardware
+    from lit_mesh.planner.memory import Workload
     from lit_mesh.planner.shapes import gpt_shapes
     from zoo.gpt import GPTConfig
 
     rows = []
     for preset in presets:
-        nbytes = 4 * gpt_shapes(GPTConfig.from_preset(preset)).numel()  # fp32 gradients (reduce_dtype fp32)
+        shapes = gpt_shapes(GPTConfig.from_preset(preset))
+        dp_shard = STEP_LAYOUTS.get(preset, 1)
         for n, g in clusters:
+            world = n * g
+            layout = MeshLayout(dp_replicate=world // dp_shard, dp_shard=dp_shard)
+            replicas_per_node = g // dp_shard
+            nbytes = 4 * shapes.numel() / dp_shard  # each replica group all-reduces its fp32 gradient shard
             topo = Topology(nodes=n, devices_per_node=g)
-            flat, hier = hierarchical.flat_time(nbytes, n, g, topo), hierarchical.hierarchical_time(nbytes, n, g, topo)
+            flat = hierarchical.flat_time(nbytes, n, replicas_per_node, topo)
+            hier = hierarchical.hierarchical_time(nbytes, n, replicas_per_node, topo)
+            work = Workload(global_batch=world, seq_len=STEP_SEQ_LEN.get(preset, 2048))
+            t = step_time(shapes, layout, work, "bf16-mixed", "none", Hardware(nodes=n, devices_per_node=g))
+            t.overlapped["dp_replicate"] = flat
+            flat_step = t.total
+            t.overlapped["dp_replicate"] = hier
+            hier_step = t.total
             rows.append({
-                "preset": preset, "nodes": n, "devices_per_node": g, "gradient_bytes": nbytes,
-                "flat_s": round(flat, 6), "hierarchical_s": round(hier, 6), "saved_per_step_s": round(flat - hier, 6),
-                "speedup": round(flat / hier, 2),
+                "preset": preset, "nodes": n, "devices_per_node": g, "dp_shard": dp_shard,
+                "dp_replicate": layout.dp_replicate, "replicas_per_node": replicas_per_node, "seq_len": work.seq_len,
+                "gradient_bytes": nbytes, "flat_s": round(flat, 6), "hierarchical_s": round(hier, 6),
+                "saved_per_step_s": round(flat - hier, 6), "speedup": round(flat / hier, 2),
+                "compute_s": round(t.compute, 6), "step_flat_s": round(flat_step, 6),
+                "step_hierarchical_s": round(hier_step, 6), "step_speedup": round(flat_step / hier_step, 3),
             })  # fmt: skip
     return rows
 
