@@ -44,7 +44,7 @@ from lit_mesh.parallel.context import CPStyle, check_cp_style, gather_batch, ref
 from lit_mesh.parallel.data import fsdp_roots
 from lit_mesh.parallel.pipeline import PipelineRunner, attach_runner, check_pipeline_settings
 from lit_mesh.precision import check_precision_plugin
-from lit_mesh.topology import Topology, topology_from_environment
+from lit_mesh.topology import Topology, as_topology, topology_from_environment
 
 
 
@@ -162,8 +162,9 @@ class MeshStrategy(ModelParallelStrategy):
         check_allreduce_mode(allreduce)
         self.allreduce = allreduce
         self.strict_topology = strict_topology
-        self._given_topology = topology
-        self.topology: Optional[Topology] = topology  # the run's, once the Trainer has set num_nodes and devices
+        self._given_topology = as_topology(topology)
+        # the run's topology, once the Trainer has set num_nodes and devices
+        self.topology: Optional[Topology] = self._given_topology
         self.replicate_hierarchy: Optional[Hierarchy] = None  # DDP/HSDP gradients (None: flat)
         self.metric_hierarchy: Optional[Hierarchy] = None  # reduce() over dp x cp (None: flat)
 

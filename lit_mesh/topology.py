@@ -9,7 +9,8 @@ MeshStrategy checks the mesh against it (tp, then cp, inside a node; pp outermos
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, replace
+from collections.abc import Mapping
+from dataclasses import dataclass, fields, replace
 from typing import Any, Optional
 
 from lit_mesh.mesh import MESH_DIMS, MeshConfigError, MeshLayout
@@ -109,6 +110,19 @@ class Topology:
         return "\n".join(lines)
 
 
+def as_topology(value: Any) -> Optional[Topology]:
+    """A Topology, or a mapping of its fields (Python code passing a planned config's `topology:` as a dict)."""
+    if value is None or isinstance(value, Topology):
+        return value
+    if isinstance(value, Mapping):
+        names = [f.name for f in fields(Topology)]
+        unknown = sorted(set(value) - set(names))
+        if unknown:
+            raise TopologyError(f"topology keys {unknown} are not Topology fields; use some of {names}")
+        return Topology(**value)
+    raise TopologyError(f"topology={value!r} must be a lit_mesh.Topology, a mapping of its fields, or None")
+
+
 def topology_from_environment(
     cluster_environment: Any, num_nodes: int, devices_per_node: int, given: Optional[Topology] = None
 ) -> Topology:
@@ -122,12 +136,17 @@ def topology_from_environment(
         _check_torchelastic(num_nodes, devices_per_node)
     if given is None:
         return Topology(nodes=num_nodes, devices_per_node=devices_per_node)
+    world = num_nodes * devices_per_node
+    if given.devices_per_node is None and given.nodes is not None and world % given.nodes:
+        raise TopologyError(
+            f"topology nodes={given.nodes} does not divide the world size {world} (num_nodes={num_nodes} x"
+            f" devices={devices_per_node}); choose nodes in {[d for d in range(1, world + 1) if world % d == 0]}"
+        )
     if given.devices_per_node is None:  # only the links given, or only the node count
         per_node = devices_per_node if given.nodes is None else num_nodes * devices_per_node // given.nodes
         given = replace(given, devices_per_node=max(per_node, 1))
     if given.nodes is None:
         given = replace(given, nodes=max(num_nodes * devices_per_node // given.devices_per_node, 1))
-    world = num_nodes * devices_per_node
     if world % given.devices_per_node:
         raise TopologyError(
             f"topology devices_per_node={given.devices_per_node} does not divide the world size {world}"

@@ -95,6 +95,10 @@ _TORCHRUN = {"TORCHELASTIC_RUN_ID": "x", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": 
          "num_nodes=2 x devices=4 = 8 processes but SLURM runs 6 tasks (SLURM_NTASKS); the devices per node must divide"),
         ({"devices": 2, "num_nodes": 2}, {"topology": Topology(nodes=1, devices_per_node=4)}, _slurm(2, 2, 4),
          "contradicts the run: SLURMEnvironment and the Trainer give num_nodes=2 x devices=2"),
+        ({"devices": 4}, {"topology": {"nodes": 3}}, {}, "topology nodes=3 does not divide the world size 4 (num_nodes=1"
+         " x devices=4); choose nodes in [1, 2, 4]"),
+        ({"devices": 2}, {"topology": {"inter_node_gbps": 25}}, {},
+         "topology keys ['inter_node_gbps'] are not Topology fields; use some of ['nodes', 'devices_per_node'"),
         ({"devices": 2, "num_nodes": 1}, {}, _TORCHRUN,
          "num_nodes=1 x devices=2 = 2 but torchrun's world has 4 processes; set num_nodes=2"),
     ],

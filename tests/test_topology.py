@@ -194,6 +194,27 @@ def test_topology_from_the_trainer_with_only_the_links_given() -> None:
     assert (strategy.topology.nodes, strategy.topology.devices_per_node) == (2, 2)
 
 
+def test_topology_given_as_a_mapping_or_in_yaml(tmp_path) -> None:
+    """A planned config's `topology:` mapping: from Python as a dict, and from LightningCLI YAML, the run gets
+    the same Topology (links kept, nodes and devices read from the Trainer)."""
+    from lightning.pytorch import LightningDataModule, LightningModule, Trainer
+    from lightning.pytorch.cli import LightningCLI
+
+    from lit_mesh import MeshStrategy
+
+    expected = Topology(nodes=1, devices_per_node=2, inter_node_bandwidth=25e9, intra_node_latency=2e-6)
+    strategy = MeshStrategy(topology={"inter_node_bandwidth": 25e9, "intra_node_latency": 2e-6})
+    Trainer(accelerator="cpu", devices=2, strategy=strategy, logger=False)
+    assert strategy.topology == expected
+    config = tmp_path / "links.yaml"
+    config.write_text("trainer:\n  strategy:\n    class_path: lit_mesh.MeshStrategy\n    init_args:\n      topology:\n"
+                      "        inter_node_bandwidth: 25.0e+9\n        intra_node_latency: 2.0e-6\n")
+    cli = LightningCLI(LightningModule, LightningDataModule, subclass_mode_model=True, subclass_mode_data=True, run=False,
+                       args=["-c", str(REPO / "configs/gpt.yaml"), "-c", str(config), "--trainer.devices=2",
+                             "--trainer.logger=false"])  # fmt: skip
+    assert cli.trainer.strategy.topology == expected
+
+
 def test_cp_across_nodes_warns() -> None:
     from lightning.pytorch import Trainer
 
