@@ -18,7 +18,7 @@ from lit_mesh.mesh import MeshLayout, resolve_layout
 from lit_mesh.parallel.pipeline_split import balanced_split
 from lit_mesh.parallel.tensor import PlanError, check_tp_divides
 from lit_mesh.planner.command import main as plan_main
-from lit_mesh.planner.config_yaml import fit_config
+from lit_mesh.planner.config_yaml import fit_config, rehearsal_config
 from lit_mesh.planner.hardware import GB, Hardware
 from lit_mesh.planner.memory import Workload, state_bytes
 from lit_mesh.planner.search import plan, why_invalid
@@ -124,12 +124,50 @@ def test_plan_answers_for_llama3_on_8_to_1024_gpus(capsys: pytest.CaptureFixture
             assert "nothing fits" in text and "devices of this size" in text, text
 
 
-def test_fit_and_no_fit_examples(capsys: pytest.CaptureFixture) -> None:
+def test_fit_and_no_fit_examples(capsys: pytest.CaptureFixture, tmp_path: Path) -> None:
     # 8B trains on one node of 80 GB; 405B (6.5 TB of fp32 weights, gradients and AdamW state) cannot
     _, eight_b, _ = _run(capsys, "--preset", "llama3-8b", "--devices", "8")
     _, big, text = _run(capsys, "--preset", "llama3-405b", "--devices", "8")
     assert eight_b["ranked"] and not big["ranked"]
     assert "nothing fits" in text
+    # no plan, no rehearsal: an error, not a silent skip
+    rehearsal = tmp_path / "r.yaml"
+    with pytest.raises(SystemExit, match="r.yaml: no layout fits, so there is no plan to rehearse"):
+        plan_main(["--preset", "llama3-405b", "--devices", "8", "--rehearsal", str(rehearsal)])
+    assert not rehearsal.exists()
+
+
+def test_rehearsal_scales_the_70b_plan_to_8_cpu_ranks() -> None:
+    """llama3-70b on 64 GPUs is planned as pp 2 x dp_shard 8 x tp 4; its rehearsal is pp 2 x dp_shard 2 x tp 2 of
+    the tiny GPT on 8 CPU processes, with a 1F1B schedule the scaled batch feeds. Every other fitting plan scales to
+    a layout lit_mesh accepts as well."""
+    config = GPTConfig.from_preset("llama3-70b")
+    hw = Hardware(nodes=8, devices_per_node=8, memory_bytes=80 * GB)
+    result = plan(gpt_shapes(config), Workload(global_batch=256, seq_len=8192), hw)
+    best = result.ranked[0]
+    assert best.layout == MeshLayout(pp=2, dp_shard=8, tp=4)
+    rehearsal = rehearsal_config(best, hw)
+    trainer, strategy = rehearsal["trainer"], rehearsal["trainer"]["strategy"]["init_args"]
+    assert {d: strategy[d] for d in ("pp", "dp_replicate", "dp_shard", "cp", "tp")} == \
+        {"pp": 2, "dp_replicate": 1, "dp_shard": 2, "cp": 1, "tp": 2}
+    assert "ep" not in strategy and strategy["sequence_parallel"] and strategy["activation_checkpointing"] == best.ac
+    assert (trainer["accelerator"], trainer["devices"], trainer["num_nodes"], trainer["precision"]) == ("cpu", 8, 1, "32-true")
+    assert rehearsal["model"] == {"class_path": "zoo.GPTModule", "init_args": {"preset": "tiny"}}
+    batch, seq_len = rehearsal["data"]["init_args"]["global_batch_size"], rehearsal["data"]["init_args"]["seq_len"]
+    local = batch // 2  # per dp rank
+    assert batch % 2 == 0 and strategy["pp_schedule"] == "1f1b" and trainer["accumulate_grad_batches"] == 1
+    assert strategy["pp_microbatches"] >= 2 and local % strategy["pp_microbatches"] == 0
+    assert seq_len % 2 == 0 and seq_len <= GPTConfig.from_preset("tiny").max_seq_len
+    tiny_plan = GPT(GPTConfig.from_preset("tiny")).parallel_plan()
+    for c in result.ranked:  # lit_mesh's own checks judge every scaled layout
+        scaled = rehearsal_config(c, hw)
+        s = scaled["trainer"]["strategy"]["init_args"]
+        degrees = {d: s[d] for d in ("pp", "dp_replicate", "dp_shard", "cp", "tp")}
+        assert degrees == {d: min(getattr(c.layout, d), 2) for d in degrees}
+        assert resolve_layout(scaled["trainer"]["devices"], **degrees) == MeshLayout(**degrees)
+        check_tp_divides(tiny_plan, s["tp"], "GPT")
+        assert scaled["data"]["init_args"]["global_batch_size"] % (s["dp_replicate"] * s["dp_shard"]) == 0
+        MeshStrategy(**s)
 
 
 @pytest.mark.parametrize(
@@ -151,13 +189,14 @@ def test_bad_plan_arguments_name_the_value_and_the_fix(argv: list[str], message:
 
 def test_written_yaml_trains(capsys: pytest.CaptureFixture, tmp_path: Path) -> None:
     """Three plans of the tiny presets on 4 CPU processes: fsdp 2 x tp 2 under a memory budget that forces gradient
-    accumulation, pp 2 x fsdp 2 with its micro-batches, and the MoE with ep 2; the written configs train through
-    `lit-mesh fit`."""
+    accumulation, pp 2 x fsdp 2 with its micro-batches, and the MoE with ep 2; and the rehearsal of the llama3-8b
+    plan on 8 GPUs (dp_shard 4 x cp 2), scaled to dp_shard 2 x cp 2 of the tiny GPT. The written configs train
+    through `lit-mesh fit`, in one launch."""
     common = ["--preset", "tiny", "--devices", "4", "--devices-per-node", "4", "--reserve-gib", "0",
               "--precision", "32-true", "--seq-len", "64", "--dp-replicate", "1", "--cp", "1"]
     tp_yaml, pp_yaml = tmp_path / "tp.yaml", tmp_path / "pp.yaml"
     _, tp_plan, _ = _run(capsys, *common, "--memory-gb", "0.003", "--global-batch", "16", "--tp", "2", "--pp", "1",
-                         "--ac", "selective", "--out", str(tp_yaml))
+                         "--ac", "selective", "--inter-node-gbps", "25", "--out", str(tp_yaml))
     _, pp_plan, _ = _run(capsys, *common, "--memory-gb", "1", "--global-batch", "8", "--pp", "2", "--tp", "1",
                          "--ac", "full", "--config-overrides", "{n_layers: 4}", "--out", str(pp_yaml))
     assert tp_plan["ranked"][0]["microbatches"] == 2, "the budget should force 2 accumulated micro-batches"
@@ -165,6 +204,8 @@ def test_written_yaml_trains(capsys: pytest.CaptureFixture, tmp_path: Path) -> N
     assert tp_config["trainer"]["accumulate_grad_batches"] == 2 and tp_config["data"]["init_args"]["global_batch_size"] == 8
     assert tp_config["trainer"]["strategy"]["init_args"] | {"dp_shard": 2, "tp": 2, "activation_checkpointing": "selective"} \
         == tp_config["trainer"]["strategy"]["init_args"]
+    # the links it was planned with go to MeshStrategy(topology=...), read from the YAML when it trains below
+    assert tp_config["trainer"]["strategy"]["init_args"]["topology"]["inter_node_bandwidth"] == 25e9
     pp_args = pp_config["trainer"]["strategy"]["init_args"]
     assert pp_args["pp"] == 2 and pp_args["dp_shard"] == 2 and pp_args["pp_microbatches"] == pp_plan["ranked"][0]["microbatches"]
     assert pp_config["model"]["init_args"]["config_overrides"] == {"n_layers": 4}
@@ -175,13 +216,23 @@ def test_written_yaml_trains(capsys: pytest.CaptureFixture, tmp_path: Path) -> N
     moe_config = yaml.safe_load(moe_yaml.read_text())
     assert moe_plan["ranked"][0]["layout"]["ep"] == 2 and moe_config["model"]["class_path"] == "zoo.MoEModule"
     assert moe_config["trainer"]["strategy"]["init_args"]["ep"] == 2
+    # the real plan for llama3-8b on one node of 8 GPUs, rehearsed on 4 CPU processes with the same mesh shape
+    rehearsal_yaml = tmp_path / "rehearsal.yaml"
+    _, eight_b, text = _run(capsys, "--preset", "llama3-8b", "--devices", "8", "--rehearsal", str(rehearsal_yaml))
+    assert eight_b["ranked"][0]["layout"] == {"pp": 1, "dp_replicate": 1, "dp_shard": 4, "cp": 2, "tp": 1, "ep": 1}, text
+    rehearsal = yaml.safe_load(rehearsal_yaml.read_text())
+    rehearsal_args = rehearsal["trainer"]["strategy"]["init_args"]
+    assert {d: rehearsal_args[d] for d in ("pp", "dp_replicate", "dp_shard", "cp", "tp")} == \
+        {"pp": 1, "dp_replicate": 1, "dp_shard": 2, "cp": 2, "tp": 1}
+    assert rehearsal["trainer"]["devices"] == 4 and rehearsal["trainer"]["accelerator"] == "cpu"
+    assert rehearsal["model"]["init_args"] == {"preset": "tiny"} and rehearsal["trainer"]["precision"] == "32-true"
     overrides = ["--trainer.max_steps=4", "--trainer.accelerator=cpu", "--trainer.logger=CSVLogger",
                  "--trainer.log_every_n_steps=1", "--trainer.enable_progress_bar=false",
                  "--trainer.enable_checkpointing=false", "--trainer.enable_model_summary=false"]
     runs = [{"name": name, "args": ["-c", str(path), *overrides]}
-            for name, path in (("tp", tp_yaml), ("pp", pp_yaml), ("moe", moe_yaml))]
-    results = cli_runs(4, tmp_path, runs, timeout=400)
-    for name in ("tp", "pp", "moe"):
+            for name, path in (("tp", tp_yaml), ("pp", pp_yaml), ("moe", moe_yaml), ("rehearsal", rehearsal_yaml))]
+    results = cli_runs(4, tmp_path, runs, timeout=500)
+    for name in ("tp", "pp", "moe", "rehearsal"):
         losses = [v for _, v in sorted(results[name]["metrics"]["train_loss"].items(), key=lambda kv: int(kv[0]))]
         assert results[name]["world_size"] == 4 and len(losses) == 4
         assert all(math.isfinite(x) for x in losses) and losses[-1] < losses[0], (name, losses)

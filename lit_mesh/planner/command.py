@@ -2,6 +2,8 @@
 
     lit-mesh plan --preset llama3-70b --devices 256 --out plan.yaml
     lit-mesh plan --preset llama3-8b --devices 64 --simulate --plot plots/
+    lit-mesh plan --preset llama3-8b --devices 8 --out plan.yaml --rehearsal rehearsal.yaml  # then on CPU:
+    lit-mesh fit -c rehearsal.yaml
 """
 
 from __future__ import annotations
@@ -19,16 +21,8 @@ import yaml
 from lit_mesh.planner.hardware import GB, GIB, Hardware
 from lit_mesh.planner.memory import AC_MODES, PRECISION_BYTES, Workload, first_rank_of_stage, state_bytes, stages_to_check
 from lit_mesh.planner.search import DIMS, Candidate, PlanResult, plan
-from lit_mesh.planner.shapes import gpt_shapes
-from zoo.gpt import PRESETS, GPTConfig
-
-
-def config_class_of(model: str) -> Any:
-    if model == "moe":
-        from zoo.moe import MoEConfig
-
-        return MoEConfig
-    return GPTConfig
+from lit_mesh.planner.shapes import config_class_of, gpt_shapes
+from zoo.gpt import PRESETS
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -56,6 +50,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--top", type=int, default=3, help="how many layouts to print")
     p.add_argument("--out", default="", help="write the best layout as a `lit-mesh fit` config (YAML) here")
     p.add_argument("--max-steps", type=int, default=1000, help="trainer.max_steps of the written config")
+    p.add_argument("--rehearsal", default="",
+                   help="also write the best layout scaled down to a CPU smoke run here (every degree > 1 becomes 2,"
+                        " the tiny preset of the family, 32-true, a few steps): `lit-mesh fit -c` it before the big run")
     p.add_argument("--simulate", action="store_true",
                    help="build the best layout on meta tensors over fake ranks and compare the true bytes")
     p.add_argument("--plot", default="", help="directory for mesh.png and memory.png")
@@ -168,6 +165,10 @@ def main(argv: list[str]) -> int:
             path = _write(args, best, overrides or {}, hw, header)
             print(f"\nwrote {path}: lit-mesh fit -c {path}")
             out["config"] = str(path)
+        if args.rehearsal:
+            path, gap = _write_rehearsal(args, best, hw, argv), "" if args.out else "\n"
+            print(f"{gap}wrote {path}: the same mesh shape, scaled down for CPU: lit-mesh fit -c {path}")
+            out["rehearsal"] = str(path)
         if args.simulate:
             rows = simulate_best(best, config, shapes)
             print(f"\nsimulated on {hw.world_size} fake ranks (meta tensors, lit_mesh's parallelize):")
@@ -187,8 +188,13 @@ def main(argv: list[str]) -> int:
                         plot_memory(result.ranked[: args.top], hw, folder / "memory.png")]
             print("\npictures: " + ", ".join(str(p) for p in pictures))
             out["plots"] = [str(p) for p in pictures]
-    elif args.out:
-        print(f"\nnothing fits: {args.out} not written")
+    else:
+        if args.out:
+            print(f"\nnothing fits: {args.out} not written")
+        if args.rehearsal:
+            raise SystemExit(f"lit-mesh plan --rehearsal {args.rehearsal}: no layout fits, so there is no plan to"
+                             " rehearse (not written); see the reasons above: use more devices, bf16-true or more"
+                             " memory per device")
     out["seconds"] = round(time.perf_counter() - start, 3)
     if args.json:
         print(json.dumps(out))
@@ -199,6 +205,20 @@ def _write(args: argparse.Namespace, best: Candidate, overrides: dict[str, Any],
     from lit_mesh.planner.config_yaml import write_fit_config
 
     return write_fit_config(args.out, best, args.preset, overrides, hw, args.max_steps, header, args.model)
+
+
+def _write_rehearsal(args: argparse.Namespace, best: Candidate, hw: Hardware, argv: list[str]) -> Path:
+    from lit_mesh.planner.config_yaml import rehearsal_config, write_yaml
+
+    try:
+        config = rehearsal_config(best, hw, args.model)
+    except ValueError as e:
+        raise SystemExit(f"lit-mesh plan --rehearsal {args.rehearsal}: {e}") from None
+    degrees = {d: v for d, v in config["trainer"]["strategy"]["init_args"].items() if d in (*DIMS, "ep") and v > 1}
+    header = [f"lit-mesh plan {' '.join(argv)}", f"rehearsal of {best.name()} on {hw.world_size} devices:",
+              f"  the same mesh scaled down ({', '.join(f'{d}={v}' for d, v in degrees.items()) or 'one device'}),"
+              f" tiny {args.model}, 32-true, {config['trainer']['devices']} CPU processes"]
+    return write_yaml(args.rehearsal, config, header)
 
 
 if __name__ == "__main__":

@@ -1,14 +1,19 @@
-"""The chosen plan as a `lit-mesh fit` config (LightningCLI YAML: MeshStrategy init_args, zoo GPT, text data)."""
+"""The chosen plan as a `lit-mesh fit` config (LightningCLI YAML: MeshStrategy init_args, zoo GPT, text data),
+and its rehearsal: the same mesh shape scaled down to a CPU smoke run of the family's tiny preset."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from lit_mesh.mesh import MeshLayout
 from lit_mesh.planner.hardware import Hardware
-from lit_mesh.planner.search import Candidate
+from lit_mesh.planner.memory import Workload
+from lit_mesh.planner.search import DIMS, Candidate, why_invalid
+from lit_mesh.planner.shapes import config_class_of, gpt_shapes
 
 
 MODULES = {"gpt": "zoo.GPTModule", "moe": "zoo.MoEModule"}  # the LightningModule of each model family
@@ -23,6 +28,12 @@ def fit_config(c: Candidate, preset: str, overrides: dict[str, Any], hw: Hardwar
     }
     if layout.ep > 1:
         strategy["ep"] = layout.ep
+    # the links the plan was costed with, so that the run chooses its all-reduce on them too (nodes and devices
+    # per node come from the cluster environment and the Trainer)
+    strategy["topology"] = {
+        "intra_node_bandwidth": hw.intra_node_bandwidth, "inter_node_bandwidth": hw.inter_node_bandwidth,
+        "intra_node_latency": hw.intra_node_latency, "inter_node_latency": hw.inter_node_latency,
+    }  # fmt: skip
     steps = work.microbatches(layout)
     if layout.pp > 1:  # the schedule runs every micro-batch of the step
         strategy.update(pp_schedule="1f1b", pp_microbatches=steps)
@@ -46,10 +57,40 @@ def fit_config(c: Candidate, preset: str, overrides: dict[str, Any], hw: Hardwar
     }
 
 
+REHEARSAL_SEQ_LEN = 64  # tokens per sequence: divisible by 2 x cp (ring attention) and, per cp rank, by tp
+REHEARSAL_MICRO_BATCH = 2  # sequences per micro-batch and data-parallel rank
+
+
+def rehearsal_config(c: Candidate, hw: Hardware, model_family: str = "gpt", max_steps: int = 4) -> dict[str, Any]:
+    """A plan scaled down to a CPU smoke run that exercises the same code paths: every mesh dim of degree > 1
+    (ep too) becomes 2, the model the family's `tiny` preset (config overrides of the plan are dropped: they size
+    the big model), 32-true on CPU, one node of as many processes as the scaled mesh has ranks (ep borrows them),
+    the plan's activation checkpointing, gradient accumulation (pp: the 1F1B schedule) over 2 micro-batches when
+    the plan has several, a global batch of 2-sequence micro-batches per dp rank, `max_steps` steps.
+
+    Raises ValueError with lit_mesh's reason when the scaled layout would not run on the tiny model."""
+    scaled = MeshLayout(**{d: min(getattr(c.layout, d), 2) for d in (*DIMS, "ep")})
+    n_micro = max(min(c.work.microbatches(c.layout), 2), scaled.pp)  # 1F1B needs at least pp micro-batches
+    work = Workload(scaled.dp * REHEARSAL_MICRO_BATCH * n_micro, REHEARSAL_SEQ_LEN, REHEARSAL_MICRO_BATCH)
+    small = dataclasses.replace(hw, nodes=1, devices_per_node=scaled.world_size)  # the planned links stay (topology:)
+    tiny = gpt_shapes(config_class_of(model_family).from_preset("tiny"))
+    reason = why_invalid(scaled, tiny, work, small)  # the checks every plan passes
+    if reason:
+        raise ValueError(f"the rehearsal of {c.name()} scales to {scaled.describe()}, which the tiny {model_family}"
+                         f" preset cannot run: {reason}")
+    rehearsal = dataclasses.replace(c, layout=scaled, work=work, precision="32-true")
+    config = fit_config(rehearsal, "tiny", {}, small, max_steps, model_family)
+    config["trainer"].update(accelerator="cpu", log_every_n_steps=1)
+    return config
+
+
+def write_yaml(path: str | Path, config: dict[str, Any], header: list[str]) -> Path:
+    path = Path(path)
+    comments = "".join(f"# {line}\n" for line in header)
+    path.write_text(comments + yaml.safe_dump(config, sort_keys=False))
+    return path
+
+
 def write_fit_config(path: str | Path, c: Candidate, preset: str, overrides: dict[str, Any], hw: Hardware,
                      max_steps: int, header: list[str], model_family: str = "gpt") -> Path:
-    path = Path(path)
-    body = yaml.safe_dump(fit_config(c, preset, overrides, hw, max_steps, model_family), sort_keys=False)
-    comments = "".join(f"# {line}\n" for line in header)
-    path.write_text(comments + body)
-    return path
+    return write_yaml(path, fit_config(c, preset, overrides, hw, max_steps, model_family), header)

@@ -13,6 +13,15 @@ from torch import nn
 from zoo.gpt import GPT, GPTConfig
 
 
+def config_class_of(model_family: str) -> Any:
+    """The config class of a zoo model family ("gpt" or "moe")."""
+    if model_family == "moe":
+        from zoo.moe import MoEConfig
+
+        return MoEConfig
+    return GPTConfig
+
+
 @dataclass(frozen=True)
 class ParamShape:
     name: str
