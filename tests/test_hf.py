@@ -4,13 +4,16 @@ Layout parity through the `lit-mesh` CLI (fp32: relative 1e-4 per step over 10 s
 1e-4): transformers GPT-2 and Llama in a plain LightningModule (zoo.hf.HFCausalLM) under tp2 and fsdp2 x tp2,
 ViT under fsdp2, Llama built whole in __init__ (not on the meta device) under tp2, and the user example
 examples/hf_model.py under tp2. One torchrun launch per world size
-(1, 2, 4) runs every run, the export checkpoints and the error cases.
+(1, 2, 4) runs every run, the export checkpoints and the error cases. Each run also records how the mesh was
+really applied (DTensor placements, FSDP2 units, MoE dispatchers: tests/workers/hf_runs.py), so that a run that
+silently stayed replicated cannot pass parity.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -147,6 +150,113 @@ def test_parity_check_can_fail(out: Path) -> None:
     nudged = [v * (1 + 1e-3) if i == 4 else v for i, v in enumerate(losses(out, "llama-tp2"))]
     with pytest.raises(AssertionError):
         assert_same_curve(losses(out, "llama-single"), nudged, "nudged")
+
+
+# ---- the layouts were really applied (OUT/NAME/layout.json, see tests/workers/hf_runs.py) --------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Applied:
+    """What a layout must leave on the model after training."""
+
+    blocks: str  # the ModuleList of decoder/encoder layers, under the LightningModule
+    tp: dict[str, str]  # in every block: parameter -> its placement over the tp dim ({}: no tp dim)
+    fsdp: bool  # the model and every block FSDPModules, every block parameter sharded (see fsdp_sharded)
+    ep: int = 0  # MoE layers: all-to-all dispatch over ep ranks, experts split by id (0: no MoE)
+
+
+LLAMA_TP = {"self_attn.q_proj.weight": "S(0)", "self_attn.o_proj.weight": "S(1)", "mlp.up_proj.weight": "S(0)",
+            "mlp.down_proj.weight": "S(1)", "input_layernorm.weight": "R"}  # fmt: skip
+# the fused c_attn stays replicated over tp (lit_mesh/hf/conv1d.py); Conv1D weights are (in, out)
+GPT2_TP = {"attn.c_attn.weight": "R", "attn.c_proj.weight": "S(0)", "mlp.c_fc.weight": "S(1)",
+           "mlp.c_proj.weight": "S(0)"}  # fmt: skip
+MIXTRAL_TP = {"self_attn.q_proj.weight": "S(0)", "self_attn.o_proj.weight": "S(1)", "mlp.gate.weight": "R"}  # MoE whole
+# the blocks: Llama-style decoder layers (Llama, Qwen2, Mistral, Mixtral), GPT-2 blocks, ViT layers
+DECODER, GPT2, VIT = "model.model.layers", "model.transformer.h", "model.vit.layers"
+APPLIED = {
+    "llama-tp2": Applied(DECODER, LLAMA_TP, fsdp=False),
+    "llama-init-tp2": Applied(DECODER, LLAMA_TP, fsdp=False),
+    "qwen2-tp2": Applied(DECODER, LLAMA_TP, fsdp=False),
+    "mistral-tp2": Applied(DECODER, LLAMA_TP, fsdp=False),
+    "llama-fsdp2_tp2": Applied(DECODER, LLAMA_TP, fsdp=True),
+    "gpt2-tp2": Applied(GPT2, GPT2_TP, fsdp=False),
+    "gpt2-fsdp2_tp2": Applied(GPT2, GPT2_TP, fsdp=True),
+    "vit-fsdp2": Applied(VIT, {}, fsdp=True),
+    "mixtral-fsdp2": Applied(DECODER, {}, fsdp=True, ep=1),
+    "mixtral-tp2": Applied(DECODER, MIXTRAL_TP, fsdp=False, ep=1),
+    "mixtral-ep2": Applied(DECODER, {}, fsdp=True, ep=2),
+    "mixtral-tp2_ep2": Applied(DECODER, MIXTRAL_TP, fsdp=True, ep=2),
+}
+EXPERTS = "mlp.experts."
+
+
+def applied(out: Path, name: str) -> dict:
+    return json.loads((out / name / "layout.json").read_text())
+
+
+def params_by_block(found: dict, blocks: str) -> dict[str, dict[str, dict]]:
+    """{block name: {parameter name inside the block: its record}}"""
+    by_block: dict[str, dict[str, dict]] = {}
+    for name, record in found["params"].items():
+        if name.startswith(f"{blocks}."):
+            index, _, inner = name.removeprefix(f"{blocks}.").partition(".")
+            by_block.setdefault(f"{blocks}.{index}", {})[inner] = record
+    return by_block
+
+
+def fsdp_sharded(inner: str, record: dict) -> bool:
+    """FSDP2 sharded this parameter: by dim 0 over dp_shard_cp, experts by dim 1 over efsdp (dim 0 is ep's)."""
+    placements = record["placements"]
+    if inner.startswith(EXPERTS):
+        return placements.get("efsdp") == "S(1)"
+    # over a tp shard of dim 0, FSDP2's dim-0 shard is a strided one: _S(0, tp)
+    return re.fullmatch(r"_?S\(0(, \d+)?\)", placements.get("dp_shard_cp", "")) is not None
+
+
+def assert_experts(found: dict, block: str, params: dict[str, dict], expected: Applied, what: str) -> None:
+    experts = {inner: record for inner, record in params.items() if inner.startswith(EXPERTS)}
+    assert bool(experts) == bool(expected.ep), f"{what}: {block} experts {sorted(experts)}"
+    for inner, record in experts.items():  # split by expert id over ep: this rank holds 1/ep of them
+        local, full = record["local_shape"], record["shape"]
+        assert record["placements"].get("ep") == "S(0)", f"{what}: {block}.{inner} is {record['placements']}"
+        assert local[0] * expected.ep == full[0], f"{what}: {block}.{inner} {local} of {full}: not 1/{expected.ep}"
+    if expected.ep and expected.fsdp:
+        assert f"{block}.mlp.experts" in found["fsdp"], f"{what}: {block}'s experts are no FSDPModule"
+
+
+def assert_applied(found: dict, expected: Applied, what: str) -> None:
+    blocks = params_by_block(found, expected.blocks)
+    assert len(blocks) >= 2, f"{what}: no blocks under {expected.blocks}"
+    assert ("model" in found["fsdp"]) == expected.fsdp, f"{what}: FSDP2 units {found['fsdp']}"
+    for block, params in blocks.items():
+        over_tp = {inner: record["placements"].get("tp") for inner, record in params.items()}
+        assert {inner: over_tp[inner] for inner in expected.tp} == expected.tp, f"{what}: {block} over tp: {over_tp}"
+        assert expected.tp or set(over_tp.values()) == {None}, f"{what}: {block} over tp: {over_tp}"
+        assert (block in found["fsdp"]) == expected.fsdp, f"{what}: {block} is an FSDPModule: {not expected.fsdp}"
+        wrong = [inner for inner, record in params.items() if fsdp_sharded(inner, record) != expected.fsdp]
+        assert not wrong, f"{what}: FSDP2 sharded (expected {expected.fsdp}) not so for {block}: {wrong}"
+        assert_experts(found, block, params, expected, what)
+    dispatchers = {layer: (moe["dispatcher"], moe["ep"]) for layer, moe in found["moe"].items()}
+    want = {f"{block}.mlp": ("AllToAllDispatch", expected.ep) for block in blocks} if expected.ep else {}
+    assert dispatchers == want, f"{what}: MoE dispatchers {dispatchers}"
+
+
+@pytest.mark.parametrize("name", sorted(PARITY))
+def test_layout_was_really_applied(out: Path, name: str) -> None:
+    assert APPLIED.keys() == PARITY.keys(), "every parity run must prove its layout"
+    assert_applied(applied(out, name), APPLIED[name], name)
+
+
+def test_layout_check_can_fail(out: Path) -> None:
+    """A single-device record (plain tensors, no FSDP2 unit, LocalDispatch) fails every layout's check; so does
+    tp2 checked as fsdp2 x tp2, and fsdp2 checked as ep2."""
+    for name, expected in APPLIED.items():
+        with pytest.raises(AssertionError):
+            assert_applied(applied(out, PARITY[name]), expected, PARITY[name])
+    with pytest.raises(AssertionError, match="FSDP2 units"):
+        assert_applied(applied(out, "llama-tp2"), APPLIED["llama-fsdp2_tp2"], "llama-tp2")
+    with pytest.raises(AssertionError, match="not 1/2"):
+        assert_applied(applied(out, "mixtral-fsdp2"), APPLIED["mixtral-ep2"], "mixtral-fsdp2")
 
 
 def test_example_matches_single_device(out: Path) -> None:

@@ -2,7 +2,8 @@
 
 Usage: torchrun --standalone --nproc_per_node=N tests/workers/hf_runs.py OUT_DIR RUNS_JSON
 RUNS_JSON is a list of {"kind": "fit" | "error" | "example", "name": str, "args": [...]}:
-- fit: a `lit-mesh fit` run (see cli_runs.py): OUT_DIR/NAME/result.json and params.pt;
+- fit: a `lit-mesh fit` run (see cli_runs.py): OUT_DIR/NAME/result.json and params.pt, and layout.json: how the
+  mesh was really applied (RecordLayout), so that a run that silently stayed replicated cannot pass;
 - error: a `lit-mesh fit` run that must fail: its error goes to OUT_DIR/errors_N.json (see expect_errors.py);
 - example: examples/SCRIPT's main(args + ["--out", OUT_DIR/NAME.json]), args[0] being the script.
 """
@@ -12,20 +13,56 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
+import lightning as L
+import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 
 from lit_mesh.cli import close_process_groups
 from lit_mesh.cli import run as run_cli
 from tests.workers.cli_runs import run as run_fit
 from tests.workers.examples_runs import load
 
+RECORD_LAYOUT = "--trainer.callbacks+=tests.workers.hf_runs.RecordLayout"
+
+
+class RecordLayout(L.Callback):
+    """Rank 0 writes LOG_DIR/layout.json after each optimizer step (the last one stays): see `layout`."""
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *_: Any) -> None:
+        if trainer.global_rank == 0:  # after the step FSDP2 has resharded every unit, the root included
+            (Path(trainer.logger.save_dir) / "layout.json").write_text(json.dumps(layout(pl_module)))
+
+
+def layout(module: torch.nn.Module) -> dict[str, Any]:
+    """params: {name: {mesh dim: placement} (empty for a plain tensor), full and rank-local shape}; fsdp: the
+    FSDPModule names; moe: {MoE layer: its dispatcher's class and ep}."""
+    params = {}
+    for name, param in module.named_parameters():
+        sharded = isinstance(param, DTensor)
+        params[name] = {
+            "placements": dict(zip(param.device_mesh.mesh_dim_names, map(str, param.placements))) if sharded else {},
+            "shape": list(param.shape), "local_shape": list((param.to_local() if sharded else param).shape),
+        }  # fmt: skip
+    return {
+        "params": params,
+        "fsdp": [name for name, sub in module.named_modules() if isinstance(sub, FSDPModule)],
+        "moe": {
+            name: {"dispatcher": type(sub.dispatcher).__name__, "ep": getattr(sub.dispatcher, "ep", 1)}
+            for name, sub in module.named_modules() if hasattr(sub, "dispatcher")
+        },
+    }
+
+
 if __name__ == "__main__":
     out, runs = Path(sys.argv[1]), json.loads(Path(sys.argv[2]).read_text())
     errors: dict[str, dict[str, str]] = {}
     for spec in runs:
         if spec["kind"] == "fit":
-            run_fit(out, spec["name"], spec["args"])
+            run_fit(out, spec["name"], [*spec["args"], RECORD_LAYOUT])
         elif spec["kind"] == "example":
             script, *args = spec["args"]
             load(script).main([*args, "--out", str(out / f"{spec['name']}.json")])
