@@ -93,6 +93,16 @@ def test_ties_go_to_the_lower_expert_every_time(score_func: str) -> None:
     torch.testing.assert_close(biased.weights, first.weights)  # ...but never changes the gate weights
 
 
+def test_top_1_gate_is_the_probability_so_the_lm_loss_trains_the_router() -> None:
+    moe = _moe(n_experts=4, top_k=1, aux_loss_coef=0.0)  # normalize_top_k stays True, as by default
+    x = torch.randn(2, 8, 8)
+    routing = moe.router(x.view(16, 8))
+    torch.testing.assert_close(routing.weights, routing.probs.gather(1, routing.expert_ids))
+    assert (routing.weights < 1).all()
+    moe(x).square().sum().backward()
+    assert moe.router.gate.weight.grad.abs().sum() > 0
+
+
 def test_aux_loss_is_the_switch_formula() -> None:
     moe = _moe(n_experts=4, top_k=1, aux_loss_coef=0.1)
     x = torch.randn(2, 8, 8)
@@ -152,3 +162,15 @@ def test_presets_build_on_meta() -> None:
     assert mixtral.layers[0].moe.experts.w1.shape == (8, 4096, 14336)
     with pytest.raises(ValueError, match="unknown MoE preset 'huge'"):
         MoEConfig.from_preset("huge")
+
+
+def test_top_1_models_are_not_converted_to_or_from_mixtral() -> None:
+    """Mixtral gates a single routed expert by 1, the zoo MoE by its probability: the logits would differ."""
+    from transformers import MixtralConfig
+
+    from zoo.convert.mixtral import to_mixtral_config, to_moe_config
+
+    with pytest.raises(ValueError, match="top_k=1: a single routed expert is gated by 1 in Mixtral.*top_k >= 2"):
+        to_mixtral_config(MoEConfig.from_preset("tiny", top_k=1))
+    with pytest.raises(ValueError, match="num_experts_per_tok=1: .*num_experts_per_tok >= 2"):
+        to_moe_config(MixtralConfig(num_experts_per_tok=1))

@@ -51,7 +51,7 @@ class MoEConfig:
     n_shared_experts: int = 0  # each of width expert_hidden, seen by every token
     moe_every: int = 1  # layers k-1, 2k-1, ... are MoE; 1: all
     score_func: Literal["softmax", "sigmoid"] = "softmax"
-    normalize_top_k: bool = True  # gate weights of the chosen experts sum to 1
+    normalize_top_k: bool = True  # gate weights of the chosen experts sum to 1 (top_k > 1; top-1 keeps its probability)
     capacity_factor: float | None = None  # None: dropless
     aux_loss_coef: float = 0.01  # 0: no auxiliary loss
     bias_update_rate: float = 0.0  # aux-loss-free balancing step (DeepSeek-V3 uses 0.001); 0: off
@@ -161,7 +161,7 @@ class Router(nn.Module):
         # a stable descending sort: equal scores keep index order, so ties go to the lower expert id
         expert_ids = torch.sort(selection, dim=-1, descending=True, stable=True).indices[:, : self.top_k]
         weights = scores.gather(1, expert_ids)
-        if self.normalize_top_k:
+        if self.normalize_top_k and self.top_k > 1:  # a top-1 weight of 1 would leave the router no LM gradient
             weights = weights / weights.sum(dim=-1, keepdim=True)
         probs = scores if self.score_func == "softmax" else scores / scores.sum(dim=-1, keepdim=True)
         return Routing(expert_ids, weights, probs)

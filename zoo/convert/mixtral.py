@@ -32,6 +32,7 @@ def to_mixtral_config(c: MoEConfig) -> Any:
         "capacity_factor": (c.capacity_factor, None), "bias_update_rate": (c.bias_update_rate, 0.0),
     }  # fmt: skip
     unlike = {name: given for name, (given, mixtral) in differs.items() if given != mixtral}
+    _check_more_than_one_expert_per_token(c.top_k, "top_k")
     if unlike:
         raise ValueError(
             f"MoEConfig with {unlike}: Mixtral routes every layer's tokens by softmax over all experts, top-k"
@@ -48,8 +49,15 @@ def to_mixtral_config(c: MoEConfig) -> Any:
     )  # fmt: skip
 
 
+def _check_more_than_one_expert_per_token(top_k: int, name: str) -> None:
+    if top_k == 1:  # Mixtral renormalises one chosen probability to 1; the zoo MoE keeps it (Switch)
+        raise ValueError(f"{name}=1: a single routed expert is gated by 1 in Mixtral and by its probability in the"
+                         f" zoo MoE, so their outputs differ; convert a model with {name} >= 2")
+
+
 def to_moe_config(c: Any) -> MoEConfig:
     rope = c.rope_parameters or {}
+    _check_more_than_one_expert_per_token(c.num_experts_per_tok, "num_experts_per_tok")
     unlike = {
         "rope_type": rope.get("rope_type", "default") != "default", "hidden_act": c.hidden_act != "silu",
         "sliding_window": c.sliding_window is not None, "router_jitter_noise": bool(c.router_jitter_noise),
