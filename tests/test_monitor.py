@@ -34,6 +34,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
         {"name": "ddp2", "args": [*COMMON, f"{S}dp_replicate=2"]},
         {"name": "tp2", "args": [*COMMON, f"{S}tp=2", f"--trainer.callbacks.init_args.peak_flops_per_device={PEAK}"]},
         {"name": "pp2", "args": [*COMMON, f"{S}pp=2", f"{S}pp_microbatches={MICRO}"]},
+        {"name": "cp2", "args": [*COMMON, f"{S}cp=2"]},
         {"name": "moe-ep2", "args": [*MOE, f"{S}dp=2", f"{S}ep=2"]},
     ])
 
@@ -44,9 +45,11 @@ def _at_each_step(result: dict, key: str) -> list[float]:
     return [per_step[s] for s in sorted(per_step)]
 
 
-@pytest.mark.parametrize("layout", ["ddp2", "tp2", "pp2"])
+@pytest.mark.parametrize("layout", ["ddp2", "tp2", "pp2", "cp2"])
 def test_throughput_and_flops_equal_the_hand_computed_values(runs: dict, layout: str) -> None:
-    tokens = BATCH * SEQ  # the global batch, whether dp ranks split it (ddp2) or tp/pp ranks share it (tp2, pp2)
+    # the global batch, whether dp ranks split it (ddp2), tp/pp ranks share it (tp2, pp2) or cp ranks split every
+    # sequence (cp2: the FLOPs per token still count attention over all SEQ positions)
+    tokens = BATCH * SEQ
     flops = tokens * gpt_flops_per_token(GPTConfig.from_preset("tiny"), SEQ)
     result = runs[layout]
     assert _at_each_step(result, "monitor/step_time_s") == [STEP_SECONDS] * STEPS

@@ -204,7 +204,9 @@ class MeshMonitor(Callback):
         count = getattr(pl_module, "tokens_in_batch", default_tokens_in_batch)
         local_tokens, seq_len = count(batch)
         tokens = local_tokens * self.data_replicas(trainer)
-        flops_per_token = self.flops_per_token(pl_module, seq_len)
+        # context parallel hands each rank 1/cp of every sequence; attention FLOPs grow with the whole length
+        layout = getattr(trainer.strategy, "layout", None)
+        flops_per_token = self.flops_per_token(pl_module, seq_len * (layout.cp if layout is not None else 1))
         world = trainer.world_size
         metrics = {
             "monitor/step_time_s": step_time,
