@@ -23,7 +23,10 @@ from pathlib import Path
 from typing import Any
 
 import _common as C  # noqa: N812 (benchmarks/ is on sys.path when run as a script)
+from lit_mesh.comm.codecs import ONEBIT_SCALES
+from lit_mesh.comm.options import CompressionOptions
 
+DEFAULTS = CompressionOptions()  # the library's 1-bit defaults are the benchmark's
 MODES = ("fp32", "fp16", "bf16", "powersgd", "onebit", "topk")
 GOALS = {"onebit": 20.0, "powersgd": 10.0}
 LOSS_TOLERANCE = 0.03
@@ -35,12 +38,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--modes", default=",".join(MODES), help="comma-separated; fp32 is the reference")
     p.add_argument("--preset", default="small", help="zoo GPT preset")
     p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--seed", type=int, default=0, help="seed of the model's initial weights (the data order stays)")
     p.add_argument("--global-batch-size", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--powersgd-rank", type=int, default=4)
     p.add_argument("--topk-ratio", type=float, default=0.01)
-    p.add_argument("--onebit-block", type=int, default=1024, help="entries per 1-bit scale")
-    p.add_argument("--onebit-rms-refresh", type=int, default=0,
+    p.add_argument("--onebit-block", type=int, default=DEFAULTS.onebit_block, help="entries per 1-bit scale")
+    p.add_argument("--onebit-scale", default=DEFAULTS.onebit_scale, choices=ONEBIT_SCALES,
+                   help="scale of a block of 1-bit codes")
+    p.add_argument("--onebit-rms-refresh", type=int, default=DEFAULTS.onebit_rms_refresh,
                    help="1-bit codes scaled per entry by its RMS, shared every this many steps (0: block scale only)")
     p.add_argument("--warmup-steps", type=int, default=0, help="uncompressed steps first (every mode)")
     p.add_argument("--optimizer", choices=("adamw", "onebit_adam"), default="adamw",
@@ -56,7 +62,7 @@ def train(args: argparse.Namespace, mode: str) -> dict[str, Any]:
     import lightning as L
     from lightning.pytorch.callbacks import Callback
 
-    from lit_mesh import CompressionOptions, MeshStrategy
+    from lit_mesh import MeshStrategy
     from zoo import GPTModule, TextDataModule
 
     class Losses(Callback):
@@ -67,10 +73,10 @@ def train(args: argparse.Namespace, mode: str) -> dict[str, Any]:
             # the global batch's loss: the mean over the data-parallel ranks of their local losses
             self.losses.append(float(trainer.strategy.reduce(outputs["loss"].detach(), reduce_op="mean")))
 
-    L.seed_everything(0, verbose=False)
+    L.seed_everything(args.seed, verbose=False)
     compression = None if mode == "fp32" else CompressionOptions(
         mode=mode, powersgd_rank=args.powersgd_rank, topk_ratio=args.topk_ratio, onebit_block=args.onebit_block,
-        onebit_rms_refresh=args.onebit_rms_refresh, warmup_steps=args.warmup_steps,
+        onebit_scale=args.onebit_scale, onebit_rms_refresh=args.onebit_rms_refresh, warmup_steps=args.warmup_steps,
     )
     degrees = {"dp_replicate": 2} if args.layout == "ddp2" else {"dp": 2}
     strategy = MeshStrategy(**degrees, grad_compression=compression, process_group_backend="gloo")
@@ -123,15 +129,15 @@ def worker(args: argparse.Namespace) -> None:
     if args.plot:
         plot(Path(args.plot), {m: r["losses"] for m, r in per_mode.items()}, f"zoo GPT {args.preset}, {args.layout}")
     C.emit({
-        "benchmark": "compression", "layout": args.layout, "preset": args.preset, "steps": args.steps,
+        "benchmark": "compression", "layout": args.layout, "preset": args.preset, "steps": args.steps, "seed": args.seed,
         "global_batch_size": args.global_batch_size, "seq_len": args.seq_len, "powersgd_rank": args.powersgd_rank,
-        "topk_ratio": args.topk_ratio, "onebit_block": args.onebit_block, "onebit_rms_refresh": args.onebit_rms_refresh, "lr_schedule": "cosine" if args.cosine else "constant", "warmup_steps": args.warmup_steps, "optimizer": args.optimizer, "table": table, "goals": goals,
+        "topk_ratio": args.topk_ratio, "onebit_block": args.onebit_block, "onebit_scale": args.onebit_scale, "onebit_rms_refresh": args.onebit_rms_refresh, "lr_schedule": "cosine" if args.cosine else "constant", "warmup_steps": args.warmup_steps, "optimizer": args.optimizer, "table": table, "goals": goals,
         "goal_met": all(g["met"] for g in goals.values()), "plot": args.plot or None, **C.environment(),
     })  # fmt: skip
 
 
 def plot(path: Path, curves: dict[str, list[float]], title: str) -> None:
-    """Loss vs step, drawn with PIL (matplotlib is not installed here); curves smoothed over 10 steps."""
+    """Loss vs step, drawn with PIL; curves smoothed over 10 steps."""
     from PIL import Image, ImageDraw
 
     colors = {"fp32": (0, 0, 0), "fp16": (31, 119, 180), "bf16": (44, 160, 44), "powersgd": (214, 39, 40),

@@ -61,13 +61,17 @@ def test_topk_keeps_the_k_largest() -> None:
     assert codec.payload_bytes(997) == 8 * k
 
 
-def test_onebit_codec_is_sign_times_block_mean() -> None:
+@pytest.mark.parametrize("scale", ["rms", "mean_abs"])
+def test_onebit_codec_is_sign_times_block_scale(scale: str) -> None:
     x = torch.randn(300, generator=torch.Generator().manual_seed(3))
     x[7] = 0.0
-    codec = SignCodec(64)
+    codec = SignCodec(64, scale)
     decoded = codec.decode(codec.encode(x), 300, torch.float32)
-    scale = torch.cat([x[i : i + 64].abs().mean().expand(len(x[i : i + 64])) for i in range(0, 300, 64)])
-    torch.testing.assert_close(decoded, torch.where(x >= 0, 1.0, -1.0) * scale, rtol=0, atol=0)
+    of_block = (lambda b: b.square().mean().sqrt()) if scale == "rms" else (lambda b: b.abs().mean())
+    expected = torch.cat([of_block(x[i : i + 64]).expand(len(x[i : i + 64])) for i in range(0, 300, 64)])
+    torch.testing.assert_close(decoded, torch.where(x >= 0, 1.0, -1.0) * expected)
+    if scale == "rms":  # every block keeps its squared sum (what Adam's second moment sees)
+        torch.testing.assert_close(decoded.square().sum(), x.square().sum())
     assert codec.payload_bytes(300) == 4 * 5 + 40  # 5 fp32 scales, 300 bits padded to whole words
 
 
@@ -90,6 +94,7 @@ def test_fusion_packs_small_tensors_into_buckets() -> None:
         (CompressionOptions(mode="topk", topk_ratio=1.5), "topk_ratio=1.5 must be in (0, 1]"),
         (CompressionOptions(warmup_steps=-1), "warmup_steps=-1 must be an int >= 0"),
         (CompressionOptions(onebit_rms_refresh=-2), "onebit_rms_refresh=-2 must be an int >= 0"),
+        (CompressionOptions(onebit_scale="max"), "onebit_scale='max' must be one of 'rms', 'mean_abs'"),
         (CompressionOptions(schedule=[CompressionStage("onebit")]), "has neither start_step nor grad_norm_change_below"),
         (CompressionOptions(warmup_steps=5, schedule=[CompressionStage("fp16", start_step=2)]), "start_step=2 comes before"),
     ],

@@ -35,14 +35,22 @@ class CastCodec:
         return payload[: n * self.itemsize].view(self.dtype).to(dtype)
 
 
+ONEBIT_SCALES = ("rms", "mean_abs")
+
+
 class SignCodec:
-    """1-bit: the sign of every entry (packed 8 per byte) and, per block of entries, one fp32 scale, the mean
-    absolute value (the scale that minimises the squared error of sign x scale). Zero counts as positive."""
+    """1-bit: the sign of every entry (packed 8 per byte) and, per block of entries, one fp32 scale. Zero counts
+    as positive. The scale is the block's root mean square ("rms": the decoded block keeps the squared sum that
+    Adam's second moment sees) or its mean absolute value ("mean_abs": the least squared error of sign x scale,
+    but under Adam it makes every coordinate look smaller than it is and so raises the effective lr)."""
 
     _SHIFTS = torch.tensor([7, 6, 5, 4, 3, 2, 1, 0], dtype=torch.uint8)
 
-    def __init__(self, block: int) -> None:
+    def __init__(self, block: int, scale: str = "rms") -> None:
+        if scale not in ONEBIT_SCALES:
+            raise ValueError(f"1-bit scale {scale!r}: choose one of {ONEBIT_SCALES}")
         self.block = block
+        self.scale = scale
 
     def _blocks(self, n: int) -> int:
         return max(1, math.ceil(n / self.block))
@@ -51,13 +59,14 @@ class SignCodec:
         return 4 * self._blocks(n) + _align4(math.ceil(n / 8))
 
     def scales(self, x: Tensor) -> Tensor:
-        """fp32 mean |x| of every block (the last block may be shorter)."""
+        """fp32 RMS (or mean |x|) of every block (the last block may be shorter)."""
         n, blocks = x.numel(), self._blocks(x.numel())
         padded = torch.zeros(blocks * self.block, dtype=torch.float32, device=x.device)
-        padded[:n] = x.detach().abs().float()
+        padded[:n] = x.detach().float().square() if self.scale == "rms" else x.detach().abs().float()
         counts = torch.full((blocks,), float(self.block), device=x.device)
         counts[-1] = n - (blocks - 1) * self.block
-        return padded.view(blocks, self.block).sum(1) / counts
+        means = padded.view(blocks, self.block).sum(1) / counts
+        return means.sqrt() if self.scale == "rms" else means
 
     def encode(self, x: Tensor) -> Tensor:
         n, blocks = x.numel(), self._blocks(x.numel())
@@ -108,13 +117,13 @@ class TopKCodec:
 Codec = CastCodec | SignCodec | TopKCodec
 
 
-def make_codec(mode: str, onebit_block: int, topk_ratio: float) -> Codec:
+def make_codec(mode: str, onebit_block: int, topk_ratio: float, onebit_scale: str = "rms") -> Codec:
     if mode == "fp16":
         return CastCodec(torch.float16)
     if mode == "bf16":
         return CastCodec(torch.bfloat16)
     if mode == "onebit":
-        return SignCodec(onebit_block)
+        return SignCodec(onebit_block, onebit_scale)
     if mode == "topk":
         return TopKCodec(topk_ratio)
     raise ValueError(f"no chunk codec for mode {mode!r}")

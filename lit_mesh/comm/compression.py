@@ -183,8 +183,9 @@ class GradientCompressor:
     # ---- 1-bit's per-entry scales (onebit_rms_refresh > 0; lit_mesh/comm/entry_scales.py) -------------------
 
     def _observe(self, gradient: Tensor) -> None:
+        # also before 1-bit starts (warm-up, earlier stages), so that its first shared scales have a history
         refresh = self.run.options.onebit_rms_refresh
-        if refresh and self.run.mode == "onebit":
+        if refresh and self.run.onebit_scheduled:
             self.entry_scales = self.entry_scales or EntryScales(refresh)
             self.entry_scales.observe(gradient)
 
@@ -317,9 +318,16 @@ class GradientCompression:
     def mode(self) -> str:
         return self.stages[self.stage].mode
 
+    @property
+    def onebit_scheduled(self) -> bool:
+        """1-bit now or in a later stage of the schedule."""
+        return any(stage.mode == "onebit" for stage in self.stages[self.stage :])
+
     def codec(self) -> Codec:
         if self.mode not in self._codecs:
-            self._codecs[self.mode] = make_codec(self.mode, self.options.onebit_block, self.options.topk_ratio)
+            self._codecs[self.mode] = make_codec(
+                self.mode, self.options.onebit_block, self.options.topk_ratio, self.options.onebit_scale
+            )
         return self._codecs[self.mode]
 
     def compressor(self, name: str) -> GradientCompressor:

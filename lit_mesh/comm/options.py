@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Optional, Union
 
+from lit_mesh.comm.codecs import ONEBIT_SCALES
+
 MODES = ("fp16", "bf16", "powersgd", "onebit", "topk")
 STAGE_MODES = ("none", *MODES)  # a schedule stage may also send uncompressed
 
@@ -38,10 +40,13 @@ class CompressionOptions:
     powersgd_rank: rank of PowerSGD's factors P and Q.
     topk_ratio: fraction of entries top-k sends, in (0, 1].
     onebit_block: entries sharing one scale in 1-bit codes (the scale costs 32 bits per block).
-    onebit_rms_refresh: 0: 1-bit codes decode to their block's mean |x|. k > 0: every entry is first divided
+    onebit_scale: the scale of a block of 1-bit codes: "rms" (its root mean square: the decoded gradient keeps
+        the size that AdamW's second moment sees) or "mean_abs" (its mean |x|: the least squared error, for SGD).
+    onebit_rms_refresh: 0: 1-bit codes decode to their block's scale. k > 0: every entry is first divided
         by its own running RMS (each rank's uncompressed gradients; shared as 8-bit log codes every k optimizer
         steps, 1/4 of an fp32 all-gather each time), so that after decoding every coordinate keeps its own size
-        under AdamW (lit_mesh/comm/entry_scales.py). 16 is a good start.
+        under AdamW (lit_mesh/comm/entry_scales.py). The defaults (block 256, RMS scales, refresh 32) send
+        ~25x fewer bytes than fp32 and matched its loss under AdamW (benchmarks/README.md, "Gradient compression").
     warmup_steps: optimizer steps sent uncompressed before `mode` starts.
     bucket_mb: tensor fusion: pieces sent per tensor (PowerSGD factors, uncompressed 1-D tensors, lists
         given to the standalone API) are packed into buckets of up to this size, one collective each.
@@ -53,8 +58,9 @@ class CompressionOptions:
     mode: str = "onebit"
     powersgd_rank: int = 4
     topk_ratio: float = 0.01
-    onebit_block: int = 1024
-    onebit_rms_refresh: int = 0
+    onebit_block: int = 256
+    onebit_scale: str = "rms"
+    onebit_rms_refresh: int = 32
     warmup_steps: int = 0
     bucket_mb: float = 25.0
     error_feedback: bool = True
@@ -113,6 +119,11 @@ def check_options(o: CompressionOptions) -> None:
         )
     if not isinstance(o.onebit_block, int) or o.onebit_block < 1:
         raise CompressionConfigError(f"onebit_block={o.onebit_block!r} must be an int >= 1 (entries per 1-bit scale)")
+    if o.onebit_scale not in ONEBIT_SCALES:
+        raise CompressionConfigError(
+            f"onebit_scale={o.onebit_scale!r} must be one of {', '.join(map(repr, ONEBIT_SCALES))} (the scale of a"
+            " block of 1-bit codes; 'rms' under Adam-type optimizers)"
+        )
     if isinstance(o.onebit_rms_refresh, bool) or not isinstance(o.onebit_rms_refresh, int) or o.onebit_rms_refresh < 0:
         raise CompressionConfigError(
             f"onebit_rms_refresh={o.onebit_rms_refresh!r} must be an int >= 0 (optimizer steps between shares of the"

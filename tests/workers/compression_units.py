@@ -37,7 +37,7 @@ def roundtrip(codec, x: torch.Tensor) -> torch.Tensor:
 
 def onebit_all_reduce_formula() -> None:
     n, me = dist.get_world_size(), dist.get_rank()
-    run = GradientCompression(CompressionOptions(mode="onebit", onebit_block=64))
+    run = GradientCompression(CompressionOptions(mode="onebit", onebit_block=64, onebit_rms_refresh=0))
     site, codec = run.compressor("ar"), make_codec("onebit", 64, 0.0)
     xs = inputs(1000)
     out = xs[me].clone()
@@ -81,7 +81,7 @@ def onebit_scaled_by_entry_rms() -> None:
     torch.testing.assert_close(site.residual, xs[me] - sent[me], rtol=1e-6, atol=1e-7)
     # decoded entries keep their own size: relative to each entry's size (what AdamW sees), far closer to the
     # mean input than with one scale per block
-    plain = GradientCompression(CompressionOptions(mode="onebit", onebit_block=64)).compressor("ar")
+    plain = GradientCompression(CompressionOptions(mode="onebit", onebit_block=64, onebit_rms_refresh=0)).compressor("ar")
     unscaled = xs[me].clone()
     plain.all_reduce(unscaled, dist.group.WORLD, average=True, dim="dp_replicate")
     mean_x = sum(xs) / n
@@ -99,7 +99,7 @@ def onebit_scaled_by_entry_rms() -> None:
 
 def reduce_scatter_formula(mode: str) -> None:
     n, me = dist.get_world_size(), dist.get_rank()
-    run = GradientCompression(CompressionOptions(mode=mode, topk_ratio=0.1))
+    run = GradientCompression(CompressionOptions(mode=mode, topk_ratio=0.1, onebit_rms_refresh=0))
     site, codec = run.compressor("rs"), run.codec()
     xs = inputs(1200)
     out = torch.empty(1200 // n)
@@ -137,7 +137,8 @@ def nothing_lost_across_steps_and_switches() -> None:
     n, me = dist.get_world_size(), dist.get_rank()
     modes = ["onebit", "topk", "powersgd", "fp16", "onebit", "none"]
     stages = [CompressionStage(m, start_step=i) for i, m in enumerate(modes) if i]
-    run = GradientCompression(CompressionOptions(mode=modes[0], topk_ratio=0.05, onebit_block=32, schedule=stages))
+    options = CompressionOptions(mode=modes[0], topk_ratio=0.05, onebit_block=32, onebit_rms_refresh=0, schedule=stages)
+    run = GradientCompression(options)
     site = run.compressor("ar")
     length = 64 * 48
 
