@@ -50,6 +50,7 @@ def test_degree_errors_at_construction(kwargs: dict, message: str) -> None:
         (2, {"tp": 4}, "tp=4 = 4 does not divide the world size 2"),
         (4, {"dp": 4, "dp_shard": 3}, "dp_shard=3 does not divide dp=4"),
         (4, {"tp": 2, "ep": 4}, "ep=4 does not divide dp_shard x cp = 2 x 1 = 2"),
+        (8, {"dp_replicate": 2, "cp": 2, "ep": 3}, "ep=3 does not divide dp_shard x cp = 2 x 2 = 4"),
     ],
 )
 def test_world_size_errors_before_any_process_starts(devices: int, kwargs: dict, message: str) -> None:
