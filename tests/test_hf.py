@@ -466,6 +466,26 @@ def test_zoo_moe_without_mixtral_routing_is_refused() -> None:
         zoo_to_hf(moe)
 
 
+def test_zoo_weights_of_a_module_without_a_preset_need_their_config(tmp_path: Path) -> None:
+    """A user's LightningModule holding a zoo GPT: no preset to read, so export asks for the config instead of
+    guessing one; given it, the export loads in transformers with the same logits."""
+    from transformers import LlamaForCausalLM
+
+    from zoo import GPT, GPTConfig
+    from zoo.convert import ConversionError, export_hf
+
+    config = GPTConfig.from_preset("tiny", n_layers=3)
+    gpt = GPT(config).eval()
+    checkpoint = tmp_path / "own.ckpt"
+    torch.save({"state_dict": {f"model.{k}": v for k, v in gpt.state_dict().items()}, "hyper_parameters": {}}, checkpoint)
+    with pytest.raises(ConversionError, match=r"zoo GPT weights but no 'preset'.*config=GPTConfig.from_preset"):
+        export_hf(checkpoint, tmp_path / "guessed")
+    llama = LlamaForCausalLM.from_pretrained(export_hf(checkpoint, tmp_path / "hf", config=config)).eval()
+    tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert (llama(input_ids=tokens).logits - gpt(tokens)).abs().max().item() <= 1e-5
+
+
 def test_conversion_between_mismatched_shapes_names_the_tensors() -> None:
     from zoo import GPT, GPTConfig, ViTConfig
     from zoo.convert import ConversionError

@@ -3,7 +3,8 @@
 
 The model configuration comes from the checkpoint's hyper-parameters: zoo GPTModule/MoEModule/ViTModule
 (preset + config_overrides, converted to Llama/Mixtral/ViT) and zoo.hf modules (architecture +
-config_overrides); for your own LightningModule around a transformers model pass its `config`.
+config_overrides); for your own LightningModule around a transformers model pass its `config`, and around a
+zoo model its zoo config (GPTConfig, MoEConfig, ViTConfig).
 """
 
 from __future__ import annotations
@@ -25,22 +26,38 @@ def checkpoint_hyperparameters(checkpoint: str | Path) -> dict[str, Any]:
     return dict(torch.load(source, map_location="cpu", weights_only=True).get("hyper_parameters") or {})
 
 
-def _zoo_config(weights: dict[str, torch.Tensor], hparams: dict[str, Any]) -> tuple[str, Any] | None:
-    """(converter name, zoo config) when the weights are a zoo GPT, MoE or ViT, else None."""
-    overrides = hparams.get("config_overrides") or {}
+def _zoo_kind(weights: dict[str, torch.Tensor]) -> tuple[str, type] | None:
+    """(converter name, zoo config class) when the weights are a zoo GPT, MoE or ViT, else None."""
+    from zoo.gpt import GPTConfig
+    from zoo.moe import MoEConfig
+    from zoo.vit import ViTConfig
+
     if any(key.endswith(".moe.router.gate.weight") for key in weights):  # before the GPT: the same embedding
-        from zoo.moe import MoEConfig
-
-        return "mixtral", MoEConfig.from_preset(hparams.get("preset", "tiny"), **overrides)
+        return "mixtral", MoEConfig
     if "tok_embeddings.weight" in weights or "layers.0.attention.wq.weight" in weights:
-        from zoo.gpt import GPTConfig
-
-        return "llama", GPTConfig.from_preset(hparams.get("preset", "tiny"), **overrides)
+        return "llama", GPTConfig
     if "embed.pos_embed" in weights:
-        from zoo.vit import ViTConfig
-
-        return "vit", ViTConfig.from_preset(hparams.get("preset", "tiny"), **overrides)
+        return "vit", ViTConfig
     return None
+
+
+def _zoo_config(
+    weights: dict[str, torch.Tensor], hparams: dict[str, Any], given: Any, checkpoint: Any
+) -> tuple[str, Any] | None:
+    """(converter name, zoo config): the given zoo config, else the zoo module's preset + config_overrides."""
+    kind = _zoo_kind(weights)
+    if kind is None:
+        return None
+    name, config_class = kind
+    if isinstance(given, config_class):
+        return name, given
+    if "preset" not in hparams:  # not saved by a zoo module: guessing a preset would name the wrong shapes
+        raise ConversionError(
+            f"{str(checkpoint)!r} holds zoo {config_class.__name__.removesuffix('Config')} weights but no 'preset'"
+            f" hyper-parameter (its LightningModule is not a zoo module); pass the model's config:"
+            f" export_hf(checkpoint, directory, config={config_class.__name__}.from_preset(...))"
+        )
+    return name, config_class.from_preset(hparams["preset"], **(hparams.get("config_overrides") or {}))
 
 
 def _hf_model(config: Any, weights: dict[str, torch.Tensor]) -> Any:
@@ -60,7 +77,7 @@ def export_hf(checkpoint: str | Path, directory: str | Path, prefix: str = "mode
     if not weights:
         raise ConversionError(f"no weights under prefix {prefix!r} in {str(checkpoint)!r}")
     hparams = checkpoint_hyperparameters(checkpoint)
-    zoo = _zoo_config(weights, hparams)
+    zoo = _zoo_config(weights, hparams, config, checkpoint)
     if zoo is not None:
         converter = CONVERTERS[zoo[0]]
         hf_config, hf_weights = zoo_state_to_hf(converter, weights, zoo[1])
