@@ -25,7 +25,6 @@ import lightning as L
 import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
-from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import Replicate, Shard

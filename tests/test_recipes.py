@@ -35,9 +35,9 @@ def test_quickstart_recipe(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("recipe", "mesh", "after"),
     [
-        ("gpt", [f"--trainer.strategy.init_args.tp=2"], ["validate", "predict"]),
-        ("vit", [f"--trainer.strategy.init_args.dp_replicate=2"], ["test"]),
-        ("moe", [f"--trainer.strategy.init_args.ep=2"], ["validate"]),  # expert weights sharded over ep in the checkpoint
+        ("gpt", ["--trainer.strategy.init_args.tp=2"], ["validate", "predict"]),
+        ("vit", ["--trainer.strategy.init_args.dp_replicate=2"], ["test"]),
+        ("moe", ["--trainer.strategy.init_args.ep=2"], ["validate"]),  # expert weights sharded over ep in the checkpoint
     ],
 )
 def test_recipe_fit_then_evaluate_from_checkpoint(tmp_path: Path, recipe: str, mesh: list[str], after: list[str]) -> None:
