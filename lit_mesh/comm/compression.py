@@ -170,14 +170,14 @@ class GradientCompressor:
         With per-entry `scales` (x's layout), x / scales is encoded and the decoded codes are multiplied back."""
         codec = self.run.codec()
         chunks = x.view(n, -1)
-        unit = torch.ones(1, dtype=x.dtype, device=x.device) if scales is None else scales.view(n, -1).to(x.dtype)
+        unit = _per_chunk(scales, n, x)
         payloads, decoded = self._encode_chunks(chunks / unit, codec)
         self._keep(x, (decoded * unit).view(-1))
         received = torch.empty_like(payloads)
         dist.all_to_all_single(received, payloads, group=group)
         self.run.meter.sent(dim, "all_to_all", payloads, n)
         work = torch.promote_types(x.dtype, torch.float32)
-        mine = unit[dist.get_rank(group) if scales is not None else 0].to(work)
+        mine = unit[dist.get_rank(group)].to(work)
         return torch.stack([codec.decode(p, chunks.shape[1], work) for p in received]).sum(0) * mine
 
     # ---- 1-bit's per-entry scales (onebit_rms_refresh > 0; lit_mesh/comm/entry_scales.py) -------------------
@@ -190,7 +190,7 @@ class GradientCompressor:
             self.entry_scales.observe(gradient)
 
     def _scales(self, n: int, group: Any, dim: str) -> Optional[Tensor]:
-        if self.entry_scales is None or not self.run.options.onebit_rms_refresh or self.run.mode != "onebit":
+        if self.entry_scales is None or self.run.mode != "onebit":
             return None
         return self.entry_scales.scales(n, group, self.run.step, lambda b: self.run.meter.sent(dim, "all_gather", b, n))
 
@@ -216,7 +216,7 @@ class GradientCompressor:
             reduced = reduced / n
         # stage two: re-encode this rank's reduced chunk (with its own residual) and gather every chunk
         codec = self.run.codec()
-        unit = torch.ones(n, 1, dtype=x.dtype, device=x.device) if scales is None else scales.view(n, -1).to(x.dtype)
+        unit = _per_chunk(scales, n, x)
         mine = unit[dist.get_rank(group)]
         if self.server_residual is not None:
             reduced = reduced + self.server_residual
@@ -286,6 +286,11 @@ class GradientCompressor:
             out_chunk[~mask] = reduced_rest
         self._keep(x, sent.view(-1))
         return out_chunk
+
+
+def _per_chunk(scales: Optional[Tensor], n: int, x: Tensor) -> Tensor:
+    """1-bit's per-entry scales as n chunk rows in x's dtype (ones, broadcast over each chunk, without scales)."""
+    return torch.ones(n, 1, dtype=x.dtype, device=x.device) if scales is None else scales.view(n, -1).to(x.dtype)
 
 
 def _padded(x: Tensor, n: int) -> Tensor:

@@ -30,10 +30,10 @@ RECORD_LAYOUT = "--trainer.callbacks+=tests.workers.hf_runs.RecordLayout"
 
 
 class RecordLayout(L.Callback):
-    """Rank 0 writes LOG_DIR/layout.json after each optimizer step (the last one stays): see `layout`."""
+    """Rank 0 writes LOG_DIR/layout.json once training ends: see `layout`."""
 
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *_: Any) -> None:
-        if trainer.global_rank == 0:  # after the step FSDP2 has resharded every unit, the root included
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.global_rank == 0:  # after the last step FSDP2 has resharded every unit, the root included
             (Path(trainer.logger.save_dir) / "layout.json").write_text(json.dumps(layout(pl_module)))
 
 
