@@ -27,7 +27,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from lit_mesh.comm.compression import GradientCompression, GradientCompressor
 from lit_mesh.comm.fsdp import unit_segments
-from lit_mesh.topology import Topology
+from lit_mesh.topology import Topology, all_gather_time, all_reduce_time
 
 AllReduceMode = Literal["auto", "flat", "hierarchical"]
 ALLREDUCE_MODES = ("auto", "flat", "hierarchical")
@@ -40,13 +40,7 @@ def check_allreduce_mode(mode: str) -> None:
         raise MeshConfigError(f"allreduce={mode!r}; choose one of {ALLREDUCE_MODES}")
 
 
-# ---- the alpha-beta cost model (ring collectives; the formulas of lit_mesh/planner/cost.py) ----------------
-
-
-def ring_time(nbytes: float, k: int, link: tuple[float, float], steps_per_round: int = 1) -> float:
-    """All-gather / reduce-scatter (steps_per_round=1) or all-reduce (2) of nbytes over k ranks."""
-    bandwidth, alpha = link
-    return 0.0 if k <= 1 else steps_per_round * ((k - 1) * alpha + (k - 1) / k * nbytes / bandwidth)
+# ---- the alpha-beta cost model (lit_mesh.topology's ring formulas) -----------------------------------------
 
 
 def flat_time(nbytes: float, n: int, g: int, topology: Topology) -> float:
@@ -54,13 +48,13 @@ def flat_time(nbytes: float, n: int, g: int, topology: Topology) -> float:
     link = (topology.inter_node_bandwidth, topology.inter_node_latency)
     if n == 1:
         link = (topology.intra_node_bandwidth, topology.intra_node_latency)
-    return ring_time(nbytes, n * g, link, 2)
+    return all_reduce_time(nbytes, n * g, link)
 
 
 def hierarchical_time(nbytes: float, n: int, g: int, topology: Topology) -> float:
     intra = (topology.intra_node_bandwidth, topology.intra_node_latency)
     inter = (topology.inter_node_bandwidth, topology.inter_node_latency)
-    return 2 * ring_time(nbytes, g, intra) + ring_time(nbytes / g, n, inter, 2)
+    return 2 * all_gather_time(nbytes, g, intra) + all_reduce_time(nbytes / g, n, inter)
 
 
 def inter_node_bytes(nbytes: float, n: int, g: int, hierarchical: bool) -> float:
