@@ -113,7 +113,7 @@ def test_compression_without_a_data_parallel_dim_fails_before_any_process_starts
 
 
 def test_compressors_over_gloo(tmp_path: Path) -> None:
-    """2 ranks: the two-stage 1-bit all-reduce equals its formula; top-k and fp16 reduce-scatters equal theirs;
+    """2 ranks: the 1-bit all-reduce (scatter and gather halves) equals its formula; top-k and fp16 reduce-scatters equal theirs;
     PowerSGD sums rank-r matrices exactly; nothing is lost across steps and mode switches; bytes counted."""
     out = tmp_path / "units.json"
     proc = torchrun(2, "compression_units.py", str(out), timeout=180)

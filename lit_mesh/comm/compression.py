@@ -153,7 +153,8 @@ class CompressionSite:
     def _scales(self, n: int, group: Any, dim: str) -> Optional[Tensor]:
         if self.entry_scales is None or self.run.mode != "onebit":
             return None
-        return self.entry_scales.scales(n, group, self.run.schedule.step, lambda b: self.run.meter.sent(dim, "all_gather", b, n))
+        sent = lambda buffer: self.run.meter.sent(dim, "all_gather", buffer, n)  # noqa: E731
+        return self.entry_scales.scales(n, group, self.run.schedule.step, sent)
 
 
 class CompressionRun:
@@ -219,7 +220,8 @@ class CompressionRun:
         for name, saved in state["compressors"].items():
             site = self.site(name)
             move = lambda t: None if t is None else t.to(self.device)  # noqa: E731
-            site.residual, site.codec_reduction.server_residual = move(saved["residual"]), move(saved["server_residual"])
+            site.residual = move(saved["residual"])
+            site.codec_reduction.server_residual = move(saved["server_residual"])
             site.powersgd.qs = {int(i): move(q) for i, q in saved["qs"].items()}
             if saved.get("entry_scales") is not None:
                 site.entry_scales = EntryScales(self.options.onebit_rms_refresh)

@@ -121,7 +121,7 @@ def layered_fp16_and_onebit(h: hierarchical.Hierarchy) -> None:
     assert set(bytes_) == {"dp_replicate:intra", "dp_replicate:inter"}, dict(bytes_)
     assert bytes_["dp_replicate:intra"]["sent"] == bytes_["dp_replicate:intra"]["uncompressed"] > 0  # exact in the node
     assert bytes_["dp_replicate:inter"]["sent"] * 2 == bytes_["dp_replicate:inter"]["uncompressed"]  # fp16 between
-    # 1-bit between nodes: the node sums of this rank's piece, through the two-stage 1-bit all-reduce
+    # 1-bit between nodes: the node sums of this rank's piece, through the 1-bit all-reduce (scatter and gather halves)
     run = CompressionRun(CompressionOptions(mode="onebit", onebit_block=32, onebit_rms_refresh=0))
     site = run.site("site")
     xs = every_rank(g * n * 64 * 2, integer=False)
