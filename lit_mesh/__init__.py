@@ -1,6 +1,6 @@
 """lit-mesh: one N-D DeviceMesh and every parallelism, as a PyTorch Lightning strategy."""
 
-from lit_mesh.comm import CompressionLogger, CompressionOptions, CompressionStage
+from lit_mesh.comm import CompressionLogger, CompressionOptions, CompressionPhase
 from lit_mesh.comm.onebit_adam import OneBitAdam
 from lit_mesh.init import Init, init_parameters
 from lit_mesh.mesh import MeshConfigError, MeshLayout
@@ -14,7 +14,7 @@ from lit_mesh.strategy import MeshStrategy
 from lit_mesh.topology import Topology, TopologyError
 
 __all__ = [
-    "CompressionLogger", "CompressionOptions", "CompressionStage", "FP16MixedPrecision", "Init", "MeshConfigError",
+    "CompressionLogger", "CompressionOptions", "CompressionPhase", "FP16MixedPrecision", "Init", "MeshConfigError",
     "MeshLayout", "MeshMonitor", "MeshStrategy", "OneBitAdam", "ParallelPlan", "PipelineTimeline", "PlanError", "Topology",
     "TopologyError", "init_parameters",
     "loss_of", "output_of",

@@ -31,7 +31,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from lit_mesh.async_save import AsyncCheckpointSaver, staged_state, write_metadata
 from lit_mesh.checkpoint import OPTIMIZER_STATE_OPTIONS, load_sharded_checkpoint, publish_checkpoint
 from lit_mesh.comm import hierarchical
-from lit_mesh.comm.compression import GradientCompression
+from lit_mesh.comm.compression import CompressionRun
 from lit_mesh.comm.hierarchical import AllReduceMode, Hierarchy, build_hierarchy, check_allreduce_mode
 from lit_mesh.comm.options import CompressionConfigError, CompressionOptions, resolve_compression
 from lit_mesh.comm.state import load_compression_state, save_compression_state
@@ -90,7 +90,7 @@ class MeshStrategy(ModelParallelStrategy):
         strict_topology: refuse a tensor-parallel group that would cross nodes (else: a warning with the numbers).
         allreduce: replicated gradients (DDP, HSDP's replicate dim) and metric reductions: "hierarchical"
             (reduce-scatter in the node, all-reduce of the 1/g piece between nodes, all-gather in the node; with
-            grad_compression only the inter-node step is compressed), "flat", or "auto" (the topology's
+            grad_compression only the inter-node all-reduce is compressed), "flat", or "auto" (the topology's
             alpha-beta cost model decides per tensor size). See lit_mesh/comm/hierarchical.py.
         process_group_backend: "gloo", "nccl", ...; default from the device.
         timeout: timeout of collectives.
@@ -156,7 +156,7 @@ class MeshStrategy(ModelParallelStrategy):
         self.grad_compression_options = resolve_compression(grad_compression)
         if self.grad_compression_options is not None and not save_distributed_checkpoint:
             rank_zero_warn("grad_compression: single-file checkpoints do not hold its per-rank state; a resume restarts it")
-        self.grad_compression: Optional[GradientCompression] = None  # the run's state, made in setup()
+        self.grad_compression: Optional[CompressionRun] = None  # the run's state, made in setup()
         self._layout: Optional[MeshLayout] = None
         self.mesh_views: Optional[MeshViews] = None
         check_allreduce_mode(allreduce)
@@ -260,14 +260,14 @@ class MeshStrategy(ModelParallelStrategy):
         precision = str(self.precision_plugin.precision)
         self.model = self.precision_plugin.convert_module(self.model)  # bf16-true: cast while still on meta
         if self.grad_compression_options is not None and self.grad_compression is None:
-            self.grad_compression = GradientCompression(self.grad_compression_options, self.root_device)
+            self.grad_compression = CompressionRun(self.grad_compression_options, self.root_device)
         if is_user_parallelised(self.model):
             if self.layout.pp > 1:
                 raise MeshConfigError(
                     f"pp={self.layout.pp}: configure_model parallelised the model itself, so MeshStrategy cannot cut"
                     " it into pipeline stages; declare a parallel_plan() instead, or use pp=1"
                 )
-            if self.grad_compression is not None and not self.grad_compression.compressors:  # not hooked by us
+            if self.grad_compression is not None and not self.grad_compression.sites:  # not hooked by us
                 raise CompressionConfigError(
                     "grad_compression hooks into the data parallelism MeshStrategy applies, but configure_model"
                     " parallelised the model itself; let MeshStrategy apply it (a parallel_plan()), or drop grad_compression"

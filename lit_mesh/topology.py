@@ -1,4 +1,6 @@
-"""Where the ranks sit: nodes, devices per node and the two link classes (inside a node, between nodes).
+"""Where the ranks sit: nodes, devices per node and the two link classes (inside a node, between nodes), with
+the alpha-beta time of ring collectives over a link (the one formula: the planner and the hierarchical
+all-reduce import it from here).
 
 Ranks are numbered node-major, as every launcher does it (SLURM, torchrun, Lightning): node = rank // devices
 per node. Read from Lightning's cluster environment and the Trainer's `num_nodes` x `devices`, or given
@@ -17,6 +19,27 @@ from lit_mesh.mesh import MESH_DIMS, MeshConfigError, MeshLayout
 
 GB = 1e9
 
+# The link defaults of Topology and of the planner's Hardware: an H100 SXM node (NVLink 450 GB/s per device and
+# direction, one 400 Gb/s NIC per GPU). Bandwidths in bytes/s, latencies (alpha) in seconds per ring step.
+INTRA_NODE_BANDWIDTH = 450 * GB
+INTER_NODE_BANDWIDTH = 50 * GB
+INTRA_NODE_LATENCY = 5e-6
+INTER_NODE_LATENCY = 15e-6
+
+Link = tuple[float, float]  # (bandwidth in bytes/s, alpha in seconds per ring step)
+
+
+def all_gather_time(nbytes: float, k: int, link: Link) -> float:
+    """Ring all-gather or reduce-scatter over k ranks, each holding (or producing) nbytes of the whole:
+    (k - 1) * alpha + (k - 1) / k * nbytes / bandwidth."""
+    bandwidth, alpha = link
+    return 0.0 if k <= 1 else (k - 1) * alpha + (k - 1) / k * nbytes / bandwidth
+
+
+def all_reduce_time(nbytes: float, k: int, link: Link) -> float:
+    """Ring all-reduce: a reduce-scatter, then an all-gather."""
+    return 2 * all_gather_time(nbytes, k, link)
+
 
 class TopologyError(MeshConfigError):
     """A topology that cannot hold the mesh, or contradicts the cluster environment."""
@@ -27,16 +50,16 @@ class Topology:
     """Devices on nodes with an alpha-beta model of each link class.
 
     Bandwidths are bytes/s per device and direction; latencies (alpha) seconds per ring step. The defaults are
-    an H100 SXM node (NVLink 450 GB/s, one 400 Gb/s NIC per GPU), as in lit_mesh.planner.hardware.
+    an H100 SXM node (the module's INTRA/INTER_NODE_* constants, shared with lit_mesh.planner.hardware).
     `nodes` / `devices_per_node` left None are read from the cluster environment (give only the links).
     """
 
     nodes: Optional[int] = None
     devices_per_node: Optional[int] = None
-    intra_node_bandwidth: float = 450 * GB
-    inter_node_bandwidth: float = 50 * GB
-    intra_node_latency: float = 5e-6
-    inter_node_latency: float = 15e-6
+    intra_node_bandwidth: float = INTRA_NODE_BANDWIDTH
+    inter_node_bandwidth: float = INTER_NODE_BANDWIDTH
+    intra_node_latency: float = INTRA_NODE_LATENCY
+    inter_node_latency: float = INTER_NODE_LATENCY
 
     def __post_init__(self) -> None:
         for name in ("nodes", "devices_per_node"):
@@ -59,7 +82,7 @@ class Topology:
     def local_rank_of(self, rank: int) -> int:
         return rank % self.devices_per_node
 
-    def link(self, ranks: list[int]) -> tuple[float, float]:
+    def link(self, ranks: list[int]) -> Link:
         """(bandwidth, alpha) of a group: the intra-node link when all its ranks share a node."""
         if len({self.node_of(r) for r in ranks}) <= 1:
             return self.intra_node_bandwidth, self.intra_node_latency

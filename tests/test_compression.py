@@ -11,7 +11,7 @@ import pytest
 import torch
 from lightning.pytorch import Trainer
 
-from lit_mesh import CompressionOptions, CompressionStage, MeshStrategy
+from lit_mesh import CompressionOptions, CompressionPhase, MeshStrategy
 from lit_mesh.comm.codecs import CastCodec, SignCodec, TopKCodec
 from lit_mesh.comm.fusion import fused, plan_buckets
 from lit_mesh.comm.options import CompressionConfigError
@@ -95,8 +95,8 @@ def test_fusion_packs_small_tensors_into_buckets() -> None:
         (CompressionOptions(warmup_steps=-1), "warmup_steps=-1 must be an int >= 0"),
         (CompressionOptions(onebit_rms_refresh=-2), "onebit_rms_refresh=-2 must be an int >= 0"),
         (CompressionOptions(onebit_scale="max"), "onebit_scale='max' must be one of 'rms', 'mean_abs'"),
-        (CompressionOptions(schedule=[CompressionStage("onebit")]), "has neither start_step nor grad_norm_change_below"),
-        (CompressionOptions(warmup_steps=5, schedule=[CompressionStage("fp16", start_step=2)]), "start_step=2 comes before"),
+        (CompressionOptions(schedule=[CompressionPhase("onebit")]), "has neither start_step nor grad_norm_change_below"),
+        (CompressionOptions(warmup_steps=5, schedule=[CompressionPhase("fp16", start_step=2)]), "start_step=2 comes before"),
     ],
 )
 def test_bad_compression_settings_fail_at_construction(value: object, message: str) -> None:
@@ -113,7 +113,7 @@ def test_compression_without_a_data_parallel_dim_fails_before_any_process_starts
 
 
 def test_compressors_over_gloo(tmp_path: Path) -> None:
-    """2 ranks: the two-stage 1-bit all-reduce equals its formula; top-k and fp16 reduce-scatters equal theirs;
+    """2 ranks: the 1-bit all-reduce (scatter and gather halves) equals its formula; top-k and fp16 reduce-scatters equal theirs;
     PowerSGD sums rank-r matrices exactly; nothing is lost across steps and mode switches; bytes counted."""
     out = tmp_path / "units.json"
     proc = torchrun(2, "compression_units.py", str(out), timeout=180)
@@ -125,27 +125,27 @@ def test_compressors_over_gloo(tmp_path: Path) -> None:
 
 
 def test_checkpoint_state_restores_on_the_same_layout_and_resets_with_a_warning_on_another(tmp_path: Path) -> None:
-    from lit_mesh.comm.compression import GradientCompression
+    from lit_mesh.comm.compression import CompressionRun
     from lit_mesh.comm.state import load_compression_state, save_compression_state
 
-    saved = GradientCompression(CompressionOptions(mode="fp16", schedule=[CompressionStage("onebit", start_step=3)]))
-    site = saved.compressor("model.layers.0:reduce_scatter")
-    site.residual, site.qs = torch.randn(10), {0: torch.randn(4, 2)}
+    saved = CompressionRun(CompressionOptions(mode="fp16", schedule=[CompressionPhase("onebit", start_step=3)]))
+    site = saved.site("model.layers.0:reduce_scatter")
+    site.residual, site.powersgd.qs = torch.randn(10), {0: torch.randn(4, 2)}
     saved.begin_step(0)
-    saved.begin_step(3)  # now in the onebit stage
+    saved.begin_step(3)  # now in the onebit phase
     save_compression_state(saved, tmp_path, rank=1, world_size=2, layout="dp_replicate=2")
 
-    same = GradientCompression(saved.options)
-    same.compressor("model.layers.0:reduce_scatter")
+    same = CompressionRun(saved.options)
+    same.site("model.layers.0:reduce_scatter")
     assert load_compression_state(same, tmp_path, rank=1, world_size=2, layout="dp_replicate=2") is None
-    assert torch.equal(same.compressors["model.layers.0:reduce_scatter"].residual, site.residual)
-    assert torch.equal(same.compressors["model.layers.0:reduce_scatter"].qs[0], site.qs[0])
-    assert (same.stage, same.step, same.mode) == (1, 3, "onebit")
+    assert torch.equal(same.sites["model.layers.0:reduce_scatter"].residual, site.residual)
+    assert torch.equal(same.sites["model.layers.0:reduce_scatter"].powersgd.qs[0], site.powersgd.qs[0])
+    assert (same.schedule.index, same.schedule.step, same.mode) == (1, 3, "onebit")
 
-    other = GradientCompression(saved.options)
-    other.compressor("model.layers.0:reduce_scatter")
+    other = CompressionRun(saved.options)
+    other.site("model.layers.0:reduce_scatter")
     with pytest.warns(UserWarning, match="gradient compression starts afresh .* saved on 'dp_replicate=2', this run is 'dp=4'"):
         why = load_compression_state(other, tmp_path, rank=1, world_size=4, layout="dp=4")
     assert why is not None
-    assert other.compressors["model.layers.0:reduce_scatter"].residual is None  # reset
+    assert other.sites["model.layers.0:reduce_scatter"].residual is None  # reset
     assert other.mode == "onebit"  # the schedule's position is kept

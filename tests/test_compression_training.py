@@ -187,8 +187,8 @@ def test_onebit_adam_trains_with_its_variance_frozen_across_the_resume(results: 
 
 def test_schedule_warm_up_then_fp16_then_onebit(results: dict) -> None:
     metrics = results["ddp2-schedule"]["metrics"]
-    stage = {int(s): v for s, v in metrics["grad_compression/stage"].items()}
-    assert [stage[s] for s in range(STEPS)] == [0, 0, 1, 1, 1, 2, 2, 2, 2, 2]
+    phase = {int(s): v for s, v in metrics["grad_compression/phase"].items()}
+    assert [phase[s] for s in range(STEPS)] == [0, 0, 1, 1, 1, 2, 2, 2, 2, 2]
     ratio = {int(s): v for s, v in metrics["grad_compression/ratio"].items()}
     assert ratio[0] == ratio[1] == 1.0  # warm-up: the plain collective
     assert all(1.9 < ratio[s] <= 2.0 for s in (2, 3, 4))  # fp16

@@ -1,10 +1,10 @@
 """Communication: gradient compression in the data-parallel reductions (fp16/bf16, PowerSGD, 1-bit, top-k)."""
 
-from lit_mesh.comm.compression import GradientCompression, GradientCompressor
+from lit_mesh.comm.compression import CompressionRun, CompressionSite
 from lit_mesh.comm.logger import CompressionLogger
-from lit_mesh.comm.options import CompressionConfigError, CompressionOptions, CompressionStage
+from lit_mesh.comm.options import CompressionConfigError, CompressionOptions, CompressionPhase
 
 __all__ = [
-    "CompressionConfigError", "CompressionLogger", "CompressionOptions", "CompressionStage", "GradientCompression",
-    "GradientCompressor",
+    "CompressionConfigError", "CompressionLogger", "CompressionOptions", "CompressionPhase", "CompressionRun",
+    "CompressionSite",
 ]  # fmt: skip

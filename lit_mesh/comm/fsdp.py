@@ -12,7 +12,6 @@ FSDP averages over the shard group (op AVG, or SUM when it divides itself); the 
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import Any, Optional
 
@@ -22,7 +21,8 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 
-from lit_mesh.comm.compression import GradientCompression, GradientCompressor, Segment
+from lit_mesh.comm.compression import CompressionRun, CompressionSite
+from lit_mesh.comm.powersgd import Segment, segments_of_shapes
 
 
 def unit_segments(module: FSDPModule) -> list[Segment]:
@@ -30,23 +30,17 @@ def unit_segments(module: FSDPModule) -> list[Segment]:
     out each parameter's dim-0 shard, padded, one after another). Read from FSDP2's parameter group (no
     public accessor); [] when a parameter is sharded on another dim (then nothing is treated as a matrix)."""
     groups = module._get_fsdp_state()._fsdp_param_groups
-    segments, offset = [], 0
-    for fsdp_param in groups[0].fsdp_params if groups else []:
-        if fsdp_param.fsdp_placement.dim != 0:
-            return []
-        size = fsdp_param.padded_sharded_param_size
-        numel = math.prod(size)
-        rows = size[0] if len(size) else 1
-        segments.append(Segment(offset, rows, numel // rows if rows else 0))
-        offset += numel
-    return segments
+    fsdp_params = groups[0].fsdp_params if groups else []
+    if any(fsdp_param.fsdp_placement.dim != 0 for fsdp_param in fsdp_params):
+        return []
+    return segments_of_shapes([fsdp_param.padded_sharded_param_size for fsdp_param in fsdp_params])
 
 
 class CompressedReduceScatter(ReduceScatter):
     """FSDP2's reduce-scatter, sent compressed (signature of torch's ReduceScatter comm)."""
 
-    def __init__(self, compressor: GradientCompressor, module: FSDPModule, dim: str, final: bool) -> None:
-        self.compressor = compressor
+    def __init__(self, site: CompressionSite, module: FSDPModule, dim: str, final: bool) -> None:
+        self.site = site
         self.module = module
         self.dim = dim
         self.final = final  # no replicate all-reduce follows
@@ -60,8 +54,8 @@ class CompressedReduceScatter(ReduceScatter):
     ) -> None:  # fmt: skip
         if op not in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
             raise RuntimeError(f"compressed reduce-scatter supports SUM and AVG, FSDP asked for {op}")
-        segments = unit_segments(self.module) if self.compressor.run.mode == "powersgd" else None
-        self.compressor.reduce_scatter(
+        segments = unit_segments(self.module) if self.site.run.mode == "powersgd" else None
+        self.site.reduce_scatter(
             output_tensor, input_tensor, group, average=op == dist.ReduceOp.AVG, dim=self.dim, segments=segments,
             final=self.final,
         )
@@ -70,20 +64,20 @@ class CompressedReduceScatter(ReduceScatter):
 class CompressedReplicaAllReduce:
     """The all-reduce hook: mean over the replicas of this rank's reduced gradient shard, compressed."""
 
-    def __init__(self, compressor: GradientCompressor, module: FSDPModule, group: dist.ProcessGroup, dim: str) -> None:
-        self.compressor = compressor
+    def __init__(self, site: CompressionSite, module: FSDPModule, group: dist.ProcessGroup, dim: str) -> None:
+        self.site = site
         self.module = module
         self.group = group
         self.dim = dim
 
     def __call__(self, reduced_shard: torch.Tensor) -> None:
-        segments = unit_segments(self.module) if self.compressor.run.mode == "powersgd" else None
-        self.compressor.all_reduce(reduced_shard, self.group, average=True, dim=self.dim, segments=segments)
+        segments = unit_segments(self.module) if self.site.run.mode == "powersgd" else None
+        self.site.all_reduce(reduced_shard, self.group, average=True, dim=self.dim, segments=segments)
 
 
 def attach_gradient_compression(
     root: nn.Module,
-    run: GradientCompression,
+    run: CompressionRun,
     shard_group: dist.ProcessGroup,
     replicate_group: Optional[dist.ProcessGroup],
     shard_dim: str = "dp_shard_cp",
@@ -98,10 +92,10 @@ def attach_gradient_compression(
         unit = name or "<root>"
         replicated = replicate_group is not None and replicate_group.size() > 1
         if shard_group.size() > 1:
-            site = run.compressor(f"{unit}:reduce_scatter")
+            site = run.site(f"{unit}:reduce_scatter")
             module.set_custom_reduce_scatter(CompressedReduceScatter(site, module, shard_dim, final=not replicated))
         if replicated:
-            site = run.compressor(f"{unit}:all_reduce")
+            site = run.site(f"{unit}:all_reduce")
             module.set_all_reduce_hook(CompressedReplicaAllReduce(site, module, replicate_group, replicate_dim))
         hooked += 1
     return hooked

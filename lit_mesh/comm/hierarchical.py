@@ -1,11 +1,11 @@
-"""Hierarchical all-reduce over a group that spans nodes: n nodes holding g of its ranks each.
+"""Hierarchical all-reduce over a group that spans nodes: n nodes holding g of its ranks each, in three collectives:
 
   1. reduce-scatter inside the node (g ranks, fast links): each rank holds the node's sum of 1/g of the tensor;
   2. all-reduce of that 1/g piece between nodes (n ranks, one per node: the slow links carry S/g, not S);
   3. all-gather inside the node.
 Per rank, the bytes crossing nodes drop from 2(N-1)/N·S (flat ring over N = n·g) to 2(n-1)/n·S/g, and the
-sequential inter-node ring steps from 2(N-1) to 2(n-1). Layered compression: only step 2 goes through the
-run's GradientCompressor (lit_mesh/comm/compression.py); the node-local steps stay exact. PowerSGD, whose
+sequential inter-node ring steps from 2(N-1) to 2(n-1). Layered compression: only the inter-node all-reduce (2)
+goes through a CompressionSite (lit_mesh/comm/compression.py); the node-local collectives stay exact. PowerSGD, whose
 factors need whole matrices, all-reduces the whole tensor inside the node instead and compresses the whole
 tensor between nodes (every rank of a node sends the same factors on its own inter-node group).
 
@@ -25,9 +25,9 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.fsdp import FSDPModule
 
-from lit_mesh.comm.compression import GradientCompression, GradientCompressor
+from lit_mesh.comm.compression import CompressionRun, CompressionSite
 from lit_mesh.comm.fsdp import unit_segments
-from lit_mesh.topology import Topology
+from lit_mesh.topology import Topology, all_gather_time, all_reduce_time
 
 AllReduceMode = Literal["auto", "flat", "hierarchical"]
 ALLREDUCE_MODES = ("auto", "flat", "hierarchical")
@@ -40,13 +40,7 @@ def check_allreduce_mode(mode: str) -> None:
         raise MeshConfigError(f"allreduce={mode!r}; choose one of {ALLREDUCE_MODES}")
 
 
-# ---- the alpha-beta cost model (ring collectives; the formulas of lit_mesh/planner/cost.py) ----------------
-
-
-def ring_time(nbytes: float, k: int, link: tuple[float, float], steps_per_round: int = 1) -> float:
-    """All-gather / reduce-scatter (steps_per_round=1) or all-reduce (2) of nbytes over k ranks."""
-    bandwidth, alpha = link
-    return 0.0 if k <= 1 else steps_per_round * ((k - 1) * alpha + (k - 1) / k * nbytes / bandwidth)
+# ---- the alpha-beta cost model (lit_mesh.topology's ring formulas) -----------------------------------------
 
 
 def flat_time(nbytes: float, n: int, g: int, topology: Topology) -> float:
@@ -54,13 +48,13 @@ def flat_time(nbytes: float, n: int, g: int, topology: Topology) -> float:
     link = (topology.inter_node_bandwidth, topology.inter_node_latency)
     if n == 1:
         link = (topology.intra_node_bandwidth, topology.intra_node_latency)
-    return ring_time(nbytes, n * g, link, 2)
+    return all_reduce_time(nbytes, n * g, link)
 
 
 def hierarchical_time(nbytes: float, n: int, g: int, topology: Topology) -> float:
     intra = (topology.intra_node_bandwidth, topology.intra_node_latency)
     inter = (topology.inter_node_bandwidth, topology.inter_node_latency)
-    return 2 * ring_time(nbytes, g, intra) + ring_time(nbytes / g, n, inter, 2)
+    return 2 * all_gather_time(nbytes, g, intra) + all_reduce_time(nbytes / g, n, inter)
 
 
 def inter_node_bytes(nbytes: float, n: int, g: int, hierarchical: bool) -> float:
@@ -159,23 +153,23 @@ def all_reduce(
     tensor: Tensor,
     hierarchy: Hierarchy,
     average: bool,
-    compressor: Optional[GradientCompressor] = None,
+    site: Optional[CompressionSite] = None,
     segments: Optional[list] = None,
 ) -> Tensor:
-    """tensor <- sum (or mean) over the hierarchy's whole group, in place, by the three steps; with a compressor,
-    the inter-node step is compressed (its bytes metered under "<dim>:inter", the node-local ones exact under
-    "<dim>:intra")."""
+    """tensor <- sum (or mean) over the hierarchy's whole group, in place, by the three collectives; with a
+    compression site, the inter-node all-reduce is compressed (its bytes metered under "<dim>:inter", the
+    node-local collectives exact under "<dim>:intra")."""
     g, n, dim = hierarchy.per_node, hierarchy.nodes, hierarchy.dim
     flat = tensor.reshape(-1)
     length = flat.numel()
-    meter = compressor.run.meter if compressor is not None else None
-    if compressor is not None and compressor.run.mode == "powersgd":
+    meter = site.run.meter if site is not None else None
+    if site is not None and site.run.mode == "powersgd":
         whole = flat.clone()
         dist.all_reduce(whole, group=hierarchy.intra)
         if meter is not None:
             meter.sent(f"{dim}:intra", "all_reduce", whole, g)
             meter.uncompressed(f"{dim}:intra", "all_reduce", whole, g)
-        compressor.all_reduce(whole, hierarchy.inter, average=average, dim=f"{dim}:inter", segments=segments)
+        site.all_reduce(whole, hierarchy.inter, average=average, dim=f"{dim}:inter", segments=segments)
         tensor.copy_((whole / g if average else whole).view_as(tensor))
         return tensor
     chunk = math.ceil(length / g)
@@ -183,10 +177,10 @@ def all_reduce(
     padded[:length] = flat
     piece = torch.empty(chunk, dtype=flat.dtype, device=flat.device)
     dist.reduce_scatter_tensor(piece, padded, group=hierarchy.intra)
-    if compressor is None:
+    if site is None:
         dist.all_reduce(piece, group=hierarchy.inter)
     else:
-        compressor.all_reduce(piece, hierarchy.inter, average=average, dim=f"{dim}:inter")
+        site.all_reduce(piece, hierarchy.inter, average=average, dim=f"{dim}:inter")
     gathered = torch.empty_like(padded)
     dist.all_gather_into_tensor(gathered, piece, group=hierarchy.intra)
     if meter is not None:
@@ -194,8 +188,8 @@ def all_reduce(
             meter.sent(f"{dim}:intra", kind, padded, g)
             meter.uncompressed(f"{dim}:intra", kind, padded, g)
     result = gathered[:length]
-    if average:  # a compressor averaged over the n nodes already
-        result = result / (g if compressor is not None else g * n)
+    if average:  # a site averaged over the n nodes already
+        result = result / (g if site is not None else g * n)
     tensor.copy_(result.view_as(tensor))
     return tensor
 
@@ -204,32 +198,32 @@ class HierarchicalReplicaAllReduce:
     """FSDP2's all-reduce hook over the replicate dim (DDP, HSDP): the mean over replicas of this rank's reduced
     gradient shard, hierarchically (or flat, where the cost model says so), with layered compression."""
 
-    def __init__(self, hierarchy: Hierarchy, module: FSDPModule, compressor: Optional[GradientCompressor]) -> None:
+    def __init__(self, hierarchy: Hierarchy, module: FSDPModule, site: Optional[CompressionSite]) -> None:
         self.hierarchy = hierarchy
         self.module = module
-        self.compressor = compressor
+        self.site = site
 
     def __call__(self, reduced_shard: Tensor) -> None:
-        powersgd = self.compressor is not None and self.compressor.run.mode == "powersgd"
+        powersgd = self.site is not None and self.site.run.mode == "powersgd"
         segments = unit_segments(self.module) if powersgd else None
         nbytes = reduced_shard.numel() * reduced_shard.element_size()
         if self.hierarchy.use_hierarchical(nbytes):
-            all_reduce(reduced_shard, self.hierarchy, average=True, compressor=self.compressor, segments=segments)
-        elif self.compressor is not None:
-            self.compressor.all_reduce(reduced_shard, self.hierarchy.group, True, self.hierarchy.dim, segments)
+            all_reduce(reduced_shard, self.hierarchy, average=True, site=self.site, segments=segments)
+        elif self.site is not None:
+            self.site.all_reduce(reduced_shard, self.hierarchy.group, True, self.hierarchy.dim, segments)
         else:
             dist.all_reduce(reduced_shard, group=self.hierarchy.group)
             reduced_shard.div_(self.hierarchy.size)
 
 
-def attach_hierarchical_all_reduce(root: nn.Module, hierarchy: Hierarchy, run: Optional[GradientCompression]) -> int:
+def attach_hierarchical_all_reduce(root: nn.Module, hierarchy: Hierarchy, run: Optional[CompressionRun]) -> int:
     """Hook the replicate all-reduce of every FSDP2 unit under `root` (on a 1-D shard mesh, as compression does;
     the compression sites keep their names "<unit>:all_reduce", so checkpointed state finds them)."""
     hooked = 0
     for name, module in root.named_modules():
         if not isinstance(module, FSDPModule) or not module._get_fsdp_state()._fsdp_param_groups:
             continue
-        site = run.compressor(f"{name or '<root>'}:all_reduce") if run is not None else None
+        site = run.site(f"{name or '<root>'}:all_reduce") if run is not None else None
         module.set_all_reduce_hook(HierarchicalReplicaAllReduce(hierarchy, module, site))
         hooked += 1
     return hooked

@@ -11,7 +11,7 @@ from lightning.pytorch.callbacks import Callback
 class CompressionLogger(Callback):
     """Logs, each training step, `grad_compression/sent_bytes/<dim>` and `.../uncompressed_bytes/<dim>` (what
     this rank sent in that step's gradient reductions, and what the plain collectives would have sent),
-    `grad_compression/ratio` and `grad_compression/stage` (position in the schedule). Needs
+    `grad_compression/ratio` and `grad_compression/phase` (position in the schedule). Needs
     MeshStrategy(grad_compression=...)."""
 
     def on_train_batch_end(

@@ -13,7 +13,7 @@ from typing import Optional, Union
 from lit_mesh.comm.codecs import ONEBIT_SCALES
 
 MODES = ("fp16", "bf16", "powersgd", "onebit", "topk")
-STAGE_MODES = ("none", *MODES)  # a schedule stage may also send uncompressed
+PHASE_MODES = ("none", *MODES)  # a phase of the schedule may also send uncompressed
 
 
 class CompressionConfigError(ValueError):
@@ -21,7 +21,7 @@ class CompressionConfigError(ValueError):
 
 
 @dataclass
-class CompressionStage:
+class CompressionPhase:
     """A later phase of training with another mode. It starts at `start_step`, or once the global norm of the
     reduced gradients changes by less than `grad_norm_change_below` (relative, step to step) for `patience`
     steps in a row, whichever comes first. Error-feedback residuals and PowerSGD factors carry over."""
@@ -51,7 +51,7 @@ class CompressionOptions:
     bucket_mb: tensor fusion: pieces sent per tensor (PowerSGD factors, uncompressed 1-D tensors, lists
         given to the standalone API) are packed into buckets of up to this size, one collective each.
     error_feedback: keep what compression dropped, per rank, and add it to the next step's gradient.
-    schedule: later stages (e.g. fp16 after warm-up, then 1-bit once the gradient norm settles).
+    schedule: later phases (e.g. fp16 after warm-up, then 1-bit once the gradient norm settles).
     seed: seed of PowerSGD's first Q (the same on every rank).
     """
 
@@ -64,13 +64,13 @@ class CompressionOptions:
     warmup_steps: int = 0
     bucket_mb: float = 25.0
     error_feedback: bool = True
-    schedule: list[CompressionStage] = field(default_factory=list)
+    schedule: list[CompressionPhase] = field(default_factory=list)
     seed: int = 0
 
-    def stages(self) -> list[CompressionStage]:
-        """The whole timeline: uncompressed warm-up, then `mode`, then the schedule's stages."""
-        timeline = [CompressionStage("none", start_step=0)] if self.warmup_steps else []
-        timeline.append(CompressionStage(self.mode, start_step=self.warmup_steps))
+    def phases(self) -> list[CompressionPhase]:
+        """The whole timeline: uncompressed warm-up, then `mode`, then the schedule's phases."""
+        timeline = [CompressionPhase("none", start_step=0)] if self.warmup_steps else []
+        timeline.append(CompressionPhase(self.mode, start_step=self.warmup_steps))
         return timeline + list(self.schedule)
 
 
@@ -98,7 +98,7 @@ def resolve_compression(value: GradCompression) -> Optional[CompressionOptions]:
         raise CompressionConfigError(
             f"grad_compression={value!r} must be a mode name ({', '.join(MODES)}), a CompressionOptions or None"
         )
-    options = replace(value, schedule=[CompressionStage(**s) if isinstance(s, dict) else s for s in value.schedule])
+    options = replace(value, schedule=[CompressionPhase(**s) if isinstance(s, dict) else s for s in value.schedule])
     check_options(options)
     return options
 
@@ -132,21 +132,21 @@ def check_options(o: CompressionOptions) -> None:
     if not isinstance(o.bucket_mb, (int, float)) or o.bucket_mb <= 0:
         raise CompressionConfigError(f"bucket_mb={o.bucket_mb!r} must be > 0 (tensor-fusion bucket size in MiB, e.g. 25)")
     last_start = o.warmup_steps
-    for i, stage in enumerate(o.schedule):
+    for i, phase in enumerate(o.schedule):
         where = f"grad_compression schedule[{i}]"
-        _check_mode(stage.mode, STAGE_MODES, f"{where}.mode")
-        if stage.start_step is None and stage.grad_norm_change_below is None:
+        _check_mode(phase.mode, PHASE_MODES, f"{where}.mode")
+        if phase.start_step is None and phase.grad_norm_change_below is None:
             raise CompressionConfigError(
-                f"{where} ({stage.mode!r}) has neither start_step nor grad_norm_change_below; give one of them"
+                f"{where} ({phase.mode!r}) has neither start_step nor grad_norm_change_below; give one of them"
             )
-        if stage.start_step is not None:
-            if stage.start_step < last_start:
+        if phase.start_step is not None:
+            if phase.start_step < last_start:
                 raise CompressionConfigError(
-                    f"{where}.start_step={stage.start_step} comes before the stage before it (step {last_start});"
-                    " list stages in the order they start"
+                    f"{where}.start_step={phase.start_step} comes before the phase before it (step {last_start});"
+                    " list phases in the order they start"
                 )
-            last_start = stage.start_step
-        if stage.grad_norm_change_below is not None and not stage.grad_norm_change_below > 0:
-            raise CompressionConfigError(f"{where}.grad_norm_change_below={stage.grad_norm_change_below} must be > 0")
-        if stage.patience < 1:
-            raise CompressionConfigError(f"{where}.patience={stage.patience} must be >= 1")
+            last_start = phase.start_step
+        if phase.grad_norm_change_below is not None and not phase.grad_norm_change_below > 0:
+            raise CompressionConfigError(f"{where}.grad_norm_change_below={phase.grad_norm_change_below} must be > 0")
+        if phase.patience < 1:
+            raise CompressionConfigError(f"{where}.patience={phase.patience} must be >= 1")

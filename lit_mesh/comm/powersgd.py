@@ -3,15 +3,46 @@
 One power-iteration step per training step with warm start (Q kept from the previous step), P orthogonalised
 between the two all-reduces. The sum over ranks of low-rank approximations is exact because P and Q are
 all-reduced (linear in M). 1-D tensors, and matrices too small to gain, are sent uncompressed.
+
+`PowerSGD` runs it at one reduction site (lit_mesh/comm/compression.py picks the scheme each step): the
+matrices of a flat gradient buffer are known from its `Segment`s; everything else goes uncompressed and exact.
 """
 
 from __future__ import annotations
 
+import math
 import zlib
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Optional
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
+
+from lit_mesh.comm.fusion import fused
+from lit_mesh.comm.meter import WireMeter
+from lit_mesh.comm.options import CompressionOptions
+
+
+@dataclass(frozen=True)
+class Segment:
+    """A matrix inside each chunk of a flat buffer: `rows x cols` entries from `offset` (row-major)."""
+
+    offset: int
+    rows: int
+    cols: int
+
+
+def segments_of_shapes(shapes: list[torch.Size]) -> list[Segment]:
+    """Segments of tensors laid end to end (a 1-D tensor is a one-column matrix)."""
+    out, offset = [], 0
+    for shape in shapes:
+        numel = math.prod(shape)
+        rows = shape[0] if len(shape) else 1
+        out.append(Segment(offset, rows, numel // rows if rows else 0))
+        offset += numel
+    return out
 
 
 def worth_compressing(rows: int, cols: int, rank: int) -> bool:
@@ -45,3 +76,69 @@ def low_rank_sum(
     for q, new in zip(qs, new_qs):
         q.copy_(new)
     return [p @ q.T for p, q in zip(ps, new_qs)]
+
+
+class PowerSGD:
+    """PowerSGD at one reduction site: the warm-started Q of each compressed matrix, and the reduction."""
+
+    def __init__(self, site: str, options: CompressionOptions) -> None:
+        self.site = site  # seeds each matrix's first Q, the same on every rank
+        self.options = options
+        self.qs: dict[int, Tensor] = {}
+
+    def reduce(
+        self, x: Tensor, n: int, group: Any, dim: str, segments: Optional[list[Segment]], keep_chunk: Optional[int],
+        meter: WireMeter,
+    ) -> tuple[Tensor, Tensor]:  # fmt: skip
+        """keep_chunk None: all-reduce (x is one chunk); else reduce-scatter of x's n chunks to that chunk.
+        Returns (the result, what this rank's input contributed to it in x's layout: for error feedback)."""
+        chunks = 1 if keep_chunk is None else n
+        chunk_numel = x.numel() // chunks
+        rank = self.options.powersgd_rank
+        segments = segments or []
+        if sum(s.rows * s.cols for s in segments) != chunk_numel or any(s.cols == 0 for s in segments):
+            segments = []  # no matrix layout known: everything goes uncompressed
+        per_chunk = x.view(chunks, chunk_numel)
+        work = torch.promote_types(x.dtype, torch.float32)
+        compressed = [i for i, s in enumerate(segments) if worth_compressing(chunks * s.rows, s.cols, rank)]
+        mask = torch.zeros(chunk_numel, dtype=torch.bool, device=x.device)
+        matrices = []
+        for i in compressed:
+            s = segments[i]
+            mask[s.offset : s.offset + s.rows * s.cols] = True
+            rows = per_chunk[:, s.offset : s.offset + s.rows * s.cols].reshape(chunks * s.rows, s.cols)
+            matrices.append(rows.to(work))
+            if i not in self.qs:
+                self.qs[i] = initial_q(s.cols, rank, f"{self.site}/{i}", self.options.seed, x.device).to(work)
+        cap = int(self.options.bucket_mb * 2**20)
+
+        def all_reduce_sum(tensors: list[Tensor]) -> None:
+            def one(flat: Tensor) -> None:
+                dist.all_reduce(flat, group=group)
+                meter.sent(dim, "all_reduce", flat, n)
+
+            fused(tensors, cap, one)
+
+        approximations = low_rank_sum(matrices, [self.qs[i] for i in compressed], all_reduce_sum)
+        sent = torch.zeros_like(per_chunk)  # what this rank's input contributes to the result, input layout
+        out_chunk = torch.zeros(chunk_numel, dtype=x.dtype, device=x.device)
+        mine = 0 if keep_chunk is None else keep_chunk
+        for i, approx in zip(compressed, approximations):
+            s = segments[i]
+            mean = approx / n  # every rank contributes the mean approximation; the sum is n times it
+            sent[:, s.offset : s.offset + s.rows * s.cols] = mean.reshape(chunks, -1).to(x.dtype)
+            out_chunk[s.offset : s.offset + s.rows * s.cols] = approx.reshape(chunks, -1)[mine].to(x.dtype)
+        # the rest, uncompressed and exact: one collective for all of it (already fused in this buffer)
+        rest = per_chunk[:, ~mask]
+        sent[:, ~mask] = rest
+        if rest.numel():
+            if keep_chunk is None:
+                reduced_rest = rest.reshape(-1).clone()
+                dist.all_reduce(reduced_rest, group=group)
+                meter.sent(dim, "all_reduce", reduced_rest, n)
+            else:
+                reduced_rest = torch.empty(rest.shape[1], dtype=x.dtype, device=x.device)
+                dist.reduce_scatter_tensor(reduced_rest, rest.reshape(-1).contiguous(), group=group)
+                meter.sent(dim, "reduce_scatter", rest, n)
+            out_chunk[~mask] = reduced_rest
+        return out_chunk, sent.view(-1)

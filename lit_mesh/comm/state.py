@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
-from lit_mesh.comm.compression import GradientCompression
+from lit_mesh.comm.compression import CompressionRun
 
 DIRECTORY = "grad_compression"
 
@@ -24,16 +24,16 @@ def _file(checkpoint_dir: Path, rank: int) -> Path:
 
 
 def save_compression_state(
-    run: GradientCompression, checkpoint_dir: Path, rank: int, world_size: int, layout: str
+    run: CompressionRun, checkpoint_dir: Path, rank: int, world_size: int, layout: str
 ) -> None:
     path = _file(checkpoint_dir, rank)
     path.parent.mkdir(parents=True, exist_ok=True)
-    state = {"world_size": world_size, "layout": layout, "sites": sorted(run.compressors), "state": run.state_dict()}
+    state = {"world_size": world_size, "layout": layout, "sites": sorted(run.sites), "state": run.state_dict()}
     torch.save(state, path)
 
 
 def load_compression_state(
-    run: GradientCompression, checkpoint_dir: Path, rank: int, world_size: int, layout: str
+    run: CompressionRun, checkpoint_dir: Path, rank: int, world_size: int, layout: str
 ) -> Optional[str]:
     """Restore this rank's state; returns why it was not restored (None when it was)."""
     path = _file(checkpoint_dir, rank)
@@ -43,7 +43,7 @@ def load_compression_state(
         saved = torch.load(path, map_location=run.device, weights_only=True)
         if saved["world_size"] != world_size or saved["layout"] != layout:
             why = f"it was saved on {saved['layout']!r}, this run is {layout!r}"
-        elif saved["sites"] != sorted(run.compressors):
+        elif saved["sites"] != sorted(run.sites):
             why = "its reduction sites (FSDP units) differ from this model's"
         else:
             run.load_state_dict(saved["state"])

@@ -14,7 +14,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from lit_mesh.comm.compression import GradientCompression
+from lit_mesh.comm.compression import CompressionRun
 from lit_mesh.comm.hierarchical import Hierarchy, attach_hierarchical_all_reduce
 from lit_mesh.hf import declared_plan as transformers_plan
 from lit_mesh.hf.init import initialise_weights as initialise_transformers_weights
@@ -137,7 +137,7 @@ def parallelize(
     compile_backend: str | None = None,
     pipeline: PipelineSettings | None = None,
     cp_style: str = "ring",
-    grad_compression: GradientCompression | None = None,
+    grad_compression: CompressionRun | None = None,
     replicate_hierarchy: Hierarchy | None = None,
 ) -> Parallelized:
     """Apply every technique to `root` (the LightningModule) in the fixed order."""

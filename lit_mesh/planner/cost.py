@@ -1,9 +1,7 @@
 """Step time of a layout: a compute roofline plus an alpha-beta model of every collective.
 
-Ring collectives over a group of k ranks, each holding (or producing) B bytes of the whole:
-  all-gather, reduce-scatter: (k - 1) * alpha + (k - 1) / k * B / bandwidth
-  all-reduce:                 2 * (k - 1) * alpha + 2 * (k - 1) / k * B / bandwidth
-A group's bandwidth and alpha are the intra-node ones when its ranks share a node, else the inter-node ones
+Ring collectives over a group of k ranks: lit_mesh.topology's all_gather_time (also reduce-scatter) and
+all_reduce_time (twice that), the formula the hierarchical all-reduce uses too. A group's bandwidth and alpha are the intra-node ones when its ranks share a node, else the inter-node ones
 (the ring is as slow as its slowest link). Overlap rule: FSDP/HSDP/DDP gradient and parameter traffic and the
 context-parallel ring hide behind compute (prefetch, ring overlap): max(compute, overlapped); tensor-parallel
 collectives sit on the critical path and add; pipeline send/receive adds; the 1F1B bubble stretches the whole
@@ -21,20 +19,12 @@ from lit_mesh.parallel.pipeline_split import balanced_split
 from lit_mesh.planner.hardware import Hardware
 from lit_mesh.planner.memory import PRECISION_BYTES, Workload, fsdp_degree, unsharded_numel
 from lit_mesh.planner.shapes import ModelShapes
+from lit_mesh.topology import all_gather_time, all_reduce_time
 from zoo.flops import gpt_flops_per_token
 
 # extra matmul work of each activation-checkpointing mode: full recomputes every block's forward (1 of the
 # 3 forward+backward units); selective recomputes only norms and elementwise ops, which the roofline ignores
 RECOMPUTE = {"none": 0.0, "selective": 0.0, "full": 1.0 / 3.0}
-
-
-def all_gather_time(nbytes: float, k: int, link: tuple[float, float]) -> float:
-    bandwidth, alpha = link
-    return 0.0 if k == 1 else (k - 1) * alpha + (k - 1) / k * nbytes / bandwidth
-
-
-def all_reduce_time(nbytes: float, k: int, link: tuple[float, float]) -> float:
-    return 2 * all_gather_time(nbytes, k, link)
 
 
 @dataclass

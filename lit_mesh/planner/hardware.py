@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-GB = 1e9
+from lit_mesh.topology import GB, INTER_NODE_BANDWIDTH, INTER_NODE_LATENCY, INTRA_NODE_BANDWIDTH, INTRA_NODE_LATENCY, Link
+
 GIB = 1024**3
 
 
@@ -13,17 +14,17 @@ class Hardware:
     """Devices on nodes, with per-device memory, peak FLOP/s and the two link classes of an alpha-beta model.
 
     Bandwidths are per device and per direction, in bytes/s; latencies (alpha) in seconds per ring step.
-    Defaults: an H100 SXM node (80 GB, 989 TFLOP/s dense bf16, NVLink 450 GB/s, one 400 Gb/s NIC per GPU).
+    Defaults: an H100 SXM node (80 GB, 989 TFLOP/s dense bf16; the links are lit_mesh.topology's defaults).
     """
 
     nodes: int = 1
     devices_per_node: int = 8
     memory_bytes: float = 80 * GB
     peak_flops: float = 989e12
-    intra_node_bandwidth: float = 450 * GB
-    inter_node_bandwidth: float = 50 * GB
-    intra_node_latency: float = 5e-6
-    inter_node_latency: float = 15e-6
+    intra_node_bandwidth: float = INTRA_NODE_BANDWIDTH
+    inter_node_bandwidth: float = INTER_NODE_BANDWIDTH
+    intra_node_latency: float = INTRA_NODE_LATENCY
+    inter_node_latency: float = INTER_NODE_LATENCY
     reserve_bytes: float = 4 * GIB  # CUDA context, allocator fragmentation, kernels' workspaces
     compute_efficiency: float = 0.6  # the fraction of peak that dense matmuls reach
 
@@ -47,7 +48,7 @@ class Hardware:
     def usable_bytes(self) -> float:
         return self.memory_bytes - self.reserve_bytes
 
-    def link(self, stride: int, size: int) -> tuple[float, float]:
+    def link(self, stride: int, size: int) -> Link:
         """(bandwidth, latency) of a group of `size` ranks spaced `stride` apart (consecutive ranks share a
         node): inside a node when the group's span fits in one, else bound by the inter-node links."""
         if stride * size <= self.devices_per_node:

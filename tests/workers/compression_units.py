@@ -1,4 +1,4 @@
-"""Gradient compressors over a real gloo group (run by tests/test_compression.py with 2 ranks).
+"""Gradient-compression sites over a real gloo group (run by tests/test_compression.py with 2 ranks).
 
 Usage: torchrun --nproc_per_node=2 tests/workers/compression_units.py OUT_JSON
 Rank 0 writes {check: True or what went wrong}.
@@ -15,8 +15,9 @@ import torch
 import torch.distributed as dist
 
 from lit_mesh.comm.codecs import make_codec
-from lit_mesh.comm.compression import GradientCompression, Segment
-from lit_mesh.comm.options import CompressionOptions, CompressionStage
+from lit_mesh.comm.compression import CompressionRun
+from lit_mesh.comm.powersgd import Segment
+from lit_mesh.comm.options import CompressionOptions, CompressionPhase
 from tests.workers import exit_skipping_teardown
 
 
@@ -37,19 +38,19 @@ def roundtrip(codec, x: torch.Tensor) -> torch.Tensor:
 
 def onebit_all_reduce_formula() -> None:
     n, me = dist.get_world_size(), dist.get_rank()
-    run = GradientCompression(CompressionOptions(mode="onebit", onebit_block=64, onebit_rms_refresh=0))
-    site, codec = run.compressor("ar"), make_codec("onebit", 64, 0.0)
+    run = CompressionRun(CompressionOptions(mode="onebit", onebit_block=64, onebit_rms_refresh=0))
+    site, codec = run.site("ar"), make_codec("onebit", 64, 0.0)
     xs = inputs(1000)
     out = xs[me].clone()
     site.all_reduce(out, dist.group.WORLD, average=True, dim="dp_replicate")
-    # stage one: every rank's chunks as sent; rank j sums chunk j; stage two: the mean chunk re-encoded
+    # scatter half: every rank's chunks as sent; rank j sums chunk j; gather half: the mean chunk re-encoded
     sent = [torch.cat([roundtrip(codec, c) for c in x.view(n, -1)]) for x in xs]
     means = (torch.stack(sent).sum(0) / n).view(n, -1)
     expected = torch.cat([roundtrip(codec, m) for m in means])
     torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-7)
     torch.testing.assert_close(site.residual, xs[me] - sent[me], rtol=0, atol=0)
-    torch.testing.assert_close(site.server_residual, means[me] - roundtrip(codec, means[me]), rtol=0, atol=0)
-    # bytes: n-1 of the n 1-bit payloads out in each stage, against a ring all-reduce of fp32
+    torch.testing.assert_close(site.codec_reduction.server_residual, means[me] - roundtrip(codec, means[me]), rtol=0, atol=0)
+    # bytes: n-1 of the n 1-bit payloads out in each half, against a ring all-reduce of fp32
     payload = codec.payload_bytes(1000 // n)
     got = run.meter.current["dp_replicate"]
     assert got["sent"] == 2 * (n - 1) * payload, got
@@ -63,8 +64,8 @@ def onebit_scaled_by_entry_rms() -> None:
     from lit_mesh.comm.entry_scales import FLOOR, decode_log, encode_log
 
     n, me = dist.get_world_size(), dist.get_rank()
-    run = GradientCompression(CompressionOptions(mode="onebit", onebit_block=64, onebit_rms_refresh=2))
-    site, codec = run.compressor("ar"), make_codec("onebit", 64, 0.0)
+    run = CompressionRun(CompressionOptions(mode="onebit", onebit_block=64, onebit_rms_refresh=2))
+    site, codec = run.site("ar"), make_codec("onebit", 64, 0.0)
     # entries of very different but steady sizes in one block (as gradients are, step to step): what the
     # per-entry scales are for
     sizes = 10 ** (4 * torch.rand(1000, generator=torch.Generator().manual_seed(3)) - 3)  # 1e-3 .. 10, mixed
@@ -81,7 +82,7 @@ def onebit_scaled_by_entry_rms() -> None:
     torch.testing.assert_close(site.residual, xs[me] - sent[me], rtol=1e-6, atol=1e-7)
     # decoded entries keep their own size: relative to each entry's size (what AdamW sees), far closer to the
     # mean input than with one scale per block
-    plain = GradientCompression(CompressionOptions(mode="onebit", onebit_block=64, onebit_rms_refresh=0)).compressor("ar")
+    plain = CompressionRun(CompressionOptions(mode="onebit", onebit_block=64, onebit_rms_refresh=0)).site("ar")
     unscaled = xs[me].clone()
     plain.all_reduce(unscaled, dist.group.WORLD, average=True, dim="dp_replicate")
     mean_x = sum(xs) / n
@@ -99,8 +100,8 @@ def onebit_scaled_by_entry_rms() -> None:
 
 def reduce_scatter_formula(mode: str) -> None:
     n, me = dist.get_world_size(), dist.get_rank()
-    run = GradientCompression(CompressionOptions(mode=mode, topk_ratio=0.1, onebit_rms_refresh=0))
-    site, codec = run.compressor("rs"), run.codec()
+    run = CompressionRun(CompressionOptions(mode=mode, topk_ratio=0.1, onebit_rms_refresh=0))
+    site, codec = run.site("rs"), run.codec()
     xs = inputs(1200)
     out = torch.empty(1200 // n)
     site.reduce_scatter(out, xs[me], dist.group.WORLD, average=True, dim="dp_shard")
@@ -117,15 +118,15 @@ def powersgd_sums_rank_r_matrices_exactly() -> None:
     ms = [shared @ torch.randn(3, 40, generator=torch.Generator().manual_seed(10 + r)) for r in range(n)]
     bias = [torch.randn(40, generator=torch.Generator().manual_seed(20 + r)) for r in range(n)]
     mean_m, mean_b = sum(ms) / n, sum(bias) / n
-    run = GradientCompression(CompressionOptions(mode="powersgd", powersgd_rank=3))
+    run = CompressionRun(CompressionOptions(mode="powersgd", powersgd_rank=3))
     # all-reduce: one matrix and one 1-D tensor (sent uncompressed)
     flat = torch.cat([ms[me].flatten(), bias[me]])
-    run.compressor("ar").all_reduce(flat, dist.group.WORLD, True, "dp_replicate", [Segment(0, 64, 40), Segment(2560, 40, 1)])
+    run.site("ar").all_reduce(flat, dist.group.WORLD, True, "dp_replicate", [Segment(0, 64, 40), Segment(2560, 40, 1)])
     torch.testing.assert_close(flat[:2560].view(64, 40), mean_m, rtol=1e-4, atol=1e-5)
     assert torch.equal(flat[2560:], mean_b) or torch.allclose(flat[2560:], mean_b, rtol=0, atol=1e-7)
     # reduce-scatter: rank j keeps rows of chunk j
     out = torch.empty(2560 // n)
-    run.compressor("rs").reduce_scatter(out, ms[me].flatten(), dist.group.WORLD, True, "dp_shard", [Segment(0, 64 // n, 40)])
+    run.site("rs").reduce_scatter(out, ms[me].flatten(), dist.group.WORLD, True, "dp_shard", [Segment(0, 64 // n, 40)])
     torch.testing.assert_close(out.view(-1, 40), mean_m.view(n, -1, 40)[me], rtol=1e-4, atol=1e-5)
     sent = run.meter.current["dp_shard"]["sent"]
     assert sent < run.meter.current["dp_shard"]["uncompressed"] / 4, run.meter.current
@@ -136,10 +137,10 @@ def nothing_lost_across_steps_and_switches() -> None:
     onebit -> topk -> powersgd -> fp16 -> onebit -> none (residuals carried, the server's folded back)."""
     n, me = dist.get_world_size(), dist.get_rank()
     modes = ["onebit", "topk", "powersgd", "fp16", "onebit", "none"]
-    stages = [CompressionStage(m, start_step=i) for i, m in enumerate(modes) if i]
-    options = CompressionOptions(mode=modes[0], topk_ratio=0.05, onebit_block=32, onebit_rms_refresh=0, schedule=stages)
-    run = GradientCompression(options)
-    site = run.compressor("ar")
+    phases = [CompressionPhase(m, start_step=i) for i, m in enumerate(modes) if i]
+    options = CompressionOptions(mode=modes[0], topk_ratio=0.05, onebit_block=32, onebit_rms_refresh=0, schedule=phases)
+    run = CompressionRun(options)
+    site = run.site("ar")
     length = 64 * 48
 
     def held_back() -> torch.Tensor:
@@ -147,7 +148,7 @@ def nothing_lost_across_steps_and_switches() -> None:
         total = worker.clone()
         dist.all_reduce(total)
         total /= n
-        server = site.server_residual if site.server_residual is not None else torch.zeros(length // n)
+        server = site.codec_reduction.server_residual if site.codec_reduction.server_residual is not None else torch.zeros(length // n)
         return total + torch.cat(gathered(server))
 
     for step, mode in enumerate(modes):
@@ -157,8 +158,8 @@ def nothing_lost_across_steps_and_switches() -> None:
         before = held_back() if step else torch.zeros(length, dtype=torch.float64)
         if site.residual is not None:
             site.residual = site.residual.double()
-        if site.server_residual is not None:
-            site.server_residual = site.server_residual.double()
+        if site.codec_reduction.server_residual is not None:
+            site.codec_reduction.server_residual = site.codec_reduction.server_residual.double()
         mean_x = x.clone()
         dist.all_reduce(mean_x)
         mean_x /= n
@@ -166,28 +167,28 @@ def nothing_lost_across_steps_and_switches() -> None:
         site.all_reduce(out, dist.group.WORLD, True, "dp_replicate", [Segment(0, 64, 48)])
         after = held_back().double()
         torch.testing.assert_close(out + after, mean_x + before.double(), rtol=0, atol=1e-9, msg=f"step {step} {mode}")
-    assert site.residual is None and site.server_residual is None, "uncompressed sends flush every residual"
+    assert site.residual is None and site.codec_reduction.server_residual is None, "uncompressed sends flush every residual"
 
 
 def none_is_the_plain_collective() -> None:
     n, me = dist.get_world_size(), dist.get_rank()
-    run = GradientCompression(CompressionOptions(warmup_steps=3, bucket_mb=100 / 2**20))  # 100-byte buckets
+    run = CompressionRun(CompressionOptions(warmup_steps=3, bucket_mb=100 / 2**20))  # 100-byte buckets
     run.begin_step(0)
     assert run.mode == "none"
     xs = inputs(600)
     out = torch.empty(600 // n)
-    run.compressor("rs").reduce_scatter(out, xs[me], dist.group.WORLD, True, "dp_shard")
+    run.site("rs").reduce_scatter(out, xs[me], dist.group.WORLD, True, "dp_shard")
     torch.testing.assert_close(out, (sum(xs) / n).view(n, -1)[me], rtol=1e-6, atol=1e-7)
     tensors = [xs[me][:10].clone(), xs[me][10:600].clone().view(59, 10)]
-    run.compressor("many").all_reduce_many(tensors, dist.group.WORLD, "dp_replicate")
+    run.site("many").all_reduce_many(tensors, dist.group.WORLD, "dp_replicate")
     torch.testing.assert_close(torch.cat([t.flatten() for t in tensors]), sum(xs) / n, rtol=1e-6, atol=1e-7)
-    assert sorted(run.compressors) == ["many", "many/bucket1", "rs"]  # 40 bytes, then 2360 bytes alone
+    assert sorted(run.sites) == ["many", "many/bucket1", "rs"]  # 40 bytes, then 2360 bytes alone
 
 
 def schedule_switches_by_rule_on_all_ranks_together() -> None:
-    stage = CompressionStage("onebit", grad_norm_change_below=0.5, patience=2)
-    run = GradientCompression(CompressionOptions(mode="fp16", schedule=[stage]))
-    site = run.compressor("ar")
+    phase = CompressionPhase("onebit", grad_norm_change_below=0.5, patience=2)
+    run = CompressionRun(CompressionOptions(mode="fp16", schedule=[phase]))
+    site = run.site("ar")
     seen = []
     for step in range(6):
         run.begin_step(step)

@@ -22,7 +22,8 @@ from torch import nn
 from lit_mesh import CompressionOptions, MeshStrategy, Topology
 from lit_mesh.comm import hierarchical
 from lit_mesh.comm.codecs import make_codec
-from lit_mesh.comm.compression import GradientCompression, segments_of_shapes
+from lit_mesh.comm.compression import CompressionRun
+from lit_mesh.comm.powersgd import segments_of_shapes
 from lit_mesh.mesh import MeshLayout, build_device_mesh
 from lit_mesh.parallel.data import apply_data_parallel, attach_compression, data_parallel_mesh
 from tests.workers import exit_skipping_teardown
@@ -113,18 +114,18 @@ def layered_fp16_and_onebit(h: hierarchical.Hierarchy) -> None:
     dist.all_reduce(flat, group=h.group)
     flat /= len(members)
     # fp16 on small integers is exact: layered compression must give the flat mean exactly
-    run = GradientCompression(CompressionOptions(mode="fp16"))
-    out = hierarchical.all_reduce(xs[RANK].clone(), h, average=True, compressor=run.compressor("site"))
+    run = CompressionRun(CompressionOptions(mode="fp16"))
+    out = hierarchical.all_reduce(xs[RANK].clone(), h, average=True, site=run.site("site"))
     assert torch.equal(out, flat), (out - flat).abs().max()
     bytes_ = run.meter.current
     assert set(bytes_) == {"dp_replicate:intra", "dp_replicate:inter"}, dict(bytes_)
     assert bytes_["dp_replicate:intra"]["sent"] == bytes_["dp_replicate:intra"]["uncompressed"] > 0  # exact in the node
     assert bytes_["dp_replicate:inter"]["sent"] * 2 == bytes_["dp_replicate:inter"]["uncompressed"]  # fp16 between
-    # 1-bit between nodes: the node sums of this rank's piece, through the two-stage 1-bit all-reduce
-    run = GradientCompression(CompressionOptions(mode="onebit", onebit_block=32, onebit_rms_refresh=0))
-    site = run.compressor("site")
+    # 1-bit between nodes: the node sums of this rank's piece, through the 1-bit all-reduce (scatter and gather halves)
+    run = CompressionRun(CompressionOptions(mode="onebit", onebit_block=32, onebit_rms_refresh=0))
+    site = run.site("site")
     xs = every_rank(g * n * 64 * 2, integer=False)
-    out = hierarchical.all_reduce(xs[RANK].clone(), h, average=True, compressor=site)
+    out = hierarchical.all_reduce(xs[RANK].clone(), h, average=True, site=site)
     codec = make_codec("onebit", 32, 0.0)
     roundtrip = lambda t: codec.decode(codec.encode(t), t.numel(), t.dtype)  # noqa: E731
     inter = ranks_of(h.inter)
@@ -140,11 +141,11 @@ def layered_fp16_and_onebit(h: hierarchical.Hierarchy) -> None:
     # PowerSGD needs whole matrices: exact node sum, then the whole matrix compressed between nodes
     xs = every_rank(32 * 16, integer=False)
     segments = segments_of_shapes([torch.Size([32, 16])])
-    run = GradientCompression(CompressionOptions(mode="powersgd", powersgd_rank=2))
-    out = hierarchical.all_reduce(xs[RANK].clone(), h, average=True, compressor=run.compressor("site"), segments=segments)
+    run = CompressionRun(CompressionOptions(mode="powersgd", powersgd_rank=2))
+    out = hierarchical.all_reduce(xs[RANK].clone(), h, average=True, site=run.site("site"), segments=segments)
     node_sum = torch.stack([xs[r] for r in members if TOPOLOGY.node_of(r) == TOPOLOGY.node_of(RANK)]).sum(0)
-    reference = GradientCompression(CompressionOptions(mode="powersgd", powersgd_rank=2))
-    reference.compressor("site").all_reduce(node_sum, h.inter, average=True, dim="ref", segments=segments)
+    reference = CompressionRun(CompressionOptions(mode="powersgd", powersgd_rank=2))
+    reference.site("site").all_reduce(node_sum, h.inter, average=True, dim="ref", segments=segments)
     torch.testing.assert_close(out, node_sum / g, rtol=1e-5, atol=1e-6)
     mean = torch.stack([xs[r] for r in members]).mean(0)
     assert (out - mean).norm() > 1e-3 * mean.norm(), "rank 2 of a random 32 x 16 matrix must lose something"
@@ -170,7 +171,7 @@ def fsdp_gradients(
         for p in model.parameters():
             p.copy_(torch.randint(-3, 4, p.shape).float() if integer else torch.randn(p.shape))
     views = build_device_mesh(layout, "cpu")
-    run = GradientCompression(CompressionOptions(mode=compression)) if compression else None
+    run = CompressionRun(CompressionOptions(mode=compression)) if compression else None
     mesh = data_parallel_mesh(views, layout, replicate_in_hook=h is not None or run is not None)
     apply_data_parallel([model], list(model.blocks), mesh, layout, "32-true")
     if run is not None:
