@@ -18,6 +18,8 @@ from typing import Any
 import _common as C  # noqa: N812 (puts the repo on sys.path)
 from tests.launch import cli_runs  # noqa: E402
 
+from lit_mesh.extras import pyplot  # noqa: E402
+
 S = "--trainer.strategy.init_args."
 LAYOUTS: dict[str, tuple[int, list[str]]] = {
     "single": (1, []),
@@ -43,10 +45,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def plot(curves: dict[str, list[float]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, (ax, gap) = plt.subplots(1, 2, figsize=(10, 4))
     reference = curves["single"]

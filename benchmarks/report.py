@@ -29,7 +29,9 @@ from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
-import jinja2
+from lit_mesh.extras import require
+
+jinja2 = require("jinja2")  # the [bench] extra
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent

@@ -1,18 +1,22 @@
-"""The `lit-mesh` command: LightningCLI (fit, validate, test, predict) plus `export` and `plan`."""
+"""The `lit-mesh` command: LightningCLI's fit, validate, test and predict, plus our own subcommands.
+
+Heavy imports (Lightning, the zoo, torch.distributed) happen inside the subcommand that needs them, so that
+`lit-mesh --help`, `--version` and a subcommand's `--help` answer at once.
+"""
 
 from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
+from typing import Any
 
-import torch.distributed as dist
-
-from lightning.pytorch import LightningDataModule, LightningModule
-from lightning.pytorch.cli import LightningCLI
-
-import lit_mesh  # noqa: F401  (registers the "mesh" strategy)
-import zoo  # noqa: F401  (so short class paths of zoo modules resolve)
-from lit_mesh.checkpoint import export_full_state_dict
+LIGHTNING_COMMANDS = {
+    "fit": "train a model: `lit-mesh fit -c configs/gpt.yaml --trainer.devices=4 --trainer.strategy.init_args.tp=2`",
+    "validate": "run the validation loop once (from a checkpoint with --ckpt_path)",
+    "test": "run the test loop once",
+    "predict": "run prediction",
+}
 
 
 def export_main(argv: list[str]) -> None:
@@ -23,40 +27,99 @@ def export_main(argv: list[str]) -> None:
     parser.add_argument("output", help="where to write the state dict (torch.save)")
     parser.add_argument("--prefix", default="", help="keep only keys under this prefix, stripped (e.g. 'model')")
     args = parser.parse_args(argv)
+    from lit_mesh.checkpoint import export_full_state_dict
+
     out = export_full_state_dict(args.checkpoint, args.output, prefix=args.prefix)
     print(f"wrote {out}")
 
 
-def run(argv: list[str]) -> LightningCLI | None:
-    """Run `lit-mesh ARGV` in this process; returns the LightningCLI (its trainer and model), None for export/plan."""
-    if argv[:1] == ["export"]:
-        export_main(argv[1:])
-        return None
-    if argv[:1] == ["plan"]:
-        from lit_mesh.planner.command import main as plan_main
+def plan_main(argv: list[str]) -> None:
+    from lit_mesh.planner.command import main
 
-        if plan_main(argv[1:]):
-            raise SystemExit(1)  # --simulate found the estimate and the real sharding apart
+    if main(argv):
+        raise SystemExit(1)  # --simulate found the estimate and the real sharding apart
+
+
+# our subcommands: name -> (one line for --help, entry point taking the remaining arguments)
+COMMANDS: dict[str, tuple[str, Callable[[list[str]], None]]] = {
+    "plan": ("the best meshes for a zoo model on a cluster, why, and a `lit-mesh fit` config of the best", plan_main),
+    "export": ("a checkpoint's model weights (sharded or not) as one unsharded file", export_main),
+}
+
+
+def overview() -> str:
+    width = max(map(len, [*LIGHTNING_COMMANDS, *COMMANDS]))
+    lines = [
+        "usage: lit-mesh [--help] [--version] SUBCOMMAND ...",
+        "",
+        "lit-mesh: PyTorch Lightning on one N-D device mesh (DDP/FSDP/HSDP x TP/SP x CP x EP x PP).",
+        "",
+        "subcommands:",
+    ]
+    lines += [f"  {name:<{width}}  {line}" for name, line in LIGHTNING_COMMANDS.items()]
+    lines += [f"  {name:<{width}}  {line}" for name, (line, _) in COMMANDS.items()]
+    lines += ["", "`lit-mesh SUBCOMMAND --help` lists a subcommand's options."]
+    return "\n".join(lines)
+
+
+def version_line() -> str:
+    from importlib.metadata import version
+
+    import lit_mesh
+
+    return f"lit-mesh {lit_mesh.__version__} (torch {version('torch')}, lightning {version('lightning')})"
+
+
+def run(argv: list[str], from_command_line: bool = False) -> Any:
+    """Run `lit-mesh ARGV` in this process; returns the LightningCLI (its trainer and model), None otherwise.
+
+    from_command_line: argv is sys.argv[1:], so LightningCLI reads sys.argv itself (given `args` as well, it
+    warns that they may disagree).
+    """
+    if not argv or argv[0] in ("-h", "--help"):
+        print(overview())
         return None
+    if argv[0] == "--version":
+        print(version_line())
+        return None
+    if argv[0] in COMMANDS:
+        COMMANDS[argv[0]][1](argv[1:])
+        return None
+    if argv[0] not in LIGHTNING_COMMANDS and not argv[0].startswith("-"):
+        raise SystemExit(f"lit-mesh: unknown subcommand {argv[0]!r}\n\n{overview()}")
+    return lightning_cli(None if from_command_line else argv)
+
+
+def lightning_cli(args: list[str] | None) -> Any:
+    from lightning.pytorch import LightningDataModule, LightningModule
+    from lightning.pytorch.cli import LightningCLI
+
+    import lit_mesh  # noqa: F401  (registers the "mesh" strategy)
+    import zoo  # noqa: F401  (so short class paths of zoo modules resolve)
+
     return LightningCLI(
         LightningModule,
         LightningDataModule,
         subclass_mode_model=True,
         subclass_mode_data=True,
         save_config_kwargs={"overwrite": True},
-        args=argv,
+        args=args,
     )
 
 
 def main() -> None:
     """The console script (its return value would become the exit status)."""
-    run(sys.argv[1:])
+    run(sys.argv[1:], from_command_line=True)
     close_process_groups()
 
 
 def close_process_groups() -> None:
     """Destroy the process groups before the interpreter exits: gloo's threads torn down during interpreter
     shutdown can abort a finished run ("terminate called without an active exception")."""
+    if "torch" not in sys.modules:  # a --help or plan run never started torch.distributed
+        return
+    import torch.distributed as dist
+
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
 

@@ -20,7 +20,25 @@ _REDISTRIBUTE_LOG = logging.getLogger("torch.distributed.tensor._redistribute")
 
 
 @torch.no_grad()
-def global_grad_norm(parameters: Iterable[torch.Tensor], norm_type: float = 2.0) -> torch.Tensor:
+def global_grad_norm(
+    parameters: Iterable[torch.Tensor], norm_type: float = 2.0, across: Optional[dist.ProcessGroup] = None
+) -> torch.Tensor:
+    """The norm of all gradients as if they were whole on one device.
+
+    `across`: a group whose ranks hold *different* parameters (pipeline stages): their norms are combined too.
+    """
+    total = _local_norm(parameters, norm_type)
+    if across is None:
+        return total
+    if norm_type == float("inf"):
+        dist.all_reduce(total, op=dist.ReduceOp.MAX, group=across)
+        return total
+    powered = total.pow(norm_type)
+    dist.all_reduce(powered, group=across)
+    return powered.pow(1.0 / norm_type)
+
+
+def _local_norm(parameters: Iterable[torch.Tensor], norm_type: float) -> torch.Tensor:
     groups: dict[object, list[torch.Tensor]] = {}
     for p in parameters:
         if p.grad is None:
@@ -48,19 +66,9 @@ def clip_grad_norm_(
     norm_type: float = 2.0,
     across: Optional[dist.ProcessGroup] = None,
 ) -> torch.Tensor:
-    """Scale gradients so their global norm is at most `max_norm`; returns the norm before clipping.
-
-    `across`: a group whose ranks hold *different* parameters (pipeline stages): their norms are combined too.
-    """
+    """Scale gradients so their global norm is at most `max_norm`; returns the norm before clipping."""
     parameters = [p for p in parameters if p.grad is not None]
-    total = global_grad_norm(parameters, norm_type)
-    if across is not None:
-        if norm_type == float("inf"):
-            dist.all_reduce(total, op=dist.ReduceOp.MAX, group=across)
-        else:
-            powered = total.pow(norm_type)
-            dist.all_reduce(powered, group=across)
-            total = powered.pow(1.0 / norm_type)
+    total = global_grad_norm(parameters, norm_type, across)
     scale = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for p in parameters:
         p.grad.mul_(scale.to(p.grad.dtype))

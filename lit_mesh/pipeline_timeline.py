@@ -22,6 +22,8 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 
+from lit_mesh.extras import pyplot
+from lit_mesh.figures import log_image
 from lit_mesh.parallel.pipeline import PipelineRunner
 
 # the stage methods torch's schedules call for each block of work, and the letter each block gets
@@ -148,11 +150,7 @@ class TimelineRecorder:
 
 def draw_timeline(per_rank: list[dict[str, Any]], title: str, path: Path) -> None:
     """One row per rank, one bar per block (F blue, B/I orange, W green), labelled with its micro-batch."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     colours = {"F": "tab:blue", "B": "tab:orange", "I": "tab:orange", "W": "tab:green"}
     fig, ax = plt.subplots(figsize=(12, 0.8 + 0.7 * len(per_rank)))
     for rank, summary in enumerate(per_rank):
@@ -170,7 +168,8 @@ def draw_timeline(per_rank: list[dict[str, Any]], title: str, path: Path) -> Non
 
 
 class PipelineTimeline(Callback):
-    """Record one training step of a pipelined run and save `pipeline_timeline.png` + `.json` in `dirpath`.
+    """Record one training step of a pipelined run and save `pipeline_timeline.png` + `.json` in `dirpath`; the
+    picture also goes to the run's loggers that take images (TensorBoard: the `pipeline_timeline` image).
 
     Args:
         dirpath: where to write (default: the trainer's log directory).
@@ -205,4 +204,5 @@ class PipelineTimeline(Callback):
             settings = recorder.runner.settings
             title = f"{settings.schedule}, pp={recorder.runner.pp}, {recorder.runner.n_microbatches} micro-batches"
             draw_timeline(gathered, title, out / "pipeline_timeline.png")
+            log_image(trainer, "pipeline_timeline", out / "pipeline_timeline.png", trainer.global_step)
             (out / "pipeline_timeline.json").write_text(json.dumps({"title": title, "ranks": gathered}, indent=1))

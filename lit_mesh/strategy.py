@@ -44,6 +44,7 @@ from lit_mesh.parallel.context import CPStyle, check_cp_style, gather_batch, ref
 from lit_mesh.parallel.data import fsdp_roots
 from lit_mesh.parallel.pipeline import PipelineRunner, attach_runner, check_pipeline_settings
 from lit_mesh.precision import check_precision_plugin
+from lit_mesh.progress import count_steps_in_progress_bar
 from lit_mesh.topology import Topology, as_topology, topology_from_environment
 
 
@@ -218,7 +219,6 @@ class MeshStrategy(ModelParallelStrategy):
         self._setup_distributed()
         self.mesh_views = build_device_mesh(self.layout, self.root_device.type)
         self._device_mesh = self.mesh_views.root
-        rank_zero_info(f"MeshStrategy: {self.layout.describe()}")
         self._setup_topology()
         if self._async_saver is not None:
             self._async_saver.setup()
@@ -231,7 +231,6 @@ class MeshStrategy(ModelParallelStrategy):
         assert views is not None
         if self.topology is None:  # _configure_launcher did not run (a Strategy used outside the Trainer)
             self.topology = Topology(nodes=self.num_nodes, devices_per_node=self.num_processes)
-        rank_zero_info(self.topology.placement(layout))
         ranks = views.root.mesh
         self.replicate_hierarchy = self.metric_hierarchy = None
         if layout.dp_replicate > 1:
@@ -242,9 +241,12 @@ class MeshStrategy(ModelParallelStrategy):
             self.metric_hierarchy = build_hierarchy(
                 ranks, (1, 2, 3), views.dp_cp.get_group(), self.topology, self.allreduce, "dp_cp"
             )
-        for h in (self.replicate_hierarchy, self.metric_hierarchy):
-            if h is not None:
-                rank_zero_info(f"MeshStrategy: {h.dim} all-reduce {h.mode}: {h.nodes} nodes x {h.per_node} ranks per node")
+        reductions = [
+            f"{h.dim} all-reduce {h.mode}: {h.nodes} nodes x {h.per_node} ranks per node"
+            for h in (self.replicate_hierarchy, self.metric_hierarchy)
+            if h is not None
+        ]
+        rank_zero_info(self.topology.startup_report(layout, reductions))  # the layout, once, as one block
 
     @contextmanager
     def tensor_init_context(self, empty_init: Optional[bool] = None) -> Generator[None, None, None]:
@@ -257,6 +259,7 @@ class MeshStrategy(ModelParallelStrategy):
     def setup(self, trainer: Trainer) -> None:
         assert self.model is not None and self.accelerator is not None
         self.accelerator.setup(trainer)
+        count_steps_in_progress_bar(trainer)
         precision = str(self.precision_plugin.precision)
         self.model = self.precision_plugin.convert_module(self.model)  # bf16-true: cast while still on meta
         if self.grad_compression_options is not None and self.grad_compression is None:

@@ -11,7 +11,7 @@ MeshStrategy checks the mesh against it (tp, then cp, inside a node; pp outermos
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields, replace
 from typing import Any, Optional
 
@@ -116,20 +116,27 @@ class Topology:
             )
         return warnings
 
-    def placement(self, layout: MeshLayout, max_ranks: int = 64) -> str:
-        """rank -> node, local rank, mesh coordinates (one line per rank, the first `max_ranks`; printed by rank 0
-        at start)."""
+    def startup_report(self, layout: MeshLayout, reductions: Sequence[str] = (), max_ranks: int = 16) -> str:
+        """What rank 0 prints at start, once: the mesh, the topology, how gradients and metrics are all-reduced,
+        and where the first `max_ranks` ranks sit."""
+        lines = [f"MeshStrategy: mesh {layout.describe()}", f"  topology: {self.nodes} node(s) x {self.devices_per_node} device(s)"]
+        lines += [f"  {line}" for line in reductions]
+        return "\n".join([*lines, self.placement(layout, max_ranks)])
+
+    def placement(self, layout: MeshLayout, max_ranks: int = 16) -> str:
+        """rank -> node, local rank, mesh coordinates: one line per rank, the first `max_ranks`, then one line for
+        the rest."""
         shape = [getattr(layout, dim) for dim in MESH_DIMS]
-        lines = [f"topology: {self.nodes} node(s) x {self.devices_per_node} device(s); mesh {layout.describe()}"]
+        lines = ["  ranks:"]
         for rank in range(min(layout.world_size, max_ranks)):
             coords, rest = [], rank
             for size in reversed(shape):
                 coords.append(rest % size)
                 rest //= size
             where = ", ".join(f"{dim}={c}" for dim, c in zip(MESH_DIMS, reversed(coords)))
-            lines.append(f"  rank {rank:>4} -> node {self.node_of(rank)}, local rank {self.local_rank_of(rank)}: {where}")
+            lines.append(f"    rank {rank:>4} -> node {self.node_of(rank)}, local rank {self.local_rank_of(rank)}: {where}")
         if layout.world_size > max_ranks:
-            lines.append(f"  ... ({layout.world_size - max_ranks} more ranks, node = rank // {self.devices_per_node})")
+            lines.append(f"    ... ({layout.world_size - max_ranks} more ranks, node = rank // {self.devices_per_node})")
         return "\n".join(lines)
 
 

@@ -111,6 +111,19 @@ def test_layout_matches_single_device(results: dict, recipe: str, layout: str) -
         assert diff <= 1e-4, f"{layout}: parameter {name} differs by {diff}"
 
 
+@pytest.mark.parametrize("layout", [name for name in LAYOUTS if name not in ("plain", "single")])
+def test_gradient_norm_and_learning_rate_are_logged_as_on_one_device(results: dict, layout: str) -> None:
+    """The recipes' GradientNormMonitor: the norm of the whole gradient, whatever shards it (log_every_n_steps=1)."""
+    reference, candidate = results["gpt-single"]["metrics"], results[f"gpt-{layout}"]["metrics"]
+    for key in ("grad_norm", "lr-AdamW"):
+        ref = [reference[key][s] for s in sorted(reference[key], key=int)]
+        got = [candidate[key][s] for s in sorted(candidate[key], key=int)]
+        assert len(ref) == len(got) == STEPS, (key, ref, got)
+        for step, (a, b) in enumerate(zip(ref, got), start=1):
+            assert abs(a - b) <= 1e-4 * abs(a), f"step {step}: {layout} {key} {b} vs single-device {a}"
+    assert len(set(reference["grad_norm"].values())) == STEPS
+
+
 def test_gradient_accumulation_matches_single_device(results: dict) -> None:
     _assert_same_curve(losses(results["gpt-single-accum2"]), losses(results["gpt-fsdp2_tp2-accum2"]), "accum2")
     assert losses(results["gpt-single-accum2"]) != losses(results["gpt-single"])

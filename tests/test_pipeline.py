@@ -108,6 +108,13 @@ def test_pipeline_matches_single_device(results: dict, name: str) -> None:
         assert diff <= 1e-4, f"{name}: parameter {key} differs by {diff}"
 
 
+@pytest.mark.parametrize("name", [n for n, (world, recipe, _) in RUNS.items() if world > 1 and recipe is GPT])
+def test_gradient_norm_combines_every_stage(results: dict, name: str) -> None:
+    """GradientNormMonitor under pp: each stage holds part of the gradient; the logged norm is the whole one."""
+    reference, candidate = results[reference_name(name)], results[name]
+    _assert_close(_per_step(reference, "grad_norm"), _per_step(candidate, "grad_norm"), f"{name} grad_norm")
+
+
 def test_the_clip_in_the_accumulation_case_bites(results: dict) -> None:
     plain, clipped = _per_step(results["gpt-single"], "train_loss"), _per_step(results["gpt-single-accum2-clip"], "train_loss")
     assert plain[STEPS - 1] != pytest.approx(clipped[STEPS - 1], rel=1e-3)

@@ -104,6 +104,9 @@ def test_plan_simulates_its_best_layout_at_1024_ranks(capsys: pytest.CaptureFixt
     assert "estimate equal" in text
     for png in ("mesh.png", "memory.png"):
         assert (tmp_path / png).read_bytes()[:4] == b"\x89PNG"
+    from tests.tensorboard_images import image_tags
+
+    assert image_tags(tmp_path) == {"plan/mesh", "plan/memory"}  # the pictures in TensorBoard too
 
 
 @pytest.mark.parametrize("preset", PRESETS)

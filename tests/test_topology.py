@@ -113,6 +113,20 @@ def test_placement_lines() -> None:
     assert "more ranks" in Topology(nodes=16, devices_per_node=8).placement(MeshLayout(dp_shard=128))
 
 
+def test_startup_report_is_one_block_with_the_layout_once() -> None:
+    layout = MeshLayout(dp_replicate=4, dp_shard=8, tp=4)
+    text = Topology(nodes=16, devices_per_node=8).startup_report(layout, ["dp_replicate all-reduce hierarchical"])
+    lines = text.splitlines()
+    assert lines[0] == f"MeshStrategy: mesh {layout.describe()}"
+    assert text.count(layout.describe()) == 1 and text.count("topology:") == 1
+    assert "  topology: 16 node(s) x 8 device(s)" in lines and "  dp_replicate all-reduce hierarchical" in lines
+    shown = [line for line in lines if " -> node " in line]
+    assert len(shown) == 16 and "rank   15 -> node 1, local rank 7" in shown[-1]  # collapsed beyond 16 ranks
+    assert lines[-1] == "    ... (112 more ranks, node = rank // 8)"
+    small = Topology(nodes=1, devices_per_node=4).startup_report(MeshLayout(dp_shard=2, tp=2))
+    assert "more ranks" not in small and sum(" -> node " in line for line in small.splitlines()) == 4
+
+
 S = "--trainer.strategy.init_args."
 STEPS = 5
 GPT = [
@@ -140,6 +154,7 @@ def test_torchrun_two_nodes_gpt_hierarchical_equals_flat(tmp_path: Path) -> None
     # rank 0 (node 0's torchrun) prints where every rank sits
     assert "rank    3 -> node 1, local rank 1: pp=0, dp_replicate=3, dp_shard=0, cp=0, tp=0" in outputs[0], outputs[0][-3000:]
     assert "dp_replicate all-reduce hierarchical: 2 nodes x 2 ranks per node" in outputs[0]
+    assert outputs[0].count("(world size 4;") == 4, "the layout is printed once per run (one block), not twice"
     results = {r["name"]: json.loads((tmp_path / r["name"] / "result.json").read_text()) for r in runs}
 
     flat_ranks, hier_ranks = results["flat"]["ranks"], results["hierarchical"]["ranks"]

@@ -6,14 +6,13 @@ from typing import Literal
 
 import torch
 
+from lit_mesh.extras import require
 from zoo.global_batches import Batch, GlobalBatchDataModule
 
 
 def load_digit_images() -> tuple[torch.Tensor, torch.Tensor]:
     """The 1797 digits as (N, 1, 8, 8) float32 in [0, 1] and (N,) long labels."""
-    from sklearn.datasets import load_digits  # imported here: only this source needs scikit-learn
-
-    digits = load_digits()
+    digits = require("sklearn.datasets").load_digits()  # only this source needs scikit-learn
     images = torch.tensor(digits.images, dtype=torch.float32).unsqueeze(1) / 16.0  # pixel values are 0..16
     return images, torch.tensor(digits.target, dtype=torch.long)
 

@@ -1,6 +1,7 @@
-"""See what a run does: throughput, MFU, memory and communication by mesh dim."""
+"""See what a run does: throughput, MFU, memory and communication by mesh dim, the gradient norm."""
 
 from lit_mesh.monitor.callback import MeshMonitor
 from lit_mesh.monitor.comm import CollectiveBytes
+from lit_mesh.monitor.gradient_norm import GradientNormMonitor
 
-__all__ = ["CollectiveBytes", "MeshMonitor"]
+__all__ = ["CollectiveBytes", "GradientNormMonitor", "MeshMonitor"]

@@ -55,7 +55,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         " the tiny preset of the family, 32-true, a few steps): `lit-mesh fit -c` it before the big run")
     p.add_argument("--simulate", action="store_true",
                    help="build the best layout on meta tensors over fake ranks and compare the true bytes")
-    p.add_argument("--plot", default="", help="directory for mesh.png and memory.png")
+    p.add_argument("--plot", default="", help="directory for mesh.png and memory.png (and a TensorBoard log of both)")
     p.add_argument("--json", action="store_true", help="end with one JSON line (the ranked layouts)")
     return p.parse_args(argv)
 
@@ -186,7 +186,10 @@ def main(argv: list[str]) -> int:
             folder.mkdir(parents=True, exist_ok=True)
             pictures = [plot_mesh(best.layout, hw, folder / "mesh.png"),
                         plot_memory(result.ranked[: args.top], hw, folder / "memory.png")]
-            print("\npictures: " + ", ".join(str(p) for p in pictures))
+            from lit_mesh.figures import write_tensorboard_images
+
+            write_tensorboard_images(folder, {"plan/mesh": pictures[0], "plan/memory": pictures[1]})
+            print("\npictures: " + ", ".join(str(p) for p in pictures) + f" (also in TensorBoard: tensorboard --logdir {folder})")
             out["plots"] = [str(p) for p in pictures]
     else:
         if args.out:

@@ -5,21 +5,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from lit_mesh.extras import pyplot
 from lit_mesh.mesh import MeshLayout
 from lit_mesh.planner.hardware import GIB, Hardware
 from lit_mesh.planner.memory import coords_of
 from lit_mesh.planner.search import DIMS, Candidate
 
 MAX_NODES_DRAWN = 32  # a 128-node mesh repeats the same pattern; draw the first nodes only
-
-
-def _pyplot():  # type: ignore[no-untyped-def]
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
 
 
 def group_of(rank: int, layout: MeshLayout, dim: str) -> int:
@@ -33,7 +25,7 @@ def group_of(rank: int, layout: MeshLayout, dim: str) -> int:
 
 
 def plot_mesh(layout: MeshLayout, hw: Hardware, path: str | Path) -> Path:
-    plt = _pyplot()
+    plt = pyplot()
     dims = [d for d in DIMS if getattr(layout, d) > 1] or ["dp_shard"]
     nodes = min(hw.nodes, MAX_NODES_DRAWN)
     fig, axes = plt.subplots(1, len(dims), figsize=(1.2 + 0.45 * hw.devices_per_node * len(dims), 1 + 0.3 * nodes),
@@ -64,7 +56,7 @@ COMPONENTS = ("params", "grads", "optimizer", "activations", "buffers")
 
 
 def plot_memory(candidates: list[Candidate], hw: Hardware, path: str | Path) -> Path:
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(2 + 1.6 * len(candidates), 4.5))
     labels = [c.name().replace(", ", "\n") for c in candidates]
     bottom = [0.0] * len(candidates)

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lit_mesh.extras import require
 from zoo.convert.llama import LLAMA
 from zoo.convert.mixtral import MIXTRAL
 from zoo.convert.rules import ConversionError, Converter, build_on_meta, check_against, rename
@@ -102,8 +103,8 @@ def load_hf_as_zoo(directory: str | Path) -> nn.Module:
     """Read a transformers directory (config.json + *.safetensors) into the matching zoo model. transformers
     loads it first: the hub's tensor names (e.g. ViT's `encoder.layer.N.attention.attention.key`, Mixtral's
     per-expert weights) differ from its modules' names in memory, and it alone knows the mapping."""
-    import transformers
-    from transformers import AutoConfig
+    transformers = require("transformers")
+    AutoConfig = transformers.AutoConfig
 
     path = Path(directory)
     if not list(path.glob("*.safetensors")):

@@ -16,6 +16,7 @@ import torch
 from lightning.fabric.utilities.load import _METADATA_FILENAME
 
 from lit_mesh.checkpoint import load_full_state_dict
+from lit_mesh.extras import require
 from zoo.convert.api import CONVERTERS, _load, zoo_state_to_hf
 from zoo.convert.rules import ConversionError
 
@@ -61,7 +62,7 @@ def _zoo_config(
 
 
 def _hf_model(config: Any, weights: dict[str, torch.Tensor]) -> Any:
-    import transformers
+    transformers = require("transformers")
 
     auto = transformers.AutoModelForCausalLM if "lm_head.weight" in weights else (
         transformers.AutoModelForImageClassification if "classifier.weight" in weights else transformers.AutoModel

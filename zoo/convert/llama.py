@@ -5,12 +5,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from lit_mesh.extras import require
 from zoo.convert.rules import Converter, Rule
 from zoo.gpt import GPT, GPTConfig
 
 
 def to_llama_config(c: GPTConfig) -> Any:
-    from transformers import LlamaConfig
+    LlamaConfig = require("transformers").LlamaConfig
 
     return LlamaConfig(
         vocab_size=c.vocab_size, hidden_size=c.dim, intermediate_size=c.ffn_hidden, num_hidden_layers=c.n_layers,
@@ -40,7 +41,7 @@ def to_gpt_config(c: Any) -> GPTConfig:
 
 
 def _llama(config: Any) -> Any:
-    from transformers import LlamaForCausalLM
+    LlamaForCausalLM = require("transformers").LlamaForCausalLM
 
     return LlamaForCausalLM(config)
 

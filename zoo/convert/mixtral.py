@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from lit_mesh.extras import require
 from zoo.convert.llama import ATTENTION_LAYER
 from zoo.convert.rules import ConversionError, Converter, Rule
 from zoo.moe import MoEConfig, MoETransformer
@@ -24,7 +25,7 @@ _W1, _W3, _W13 = ".moe.experts.w1", ".moe.experts.w3", ".moe.experts.w13"
 
 
 def to_mixtral_config(c: MoEConfig) -> Any:
-    from transformers import MixtralConfig
+    MixtralConfig = require("transformers").MixtralConfig
 
     differs = {
         "score_func": (c.score_func, "softmax"), "normalize_top_k": (c.normalize_top_k, True),
@@ -86,7 +87,7 @@ def to_moe_config(c: Any) -> MoEConfig:
 
 
 def _mixtral(config: Any) -> Any:
-    from transformers import MixtralForCausalLM
+    MixtralForCausalLM = require("transformers").MixtralForCausalLM
 
     return MixtralForCausalLM(config)
 

@@ -8,12 +8,13 @@ from typing import Any
 
 import torch
 
+from lit_mesh.extras import require
 from zoo.convert.rules import Converter, Rule
 from zoo.vit import ViT, ViTConfig
 
 
 def to_vit_hf_config(c: ViTConfig) -> Any:
-    from transformers import ViTConfig as HFViTConfig
+    HFViTConfig = require("transformers").ViTConfig
 
     if c.n_registers:
         raise ValueError(
@@ -41,7 +42,7 @@ def to_vit_zoo_config(c: Any) -> ViTConfig:
 
 
 def _vit(config: Any) -> Any:
-    from transformers import ViTForImageClassification
+    ViTForImageClassification = require("transformers").ViTForImageClassification
 
     return ViTForImageClassification(config)
 

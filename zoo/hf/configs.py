@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from lit_mesh.extras import require
+
 _TINY: dict[str, tuple[str, dict[str, Any]]] = {
     "llama": ("LlamaConfig", dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)),
@@ -30,7 +32,7 @@ def tiny_config(architecture: str, **overrides: Any) -> Any:
     """A small transformers config of `architecture` (one of ARCHITECTURES), with `overrides` applied."""
     if architecture not in _TINY:
         raise ValueError(f"unknown architecture {architecture!r}; choose one of {list(ARCHITECTURES)}")
-    import transformers
+    transformers = require("transformers")
 
     class_name, fields = _TINY[architecture]
     return getattr(transformers, class_name)(**{**fields, **overrides})

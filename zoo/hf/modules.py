@@ -14,6 +14,7 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 
+from lit_mesh.extras import require
 from zoo.hf.configs import tiny_config
 
 Build = Literal["configure_model", "init"]
@@ -55,7 +56,7 @@ class HFCausalLM(_HFModule):
         super().__init__(architecture, lr, build, config_overrides)
 
     def create_model(self) -> torch.nn.Module:
-        from transformers import AutoModelForCausalLM
+        AutoModelForCausalLM = require("transformers").AutoModelForCausalLM
 
         return AutoModelForCausalLM.from_config(self.config)
 
@@ -80,7 +81,7 @@ class HFImageClassifier(_HFModule):
         super().__init__(architecture, lr, build, config_overrides)
 
     def create_model(self) -> torch.nn.Module:
-        from transformers import AutoModelForImageClassification
+        AutoModelForImageClassification = require("transformers").AutoModelForImageClassification
 
         return AutoModelForImageClassification.from_config(self.config)
 

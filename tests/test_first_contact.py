@@ -1,0 +1,171 @@
+"""What a new user meets first: `lit-mesh --help` / `--version` / `plan --help` without warnings, a plain
+`lit-mesh fit` without LightningCLI's `args` warning, optional extras that name their install command, the
+core trained with none of them, pictures in the logger, and the step-counting progress bar."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from tests.launch import REPO
+
+EXTRAS = {"transformers": "hf", "matplotlib": "plots", "sklearn": "vision", "jinja2": "bench"}
+
+
+def _user_env() -> dict[str, str]:
+    """The environment of a user's shell: warnings at Python's defaults, our sources first on the path."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONWARNINGS"}
+    return {**env, "PYTHONPATH": str(REPO)}
+
+
+def _lit_mesh(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    # the installed console script, as a user types it
+    proc = subprocess.run(["lit-mesh", *args], capture_output=True, text=True, timeout=300, env=_user_env(), cwd=cwd)
+    assert proc.returncode == 0, f"lit-mesh {' '.join(args)}:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
+    return proc
+
+
+def _no_warning(proc: subprocess.CompletedProcess) -> None:
+    text = proc.stdout + proc.stderr
+    assert "warn" not in text.lower(), text[-3000:]
+
+
+def test_help_lists_every_subcommand_with_one_line_and_no_warning() -> None:
+    from lit_mesh.cli import COMMANDS, LIGHTNING_COMMANDS
+
+    proc = _lit_mesh("--help")
+    _no_warning(proc)
+    for name in [*LIGHTNING_COMMANDS, *COMMANDS]:
+        lines = [line for line in proc.stdout.splitlines() if line.split()[:1] == [name]]
+        assert len(lines) == 1 and len(lines[0].split()) > 2, (name, proc.stdout)
+    assert {"fit", "validate", "test", "predict", "plan", "export"} <= {*LIGHTNING_COMMANDS, *COMMANDS}
+
+
+def test_plan_help_and_version_print_no_warning() -> None:
+    _no_warning(plan := _lit_mesh("plan", "--help"))
+    assert "--preset" in plan.stdout
+    version = _lit_mesh("--version")
+    _no_warning(version)
+    import lit_mesh
+
+    assert version.stdout.startswith(f"lit-mesh {lit_mesh.__version__} (torch ") and lit_mesh.__version__ != "0+unknown"
+
+
+def test_unknown_subcommand_is_named_with_the_list() -> None:
+    proc = subprocess.run(["lit-mesh", "fitt"], capture_output=True, text=True, timeout=300, env=_user_env())
+    assert proc.returncode != 0 and "unknown subcommand 'fitt'" in proc.stderr and "export" in proc.stderr
+
+
+def test_a_plain_fit_call_gets_no_lightningcli_args_warning(tmp_path: Path) -> None:
+    proc = _lit_mesh("fit", "-c", str(REPO / "configs/gpt.yaml"), "--print_config", cwd=tmp_path)
+    assert "args parameter" not in proc.stderr and "LightningCLI" not in proc.stderr, proc.stderr[-3000:]
+    assert "class_path: lit_mesh.GradientNormMonitor" in proc.stdout
+
+
+def _without(modules: str, code: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, str(REPO / "tests" / "without_packages.py"), modules, code]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=_user_env(), cwd=REPO)
+
+
+@pytest.mark.parametrize(
+    ("module", "call"),
+    [
+        ("transformers", "from zoo.hf.configs import tiny_config; tiny_config('llama')"),
+        ("matplotlib", "from lit_mesh.pipeline_timeline import draw_timeline; draw_timeline([], 't', 'x.png')"),
+        ("sklearn", "from zoo.image_data import load_digit_images; load_digit_images()"),
+        ("jinja2", "import runpy; runpy.run_path('benchmarks/report.py')"),
+    ],
+)
+def test_a_missing_extra_names_its_install_command(module: str, call: str) -> None:
+    proc = _without(module, call)
+    assert proc.returncode != 0
+    assert f"MissingExtraError: {module} is needed for" in proc.stderr, proc.stderr[-3000:]
+    assert f"pip install 'lit-mesh[{EXTRAS[module]}]'" in proc.stderr
+
+
+def test_the_core_trains_with_no_extra_installed(tmp_path: Path) -> None:
+    """The quick start's path (zoo GPT, MeshStrategy, TensorBoard) on a machine with none of the extras."""
+    code = (
+        "import sys\n"
+        "from lit_mesh.cli import run, close_process_groups\n"
+        f"cli = run(['fit', '-c', 'configs/gpt.yaml', '--trainer.max_steps=2', '--trainer.limit_val_batches=0',"
+        f" '--trainer.enable_progress_bar=false', '--trainer.logger.init_args.save_dir={tmp_path}'])\n"
+        "close_process_groups()\n"
+        f"assert not [m for m in {sorted(EXTRAS)!r} if sys.modules.get(m) is not None]\n"
+        "print('trained', cli.trainer.global_step)\n"
+    )
+    proc = _without(",".join(EXTRAS), code)
+    assert proc.returncode == 0 and "trained 2" in proc.stdout, proc.stderr[-4000:]
+
+
+def test_pictures_reach_the_loggers_that_take_images(tmp_path: Path) -> None:
+    from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+
+    from lit_mesh.extras import pyplot
+    from lit_mesh.figures import log_image
+    from tests.tensorboard_images import image_tags
+
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(2, 1))
+    ax.plot([0, 1], [1, 0])
+    png = tmp_path / "picture.png"
+    fig.savefig(png)
+    plt.close(fig)
+
+    class ImageLogger(CSVLogger):  # the shape of W&B's / Neptune's log_image
+        def log_image(self, key: str, images: list, step: int | None = None) -> None:
+            self.logged = (key, images, step)
+
+    tensorboard = TensorBoardLogger(tmp_path / "tb")
+    other = ImageLogger(tmp_path / "other")
+    trainer = SimpleNamespace(loggers=[tensorboard, CSVLogger(tmp_path / "csv"), other])
+    assert log_image(trainer, "pipeline_timeline", png, step=3) == ["TensorBoardLogger", "ImageLogger"]
+    assert image_tags(tmp_path / "tb") == {"pipeline_timeline"}
+    assert other.logged == ("pipeline_timeline", [str(png)], 3)
+
+
+def test_progress_bar_counts_steps_in_a_step_limited_run(tmp_path: Path) -> None:
+    from lightning.pytorch import Trainer
+    from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
+
+    from lit_mesh.progress import StepRichProgressBar, StepTQDMProgressBar, count_steps_in_progress_bar
+
+    for bar, twin in ((RichProgressBar(), StepRichProgressBar), (TQDMProgressBar(), StepTQDMProgressBar)):
+        trainer = Trainer(max_steps=7, callbacks=[bar], logger=False, default_root_dir=tmp_path)
+        count_steps_in_progress_bar(trainer)
+        assert type(trainer.progress_bar_callback) is twin and trainer.progress_bar_callback is bar
+    by_epochs = Trainer(max_epochs=2, callbacks=[RichProgressBar()], logger=False, default_root_dir=tmp_path)
+    count_steps_in_progress_bar(by_epochs)
+    assert type(by_epochs.progress_bar_callback) is RichProgressBar  # an epoch-limited run keeps "Epoch N"
+
+    class Mine(RichProgressBar):
+        pass
+
+    mine = Trainer(max_steps=7, callbacks=[Mine()], logger=False, default_root_dir=tmp_path)
+    count_steps_in_progress_bar(mine)
+    assert type(mine.progress_bar_callback) is Mine  # a user's own bar is left alone
+
+
+def test_a_step_limited_fit_shows_step_n_of_max_steps(tmp_path: Path) -> None:
+    """Through MeshStrategy on one device: the bar Lightning made reads `step 3/3` at the end."""
+    from lightning.pytorch import Trainer
+    from lightning.pytorch.callbacks import RichProgressBar
+
+    from lit_mesh import MeshStrategy
+    from lit_mesh.cli import close_process_groups
+    from zoo import GPTModule, TextDataModule
+
+    bar = RichProgressBar(leave=True)
+    trainer = Trainer(accelerator="cpu", devices=1, strategy=MeshStrategy(), max_steps=3, limit_val_batches=0,
+                      callbacks=[bar], logger=False, enable_checkpointing=False, default_root_dir=tmp_path)  # fmt: skip
+    try:
+        trainer.fit(GPTModule(preset="tiny"), TextDataModule(global_batch_size=4, seq_len=32))
+    finally:
+        close_process_groups()
+    task = bar.progress.tasks[bar.train_progress_bar_id]
+    assert task.description.strip() == "step 3/3", task.description
