@@ -16,6 +16,7 @@ from typing import Any, Literal, Optional, Union
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.distributed import _distributed_is_initialized, _sync_ddp
+from lightning.fabric.strategies.model_parallel import _is_sharded_checkpoint
 from lightning.fabric.utilities.load import _METADATA_FILENAME
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.types import ReduceOp
@@ -29,7 +30,12 @@ from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 from torch.distributed.device_mesh import DeviceMesh
 
 from lit_mesh.async_save import AsyncCheckpointSaver, staged_state, write_metadata
-from lit_mesh.checkpoint import OPTIMIZER_STATE_OPTIONS, load_sharded_checkpoint, publish_checkpoint
+from lit_mesh.checkpoint import (
+    load_sharded_checkpoint,
+    optimizer_state_options,
+    publish_checkpoint,
+    refuse_overwriting_other_files,
+)
 from lit_mesh.comm import hierarchical
 from lit_mesh.comm.compression import GradientCompression
 from lit_mesh.comm.hierarchical import AllReduceMode, Hierarchy, build_hierarchy, check_allreduce_mode
@@ -433,9 +439,12 @@ class MeshStrategy(ModelParallelStrategy):
 
         A crash mid-save leaves the previous checkpoint under NAME (e.g. last.ckpt) untouched and loadable.
         """
-        if not self._save_distributed_checkpoint:
+        if storage_options is not None or not self._save_distributed_checkpoint:
+            if _is_sharded_checkpoint(Path(filepath)):  # Lightning would delete the directory for the file
+                refuse_overwriting_other_files(Path(filepath))
             return super().save_checkpoint(checkpoint, filepath, storage_options)
         path = Path(self.broadcast(filepath))
+        refuse_overwriting_other_files(path)  # on every rank: all raise together
         staging = path.with_name(path.name + ".partial")
         self.wait_for_checkpoint()  # the previous save may still write this staging directory
         if self.global_rank == 0 and staging.exists():
@@ -463,7 +472,8 @@ class MeshStrategy(ModelParallelStrategy):
             return super().optimizer_state(optimizer)
         optimizer = getattr(optimizer, "_optimizer", optimizer)  # unwrap LightningOptimizer
         assert self.model is not None
-        return get_optimizer_state_dict(self.model, optimizer, options=OPTIMIZER_STATE_OPTIONS)
+        options = optimizer_state_options(pipeline=self.layout.pp > 1)  # why this format: lit_mesh/checkpoint.py
+        return get_optimizer_state_dict(self.model, optimizer, options=options)
 
     def wait_for_checkpoint(self) -> None:
         """Block until an asynchronous save in flight is on disk under its name (no-op otherwise)."""
