@@ -367,3 +367,9 @@ def test_mesh_answers_to_lightning_names(ranks: list[dict]) -> None:
     assert seen["tp_auto"] == {"data_parallel": 1, "tensor_parallel": 2, "both": [1, 2]}
     assert seen["default"] == {"data_parallel": 2, "tensor_parallel": 1, "both": [2, 1]}
     assert seen["dp_replicate2"] == {"data_parallel": 2, "tensor_parallel": 1, "both": [2, 1]}
+
+
+def test_16_true_trains_sharded_in_fp16(ranks: list[dict]) -> None:
+    seen = _value(ranks, "scenario_16_true")
+    assert seen["dtype"] == "torch.float16" and seen["sharded"]
+    assert len(seen["losses"]) == 2 and all(0 < loss < 1e3 for loss in seen["losses"])

@@ -447,6 +447,30 @@ def scenario_mesh_names(tmp: Path) -> dict[str, Any]:
     return seen
 
 
+def scenario_16_true(tmp: Path) -> dict[str, Any]:
+    """precision="16-true" as under ModelParallelStrategy: fp16 weights, FSDP over both ranks, finite losses."""
+    seen: dict[str, Any] = {"losses": []}
+
+    class Half(UserFSDP):
+        def configure_model(self) -> None:  # MeshStrategy applies FSDP itself
+            pass
+
+        def training_step(self, batch: Any) -> torch.Tensor:
+            seen["dtype"] = str(self.model.w1.weight.dtype)
+            seen["sharded"] = isinstance(self.model.w1.weight, DTensor)
+            x, y = batch
+            loss = F.mse_loss(self.model(x.half()).float(), y)
+            seen["losses"].append(loss.item())
+            return loss
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:  # AdamW's eps=1e-8 is 0 in fp16
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    trainer = Trainer(accelerator="cpu", devices=2, strategy=MeshStrategy(), precision="16-true", max_steps=2, enable_checkpointing=False, default_root_dir=tmp, **QUIET)
+    trainer.fit(Half(), _data())
+    return seen
+
+
 SCENARIOS = [
     test_tensor_parallel,
     test_strategy_state_dict_sharded,
@@ -457,6 +481,7 @@ SCENARIOS = [
     scenario_checkpoints_cross,
     scenario_weights_kept,
     scenario_mesh_names,
+    scenario_16_true,
 ]
 
 
