@@ -15,8 +15,8 @@ from typing import Any, Literal, Optional, Union
 
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.utilities.distributed import _distributed_is_initialized, _sync_ddp
 from lightning.fabric.strategies.model_parallel import _is_sharded_checkpoint
+from lightning.fabric.utilities.distributed import _distributed_is_initialized, _sync_ddp
 from lightning.fabric.utilities.load import _METADATA_FILENAME
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.types import ReduceOp
@@ -42,7 +42,6 @@ from lit_mesh.comm.hierarchical import AllReduceMode, Hierarchy, build_hierarchy
 from lit_mesh.comm.options import CompressionConfigError, CompressionOptions, resolve_compression
 from lit_mesh.comm.state import load_compression_state, save_compression_state
 from lit_mesh.grad_norm import clip_grad_norm_
-from lit_mesh.meta_writes import record_meta_writes
 from lit_mesh.mesh import (
     MeshConfigError,
     MeshLayout,
@@ -53,6 +52,7 @@ from lit_mesh.mesh import (
     per_node_degrees,
     resolve_layout,
 )
+from lit_mesh.meta_writes import record_meta_writes
 from lit_mesh.parallel.apply import Parallelized, is_user_parallelised, materialize, parallelize
 from lit_mesh.parallel.checkpointing import ActivationCheckpointing, check_activation_checkpointing
 from lit_mesh.parallel.compile import check_compile

@@ -17,7 +17,6 @@ import traceback
 from pathlib import Path
 from typing import Any, Callable
 
-import lightning as L
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
