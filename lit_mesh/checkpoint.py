@@ -18,10 +18,55 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from lit_mesh.comm.state import DIRECTORY as COMPRESSION_DIRECTORY
+
 
 # Optimizer state keyed by parameter name, hyper-parameters too ("param_groups.<name>.lr"): every rank's
 # entries are its own, so pipeline stages (different parameters per rank) and any reshard load back exactly.
 OPTIMIZER_STATE_OPTIONS = StateDictOptions(cpu_offload=True, flatten_optimizer_state_dict=True)
+# Lightning ModelParallelStrategy's format: {"state": {name: ...}, "param_groups": [...]} (one list per optimizer)
+NESTED_OPTIMIZER_STATE_OPTIONS = StateDictOptions(cpu_offload=True)
+
+
+def optimizer_state_options(pipeline: bool) -> StateDictOptions:
+    """What MeshStrategy writes: Lightning's nested format without pipeline stages, so ModelParallelStrategy
+    (and tools that read its checkpoints) can resume from it; the flattened one with pp > 1, where ranks hold
+    different parameters and one param_groups list per optimizer could not describe them all."""
+    return OPTIMIZER_STATE_OPTIONS if pipeline else NESTED_OPTIMIZER_STATE_OPTIONS
+
+
+def stored_optimizer_state_options(path: Path, key: str) -> StateDictOptions:
+    """The format `key` (e.g. "optimizer_0") was written in: nested (ModelParallelStrategy, MeshStrategy
+    without pp) stores "param_groups.<index>.params"; flattened stores "param_groups.<parameter>.lr"."""
+    stored = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    nested = f"{key}.param_groups.0.params" in stored
+    return NESTED_OPTIMIZER_STATE_OPTIONS if nested else OPTIMIZER_STATE_OPTIONS
+
+
+class NotACheckpointError(FileNotFoundError, ValueError):
+    """A path that is no (complete) checkpoint; a ValueError too, as ModelParallelStrategy raises it."""
+
+
+def _is_checkpoint_file(relative: Path) -> bool:
+    # what torch.distributed.checkpoint, Lightning's meta.pt and lit_mesh/comm/state.py write
+    name = relative.name
+    if len(relative.parts) == 2 and relative.parts[0] == COMPRESSION_DIRECTORY:
+        return name.startswith("rank") and name.endswith(".pt")
+    return len(relative.parts) == 1 and (name in (".metadata", _METADATA_FILENAME) or name.endswith(".distcp"))
+
+
+def refuse_overwriting_other_files(path: Path) -> None:
+    """Saving over an existing checkpoint directory replaces it whole: refuse if it holds anything else."""
+    if not path.is_dir():
+        return
+    others = sorted(str(f.relative_to(path)) for f in path.rglob("*") if f.is_file() and not _is_checkpoint_file(f.relative_to(path)))
+    if others:
+        listed = ", ".join(others[:5]) + (f" and {len(others) - 5} more" if len(others) > 5 else "")
+        raise FileExistsError(
+            f"cannot save the checkpoint to {str(path)!r}: the directory exists and holds files that are not part"
+            f" of a checkpoint ({listed}); saving replaces the directory whole, so they would be deleted. Move them"
+            " away, or save the checkpoint under another path"
+        )
 
 
 def publish_checkpoint(staging: Path, path: Path) -> None:
@@ -66,9 +111,10 @@ def load_sharded_checkpoint(
     """
     metadata_file = path / _METADATA_FILENAME
     if not metadata_file.is_file():
-        raise FileNotFoundError(
+        raise NotACheckpointError(
             f"checkpoint directory {str(path)!r} has no {_METADATA_FILENAME}: it is partial (an interrupted save?)"
-            " or was not written by MeshStrategy; resume from another checkpoint"
+            " or was not written by MeshStrategy or ModelParallelStrategy, so it does not point to a valid"
+            " checkpoint; resume from another checkpoint"
         )
     # first, and never unpickling code: a bad checkpoint fails before the model is touched
     metadata = torch.load(metadata_file, map_location="cpu", weights_only=True)
@@ -77,9 +123,10 @@ def load_sharded_checkpoint(
     dcp.load(model_state, checkpoint_id=path)
     model.load_state_dict(model_state["state_dict"], strict=strict)
     for key, optimizer in optimizers.items():
-        optimizer_state = {key: get_optimizer_state_dict(model, optimizer, options=OPTIMIZER_STATE_OPTIONS)}
+        options = stored_optimizer_state_options(path, key)  # either format loads, whoever wrote it
+        optimizer_state = {key: get_optimizer_state_dict(model, optimizer, options=options)}
         dcp.load(optimizer_state, checkpoint_id=path)
-        set_optimizer_state_dict(model, optimizer, optim_state_dict=optimizer_state[key], options=OPTIMIZER_STATE_OPTIONS)
+        set_optimizer_state_dict(model, optimizer, optim_state_dict=optimizer_state[key], options=options)
     return metadata
 
 

@@ -10,16 +10,22 @@ weights. Size-1 dims cost nothing.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Literal, Union
+from typing import Any, Literal, Optional, Union
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 Degree = Union[int, Literal["auto"], None]
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+# Lightning ModelParallelStrategy's dim names, answered by the same mesh as views of dp and tp (any layout)
+LIGHTNING_ALIASES = {"data_parallel": ("dp_replicate", "dp_shard"), "tensor_parallel": ("tp",)}
 
 
 class MeshConfigError(ValueError):
     """A mesh degree that cannot work, with the numbers and the fix in the message."""
+
+
+class WorldSizeError(MeshConfigError, RuntimeError):
+    """Degrees whose product is not the world size (a RuntimeError too, as ModelParallelStrategy raises it)."""
 
 
 @dataclass(frozen=True)
@@ -72,7 +78,7 @@ def check_degree(name: str, value: Degree, allow_auto: bool = False) -> None:
 def check_degrees(**degrees: Degree) -> None:
     """Everything that can be checked without knowing the world size."""
     for name, value in degrees.items():
-        check_degree(name, value, allow_auto=name in ("dp", "dp_shard"))
+        check_degree(name, value, allow_auto=name in ("dp", "dp_shard", "tp"))
     if degrees.get("dp") == "auto" and degrees.get("dp_shard") == "auto":
         raise MeshConfigError("dp='auto' and dp_shard='auto': only one degree may be 'auto'; give the other a number")
 
@@ -98,9 +104,11 @@ def resolve_layout(
         f", {n}={v!r}" for n, v in (("dp", dp), ("dp_replicate", dp_replicate), ("dp_shard", dp_shard)) if v is not None
     )
 
+    if tp == "auto":
+        raise MeshConfigError("tp='auto' means the devices per node: resolve it with per_node_degrees() first")
     model_parallel = pp * cp * tp
     if world_size % model_parallel:
-        raise MeshConfigError(
+        raise WorldSizeError(
             f"pp={pp} x cp={cp} x tp={tp} = {model_parallel} does not divide the world size {world_size}"
             f" (devices x num_nodes); choose degrees whose product divides {world_size},"
             f" e.g. tp in {_divisors(world_size)}"
@@ -143,10 +151,11 @@ def resolve_layout(
 
     layout = MeshLayout(pp=pp, dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, tp=tp, ep=ep)
     if layout.world_size != world_size:
-        raise MeshConfigError(
+        raise WorldSizeError(
             f"{given}: pp x dp_replicate x dp_shard x cp x tp = {pp} x {dp_replicate} x {dp_shard} x {cp} x {tp}"
-            f" = {layout.world_size}, but the world size (devices x num_nodes) is {world_size};"
-            f" choose degrees whose product is {world_size}, or set dp='auto' to fill it"
+            f" = {layout.world_size}, but the world size (devices x num_nodes) is {world_size} (the degrees"
+            f" multiplied should equal the world size); choose degrees whose product is {world_size}, or set"
+            " dp='auto' to fill it"
         )
     if (dp_shard * cp) % ep:
         raise MeshConfigError(
@@ -154,6 +163,64 @@ def resolve_layout(
             f" its ranks from them, it does not add any); choose ep in {_divisors(dp_shard * cp)}"
         )
     return layout
+
+
+@dataclass(frozen=True)
+class LightningSizes:
+    """ModelParallelStrategy's `data_parallel_size` / `tensor_parallel_size`, with its meaning of "auto":
+    data parallel over the nodes, tensor parallel over the devices of a node."""
+
+    data_parallel: Union[int, Literal["auto"]] = "auto"
+    tensor_parallel: Union[int, Literal["auto"]] = "auto"
+
+    def degrees(self, nodes: int, devices_per_node: int) -> dict[str, int]:
+        dp = nodes if self.data_parallel == "auto" else self.data_parallel
+        tp = devices_per_node if self.tensor_parallel == "auto" else self.tensor_parallel
+        assert isinstance(dp, int) and isinstance(tp, int)
+        world_size = nodes * devices_per_node
+        if dp * tp != world_size:
+            raise WorldSizeError(
+                f"data_parallel_size={dp} x tensor_parallel_size={tp} = {dp * tp}: the sizes multiplied should equal"
+                f" the world size {world_size} (num_nodes={nodes} x devices={devices_per_node}); choose sizes whose"
+                f" product is {world_size}, or 'auto' (data parallel = nodes, tensor parallel = devices per node)"
+            )
+        return {"dp": dp, "tp": tp}
+
+
+def lightning_sizes(
+    degrees: dict[str, Any], data_parallel_size: Degree, tensor_parallel_size: Degree
+) -> Optional[LightningSizes]:
+    """The Lightning-named sizes, if given (either one given means the other defaults to "auto", as in
+    ModelParallelStrategy); refuses them together with our own dp/tp names."""
+    if data_parallel_size is None and tensor_parallel_size is None:
+        return None
+    ours = {name: value for name, value in degrees.items() if value not in (None, 1)}
+    if ours:
+        given = ", ".join(f"{name}={value!r}" for name, value in ours.items())
+        raise MeshConfigError(
+            f"data_parallel_size/tensor_parallel_size (ModelParallelStrategy's names) together with {given}: give"
+            " either the two Lightning sizes, or MeshStrategy's degrees (dp, dp_replicate, dp_shard, tp, cp, pp)"
+        )
+    sizes = LightningSizes(
+        "auto" if data_parallel_size is None else data_parallel_size,  # type: ignore[arg-type]
+        "auto" if tensor_parallel_size is None else tensor_parallel_size,  # type: ignore[arg-type]
+    )
+    check_degree("data_parallel_size", sizes.data_parallel, allow_auto=True)
+    check_degree("tensor_parallel_size", sizes.tensor_parallel, allow_auto=True)
+    return sizes
+
+
+def per_node_degrees(
+    degrees: dict[str, Any], sizes: Optional[LightningSizes], nodes: int, devices_per_node: int
+) -> dict[str, Any]:
+    """Degrees for resolve_layout once nodes and devices are known: Lightning's sizes, and tp="auto" = the
+    devices of a node (ModelParallelStrategy's meaning: tensor parallel inside a node)."""
+    resolved = dict(degrees)
+    if sizes is not None:
+        resolved.update(sizes.degrees(nodes, devices_per_node))
+    if resolved.get("tp") == "auto":
+        resolved["tp"] = devices_per_node
+    return resolved
 
 
 @dataclass(frozen=True)
@@ -179,6 +246,8 @@ def build_device_mesh(layout: MeshLayout, device_type: str) -> MeshViews:
     shape = tuple(getattr(layout, dim) for dim in MESH_DIMS)
     root = init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIMS)
     dp_cp = root["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")
+    for alias, dims in LIGHTNING_ALIASES.items():  # root["data_parallel"] / root["tensor_parallel"] answer
+        root[dims]._flatten(alias)
     # ep borrows the innermost ranks of dp_shard x cp; the expert weights are sharded over the rest
     expert_shards = layout.dp_shard * layout.cp // layout.ep
     experts = dp_cp._unflatten(0, (layout.dp_replicate, expert_shards, layout.ep), ("edp_replicate", "efsdp", "ep"))

@@ -13,7 +13,10 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 
-SUPPORTED_PRECISION = ("32-true", "bf16-mixed", "bf16-true", "16-mixed")
+SUPPORTED_PRECISION = ("32-true", "bf16-mixed", "bf16-true", "16-true", "16-mixed")
+# what Trainer(precision=...) accepts with MeshStrategy ("16-mixed" only comes as the FP16MixedPrecision plugin:
+# Lightning refuses the string for ModelParallelStrategy and its subclasses)
+TRAINER_PRECISION = ("32-true", "bf16-mixed", "bf16-true", "16-true")
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
@@ -69,7 +72,10 @@ def check_precision_plugin(plugin: Precision) -> None:
     """Called before processes start: a precision MeshStrategy can shard, and fp16 only with its scaler."""
     precision = str(plugin.precision)
     if precision not in SUPPORTED_PRECISION:
-        raise ValueError(f"MeshStrategy does not support precision={precision!r}; choose one of {SUPPORTED_PRECISION}")
+        raise ValueError(
+            f"MeshStrategy does not support precision={precision!r}; choose Trainer(precision=...) in"
+            f" {TRAINER_PRECISION}, or fp16 mixed precision with plugins=[lit_mesh.FP16MixedPrecision()]"
+        )
     if precision == "16-mixed" and not isinstance(getattr(plugin, "scaler", None), MeshGradScaler):
         raise ValueError(
             "precision='16-mixed' under MeshStrategy needs a loss scaler that agrees over all ranks:"

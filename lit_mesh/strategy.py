@@ -15,6 +15,7 @@ from typing import Any, Literal, Optional, Union
 
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.strategies.model_parallel import _is_sharded_checkpoint
 from lightning.fabric.utilities.distributed import _distributed_is_initialized, _sync_ddp
 from lightning.fabric.utilities.load import _METADATA_FILENAME
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
@@ -29,19 +30,34 @@ from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 from torch.distributed.device_mesh import DeviceMesh
 
 from lit_mesh.async_save import AsyncCheckpointSaver, staged_state, write_metadata
-from lit_mesh.checkpoint import OPTIMIZER_STATE_OPTIONS, load_sharded_checkpoint, publish_checkpoint
+from lit_mesh.checkpoint import (
+    load_sharded_checkpoint,
+    optimizer_state_options,
+    publish_checkpoint,
+    refuse_overwriting_other_files,
+)
 from lit_mesh.comm import hierarchical
 from lit_mesh.comm.compression import CompressionRun
 from lit_mesh.comm.hierarchical import AllReduceMode, Hierarchy, build_hierarchy, check_allreduce_mode
 from lit_mesh.comm.options import CompressionConfigError, CompressionOptions, resolve_compression
 from lit_mesh.comm.state import load_compression_state, save_compression_state
 from lit_mesh.grad_norm import clip_grad_norm_
-from lit_mesh.mesh import MeshConfigError, MeshLayout, MeshViews, build_device_mesh, check_degrees, resolve_layout
+from lit_mesh.mesh import (
+    MeshConfigError,
+    MeshLayout,
+    MeshViews,
+    build_device_mesh,
+    check_degrees,
+    lightning_sizes,
+    per_node_degrees,
+    resolve_layout,
+)
+from lit_mesh.meta_writes import record_meta_writes
 from lit_mesh.parallel.apply import Parallelized, is_user_parallelised, materialize, parallelize
 from lit_mesh.parallel.checkpointing import ActivationCheckpointing, check_activation_checkpointing
 from lit_mesh.parallel.compile import check_compile
 from lit_mesh.parallel.context import CPStyle, check_cp_style, gather_batch, refuse_cp_without_plan, shard_batch
-from lit_mesh.parallel.data import fsdp_roots
+from lit_mesh.parallel.data import fsdp_roots, refuse_fsdp1
 from lit_mesh.parallel.pipeline import PipelineRunner, attach_runner, check_pipeline_settings
 from lit_mesh.precision import check_precision_plugin
 from lit_mesh.progress import count_steps_in_progress_bar
@@ -56,7 +72,7 @@ class MeshStrategy(ModelParallelStrategy):
         dp: data-parallel degree; alone it means FSDP over dp ranks. "auto" fills the world size.
         dp_replicate: replicas (DDP); with dp_shard > 1 as well, HSDP.
         dp_shard: FSDP shards per replica; "auto" fills the world size (the default when no dp degree is given).
-        tp: tensor-parallel degree (innermost dim: keep it inside a node).
+        tp: tensor-parallel degree (innermost dim: keep it inside a node); "auto": the devices of a node.
         cp: context-parallel degree: each sample's sequence is split over cp ranks (needs a plan that declares
             its attention and positions); FSDP then shards over dp_shard x cp.
         cp_style: "ring" (K/V blocks circulate, load-balanced causal), "ulysses" (all-to-all to head shards;
@@ -93,6 +109,9 @@ class MeshStrategy(ModelParallelStrategy):
             (reduce-scatter in the node, all-reduce of the 1/g piece between nodes, all-gather in the node; with
             grad_compression only the inter-node all-reduce is compressed), "flat", or "auto" (the topology's
             alpha-beta cost model decides per tensor size). See lit_mesh/comm/hierarchical.py.
+        data_parallel_size, tensor_parallel_size: ModelParallelStrategy's names, with its meaning: "auto" (the
+            default of the one not given) is the nodes / the devices per node; not together with dp or tp.
+            The mesh answers to "data_parallel" and "tensor_parallel" whichever names are used.
         process_group_backend: "gloo", "nccl", ...; default from the device.
         timeout: timeout of collectives.
     """
@@ -104,7 +123,7 @@ class MeshStrategy(ModelParallelStrategy):
         dp: Union[int, Literal["auto"], None] = None,
         dp_replicate: Optional[int] = None,
         dp_shard: Union[int, Literal["auto"], None] = None,
-        tp: int = 1,
+        tp: Union[int, Literal["auto"]] = 1,
         cp: int = 1,
         cp_style: CPStyle = "ring",
         pp: int = 1,
@@ -127,6 +146,8 @@ class MeshStrategy(ModelParallelStrategy):
         allreduce: AllReduceMode = "auto",
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout,
+        data_parallel_size: Union[int, Literal["auto"], None] = None,
+        tensor_parallel_size: Union[int, Literal["auto"], None] = None,
     ) -> None:
         super().__init__(
             save_distributed_checkpoint=save_distributed_checkpoint,
@@ -135,6 +156,7 @@ class MeshStrategy(ModelParallelStrategy):
         )
         self._degrees: dict[str, Any] = dict(dp=dp, dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp, cp=cp, pp=pp, ep=ep)
         check_degrees(**self._degrees)  # what needs no world size fails here, in the user's process
+        self._lightning_sizes = lightning_sizes(self._degrees, data_parallel_size, tensor_parallel_size)
         self.pipeline_settings = check_pipeline_settings(pp, pp_schedule, pp_microbatches, pp_stages_per_rank, pp_split)
         if pp > 1 and cp > 1:
             raise MeshConfigError(
@@ -175,7 +197,8 @@ class MeshStrategy(ModelParallelStrategy):
     def layout(self) -> MeshLayout:
         """The resolved degrees (known once the Trainer has set devices and num_nodes)."""
         if self._layout is None:
-            self._layout = resolve_layout(self.num_processes * self.num_nodes, **self._degrees)
+            degrees = per_node_degrees(self._degrees, self._lightning_sizes, self.num_nodes, self.num_processes)
+            self._layout = resolve_layout(self.num_processes * self.num_nodes, **degrees)
         return self._layout
 
     @property
@@ -250,8 +273,16 @@ class MeshStrategy(ModelParallelStrategy):
 
     @contextmanager
     def tensor_init_context(self, empty_init: Optional[bool] = None) -> Generator[None, None, None]:
-        # Models made in configure_model start on the meta device; setup() shards, then materialises them.
-        with (nullcontext() if empty_init is False else torch.device("meta")), self.precision_plugin.tensor_init_context():
+        # as ModelParallelStrategy: trainer.init_module() keeps real weights unless empty_init=True
+        with (torch.device("meta") if empty_init else nullcontext()), self.precision_plugin.tensor_init_context():
+            yield
+
+    @contextmanager
+    def model_sharded_context(self) -> Generator[None, None, None]:
+        # configure_model builds on the meta device (setup() shards, then materialises); values written into
+        # meta weights there are carried through materialisation, or refused (lit_mesh/meta_writes.py)
+        assert self.lightning_module is not None
+        with record_meta_writes(self.lightning_module):
             yield
 
     # ---- applying the plans -------------------------------------------------------------------------------
@@ -260,6 +291,7 @@ class MeshStrategy(ModelParallelStrategy):
         assert self.model is not None and self.accelerator is not None
         self.accelerator.setup(trainer)
         count_steps_in_progress_bar(trainer)
+        refuse_fsdp1(self.model, type(self).__name__)
         precision = str(self.precision_plugin.precision)
         self.model = self.precision_plugin.convert_module(self.model)  # bf16-true: cast while still on meta
         if self.grad_compression_options is not None and self.grad_compression is None:
@@ -410,9 +442,12 @@ class MeshStrategy(ModelParallelStrategy):
 
         A crash mid-save leaves the previous checkpoint under NAME (e.g. last.ckpt) untouched and loadable.
         """
-        if not self._save_distributed_checkpoint:
+        if storage_options is not None or not self._save_distributed_checkpoint:
+            if _is_sharded_checkpoint(Path(filepath)):  # Lightning would delete the directory for the file
+                refuse_overwriting_other_files(Path(filepath))
             return super().save_checkpoint(checkpoint, filepath, storage_options)
         path = Path(self.broadcast(filepath))
+        refuse_overwriting_other_files(path)  # on every rank: all raise together
         staging = path.with_name(path.name + ".partial")
         self.wait_for_checkpoint()  # the previous save may still write this staging directory
         if self.global_rank == 0 and staging.exists():
@@ -440,7 +475,8 @@ class MeshStrategy(ModelParallelStrategy):
             return super().optimizer_state(optimizer)
         optimizer = getattr(optimizer, "_optimizer", optimizer)  # unwrap LightningOptimizer
         assert self.model is not None
-        return get_optimizer_state_dict(self.model, optimizer, options=OPTIMIZER_STATE_OPTIONS)
+        options = optimizer_state_options(pipeline=self.layout.pp > 1)  # why this format: lit_mesh/checkpoint.py
+        return get_optimizer_state_dict(self.model, optimizer, options=options)
 
     def wait_for_checkpoint(self) -> None:
         """Block until an asynchronous save in flight is on disk under its name (no-op otherwise)."""
@@ -473,7 +509,10 @@ class MeshStrategy(ModelParallelStrategy):
     @property
     def device_mesh(self) -> DeviceMesh:
         if self._device_mesh is None:
-            raise RuntimeError("MeshStrategy.device_mesh exists once the processes have started (from setup on)")
+            raise RuntimeError(
+                "Accessing the device mesh before processes have initialized is not allowed: MeshStrategy builds it"
+                " in setup_environment; use it from configure_model on"
+            )
         return self._device_mesh
 
 

@@ -20,6 +20,7 @@ from lit_mesh.hf import declared_plan as transformers_plan
 from lit_mesh.hf.init import initialise_weights as initialise_transformers_weights
 from lit_mesh.init import init_parameters
 from lit_mesh.mesh import MeshLayout, MeshViews
+from lit_mesh.meta_writes import built_on_meta_where, carry_meta_writes
 from lit_mesh.parallel.checkpointing import apply_activation_checkpointing
 from lit_mesh.parallel.compile import apply_compile
 from lit_mesh.parallel.context import apply_context_parallel
@@ -220,13 +221,16 @@ def materialize(root: nn.Module, owners: list[PlanOwner], device: torch.device) 
     tied = tied_parameters(root)
     root.to_empty(device=device)
     retie(tied, type(root).__name__)  # to_empty gives each use of a tied meta parameter its own copy
+    by_plan: set[nn.Module] = set()  # modules whose weights a plan's init rules (or transformers) set
     for owner in owners:
         owned = set(owner.module.modules())
         if owner.plan.init and owned & pending:
             init_parameters(owner.module, owner.plan.init)
             pending -= {m for m in owned if not any(True for _ in m.buffers(recurse=False))}
+            by_plan |= owned
         elif owned & pending and initialise_transformers_weights(owner.module):  # transformers' own init
             pending -= owned
+            by_plan |= owned
     missing = []
     for module in root.modules():  # a fixed order: every rank draws the same random numbers
         if module not in pending:
@@ -235,12 +239,15 @@ def materialize(root: nn.Module, owners: list[PlanOwner], device: torch.device) 
         if callable(reset):
             _reset_whole(module, reset)
         else:
-            missing.append(type(module).__name__)
+            missing.append(f"{type(module).__name__} ({built_on_meta_where(root, module)})")
     if missing:
         raise PlanError(
-            f"modules {sorted(set(missing))} were created on the meta device but have no reset_parameters() and"
-            " no init rules in a parallel_plan(); give them one, or create them outside configure_model"
+            f"modules {sorted(set(missing))} hold meta-device weights but have no reset_parameters() and no init"
+            " rules in a parallel_plan(), so they cannot be initialised; give them a reset_parameters(), or build"
+            " them with real weights (in the LightningModule's __init__, or under trainer.init_module() without"
+            " empty_init=True)"
         )
+    carry_meta_writes(root, by_plan)  # values set on the meta device in configure_model (lit_mesh/meta_writes.py)
 
 
 def _reset_whole(module: nn.Module, reset: Any) -> None:

@@ -61,6 +61,22 @@ def apply_data_parallel(
         fully_shard(root, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard)
 
 
+def refuse_fsdp1(root: nn.Module, strategy: str) -> None:
+    """Modules wrapped with the FSDP1 class cannot join a DTensor mesh: name them, say what to use instead."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    wrapped = [m for m in root.modules() if isinstance(m, FullyShardedDataParallel)]
+    if wrapped:
+        names = {id(m): name for name, m in root.named_modules()}
+        found = [names.get(id(m)) or type(m).__name__ for m in wrapped]
+        raise TypeError(
+            f"Found modules that are wrapped with `torch.distributed.fsdp.FullyShardedDataParallel` (FSDP1): {found}."
+            f" The `{strategy}` only supports the new FSDP2 APIs in PyTorch >= 2.4: apply"
+            " `torch.distributed.fsdp.fully_shard` in configure_model, or declare a parallel_plan() and let"
+            f" {strategy} shard the model"
+        )
+
+
 def fsdp_roots(module: nn.Module) -> list[FSDPModule]:
     """The outermost FSDP modules under `module` (their settings recurse into the blocks)."""
     roots: dict[str, FSDPModule] = {}
