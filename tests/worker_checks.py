@@ -3,6 +3,8 @@
 A test module parametrises one test over `check_names(SCRIPT)` and takes a module-scoped fixture that launches
 the worker once with `selected_checks(request)`, the checks this session collected (after -k, --deselect, ...):
 `pytest -k NAME` launches the ranks for that one check, and a failing check fails the test that bears its name.
+A worker that takes its cases from the test (tests/workers/expect_errors.py) is selected the same way: the test
+is parametrised over the case names as `check`, and its fixture hands the worker only `selected_checks(request)`.
 """
 
 from __future__ import annotations
