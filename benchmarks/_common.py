@@ -17,7 +17,8 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from argparse import ArgumentParser, Namespace
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -70,6 +71,23 @@ def launch(script: str, argv: Sequence[str], nproc: int, timeout: float) -> dict
         if proc.returncode != 0 or not result_path.exists():
             raise RuntimeError(f"{' '.join(cmd)} failed with exit code {proc.returncode}")
         return json.loads(result_path.read_text())
+
+
+def run(argv: list[str], parse_args: Callable[[list[str]], Namespace], worker: Callable[[Namespace], None],
+        drive: Callable[[Namespace, list[str]], None], one_thread: bool = False) -> None:
+    """A benchmark's `main`: inside a torchrun rank `worker(args)`, in the launching process `drive(args, argv)`."""
+    args = parse_args(argv)
+    if in_worker():
+        if one_thread:  # the ranks already share the few cores; more threads only oversubscribe them
+            torch.set_num_threads(1)
+        worker(args)
+    else:
+        drive(args, argv)
+
+
+def launch_once(script: str, nproc: Callable[[Namespace], int]) -> Callable[[Namespace, list[str]], None]:
+    """The `drive` of a benchmark that launches its ranks once and prints rank 0's result as the JSON line."""
+    return lambda args, argv: print_result(launch(script, argv, nproc(args), args.timeout))
 
 
 def emit(result: dict[str, Any]) -> None:
@@ -168,6 +186,28 @@ class StepTimer(Callback):
     def window(self, warmup: int) -> float:
         """Wall time of the measured steps including everything between them (data loading, hooks)."""
         return self.ends[-1] - self.ends[warmup - 1] if warmup else self.ends[-1] - self.starts[0]
+
+
+def add_timing_arguments(p: ArgumentParser, repeats: int, timeout: float) -> None:
+    """The arguments of the step-timing benchmarks (overhead, vs_modelparallel, hf): mesh, model, batch, steps."""
+    p.add_argument("--dp", type=int, default=2, help="FSDP degree (dp_shard)")
+    p.add_argument("--tp", type=int, default=2, help="tensor-parallel degree")
+    p.add_argument("--preset", default="small", help="zoo GPT preset")
+    p.add_argument("--batch-size", type=int, default=4, help="per dp rank")
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--steps", type=int, default=8, help="measured steps per run")
+    p.add_argument("--warmup", type=int, default=2, help="steps dropped at the start of every run")
+    p.add_argument("--repeats", type=int, default=repeats, help="runs of each side, interleaved")
+    p.add_argument("--timeout", type=float, default=timeout, help="seconds for the whole launch")
+
+
+def timing_config(args: Namespace, **extra: Any) -> dict[str, Any]:
+    """The `config` of a step-timing result: the run's shape (add_timing_arguments), then `extra`, then the machine."""
+    return {
+        "world_size": args.dp * args.tp, "mesh": {"dp_shard": args.dp, "tp": args.tp}, "preset": args.preset,
+        "batch_size_per_dp_rank": args.batch_size, "seq_len": args.seq_len, "steps": args.steps,
+        "warmup": args.warmup, "repeats": args.repeats, "precision": "32-true", **extra, **environment(),
+    }  # fmt: skip
 
 
 def trainer_kwargs(world_size: int, max_steps: int, callbacks: list[Callback]) -> dict[str, Any]:

@@ -167,17 +167,15 @@ def plot(path: Path, curves: dict[str, list[float]], title: str) -> None:
     image.save(path)
 
 
-def main(argv: list[str]) -> None:
-    args = parse_args(argv)
-    if C.in_worker():
-        import torch
-
-        torch.set_num_threads(1)
-        worker(args)
-        return
+def drive(args: argparse.Namespace, argv: list[str]) -> None:
+    """The launching process: one 2-rank launch, its result as the JSON line."""
     if args.plot:  # the ranks run in the repository root
         argv = [a if a != args.plot else str(Path(args.plot).resolve()) for a in argv]
     C.print_result(C.launch(__file__, argv, nproc=2, timeout=args.timeout))
+
+
+def main(argv: list[str]) -> None:
+    C.run(argv, parse_args, worker, drive, one_thread=True)
 
 
 if __name__ == "__main__":

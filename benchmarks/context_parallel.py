@@ -195,11 +195,8 @@ def worker(args: argparse.Namespace) -> None:
     dist.destroy_process_group()
 
 
-def main(argv: list[str]) -> None:
-    args = parse_args(argv)
-    if C.in_worker():
-        worker(args)
-        return
+def drive(args: argparse.Namespace, argv: list[str]) -> None:
+    """The launching process: one launch per cp degree, then the peaks and the traffic against the ideal."""
     if 1 not in args.cp:
         raise SystemExit("--cp must include 1: the cp=1 peak is what the ideal divides")
     config = GPTConfig.from_preset(args.preset)
@@ -235,6 +232,10 @@ def main(argv: list[str]) -> None:
         },
     }
     C.print_result(result)
+
+
+def main(argv: list[str]) -> None:
+    C.run(argv, parse_args, worker, drive)
 
 
 if __name__ == "__main__":

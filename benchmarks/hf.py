@@ -29,15 +29,7 @@ import _common as C  # noqa: N812 (benchmarks/ is on sys.path when run as a scri
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--dp", type=int, default=2, help="FSDP degree (dp_shard)")
-    p.add_argument("--tp", type=int, default=2, help="tensor-parallel degree")
-    p.add_argument("--preset", default="small", help="zoo GPT preset (the Llama gets its converted config)")
-    p.add_argument("--batch-size", type=int, default=4, help="per dp rank")
-    p.add_argument("--seq-len", type=int, default=128)
-    p.add_argument("--steps", type=int, default=8, help="measured steps per run")
-    p.add_argument("--warmup", type=int, default=2, help="steps dropped at the start of every run")
-    p.add_argument("--repeats", type=int, default=2, help="runs of each side, interleaved")
-    p.add_argument("--timeout", type=float, default=400.0, help="seconds for the whole launch")
+    C.add_timing_arguments(p, repeats=2, timeout=400.0)  # --preset: the Llama gets the zoo preset's converted config
     return p.parse_args(argv)
 
 
@@ -99,24 +91,16 @@ def worker(args: argparse.Namespace) -> None:
         "ratio_per_repeat": [round(x, 4) for x in per_repeat],
         "goal": "figures only",
         "goal_met": None,
-        "config": {
-            "world_size": world_size, "mesh": {"dp_shard": args.dp, "tp": args.tp}, "sequence_parallel": True,
-            "preset": args.preset, "batch_size_per_dp_rank": args.batch_size, "seq_len": args.seq_len,
-            "steps": args.steps, "warmup": args.warmup, "repeats": args.repeats, "precision": "32-true",
-            "statistic": "median over steps of the slowest rank's step time, all repeats pooled",
-            **C.environment(),
-        },
+        "config": C.timing_config(
+            args, sequence_parallel=True, statistic="median over steps of the slowest rank's step time, all repeats pooled"
+        ),
     }  # fmt: skip
     C.emit(result)
     dist.destroy_process_group()
 
 
 def main(argv: list[str]) -> None:
-    args = parse_args(argv)
-    if C.in_worker():
-        worker(args)
-    else:
-        C.print_result(C.launch(__file__, argv, args.dp * args.tp, args.timeout))
+    C.run(argv, parse_args, worker, C.launch_once(__file__, lambda args: args.dp * args.tp))
 
 
 if __name__ == "__main__":

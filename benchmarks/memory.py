@@ -314,11 +314,8 @@ def largest_fit(args: argparse.Namespace) -> dict[str, Any]:
             "widths": widths, "largest": fits}
 
 
-def main(argv: list[str]) -> None:
-    args = parse_args(argv)
-    if C.in_worker():
-        worker(args)
-        return
+def drive(args: argparse.Namespace, argv: list[str]) -> None:
+    """The launching process: one launch per FSDP degree, then each component against the ideal."""
     if 1 not in args.fsdp:
         raise SystemExit("--fsdp must include 1: the N=1 run is the single-device total the ideal divides")
     runs = {n: C.launch(__file__, [*argv, "--worker-n", str(n)], n, args.timeout) for n in sorted(set(args.fsdp))}
@@ -373,6 +370,10 @@ def main(argv: list[str]) -> None:
         **C.environment(), "threads_per_rank": 1,  # the launcher sets OMP_NUM_THREADS=1 in every rank
     }
     C.print_result(result)
+
+
+def main(argv: list[str]) -> None:
+    C.run(argv, parse_args, worker, drive)
 
 
 if __name__ == "__main__":

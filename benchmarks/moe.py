@@ -179,11 +179,8 @@ def balance_run(args: argparse.Namespace, bias_rate: float, aux_coef: float) -> 
     }  # fmt: skip
 
 
-def main(argv: list[str]) -> None:
-    args = parse_args(argv)
-    if C.in_worker():
-        throughput_worker(args)
-        return
+def drive(args: argparse.Namespace, argv: list[str]) -> None:
+    """The launching process: the throughput launches per ep, then the balance runs."""
     result: dict[str, Any] = {"benchmark": "moe", "preset": args.preset}
     if args.part in ("all", "throughput"):
         runs = []
@@ -202,6 +199,10 @@ def main(argv: list[str]) -> None:
         result["balance_goal_met"] = b["aux_loss_free"]["imbalance_last_third"] < b["none"]["imbalance_last_third"]
     result["environment"] = C.environment()
     C.print_result(result)
+
+
+def main(argv: list[str]) -> None:
+    C.run(argv, parse_args, throughput_worker, drive)
 
 
 if __name__ == "__main__":

@@ -31,17 +31,9 @@ GOAL = 1.05
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--dp", type=int, default=2, help="FSDP degree (dp_shard)")
-    p.add_argument("--tp", type=int, default=2, help="tensor-parallel degree")
+    C.add_timing_arguments(p, repeats=4, timeout=170.0)
     p.add_argument("--no-sequence-parallel", dest="sequence_parallel", action="store_false")
-    p.add_argument("--preset", default="small", help="zoo GPT preset")
-    p.add_argument("--batch-size", type=int, default=4, help="per dp rank")
-    p.add_argument("--seq-len", type=int, default=128)
-    p.add_argument("--steps", type=int, default=8, help="measured steps per run")
-    p.add_argument("--warmup", type=int, default=2, help="steps dropped at the start of every run")
-    p.add_argument("--repeats", type=int, default=4, help="runs of each side, interleaved")
     p.add_argument("--log-loss", action="store_true", help="keep GPTModule's per-step self.log(sync_dist=True)")
-    p.add_argument("--timeout", type=float, default=170.0, help="seconds for the whole launch")
     return p.parse_args(argv)
 
 
@@ -117,25 +109,17 @@ def worker(args: argparse.Namespace) -> None:
                                 "plain": round(statistics.median(plain_flat), 6)},
         "goal": f"ratio <= {GOAL}",
         "goal_met": ratio <= GOAL,
-        "config": {
-            "world_size": world_size, "mesh": {"dp_shard": args.dp, "tp": args.tp},
-            "sequence_parallel": args.sequence_parallel, "preset": args.preset, "batch_size_per_dp_rank": args.batch_size,
-            "seq_len": args.seq_len, "steps": args.steps, "warmup": args.warmup, "repeats": args.repeats,
-            "precision": "32-true", "optimizer": "AdamW(foreach)", "log_loss": args.log_loss,
-            "statistic": "median over steps of the slowest rank's step time, all repeats pooled",
-            **C.environment(),
-        },
+        "config": C.timing_config(
+            args, sequence_parallel=args.sequence_parallel, optimizer="AdamW(foreach)", log_loss=args.log_loss,
+            statistic="median over steps of the slowest rank's step time, all repeats pooled",
+        ),
     }
     C.emit(result)
     dist.destroy_process_group()
 
 
 def main(argv: list[str]) -> None:
-    args = parse_args(argv)
-    if C.in_worker():
-        worker(args)
-    else:
-        C.print_result(C.launch(__file__, argv, args.dp * args.tp, args.timeout))
+    C.run(argv, parse_args, worker, C.launch_once(__file__, lambda args: args.dp * args.tp))
 
 
 if __name__ == "__main__":

@@ -94,11 +94,8 @@ def worker(args: argparse.Namespace) -> None:
     C.emit({"schedules": found})
 
 
-def main(argv: list[str]) -> None:
-    args = parse_args(argv)
-    if C.in_worker():
-        worker(args)
-        return
+def drive(args: argparse.Namespace, argv: list[str]) -> None:
+    """The launching process: one launch of pp ranks, its result with the config."""
     result = C.launch(__file__, argv, args.pp, args.timeout)
     result = {
         "benchmark": "pipeline",
@@ -111,6 +108,10 @@ def main(argv: list[str]) -> None:
         },
     }  # fmt: skip
     C.print_result(result)
+
+
+def main(argv: list[str]) -> None:
+    C.run(argv, parse_args, worker, drive)
 
 
 if __name__ == "__main__":

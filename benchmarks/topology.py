@@ -153,12 +153,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def main(argv: list[str]) -> None:
-    args = parse_args(argv)
-    if C.in_worker():
-        torch.set_num_threads(1)
-        worker(args)
-        return
+def drive(args: argparse.Namespace, argv: list[str]) -> None:
+    """The launching process: one launch per simulated NODESxDEVICES layout, then the cost model's figures."""
     measured = []
     for spec in args.simulate:
         nodes, per_node = map(int, spec.split("x"))
@@ -168,6 +164,10 @@ def main(argv: list[str]) -> None:
         "predicted_gradient_all_reduce_per_step": predicted(args.presets, [(4, 8), (64, 8)]),
         "environment": C.environment(),
     })  # fmt: skip
+
+
+def main(argv: list[str]) -> None:
+    C.run(argv, parse_args, worker, drive, one_thread=True)
 
 
 if __name__ == "__main__":

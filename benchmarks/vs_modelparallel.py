@@ -51,17 +51,9 @@ class HandParallelGPTModule(C.BenchGPTModule):
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--dp", type=int, default=2, help="FSDP degree")
-    p.add_argument("--tp", type=int, default=2, help="tensor-parallel degree")
+    C.add_timing_arguments(p, repeats=4, timeout=170.0)
     p.add_argument("--no-sequence-parallel", dest="sequence_parallel", action="store_false")
-    p.add_argument("--preset", default="small", help="zoo GPT preset")
-    p.add_argument("--batch-size", type=int, default=4, help="per dp rank")
-    p.add_argument("--seq-len", type=int, default=128)
-    p.add_argument("--steps", type=int, default=8, help="measured steps per run")
-    p.add_argument("--warmup", type=int, default=2, help="steps dropped at the start of every run")
-    p.add_argument("--repeats", type=int, default=4, help="runs of each strategy, interleaved")
     p.add_argument("--log-loss", action="store_true", help="keep GPTModule's per-step self.log(sync_dist=True)")
-    p.add_argument("--timeout", type=float, default=170.0, help="seconds for the whole launch")
     return p.parse_args(argv)
 
 
@@ -108,27 +100,19 @@ def worker(args: argparse.Namespace) -> None:
         "median_step_s": {k: round(C.slowest_rank_median(C.gather(v)), 6) for k, v in steps.items()},
         "goal": f"ratio >= {GOAL}",
         "goal_met": ratio >= GOAL,
-        "config": {
-            "world_size": args.dp * args.tp, "mesh": {"dp_shard": args.dp, "tp": args.tp},
-            "modelparallel": {"data_parallel_size": args.dp, "tensor_parallel_size": args.tp},
-            "sequence_parallel": args.sequence_parallel, "preset": args.preset,
-            "batch_size_per_dp_rank": args.batch_size, "seq_len": args.seq_len, "steps": args.steps,
-            "warmup": args.warmup, "repeats": args.repeats, "tokens_per_run": tokens, "precision": "32-true",
-            "optimizer": "AdamW(foreach)", "log_loss": args.log_loss,
-            "statistic": "median over repeats of global tokens / slowest rank's wall time of the measured steps",
-            **C.environment(),
-        },
+        "config": C.timing_config(
+            args, modelparallel={"data_parallel_size": args.dp, "tensor_parallel_size": args.tp},
+            sequence_parallel=args.sequence_parallel, tokens_per_run=tokens, optimizer="AdamW(foreach)",
+            log_loss=args.log_loss,
+            statistic="median over repeats of global tokens / slowest rank's wall time of the measured steps",
+        ),
     }
     C.emit(result)
     dist.destroy_process_group()
 
 
 def main(argv: list[str]) -> None:
-    args = parse_args(argv)
-    if C.in_worker():
-        worker(args)
-    else:
-        C.print_result(C.launch(__file__, argv, args.dp * args.tp, args.timeout))
+    C.run(argv, parse_args, worker, C.launch_once(__file__, lambda args: args.dp * args.tp))
 
 
 if __name__ == "__main__":

@@ -20,15 +20,14 @@ trained, sharded checkpoint is written as a transformers directory (config.json 
 
 from __future__ import annotations
 
-import argparse
-import json
 from pathlib import Path
 
 import lightning as L
 import torch
 import torch.nn.functional as F
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader
 
+import _common as E  # noqa: N812 (examples/ is on sys.path when run as a script)
 from lit_mesh import MeshStrategy
 
 GLOBAL_BATCH = 8
@@ -84,44 +83,22 @@ class CausalLM(L.LightningModule):
         return loss
 
     def train_dataloader(self) -> DataLoader:
-        dp = self.trainer.strategy.distributed_sampler_kwargs  # the data-parallel rank and size
-        replicas, rank = dp["num_replicas"], dp["rank"]
-        if GLOBAL_BATCH % replicas:
-            raise ValueError(f"global batch {GLOBAL_BATCH} is not divisible by {replicas} data-parallel ranks")
-        tokens, targets = make_data(GLOBAL_BATCH * 64)
-        local = TensorDataset(tokens[rank::replicas], targets[rank::replicas])
-        return DataLoader(local, batch_size=GLOBAL_BATCH // replicas, shuffle=False, drop_last=True)
+        return E.global_batch_slice(self, *make_data(GLOBAL_BATCH * 64), GLOBAL_BATCH)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.AdamW(self.parameters(), lr=self.lr)
 
 
 def main(argv: list[str] | None = None) -> list[float]:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = E.parser(__doc__)
     parser.add_argument("--arch", default="llama", choices=["llama", "gpt2", "mixtral"])
-    parser.add_argument("--devices", type=int, default=1)
-    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel degree; dp = devices / tp")
     parser.add_argument("--ep", type=int, default=1, help="expert-parallel degree (Mixtral), borrowed from dp")
-    parser.add_argument("--max-steps", type=int, default=10)
     parser.add_argument("--export-dir", default=None, help="write the trained model here as a transformers directory")
-    parser.add_argument("--out", default=None, help="JSON file for the per-step losses (written by rank 0)")
-    args = parser.parse_args(argv)
-    if args.devices % args.tp:
-        parser.error(f"--tp {args.tp} must divide --devices {args.devices}")
+    args = E.parse(parser, argv)
 
     L.seed_everything(0, verbose=False)
     module = CausalLM(args.arch)
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=args.devices,
-        strategy=MeshStrategy(dp=args.devices // args.tp, tp=args.tp, ep=args.ep),
-        max_steps=args.max_steps,
-        use_distributed_sampler=False,  # we slice the global batch ourselves (train_dataloader)
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    trainer = E.trainer(args, MeshStrategy(dp=args.devices // args.tp, tp=args.tp, ep=args.ep))
     trainer.fit(module)
     if args.export_dir:
         checkpoint = Path(args.export_dir) / "trained.ckpt"
@@ -131,12 +108,7 @@ def main(argv: list[str] | None = None) -> list[float]:
 
             print("wrote", export_hf(checkpoint, Path(args.export_dir) / "hf", config=module.config))
         trainer.strategy.barrier()
-    if trainer.is_global_zero:
-        print("losses:", " ".join(f"{v:.6f}" for v in module.losses))
-        if args.out:
-            with open(args.out, "w") as f:
-                json.dump({"losses": module.losses, "world_size": trainer.world_size}, f)
-    return module.losses
+    return E.report(trainer, module.losses, args.out)
 
 
 if __name__ == "__main__":

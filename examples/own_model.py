@@ -12,21 +12,20 @@ What it shows: the per-step losses are the same on 1 device and on N (up to floa
   (FSDP then keeps only each rank's shard);
 - every rank reads its own slice of the same global batch: `use_distributed_sampler=False` and the loader
   takes rows `rank::num_replicas` of each global batch, with the data-parallel rank and size from
-  `trainer.strategy.distributed_sampler_kwargs`. The global batch is therefore the same for any device count.
+  `trainer.strategy.distributed_sampler_kwargs` (`global_batch_slice` in examples/_common.py, which the
+  examples share with their flags and Trainer). The global batch is therefore the same for any device count.
 Rank 0 writes the per-step losses (averaged over the data-parallel ranks) to `--out` as JSON.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-
 import lightning as L
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader
 
+import _common as E  # noqa: N812 (examples/ is on sys.path when run as a script)
 from lit_mesh import MeshStrategy
 
 GLOBAL_BATCH = 16
@@ -73,47 +72,22 @@ class Classifier(L.LightningModule):
         return loss
 
     def train_dataloader(self) -> DataLoader:
-        dp = self.trainer.strategy.distributed_sampler_kwargs  # {"num_replicas", "rank"} of the data-parallel group
-        replicas, rank = dp["num_replicas"], dp["rank"]
-        if GLOBAL_BATCH % replicas:
-            raise ValueError(f"global batch {GLOBAL_BATCH} is not divisible by {replicas} data-parallel ranks")
-        x, y = make_data(GLOBAL_BATCH * 64)
-        # rows rank, rank + replicas, ...: local batch k holds this rank's share of global batch k
-        local = TensorDataset(x[rank::replicas], y[rank::replicas])
-        return DataLoader(local, batch_size=GLOBAL_BATCH // replicas, shuffle=False, drop_last=True)
+        return E.global_batch_slice(self, *make_data(GLOBAL_BATCH * 64), GLOBAL_BATCH)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.AdamW(self.parameters(), lr=self.lr)
 
 
 def main(argv: list[str] | None = None) -> list[float]:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--devices", type=int, default=1)
-    parser.add_argument("--max-steps", type=int, default=10)
-    parser.add_argument("--out", default=None, help="JSON file for the per-step losses (written by rank 0)")
+    parser = E.parser(__doc__, tp=False)
     parser.add_argument("--lazy", action="store_true", help="build the layers in configure_model (meta device)")
-    args = parser.parse_args(argv)
+    args = E.parse(parser, argv)
 
     L.seed_everything(0, verbose=False)
     model = Classifier(lazy=args.lazy)
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=args.devices,
-        strategy=MeshStrategy(dp=args.devices),
-        max_steps=args.max_steps,
-        use_distributed_sampler=False,  # we slice the global batch ourselves (train_dataloader)
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    trainer = E.trainer(args, MeshStrategy(dp=args.devices))
     trainer.fit(model)
-    if trainer.is_global_zero:
-        print("losses:", " ".join(f"{v:.6f}" for v in model.losses))
-        if args.out:
-            with open(args.out, "w") as f:
-                json.dump({"losses": model.losses, "world_size": trainer.world_size}, f)
-    return model.losses
+    return E.report(trainer, model.losses, args.out)
 
 
 if __name__ == "__main__":

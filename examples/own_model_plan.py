@@ -21,16 +21,15 @@ group read the same slice), so the per-step losses match a single-device run. Ra
 
 from __future__ import annotations
 
-import argparse
-import json
 from dataclasses import dataclass
 
 import lightning as L
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader
 
+import _common as E  # noqa: N812 (examples/ is on sys.path when run as a script)
 from lit_mesh import Init, MeshStrategy, ParallelPlan
 
 GLOBAL_BATCH = 8
@@ -157,50 +156,23 @@ class TaggerModule(L.LightningModule):
         return loss
 
     def train_dataloader(self) -> DataLoader:
-        dp = self.trainer.strategy.distributed_sampler_kwargs  # the data-parallel rank and size, not the global ones
-        replicas, rank = dp["num_replicas"], dp["rank"]
-        if GLOBAL_BATCH % replicas:
-            raise ValueError(f"global batch {GLOBAL_BATCH} is not divisible by {replicas} data-parallel ranks")
-        x, y = make_data(GLOBAL_BATCH * 64, self.config)
-        local = TensorDataset(x[rank::replicas], y[rank::replicas])
-        return DataLoader(local, batch_size=GLOBAL_BATCH // replicas, shuffle=False, drop_last=True)
+        return E.global_batch_slice(self, *make_data(GLOBAL_BATCH * 64, self.config), GLOBAL_BATCH)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.AdamW(self.parameters(), lr=self.lr)
 
 
 def main(argv: list[str] | None = None) -> list[float]:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--devices", type=int, default=1)
-    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel degree; dp = devices / tp")
+    parser = E.parser(__doc__)
     parser.add_argument("--no-sequence-parallel", action="store_true")
-    parser.add_argument("--max-steps", type=int, default=10)
-    parser.add_argument("--out", default=None, help="JSON file for the per-step losses (written by rank 0)")
-    args = parser.parse_args(argv)
-    if args.devices % args.tp:
-        parser.error(f"--tp {args.tp} must divide --devices {args.devices}")
+    args = E.parse(parser, argv)
 
     L.seed_everything(0, verbose=False)
     model = TaggerModule()
     strategy = MeshStrategy(dp=args.devices // args.tp, tp=args.tp, sequence_parallel=not args.no_sequence_parallel)
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=args.devices,
-        strategy=strategy,
-        max_steps=args.max_steps,
-        use_distributed_sampler=False,  # we slice the global batch ourselves (train_dataloader)
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    trainer = E.trainer(args, strategy)
     trainer.fit(model)
-    if trainer.is_global_zero:
-        print("losses:", " ".join(f"{v:.6f}" for v in model.losses))
-        if args.out:
-            with open(args.out, "w") as f:
-                json.dump({"losses": model.losses, "world_size": trainer.world_size, "layout": strategy.layout.describe()}, f)
-    return model.losses
+    return E.report(trainer, model.losses, args.out, layout=strategy.layout.describe())
 
 
 if __name__ == "__main__":

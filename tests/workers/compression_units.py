@@ -1,15 +1,10 @@
-"""Gradient-compression sites over a real gloo group (run by tests/test_compression.py with 2 ranks).
+"""Gradient-compression sites over a real gloo group (run by tests/integration/test_compression.py with 2 ranks).
 
-Usage: torchrun --nproc_per_node=2 tests/workers/compression_units.py OUT_JSON
-Rank 0 writes {check: True or what went wrong}.
+Usage: torchrun --nproc_per_node=2 tests/workers/compression_units.py OUT_DIR CHECK[,CHECK...]
+Each check is its own pytest id (tests/worker_checks.py); rank r writes OUT_DIR/rank{r}.json.
 """
 
 from __future__ import annotations
-
-import json
-import sys
-import traceback
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -19,6 +14,9 @@ from lit_mesh.comm.compression import CompressionRun
 from lit_mesh.comm.powersgd import Segment
 from lit_mesh.comm.options import CompressionOptions, CompressionPhase
 from tests.workers import exit_skipping_teardown
+from tests.workers.checks import Checks, arguments
+
+check = Checks()
 
 
 def gathered(x: torch.Tensor) -> list[torch.Tensor]:
@@ -36,6 +34,7 @@ def roundtrip(codec, x: torch.Tensor) -> torch.Tensor:
     return codec.decode(codec.encode(x), x.numel(), x.dtype)
 
 
+@check
 def onebit_all_reduce_formula() -> None:
     n, me = dist.get_world_size(), dist.get_rank()
     run = CompressionRun(CompressionOptions(mode="onebit", onebit_block=64, onebit_rms_refresh=0))
@@ -57,6 +56,7 @@ def onebit_all_reduce_formula() -> None:
     assert got["uncompressed"] == 2 * (n - 1) / n * 4000, got
 
 
+@check
 def onebit_scaled_by_entry_rms() -> None:
     """onebit_rms_refresh: the RMS of chunk j comes from rank j's own gradients (8-bit log codes, all-gathered),
     every entry is divided by it before its sign is taken and multiplied back after; error feedback stays exact;
@@ -111,6 +111,7 @@ def reduce_scatter_formula(mode: str) -> None:
     assert torch.equal(site.residual + mine, xs[me]) or mode == "onebit"
 
 
+@check
 def powersgd_sums_rank_r_matrices_exactly() -> None:
     n, me = dist.get_world_size(), dist.get_rank()
     gen = torch.Generator().manual_seed(7)
@@ -132,6 +133,7 @@ def powersgd_sums_rank_r_matrices_exactly() -> None:
     assert sent < run.meter.current["dp_shard"]["uncompressed"] / 4, run.meter.current
 
 
+@check
 def nothing_lost_across_steps_and_switches() -> None:
     """mean input + what was held back before == output + what is held back now, at every step, through
     onebit -> topk -> powersgd -> fp16 -> onebit -> none (residuals carried, the server's folded back)."""
@@ -170,6 +172,7 @@ def nothing_lost_across_steps_and_switches() -> None:
     assert site.residual is None and site.codec_reduction.server_residual is None, "uncompressed sends flush every residual"
 
 
+@check
 def none_is_the_plain_collective() -> None:
     n, me = dist.get_world_size(), dist.get_rank()
     run = CompressionRun(CompressionOptions(warmup_steps=3, bucket_mb=100 / 2**20))  # 100-byte buckets
@@ -185,6 +188,7 @@ def none_is_the_plain_collective() -> None:
     assert sorted(run.sites) == ["many", "many/bucket1", "rs"]  # 40 bytes, then 2360 bytes alone
 
 
+@check
 def schedule_switches_by_rule_on_all_ranks_together() -> None:
     phase = CompressionPhase("onebit", grad_norm_change_below=0.5, patience=2)
     run = CompressionRun(CompressionOptions(mode="fp16", schedule=[phase]))
@@ -202,34 +206,26 @@ def schedule_switches_by_rule_on_all_ranks_together() -> None:
     assert seen == ["fp16", "fp16", "fp16", "onebit", "onebit", "onebit"], seen
 
 
-CHECKS = [
-    onebit_all_reduce_formula,
-    onebit_scaled_by_entry_rms,
-    lambda: reduce_scatter_formula("topk"),
-    lambda: reduce_scatter_formula("fp16"),
-    lambda: reduce_scatter_formula("onebit"),
-    powersgd_sums_rank_r_matrices_exactly,
-    nothing_lost_across_steps_and_switches,
-    none_is_the_plain_collective,
-    schedule_switches_by_rule_on_all_ranks_together,
-]
-NAMES = ["onebit_all_reduce", "onebit_entry_rms", "topk_reduce_scatter", "fp16_reduce_scatter", "onebit_reduce_scatter", "powersgd",
-         "conservation_across_switches", "none", "schedule_rule"]  # fmt: skip
+@check
+def topk_reduce_scatter_formula() -> None:
+    reduce_scatter_formula("topk")
+
+
+@check
+def fp16_reduce_scatter_formula() -> None:
+    reduce_scatter_formula("fp16")
+
+
+@check
+def onebit_reduce_scatter_formula() -> None:
+    reduce_scatter_formula("onebit")
 
 
 if __name__ == "__main__":
+    out_dir, selected = arguments()
     dist.init_process_group("gloo")
-    results = {}
-    for name, check in zip(NAMES, CHECKS):
-        try:
-            check()
-            results[name] = True
-        except Exception:  # noqa: BLE001 - report every failing check, not only the first
-            results[name] = traceback.format_exc(limit=3)
-    everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, results)
-    if dist.get_rank() == 0:
-        merged = {name: next((r[name] for r in everyone if r[name] is not True), True) for name in NAMES}
-        Path(sys.argv[1]).write_text(json.dumps(merged))
+    check.run(selected)
+    check.write(out_dir, dist.get_rank())
+    dist.barrier()  # no rank tears gloo down while another still talks to it
     dist.destroy_process_group()
     exit_skipping_teardown()

@@ -1,6 +1,6 @@
 """Run several examples/ scripts, one after another, in the processes of one launch (imports paid once).
 
-Usage (from tests/test_examples.py):
+Usage (from tests/integration/test_examples.py):
     python tests/workers/examples_runs.py OUT_DIR RUNS_JSON                                   # one process
     torchrun --standalone --nproc_per_node=N tests/workers/examples_runs.py OUT_DIR RUNS_JSON  # N processes
 RUNS_JSON is a list of {"name": str, "script": "own_model.py", "args": [script flags]}. Each run calls the
@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+sys.path.insert(0, str(EXAMPLES))  # as `python examples/x.py` does: the scripts import their shared `_common`
 
 
 def load(script: str):

@@ -1,4 +1,4 @@
-"""Run everything one launch of tests/test_hf.py needs, in the processes torchrun started (imports paid once).
+"""Run everything one launch of tests/integration/test_hf.py needs, in the processes torchrun started (imports paid once).
 
 Usage: torchrun --standalone --nproc_per_node=N tests/workers/hf_runs.py OUT_DIR RUNS_JSON
 RUNS_JSON is a list of {"kind": "fit" | "error" | "example", "name": str, "args": [...]}:

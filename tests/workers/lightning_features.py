@@ -1,4 +1,4 @@
-"""Lightning behaviour under MeshStrategy on fsdp2 x tp2 (run by tests/test_lightning_features.py).
+"""Lightning behaviour under MeshStrategy on fsdp2 x tp2 (run by tests/integration/test_lightning_features.py).
 
 Usage: torchrun --standalone --nproc_per_node=4 tests/workers/lightning_features.py OUT_JSON
 Rank 0 writes what it observed; the test judges it.

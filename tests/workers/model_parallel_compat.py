@@ -2,7 +2,7 @@
 
 Usage: torchrun --standalone --nproc_per_node=2 tests/workers/model_parallel_compat.py OUT_DIR
 Runs every scenario in one launch; each rank writes {scenario: "ok" | error text} to OUT_DIR/rank{r}.json and
-tests/test_model_parallel_compat.py judges. Scenarios named test_* are our copies of Lightning 2.6's
+tests/integration/test_model_parallel_compat.py judges. Scenarios named test_* are our copies of Lightning 2.6's
 tests/tests_pytorch/strategies/test_model_parallel_integration.py (accelerator "cuda" -> "cpu", devices as there,
 ModelParallelStrategy(...) -> MeshStrategy(...) with the same arguments: ModelParallelStrategy() with no argument
 becomes MeshStrategy(data_parallel_size="auto", tensor_parallel_size="auto"), its meaning).

@@ -1,17 +1,15 @@
 """Two simulated SLURM nodes on localhost: the topology MeshStrategy reads, TP and node-local groups, and the
 hierarchical all-reduce against the flat one (raw tensors, DDP and HSDP gradients through FSDP2, layered
-compression). Run by tests/test_topology.py: one process per SLURM task, SLURM_* set as srun would.
+compression). Run by tests/integration/test_topology.py: one process per SLURM task, SLURM_* set as srun would.
 
-Usage: python tests/workers/topology_units.py OUT_DIR      (rank r writes OUT_DIR/rank{r}.json: {check: "ok" or error})
+Usage: python tests/workers/topology_units.py OUT_DIR CHECK[,CHECK...]   (rank r writes OUT_DIR/rank{r}.json, see
+tests/workers/checks.py; each check is its own pytest id)
 """
 
 from __future__ import annotations
 
-import json
+import functools
 import os
-import sys
-import traceback
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -27,10 +25,12 @@ from lit_mesh.comm.powersgd import segments_of_shapes
 from lit_mesh.mesh import MeshLayout, build_device_mesh
 from lit_mesh.parallel.data import apply_data_parallel, attach_compression, data_parallel_mesh
 from tests.workers import exit_skipping_teardown
+from tests.workers.checks import Checks, arguments
 
 NODES, PER_NODE = int(os.environ["SLURM_NNODES"]), int(os.environ["SLURM_NTASKS_PER_NODE"])
 RANK, WORLD = int(os.environ["SLURM_PROCID"]), int(os.environ["SLURM_NTASKS"])
 TOPOLOGY = Topology(nodes=NODES, devices_per_node=PER_NODE)
+check = Checks()
 
 
 def ranks_of(group) -> list[int]:
@@ -46,6 +46,7 @@ def every_rank(length: int, integer: bool, step: int = 0) -> list[torch.Tensor]:
     return out
 
 
+@check
 def strategy_reads_slurm() -> None:
     """Before any process group: the Trainer picks SLURMEnvironment and MeshStrategy the topology from it."""
     trainer = Trainer(accelerator="cpu", devices=PER_NODE, num_nodes=NODES, strategy=MeshStrategy(tp=2), logger=False)
@@ -56,6 +57,7 @@ def strategy_reads_slurm() -> None:
     assert env.world_size() == WORLD
 
 
+@check
 def tp_groups_inside_a_node() -> None:
     layout = MeshLayout(dp_replicate=2, dp_shard=WORLD // 4, tp=2)
     views = build_device_mesh(layout, "cpu")
@@ -82,13 +84,40 @@ def node_local_groups(layout: MeshLayout, dims: tuple[int, ...], g: int, n: int)
     return h
 
 
+@functools.cache
+def ddp_hierarchy() -> hierarchical.Hierarchy:
+    """The DDP group's hierarchy, made once and shared by the checks that use it (one launch runs them all)."""
+    return node_local_groups(MeshLayout(dp_replicate=WORLD), (1,), PER_NODE, NODES)
+
+
+@check
+def node_local_groups_ddp() -> None:
+    ddp_hierarchy()
+
+
+@check
+def node_local_groups_hsdp() -> None:
+    """Two replicas per node (4 tasks per node): node-local groups; one replica per node: nothing to gain, no groups."""
+    if PER_NODE >= 4:
+        node_local_groups(MeshLayout(dp_replicate=WORLD // 2, dp_shard=2), (1,), PER_NODE // 2, NODES)
+    else:
+        hsdp_stays_flat()
+
+
+@check
+def node_local_groups_metrics() -> None:
+    node_local_groups(MeshLayout(dp_shard=WORLD), (1, 2, 3), PER_NODE, NODES)
+
+
 def hsdp_stays_flat() -> None:
     views = build_device_mesh(MeshLayout(dp_replicate=NODES, dp_shard=PER_NODE), "cpu")
     group = views.root.get_group("dp_replicate")
     assert hierarchical.build_hierarchy(views.root.mesh, (1,), group, TOPOLOGY, "hierarchical", "x") is None
 
 
-def raw_all_reduce(h: hierarchical.Hierarchy) -> None:
+@check
+def raw_all_reduce() -> None:
+    h = ddp_hierarchy()
     members = ranks_of(h.group)
     for integer in (True, False):
         xs = every_rank(1001, integer)  # not a multiple of g: the padding must drop out
@@ -106,7 +135,10 @@ def raw_all_reduce(h: hierarchical.Hierarchy) -> None:
             torch.testing.assert_close(out, total / len(members) if average else total, rtol=1e-6, atol=1e-5)
 
 
-def layered_fp16_and_onebit(h: hierarchical.Hierarchy) -> None:
+@check
+def layered_compression() -> None:
+    """fp16, 1-bit and PowerSGD on the inter-node step of the DDP group's hierarchical all-reduce."""
+    h = ddp_hierarchy()
     g, n = h.per_node, h.nodes
     members = ranks_of(h.group)
     xs = every_rank(g * n * 64 * 2, integer=True)
@@ -186,6 +218,7 @@ def fsdp_gradients(
     return {name: p.grad.full_tensor() for name, p in model.named_parameters()}
 
 
+@check
 def ddp_and_hsdp_gradients() -> None:
     # HSDP: dp_shard 2 inside a node; with 2 devices per node that leaves one replica per node, where the
     # hierarchy is trivial (built anyway here, to check the hook's plumbing: 1-D shard mesh, divide factors)
@@ -212,31 +245,11 @@ def ddp_and_hsdp_gradients() -> None:
 
 
 if __name__ == "__main__":
-    out = Path(sys.argv[1])
-    results: dict[str, str] = {}
-
-    def check(name, fn, *args):
-        try:
-            value = fn(*args)
-            results[name] = "ok"
-            return value
-        except Exception:  # noqa: BLE001 - recorded for the test to show
-            results[name] = traceback.format_exc()[-3000:]
-
-    check("strategy_reads_slurm", strategy_reads_slurm)
+    out_dir, selected = arguments()
+    check.run([name for name in selected if name == "strategy_reads_slurm"])  # before any process group
     dist.init_process_group("gloo", rank=RANK, world_size=WORLD)  # MASTER_ADDR/PORT set by the launcher
-    check("tp_groups_inside_a_node", tp_groups_inside_a_node)
-    ddp = check("node_local_groups_ddp", node_local_groups, MeshLayout(dp_replicate=WORLD), (1,), PER_NODE, NODES)
-    if PER_NODE >= 4:  # two replicas per node
-        check("node_local_groups_hsdp", node_local_groups, MeshLayout(dp_replicate=WORLD // 2, dp_shard=2), (1,), PER_NODE // 2, NODES)
-    else:  # one replica per node: nothing to gain, no groups made
-        check("hsdp_one_replica_per_node_stays_flat", hsdp_stays_flat)
-    check("node_local_groups_metrics", node_local_groups, MeshLayout(dp_shard=WORLD), (1, 2, 3), PER_NODE, NODES)
-    if ddp is not None:
-        check("raw_all_reduce", raw_all_reduce, ddp)
-        check("layered_compression", layered_fp16_and_onebit, ddp)
-    check("ddp_and_hsdp_gradients", ddp_and_hsdp_gradients)
-    (out / f"rank{RANK}.json").write_text(json.dumps(results))
+    check.run([name for name in selected if name != "strategy_reads_slurm"])
+    check.write(out_dir, RANK)
     dist.barrier()
     dist.destroy_process_group()
     exit_skipping_teardown()

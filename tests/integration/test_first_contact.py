@@ -8,7 +8,6 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 
@@ -101,71 +100,3 @@ def test_the_core_trains_with_no_extra_installed(tmp_path: Path) -> None:
     )
     proc = _without(",".join(EXTRAS), code)
     assert proc.returncode == 0 and "trained 2" in proc.stdout, proc.stderr[-4000:]
-
-
-def test_pictures_reach_the_loggers_that_take_images(tmp_path: Path) -> None:
-    from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
-
-    from lit_mesh.extras import pyplot
-    from lit_mesh.figures import log_image
-    from tests.tensorboard_images import image_tags
-
-    plt = pyplot()
-    fig, ax = plt.subplots(figsize=(2, 1))
-    ax.plot([0, 1], [1, 0])
-    png = tmp_path / "picture.png"
-    fig.savefig(png)
-    plt.close(fig)
-
-    class ImageLogger(CSVLogger):  # the shape of W&B's / Neptune's log_image
-        def log_image(self, key: str, images: list, step: int | None = None) -> None:
-            self.logged = (key, images, step)
-
-    tensorboard = TensorBoardLogger(tmp_path / "tb")
-    other = ImageLogger(tmp_path / "other")
-    trainer = SimpleNamespace(loggers=[tensorboard, CSVLogger(tmp_path / "csv"), other])
-    assert log_image(trainer, "pipeline_timeline", png, step=3) == ["TensorBoardLogger", "ImageLogger"]
-    assert image_tags(tmp_path / "tb") == {"pipeline_timeline"}
-    assert other.logged == ("pipeline_timeline", [str(png)], 3)
-
-
-def test_progress_bar_counts_steps_in_a_step_limited_run(tmp_path: Path) -> None:
-    from lightning.pytorch import Trainer
-    from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
-
-    from lit_mesh.progress import StepRichProgressBar, StepTQDMProgressBar, count_steps_in_progress_bar
-
-    for bar, twin in ((RichProgressBar(), StepRichProgressBar), (TQDMProgressBar(), StepTQDMProgressBar)):
-        trainer = Trainer(max_steps=7, callbacks=[bar], logger=False, default_root_dir=tmp_path)
-        count_steps_in_progress_bar(trainer)
-        assert type(trainer.progress_bar_callback) is twin and trainer.progress_bar_callback is bar
-    by_epochs = Trainer(max_epochs=2, callbacks=[RichProgressBar()], logger=False, default_root_dir=tmp_path)
-    count_steps_in_progress_bar(by_epochs)
-    assert type(by_epochs.progress_bar_callback) is RichProgressBar  # an epoch-limited run keeps "Epoch N"
-
-    class Mine(RichProgressBar):
-        pass
-
-    mine = Trainer(max_steps=7, callbacks=[Mine()], logger=False, default_root_dir=tmp_path)
-    count_steps_in_progress_bar(mine)
-    assert type(mine.progress_bar_callback) is Mine  # a user's own bar is left alone
-
-
-def test_a_step_limited_fit_shows_step_n_of_max_steps(tmp_path: Path) -> None:
-    """Through MeshStrategy on one device: the bar Lightning made reads `step 3/3` at the end."""
-    from lightning.pytorch import Trainer
-    from lightning.pytorch.callbacks import RichProgressBar
-
-    from lit_mesh import MeshStrategy
-    from lit_mesh.cli import close_process_groups
-    from zoo import GPTModule, TextDataModule
-
-    bar = RichProgressBar(leave=True)
-    trainer = Trainer(accelerator="cpu", devices=1, strategy=MeshStrategy(), max_steps=3, limit_val_batches=0,
-                      callbacks=[bar], logger=False, enable_checkpointing=False, default_root_dir=tmp_path)  # fmt: skip
-    try:
-        trainer.fit(GPTModule(preset="tiny"), TextDataModule(global_batch_size=4, seq_len=32))
-    finally:
-        close_process_groups()
-    task = bar.progress.tasks[bar.train_progress_bar_id]
-    assert task.description.strip() == "step 3/3", task.description

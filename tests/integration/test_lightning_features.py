@@ -6,8 +6,6 @@ import json
 from pathlib import Path
 
 import pytest
-from lightning.pytorch import Trainer
-from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 
 from lit_mesh import MeshStrategy
 from tests.launch import torchrun
@@ -78,19 +76,3 @@ def test_max_time_stops_every_rank_at_the_same_step(observed: dict) -> None:
     assert 0 < run["global_step"] < 100_000 and run["global_step"] == run["max_over_ranks"]
     assert run["train_batches"] == run["global_step"]
     assert run["global_step"] > 7 and run["max_batch_idx"] == 6  # limit_train_batches=7: epochs of 7 batches
-
-
-def test_launcher_is_configured_and_validates_slurm(monkeypatch: pytest.MonkeyPatch) -> None:
-    slurm = {
-        "SLURM_NTASKS": "4", "SLURM_NTASKS_PER_NODE": "4", "SLURM_PROCID": "0", "SLURM_LOCALID": "0",
-        "SLURM_NODEID": "0", "SLURM_NNODES": "1", "SLURM_JOB_NAME": "train", "SLURM_JOB_ID": "1234",
-        "SLURM_NODELIST": "localhost",
-    }  # fmt: skip
-    for key, value in slurm.items():
-        monkeypatch.setenv(key, value)
-    trainer = Trainer(accelerator="cpu", devices=4, strategy=MeshStrategy(), logger=False)
-    assert isinstance(trainer.strategy.launcher, _SubprocessScriptLauncher)
-    assert trainer.strategy.cluster_environment.creates_processes_externally
-    # the allocation has 4 tasks per node, the Trainer asks for 2 devices: refused when the Trainer is made
-    with pytest.raises(ValueError, match="ntasks"):
-        Trainer(accelerator="cpu", devices=2, strategy=MeshStrategy(), logger=False)

@@ -15,10 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from lit_mesh import Topology
 from lit_mesh.comm import hierarchical
-from lit_mesh.mesh import MeshLayout
 from tests.launch import REPO, WORKERS
+from tests.worker_checks import CheckResults, check_names, selected_checks
 
 # launcher variables of the test's own environment must not leak into the simulated ranks
 _LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT",
@@ -81,36 +80,21 @@ def torchrun_nodes(nodes: int, per_node: int, script: Path, *args: str, timeout:
     return wait_all(procs, timeout)
 
 
-@pytest.mark.parametrize("per_node", [2, 4])
-def test_slurm_two_nodes_topology_groups_and_hierarchical_equals_flat(tmp_path: Path, per_node: int) -> None:
+@pytest.fixture(scope="module", params=[2, 4], ids=["2x2", "2x4"])
+def slurm_two_nodes(request: pytest.FixtureRequest) -> CheckResults:
     """2 nodes x 2 tasks, and 2 x 4: there HSDP 4 x 2 has two replicas per node, so its replicate all-reduce has a
     real node-local step (at 2 x 2 it has one replica per node and the hierarchy is trivial)."""
-    slurm_launch(2, per_node, WORKERS / "topology_units.py", str(tmp_path), timeout=120 * per_node)
-    for rank in range(2 * per_node):
-        results = json.loads((tmp_path / f"rank{rank}.json").read_text())
-        failed = {name: error for name, error in results.items() if error != "ok"}
-        assert not failed, f"rank {rank}: " + "\n".join(f"{n}:\n{e}" for n, e in failed.items())
-        assert len(results) == 8, results
+    per_node, out = request.param, request.getfixturevalue("tmp_path_factory").mktemp("topology_units")
+    checks = ",".join(selected_checks(request))
+    slurm_launch(2, per_node, WORKERS / "topology_units.py", str(out), checks, timeout=120 * per_node)
+    return CheckResults(out, 2 * per_node)
 
 
-def test_cost_model_formulas() -> None:
-    """Bytes across the node boundary and inter-node steps (the figures benchmarks/topology.py measures)."""
-    s = 1000.0
-    assert hierarchical.inter_node_bytes(s, 2, 4, hierarchical=False) == 2 * 7 / 8 * s
-    assert hierarchical.inter_node_bytes(s, 2, 4, hierarchical=True) == 2 * 1 / 2 * s / 4
-    assert (hierarchical.inter_node_steps(2, 4, False), hierarchical.inter_node_steps(2, 4, True)) == (14, 2)
-    topo = Topology(nodes=64, devices_per_node=8)
-    big = 1e9  # a 1 GB gradient: bandwidth-bound, the inter-node bytes shrink ~g times
-    flat, hier = hierarchical.flat_time(big, 64, 8, topo), hierarchical.hierarchical_time(big, 64, 8, topo)
-    assert flat == pytest.approx(2 * 511 * 15e-6 + 2 * 511 / 512 * big / 50e9)
-    assert hier == pytest.approx(2 * (7 * 5e-6 + 7 / 8 * big / 450e9) + 2 * 63 * 15e-6 + 2 * 63 / 64 * big / 8 / 50e9)
-    assert flat / hier > 4
-
-
-def test_placement_lines() -> None:
-    text = Topology(nodes=2, devices_per_node=2).placement(MeshLayout(dp_replicate=2, tp=2))
-    assert "rank    2 -> node 1, local rank 0: pp=0, dp_replicate=1, dp_shard=0, cp=0, tp=0" in text
-    assert "more ranks" in Topology(nodes=16, devices_per_node=8).placement(MeshLayout(dp_shard=128))
+@pytest.mark.parametrize("check", check_names("topology_units.py"))
+def test_slurm_two_nodes(slurm_two_nodes: CheckResults, check: str) -> None:
+    """The topology read from SLURM, TP and node-local groups, hierarchical == flat all-reduce (DDP, HSDP, layered
+    compression), on two simulated SLURM nodes."""
+    slurm_two_nodes.assert_passed(check)
 
 
 def test_startup_report_is_one_block_with_the_layout_once() -> None:
@@ -193,47 +177,3 @@ def test_torchrun_two_nodes_gpt_hierarchical_equals_flat(tmp_path: Path) -> None
     assert mib("hierarchical", "dp_replicate:intra") == pytest.approx(flat * 2 / 3, rel=0.02)
     # left on the flat replicate group (here the world): only the non-finite-loss check, 4 floats
     assert mib("hierarchical", "dp_replicate") * 2**20 == 2 * 3 / 4 * 16
-
-
-def test_topology_from_the_trainer_with_only_the_links_given() -> None:
-    from lightning.pytorch import Trainer
-
-    from lit_mesh import MeshStrategy
-
-    strategy = MeshStrategy(dp_replicate=4, topology=Topology(inter_node_bandwidth=25e9))
-    Trainer(accelerator="cpu", devices=2, num_nodes=2, strategy=strategy, logger=False)
-    assert strategy.topology == Topology(nodes=2, devices_per_node=2, inter_node_bandwidth=25e9)
-    # one machine split into simulated nodes (Lightning's own launcher, num_nodes=1)
-    strategy = MeshStrategy(topology=Topology(nodes=2))
-    Trainer(accelerator="cpu", devices=4, strategy=strategy, logger=False)
-    assert (strategy.topology.nodes, strategy.topology.devices_per_node) == (2, 2)
-
-
-def test_topology_given_as_a_mapping_or_in_yaml(tmp_path) -> None:
-    """A planned config's `topology:` mapping: from Python as a dict, and from LightningCLI YAML, the run gets
-    the same Topology (links kept, nodes and devices read from the Trainer)."""
-    from lightning.pytorch import LightningDataModule, LightningModule, Trainer
-    from lightning.pytorch.cli import LightningCLI
-
-    from lit_mesh import MeshStrategy
-
-    expected = Topology(nodes=1, devices_per_node=2, inter_node_bandwidth=25e9, intra_node_latency=2e-6)
-    strategy = MeshStrategy(topology={"inter_node_bandwidth": 25e9, "intra_node_latency": 2e-6})
-    Trainer(accelerator="cpu", devices=2, strategy=strategy, logger=False)
-    assert strategy.topology == expected
-    config = tmp_path / "links.yaml"
-    config.write_text("trainer:\n  strategy:\n    class_path: lit_mesh.MeshStrategy\n    init_args:\n      topology:\n"
-                      "        inter_node_bandwidth: 25.0e+9\n        intra_node_latency: 2.0e-6\n")
-    cli = LightningCLI(LightningModule, LightningDataModule, subclass_mode_model=True, subclass_mode_data=True, run=False,
-                       args=["-c", str(REPO / "configs/gpt.yaml"), "-c", str(config), "--trainer.devices=2",
-                             "--trainer.logger=false"])  # fmt: skip
-    assert cli.trainer.strategy.topology == expected
-
-
-def test_cp_across_nodes_warns() -> None:
-    from lightning.pytorch import Trainer
-
-    from lit_mesh import MeshStrategy
-
-    with pytest.warns(UserWarning, match=r"cp=2 x tp=2 = 4 does not divide the 2 devices of one node"):
-        Trainer(accelerator="cpu", devices=2, num_nodes=2, strategy=MeshStrategy(cp=2, tp=2), logger=False)

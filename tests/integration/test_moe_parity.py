@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.integration.test_parity import COMMON, S, _assert_same_curve, losses
 from tests.launch import REPO, cli_runs
-from tests.test_parity import COMMON, S, _assert_same_curve, losses
 
 CONFIG = str(REPO / "configs/moe.yaml")
 GRADS = ["--trainer.callbacks+=tests.workers.moe_grads.SaveRoutingGradients"]

@@ -1,5 +1,5 @@
 """The zoo MoE on one process: routing (ties, capacity), the grouped experts, the balancing losses and bias,
-and the errors for bad routing options. Multi-rank parity is in tests/test_moe_parity.py."""
+and the errors for bad routing options. Multi-rank parity is in tests/integration/test_moe_parity.py."""
 
 from __future__ import annotations
 

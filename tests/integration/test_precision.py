@@ -5,11 +5,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import lightning as L
-import pytest
-
-from lit_mesh import FP16MixedPrecision, MeshStrategy
-from lit_mesh.precision import MeshGradScaler
 from tests.launch import torchrun
 
 
@@ -23,15 +18,3 @@ def test_an_overflow_on_one_rank_skips_the_step_on_every_rank(tmp_path: Path) ->
         assert [r["scale"] for r in record] == [16.0, 8.0, 16.0]
         assert [round(r["sharded"], 5) for r in record] == [3.6, 3.6, 3.2]  # 4 local elements each
         assert [round(r["replicated"], 5) for r in record] == [2.7, 2.7, 2.4]
-
-
-def test_fp16_plugin_carries_the_mesh_scaler() -> None:
-    plugin = FP16MixedPrecision(device="cpu")
-    assert plugin.precision == "16-mixed" and isinstance(plugin.scaler, MeshGradScaler)
-
-
-def test_fp16_without_the_mesh_scaler_is_refused_before_processes_start() -> None:
-    from lightning.pytorch.plugins.precision import MixedPrecision
-
-    with pytest.raises(ValueError, match=r"FP16MixedPrecision"):  # raised by Trainer(...): nothing spawned yet
-        L.Trainer(accelerator="cpu", devices=2, strategy=MeshStrategy(), plugins=[MixedPrecision("16-mixed", "cpu")])

@@ -1,0 +1,247 @@
+"""Zoo <-> transformers conversions (the same logits both ways; mismatches and unsupported routing refused by
+name) and the plan registry for transformers models, in one process. Layout parity and exports across ranks:
+tests/integration/test_hf.py."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.launch import torchrun
+MIXTRAL = "--model.init_args.architecture=mixtral"
+
+
+# ---- in this process: conversions and plan selection ------------------------------------------------------
+
+
+def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a - b).abs().max().item()
+
+
+def test_zoo_gpt_and_llama_give_the_same_logits_both_ways(tmp_path: Path) -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from zoo import GPT, GPTConfig
+    from zoo.convert import hf_to_zoo, load_hf_as_zoo, save_hf, zoo_to_hf
+
+    torch.manual_seed(0)
+    tokens = torch.randint(0, 256, (2, 24))
+    gpt = GPT(GPTConfig.from_preset("tiny")).eval()
+    with torch.no_grad():
+        assert _max_diff(zoo_to_hf(gpt)(input_ids=tokens).logits, gpt(tokens)) <= 1e-5
+        llama = LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+                                             num_attention_heads=8, num_key_value_heads=2)).eval()  # fmt: skip
+        assert _max_diff(hf_to_zoo(llama)(tokens), llama(input_ids=tokens).logits) <= 1e-5
+        # through a transformers directory (config.json + safetensors), both ways
+        save_hf(gpt, tmp_path / "llama")
+        assert _max_diff(LlamaForCausalLM.from_pretrained(tmp_path / "llama")(input_ids=tokens).logits, gpt(tokens)) <= 1e-5
+        assert _max_diff(load_hf_as_zoo(tmp_path / "llama")(tokens), gpt(tokens)) <= 1e-5
+        # the check can fail: another weight gives other logits
+        other = zoo_to_hf(gpt)
+        other.model.layers[0].mlp.up_proj.weight.mul_(1.01)
+        assert _max_diff(other(input_ids=tokens).logits, gpt(tokens)) > 1e-5
+
+
+def test_zoo_vit_and_transformers_vit_give_the_same_logits_both_ways(tmp_path: Path) -> None:
+    from transformers import ViTForImageClassification
+
+    from zoo import ViT, ViTConfig
+    from zoo.convert import hf_to_zoo, load_hf_as_zoo, save_hf, zoo_to_hf
+
+    torch.manual_seed(0)
+    images = torch.rand(3, 1, 8, 8)
+    vit = ViT(ViTConfig.from_preset("tiny", n_registers=0)).eval()
+    with torch.no_grad():
+        hf = zoo_to_hf(vit)
+        assert _max_diff(hf(pixel_values=images).logits, vit(images)) <= 1e-5
+        # through a transformers directory (config.json + safetensors), both ways
+        save_hf(vit, tmp_path / "vit")
+        assert list((tmp_path / "vit").glob("*.safetensors"))
+        loaded = ViTForImageClassification.from_pretrained(tmp_path / "vit").eval()
+        assert _max_diff(loaded(pixel_values=images).logits, vit(images)) <= 1e-5
+        assert _max_diff(load_hf_as_zoo(tmp_path / "vit")(images), vit(images)) <= 1e-5
+        hf.vit.layers[1].mlp.fc1.weight.mul_(1.05)  # a transformers model with weights of its own
+        assert _max_diff(hf_to_zoo(hf)(images), hf(pixel_values=images).logits) <= 1e-5
+        assert _max_diff(hf(pixel_values=images).logits, vit(images)) > 1e-5
+
+
+def test_zoo_moe_and_mixtral_give_the_same_logits_both_ways(tmp_path: Path) -> None:
+    """The zoo MoE's default routing is Mixtral's (softmax over all experts, top-k renormalised): exact maps."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    from zoo.convert import hf_to_zoo, load_hf_as_zoo, save_hf, zoo_to_hf
+    from zoo.convert.mixtral import to_moe_config
+    from zoo.moe import MoEConfig, MoETransformer
+
+    torch.manual_seed(0)
+    tokens = torch.randint(0, 256, (2, 24))
+    moe = MoETransformer(MoEConfig.from_preset("tiny")).eval()
+    with torch.no_grad():
+        hf = zoo_to_hf(moe)
+        # the config maps back, but for the dense width (no dense layer uses it): the expert width comes back
+        assert to_moe_config(hf.config) == dataclasses.replace(moe.config, ffn_hidden=moe.config.expert_hidden)
+        assert _max_diff(hf(input_ids=tokens).logits, moe(tokens)) <= 1e-5
+        mixtral = MixtralForCausalLM(MixtralConfig(
+            vocab_size=256, hidden_size=64, intermediate_size=48, num_hidden_layers=3, num_attention_heads=8,
+            num_key_value_heads=2, num_local_experts=6, num_experts_per_tok=3,
+        )).eval()  # fmt: skip
+        assert _max_diff(hf_to_zoo(mixtral)(tokens), mixtral(input_ids=tokens).logits) <= 1e-5
+        # through a directory: transformers writes the hub's per-expert layout, read back here
+        save_hf(moe, tmp_path / "mixtral")
+        loaded = MixtralForCausalLM.from_pretrained(tmp_path / "mixtral")
+        assert _max_diff(loaded(input_ids=tokens).logits, moe(tokens)) <= 1e-5
+        assert _max_diff(load_hf_as_zoo(tmp_path / "mixtral")(tokens), moe(tokens)) <= 1e-5
+        # the check can fail: one expert's up projection (the second half of gate_up_proj) changed
+        hf.model.layers[1].mlp.experts.gate_up_proj[:, 64:].mul_(1.01)
+        assert _max_diff(hf(input_ids=tokens).logits, moe(tokens)) > 1e-5
+
+
+def test_zoo_moe_without_mixtral_routing_is_refused() -> None:
+    from zoo.convert import ConversionError, zoo_to_hf
+    from zoo.convert.mixtral import to_mixtral_config
+    from zoo.moe import MoEConfig, MoETransformer
+
+    with pytest.raises(ValueError, match=r"MoEConfig with \{'score_func': 'sigmoid', 'n_shared_experts': 1\}") as error:
+        to_mixtral_config(MoEConfig.from_preset("tiny", score_func="sigmoid", n_shared_experts=1))
+    assert "convert a zoo MoE built with {'score_func': 'softmax', 'n_shared_experts': 0}" in str(error.value)
+    moe = MoETransformer(MoEConfig.from_preset("tiny"))
+    moe.layers[0].moe.router.expert_bias.bias.fill_(0.5)  # balancing bias trained, then bias_update_rate reset
+    with pytest.raises(ConversionError, match="layers.0.moe.router.expert_bias.bias holds values the transformers"):
+        zoo_to_hf(moe)
+
+
+def test_zoo_weights_of_a_module_without_a_preset_need_their_config(tmp_path: Path) -> None:
+    """A user's LightningModule holding a zoo GPT: no preset to read, so export asks for the config instead of
+    guessing one; given it, the export loads in transformers with the same logits."""
+    from transformers import LlamaForCausalLM
+
+    from zoo import GPT, GPTConfig
+    from zoo.convert import ConversionError, export_hf
+
+    config = GPTConfig.from_preset("tiny", n_layers=3)
+    gpt = GPT(config).eval()
+    checkpoint = tmp_path / "own.ckpt"
+    torch.save({"state_dict": {f"model.{k}": v for k, v in gpt.state_dict().items()}, "hyper_parameters": {}}, checkpoint)
+    with pytest.raises(ConversionError, match=r"zoo GPT weights but no 'preset'.*config=GPTConfig.from_preset"):
+        export_hf(checkpoint, tmp_path / "guessed")
+    llama = LlamaForCausalLM.from_pretrained(export_hf(checkpoint, tmp_path / "hf", config=config)).eval()
+    tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert (llama(input_ids=tokens).logits - gpt(tokens)).abs().max().item() <= 1e-5
+
+
+def test_conversion_between_mismatched_shapes_names_the_tensors() -> None:
+    from zoo import GPT, GPTConfig, ViTConfig
+    from zoo.convert import ConversionError
+    from zoo.convert.api import zoo_state_to_hf
+    from zoo.convert.llama import LLAMA
+    from zoo.convert.vit import to_vit_hf_config
+
+    with torch.device("meta"):
+        state = GPT(GPTConfig.from_preset("tiny")).state_dict()
+    with pytest.raises(ConversionError) as error:
+        zoo_state_to_hf(LLAMA, state, GPTConfig.from_preset("tiny", dim=128, n_heads=8))
+    message = str(error.value)
+    assert "do not fit the transformers model LlamaForCausalLM" in message
+    assert "model.embed_tokens.weight: (256, 64) given, (256, 128) expected" in message
+    assert "convert with the configuration the weights were trained with" in message
+    with pytest.raises(ValueError, match="n_registers=3: transformers' ViT has no register tokens"):
+        to_vit_hf_config(ViTConfig.from_preset("tiny"))
+    # zoo MoE -> Mixtral with another expert width: the fused tensor is named, with both shapes
+    from zoo.convert.mixtral import MIXTRAL
+    from zoo.moe import MoEConfig, MoETransformer
+
+    with torch.device("meta"):
+        state = MoETransformer(MoEConfig.from_preset("tiny")).state_dict()
+    with pytest.raises(ConversionError) as error:
+        zoo_state_to_hf(MIXTRAL, state, MoEConfig.from_preset("tiny", expert_hidden=32))
+    message = str(error.value)
+    assert "do not fit the transformers model MixtralForCausalLM" in message
+    assert "model.layers.0.mlp.experts.gate_up_proj: (4, 128, 64) given, (4, 64, 64) expected" in message
+    assert "convert with the configuration the weights were trained with" in message
+    # transformers -> zoo: a Llama state dict read with a config of another width
+    from transformers import LlamaForCausalLM
+
+    from zoo.convert.api import hf_state_to_zoo
+    from zoo.hf import tiny_config
+
+    with torch.device("meta"):
+        llama_state = LlamaForCausalLM(tiny_config("llama")).state_dict()
+    with pytest.raises(ConversionError) as error:
+        hf_state_to_zoo(LLAMA, llama_state, tiny_config("llama", hidden_size=128))
+    message = str(error.value)
+    assert "the weights do not fit the zoo model GPT" in message
+    assert "tok_embeddings.weight: (256, 64) given, (256, 128) expected" in message
+
+
+def test_plans_are_selected_by_class_and_can_be_named() -> None:
+    from transformers import AutoModelForCausalLM
+
+    from lit_mesh.hf import declared_plan, plan_for, register_plan, use_plan
+    from lit_mesh.parallel.apply import find_plan_owners
+    from zoo.hf import tiny_config
+
+    with torch.device("meta"):
+        llama = AutoModelForCausalLM.from_config(tiny_config("llama"))
+        opt = AutoModelForCausalLM.from_config(tiny_config("opt"))
+    plan = plan_for(llama)  # transformers' own TP plan, plus SP and the blocks
+    assert plan.blocks == "model.layers"
+    assert plan.tp_block["self_attn.q_proj"] == "colwise" and plan.tp_block["mlp.down_proj"] == "rowwise"
+    assert plan.tp_block["self_attn"] == "gather_hidden_states" and plan.tp_block["input_layernorm"] == "norm"
+    assert plan.tp_root["lm_head"] == "head" and plan.tp_root["model.embed_tokens"] == "vocab_embedding"
+    assert plan.tp_root["model.layers.0"] == "shard_hidden_states"
+    assert plan.tp_divides == {"num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 128, "vocab_size": 256}
+    # found inside a LightningModule-like root, only the outermost transformers model
+    root = torch.nn.Module()
+    root.model = llama
+    assert [(o.name, o.plan.blocks) for o in find_plan_owners(root)] == [("model", "model.layers")]
+    assert declared_plan(torch.nn.Linear(2, 2)) is None
+    # no known plan: FSDP per decoder layer, TP refused by name
+    assert plan_for(opt).blocks == "model.decoder.layers" and "OPTForCausalLM" in plan_for(opt).tp_unavailable
+    # named explicitly: for one model, or for a class
+    assert plan_for(use_plan(opt, lambda m: plan)) is plan
+    register_plan("OPTForCausalLM", lambda m: plan)
+    try:
+        with torch.device("meta"):
+            another_opt = AutoModelForCausalLM.from_config(tiny_config("opt"))
+        assert plan_for(another_opt) is plan
+    finally:
+        from lit_mesh.hf.registry import _BY_CLASS
+
+        _BY_CLASS.pop("OPTForCausalLM")
+    with pytest.raises(ValueError, match="unknown architecture 'bert'"):
+        register_plan("BertModel", "bert")
+
+
+def test_mixtral_plan_and_its_expert_adapter() -> None:
+    """Attention TP from transformers' plan, the MoE block whole over tp, EP through the adapter, which
+    computes what transformers' own MoE block does (same parameters and names)."""
+    import copy
+
+    from transformers import AutoModelForCausalLM
+
+    from lit_mesh.hf import plan_for
+    from lit_mesh.parallel.expert import adapt_moe_layers, expert_modules
+    from zoo.hf import tiny_config
+
+    torch.manual_seed(0)
+    mixtral = AutoModelForCausalLM.from_config(tiny_config("mixtral")).eval()
+    plan = plan_for(mixtral)
+    assert plan.blocks == "model.layers" and plan.moe_layer == "mlp" and plan.ep_divides == {"num_local_experts": 4}
+    assert plan.tp_block["self_attn.q_proj"] == "colwise" and plan.tp_block["self_attn.o_proj"] == "rowwise"
+    assert plan.tp_block["mlp"] == "whole_sequence" and not any(k.startswith("mlp.") for k in plan.tp_block)
+    assert plan.tp_divides == {"num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256}
+    adapted = copy.deepcopy(mixtral)
+    adapt_moe_layers(adapted, plan)
+    adapt_moe_layers(adapted, plan)  # idempotent
+    assert expert_modules(adapted, plan)[0] is adapted.model.layers[0].mlp.experts
+    assert adapted.state_dict().keys() == mixtral.state_dict().keys()
+    tokens = torch.randint(0, 256, (2, 24))
+    with torch.no_grad():
+        assert _max_diff(adapted(input_ids=tokens).logits, mixtral(input_ids=tokens).logits) <= 1e-5
+        adapted.model.layers[0].mlp.experts.down_proj[1].mul_(1.01)  # the adapter's experts are used
+        assert _max_diff(adapted(input_ids=tokens).logits, mixtral(input_ids=tokens).logits) > 1e-5

@@ -1,0 +1,75 @@
+"""Topology in one process: the cost model's formulas, the placement lines, the topology from the Trainer or
+YAML, and the warning when cp crosses nodes. Simulated nodes: tests/integration/test_topology.py."""
+
+from __future__ import annotations
+
+import pytest
+
+from lit_mesh import Topology
+from lit_mesh.comm import hierarchical
+from lit_mesh.mesh import MeshLayout
+from tests.launch import REPO
+
+
+def test_cost_model_formulas() -> None:
+    """Bytes across the node boundary and inter-node steps (the figures benchmarks/topology.py measures)."""
+    s = 1000.0
+    assert hierarchical.inter_node_bytes(s, 2, 4, hierarchical=False) == 2 * 7 / 8 * s
+    assert hierarchical.inter_node_bytes(s, 2, 4, hierarchical=True) == 2 * 1 / 2 * s / 4
+    assert (hierarchical.inter_node_steps(2, 4, False), hierarchical.inter_node_steps(2, 4, True)) == (14, 2)
+    topo = Topology(nodes=64, devices_per_node=8)
+    big = 1e9  # a 1 GB gradient: bandwidth-bound, the inter-node bytes shrink ~g times
+    flat, hier = hierarchical.flat_time(big, 64, 8, topo), hierarchical.hierarchical_time(big, 64, 8, topo)
+    assert flat == pytest.approx(2 * 511 * 15e-6 + 2 * 511 / 512 * big / 50e9)
+    assert hier == pytest.approx(2 * (7 * 5e-6 + 7 / 8 * big / 450e9) + 2 * 63 * 15e-6 + 2 * 63 / 64 * big / 8 / 50e9)
+    assert flat / hier > 4
+
+
+def test_placement_lines() -> None:
+    text = Topology(nodes=2, devices_per_node=2).placement(MeshLayout(dp_replicate=2, tp=2))
+    assert "rank    2 -> node 1, local rank 0: pp=0, dp_replicate=1, dp_shard=0, cp=0, tp=0" in text
+    assert "more ranks" in Topology(nodes=16, devices_per_node=8).placement(MeshLayout(dp_shard=128))
+
+
+def test_topology_from_the_trainer_with_only_the_links_given() -> None:
+    from lightning.pytorch import Trainer
+
+    from lit_mesh import MeshStrategy
+
+    strategy = MeshStrategy(dp_replicate=4, topology=Topology(inter_node_bandwidth=25e9))
+    Trainer(accelerator="cpu", devices=2, num_nodes=2, strategy=strategy, logger=False)
+    assert strategy.topology == Topology(nodes=2, devices_per_node=2, inter_node_bandwidth=25e9)
+    # one machine split into simulated nodes (Lightning's own launcher, num_nodes=1)
+    strategy = MeshStrategy(topology=Topology(nodes=2))
+    Trainer(accelerator="cpu", devices=4, strategy=strategy, logger=False)
+    assert (strategy.topology.nodes, strategy.topology.devices_per_node) == (2, 2)
+
+
+def test_topology_given_as_a_mapping_or_in_yaml(tmp_path) -> None:
+    """A planned config's `topology:` mapping: from Python as a dict, and from LightningCLI YAML, the run gets
+    the same Topology (links kept, nodes and devices read from the Trainer)."""
+    from lightning.pytorch import LightningDataModule, LightningModule, Trainer
+    from lightning.pytorch.cli import LightningCLI
+
+    from lit_mesh import MeshStrategy
+
+    expected = Topology(nodes=1, devices_per_node=2, inter_node_bandwidth=25e9, intra_node_latency=2e-6)
+    strategy = MeshStrategy(topology={"inter_node_bandwidth": 25e9, "intra_node_latency": 2e-6})
+    Trainer(accelerator="cpu", devices=2, strategy=strategy, logger=False)
+    assert strategy.topology == expected
+    config = tmp_path / "links.yaml"
+    config.write_text("trainer:\n  strategy:\n    class_path: lit_mesh.MeshStrategy\n    init_args:\n      topology:\n"
+                      "        inter_node_bandwidth: 25.0e+9\n        intra_node_latency: 2.0e-6\n")
+    cli = LightningCLI(LightningModule, LightningDataModule, subclass_mode_model=True, subclass_mode_data=True, run=False,
+                       args=["-c", str(REPO / "configs/gpt.yaml"), "-c", str(config), "--trainer.devices=2",
+                             "--trainer.logger=false"])  # fmt: skip
+    assert cli.trainer.strategy.topology == expected
+
+
+def test_cp_across_nodes_warns() -> None:
+    from lightning.pytorch import Trainer
+
+    from lit_mesh import MeshStrategy
+
+    with pytest.warns(UserWarning, match=r"cp=2 x tp=2 = 4 does not divide the 2 devices of one node"):
+        Trainer(accelerator="cpu", devices=2, num_nodes=2, strategy=MeshStrategy(cp=2, tp=2), logger=False)
