@@ -1,5 +1,6 @@
 """lit-mesh: one N-D DeviceMesh and every parallelism, as a PyTorch Lightning strategy."""
 
+import lit_mesh.hf  # noqa: F401  registers the transformers plans and initialisation
 from lit_mesh.comm import CompressionLogger, CompressionOptions, CompressionStage
 from lit_mesh.comm.onebit_adam import OneBitAdam
 from lit_mesh.init import Init, init_parameters
@@ -8,14 +9,14 @@ from lit_mesh.monitor import MeshMonitor
 from lit_mesh.parallel.pipeline import loss_of, output_of
 from lit_mesh.pipeline_timeline import PipelineTimeline
 from lit_mesh.parallel.tensor import PlanError
-from lit_mesh.plan import ParallelPlan
+from lit_mesh.plan import ContextPlan, MoEPlan, ParallelPlan, PipelinePlan, TensorPlan
 from lit_mesh.precision import FP16MixedPrecision
 from lit_mesh.strategy import MeshStrategy
 from lit_mesh.topology import Topology, TopologyError
 
 __all__ = [
-    "CompressionLogger", "CompressionOptions", "CompressionStage", "FP16MixedPrecision", "Init", "MeshConfigError",
-    "MeshLayout", "MeshMonitor", "MeshStrategy", "OneBitAdam", "ParallelPlan", "PipelineTimeline", "PlanError", "Topology",
-    "TopologyError", "init_parameters",
+    "CompressionLogger", "CompressionOptions", "CompressionStage", "ContextPlan", "FP16MixedPrecision", "Init",
+    "MeshConfigError", "MeshLayout", "MeshMonitor", "MeshStrategy", "MoEPlan", "OneBitAdam", "ParallelPlan",
+    "PipelinePlan", "PipelineTimeline", "PlanError", "TensorPlan", "Topology", "TopologyError", "init_parameters",
     "loss_of", "output_of",
 ]  # fmt: skip

@@ -1,22 +1,28 @@
-"""Layout-independent parameter initialisation.
+"""Layout-independent parameter initialisation, and the materialisation of models built on the meta device.
 
 Every parameter is drawn from its own generator, seeded by (seed, parameter name), over its full global
 shape; a rank then keeps only its shard. The weights are therefore the same on one device and on any mesh,
 whatever the creation order. torch's DTensor random ops do not give this on CPU (they fall back to
 per-rank streams), so we write our own.
+
+`materialize` allocates a parallelised meta model and initialises it: by its plan's init rules, else by a
+registered initialiser (lit_mesh.hf registers transformers' own), else by each module's reset_parameters().
 """
 
 from __future__ import annotations
 
 import fnmatch
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
+
+from lit_mesh.parallel.tensor import PlanError, retie, tied_parameters
+from lit_mesh.plan import PlanOwner
 
 
 @dataclass(frozen=True)
@@ -67,3 +73,88 @@ def init_parameters(module: nn.Module, rules: Sequence[tuple[str, Init]], seed: 
             param.to_local().copy_(local)
         else:
             param.copy_(full)
+
+
+# An initialiser: initialises a materialised (possibly sharded) plan owner that has no init rules its own way
+# and returns True, or returns False when the module is not of its kind (lit_mesh.hf registers transformers').
+Initialiser = Callable[[nn.Module], bool]
+_INITIALISERS: list[Initialiser] = []
+
+
+def register_initialiser(initialiser: Initialiser) -> None:
+    """Let `materialize` initialise plan owners without init rules with `initialiser` (once; in order)."""
+    if initialiser not in _INITIALISERS:
+        _INITIALISERS.append(initialiser)
+
+
+def _initialise_by_registered(module: nn.Module) -> bool:
+    return any(initialise(module) for initialise in _INITIALISERS)
+
+
+def meta_modules(root: nn.Module) -> set[nn.Module]:
+    """Modules holding parameters or buffers on the meta device (recorded before `to_empty`)."""
+    return {
+        m
+        for m in root.modules()
+        if any(t.is_meta for t in (*m.parameters(recurse=False), *m.buffers(recurse=False)))
+    }
+
+
+@torch.no_grad()
+def materialize(root: nn.Module, owners: Sequence[PlanOwner], device: torch.device) -> None:
+    """Allocate meta tensors on `device` (each rank only its shards) and initialise them.
+
+    Plan owners with init rules get layout-independent weights (init_parameters); owners a registered
+    initialiser knows get its initialisation; other modules their reset_parameters(). A module that has
+    none of these is an error, never silent uninitialised memory.
+    """
+    pending = meta_modules(root)
+    if not pending:
+        return
+    tied = tied_parameters(root)
+    root.to_empty(device=device)
+    retie(tied, type(root).__name__)  # to_empty gives each use of a tied meta parameter its own copy
+    for owner in owners:
+        owned = set(owner.module.modules())
+        if owner.plan.init and owned & pending:
+            init_parameters(owner.module, owner.plan.init)
+            pending -= {m for m in owned if not any(True for _ in m.buffers(recurse=False))}
+        elif owned & pending and _initialise_by_registered(owner.module):
+            pending -= owned
+    missing = []
+    for module in root.modules():  # a fixed order: every rank draws the same random numbers
+        if module not in pending:
+            continue
+        reset = getattr(module, "reset_parameters", None)
+        if callable(reset):
+            _reset_whole(module, reset)
+        else:
+            missing.append(type(module).__name__)
+    if missing:
+        raise PlanError(
+            f"modules {sorted(set(missing))} were created on the meta device but have no reset_parameters() and"
+            " no init rules in a parallel_plan(); give them one, or create them outside configure_model"
+        )
+
+
+def _reset_whole(module: nn.Module, reset: Any) -> None:
+    """Run reset_parameters() on whole tensors, then keep this rank's shards.
+
+    DTensor random init on CPU draws per rank, so resetting the shards directly would make the weights
+    depend on the layout; drawing whole tensors in a fixed order does not.
+    """
+    sharded = {name: p for name, p in module.named_parameters(recurse=False) if isinstance(p, DTensor)}
+    if not sharded:
+        reset()
+        return
+    for name, p in sharded.items():
+        whole = torch.empty(p.shape, dtype=p.dtype, device=p.to_local().device)
+        module._parameters[name] = nn.Parameter(whole, requires_grad=p.requires_grad)
+    try:
+        reset()
+    finally:
+        drawn = {name: module._parameters[name] for name in sharded}
+        module._parameters.update(sharded)  # the FSDP/TP-managed parameters go back in place
+    for name, p in sharded.items():
+        local = distribute_tensor(drawn[name].detach(), p.device_mesh, p.placements, src_data_rank=None).to_local()
+        p.to_local().copy_(local)

@@ -181,7 +181,7 @@ def test_errors_after_start_are_clear(tmp_path: Path) -> None:
     assert "pp_microbatches=3 does not divide the batch of 8 samples" in errors["pp_microbatches_vs_batch"]["message"]
     assert "sequence length is 66; use a sequence length that is a multiple of 4" in errors["cp_vs_seq_len"]["message"]
     assert "3 query heads on this rank (after tp) are not divisible by cp=2" in errors["ulysses_vs_heads"]["message"]
-    assert "declares no attention module (ParallelPlan.attention)" in errors["cp_without_attention"]["message"]
+    assert "declares no attention module (ContextPlan.attention)" in errors["cp_without_attention"]["message"]
     assert "cp=2 but configure_model of SelfShardedGPT parallelised the model itself" in errors["cp_self_parallelised"]["message"]
     # a NaN on one rank stops every rank together, naming the step and the rank
     assert errors["nan_loss"]["type"] == "FloatingPointError"
