@@ -7,6 +7,7 @@ torch.compile -> FSDP/HSDP/DDP per block (experts first) -> each stage's root ->
 from __future__ import annotations
 
 from dataclasses import dataclass
+
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
