@@ -153,7 +153,7 @@ def parallelize(
         if not owners:
             raise PlanError(
                 f"cp={layout.cp} but no module of {type(root).__name__} declares parallel_plan() with its attention;"
-                " declare one (ParallelPlan.cp: ContextPlan(attention=..., positions=...), see zoo/gpt.py), or use cp=1"
+                " declare one with cp=ContextPlan(attention=..., positions=...) (see zoo/gpt.py), or use cp=1"
             )
         for owner in owners:
             apply_context_parallel(owner.module, owner.plan, mesh["cp"], cp_style)
