@@ -95,3 +95,9 @@ def test_modules_without_any_initialisation_are_refused() -> None:
         model = Bare()
     with pytest.raises(PlanError, match=r"modules \['Bare'\] were created on the meta device"):
         materialize(model, [], torch.device("cpu"))
+
+
+@pytest.mark.parametrize("old_name", ["vocab_embedding", "gather_hidden_states", "shard_hidden_states"])
+def test_a_style_outside_the_vocabulary_is_refused_by_name(old_name: str) -> None:
+    with pytest.raises(ValueError, match=f"module 'embed' has TP style '{old_name}'; choose one of"):
+        lit_mesh.TensorPlan(root={"embed": old_name})
