@@ -38,9 +38,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 import _common as C  # noqa: N812 (benchmarks/ is on sys.path when run as a script)
+from lit_mesh.init import materialize  # noqa: E402
 from lit_mesh.mesh import build_device_mesh, resolve_layout  # noqa: E402
 from lit_mesh.monitor.comm import CollectiveBytes  # noqa: E402
-from lit_mesh.parallel.apply import materialize, parallelize  # noqa: E402
+from lit_mesh.parallel.apply import parallelize  # noqa: E402
 from lit_mesh.parallel.context import CP_STYLES, shard_batch  # noqa: E402
 from zoo.gpt import GPT, GPTConfig  # noqa: E402
 

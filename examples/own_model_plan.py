@@ -8,11 +8,12 @@ A small transformer that tags every token of a synthetic sequence with one of 8 
 nothing about meshes; `parallel_plan()` declares how it may be split, and `MeshStrategy(dp=..., tp=...)`
 applies that in `setup`:
 - `blocks`: the ModuleList of repeated blocks, each one an FSDP unit;
-- TP styles by module name: q/k/v and fc1 "colwise", proj and fc2 "rowwise"; the norms run on the sequence
-  shard ("norm"); attention and MLP gather the sequence first ("gather_input": the activation is their only
-  positional input); the input projection's output enters the sequence-sharded region ("shard_output");
-  the classifier is the "head" (split over classes, gathered to full logits);
-- `tp_divides`: sizes the tp degree must divide (heads, MLP width, classes, and the sequence length for SP);
+- `tp`, a `TensorPlan`: TP styles by module name, outside the blocks (`root`) and inside each (`block`):
+  q/k/v and fc1 "colwise", proj and fc2 "rowwise"; the norms run on the sequence shard ("norm"); attention
+  and MLP gather the sequence first ("gather_input": their first positional input); the input projection's
+  output enters the sequence-sharded region ("shard_output"); the classifier is the "head" (split over
+  classes, gathered to full logits); `divides`: sizes the tp degree must divide (heads, MLP width, classes,
+  and the sequence length for SP);
 - `init`: how every parameter starts (`lit_mesh.Init`), so the sharded model created on the meta device in
   `configure_model` starts exactly like the single-device one.
 The data: every data-parallel rank takes its own slice of the same global batch (ranks of one tensor-parallel
@@ -30,7 +31,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 import _common as E  # noqa: N812 (examples/ is on sys.path when run as a script)
-from lit_mesh import Init, MeshStrategy, ParallelPlan
+from lit_mesh import Init, MeshStrategy, ParallelPlan, TensorPlan
 
 GLOBAL_BATCH = 8
 
@@ -103,20 +104,22 @@ class Tagger(nn.Module):
         c = self.config
         return ParallelPlan(
             blocks="blocks",
-            tp_root={"embed": "shard_output", "norm": "norm", "head": "head"},
-            tp_block={
-                "norm1": "norm",
-                "attn": "gather_input",
-                "attn.q": "colwise",
-                "attn.k": "colwise",
-                "attn.v": "colwise",
-                "attn.proj": "rowwise",
-                "norm2": "norm",
-                "mlp": "gather_input",
-                "mlp.fc1": "colwise",
-                "mlp.fc2": "rowwise",
-            },
-            tp_divides={"n_heads": c.n_heads, "mlp_hidden": c.mlp_hidden, "n_classes": c.n_classes, "seq_len": c.seq_len},
+            tp=TensorPlan(
+                root={"embed": "shard_output", "norm": "norm", "head": "head"},
+                block={
+                    "norm1": "norm",
+                    "attn": "gather_input",
+                    "attn.q": "colwise",
+                    "attn.k": "colwise",
+                    "attn.v": "colwise",
+                    "attn.proj": "rowwise",
+                    "norm2": "norm",
+                    "mlp": "gather_input",
+                    "mlp.fc1": "colwise",
+                    "mlp.fc2": "rowwise",
+                },
+                divides={"n_heads": c.n_heads, "mlp_hidden": c.mlp_hidden, "n_classes": c.n_classes, "seq_len": c.seq_len},
+            ),
             # first match wins; leading '*' so the rules match under the LightningModule's prefix too
             init=(
                 ("*.bias", Init("zeros")),

@@ -11,6 +11,7 @@ except PackageNotFoundError:  # imported from a source tree that was never insta
     __version__ = "0+unknown"
 
 
+import lit_mesh.hf  # noqa: F401  registers the transformers plans and initialisation
 from lit_mesh.comm import CompressionLogger, CompressionOptions, CompressionPhase
 from lit_mesh.comm.onebit_adam import OneBitAdam
 from lit_mesh.init import Init, init_parameters
@@ -18,16 +19,16 @@ from lit_mesh.mesh import MeshConfigError, MeshLayout
 from lit_mesh.monitor import GradientNormMonitor, MeshMonitor
 from lit_mesh.parallel.pipeline import loss_of, output_of
 from lit_mesh.pipeline_timeline import PipelineTimeline
-from lit_mesh.parallel.tensor import PlanError
-from lit_mesh.plan import ParallelPlan
+from lit_mesh.plan import ContextPlan, MoEPlan, ParallelPlan, PipelinePlan, PlanError, TensorPlan
 from lit_mesh.precision import FP16MixedPrecision
 from lit_mesh.strategy import MeshStrategy
 from lit_mesh.topology import Topology, TopologyError
 
 __all__ = [
     "__version__",
-    "CompressionLogger", "CompressionOptions", "CompressionPhase", "FP16MixedPrecision", "GradientNormMonitor", "Init", "MeshConfigError",
-    "MeshLayout", "MeshMonitor", "MeshStrategy", "OneBitAdam", "ParallelPlan", "PipelineTimeline", "PlanError", "Topology",
+    "CompressionLogger", "CompressionOptions", "CompressionPhase", "ContextPlan", "FP16MixedPrecision",
+    "GradientNormMonitor", "Init", "MeshConfigError", "MeshLayout", "MeshMonitor", "MeshStrategy", "MoEPlan",
+    "OneBitAdam", "ParallelPlan", "PipelinePlan", "PipelineTimeline", "PlanError", "TensorPlan", "Topology",
     "TopologyError", "init_parameters",
     "loss_of", "output_of",
 ]  # fmt: skip

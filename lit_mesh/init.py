@@ -1,22 +1,28 @@
-"""Layout-independent parameter initialisation.
+"""Layout-independent parameter initialisation, and the materialisation of models built on the meta device.
 
 Every parameter is drawn from its own generator, seeded by (seed, parameter name), over its full global
 shape; a rank then keeps only its shard. The weights are therefore the same on one device and on any mesh,
 whatever the creation order. torch's DTensor random ops do not give this on CPU (they fall back to
 per-rank streams), so we write our own.
+
+`materialize` allocates a parallelised meta model and initialises it: by its plan's init rules, else by a
+registered initialiser (lit_mesh.hf registers transformers' own), else by each module's reset_parameters().
 """
 
 from __future__ import annotations
 
 import fnmatch
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
+
+from lit_mesh.meta_writes import built_on_meta_where, carry_meta_writes
+from lit_mesh.plan import PlanError, PlanOwner
 
 
 @dataclass(frozen=True)
@@ -67,3 +73,119 @@ def init_parameters(module: nn.Module, rules: Sequence[tuple[str, Init]], seed: 
             param.to_local().copy_(local)
         else:
             param.copy_(full)
+
+
+# An initialiser: initialises a materialised (possibly sharded) plan owner that has no init rules its own way
+# and returns True, or returns False when the module is not of its kind (lit_mesh.hf registers transformers').
+Initialiser = Callable[[nn.Module], bool]
+_INITIALISERS: list[Initialiser] = []
+
+
+def register_initialiser(initialiser: Initialiser) -> None:
+    """Let `materialize` initialise plan owners without init rules with `initialiser` (once; in order)."""
+    if initialiser not in _INITIALISERS:
+        _INITIALISERS.append(initialiser)
+
+
+def _initialise_by_registered(module: nn.Module) -> bool:
+    return any(initialise(module) for initialise in _INITIALISERS)
+
+
+def meta_modules(root: nn.Module) -> set[nn.Module]:
+    """Modules holding parameters or buffers on the meta device (recorded before `to_empty`)."""
+    return {
+        m
+        for m in root.modules()
+        if any(t.is_meta for t in (*m.parameters(recurse=False), *m.buffers(recurse=False)))
+    }
+
+
+@torch.no_grad()
+def materialize(root: nn.Module, owners: Sequence[PlanOwner], device: torch.device) -> None:
+    """Allocate meta tensors on `device` (each rank only its shards) and initialise them.
+
+    Plan owners with init rules get layout-independent weights (init_parameters); owners a registered
+    initialiser knows get its initialisation; other modules their reset_parameters(). A module that has
+    none of these is an error, never silent uninitialised memory.
+    """
+    pending = meta_modules(root)
+    if not pending:
+        return
+    tied = tied_parameters(root)
+    root.to_empty(device=device)
+    retie(tied, type(root).__name__)  # to_empty gives each use of a tied meta parameter its own copy
+    by_plan: set[nn.Module] = set()  # modules whose weights a plan's init rules (or a registered initialiser) set
+    for owner in owners:
+        owned = set(owner.module.modules())
+        if owner.plan.init and owned & pending:
+            init_parameters(owner.module, owner.plan.init)
+            pending -= {m for m in owned if not any(True for _ in m.buffers(recurse=False))}
+            by_plan |= owned
+        elif owned & pending and _initialise_by_registered(owner.module):
+            pending -= owned
+            by_plan |= owned
+    missing = []
+    for module in root.modules():  # a fixed order: every rank draws the same random numbers
+        if module not in pending:
+            continue
+        reset = getattr(module, "reset_parameters", None)
+        if callable(reset):
+            _reset_whole(module, reset)
+        else:
+            missing.append(f"{type(module).__name__} ({built_on_meta_where(root, module)})")
+    if missing:
+        raise PlanError(
+            f"modules {sorted(set(missing))} hold meta-device weights but have no reset_parameters() and no init"
+            " rules in a parallel_plan(), so they cannot be initialised; give them a reset_parameters(), or build"
+            " them with real weights (in the LightningModule's __init__, or under trainer.init_module() without"
+            " empty_init=True)"
+        )
+    carry_meta_writes(root, by_plan)  # values set on the meta device in configure_model (lit_mesh/meta_writes.py)
+
+
+def _reset_whole(module: nn.Module, reset: Any) -> None:
+    """Run reset_parameters() on whole tensors, then keep this rank's shards.
+
+    DTensor random init on CPU draws per rank, so resetting the shards directly would make the weights
+    depend on the layout; drawing whole tensors in a fixed order does not.
+    """
+    sharded = {name: p for name, p in module.named_parameters(recurse=False) if isinstance(p, DTensor)}
+    if not sharded:
+        reset()
+        return
+    for name, p in sharded.items():
+        whole = torch.empty(p.shape, dtype=p.dtype, device=p.to_local().device)
+        module._parameters[name] = nn.Parameter(whole, requires_grad=p.requires_grad)
+    try:
+        reset()
+    finally:
+        drawn = {name: module._parameters[name] for name in sharded}
+        module._parameters.update(sharded)  # the FSDP/TP-managed parameters go back in place
+    for name, p in sharded.items():
+        local = distribute_tensor(drawn[name].detach(), p.device_mesh, p.placements, src_data_rank=None).to_local()
+        p.to_local().copy_(local)
+
+
+def tied_parameters(model: nn.Module) -> list[list[tuple[nn.Module, str]]]:
+    """Every parameter used by more than one module (tied embeddings), as its (module, name) uses."""
+    uses: dict[int, list[tuple[nn.Module, str]]] = {}
+    for module in model.modules():
+        for name, param in module._parameters.items():
+            if param is not None:
+                uses.setdefault(id(param), []).append((module, name))
+    return [group for group in uses.values() if len(group) > 1]
+
+
+def retie(tied: list[list[tuple[nn.Module, str]]], model_name: str) -> None:
+    """Tie again what distributing the modules one by one untied: every use gets the first use's DTensor."""
+    for (first_module, first_name), *others in tied:
+        shared = first_module._parameters[first_name]
+        for module, name in others:
+            own = module._parameters[name]
+            if isinstance(own, DTensor) and isinstance(shared, DTensor) and own.placements != shared.placements:
+                raise PlanError(
+                    f"{model_name}: tied parameter {first_name!r} of {type(first_module).__name__} is"
+                    f" {shared.placements} but its tie in {type(module).__name__} is {own.placements}; give both"
+                    " modules TP styles that shard the weight alike (embedding + head), or leave both unsharded"
+                )
+            module._parameters[name] = shared

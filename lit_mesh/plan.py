@@ -1,86 +1,182 @@
-"""What a model declares about how it may be parallelised. Plain data; `lit_mesh.parallel` applies it."""
+"""What a model declares about how it may be parallelised. Plain data; `lit_mesh.parallel` applies it.
+
+A plan names the repeated blocks and how parameters start, then one small sub-plan per technique:
+
+    ParallelPlan(
+        blocks="layers",
+        tp=TensorPlan(root={"tok_embeddings": "embedding", ...}, block={"attention.wq": "colwise", ...}),
+        pp=PipelinePlan(first=("tok_embeddings",), last=("norm", "output")),
+        cp=ContextPlan(attention="attention", positions="positions"),
+        init=(("*", Init("normal", 0.02)),),
+    )
+
+A module declares its plan with a `parallel_plan()` method; models that cannot carry one (transformers'
+classes) get theirs from a registered plan source (`register_plan_source`, see lit_mesh/hf/registry.py).
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-from lit_mesh.init import Init
+from torch import nn
 
-# How one module takes part in tensor/sequence parallelism (see lit_mesh/parallel/tensor.py):
-#   colwise      Linear whose output features are split over tp (input replicated)
-#   rowwise      Linear whose input features are split over tp; output summed (or reduce-scattered over
-#                the sequence when sequence_parallel)
-#   embedding    Embedding split over the vocabulary; with SP its output enters the sequence-sharded region
-#   shard_output a module whose replicated output enters the sequence-sharded region (SP only)
-#   norm         a norm that runs on the sequence shard (SP only; replicated otherwise)
-#   gather_input a module whose first positional input leaves the sequence-sharded region (SP only);
-#                other inputs must be passed as keywords
-#   head         the output projection: split over its output features, gathered to full logits
+if TYPE_CHECKING:  # a type only: lit_mesh.init (materialisation) reads plans, so it must not be imported here
+    from lit_mesh.init import Init
+
+
+class PlanError(ValueError):
+    """A plan that cannot be applied to this model on this mesh, with the numbers and the fix."""
+
+
+# How one module takes part in tensor/sequence parallelism (see lit_mesh/parallel/tensor.py). "The hidden
+# states" of a module are its first positional input, else its `hidden_states=` keyword (Hugging Face layers
+# get them either way); its other inputs pass untouched.
+#   colwise        Linear whose output features are split over tp (input replicated)
+#   rowwise        Linear whose input features are split over tp; output summed (or reduce-scattered over
+#                  the sequence when sequence_parallel)
+#   embedding      Embedding split over the vocabulary; its output is what runs between blocks: summed whole,
+#                  or reduce-scattered straight into the sequence shard under SP
+#   embedding_whole_output  Embedding split over the vocabulary, output summed whole on every tp rank even under
+#                  SP: for models that read the activations (their sequence length) between the embedding and
+#                  their blocks; the first block then takes `shard_input`. Not a synonym of "embedding": under
+#                  SP one reduce-scatters, the other all-reduces (twice the bytes) and leaves sharding to later.
+#   head           the output projection: split over its output features, gathered to full logits
+#   norm           a norm that runs on the sequence shard (SP only; replicated otherwise)
+#   shard_output   a module whose output (replicated) enters the sequence-sharded region (SP only)
+#   shard_input    a module whose hidden states enter the sequence-sharded region (SP only): where the model
+#                  computes its first block's input inline (no module's output to shard), e.g. GPT-2 adding
+#                  position embeddings. Same redistribution as shard_output, on the consumer's side.
+#   gather_input   a module whose hidden states leave the sequence-sharded region (SP only)
 #   whole_sequence a module that runs replicated on the whole sequence (e.g. an MoE layer): its first input is
-#                gathered, its output re-sharded over the sequence (SP only)
-#   vocab_embedding  Embedding split over the vocabulary, output summed to whole (replicated) activations even
-#                with SP: for models that read the sequence length from it before their blocks
-#   shard_hidden_states   a module whose hidden states (first positional input, or `hidden_states=`) enter the
-#                sequence-sharded region (SP only): e.g. the first decoder layer of a model that reads the
-#                sequence length between its embedding and its layers (Hugging Face models)
-#   gather_hidden_states  a module whose hidden states (first positional input, or `hidden_states=`) leave the
-#                sequence-sharded region (SP only); its other inputs pass untouched
+#                  gathered, its output re-sharded over the sequence (SP only)
 TPStyle = Literal[
-    "colwise", "rowwise", "embedding", "shard_output", "norm", "gather_input", "head",
-    "vocab_embedding", "shard_hidden_states", "gather_hidden_states", "whole_sequence",
+    "colwise", "rowwise", "embedding", "embedding_whole_output", "head", "norm",
+    "shard_output", "shard_input", "gather_input", "whole_sequence",
 ]  # fmt: skip
 TP_STYLES: tuple[str, ...] = TPStyle.__args__  # type: ignore[attr-defined]
+
+
+@dataclass(frozen=True)
+class TensorPlan:
+    """Tensor (and sequence) parallelism: TP styles by module name.
+
+    root:    styles of modules outside the blocks, names relative to the model.
+    block:   styles of modules inside every block, names relative to the block.
+    divides: sizes that the tp degree must divide, by name (heads, kv heads, FFN width, vocabulary).
+    custom_styles: styles of the model's own, by name (usable in root/block): a function of
+             sequence_parallel returning a torch ParallelStyle, for modules the built-in styles do not fit.
+    unavailable: why this model cannot be tensor-parallelised and how to fix that; tp > 1 then fails with
+             this message (a plan for data parallelism only).
+    """
+
+    root: Mapping[str, TPStyle] = field(default_factory=dict)
+    block: Mapping[str, TPStyle] = field(default_factory=dict)
+    divides: Mapping[str, int] = field(default_factory=dict)
+    custom_styles: Mapping[str, Callable[[bool], Any]] = field(default_factory=dict)
+    unavailable: str = ""
+
+    def __post_init__(self) -> None:
+        for name, style in {**self.root, **self.block}.items():
+            if style not in TP_STYLES and style not in self.custom_styles:
+                raise ValueError(f"TensorPlan: module {name!r} has TP style {style!r}; choose one of {TP_STYLES}")
+
+
+@dataclass(frozen=True)
+class PipelinePlan:
+    """Pipeline parallelism: what goes to the first and last stages besides their blocks.
+
+    first: direct children that run before the blocks (embeddings).
+    last:  direct children that run after the blocks (final norm, output head).
+    A stage sets the ones it does not hold to None, so the forward must skip None modules and pass hidden
+    states through (see zoo/gpt.py). Empty: the model cannot be pipelined.
+    """
+
+    first: Sequence[str] = ()
+    last: Sequence[str] = ()
+
+
+@dataclass(frozen=True)
+class ContextPlan:
+    """Context parallelism (and the positions pipeline stages need under sequence parallelism).
+
+    attention: the module inside every block whose forward calls F.scaled_dot_product_attention on
+               (batch, heads, sequence, head_dim) tensors: context parallel swaps that call ("" : none).
+    positions: the keyword of the model's forward that takes the global positions (T,) of its tokens:
+               context parallel passes each rank's, and pipeline stages after the first get them under
+               sequence parallelism (their input is a sequence shard) ("" : none; cp > 1 then is refused).
+    """
+
+    attention: str = ""
+    positions: str = ""
+
+
+@dataclass(frozen=True)
+class MoEPlan:
+    """Mixture of experts: where the MoE layers are, for expert parallelism.
+
+    layer:      name, inside a block, of its MoE layer (blocks without one are dense). The layer has
+                `experts` (stacked weights, n_experts first) and `dispatcher`, which expert parallel swaps.
+    ep_divides: sizes that the ep degree must divide, by name (number of experts).
+    adapter:    for an MoE layer without `experts`/`dispatcher` of that kind (transformers' Mixtral): a
+                function called on every MoE layer before anything else is applied, on every layout, that
+                makes it so in place (lit_mesh/hf/mixtral.py). None: the layer already is.
+    """
+
+    layer: str
+    ep_divides: Mapping[str, int] = field(default_factory=dict)
+    adapter: Callable[[Any], None] | None = None
 
 
 @dataclass(frozen=True)
 class ParallelPlan:
     """A model's parallel layout, by module name.
 
-    blocks:     dotted path of the ModuleList of repeated blocks: the FSDP units.
-    tp_root:    TP styles of modules outside the blocks, names relative to the model.
-    tp_block:   TP styles of modules inside every block, names relative to the block.
-    tp_divides: sizes that the tp degree must divide, by name (heads, kv heads, FFN width, vocabulary).
-    init:       (parameter-name glob, Init) rules, first match wins: how each parameter starts, so a
-                sharded model materialised on many ranks equals the single-device one.
-    pp_first:   direct children that run before the blocks (embeddings): they go to the first pipeline stage.
-    pp_last:    direct children that run after the blocks (final norm, output head): the last stage.
-                A pipeline stage sets the ones it does not hold to None, so the forward must skip None
-                modules and pass hidden states through (see zoo/gpt.py).
-    attention:  the module inside every block whose forward calls F.scaled_dot_product_attention on
-                (batch, heads, sequence, head_dim) tensors: context parallel swaps that call ("" : none).
-    positions:  the keyword of the model's forward that takes the global positions (T,) of its tokens:
-                context parallel passes each rank's, and pipeline stages after the first get them under
-                sequence parallelism (their input is a sequence shard) ("" : none; cp > 1 then is refused).
-    tp_unavailable: why this model cannot be tensor-parallelised and how to fix that; tp > 1 then fails
-                with this message (a plan for data parallelism only).
-    custom_styles: TP styles of the model's own, by name (usable in tp_root/tp_block): a function of
-                sequence_parallel returning a torch ParallelStyle, for modules the built-in styles do not fit.
-    moe_layer:  name, inside a block, of its mixture-of-experts layer (blocks without one are dense). The layer
-                has `experts` (stacked weights, n_experts first) and `dispatcher`, which expert parallel swaps.
-    ep_divides: sizes that the ep degree must divide, by name (number of experts).
-    moe_adapter: for a model whose MoE layer has no `experts`/`dispatcher` of that kind (transformers'
-                Mixtral): a function called on every MoE layer before anything else is applied, on every
-                layout, that makes it so in place (lit_mesh/hf/mixtral.py). None: the layer already is.
+    blocks: dotted path of the ModuleList of repeated blocks: the FSDP units (and what pipeline stages cut).
+    init:   (parameter-name glob, Init) rules, first match wins: how each parameter starts, so a sharded
+            model materialised on many ranks equals the single-device one. Empty: the model's own init.
+    tp, pp, cp: what tensor, pipeline and context parallelism need; the defaults declare nothing.
+    moe:    the MoE layers (None: a dense model).
     """
 
     blocks: str
-    tp_root: Mapping[str, TPStyle] = field(default_factory=dict)
-    tp_block: Mapping[str, TPStyle] = field(default_factory=dict)
-    tp_divides: Mapping[str, int] = field(default_factory=dict)
     init: Sequence[tuple[str, Init]] = ()
-    pp_first: Sequence[str] = ()
-    pp_last: Sequence[str] = ()
-    attention: str = ""
-    positions: str = ""
-    tp_unavailable: str = ""
-    custom_styles: Mapping[str, Callable[[bool], Any]] = field(default_factory=dict)
-    moe_layer: str = ""
-    ep_divides: Mapping[str, int] = field(default_factory=dict)
-    moe_adapter: Callable[[Any], None] | None = None
+    tp: TensorPlan = field(default_factory=TensorPlan)
+    pp: PipelinePlan = field(default_factory=PipelinePlan)
+    cp: ContextPlan = field(default_factory=ContextPlan)
+    moe: MoEPlan | None = None
 
-    def __post_init__(self) -> None:
-        for name, style in {**self.tp_root, **self.tp_block}.items():
-            if style not in TP_STYLES and style not in self.custom_styles:
-                raise ValueError(f"ParallelPlan: module {name!r} has TP style {style!r}; choose one of {TP_STYLES}")
+
+@dataclass
+class PlanOwner:
+    """A module that declares a ParallelPlan, with its name inside the LightningModule."""
+
+    name: str
+    module: nn.Module
+    plan: ParallelPlan
+
+
+# A plan source: for a module that has no parallel_plan() method, a function giving its plan, or None when
+# the source does not know the module (lit_mesh.hf registers one for transformers models).
+PlanSource = Callable[[nn.Module], Callable[[], ParallelPlan] | None]
+_PLAN_SOURCES: list[PlanSource] = []
+
+
+def register_plan_source(source: PlanSource) -> None:
+    """Consult `source` for modules without a parallel_plan() method (once per source, in registration order)."""
+    if source not in _PLAN_SOURCES:
+        _PLAN_SOURCES.append(source)
+
+
+def declared_plan(module: nn.Module) -> Callable[[], ParallelPlan] | None:
+    """The function that gives `module`'s plan: its parallel_plan() method, else a registered source's; None
+    for a module without a plan."""
+    declare = getattr(module, "parallel_plan", None)
+    if callable(declare):
+        return declare
+    for source in _PLAN_SOURCES:
+        found = source(module)
+        if found is not None:
+            return found
+    return None

@@ -42,6 +42,7 @@ from lit_mesh.comm.hierarchical import AllReduceMode, Hierarchy, build_hierarchy
 from lit_mesh.comm.options import CompressionConfigError, CompressionOptions, resolve_compression
 from lit_mesh.comm.state import load_compression_state, save_compression_state
 from lit_mesh.grad_norm import clip_grad_norm_
+from lit_mesh.init import materialize
 from lit_mesh.mesh import (
     MeshConfigError,
     MeshLayout,
@@ -53,7 +54,7 @@ from lit_mesh.mesh import (
     resolve_layout,
 )
 from lit_mesh.meta_writes import record_meta_writes
-from lit_mesh.parallel.apply import Parallelized, is_user_parallelised, materialize, parallelize
+from lit_mesh.parallel.apply import Parallelized, is_user_parallelised, parallelize
 from lit_mesh.parallel.checkpointing import ActivationCheckpointing, check_activation_checkpointing
 from lit_mesh.parallel.compile import check_compile
 from lit_mesh.parallel.context import CPStyle, check_cp_style, gather_batch, refuse_cp_without_plan, shard_batch

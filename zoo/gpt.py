@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lit_mesh.init import Init, init_parameters
-from lit_mesh.plan import ParallelPlan
+from lit_mesh.plan import ContextPlan, ParallelPlan, PipelinePlan, TensorPlan
 
 
 @dataclass
@@ -163,28 +163,31 @@ class GPT(nn.Module):
         c = self.config
         return ParallelPlan(
             blocks="layers",
-            pp_first=("tok_embeddings",),
-            pp_last=("norm", "output"),
-            tp_root={"tok_embeddings": "embedding", "norm": "norm", "output": "head"},
-            tp_block={
-                "attention_norm": "norm",
-                "attention": "gather_input",
-                "attention.wq": "colwise",
-                "attention.wk": "colwise",
-                "attention.wv": "colwise",
-                "attention.wo": "rowwise",
-                "ffn_norm": "norm",
-                "feed_forward": "gather_input",
-                "feed_forward.w1": "colwise",
-                "feed_forward.w3": "colwise",
-                "feed_forward.w2": "rowwise",
-            },
-            tp_divides={
-                "n_heads": c.n_heads,
-                "n_kv_heads": c.n_kv_heads,
-                "ffn_hidden": c.ffn_hidden,
-                "vocab_size": c.vocab_size,
-            },
+            tp=TensorPlan(
+                root={"tok_embeddings": "embedding", "norm": "norm", "output": "head"},
+                block={
+                    "attention_norm": "norm",
+                    "attention": "gather_input",
+                    "attention.wq": "colwise",
+                    "attention.wk": "colwise",
+                    "attention.wv": "colwise",
+                    "attention.wo": "rowwise",
+                    "ffn_norm": "norm",
+                    "feed_forward": "gather_input",
+                    "feed_forward.w1": "colwise",
+                    "feed_forward.w3": "colwise",
+                    "feed_forward.w2": "rowwise",
+                },
+                divides={
+                    "n_heads": c.n_heads,
+                    "n_kv_heads": c.n_kv_heads,
+                    "ffn_hidden": c.ffn_hidden,
+                    "vocab_size": c.vocab_size,
+                },
+            ),
+            pp=PipelinePlan(first=("tok_embeddings",), last=("norm", "output")),
+            # context parallel swaps the attention's scaled_dot_product_attention and passes global positions
+            cp=ContextPlan(attention="attention", positions="positions"),
             # leading '*' so the rules still match under a wrapper prefix; residual outputs scaled down
             # with depth (GPT-2) so the residual stream does not grow with the number of layers
             init=(
@@ -193,8 +196,6 @@ class GPT(nn.Module):
                 ("*.w2.weight", Init("normal", 0.02 / math.sqrt(2 * c.n_layers))),
                 ("*", Init("normal", 0.02)),
             ),
-            attention="attention",  # context parallel swaps its scaled_dot_product_attention
-            positions="positions",
         )
 
     def num_params(self, exclude_embedding: bool = False) -> int:

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lit_mesh.init import Init, init_parameters
-from lit_mesh.plan import ParallelPlan, TPStyle
+from lit_mesh.plan import ContextPlan, MoEPlan, ParallelPlan, TensorPlan, TPStyle
 from zoo.gpt import Attention, FeedForward, GPTConfig, rope_cos_sin
 
 
@@ -229,7 +229,7 @@ class MoE(nn.Module):
         if config.n_shared_experts:
             shared = dataclasses.replace(config, ffn_hidden=config.n_shared_experts * config.expert_hidden)
             self.shared_experts = FeedForward(shared.attention_config())
-        self.dispatcher = LocalDispatch()  # expert parallel swaps in an all-to-all (the plan's `moe_layer`)
+        self.dispatcher = LocalDispatch()  # expert parallel swaps in an all-to-all (the plan's `moe.layer`)
         # statistics of the last forward (detached), read by the LightningModule for logging and balancing
         self.load = torch.zeros(config.n_experts)
         self.dropped = torch.zeros(())
@@ -323,8 +323,8 @@ class MoETransformer(nn.Module):
 
     def parallel_plan(self) -> ParallelPlan:
         c = self.config
-        tp_divides = {"n_heads": c.n_heads, "n_kv_heads": c.n_kv_heads, "vocab_size": c.vocab_size}
-        tp_block: dict[str, TPStyle] = {
+        divides = {"n_heads": c.n_heads, "n_kv_heads": c.n_kv_heads, "vocab_size": c.vocab_size}
+        block: dict[str, TPStyle] = {
             "attention_norm": "norm",
             "attention": "gather_input",
             "attention.wq": "colwise",
@@ -337,8 +337,8 @@ class MoETransformer(nn.Module):
             "moe": "whole_sequence",
         }
         if any(layer.feed_forward is not None for layer in self.layers):  # dense blocks: the zoo GPT's plan
-            tp_divides["ffn_hidden"] = c.ffn_hidden
-            tp_block.update({
+            divides["ffn_hidden"] = c.ffn_hidden
+            block.update({
                 "feed_forward": "gather_input",
                 "feed_forward.w1": "colwise",
                 "feed_forward.w3": "colwise",
@@ -347,13 +347,10 @@ class MoETransformer(nn.Module):
         residual_std = 0.02 / math.sqrt(2 * c.n_layers)
         return ParallelPlan(
             blocks="layers",
-            tp_root={"tok_embeddings": "embedding", "norm": "norm", "output": "head"},
-            tp_block=tp_block,
-            tp_divides=tp_divides,
-            moe_layer="moe",
-            ep_divides={"n_experts": c.n_experts},
-            attention="attention",  # context parallel swaps its scaled_dot_product_attention
-            positions="positions",
+            tp=TensorPlan(root={"tok_embeddings": "embedding", "norm": "norm", "output": "head"}, block=block, divides=divides),
+            moe=MoEPlan(layer="moe", ep_divides={"n_experts": c.n_experts}),
+            # context parallel swaps the attention's scaled_dot_product_attention and passes global positions
+            cp=ContextPlan(attention="attention", positions="positions"),
             init=(
                 ("*norm.weight", Init("ones")),
                 ("*.wo.weight", Init("normal", residual_std)),

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lit_mesh.init import Init, init_parameters
-from lit_mesh.plan import ParallelPlan
+from lit_mesh.plan import ParallelPlan, PipelinePlan, TensorPlan
 
 
 @dataclass
@@ -153,26 +153,27 @@ class ViT(nn.Module):
         trunc = Init("trunc_normal", 0.02)
         return ParallelPlan(
             blocks="blocks",
-            pp_first=("embed",),
-            pp_last=("norm", "head"),
-            tp_root={"embed": "shard_output", "norm": "gather_input"},
-            tp_block={
-                "norm1": "norm",
-                "attn": "gather_input",
-                "attn.q": "colwise",
-                "attn.k": "colwise",
-                "attn.v": "colwise",
-                "attn.proj": "rowwise",
-                "norm2": "norm",
-                "mlp": "gather_input",
-                "mlp.fc1": "colwise",
-                "mlp.fc2": "rowwise",
-            },
-            tp_divides={
-                "n_heads": c.n_heads,
-                "mlp_hidden": c.mlp_hidden,
-                "tokens (patches + class + registers)": c.seq_len,
-            },
+            tp=TensorPlan(
+                root={"embed": "shard_output", "norm": "gather_input"},
+                block={
+                    "norm1": "norm",
+                    "attn": "gather_input",
+                    "attn.q": "colwise",
+                    "attn.k": "colwise",
+                    "attn.v": "colwise",
+                    "attn.proj": "rowwise",
+                    "norm2": "norm",
+                    "mlp": "gather_input",
+                    "mlp.fc1": "colwise",
+                    "mlp.fc2": "rowwise",
+                },
+                divides={
+                    "n_heads": c.n_heads,
+                    "mlp_hidden": c.mlp_hidden,
+                    "tokens (patches + class + registers)": c.seq_len,
+                },
+            ),
+            pp=PipelinePlan(first=("embed",), last=("norm", "head")),
             # leading '*' so the rules still match under a wrapper prefix
             init=(
                 ("*.bias", Init("zeros")),

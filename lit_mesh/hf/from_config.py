@@ -13,14 +13,14 @@ from __future__ import annotations
 from torch import nn
 
 from lit_mesh.hf.blocks import base_prefix, find_blocks
-from lit_mesh.plan import ParallelPlan, TPStyle
+from lit_mesh.plan import ParallelPlan, TensorPlan, TPStyle
 
 # transformers' style names -> ours; anything else is refused by name
 HF_STYLES: dict[str, TPStyle] = {
     "colwise": "colwise",
     "rowwise": "rowwise",
     "colwise_gather_output": "head",
-    "embedding_rowwise": "vocab_embedding",
+    "embedding_rowwise": "embedding_whole_output",  # the model reads the embeddings' length before its layers
 }
 _SPLIT = ("colwise", "rowwise")
 
@@ -37,7 +37,7 @@ def hf_tp_plan(model: nn.Module) -> dict[str, str]:
 
 def plan_from_hf(model: nn.Module, tp_divides: dict[str, int], hf_plan: dict[str, str] | None = None) -> ParallelPlan:
     """The plan for a model whose transformers TP plan (or `hf_plan`, a part of it) uses only styles we apply;
-    tp_unavailable otherwise."""
+    `tp.unavailable` otherwise."""
     name = type(model).__name__
     blocks = find_blocks(model)
     if blocks is None:
@@ -49,36 +49,36 @@ def plan_from_hf(model: nn.Module, tp_divides: dict[str, int], hf_plan: dict[str
             f"transformers' tensor-parallel plan of {name} uses styles lit-mesh does not apply: {unknown}"
             if unknown else f"{name}'s config has no base_model_tp_plan"
         )
-        return ParallelPlan(blocks=blocks, tp_unavailable=no_plan_message(name, why))
+        return ParallelPlan(blocks=blocks, tp=TensorPlan(unavailable=no_plan_message(name, why)))
 
     in_block = f"{blocks}.*."
-    tp_root: dict[str, TPStyle] = {}
-    tp_block: dict[str, TPStyle] = {}
+    root: dict[str, TPStyle] = {}
+    block: dict[str, TPStyle] = {}
     for key, style in hf_plan.items():
         if key.startswith(in_block):
-            tp_block[key[len(in_block):]] = HF_STYLES[style]
+            block[key[len(in_block):]] = HF_STYLES[style]
         else:
-            tp_root[key] = HF_STYLES[style]
+            root[key] = HF_STYLES[style]
 
     # sequence parallelism around the split linears
     layer = model.get_submodule(blocks)[0]
     for child_name, child in layer.named_children():
         if is_norm(child):
-            tp_block[child_name] = "norm"
-        elif any(key.startswith(f"{child_name}.") and tp_block[key] in _SPLIT for key in tp_block):
-            tp_block[child_name] = "gather_hidden_states"
-    tp_root[f"{blocks}.0"] = "shard_hidden_states"
+            block[child_name] = "norm"
+        elif any(key.startswith(f"{child_name}.") and block[key] in _SPLIT for key in block):
+            block[child_name] = "gather_input"
+    root[f"{blocks}.0"] = "shard_input"
     base = base_prefix(model)
     for child_name, child in model.get_submodule(base.rstrip(".")).named_children() if base else model.named_children():
         if is_norm(child):
-            tp_root[f"{base}{child_name}"] = "norm"  # the final norm: after the blocks, before the head
-    head = next((key for key, style in tp_root.items() if style == "head"), None)
+            root[f"{base}{child_name}"] = "norm"  # the final norm: after the blocks, before the head
+    head = next((key for key, style in root.items() if style == "head"), None)
     output = getattr(model, "get_output_embeddings", lambda: None)()
     if head is None and output is not None:
         # a head left whole (replicated) takes the whole sequence
         head_name = next(n for n, m in model.named_modules() if m is output)
-        tp_root[head_name] = "gather_input"
-    return ParallelPlan(blocks=blocks, tp_root=tp_root, tp_block=tp_block, tp_divides=tp_divides)
+        root[head_name] = "gather_input"
+    return ParallelPlan(blocks=blocks, tp=TensorPlan(root=root, block=block, divides=tp_divides))
 
 
 def no_plan_message(model_name: str, why: str) -> str:

@@ -14,7 +14,7 @@ from torch.distributed.tensor import Replicate, Shard
 
 from lit_mesh.hf.blocks import base_prefix
 from lit_mesh.hf.conv1d import Conv1DColwise, Conv1DRowwise, LocalSplitWidth
-from lit_mesh.plan import ParallelPlan
+from lit_mesh.plan import ParallelPlan, TensorPlan
 
 
 def _between_blocks(sequence_parallel: bool) -> Shard | Replicate:
@@ -31,22 +31,24 @@ CUSTOM_STYLES = {
 
 def gpt2_plan(model: nn.Module) -> ParallelPlan:
     config, base = model.config, base_prefix(model)
-    tp_root = {f"{base}h.0": "shard_hidden_states", f"{base}ln_f": "norm"}
+    root = {f"{base}h.0": "shard_input", f"{base}ln_f": "norm"}
     if hasattr(model, "lm_head"):
-        tp_root["lm_head"] = "gather_input"
+        root["lm_head"] = "gather_input"
     return ParallelPlan(
         blocks=f"{base}h",
-        tp_root=tp_root,
-        tp_block={
-            "ln_1": "norm",
-            "attn": "gpt2_attention",
-            "attn.c_attn": "conv1d_qkv",
-            "attn.c_proj": "conv1d_rowwise",
-            "ln_2": "norm",
-            "mlp": "gather_hidden_states",
-            "mlp.c_fc": "conv1d_colwise",
-            "mlp.c_proj": "conv1d_rowwise",
-        },
-        tp_divides={"n_head": config.n_head, "n_inner (MLP width)": config.n_inner or 4 * config.n_embd},
-        custom_styles=CUSTOM_STYLES,
+        tp=TensorPlan(
+            root=root,
+            block={
+                "ln_1": "norm",
+                "attn": "gpt2_attention",
+                "attn.c_attn": "conv1d_qkv",
+                "attn.c_proj": "conv1d_rowwise",
+                "ln_2": "norm",
+                "mlp": "gather_input",
+                "mlp.c_fc": "conv1d_colwise",
+                "mlp.c_proj": "conv1d_rowwise",
+            },
+            divides={"n_head": config.n_head, "n_inner (MLP width)": config.n_inner or 4 * config.n_embd},
+            custom_styles=CUSTOM_STYLES,
+        ),
     )

@@ -7,7 +7,7 @@ sequence ("whole_sequence"), its experts placed by expert parallel.
 
 Expert parallel needs an MoE layer that sends grouped tokens through a `dispatcher` to `experts(tokens,
 tokens_per_expert)` (lit_mesh/parallel/expert.py). transformers' MixtralSparseMoeBlock loops over its experts
-itself, so the plan's `moe_adapter` swaps the classes of the block and its experts for subclasses that do
+itself, so the plan's MoE adapter swaps the classes of the block and its experts for subclasses that do
 (as FSDP2 swaps a module's class; parameters, names and transformers' initialisation stay): the router is
 transformers' own (softmax over all experts, top-k renormalised), only the expert computation is regrouped.
 It is applied on every layout, single device included, so all layouts compute alike.
@@ -24,7 +24,7 @@ from torch.distributed.tensor import DTensor
 
 from lit_mesh.hf.decoder import tp_divides
 from lit_mesh.hf.from_config import hf_tp_plan, plan_from_hf
-from lit_mesh.plan import ParallelPlan
+from lit_mesh.plan import MoEPlan, ParallelPlan
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
@@ -89,7 +89,7 @@ def _swap_class(module: nn.Module, mixin: type) -> None:
 
 
 def dispatch_experts(moe: nn.Module) -> None:
-    """The plan's moe_adapter: make a MixtralSparseMoeBlock route through a dispatcher (idempotent)."""
+    """The plan's MoE adapter: make a MixtralSparseMoeBlock route through a dispatcher (idempotent)."""
     _swap_class(moe.experts, GroupedExperts)
     _swap_class(moe, DispatchedMoE)
     if not hasattr(moe, "dispatcher"):
@@ -104,8 +104,6 @@ def mixtral_plan(model: nn.Module) -> ParallelPlan:
     plan = plan_from_hf(model, divides, attention_only)
     return dataclasses.replace(
         plan,
-        tp_block={**plan.tp_block, "mlp": "whole_sequence"},
-        moe_layer="mlp",
-        moe_adapter=dispatch_experts,
-        ep_divides={"num_local_experts": config.num_local_experts},
+        tp=dataclasses.replace(plan.tp, block={**plan.tp.block, "mlp": "whole_sequence"}),
+        moe=MoEPlan(layer="mlp", ep_divides={"num_local_experts": config.num_local_experts}, adapter=dispatch_experts),
     )

@@ -86,8 +86,9 @@ def plan_for(model: nn.Module) -> ParallelPlan:
 
 
 def declared_plan(module: nn.Module) -> Callable[[], ParallelPlan] | None:
-    """For lit_mesh.parallel.apply.find_plan_owners: the plan of a transformers model, None for other modules
-    and for transformers models without blocks to shard (those are handled like any module without a plan)."""
+    """The plan source lit_mesh.hf registers (lit_mesh.plan.register_plan_source): the plan of a transformers
+    model, None for other modules and for transformers models without blocks to shard (those are handled like
+    any module without a plan)."""
     if module in _BY_INSTANCE or (is_transformers_model(module) and _has_blocks(module)):
         return lambda: plan_for(module)
     return None

@@ -11,7 +11,7 @@ from __future__ import annotations
 from torch import nn
 
 from lit_mesh.hf.blocks import base_prefix, find_blocks
-from lit_mesh.plan import ParallelPlan
+from lit_mesh.plan import ParallelPlan, TensorPlan
 
 
 def vit_plan(model: nn.Module) -> ParallelPlan:
@@ -19,18 +19,20 @@ def vit_plan(model: nn.Module) -> ParallelPlan:
     blocks = find_blocks(model) or f"{base}layers"
     return ParallelPlan(
         blocks=blocks,
-        tp_root={f"{blocks}.0": "shard_hidden_states", f"{base}layernorm": "gather_input"},
-        tp_block={
-            "layernorm_before": "norm",
-            "attention": "gather_hidden_states",  # called as attention(hidden_states, attention_mask)
-            "attention.q_proj": "colwise",
-            "attention.k_proj": "colwise",
-            "attention.v_proj": "colwise",
-            "attention.o_proj": "rowwise",
-            "layernorm_after": "norm",
-            "mlp": "gather_hidden_states",
-            "mlp.fc1": "colwise",
-            "mlp.fc2": "rowwise",
-        },
-        tp_divides={"num_attention_heads": config.num_attention_heads, "intermediate_size": config.intermediate_size},
+        tp=TensorPlan(
+            root={f"{blocks}.0": "shard_input", f"{base}layernorm": "gather_input"},
+            block={
+                "layernorm_before": "norm",
+                "attention": "gather_input",  # called as attention(hidden_states, attention_mask)
+                "attention.q_proj": "colwise",
+                "attention.k_proj": "colwise",
+                "attention.v_proj": "colwise",
+                "attention.o_proj": "rowwise",
+                "layernorm_after": "norm",
+                "mlp": "gather_input",
+                "mlp.fc1": "colwise",
+                "mlp.fc2": "rowwise",
+            },
+            divides={"num_attention_heads": config.num_attention_heads, "intermediate_size": config.intermediate_size},
+        ),
     )

@@ -7,20 +7,14 @@ torch.compile -> FSDP/HSDP/DDP per block (experts first) -> each stage's root ->
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
-import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor
 
 from lit_mesh.comm.compression import CompressionRun
 from lit_mesh.comm.hierarchical import Hierarchy, attach_hierarchical_all_reduce
-from lit_mesh.hf import declared_plan as transformers_plan
-from lit_mesh.hf.init import initialise_weights as initialise_transformers_weights
-from lit_mesh.init import init_parameters
 from lit_mesh.mesh import MeshLayout, MeshViews
-from lit_mesh.meta_writes import built_on_meta_where, carry_meta_writes
 from lit_mesh.parallel.checkpointing import apply_activation_checkpointing
 from lit_mesh.parallel.compile import apply_compile
 from lit_mesh.parallel.context import apply_context_parallel
@@ -35,29 +29,19 @@ from lit_mesh.parallel.pipeline_split import (
     split_into_stages,
     stage_ranks,
 )
-from lit_mesh.parallel.tensor import PlanError, apply_tensor_parallel, retie, tied_parameters
-from lit_mesh.plan import ParallelPlan
-
-
-@dataclass
-class PlanOwner:
-    """A module that declared `parallel_plan()`, with its name inside the LightningModule."""
-
-    name: str
-    module: nn.Module
-    plan: ParallelPlan
+from lit_mesh.parallel.tensor import PlanError, apply_tensor_parallel
+from lit_mesh.plan import ParallelPlan, PlanOwner, declared_plan
 
 
 def find_plan_owners(root: nn.Module) -> list[PlanOwner]:
-    """The outermost modules under `root` (root excluded) that declare a ParallelPlan."""
+    """The outermost modules under `root` (root excluded) that declare a ParallelPlan (their own
+    parallel_plan(), or a registered plan source's: transformers models)."""
     owners: list[PlanOwner] = []
     for name, module in root.named_modules():
         if not name or any(name.startswith(f"{o.name}.") for o in owners):
             continue
-        declare = getattr(module, "parallel_plan", None)
-        if not callable(declare):
-            declare = transformers_plan(module)  # a transformers model: its registered or derived plan
-        if callable(declare):
+        declare = declared_plan(module)
+        if declare is not None:
             plan = declare()
             if not isinstance(plan, ParallelPlan):
                 raise PlanError(f"{type(module).__name__}.parallel_plan() returned {type(plan).__name__}, not a ParallelPlan")
@@ -112,7 +96,7 @@ def split_pipeline(root: nn.Module, owners: list[PlanOwner], mesh: MeshViews, pi
             " Declare a plan on the network (see examples/own_model_plan.py), or use pp=1"
         )
     owner = owners[0]
-    if owner.plan.moe_layer:  # the MoE layers' auxiliary losses would have to travel between stages
+    if owner.plan.moe is not None:  # the MoE layers' auxiliary losses would have to travel between stages
         raise PlanError(
             f"pp={mesh['pp'].size()} with the MoE model {type(owner.module).__name__}: pipeline stages do not carry"
             " the auxiliary load-balancing loss between them yet; use pp=1 (ep, dp, tp and cp work with MoE)"
@@ -162,14 +146,14 @@ def parallelize(
         for owner in owners:
             experts = expert_modules(owner.module, owner.plan)  # placed by EP below
             apply_tensor_parallel(owner.module, owner.plan, mesh["tp"], sequence_parallel, skip=experts)
-        if done.stages and sequence_parallel and owners[0].plan.positions:
+        if done.stages and sequence_parallel and owners[0].plan.cp.positions:
             for stage in (s for s in done.stages if s.index != 0):  # the first stage counts them itself
-                pass_global_positions(stage.module, owners[0].plan.positions, layout.tp)
+                pass_global_positions(stage.module, owners[0].plan.cp.positions, layout.tp)
     if layout.cp > 1:
         if not owners:
             raise PlanError(
                 f"cp={layout.cp} but no module of {type(root).__name__} declares parallel_plan() with its attention;"
-                " declare one (ParallelPlan.attention and .positions, see zoo/gpt.py), or use cp=1"
+                " declare one with cp=ContextPlan(attention=..., positions=...) (see zoo/gpt.py), or use cp=1"
             )
         for owner in owners:
             apply_context_parallel(owner.module, owner.plan, mesh["cp"], cp_style)
@@ -198,76 +182,3 @@ def parallelize(
             attach_hierarchical_all_reduce(root, replicate_hierarchy, grad_compression)
     return done
 
-
-def meta_modules(root: nn.Module) -> set[nn.Module]:
-    """Modules holding parameters or buffers on the meta device (recorded before `to_empty`)."""
-    return {
-        m
-        for m in root.modules()
-        if any(t.is_meta for t in (*m.parameters(recurse=False), *m.buffers(recurse=False)))
-    }
-
-
-@torch.no_grad()
-def materialize(root: nn.Module, owners: list[PlanOwner], device: torch.device) -> None:
-    """Allocate meta tensors on `device` (each rank only its shards) and initialise them.
-
-    Plan owners with init rules get layout-independent weights (lit_mesh.init); other modules their
-    reset_parameters(). A module that has neither is an error, never silent uninitialised memory.
-    """
-    pending = meta_modules(root)
-    if not pending:
-        return
-    tied = tied_parameters(root)
-    root.to_empty(device=device)
-    retie(tied, type(root).__name__)  # to_empty gives each use of a tied meta parameter its own copy
-    by_plan: set[nn.Module] = set()  # modules whose weights a plan's init rules (or transformers) set
-    for owner in owners:
-        owned = set(owner.module.modules())
-        if owner.plan.init and owned & pending:
-            init_parameters(owner.module, owner.plan.init)
-            pending -= {m for m in owned if not any(True for _ in m.buffers(recurse=False))}
-            by_plan |= owned
-        elif owned & pending and initialise_transformers_weights(owner.module):  # transformers' own init
-            pending -= owned
-            by_plan |= owned
-    missing = []
-    for module in root.modules():  # a fixed order: every rank draws the same random numbers
-        if module not in pending:
-            continue
-        reset = getattr(module, "reset_parameters", None)
-        if callable(reset):
-            _reset_whole(module, reset)
-        else:
-            missing.append(f"{type(module).__name__} ({built_on_meta_where(root, module)})")
-    if missing:
-        raise PlanError(
-            f"modules {sorted(set(missing))} hold meta-device weights but have no reset_parameters() and no init"
-            " rules in a parallel_plan(), so they cannot be initialised; give them a reset_parameters(), or build"
-            " them with real weights (in the LightningModule's __init__, or under trainer.init_module() without"
-            " empty_init=True)"
-        )
-    carry_meta_writes(root, by_plan)  # values set on the meta device in configure_model (lit_mesh/meta_writes.py)
-
-
-def _reset_whole(module: nn.Module, reset: Any) -> None:
-    """Run reset_parameters() on whole tensors, then keep this rank's shards.
-
-    DTensor random init on CPU draws per rank, so resetting the shards directly would make the weights
-    depend on the layout; drawing whole tensors in a fixed order does not.
-    """
-    sharded = {name: p for name, p in module.named_parameters(recurse=False) if isinstance(p, DTensor)}
-    if not sharded:
-        reset()
-        return
-    for name, p in sharded.items():
-        whole = torch.empty(p.shape, dtype=p.dtype, device=p.to_local().device)
-        module._parameters[name] = nn.Parameter(whole, requires_grad=p.requires_grad)
-    try:
-        reset()
-    finally:
-        drawn = {name: module._parameters[name] for name in sharded}
-        module._parameters.update(sharded)  # the FSDP/TP-managed parameters go back in place
-    for name, p in sharded.items():
-        local = distribute_tensor(drawn[name].detach(), p.device_mesh, p.placements, src_data_rank=None).to_local()
-        p.to_local().copy_(local)

@@ -49,8 +49,7 @@ from lit_mesh.parallel.context_layout import (  # noqa: F401  (the public names 
     shard_sequence,
     unshard_sequence,
 )
-from lit_mesh.parallel.tensor import PlanError
-from lit_mesh.plan import ParallelPlan
+from lit_mesh.plan import ParallelPlan, PlanError
 
 
 # ---- swapping it into a model ----------------------------------------------------------------------------
@@ -130,25 +129,26 @@ def apply_context_parallel(model: nn.Module, plan: ParallelPlan, cp_mesh: Device
     """Swap the attention of every block for the cp style's and pass this rank's global positions to `model`."""
     check_cp_style(style)
     name = type(model).__name__
-    if not plan.attention:
+    attention_name, positions = plan.cp.attention, plan.cp.positions
+    if not attention_name:
         raise PlanError(
-            f"cp={cp_mesh.size()} but {name}.parallel_plan() declares no attention module (ParallelPlan.attention);"
+            f"cp={cp_mesh.size()} but {name}.parallel_plan() declares no attention module (ContextPlan.attention);"
             f" context parallel swaps the attention a plan names: declare it, or use cp=1"
         )
-    if not plan.positions:
+    if not positions:
         raise PlanError(
-            f"cp={cp_mesh.size()} but {name}.parallel_plan() declares no positions keyword (ParallelPlan.positions):"
+            f"cp={cp_mesh.size()} but {name}.parallel_plan() declares no positions keyword (ContextPlan.positions):"
             " each rank holds tokens from all over the sequence and the model must be told their global positions;"
             " declare the keyword of forward() that takes them, or use cp=1"
         )
     group, rank = cp_mesh.get_group(), cp_mesh.get_local_rank()
     for index, block in enumerate(model.get_submodule(plan.blocks)):
-        where = f"{name}.{plan.blocks}.{index}.{plan.attention}"
+        where = f"{name}.{plan.blocks}.{index}.{attention_name}"
         try:
-            attention = block.get_submodule(plan.attention)
+            attention = block.get_submodule(attention_name)
         except AttributeError:
-            raise PlanError(f"{name}.parallel_plan() names attention {plan.attention!r}, which {where} does not have")
+            raise PlanError(f"{name}.parallel_plan() names attention {attention_name!r}, which {where} does not have")
         _swap_attention(attention, ContextParallelAttention(group, style, where))
     model.register_forward_pre_hook(
-        _positions_hook(plan.positions, cp_mesh.size(), rank, is_load_balanced(style)), with_kwargs=True
+        _positions_hook(positions, cp_mesh.size(), rank, is_load_balanced(style)), with_kwargs=True
     )

@@ -11,7 +11,7 @@ from torch.distributed import _functional_collectives as funcol
 from torch.distributed.device_mesh import DeviceMesh
 
 from lit_mesh.mesh import MeshConfigError
-from lit_mesh.parallel.tensor import PlanError
+from lit_mesh.plan import PlanError
 
 CPStyle = Literal["ring", "ulysses", "allgather"]
 CP_STYLES: tuple[str, ...] = CPStyle.__args__  # type: ignore[attr-defined]

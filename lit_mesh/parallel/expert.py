@@ -2,7 +2,7 @@
 
 ep borrows the innermost ranks of dp_shard x cp (see lit_mesh/mesh.py): the ranks of one ep group read
 different batches, send each token to the rank that holds its expert, and get the results back. What changes
-on an MoE layer (the plan's `moe_layer` in a block):
+on an MoE layer (the plan's `moe.layer` in a block):
 - `dispatcher`: `AllToAllDispatch` sums the load over dp x cp (the auxiliary loss and the balancing bias use
   global statistics, identical on every rank) and, with ep > 1, moves tokens with variable-split all-to-alls:
   token counts first, then the tokens, the experts' outputs back the same way;
@@ -29,25 +29,24 @@ from torch.distributed.tensor import Shard, distribute_tensor
 
 from lit_mesh.mesh import MeshLayout, MeshViews
 from lit_mesh.parallel.data import mixed_precision_policy
-from lit_mesh.parallel.tensor import PlanError
-from lit_mesh.plan import ParallelPlan
+from lit_mesh.plan import ParallelPlan, PlanError
 
 
 def moe_layers(model: nn.Module, plan: ParallelPlan) -> Iterator[nn.Module]:
-    """The MoE layers of the plan's blocks (blocks without `plan.moe_layer` are dense)."""
-    if not plan.moe_layer:
+    """The MoE layers of the plan's blocks (blocks without `plan.moe.layer` are dense)."""
+    if plan.moe is None:
         return
     for block in model.get_submodule(plan.blocks):
-        layer = getattr(block, plan.moe_layer, None)
+        layer = getattr(block, plan.moe.layer, None)
         if isinstance(layer, nn.Module):
             yield layer
 
 
 def adapt_moe_layers(model: nn.Module, plan: ParallelPlan) -> None:
-    """The plan's moe_adapter on every MoE layer (before any technique: all layouts then compute alike)."""
-    if plan.moe_adapter is not None:
+    """The plan's MoE adapter on every MoE layer (before any technique: all layouts then compute alike)."""
+    if plan.moe is not None and plan.moe.adapter is not None:
         for layer in moe_layers(model, plan):
-            plan.moe_adapter(layer)
+            plan.moe.adapter(layer)
 
 
 def expert_modules(model: nn.Module, plan: ParallelPlan) -> list[nn.Module]:
@@ -56,7 +55,7 @@ def expert_modules(model: nn.Module, plan: ParallelPlan) -> list[nn.Module]:
 
 
 def check_ep_divides(plan: ParallelPlan, ep: int, model_name: str) -> None:
-    for what, size in plan.ep_divides.items():
+    for what, size in (plan.moe.ep_divides if plan.moe is not None else {}).items():
         if size % ep:
             choices = [d for d in range(1, size + 1) if size % d == 0]
             raise PlanError(f"ep={ep} does not divide {what}={size} of {model_name} (choose ep in {choices})")
@@ -118,7 +117,7 @@ def apply_expert_parallel(model: nn.Module, plan: ParallelPlan, mesh: MeshViews,
     if not layers:
         if layout.ep > 1:
             raise PlanError(
-                f"ep={layout.ep} but {type(model).__name__}.parallel_plan() declares no MoE layer (moe_layer);"
+                f"ep={layout.ep} but {type(model).__name__}.parallel_plan() declares no MoE layer (ParallelPlan.moe);"
                 " use ep=1 for a dense model"
             )
         return

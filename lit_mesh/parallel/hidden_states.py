@@ -44,7 +44,7 @@ class HiddenStatesLayout(ParallelStyle):
                 return args, {**kwargs, KEYWORD: self._convert(kwargs[KEYWORD], device_mesh)}
             raise ValueError(
                 f"{type(_module).__name__} got neither a positional input nor {KEYWORD}=: the plan's"
-                " shard_hidden_states/gather_hidden_states style does not fit this module"
+                " shard_input/gather_input style does not fit this module"
             )
 
         module.register_forward_pre_hook(pre_hook, with_kwargs=True)

@@ -121,12 +121,12 @@ def split_into_stages(
         return set(range(starts[stage], starts[stage] + split[stage]))
 
     def outer_modules(stage: int) -> set[str]:
-        return (set(plan.pp_first) if stage == 0 else set()) | (set(plan.pp_last) if stage == last else set())
+        return (set(plan.pp.first) if stage == 0 else set()) | (set(plan.pp.last) if stage == last else set())
 
     def prune(module: nn.Module, stages: list[int]) -> None:
         _keep_blocks(module, plan.blocks, set().union(*(blocks_of(s) for s in stages)))
         keep = set().union(*(outer_modules(s) for s in stages))
-        for name in (*plan.pp_first, *plan.pp_last):
+        for name in (*plan.pp.first, *plan.pp.last):
             if name not in keep:
                 module._modules[name] = None
 

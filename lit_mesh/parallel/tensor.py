@@ -12,7 +12,6 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_modul
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
-    PrepareModuleInput,
     PrepareModuleInputOutput,
     PrepareModuleOutput,
     RowwiseParallel,
@@ -21,11 +20,9 @@ from torch.distributed.tensor.parallel import (
 )
 
 from lit_mesh.parallel.hidden_states import HiddenStatesLayout
-from lit_mesh.plan import ParallelPlan
+from lit_mesh.init import retie, tied_parameters
+from lit_mesh.plan import ParallelPlan, PlanError
 
-
-class PlanError(ValueError):
-    """A plan that cannot be applied to this model on this mesh, with the numbers and the fix."""
 
 
 def torch_style(style: str, sequence_parallel: bool, check: Any = None) -> ParallelStyle | None:
@@ -41,12 +38,12 @@ def torch_style(style: str, sequence_parallel: bool, check: Any = None) -> Paral
         return RowwiseParallel(output_layouts=between_blocks)
     if style == "embedding":
         return RowwiseParallel(input_layouts=Replicate(), output_layouts=between_blocks)
-    if style == "vocab_embedding":
+    if style == "embedding_whole_output":
         return RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
     if style == "head":
         return ColwiseParallel(input_layouts=between_blocks, output_layouts=Replicate(), use_local_output=True)
     if not sequence_parallel:
-        return None  # norm, gather_input, shard_output only move activations in and out of the SP region
+        return None  # the styles below only move activations in and out of the SP region
     if style == "norm":
         return SequenceParallel()
     if style == "whole_sequence":
@@ -54,21 +51,19 @@ def torch_style(style: str, sequence_parallel: bool, check: Any = None) -> Paral
             input_layouts=(sequence,), desired_input_layouts=(Replicate(),), use_local_input=True,
             output_layouts=(Replicate(),), desired_output_layouts=(sequence,), use_local_output=True,
         )
-    if style == "gather_input":
-        return PrepareModuleInput(input_layouts=(sequence,), desired_input_layouts=(Replicate(),), use_local_output=True)
     if style == "shard_output":
         return PrepareModuleOutput(
             output_layouts=Replicate(), desired_output_layouts=sequence, use_local_output=True
         )
-    if style == "shard_hidden_states":
+    if style == "shard_input":
         return HiddenStatesLayout(Replicate(), sequence, check)
-    if style == "gather_hidden_states":
+    if style == "gather_input":
         return HiddenStatesLayout(sequence, Replicate())
     raise PlanError(f"unknown TP style {style!r}")
 
 
 def check_tp_divides(plan: ParallelPlan, tp: int, model_name: str) -> None:
-    for what, size in plan.tp_divides.items():
+    for what, size in plan.tp.divides.items():
         if size % tp:
             choices = [d for d in range(1, size + 1) if size % d == 0 and d <= 64]
             raise PlanError(f"tp={tp} does not divide {what}={size} of {model_name} (choose tp in {choices})")
@@ -119,17 +114,17 @@ def apply_tensor_parallel(
 ) -> None:
     """Shard `model` over `tp_mesh` as its plan says (modules inside blocks, then the rest)."""
     tp = tp_mesh.size()
-    if plan.tp_unavailable:
-        raise PlanError(f"tp={tp}: {plan.tp_unavailable}")
+    if plan.tp.unavailable:
+        raise PlanError(f"tp={tp}: {plan.tp.unavailable}")
     check_tp_divides(plan, tp, type(model).__name__)
     tied = tied_parameters(model)
-    targets: list[tuple[nn.Module, str, str]] = [(model, name, style) for name, style in plan.tp_root.items()]
+    targets: list[tuple[nn.Module, str, str]] = [(model, name, style) for name, style in plan.tp.root.items()]
     blocks = list(model.get_submodule(plan.blocks))
-    for name in plan.tp_block:  # blocks may differ (dense and MoE): a name must exist in at least one
+    for name in plan.tp.block:  # blocks may differ (dense and MoE): a name must exist in at least one
         if blocks and not any(_has_submodule(block, name) for block in blocks):
             raise PlanError(f"{type(model).__name__}.parallel_plan() names {name!r}, which no block has")
     for block in blocks:
-        targets += [(block, name, style) for name, style in plan.tp_block.items() if _has_submodule(block, name)]
+        targets += [(block, name, style) for name, style in plan.tp.block.items() if _has_submodule(block, name)]
     for owner, name, style in targets:
         if name.split(".")[0] in owner._modules and owner._modules[name.split(".")[0]] is None:
             continue  # a pipeline stage that does not hold this module
@@ -143,8 +138,8 @@ def apply_tensor_parallel(
         if sequence_parallel and style == "shard_output":
             check = _sequence_check(tp, name)
             module.register_forward_hook(lambda _m, _args, out, check=check: check(out.shape[1]))
-        if style in plan.custom_styles:
-            torch_plan = plan.custom_styles[style](sequence_parallel)
+        if style in plan.tp.custom_styles:
+            torch_plan = plan.tp.custom_styles[style](sequence_parallel)
         else:
             torch_plan = torch_style(style, sequence_parallel, _sequence_check(tp, name))
         if torch_plan is not None:
@@ -152,30 +147,6 @@ def apply_tensor_parallel(
     replicate_remaining(model, tp_mesh, skip)
     retie(tied, type(model).__name__)
 
-
-def tied_parameters(model: nn.Module) -> list[list[tuple[nn.Module, str]]]:
-    """Every parameter used by more than one module (tied embeddings), as its (module, name) uses."""
-    uses: dict[int, list[tuple[nn.Module, str]]] = {}
-    for module in model.modules():
-        for name, param in module._parameters.items():
-            if param is not None:
-                uses.setdefault(id(param), []).append((module, name))
-    return [group for group in uses.values() if len(group) > 1]
-
-
-def retie(tied: list[list[tuple[nn.Module, str]]], model_name: str) -> None:
-    """Tie again what distributing the modules one by one untied: every use gets the first use's DTensor."""
-    for (first_module, first_name), *others in tied:
-        shared = first_module._parameters[first_name]
-        for module, name in others:
-            own = module._parameters[name]
-            if isinstance(own, DTensor) and isinstance(shared, DTensor) and own.placements != shared.placements:
-                raise PlanError(
-                    f"{model_name}: tied parameter {first_name!r} of {type(first_module).__name__} is"
-                    f" {shared.placements} but its tie in {type(module).__name__} is {own.placements}; give both"
-                    " modules TP styles that shard the weight alike (embedding + head), or leave both unsharded"
-                )
-            module._parameters[name] = shared
 
 
 def _has_submodule(module: nn.Module, name: str) -> bool:

@@ -34,6 +34,9 @@ def chunk(n: int, parts: int, index: int) -> int:
     return max(0, min(size, n - index * size))
 
 
+_ROWWISE = ("rowwise", "embedding", "embedding_whole_output")  # the plan styles that are torch's RowwiseParallel
+
+
 def local_numel(p: ParamShape, tp: int, tp_rank: int, shard: int, shard_rank: int, ep: int = 1) -> int:
     """Elements of `p` on the rank at (tp_rank, shard_rank of dp_shard x cp); ep ranks are the innermost of those."""
     shape = list(p.shape)
@@ -42,8 +45,8 @@ def local_numel(p: ParamShape, tp: int, tp_rank: int, shard: int, shard_rank: in
         if shard // ep > 1:
             shape[1] = chunk(shape[1], shard // ep, shard_rank // ep)
         return _prod(shape)
-    if tp > 1 and p.tp_style in ("colwise", "head", "rowwise", "embedding"):
-        torch_rowwise = p.tp_style in ("rowwise", "embedding")  # the plan's "embedding" is RowwiseParallel
+    if tp > 1 and p.tp_style in ("colwise", "head", *_ROWWISE):
+        torch_rowwise = p.tp_style in _ROWWISE
         if len(shape) == 1:  # a bias: split with the colwise output, replicated under rowwise
             dim = None if torch_rowwise else 0
         elif p.is_embedding:  # nn.Embedding (vocab, dim): rowwise splits the vocabulary

@@ -77,7 +77,7 @@ def gpt_shapes(config: Any) -> ModelShapes:
     with torch.device("meta"):
         model = build_model(dataclasses.replace(config, n_layers=1))
     plan = model.parallel_plan()
-    experts = f"{plan.blocks}.0.{plan.moe_layer}.experts." if getattr(plan, "moe_layer", None) else None
+    experts = f"{plan.blocks}.0.{plan.moe.layer}.experts." if plan.moe is not None else None
     modules = dict(model.named_modules())
     block, first, last = [], [], []
     for name, p in model.named_parameters():
@@ -86,16 +86,16 @@ def gpt_shapes(config: Any) -> ModelShapes:
         if name.startswith(f"{plan.blocks}.0."):
             local = owner[len(plan.blocks) + 3 :]
             expert = experts is not None and name.startswith(experts)  # TP leaves them to EP
-            style = None if expert else plan.tp_block.get(local)
+            style = None if expert else plan.tp.block.get(local)
             block.append(ParamShape(name[len(plan.blocks) + 3 :], tuple(p.shape), style, embedding, expert))
             continue
         child = name.split(".")[0]
-        entry = ParamShape(name, tuple(p.shape), plan.tp_root.get(owner), embedding)
-        if child in plan.pp_first or not (plan.pp_first or plan.pp_last):  # no pp split declared (MoE): one stage
+        entry = ParamShape(name, tuple(p.shape), plan.tp.root.get(owner), embedding)
+        if child in plan.pp.first or not (plan.pp.first or plan.pp.last):  # no pp split declared (MoE): one stage
             first.append(entry)
-        elif child in plan.pp_last:
+        elif child in plan.pp.last:
             last.append(entry)
         else:
-            raise ValueError(f"{name}: neither in a block nor in the plan's pp_first / pp_last")
-    ep_divides = dict(getattr(plan, "ep_divides", None) or {})
-    return ModelShapes(config, tuple(block), tuple(first), tuple(last), dict(plan.tp_divides), ep_divides)
+            raise ValueError(f"{name}: neither in a block nor in the plan's pp.first / pp.last")
+    ep_divides = dict(plan.moe.ep_divides) if plan.moe is not None else {}
+    return ModelShapes(config, tuple(block), tuple(first), tuple(last), dict(plan.tp.divides), ep_divides)

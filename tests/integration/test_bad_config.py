@@ -46,7 +46,7 @@ ERRORS_AFTER_START: dict[str, tuple[list[str], list[str]]] = {
     "ulysses_vs_heads": (_gpt(f"{S}cp=2", f"{S}cp_style=ulysses", "--model.init_args.config_overrides={dim: 96, n_heads: 3, n_kv_heads: 3}"),
                          ["3 query heads on this rank (after tp) are not divisible by cp=2"]),
     "cp_without_attention": ([a.replace("gpt.yaml", "vit.yaml") for a in _gpt(f"{S}cp=2")],  # ViT: no attention in its plan
-                             ["declares no attention module (ParallelPlan.attention)"]),
+                             ["declares no attention module (ContextPlan.attention)"]),
     "cp_self_parallelised": (_gpt(f"{S}cp=2", "--model=tests.workers.cp_modules.SelfShardedGPT"),
                              ["cp=2 but configure_model of SelfShardedGPT parallelised the model itself"]),
     # a NaN on one rank stops every rank together, naming the step and the rank

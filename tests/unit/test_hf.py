@@ -190,18 +190,18 @@ def test_plans_are_selected_by_class_and_can_be_named() -> None:
         opt = AutoModelForCausalLM.from_config(tiny_config("opt"))
     plan = plan_for(llama)  # transformers' own TP plan, plus SP and the blocks
     assert plan.blocks == "model.layers"
-    assert plan.tp_block["self_attn.q_proj"] == "colwise" and plan.tp_block["mlp.down_proj"] == "rowwise"
-    assert plan.tp_block["self_attn"] == "gather_hidden_states" and plan.tp_block["input_layernorm"] == "norm"
-    assert plan.tp_root["lm_head"] == "head" and plan.tp_root["model.embed_tokens"] == "vocab_embedding"
-    assert plan.tp_root["model.layers.0"] == "shard_hidden_states"
-    assert plan.tp_divides == {"num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 128, "vocab_size": 256}
+    assert plan.tp.block["self_attn.q_proj"] == "colwise" and plan.tp.block["mlp.down_proj"] == "rowwise"
+    assert plan.tp.block["self_attn"] == "gather_input" and plan.tp.block["input_layernorm"] == "norm"
+    assert plan.tp.root["lm_head"] == "head" and plan.tp.root["model.embed_tokens"] == "embedding_whole_output"
+    assert plan.tp.root["model.layers.0"] == "shard_input"
+    assert plan.tp.divides == {"num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 128, "vocab_size": 256}
     # found inside a LightningModule-like root, only the outermost transformers model
     root = torch.nn.Module()
     root.model = llama
     assert [(o.name, o.plan.blocks) for o in find_plan_owners(root)] == [("model", "model.layers")]
     assert declared_plan(torch.nn.Linear(2, 2)) is None
     # no known plan: FSDP per decoder layer, TP refused by name
-    assert plan_for(opt).blocks == "model.decoder.layers" and "OPTForCausalLM" in plan_for(opt).tp_unavailable
+    assert plan_for(opt).blocks == "model.decoder.layers" and "OPTForCausalLM" in plan_for(opt).tp.unavailable
     # named explicitly: for one model, or for a class
     assert plan_for(use_plan(opt, lambda m: plan)) is plan
     register_plan("OPTForCausalLM", lambda m: plan)
@@ -231,10 +231,10 @@ def test_mixtral_plan_and_its_expert_adapter() -> None:
     torch.manual_seed(0)
     mixtral = AutoModelForCausalLM.from_config(tiny_config("mixtral")).eval()
     plan = plan_for(mixtral)
-    assert plan.blocks == "model.layers" and plan.moe_layer == "mlp" and plan.ep_divides == {"num_local_experts": 4}
-    assert plan.tp_block["self_attn.q_proj"] == "colwise" and plan.tp_block["self_attn.o_proj"] == "rowwise"
-    assert plan.tp_block["mlp"] == "whole_sequence" and not any(k.startswith("mlp.") for k in plan.tp_block)
-    assert plan.tp_divides == {"num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256}
+    assert plan.blocks == "model.layers" and plan.moe.layer == "mlp" and plan.moe.ep_divides == {"num_local_experts": 4}
+    assert plan.tp.block["self_attn.q_proj"] == "colwise" and plan.tp.block["self_attn.o_proj"] == "rowwise"
+    assert plan.tp.block["mlp"] == "whole_sequence" and not any(k.startswith("mlp.") for k in plan.tp.block)
+    assert plan.tp.divides == {"num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256}
     adapted = copy.deepcopy(mixtral)
     adapt_moe_layers(adapted, plan)
     adapt_moe_layers(adapted, plan)  # idempotent

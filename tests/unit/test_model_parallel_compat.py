@@ -42,7 +42,7 @@ from lightning.pytorch.plugins.environments import LightningEnvironment
 
 from lit_mesh import MeshStrategy
 from lit_mesh.mesh import MeshConfigError
-from lit_mesh.parallel.apply import materialize
+from lit_mesh.init import materialize
 from lit_mesh.parallel.tensor import PlanError
 
 NO_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="asserts CUDA devices; needs 2 GPUs")

@@ -225,10 +225,10 @@ def test_every_plan_name_exists(build):
     plan = model.parallel_plan()
     blocks = model.get_submodule(plan.blocks)
     assert isinstance(blocks, nn.ModuleList) and len(blocks) > 0
-    for name in plan.tp_root:
+    for name in plan.tp.root:
         model.get_submodule(name)
     for block in blocks:
-        for name, style in plan.tp_block.items():
+        for name, style in plan.tp.block.items():
             sub = block.get_submodule(name)
             if style in ("colwise", "rowwise"):
                 assert isinstance(sub, nn.Linear), name
@@ -237,13 +237,13 @@ def test_every_plan_name_exists(build):
 
 
 def test_tp_divides():
-    assert tiny_gpt().parallel_plan().tp_divides == {
+    assert tiny_gpt().parallel_plan().tp.divides == {
         "n_heads": 4,
         "n_kv_heads": 2,
         "ffn_hidden": 128,
         "vocab_size": 256,
     }
-    assert tiny_vit().parallel_plan().tp_divides == {
+    assert tiny_vit().parallel_plan().tp.divides == {
         "n_heads": 4,
         "mlp_hidden": 128,
         "tokens (patches + class + registers)": 20,
