@@ -215,6 +215,9 @@ class MeshStrategy(ModelParallelStrategy):
         self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
 
     def setup_environment(self) -> None:
+        # Lightning's _setup_distributed runs accelerator.setup_device(root_device) (torch.cuda.set_device(local
+        # rank)) and then init_process_group(device_id=root_device): each rank's NCCL communicators sit on its own
+        # GPU before the mesh is built (tests/test_device_setup.py guards the order)
         self._setup_distributed()
         self.mesh_views = build_device_mesh(self.layout, self.root_device.type)
         self._device_mesh = self.mesh_views.root
