@@ -315,7 +315,8 @@ class GradientCompression:
         self.meter = WireMeter()
         self.compressors: dict[str, GradientCompressor] = {}
         self._codecs: dict[str, Codec] = {}
-        self._sumsq = 0.0  # squared norm of this rank's reduced gradients in the current step
+        # squared norm of this rank's reduced gradients in the current step, on the device: no host read per bucket
+        self._sumsq = torch.zeros((), dtype=torch.float64, device=self.device)
         self._last_norm: Optional[float] = None
         self._calm_steps = 0
 
@@ -349,7 +350,7 @@ class GradientCompression:
 
     def record_norm(self, reduced: Tensor) -> None:
         if self._rule_pending:
-            self._sumsq += float(reduced.detach().float().pow(2).sum())
+            self._sumsq = self._sumsq + reduced.detach().float().pow(2).sum().double()
 
     def begin_step(self, step: int) -> None:
         """Called at every training step (micro-batches of one step: once); moves along the schedule."""
@@ -370,10 +371,10 @@ class GradientCompression:
 
     def _observe_grad_norm(self) -> None:
         # every rank must switch at the same step: decide on the norm summed over the world
-        total = torch.tensor([self._sumsq], dtype=torch.float64, device=self.device)
+        total = self._sumsq.reshape(1).to(self.device)
         if dist.is_initialized():
             dist.all_reduce(total)
-        norm, self._sumsq = float(total.sqrt()), 0.0
+        norm, self._sumsq = float(total.sqrt()), torch.zeros((), dtype=torch.float64, device=self.device)
         threshold = self.stages[self.stage + 1].grad_norm_change_below
         if self._last_norm is not None and self._last_norm > 0:
             calm = abs(norm - self._last_norm) / self._last_norm < threshold
@@ -391,7 +392,7 @@ class GradientCompression:
         return {
             "stage": self.stage,
             "step": self.step,
-            "sumsq": self._sumsq,
+            "sumsq": float(self._sumsq),
             "last_norm": self._last_norm,
             "calm_steps": self._calm_steps,
             "compressors": {
@@ -406,7 +407,8 @@ class GradientCompression:
     def load_state_dict(self, state: dict[str, Any], sites: bool = True) -> None:
         """sites=False: only the schedule's position (residuals and factors stay as they are)."""
         self.stage, self.step = state["stage"], state["step"]
-        self._sumsq, self._last_norm, self._calm_steps = state["sumsq"], state["last_norm"], state["calm_steps"]
+        self._last_norm, self._calm_steps = state["last_norm"], state["calm_steps"]
+        self._sumsq = torch.tensor(float(state["sumsq"]), dtype=torch.float64, device=self.device)
         if not sites:
             return
         for name, saved in state["compressors"].items():

@@ -14,6 +14,8 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 
+from lit_mesh.log_steps import module_logs_now
+
 from zoo.hf.configs import tiny_config
 
 Build = Literal["configure_model", "init"]
@@ -63,7 +65,8 @@ class HFCausalLM(_HFModule):
         tokens, targets = batch
         logits = self.model(input_ids=tokens).logits
         loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
-        self.log("train_loss", loss, prog_bar=True, sync_dist=True)
+        if module_logs_now(self):  # reduced across ranks only on the steps the logger writes
+            self.log("train_loss", loss, prog_bar=True, sync_dist=True)
         return loss
 
 
@@ -87,5 +90,6 @@ class HFImageClassifier(_HFModule):
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         images, labels = batch
         loss = F.cross_entropy(self.model(pixel_values=images).logits.float(), labels)
-        self.log("train_loss", loss, prog_bar=True, sync_dist=True)
+        if module_logs_now(self):  # reduced across ranks only on the steps the logger writes
+            self.log("train_loss", loss, prog_bar=True, sync_dist=True)
         return loss

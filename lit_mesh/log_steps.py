@@ -1,0 +1,20 @@
+"""Which training steps log: the steps where a cross-rank reduction of a logged value is worth its cost."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def is_logging_step(trainer: Any) -> bool:
+    """True on the steps Lightning writes to the logger (every `log_every_n_steps`, and when stopping).
+
+    Lightning's own rule (`_LoggerConnector.should_update_logs`), read where it lives: Lightning has no public
+    accessor. Without a Trainer (a module used alone) every step counts as logged.
+    """
+    connector = getattr(trainer, "_logger_connector", None)
+    return True if connector is None else bool(connector.should_update_logs)
+
+
+def module_logs_now(module: Any) -> bool:
+    """is_logging_step for a LightningModule (True when it is not attached to a Trainer)."""
+    return is_logging_step(getattr(module, "_trainer", None))
