@@ -44,7 +44,7 @@ from lit_mesh.parallel.apply import Parallelized, is_user_parallelised, material
 from lit_mesh.parallel.checkpointing import ActivationCheckpointing, check_activation_checkpointing
 from lit_mesh.parallel.compile import check_compile
 from lit_mesh.parallel.context import CPStyle, check_cp_style, gather_batch, refuse_cp_without_plan, shard_batch
-from lit_mesh.parallel.data import fsdp_roots
+from lit_mesh.parallel.data import defer_gradient_reduction
 from lit_mesh.parallel.pipeline import PipelineRunner, attach_runner, check_pipeline_settings
 from lit_mesh.precision import check_precision_plugin
 from lit_mesh.topology import Topology, as_topology, topology_from_environment
@@ -377,15 +377,10 @@ class MeshStrategy(ModelParallelStrategy):
 
     @contextmanager
     def block_backward_sync(self) -> Generator[None, None, None]:
-        # Accumulating micro-batches: keep gradients local, reduce once at the last one.
-        roots = fsdp_roots(self.model) if self.model is not None else []
-        for root in roots:
-            root.set_requires_gradient_sync(False)
-        try:
+        # Accumulating micro-batches: sharded gradients reduce-scattered each time, the rest deferred (see its doc)
+        keep_sharded = self.layout.dp_shard * self.layout.cp > 1 and self.grad_compression is None
+        with defer_gradient_reduction(self.model, keep_sharded):
             yield
-        finally:
-            for root in roots:
-                root.set_requires_gradient_sync(True)
 
     def reduce(
         self, tensor: Union[Tensor, Any], group: Optional[Any] = None, reduce_op: Optional[Union[ReduceOp, str]] = "mean"

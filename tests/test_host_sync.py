@@ -47,5 +47,8 @@ def test_a_step_that_logs_nothing_runs_only_its_layouts_collectives(audits: dict
         # the pipeline's loss, broadcast from the last stage once per step (every rank returns the real loss)
         broadcasts = sum(n for op, n in ops.items() if op.startswith("broadcast"))
         assert broadcasts == (1 if layout == "pp2" else 0), (rank, ops)
+    if layout == "fsdp2":  # 3 FSDP units gathered in forward; backward re-gathers only block 0 (the last block
+        # and the root are not resharded after forward)
+        assert all(counts["collectives"]["_allgather_base_@2"] == 4 for counts in audit["ranks"])
     if layout == "fsdp2xtp2":  # tp's own all-reduces run over the tp group (2 of the 4 ranks), never the world
         assert any(op.startswith("all_reduce@2") for op in audit["ranks"][0]["collectives"])
