@@ -18,3 +18,15 @@ def is_logging_step(trainer: Any) -> bool:
 def module_logs_now(module: Any) -> bool:
     """is_logging_step for a LightningModule (True when it is not attached to a Trainer)."""
     return is_logging_step(getattr(module, "_trainer", None))
+
+
+def reduced_on_logging_steps(module: Any, value: Any, reduce_op: str = "mean") -> Any:
+    """A value to `self.log` WITHOUT sync_dist: reduced across ranks (`strategy.reduce`, what sync_dist=True
+    computes) on the steps the logger writes, this rank's own between them (what the progress bar and
+    callbacks monitoring it see there). sync_dist=True would reduce on every step: on a GPU a stream sync and
+    a collective per logged value per step."""
+    value = value.detach()
+    trainer = getattr(module, "_trainer", None)
+    if trainer is None or not is_logging_step(trainer):
+        return value
+    return trainer.strategy.reduce(value, reduce_op=reduce_op)

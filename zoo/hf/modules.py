@@ -14,7 +14,7 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 
-from lit_mesh.log_steps import module_logs_now
+from lit_mesh.log_steps import reduced_on_logging_steps
 
 from zoo.hf.configs import tiny_config
 
@@ -65,8 +65,7 @@ class HFCausalLM(_HFModule):
         tokens, targets = batch
         logits = self.model(input_ids=tokens).logits
         loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
-        if module_logs_now(self):  # reduced across ranks only on the steps the logger writes
-            self.log("train_loss", loss, prog_bar=True, sync_dist=True)
+        self.log("train_loss", reduced_on_logging_steps(self, loss), prog_bar=True)  # no per-step collective
         return loss
 
 
@@ -90,6 +89,5 @@ class HFImageClassifier(_HFModule):
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         images, labels = batch
         loss = F.cross_entropy(self.model(pixel_values=images).logits.float(), labels)
-        if module_logs_now(self):  # reduced across ranks only on the steps the logger writes
-            self.log("train_loss", loss, prog_bar=True, sync_dist=True)
+        self.log("train_loss", reduced_on_logging_steps(self, loss), prog_bar=True)  # no per-step collective
         return loss
