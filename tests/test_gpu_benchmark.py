@@ -1,0 +1,27 @@
+"""benchmarks/gpu.py runs (a tiny CPU smoke of the one-GPU comparison) and prints its JSON result line."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from tests.launch import REPO, run_command
+
+
+def test_gpu_benchmark_smoke_prints_tokens_per_s_mfu_and_the_ratio() -> None:
+    args = ["--preset", "tiny", "--steps", "2", "--warmup", "1", "--rounds", "1", "--batch-size", "2", "--seq-len", "16",
+            "--compile-backend", "none", "--peak-flops", "1e9"]  # fmt: skip
+    proc = run_command([sys.executable, str(REPO / "benchmarks/gpu.py"), *args], timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["card"] == "cpu" and result["config"]["preset"] == "tiny"
+    tokens = 2 * 2 * 16  # steps x batch x seq_len
+    for run in result["rounds"]:
+        assert run["tokens_per_s"] == pytest.approx(tokens / run["seconds"])
+        assert run["mfu"] == pytest.approx(run["tokens_per_s"] * result["flops_per_token"] / 1e9)
+    assert {r["run"] for r in result["rounds"]} == {"lit_mesh", "hand_loop"}
+    ratio = result["tokens_per_s"]["lit_mesh"] / result["tokens_per_s"]["hand_loop"]
+    assert result["ratio_lit_mesh_over_hand_loop"] == pytest.approx(ratio)
+    assert result["peak_memory_gib"] == {"lit_mesh": None, "hand_loop": None}  # no CUDA allocator on CPU
