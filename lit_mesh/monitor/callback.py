@@ -79,18 +79,17 @@ class _WindowTimer:
         self._end: Any = None
 
     def open(self) -> None:
-        if self.cuda:
-            self._start = torch.cuda.Event(enable_timing=True)
-            self._start.record()
-        else:
-            self._start = self.clock()
+        self._start = self._mark()
 
     def close(self) -> None:
-        if self.cuda:
-            self._end = torch.cuda.Event(enable_timing=True)
-            self._end.record()
-        else:
-            self._end = self.clock()
+        self._end = self._mark()
+
+    def _mark(self) -> Any:
+        if not self.cuda:
+            return self.clock()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
 
     def elapsed(self) -> float:
         if self.cuda:
