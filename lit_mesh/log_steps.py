@@ -29,4 +29,4 @@ def reduced_on_logging_steps(module: Any, value: Any, reduce_op: str = "mean") -
     trainer = getattr(module, "_trainer", None)
     if trainer is None or not is_logging_step(trainer):
         return value
-    return trainer.strategy.reduce(value, reduce_op=reduce_op)
+    return trainer.strategy.reduce(value.clone(), reduce_op=reduce_op)  # a copy: collectives reduce in place
