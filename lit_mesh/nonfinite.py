@@ -5,7 +5,7 @@ host sync, no collective). The ranks compare notes (one world all-reduce of one 
 on logging steps (Trainer `log_every_n_steps`), before a checkpoint is written and when training ends. A NaN is
 therefore reported up to one logging interval late — those steps train on from broken weights, which stopping
 discards anyway — and a step that logs nothing pays nothing for the check. Every rank raises the same error, at
-the same step, naming the first bad step and the ranks that saw it.
+the same step, naming the first bad step and the ranks that saw it then.
 """
 
 from __future__ import annotations
@@ -43,9 +43,10 @@ class NonFiniteLossGuard:
         if dist.is_initialized():
             dist.all_reduce(votes)
         first_bad = votes.tolist()
-        ranks = [r for r, step in enumerate(first_bad) if step > 0]
-        if ranks:
-            step = int(min(first_bad[r] for r in ranks)) - 1
+        bad = [step for step in first_bad if step > 0]
+        if bad:  # the ranks where it began (NaN weights reach the others at the next gradient reduction)
+            step = int(min(bad)) - 1
+            ranks = [r for r, first in enumerate(first_bad) if first == step + 1]
             raise FloatingPointError(
                 f"non-finite training loss at step {step} on rank(s) {ranks}: stopping. Lower the learning rate,"
                 " set gradient_clip_val, try precision='32-true', or resume from the last checkpoint"
