@@ -4,6 +4,8 @@ For each N in --fsdp (default 1 2 4) one launch of N ranks trains a zoo GPT with
 step and counts, on every rank, the bytes it holds (the local shard of a DTensor, via .to_local()):
   params     after the step (resharded);
   grads      after the backward, before the optimizer step;
+  grads_accumulating  between the 2 micro-batches of the step (accumulate_grad_batches=2), after the first
+             backward: .grad plus what FSDP2 holds outside it (unsharded gradients, HSDP's pending sum);
   optimizer  AdamW exp_avg + exp_avg_sq after the step (the scalar `step` is left out).
 The ideal for N is the single-device total (the N=1 run) / N; ratio = max over ranks / ideal.
 
@@ -54,6 +56,7 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 
+from torch.distributed.fsdp import FSDPModule
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
@@ -63,7 +66,8 @@ from lit_mesh.planner.simulate import fake_rank_params  # noqa: E402 (importable
 from zoo.gpt import GPT, GPTConfig  # noqa: E402
 
 GOAL = 1.05
-COMPONENTS = ("params", "grads", "optimizer")
+ACCUMULATE = 2  # micro-batches per step of the sharding runs: grads_accumulating is measured between them
+COMPONENTS = ("params", "grads", "grads_accumulating", "optimizer")
 AC_CONFIGS = (("none", 1), ("full", 1), ("full", 2), ("selective", 1))
 PRECISIONS = ("32-true", "bf16-mixed", "bf16-true")
 GIB = 1024**3
@@ -152,6 +156,10 @@ class MemoryProbe(Callback):
     def __init__(self) -> None:
         self.bytes: dict[str, int] = {}
 
+    def on_after_backward(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if "grads_accumulating" not in self.bytes:  # the first of ACCUMULATE micro-batches: more are to come
+            self.bytes["grads_accumulating"] = gradient_bytes(pl_module)
+
     def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
         self.bytes["grads"] = sum(C.local_bytes(p.grad) for p in pl_module.parameters() if p.grad is not None)
 
@@ -159,6 +167,23 @@ class MemoryProbe(Callback):
         self.bytes["params"] = sum(C.local_bytes(p) for p in pl_module.parameters())
         state = trainer.optimizers[0].state
         self.bytes["optimizer"] = sum(C.local_bytes(s[k]) for s in state.values() for k in ("exp_avg", "exp_avg_sq"))
+
+
+def gradient_bytes(module: torch.nn.Module) -> int:
+    """Every gradient byte this rank holds: the parameters' .grad (local shards), and what FSDP2 keeps outside
+    .grad between micro-batches: unsharded gradients when gradient sync is off, HSDP's pending (not yet
+    all-reduced) sharded sum. Read from FSDP2's parameter groups (private: torch exposes no accessor)."""
+    held: dict[int, int] = {id(p.grad): C.local_bytes(p.grad) for p in module.parameters() if p.grad is not None}
+    for unit in module.modules():
+        group = unit._get_fsdp_state()._fsdp_param_group if isinstance(unit, FSDPModule) else None
+        if group is None:
+            continue
+        pending = [group._partial_reduce_output]
+        for param in group.fsdp_params:
+            unsharded = getattr(param, "_unsharded_param", None)
+            pending += [getattr(param, "unsharded_accumulated_grad", None), getattr(unsharded, "grad", None)]
+        held.update({id(t): C.local_bytes(t) for t in pending if t is not None})
+    return sum(held.values())
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -187,8 +212,11 @@ def worker(args: argparse.Namespace) -> None:
     dist.init_process_group("gloo")  # Lightning finds it initialised and reuses it
     probe = MemoryProbe()
     module = C.BenchGPTModule(args.preset)
-    trainer = L.Trainer(strategy=MeshStrategy(dp=n, process_group_backend="gloo"), **C.trainer_kwargs(n, 1, [probe]))
-    trainer.fit(module, C.batch_loader(1, n, args.batch_size, args.seq_len, module.config.vocab_size))
+    trainer = L.Trainer(
+        strategy=MeshStrategy(dp=n, process_group_backend="gloo"), accumulate_grad_batches=ACCUMULATE,
+        **C.trainer_kwargs(n, 1, [probe]),
+    )
+    trainer.fit(module, C.batch_loader(ACCUMULATE, n, args.batch_size, args.seq_len, module.config.vocab_size))
     numel = sum(p.numel() for p in module.parameters())  # global (DTensor) sizes
     result = {"per_rank": C.gather(probe.bytes), "global_numel": numel, "layout": trainer.strategy.layout.describe()}
     ac_dp, ac_tp = ac_mesh(args.ac_mesh)
@@ -337,6 +365,7 @@ def drive(args: argparse.Namespace, argv: list[str]) -> None:
         "single_device_bytes": single,
         # cross-check: fp32 parameters are 4 bytes each, AdamW keeps two moments per parameter
         "expected_single_device_bytes": {"params": 4 * runs[1]["global_numel"], "grads": 4 * runs[1]["global_numel"],
+                                         "grads_accumulating": 4 * runs[1]["global_numel"],
                                          "optimizer": 8 * runs[1]["global_numel"]},
         "fsdp": per_n,
         "max_ratio": max(per_n[k][c]["ratio"] for k in per_n for c in COMPONENTS),
@@ -365,7 +394,8 @@ def drive(args: argparse.Namespace, argv: list[str]) -> None:
         result["largest_fit"] = largest_fit(args)
     result["config"] = {
         "world_sizes": sorted(runs), "mesh": "MeshStrategy(dp=N): dp_shard=N", "preset": args.preset,
-        "batch_size_per_rank": args.batch_size, "seq_len": args.seq_len, "steps": 1, "precision": "32-true",
+        "batch_size_per_rank": args.batch_size, "seq_len": args.seq_len, "steps": 1,
+        "accumulate_grad_batches": ACCUMULATE, "precision": "32-true",
         "optimizer": "AdamW(foreach)", "counted": "local shards (DTensor.to_local()), unpadded",
         **C.environment(), "threads_per_rank": 1,  # the launcher sets OMP_NUM_THREADS=1 in every rank
     }

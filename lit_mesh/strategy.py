@@ -28,6 +28,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 from torch.distributed.device_mesh import DeviceMesh
+from typing_extensions import override
 
 from lit_mesh.async_save import AsyncCheckpointSaver, staged_state, write_metadata
 from lit_mesh.checkpoint import (
@@ -43,6 +44,7 @@ from lit_mesh.comm.options import CompressionConfigError, CompressionOptions, re
 from lit_mesh.comm.state import load_compression_state, save_compression_state
 from lit_mesh.grad_norm import clip_grad_norm_
 from lit_mesh.init import materialize
+from lit_mesh.log_steps import is_logging_step
 from lit_mesh.mesh import (
     MeshConfigError,
     MeshLayout,
@@ -54,11 +56,12 @@ from lit_mesh.mesh import (
     resolve_layout,
 )
 from lit_mesh.meta_writes import record_meta_writes
+from lit_mesh.nonfinite import NonFiniteLossGuard
 from lit_mesh.parallel.apply import Parallelized, is_user_parallelised, parallelize
 from lit_mesh.parallel.checkpointing import ActivationCheckpointing, check_activation_checkpointing
 from lit_mesh.parallel.compile import check_compile
 from lit_mesh.parallel.context import CPStyle, check_cp_style, gather_batch, refuse_cp_without_plan, shard_batch
-from lit_mesh.parallel.data import fsdp_roots, refuse_fsdp1
+from lit_mesh.parallel.data import defer_gradient_reduction, refuse_fsdp1
 from lit_mesh.parallel.pipeline import PipelineRunner, attach_runner, check_pipeline_settings
 from lit_mesh.precision import check_precision_plugin
 from lit_mesh.progress import count_steps_in_progress_bar
@@ -94,8 +97,9 @@ class MeshStrategy(ModelParallelStrategy):
         compile_blocks: torch.compile each block's forward (after checkpointing, before FSDP); data-parallel
             layouts only for now (with tp > 1 it is refused: compiled DTensor blocks get wrong gradients).
         compile_backend: the torch.compile backend ("inductor"; "aot_eager" compiles fast and generates no code).
-        stop_on_nonfinite_loss: stop with the step and the ranks when a training loss is NaN or infinite (one
-            tiny all-reduce per step, so that every rank stops together instead of hanging).
+        stop_on_nonfinite_loss: stop with the step and the ranks when a training loss is NaN or infinite; every
+            rank stops together (one tiny all-reduce on logging steps, before saves and at the end; nothing on
+            the other steps: see lit_mesh/nonfinite.py).
         save_distributed_checkpoint: sharded checkpoints (a directory, one file per rank) or one full file.
         async_save: write sharded checkpoints in a background thread (training goes on once the state is
             copied in memory); the directory appears under its name only when every rank has written it.
@@ -174,6 +178,7 @@ class MeshStrategy(ModelParallelStrategy):
             check_compile(compile_backend, tp=tp)
         self.compile_backend = compile_backend if compile_blocks else None
         self.stop_on_nonfinite_loss = stop_on_nonfinite_loss
+        self._nonfinite = NonFiniteLossGuard() if stop_on_nonfinite_loss else None
         if async_save and not save_distributed_checkpoint:
             raise ValueError("async_save=True writes sharded checkpoints: keep save_distributed_checkpoint=True")
         self._async_saver = AsyncCheckpointSaver() if async_save else None
@@ -240,6 +245,9 @@ class MeshStrategy(ModelParallelStrategy):
         self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
 
     def setup_environment(self) -> None:
+        # Lightning's _setup_distributed runs accelerator.setup_device(root_device) (torch.cuda.set_device(local
+        # rank)) and then init_process_group(device_id=root_device): each rank's NCCL communicators sit on its own
+        # GPU before the mesh is built (tests/test_device_setup.py guards the order)
         self._setup_distributed()
         self.mesh_views = build_device_mesh(self.layout, self.root_device.type)
         self._device_mesh = self.mesh_views.root
@@ -366,7 +374,7 @@ class MeshStrategy(ModelParallelStrategy):
 
     def _clip_grad_by_norm(self, optimizer: torch.optim.Optimizer, clip_val: Union[int, float]) -> None:
         # pipeline stages hold different parameters: their norms add up over pp
-        across = self.mesh_views["pp"].get_group() if self._pipeline is not None else None
+        across = self._pipeline.group if self._pipeline is not None else None  # slicing the mesh reads it on the host
         clip_grad_norm_(self.precision_plugin.main_params(optimizer), float(clip_val), across=across)
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -376,26 +384,18 @@ class MeshStrategy(ModelParallelStrategy):
         if self.grad_compression is not None:
             self.grad_compression.begin_step(self.lightning_module.trainer.global_step)
         output = super().training_step(*args, **kwargs)
-        if self.stop_on_nonfinite_loss:
-            loss = output.get("loss") if isinstance(output, dict) else output
-            if isinstance(loss, Tensor):
-                self._stop_if_nonfinite(loss)
+        if self._nonfinite is not None:  # recorded on the device each step; checked on logging steps (see its module)
+            trainer = self.lightning_module.trainer
+            self._nonfinite.record(output.get("loss") if isinstance(output, dict) else output, trainer.global_step)
+            if is_logging_step(trainer):
+                self._nonfinite.check(self.root_device)
         return output
 
-    def _stop_if_nonfinite(self, loss: Tensor) -> None:
-        # one slot per rank: every rank learns which ranks failed, so all stop together
-        bad = torch.zeros(self.world_size, device=self.root_device)
-        bad[self.global_rank] = float(not torch.isfinite(loss.detach()).all())
-        if _distributed_is_initialized():
-            torch.distributed.all_reduce(bad)
-        if bad.any():
-            ranks = bad.nonzero().flatten().tolist()
-            step = self.lightning_module.trainer.global_step if self.lightning_module is not None else "?"
-            raise FloatingPointError(
-                f"non-finite training loss at step {step} on rank(s) {ranks}: stopping. Lower the learning rate,"
-                " set gradient_clip_val, try precision='32-true', or resume from the last checkpoint"
-                " (stop_on_nonfinite_loss=False turns this check off)"
-            )
+    @override
+    def on_train_end(self) -> None:
+        if self._nonfinite is not None:
+            self._nonfinite.check(self.root_device)  # the steps since the last logging step
+        super().on_train_end()
 
     def backward(self, closure_loss: Tensor, optimizer: Optional[torch.optim.Optimizer], *args: Any, **kwargs: Any) -> Tensor:
         if self._pipeline is None:
@@ -413,15 +413,10 @@ class MeshStrategy(ModelParallelStrategy):
 
     @contextmanager
     def block_backward_sync(self) -> Generator[None, None, None]:
-        # Accumulating micro-batches: keep gradients local, reduce once at the last one.
-        roots = fsdp_roots(self.model) if self.model is not None else []
-        for root in roots:
-            root.set_requires_gradient_sync(False)
-        try:
+        # Accumulating micro-batches: sharded gradients reduce-scattered each time, the rest deferred (see its doc)
+        keep_sharded = self.layout.dp_shard * self.layout.cp > 1 and self.grad_compression is None
+        with defer_gradient_reduction(self.model, keep_sharded):
             yield
-        finally:
-            for root in roots:
-                root.set_requires_gradient_sync(True)
 
     def reduce(
         self, tensor: Union[Tensor, Any], group: Optional[Any] = None, reduce_op: Optional[Union[ReduceOp, str]] = "mean"
@@ -443,6 +438,8 @@ class MeshStrategy(ModelParallelStrategy):
 
         A crash mid-save leaves the previous checkpoint under NAME (e.g. last.ckpt) untouched and loadable.
         """
+        if self._nonfinite is not None:
+            self._nonfinite.check(self.root_device)  # never write NaN weights over a good checkpoint
         if storage_options is not None or not self._save_distributed_checkpoint:
             if _is_sharded_checkpoint(Path(filepath)):  # Lightning would delete the directory for the file
                 refuse_overwriting_other_files(Path(filepath))

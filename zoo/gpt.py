@@ -57,6 +57,7 @@ _LLAMA3 = dict(vocab_size=128256, n_kv_heads=8, rope_theta=500000.0, max_seq_len
 PRESETS: dict[str, GPTConfig] = {
     "tiny": GPTConfig(256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=128, max_seq_len=256),
     "small": GPTConfig(256, dim=128, n_layers=4, n_heads=4, n_kv_heads=2, ffn_hidden=384, max_seq_len=512),
+    "llama3.2-1b": GPTConfig(dim=2048, n_layers=16, n_heads=32, ffn_hidden=8192, **_LLAMA3),
     "llama3-8b": GPTConfig(dim=4096, n_layers=32, n_heads=32, ffn_hidden=14336, **_LLAMA3),
     "llama3-70b": GPTConfig(dim=8192, n_layers=80, n_heads=64, ffn_hidden=28672, **_LLAMA3),
     "llama3-405b": GPTConfig(dim=16384, n_layers=126, n_heads=128, ffn_hidden=53248, **_LLAMA3),

@@ -18,6 +18,7 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 
+from lit_mesh.log_steps import reduced_on_logging_steps
 from lit_mesh.parallel.pipeline import loss_of, output_of
 from zoo.flops import gpt_flops_per_token, vit_flops_per_token
 from zoo.gpt import GPT, GPTConfig
@@ -105,7 +106,7 @@ class GPTModule(L.LightningModule):
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         tokens, targets = batch
         loss = loss_of(self.model, self.loss_fn, tokens, targets)
-        self.log("train_loss", loss, prog_bar=True, sync_dist=True)
+        self.log("train_loss", reduced_on_logging_steps(self, loss), prog_bar=True)  # no per-step collective
         return loss
 
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
@@ -162,7 +163,7 @@ class ViTModule(L.LightningModule):
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         images, labels = batch
         loss = loss_of(self.model, self.loss_fn, images, labels)
-        self.log("train_loss", loss, prog_bar=True, sync_dist=True)
+        self.log("train_loss", reduced_on_logging_steps(self, loss), prog_bar=True)  # no per-step collective
         return loss
 
     def _evaluate(self, batch: tuple[torch.Tensor, torch.Tensor], stage: str) -> None:

@@ -203,6 +203,11 @@ class LocalDispatch:
         return experts(tokens, tokens_per_expert.tolist())
 
 
+def expert_counts(expert_ids: torch.Tensor, n_experts: int) -> torch.Tensor:
+    """Assignments per expert, (n_experts,) int64. torch.bincount would read the max id on the host (a sync on CUDA)."""
+    return torch.zeros(n_experts, dtype=torch.long, device=expert_ids.device).index_add_(0, expert_ids, torch.ones_like(expert_ids))
+
+
 def capacity_mask(expert_ids: torch.Tensor, n_experts: int, capacity: int) -> torch.Tensor:
     """Which assignments (B, T, k) fit: per sequence and expert the first `capacity`, in the order
     (choice rank, position): every token's first choice before any second choice, earlier tokens first."""
@@ -234,6 +239,7 @@ class MoE(nn.Module):
         self.load = torch.zeros(config.n_experts)
         self.dropped = torch.zeros(())
         self.aux_loss: torch.Tensor = torch.zeros(())
+        self._local_load, self._mean_probs = self.load, torch.zeros(config.n_experts)  # this rank's, of the last forward
 
     def capacity(self, seq_len: int) -> int:
         assert self.capacity_factor is not None
@@ -243,9 +249,9 @@ class MoE(nn.Module):
         B, T, D = x.shape
         tokens = x.reshape(B * T, D)
         routing = self.router(tokens)
-        load = self.dispatcher.global_load(torch.bincount(routing.expert_ids.flatten(), minlength=self.n_experts))
-        self.load = load.detach()
-        self.aux_loss = self.aux_loss_coef * self.n_experts * ((load / load.sum()) * routing.probs.mean(dim=0)).sum()
+        self._local_load, self._mean_probs = expert_counts(routing.expert_ids.flatten(), self.n_experts), routing.probs.mean(dim=0)
+        if not getattr(self.dispatcher, "reduces_load_later", False):  # the local load is the global one
+            self.use_load(self._local_load)
 
         token_index = torch.arange(B * T, device=x.device).repeat_interleave(self.top_k)
         expert_ids, weights = routing.expert_ids.flatten(), routing.weights.flatten()
@@ -255,12 +261,17 @@ class MoE(nn.Module):
             token_index, expert_ids, weights = token_index[keep], expert_ids[keep], weights[keep]
         order = torch.argsort(expert_ids, stable=True)  # group the assignments by expert
         token_index, weights = token_index[order], weights[order]
-        tokens_per_expert = torch.bincount(expert_ids, minlength=self.n_experts)
+        tokens_per_expert = expert_counts(expert_ids, self.n_experts)
         expert_out = self.dispatcher.compute(self.experts, tokens[token_index], tokens_per_expert)
         out = torch.zeros_like(tokens).index_add(0, token_index, expert_out * weights[:, None].to(expert_out.dtype))
         if self.shared_experts is not None:
             out = out + self.shared_experts(tokens)
         return out.view(B, T, D)
+
+    def use_load(self, load: torch.Tensor) -> None:
+        """Set the global tokens per expert of the last forward, and the aux loss that depends on it."""
+        self.load = load.detach()
+        self.aux_loss = self.aux_loss_coef * self.n_experts * ((load / load.sum()) * self._mean_probs).sum()
 
     @torch.no_grad()
     def update_expert_bias(self, load: torch.Tensor) -> None:
@@ -318,8 +329,18 @@ class MoETransformer(nn.Module):
         return [layer.moe for layer in self.layers if layer.moe is not None]
 
     def aux_loss(self) -> torch.Tensor:
-        """Sum of the MoE layers' auxiliary losses of the last forward (differentiable)."""
-        return torch.stack([moe.aux_loss for moe in self.moe_layers()]).sum()
+        """Sum of the MoE layers' auxiliary losses of the last forward (differentiable).
+
+        A dispatcher that `reduces_load_later` (expert parallel, data parallel) leaves each layer's load local in
+        forward: it is summed over ranks here, for every layer in one collective, and sets each layer's `load`.
+        """
+        layers = self.moe_layers()
+        dispatcher = layers[0].dispatcher
+        if getattr(dispatcher, "reduces_load_later", False):
+            loads = dispatcher.global_load(torch.stack([moe._local_load for moe in layers]))
+            for moe, load in zip(layers, loads):
+                moe.use_load(load)
+        return torch.stack([moe.aux_loss for moe in layers]).sum()
 
     def parallel_plan(self) -> ParallelPlan:
         c = self.config

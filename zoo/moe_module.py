@@ -12,6 +12,7 @@ from typing import Any
 import lightning as L
 import torch
 
+from lit_mesh.log_steps import module_logs_now, reduced_on_logging_steps
 from zoo.modules import GPTModule, _inputs, _optimizer
 from zoo.moe import MoEConfig, MoETransformer, moe_flops_per_token
 
@@ -54,23 +55,24 @@ class MoEModule(L.LightningModule):
         tokens, targets = batch
         lm_loss = self.loss_fn(self(tokens), targets)
         aux_loss = self.model.aux_loss()
-        self.log("train_loss", lm_loss, prog_bar=True, sync_dist=True)
-        # each rank's aux loss uses the global load, so the mean over ranks is the global aux loss
-        self.log("train_aux_loss", aux_loss.detach(), sync_dist=True)
-        self._record_balance()
-        return lm_loss + aux_loss
-
-    def _record_balance(self) -> None:
         layers = self.model.moe_layers()
         load = torch.stack([moe.load for moe in layers]).float()  # already global: the same on every rank
         self._load_since_step = load if self._load_since_step is None else self._load_since_step + load
+        self.log("train_loss", reduced_on_logging_steps(self, lm_loss), prog_bar=True)  # no per-step collective
+        # each rank's aux loss uses the global load, so the mean over ranks is the global aux loss
+        self.log("train_aux_loss", reduced_on_logging_steps(self, aux_loss))
+        if module_logs_now(self):
+            self._log_balance(layers, load)
+        return lm_loss + aux_loss
+
+    def _log_balance(self, layers: list, load: torch.Tensor) -> None:
         self.log("moe/imbalance", imbalance(load).mean())
         for expert, tokens in enumerate(load.sum(dim=0)):
             self.log(f"moe/tokens_expert_{expert}", tokens)
         if self.config.capacity_factor is not None:
             routed = load.sum() / len(layers)  # global assignments per MoE layer
             dropped = torch.stack([moe.dropped for moe in layers]).float().sum() / len(layers)  # this rank's
-            self.log("moe/dropped_fraction", dropped / routed.clamp_min(1), sync_dist=True, reduce_fx="sum")
+            self.log("moe/dropped_fraction", reduced_on_logging_steps(self, dropped / routed.clamp_min(1), "sum"))
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         # aux-loss-free balancing: after backward (recomputation must route as the forward did), before the step

@@ -25,7 +25,8 @@ class CompressionSchedule:
         self.device = device
         self.index = 0
         self.step = -1
-        self._sumsq = 0.0  # squared norm of this rank's reduced gradients in the current step
+        # squared norm of this rank's reduced gradients in the current step, on the device: no host read per bucket
+        self._sumsq = torch.zeros((), dtype=torch.float64, device=device)
         self._last_norm: Optional[float] = None
         self._calm_steps = 0
 
@@ -45,7 +46,7 @@ class CompressionSchedule:
 
     def record_norm(self, reduced: Tensor) -> None:
         if self._rule_pending:
-            self._sumsq += float(reduced.detach().float().pow(2).sum())
+            self._sumsq = self._sumsq + reduced.detach().float().pow(2).sum().double()
 
     def advance(self, step: int) -> None:
         """Move to `step` (a new optimizer step): close the last step's norm, then start every phase that is due."""
@@ -63,10 +64,11 @@ class CompressionSchedule:
 
     def _observe_grad_norm(self) -> None:
         # every rank must switch at the same step: decide on the norm summed over the world
-        total = torch.tensor([self._sumsq], dtype=torch.float64, device=self.device)
+        total = self._sumsq.reshape(1).to(self.device)
         if dist.is_initialized():
             dist.all_reduce(total)
-        norm, self._sumsq = float(total.sqrt()), 0.0
+        norm = float(total.sqrt())  # the one host read of the step
+        self._sumsq = torch.zeros((), dtype=torch.float64, device=self.device)
         threshold = self.phases[self.index + 1].grad_norm_change_below
         if self._last_norm is not None and self._last_norm > 0:
             calm = abs(norm - self._last_norm) / self._last_norm < threshold
@@ -76,10 +78,11 @@ class CompressionSchedule:
     # checkpoint keys as written before phases had their own word ("stage": the phase index), so old files load
     def state_dict(self) -> dict[str, Any]:
         return {
-            "stage": self.index, "step": self.step, "sumsq": self._sumsq, "last_norm": self._last_norm,
+            "stage": self.index, "step": self.step, "sumsq": float(self._sumsq), "last_norm": self._last_norm,
             "calm_steps": self._calm_steps,
         }  # fmt: skip
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.index, self.step = state["stage"], state["step"]
-        self._sumsq, self._last_norm, self._calm_steps = state["sumsq"], state["last_norm"], state["calm_steps"]
+        self._last_norm, self._calm_steps = state["last_norm"], state["calm_steps"]
+        self._sumsq = torch.tensor(float(state["sumsq"]), dtype=torch.float64, device=self.device)

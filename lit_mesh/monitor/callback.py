@@ -12,12 +12,12 @@ import lightning as L
 import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lit_mesh.monitor.comm import CollectiveBytes
+from lit_mesh.monitor.peak_flops import peak_bf16_flops
 from lit_mesh.pipeline_timeline import TimelineRecorder, bubble_formula
 
-# bf16 dense peak FLOP/s per device, by name (vendor data sheets); MFU is quoted against it, as is usual
-PEAK_BF16_FLOPS = {"H200": 989.4e12, "H100": 989.4e12, "A100": 312e12, "L40S": 362e12, "A10G": 70e12, "L4": 121e12}
 # which group names count for which mesh dim: the first view that owns a group names it
 _VIEW_ORDER = ("tp", "cp", "ep", "dp_shard_cp", "dp_shard", "dp_replicate", "dp", "dp_cp", "pp")
 
@@ -63,11 +63,50 @@ def _default_peak_flops(device: torch.device) -> float | None:
     if device.type != "cuda":
         return None
     name = torch.cuda.get_device_name(device)
-    return next((flops for key, flops in PEAK_BF16_FLOPS.items() if key in name), None)
+    peak = peak_bf16_flops(name)
+    if peak is None:
+        rank_zero_warn(f"MeshMonitor: no peak FLOP/s known for {name!r}: no MFU; pass MeshMonitor(peak_flops=...)")
+    return peak
+
+
+class _WindowTimer:
+    """Elapsed time between open() and close(): CUDA events on a GPU (read once, at elapsed()), else `clock`."""
+
+    def __init__(self, device: torch.device, clock: Callable[[], float]) -> None:
+        self.cuda = device.type == "cuda"
+        self.clock = clock
+        self._start: Any = None
+        self._end: Any = None
+
+    def open(self) -> None:
+        self._start = self._mark()
+
+    def close(self) -> None:
+        self._end = self._mark()
+
+    def _mark(self) -> Any:
+        if not self.cuda:
+            return self.clock()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def elapsed(self) -> float:
+        if self.cuda:
+            self._end.synchronize()  # the one wait, on a logging step
+            return self._start.elapsed_time(self._end) / 1e3
+        return self._end - self._start
 
 
 class MeshMonitor(Callback):
     """Logs on every logged training step (Trainer `log_every_n_steps`):
+
+    Timing is taken over a window: from the start of the first step after a logging step to the start of the
+    next logging step (the steps between, with their data loading), by CUDA events on a GPU (read once per
+    window) or `perf_counter` on CPU; step time, tokens/s, FLOP/s and MFU are the window's averages. The logging
+    step itself is not timed: it counts the bytes of its collectives (a dispatch mode, ~20 us per op) and, under
+    pp, records the bubble. With log_every_n_steps=1 there is no step between: each step is timed whole, bytes
+    counting included (a warning says so).
 
     monitor/step_time_s, tokens_per_s (global; also in the progress bar), monitor/tokens_per_s_per_device,
     monitor/tflops_per_device (achieved model FLOP/s), monitor/mfu (when the device peak is known),
@@ -89,17 +128,17 @@ class MeshMonitor(Callback):
 
     def __init__(
         self,
-        peak_flops_per_device: float | None = None,
+        peak_flops: float | None = None,
         measure_comm: bool = True,
         measure_pp_bubble: bool = True,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
-        self.peak_flops_per_device = peak_flops_per_device
+        self.peak_flops = peak_flops  # dense bf16 FLOP/s of one device; None: from the device name (peak_flops.py)
         self.measure_comm = measure_comm
         self.measure_pp_bubble = measure_pp_bubble
         self._recorder: TimelineRecorder | None = None
         self._clock = clock
-        self._start: float | None = None
+        self._measuring = False  # this step is a logging step: bytes counted, metrics logged at its end
         self._comm: CollectiveBytes | None = None
         self._dim_of_group: dict[str, str] = {}
         self._dims: list[str] = []
@@ -108,8 +147,13 @@ class MeshMonitor(Callback):
     # ---- setup ---------------------------------------------------------------------------------------
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        if self.peak_flops_per_device is None:
-            self.peak_flops_per_device = _default_peak_flops(pl_module.device)
+        if self.peak_flops is None:
+            self.peak_flops = _default_peak_flops(pl_module.device)
+        self._timer = _WindowTimer(pl_module.device, self._clock)
+        self._window_steps, self._window_tokens, self._window_open = 0, 0, False
+        if trainer.log_every_n_steps == 1:
+            rank_zero_warn("MeshMonitor with log_every_n_steps=1: every step is timed with its bytes counted (a"
+                           " dispatch mode in the timed step); log_every_n_steps >= 2 times the steps between")
         self._dim_of_group = {}
         views = getattr(trainer.strategy, "mesh_views", None)
         if views is not None:
@@ -137,29 +181,46 @@ class MeshMonitor(Callback):
     # ---- per step ------------------------------------------------------------------------------------
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
-        self._start = None
-        if not trainer._logger_connector.should_update_logs:  # measure only the steps that are logged
+        self._measuring = False
+        if not trainer._logger_connector.should_update_logs:  # a step of the timed window
+            if not self._window_open:
+                self._timer.open()
+                self._window_open, self._window_steps, self._window_tokens = True, 0, 0
             return
+        if self._window_open and self._window_steps:  # the window ends where this logging step starts
+            self._timer.close()
+        else:  # no step between two logging steps: time this one
+            self._timer.open()
+            self._window_steps = 0
+        self._window_open = False
         if self.measure_comm and dist.is_initialized():
             self._comm = CollectiveBytes()
             self._comm.__enter__()
         runner = getattr(trainer.strategy, "_pipeline", None)
         if self.measure_pp_bubble and runner is not None and runner.recorder is None:  # None: a PipelineTimeline has it
             self._recorder = runner.recorder = TimelineRecorder(runner, pl_module.device, count_saved=False)
-        self._synchronize(pl_module)
-        self._start = self._clock()
+        self._measuring = True
 
     def on_train_batch_end(
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        if self._start is None:
+        count = getattr(pl_module, "tokens_in_batch", default_tokens_in_batch)
+        if not self._measuring:
+            if self._window_open:
+                self._window_steps += 1
+                self._window_tokens += count(batch)[0]
             return
-        self._synchronize(pl_module)
-        step_time = self._clock() - self._start
         sent = self._stop_counting()
         bubble = self._stop_recording()
-        for name, value in self.step_metrics(trainer, pl_module, batch, step_time, sent, bubble).items():
+        if not self._window_steps:  # timed whole (log_every_n_steps=1)
+            self._timer.close()
+            self._window_steps, self._window_tokens = 1, count(batch)[0]
+        window_time = self._timer.elapsed()
+        step_time = window_time / self._window_steps
+        metrics = self.step_metrics(trainer, pl_module, batch, step_time, sent, bubble, self._window_tokens / self._window_steps)
+        for name, value in metrics.items():
             pl_module.log(name, value, on_step=True, on_epoch=False, prog_bar=name == "tokens_per_s")
+        self._window_steps = self._window_tokens = 0
 
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
         self._stop_counting()
@@ -185,11 +246,6 @@ class MeshMonitor(Callback):
         sent, self._comm = dict(self._comm.sent), None
         return sent
 
-    @staticmethod
-    def _synchronize(pl_module: L.LightningModule) -> None:
-        if pl_module.device.type == "cuda":
-            torch.cuda.synchronize(pl_module.device)
-
     # ---- the numbers ---------------------------------------------------------------------------------
 
     def step_metrics(
@@ -200,9 +256,12 @@ class MeshMonitor(Callback):
         step_time: float,
         sent: dict[str, float],
         bubble: tuple[float, float | None] | None = None,
+        local_tokens: float | None = None,
     ) -> dict[str, float]:
+        """local_tokens: this rank's tokens per step (the window's mean; default: this batch's)."""
         count = getattr(pl_module, "tokens_in_batch", default_tokens_in_batch)
-        local_tokens, seq_len = count(batch)
+        batch_tokens, seq_len = count(batch)
+        local_tokens = batch_tokens if local_tokens is None else local_tokens
         tokens = local_tokens * self.data_replicas(trainer)
         # context parallel hands each rank 1/cp of every sequence; attention FLOPs grow with the whole length
         layout = getattr(trainer.strategy, "layout", None)
@@ -214,8 +273,8 @@ class MeshMonitor(Callback):
             "monitor/tokens_per_s_per_device": tokens / step_time / world,
             "monitor/tflops_per_device": tokens * flops_per_token / step_time / world / 1e12,
         }
-        if self.peak_flops_per_device:
-            metrics["monitor/mfu"] = tokens * flops_per_token / step_time / world / self.peak_flops_per_device
+        if self.peak_flops:
+            metrics["monitor/mfu"] = tokens * flops_per_token / step_time / world / self.peak_flops
         per_rank = [float(peak_memory_bytes(pl_module.device))]
         if self.measure_comm:
             by_dim = dict.fromkeys(self._dims, 0.0)

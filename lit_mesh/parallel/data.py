@@ -6,7 +6,8 @@ over dp_replicate. One engine for all three keeps TP composition and the reducti
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 
 import torch
 from torch import nn
@@ -51,14 +52,39 @@ def apply_data_parallel(
     roots: Iterable[nn.Module], blocks: Iterable[nn.Module], dp_mesh: DeviceMesh, layout: MeshLayout, precision: str
 ) -> None:
     """fully_shard each block (the communication units), then each root for what is left (one root, or one per
-    pipeline stage of this rank)."""
+    pipeline stage of this rank).
+
+    Resharding after forward (torchtitan's choices): a unit whose parameters backward needs next keeps them
+    gathered — the last block and the roots (embeddings, final norm, head: backward starts there), and every unit
+    under a pipeline (the stage's micro-batches reuse them: one all-gather per step; the schedule reshards after
+    the last backward). DDP keeps everything gathered, like torch DDP.
+    """
     policy = mixed_precision_policy(precision)
-    # DDP keeps parameters gathered between forward and backward (no re-gather), like torch DDP
-    reshard = layout.data_parallel != "ddp"
-    for block in blocks:
-        fully_shard(block, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard)
+    reshard = layout.data_parallel != "ddp" and layout.pp == 1
+    blocks = list(blocks)
+    for i, block in enumerate(blocks):
+        fully_shard(block, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard and i < len(blocks) - 1)
     for root in roots:
-        fully_shard(root, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard)
+        fully_shard(root, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=False)
+
+
+@contextmanager
+def defer_gradient_reduction(module: nn.Module | None, keep_sharded: bool = True) -> Iterator[None]:
+    """Accumulating micro-batches: reduce once, at the last one.
+
+    keep_sharded (FSDP, HSDP: dp_shard x cp > 1): gradients are reduce-scattered every micro-batch and stay sharded (1/N of the
+    bytes between micro-batches); only HSDP's replicate all-reduce waits for the last micro-batch (FSDP2's
+    set_requires_all_reduce). Otherwise (DDP, or compression hooks that own the reduction): no reduction until
+    the last micro-batch, with full gradients kept in between (set_requires_gradient_sync).
+    """
+    roots = fsdp_roots(module) if module is not None else []
+    for root in roots:
+        root.set_requires_all_reduce(False) if keep_sharded else root.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        for root in roots:
+            root.set_requires_all_reduce(True) if keep_sharded else root.set_requires_gradient_sync(True)
 
 
 def refuse_fsdp1(root: nn.Module, strategy: str) -> None:

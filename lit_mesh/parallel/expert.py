@@ -75,7 +75,14 @@ class _ScaleGradient(torch.autograd.Function):
 
 
 class AllToAllDispatch:
-    """Global load over `load_group`; tokens to their experts' ranks over `ep_group` (None: ep = 1)."""
+    """Global load over `load_group`; tokens to their experts' ranks over `ep_group` (None: ep = 1).
+
+    Host reads: one copy of the token counts per MoE layer and step (the split sizes of the all-to-alls and of
+    the experts' matmuls are host integers); the load statistics are reduced once per step for all layers
+    (`reduces_load_later`: the model sums them in its aux_loss()).
+    """
+
+    reduces_load_later = True
 
     def __init__(self, n_experts: int, load_group: dist.ProcessGroup, ep_group: dist.ProcessGroup | None) -> None:
         self.n_experts = n_experts
@@ -97,13 +104,17 @@ class AllToAllDispatch:
         send_counts = tokens_per_expert.view(ep, local_experts)
         recv_counts = torch.empty_like(send_counts)
         dist.all_to_all_single(recv_counts, send_counts, group=self.ep_group)
-        send_splits, recv_splits = send_counts.sum(dim=1).tolist(), recv_counts.sum(dim=1).tolist()
+        send, recv = torch.stack([send_counts, recv_counts]).tolist()  # the one host copy of this layer
+        send_splits, recv_splits = [sum(row) for row in send], [sum(row) for row in recv]
+        per_local_expert = [sum(row[e] for row in recv) for e in range(local_experts)]
         # 2. tokens; they arrive grouped by (source rank, local expert): regroup by local expert
         received = all_to_all_single_autograd(tokens, recv_splits, send_splits, group=self.ep_group)
-        source_expert = torch.arange(ep * local_experts, device=tokens.device).repeat_interleave(recv_counts.flatten())
+        source_expert = torch.arange(ep * local_experts, device=tokens.device).repeat_interleave(
+            recv_counts.flatten(), output_size=sum(recv_splits)  # the size known on the host: no device read
+        )
         by_expert = torch.argsort(source_expert % local_experts * ep + source_expert // local_experts, stable=True)
         grouped = _ScaleGradient.apply(received[by_expert], float(ep))
-        out = experts(grouped, recv_counts.sum(dim=0).tolist())
+        out = experts(grouped, per_local_expert)
         # the weights' gradient / ep (FSDP averages over world / ep ranks); the tokens' gradient unchanged
         out = _ScaleGradient.apply(out, 1.0 / ep)
         # 3. outputs back to the ranks the tokens came from, in the order they were sent

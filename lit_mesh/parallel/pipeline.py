@@ -19,6 +19,7 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
 from torch import Tensor, nn
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining import schedules as torch_schedules
@@ -237,6 +238,10 @@ class PipelineRunner:
                     pending += self._send(out, self.stage_ranks[stage.index + 1])
         for work in pending:
             work.wait()
+        for stage in self.local_stages:  # FSDP units stay gathered after forward under pp (the schedule's
+            for unit in stage.module.modules():  # backward reshards them); a forward alone must reshard itself
+                if isinstance(unit, FSDPModule):
+                    unit.reshard()
         return outputs
 
     def _send(self, tensor: Tensor, to: int) -> list[Any]:

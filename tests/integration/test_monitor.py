@@ -15,6 +15,7 @@ from zoo.moe import MoEConfig
 S = "--trainer.strategy.init_args."
 STEPS, BATCH, SEQ = 3, 8, 64
 PEAK = 1e9
+WINDOW = 2  # ddp2-window: steps timed between two logging steps
 MICRO = 4  # pp2 run: 1F1B (the default schedule) over 4 micro-batches
 COMMON = [
     "-c", str(REPO / "configs/gpt.yaml"), "--trainer.devices=2", f"--trainer.max_steps={STEPS}",
@@ -31,10 +32,13 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
     out = tmp_path_factory.mktemp("monitor")
     return cli_runs(2, out, [
         {"name": "ddp2", "args": [*COMMON, f"{S}dp_replicate=2"]},
-        {"name": "tp2", "args": [*COMMON, f"{S}tp=2", f"--trainer.callbacks.init_args.peak_flops_per_device={PEAK}"]},
+        {"name": "tp2", "args": [*COMMON, f"{S}tp=2", f"--trainer.callbacks.init_args.peak_flops={PEAK}"]},
         {"name": "pp2", "args": [*COMMON, f"{S}pp=2", f"{S}pp_microbatches={MICRO}"]},
         {"name": "cp2", "args": [*COMMON, f"{S}cp=2"]},
         {"name": "moe-ep2", "args": [*MOE, f"{S}dp=2", f"{S}ep=2"]},
+        # a window of 2 timed steps before each logging step (steps 2 and 5 log)
+        {"name": "ddp2-window", "args": [*COMMON, f"{S}dp_replicate=2", f"--trainer.max_steps={2 * WINDOW + 2}",
+                                         f"--trainer.log_every_n_steps={WINDOW + 1}"]},
     ])
 
 
@@ -59,6 +63,33 @@ def test_throughput_and_flops_equal_the_hand_computed_values(runs: dict, layout:
     assert _at_each_step(result, "monitor/tflops_per_device") == [pytest.approx(flops / STEP_SECONDS / 2 / 1e12)] * STEPS
     for peak in _at_each_step(result, "monitor/peak_memory_gib"):
         assert 0.05 < peak < 24  # a Python process with torch loaded, within this machine
+
+
+def test_step_time_is_the_windows_mean_and_bytes_are_counted_on_the_untimed_logging_step(runs: dict) -> None:
+    # the window: start of step 0 -> start of step 2 (two clock readings: 0.25 s) over 2 steps; then 3 -> 5
+    metrics = runs["ddp2-window"]["metrics"]
+    logged = [str(WINDOW), str(2 * WINDOW + 1)]  # JSON keys
+    assert sorted(metrics["monitor/step_time_s"], key=int) == logged
+    assert [metrics["monitor/step_time_s"][s] for s in logged] == [STEP_SECONDS / WINDOW] * 2
+    assert [metrics["tokens_per_s"][s] for s in logged] == [pytest.approx(BATCH * SEQ * WINDOW / STEP_SECONDS)] * 2
+    # the logging step's bytes (counted outside the window: the clock refuses a reading inside the counting
+    # mode): gradients, the non-finite-loss vote and train_loss, as on every logged step of ddp2
+    parameters = sum(p.numel() for p in GPT(GPTConfig.from_preset("tiny")).parameters())
+    assert [metrics["monitor/comm_mib/dp_replicate"][s] * 2**20 for s in logged] == [4 * parameters + 4 * 2 + 4] * 2
+
+
+def test_peak_flops_from_the_exact_device_name() -> None:
+    from lit_mesh.monitor.peak_flops import peak_bf16_flops
+
+    assert peak_bf16_flops("NVIDIA H100 80GB HBM3") == 989.4e12
+    assert peak_bf16_flops("NVIDIA H100 PCIe") == 756.5e12
+    assert peak_bf16_flops("NVIDIA H100 NVL") == 835.5e12
+    assert peak_bf16_flops("NVIDIA H200") == 989.4e12
+    assert peak_bf16_flops("NVIDIA H200 NVL") == 835.5e12
+    assert peak_bf16_flops("NVIDIA A100-SXM4-40GB") == peak_bf16_flops("NVIDIA A100 80GB PCIe") == 312e12
+    assert peak_bf16_flops("NVIDIA L40S") == 362.05e12
+    assert peak_bf16_flops("NVIDIA B200") == 2250e12
+    assert peak_bf16_flops("NVIDIA GeForce RTX 4090") is None
 
 
 def test_mfu_is_achieved_over_peak_when_the_peak_is_known(runs: dict) -> None:

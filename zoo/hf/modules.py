@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 
 from lit_mesh.extras import require
+from lit_mesh.log_steps import reduced_on_logging_steps
+
 from zoo.hf.configs import tiny_config
 
 Build = Literal["configure_model", "init"]
@@ -64,7 +66,7 @@ class HFCausalLM(_HFModule):
         tokens, targets = batch
         logits = self.model(input_ids=tokens).logits
         loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
-        self.log("train_loss", loss, prog_bar=True, sync_dist=True)
+        self.log("train_loss", reduced_on_logging_steps(self, loss), prog_bar=True)  # no per-step collective
         return loss
 
 
@@ -88,5 +90,5 @@ class HFImageClassifier(_HFModule):
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         images, labels = batch
         loss = F.cross_entropy(self.model(pixel_values=images).logits.float(), labels)
-        self.log("train_loss", loss, prog_bar=True, sync_dist=True)
+        self.log("train_loss", reduced_on_logging_steps(self, loss), prog_bar=True)  # no per-step collective
         return loss

@@ -1,0 +1,47 @@
+"""The audited layouts of tests/test_host_sync.py and benchmarks/host_sync.py: 4-step `lit-mesh fit` runs whose
+step 2 logs nothing (log_every_n_steps=2) and is counted by lit_mesh.monitor.step_audit.StepAudit."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tests.launch import REPO, cli_runs
+
+S = "--trainer.strategy.init_args."
+AUDITED_STEP = 2
+# Without gradient clipping (its global norm is one scalar all-reduce per group of gradients, over the FSDP
+# group: the world here), except in fsdp2-clip.
+NO_CLIP = "--trainer.gradient_clip_val=null"
+# name -> (config, world size, extra CLI args)
+LAYOUTS = {
+    "fsdp2": ("gpt.yaml", 2, [f"{S}dp=2", NO_CLIP]),
+    "fsdp2-clip": ("gpt.yaml", 2, [f"{S}dp=2"]),
+    "ddp2": ("gpt.yaml", 2, [f"{S}dp_replicate=2", NO_CLIP]),
+    "pp2": ("gpt.yaml", 2, [f"{S}pp=2", NO_CLIP]),
+    "cp2": ("gpt.yaml", 2, [f"{S}cp=2", NO_CLIP]),
+    "moe-ep2": ("moe.yaml", 2, [f"{S}dp=2", f"{S}ep=2", NO_CLIP]),
+    "fsdp2xtp2": ("gpt.yaml", 4, [f"{S}dp=2", f"{S}tp=2", NO_CLIP]),
+}
+
+
+def audit_args(config: str, out: Path, name: str, extra: list[str], devices: int) -> list[str]:
+    """CLI args of a 4-step run whose step 2 is audited into out/NAME/audit.json."""
+    return [
+        "-c", str(REPO / "configs" / config), f"--trainer.devices={devices}", "--trainer.max_steps=4",
+        "--trainer.log_every_n_steps=2", "--trainer.logger=CSVLogger", "--trainer.limit_val_batches=0",
+        "--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false",
+        "--trainer.enable_checkpointing=false", "--seed_everything=0",
+        "--trainer.callbacks+=lit_mesh.monitor.step_audit.StepAudit", f"--trainer.callbacks.init_args.step={AUDITED_STEP}",
+        f"--trainer.callbacks.init_args.out={out / name / 'audit.json'}", *extra,
+    ]  # fmt: skip
+
+
+def run_audits(out: Path) -> dict[str, dict]:
+    """Every layout, one torchrun launch per world size; {name: the audit file (every rank's counts)}."""
+    by_world: dict[int, list[dict]] = {}
+    for name, (config, world, extra) in LAYOUTS.items():
+        by_world.setdefault(world, []).append({"name": name, "args": audit_args(config, out, name, extra, world)})
+    for world, runs in sorted(by_world.items()):
+        cli_runs(world, out, runs)
+    return {name: json.loads((out / name / "audit.json").read_text()) for name in LAYOUTS}
