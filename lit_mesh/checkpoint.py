@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.state_dict import (
 OPTIMIZER_STATE_OPTIONS = StateDictOptions(cpu_offload=True, flatten_optimizer_state_dict=True)
 
 
-def publish_checkpoint(staging: Path, path: Path) -> None:
+def publish_checkpoint(partial: Path, path: Path) -> None:
     """Move a finished checkpoint directory into place; an older one of the same name goes only after."""
     retired = path.with_name(path.name + ".old")
     if retired.exists():
@@ -33,7 +33,7 @@ def publish_checkpoint(staging: Path, path: Path) -> None:
         path.rename(retired)
     elif path.exists():
         path.unlink()
-    staging.rename(path)
+    partial.rename(path)
     if retired.exists():
         shutil.rmtree(retired)
 

@@ -120,11 +120,10 @@ class MeshMonitor(Callback):
             for name in ("dp_replicate", "dp_shard_cp"):  # HSDP/DDP reduce over the 2D view's own groups
                 if views.hsdp[name].size() > 1:
                     self._dim_of_group.setdefault(views.hsdp.get_group(name).group_name, name)
-        for attr in ("replicate_hierarchy", "metric_hierarchy"):  # hierarchical all-reduce: node-local, cross-node
-            h = getattr(trainer.strategy, attr, None)
-            if h is not None:
-                self._dim_of_group.setdefault(h.intra.group_name, f"{h.dim}:intra")
-                self._dim_of_group.setdefault(h.inter.group_name, f"{h.dim}:inter")
+        reductions = getattr(trainer.strategy, "reductions", None)
+        for h in reductions.hierarchies() if reductions is not None else []:  # hierarchical: node-local, cross-node
+            self._dim_of_group.setdefault(h.intra.group_name, f"{h.axis}:intra")
+            self._dim_of_group.setdefault(h.inter.group_name, f"{h.axis}:inter")
         self._dims = sorted(set(self._dim_of_group.values())) + ["other"]
 
     def data_replicas(self, trainer: L.Trainer) -> int:

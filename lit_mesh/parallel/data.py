@@ -6,7 +6,9 @@ over dp_replicate. One engine for all three keeps TP composition and the reducti
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from typing import Optional
 
 import torch
 from torch import nn
@@ -68,3 +70,17 @@ def fsdp_roots(module: nn.Module) -> list[FSDPModule]:
         if isinstance(sub, FSDPModule) and not any(name.startswith(f"{r}.") or not r for r in roots):
             roots[name] = sub
     return list(roots.values())
+
+
+@contextmanager
+def gradient_sync_off(module: Optional[nn.Module]) -> Iterator[None]:
+    """Accumulating micro-batches: FSDP2 keeps gradients local, and reduces once at the last one (Lightning's
+    ModelParallelStrategy reduce-scatters on every micro-batch)."""
+    roots = fsdp_roots(module) if module is not None else []
+    for root in roots:
+        root.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        for root in roots:
+            root.set_requires_gradient_sync(True)

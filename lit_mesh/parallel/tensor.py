@@ -20,12 +20,10 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from lit_mesh.errors import PlanError  # noqa: F401 - re-exported (lit_mesh.PlanError)
 from lit_mesh.parallel.hidden_states import HiddenStatesLayout
 from lit_mesh.plan import ParallelPlan
 
-
-class PlanError(ValueError):
-    """A plan that cannot be applied to this model on this mesh, with the numbers and the fix."""
 
 
 def torch_style(style: str, sequence_parallel: bool, check: Any = None) -> ParallelStyle | None:

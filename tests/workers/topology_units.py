@@ -63,17 +63,17 @@ def tp_groups_inside_a_node() -> None:
     assert "rank    1 -> node 0, local rank 1: pp=0, dp_replicate=0" in TOPOLOGY.placement(layout)
 
 
-def node_local_groups(layout: MeshLayout, dims: tuple[int, ...], g: int, n: int) -> hierarchical.Hierarchy:
+def node_local_groups(layout: MeshLayout, view: str, g: int, n: int) -> hierarchical.Hierarchy:
     views = build_device_mesh(layout, "cpu")
-    group = views.root.get_group("dp_replicate") if dims == (1,) else views.dp_cp.get_group()
-    h = hierarchical.build_hierarchy(views.root.mesh, dims, group, TOPOLOGY, "hierarchical", "dp_replicate")
+    group = views[view].get_group()
+    h = hierarchical.build_hierarchy(views.root, views.axes_of(view), group, TOPOLOGY, "hierarchical", "dp_replicate")
     assert h is not None and (h.per_node, h.nodes) == (g, n), (h, g, n)
     members = ranks_of(group)
     intra, inter = ranks_of(h.intra), ranks_of(h.inter)
     assert intra == [r for r in members if TOPOLOGY.node_of(r) == TOPOLOGY.node_of(RANK)], (intra, members)
     assert len({TOPOLOGY.node_of(r) for r in inter}) == n and RANK in inter and set(inter) <= set(members), inter
     # "flat" makes no groups; "auto" chooses hierarchical on these links for a 1 MB gradient and a 4-byte metric
-    assert hierarchical.build_hierarchy(views.root.mesh, dims, group, TOPOLOGY, "flat", "x") is None
+    assert hierarchical.build_hierarchy(views.root, views.axes_of(view), group, TOPOLOGY, "flat", "x") is None
     auto = hierarchical.Hierarchy(group, h.intra, h.inter, n, g, "auto", TOPOLOGY, "x")
     assert auto.use_hierarchical(2**20) and auto.use_hierarchical(4)
     slow_intra = Topology(NODES, PER_NODE, intra_node_bandwidth=1e6, inter_node_bandwidth=50e9)
@@ -84,7 +84,7 @@ def node_local_groups(layout: MeshLayout, dims: tuple[int, ...], g: int, n: int)
 def hsdp_stays_flat() -> None:
     views = build_device_mesh(MeshLayout(dp_replicate=NODES, dp_shard=PER_NODE), "cpu")
     group = views.root.get_group("dp_replicate")
-    assert hierarchical.build_hierarchy(views.root.mesh, (1,), group, TOPOLOGY, "hierarchical", "x") is None
+    assert hierarchical.build_hierarchy(views.root, ("dp_replicate",), group, TOPOLOGY, "hierarchical", "x") is None
 
 
 def raw_all_reduce(h: hierarchical.Hierarchy) -> None:
@@ -191,7 +191,7 @@ def ddp_and_hsdp_gradients() -> None:
     for layout in (MeshLayout(dp_replicate=WORLD), MeshLayout(dp_replicate=WORLD // 2, dp_shard=2)):
         views = build_device_mesh(layout, "cpu")
         h = hierarchical.build_hierarchy(
-            views.root.mesh, (1,), views.root.get_group("dp_replicate"), TOPOLOGY, "hierarchical", "dp_replicate",
+            views.root, ("dp_replicate",), views.root.get_group("dp_replicate"), TOPOLOGY, "hierarchical", "dp_replicate",
             skip_trivial=False,
         )
         assert h is not None and h.nodes == NODES, layout
@@ -225,12 +225,12 @@ if __name__ == "__main__":
     check("strategy_reads_slurm", strategy_reads_slurm)
     dist.init_process_group("gloo", rank=RANK, world_size=WORLD)  # MASTER_ADDR/PORT set by the launcher
     check("tp_groups_inside_a_node", tp_groups_inside_a_node)
-    ddp = check("node_local_groups_ddp", node_local_groups, MeshLayout(dp_replicate=WORLD), (1,), PER_NODE, NODES)
+    ddp = check("node_local_groups_ddp", node_local_groups, MeshLayout(dp_replicate=WORLD), "dp_replicate", PER_NODE, NODES)
     if PER_NODE >= 4:  # two replicas per node
-        check("node_local_groups_hsdp", node_local_groups, MeshLayout(dp_replicate=WORLD // 2, dp_shard=2), (1,), PER_NODE // 2, NODES)
+        check("node_local_groups_hsdp", node_local_groups, MeshLayout(dp_replicate=WORLD // 2, dp_shard=2), "dp_replicate", PER_NODE // 2, NODES)
     else:  # one replica per node: nothing to gain, no groups made
         check("hsdp_one_replica_per_node_stays_flat", hsdp_stays_flat)
-    check("node_local_groups_metrics", node_local_groups, MeshLayout(dp_shard=WORLD), (1, 2, 3), PER_NODE, NODES)
+    check("node_local_groups_metrics", node_local_groups, MeshLayout(dp_shard=WORLD), "dp_cp", PER_NODE, NODES)
     if ddp is not None:
         check("raw_all_reduce", raw_all_reduce, ddp)
         check("layered_compression", layered_fp16_and_onebit, ddp)
