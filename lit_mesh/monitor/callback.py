@@ -13,13 +13,14 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 
+from lit_mesh.mesh import MeshAxis as A
 from lit_mesh.monitor.comm import CollectiveBytes
 from lit_mesh.pipeline_timeline import TimelineRecorder, bubble_formula
 
 # bf16 dense peak FLOP/s per device, by name (vendor data sheets); MFU is quoted against it, as is usual
 PEAK_BF16_FLOPS = {"H200": 989.4e12, "H100": 989.4e12, "A100": 312e12, "L40S": 362e12, "A10G": 70e12, "L4": 121e12}
 # which group names count for which mesh dim: the first view that owns a group names it
-_VIEW_ORDER = ("tp", "cp", "ep", "dp_shard_cp", "dp_shard", "dp_replicate", "dp", "dp_cp", "pp")
+_VIEW_ORDER = (A.TP, A.CP, A.EP, A.DP_SHARD_CP, A.DP_SHARD, A.DP_REPLICATE, A.DP, A.DP_CP, A.PP)
 
 
 def default_tokens_in_batch(batch: Any) -> tuple[int, int]:
@@ -117,7 +118,7 @@ class MeshMonitor(Callback):
                 mesh = views[name]
                 if mesh.size() > 1:
                     self._dim_of_group.setdefault(mesh.get_group().group_name, name)
-            for name in ("dp_replicate", "dp_shard_cp"):  # HSDP/DDP reduce over the 2D view's own groups
+            for name in (A.DP_REPLICATE, A.DP_SHARD_CP):  # HSDP/DDP reduce over the 2D view's own groups
                 if views.hsdp[name].size() > 1:
                     self._dim_of_group.setdefault(views.hsdp.get_group(name).group_name, name)
         reductions = getattr(trainer.strategy, "reductions", None)
