@@ -96,7 +96,7 @@ def train(args: argparse.Namespace, mode: str) -> dict[str, Any]:
     trainer.fit(module, data)
     seconds = time.perf_counter() - start
     val_loss = float(trainer.validate(module, data, verbose=False)[0]["val_loss"])
-    run = strategy.grad_compression
+    run = strategy.compression_run
     result: dict[str, Any] = {"losses": losses.losses, "val_loss": val_loss, "fit_seconds": round(seconds, 1)}
     if run is not None:
         run.meter.end_step()

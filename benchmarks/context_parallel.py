@@ -41,6 +41,7 @@ import _common as C  # noqa: N812 (benchmarks/ is on sys.path when run as a scri
 from lit_mesh.init import materialize  # noqa: E402
 from lit_mesh.mesh import build_device_mesh, resolve_layout  # noqa: E402
 from lit_mesh.monitor.comm import CollectiveBytes  # noqa: E402
+from lit_mesh.options import ContextOptions, MeshDegrees, MeshOptions  # noqa: E402
 from lit_mesh.parallel.apply import parallelize  # noqa: E402
 from lit_mesh.parallel.context import CP_STYLES, shard_batch  # noqa: E402
 from zoo.gpt import GPT, GPTConfig  # noqa: E402
@@ -98,7 +99,8 @@ def build(config: GPTConfig, cp: int, style: str) -> tuple[Holder, Any]:
     mesh = build_device_mesh(layout, "cpu")
     with torch.device("meta"):
         root = Holder(config)
-    owners = parallelize(root, mesh, layout, sequence_parallel=False, precision="32-true", cp_style=style).owners
+    options = MeshOptions(mesh=MeshDegrees(cp=cp, sequence_parallel=False), context=ContextOptions(style))
+    owners = parallelize(root, mesh, options, precision="32-true").owners
     materialize(root, owners, torch.device("cpu"))
     return root, mesh
 

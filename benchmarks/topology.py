@@ -28,7 +28,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from lit_mesh.comm import hierarchical  # noqa: E402
-from lit_mesh.mesh import MeshLayout, build_device_mesh  # noqa: E402
+from lit_mesh.mesh import MeshAxis, MeshLayout, build_device_mesh  # noqa: E402
 from lit_mesh.monitor.comm import CollectiveBytes, _group_name  # noqa: E402
 from lit_mesh.topology import Topology  # noqa: E402
 
@@ -77,8 +77,8 @@ def worker(args: argparse.Namespace) -> None:
     assert world == topology.world_size, (world, topology)
     layout = MeshLayout(dp_replicate=world)
     views = build_device_mesh(layout, "cpu")
-    group = views.root.get_group("dp_replicate")
-    h = hierarchical.build_hierarchy(views.root.mesh, (1,), group, topology, "hierarchical", "dp_replicate")
+    group = views.root.get_group(MeshAxis.DP_REPLICATE)
+    h = hierarchical.build_hierarchy(views.root, (MeshAxis.DP_REPLICATE,), group, topology, "hierarchical", "dp_replicate")
     assert h is not None
     numel = int(args.mib * 2**20) // 4
     size = numel * 4

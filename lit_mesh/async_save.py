@@ -15,7 +15,7 @@ from lit_mesh.checkpoint import publish_checkpoint
 
 
 class AsyncCheckpointSaver:
-    """One save in flight at a time. `save` returns once the state is copied (DCP's staging); the write runs
+    """One save in flight at a time. `save` returns once the state is copied in memory; the write runs
     in a thread and, on the coordinator (rank 0), renames the finished directory into place."""
 
     def __init__(self) -> None:
@@ -28,16 +28,16 @@ class AsyncCheckpointSaver:
         if self._group is None and dist.is_initialized():
             self._group = dist.new_group(backend="gloo")
 
-    def save(self, state: dict[str, Any], staging: Path, path: Path, coordinator: bool) -> None:
+    def save(self, state: dict[str, Any], partial: Path, path: Path, coordinator: bool) -> None:
         self.wait()
-        written = dcp.async_save(state, checkpoint_id=staging, process_group=self._group)
+        written = dcp.async_save(state, checkpoint_id=partial, process_group=self._group)
         if not coordinator:
             self._pending = written
             return
         # DCP's coordinator finishes last (it writes the metadata after gathering every rank's write results),
         # so its future done means every shard is on disk. A future of our own completes after the rename.
         published: Future = Future()
-        written.add_done_callback(lambda done: _publish(done, staging, path, published))
+        written.add_done_callback(lambda done: _publish(done, partial, path, published))
         self._pending = published
 
     def wait(self) -> None:
@@ -55,17 +55,17 @@ class AsyncCheckpointSaver:
         return self._pending is not None and not self._pending.done()
 
 
-def _publish(written: Future, staging: Path, path: Path, published: Future) -> None:
+def _publish(written: Future, partial: Path, path: Path, published: Future) -> None:
     try:
         written.result()
-        publish_checkpoint(staging, path)
+        publish_checkpoint(partial, path)
     except BaseException as error:  # handed to the training thread by wait()
         published.set_exception(error)
     else:
         published.set_result(None)
 
 
-def staged_state(checkpoint: dict[str, Any]) -> dict[str, Any]:
+def split_for_dcp(checkpoint: dict[str, Any]) -> dict[str, Any]:
     """Split Lightning's checkpoint dict like ModelParallelStrategy does: tensors for DCP, the rest for rank 0's
     metadata file (pops them from `checkpoint`)."""
     state = {"state_dict": checkpoint.pop("state_dict")}

@@ -69,7 +69,7 @@ def refuse_overwriting_other_files(path: Path) -> None:
         )
 
 
-def publish_checkpoint(staging: Path, path: Path) -> None:
+def publish_checkpoint(partial: Path, path: Path) -> None:
     """Move a finished checkpoint directory into place; an older one of the same name goes only after."""
     retired = path.with_name(path.name + ".old")
     if retired.exists():
@@ -78,7 +78,7 @@ def publish_checkpoint(staging: Path, path: Path) -> None:
         path.rename(retired)
     elif path.exists():
         path.unlink()
-    staging.rename(path)
+    partial.rename(path)
     if retired.exists():
         shutil.rmtree(retired)
 

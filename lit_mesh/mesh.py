@@ -14,18 +14,40 @@ from typing import Any, Literal, Optional, Union
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from lit_mesh.errors import MeshConfigError, WorldSizeError  # noqa: F401 - re-exported (lit_mesh.mesh.MeshConfigError)
+from lit_mesh.rules import RULES_BY_NAME, Facts, divisors, enforce
+
 Degree = Union[int, Literal["auto"], None]
-MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+
+
+class MeshAxis:
+    """The names of the mesh's axes and of its flattened views (torchtitan's MeshAxisName). Code names mesh
+    axes by these, never by position; "dim" always means a tensor dim."""
+
+    PP = "pp"
+    DP_REPLICATE = "dp_replicate"
+    DP_SHARD = "dp_shard"
+    CP = "cp"
+    TP = "tp"
+    # flattened views
+    DP = "dp"  # dp_replicate x dp_shard: data loading
+    DP_SHARD_CP = "dp_shard_cp"  # dp_shard x cp: FSDP shards over it
+    DP_CP = "dp_cp"  # dp x cp: loss and metric reduction
+    EP = "ep"  # experts are split over it (innermost ranks of dp_shard x cp)
+    EDP_REPLICATE = "edp_replicate"  # expert weights: replicated over it...
+    EFSDP = "efsdp"  # ...and FSDP-sharded over it
+
+
+MESH_AXES = (MeshAxis.PP, MeshAxis.DP_REPLICATE, MeshAxis.DP_SHARD, MeshAxis.CP, MeshAxis.TP)  # outermost first
+# the axes each flattened view spans, in mesh order
+VIEW_AXES: dict[str, tuple[str, ...]] = {
+    MeshAxis.DP: (MeshAxis.DP_REPLICATE, MeshAxis.DP_SHARD),
+    MeshAxis.DP_SHARD_CP: (MeshAxis.DP_SHARD, MeshAxis.CP),
+    MeshAxis.DP_CP: (MeshAxis.DP_REPLICATE, MeshAxis.DP_SHARD, MeshAxis.CP),
+}
 # Lightning ModelParallelStrategy's dim names, answered by the same mesh as views of dp and tp (any layout)
-LIGHTNING_ALIASES = {"data_parallel": ("dp_replicate", "dp_shard"), "tensor_parallel": ("tp",)}
+LIGHTNING_ALIASES = {"data_parallel": (MeshAxis.DP_REPLICATE, MeshAxis.DP_SHARD), "tensor_parallel": (MeshAxis.TP,)}
 
-
-class MeshConfigError(ValueError):
-    """A mesh degree that cannot work, with the numbers and the fix in the message."""
-
-
-class WorldSizeError(MeshConfigError, RuntimeError):
-    """Degrees whose product is not the world size (a RuntimeError too, as ModelParallelStrategy raises it)."""
 
 
 @dataclass(frozen=True)
@@ -60,10 +82,6 @@ class MeshLayout:
         return f"{degrees} (world size {self.world_size}; data parallel: {self.data_parallel}{experts})"
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
 def check_degree(name: str, value: Degree, allow_auto: bool = False) -> None:
     """Type and range of one degree, checked in MeshStrategy.__init__ (before any process exists)."""
     if value is None or (allow_auto and value == "auto"):
@@ -79,8 +97,7 @@ def check_degrees(**degrees: Degree) -> None:
     """Everything that can be checked without knowing the world size."""
     for name, value in degrees.items():
         check_degree(name, value, allow_auto=name in ("dp", "dp_shard", "tp"))
-    if degrees.get("dp") == "auto" and degrees.get("dp_shard") == "auto":
-        raise MeshConfigError("dp='auto' and dp_shard='auto': only one degree may be 'auto'; give the other a number")
+    enforce(RULES_BY_NAME["one_auto_degree"], Facts(degrees=degrees))
 
 
 def resolve_layout(
@@ -106,13 +123,9 @@ def resolve_layout(
 
     if tp == "auto":
         raise MeshConfigError("tp='auto' means the devices per node: resolve it with per_node_degrees() first")
+    facts = Facts(degrees=dict(dp=dp, dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp, cp=cp, pp=pp, ep=ep), world_size=world_size)
+    enforce(RULES_BY_NAME["model_parallel_divides_world"], facts)  # a WorldSizeError, as ModelParallelStrategy raises
     model_parallel = pp * cp * tp
-    if world_size % model_parallel:
-        raise WorldSizeError(
-            f"pp={pp} x cp={cp} x tp={tp} = {model_parallel} does not divide the world size {world_size}"
-            f" (devices x num_nodes); choose degrees whose product divides {world_size},"
-            f" e.g. tp in {_divisors(world_size)}"
-        )
     dp_total = world_size // model_parallel  # what the data-parallel dims must fill
 
     if dp is None and dp_shard is None:
@@ -125,12 +138,12 @@ def resolve_layout(
         elif dp_replicate is None:
             assert isinstance(dp_shard, int)
             if dp % dp_shard:
-                raise MeshConfigError(f"dp_shard={dp_shard} does not divide dp={dp}; choose dp_shard in {_divisors(dp)}")
+                raise MeshConfigError(f"dp_shard={dp_shard} does not divide dp={dp}; choose dp_shard in {divisors(dp)}")
             dp_replicate = dp // dp_shard
         elif dp_shard in (None, "auto"):
             if dp % dp_replicate:
                 raise MeshConfigError(
-                    f"dp_replicate={dp_replicate} does not divide dp={dp}; choose dp_replicate in {_divisors(dp)}"
+                    f"dp_replicate={dp_replicate} does not divide dp={dp}; choose dp_replicate in {divisors(dp)}"
                 )
             dp_shard = dp // dp_replicate
         elif dp_replicate * dp_shard != dp:
@@ -144,7 +157,7 @@ def resolve_layout(
             raise MeshConfigError(
                 f"dp_replicate={dp_replicate} does not divide the {dp_total} ranks left for data parallelism"
                 f" (world size {world_size} / (pp x cp x tp = {model_parallel})); choose dp_replicate in"
-                f" {_divisors(dp_total)}"
+                f" {divisors(dp_total)}"
             )
         dp_shard = dp_total // dp_replicate
     assert isinstance(dp_shard, int)
@@ -157,11 +170,8 @@ def resolve_layout(
             f" multiplied should equal the world size); choose degrees whose product is {world_size}, or set"
             " dp='auto' to fill it"
         )
-    if (dp_shard * cp) % ep:
-        raise MeshConfigError(
-            f"ep={ep} does not divide dp_shard x cp = {dp_shard} x {cp} = {dp_shard * cp} (expert parallel borrows"
-            f" its ranks from them, it does not add any); choose ep in {_divisors(dp_shard * cp)}"
-        )
+    facts.layout = layout
+    enforce(RULES_BY_NAME["ep_divides_dp_shard_cp"], facts)
     return layout
 
 
@@ -235,29 +245,37 @@ class MeshViews:
     hsdp: DeviceMesh  # 2D (dp_replicate, dp_shard_cp): FSDP2's replicate-and-shard mesh
     ep: DeviceMesh  # experts are split over it (innermost ranks of dp_shard x cp)
     expert_dp: DeviceMesh  # expert weights are FSDP-sharded over what remains: (edp_replicate, efsdp)
+    layout: MeshLayout  # the degrees the mesh was built from
 
     def __getitem__(self, name: str) -> DeviceMesh:
         view = getattr(self, name, None)
         return view if isinstance(view, DeviceMesh) else self.root[name]
 
+    def axes_of(self, name: str) -> tuple[str, ...]:
+        """The root mesh's axes that the axis or view `name` spans."""
+        return VIEW_AXES.get(name, (name,))
+
 
 def build_device_mesh(layout: MeshLayout, device_type: str) -> MeshViews:
     """The one DeviceMesh of the run, with the flattened views dp, dp_shard_cp, dp_cp and hsdp."""
-    shape = tuple(getattr(layout, dim) for dim in MESH_DIMS)
-    root = init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIMS)
-    dp_cp = root["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")
-    for alias, dims in LIGHTNING_ALIASES.items():  # root["data_parallel"] / root["tensor_parallel"] answer
-        root[dims]._flatten(alias)
+    A = MeshAxis
+    shape = tuple(getattr(layout, axis) for axis in MESH_AXES)
+    root = init_device_mesh(device_type, shape, mesh_dim_names=MESH_AXES)
+    flatten = lambda view: root[VIEW_AXES[view]]._flatten(view)  # noqa: E731
+    dp_cp = flatten(A.DP_CP)
+    for alias, axes in LIGHTNING_ALIASES.items():  # root["data_parallel"] / root["tensor_parallel"] answer
+        root[axes]._flatten(alias)
     # ep borrows the innermost ranks of dp_shard x cp; the expert weights are sharded over the rest
     expert_shards = layout.dp_shard * layout.cp // layout.ep
-    experts = dp_cp._unflatten(0, (layout.dp_replicate, expert_shards, layout.ep), ("edp_replicate", "efsdp", "ep"))
+    experts = dp_cp._unflatten(0, (layout.dp_replicate, expert_shards, layout.ep), (A.EDP_REPLICATE, A.EFSDP, A.EP))
     return MeshViews(
         root=root,
-        dp=root["dp_replicate", "dp_shard"]._flatten("dp"),
-        dp_shard_cp=root["dp_shard", "cp"]._flatten("dp_shard_cp"),
+        dp=flatten(A.DP),
+        dp_shard_cp=flatten(A.DP_SHARD_CP),
         dp_cp=dp_cp,
         # dp_cp is ordered replicate-major, so unflattening it gives the (replicate, shard) grid
-        hsdp=dp_cp._unflatten(0, (layout.dp_replicate, layout.dp_shard * layout.cp), ("dp_replicate", "dp_shard_cp")),
-        ep=experts["ep"],
-        expert_dp=experts["edp_replicate", "efsdp"],
+        hsdp=dp_cp._unflatten(0, (layout.dp_replicate, layout.dp_shard * layout.cp), (A.DP_REPLICATE, A.DP_SHARD_CP)),
+        ep=experts[A.EP],
+        expert_dp=experts[A.EDP_REPLICATE, A.EFSDP],
+        layout=layout,
     )

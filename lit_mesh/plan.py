@@ -22,12 +22,10 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from torch import nn
 
+from lit_mesh.errors import PlanError  # noqa: F401 - re-exported (lit_mesh.plan.PlanError)
+
 if TYPE_CHECKING:  # a type only: lit_mesh.init (materialisation) reads plans, so it must not be imported here
     from lit_mesh.init import Init
-
-
-class PlanError(ValueError):
-    """A plan that cannot be applied to this model on this mesh, with the numbers and the fix."""
 
 
 # How one module takes part in tensor/sequence parallelism (see lit_mesh/parallel/tensor.py). "The hidden

@@ -7,11 +7,14 @@ plugin: `Trainer(plugins=[FP16MixedPrecision()], strategy=MeshStrategy(...))`.
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 import torch.distributed as dist
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
+from typing_extensions import override
+
+from lit_mesh.grad_norm import clip_grad_norm_
 
 SUPPORTED_PRECISION = ("32-true", "bf16-mixed", "bf16-true", "16-true", "16-mixed")
 # what Trainer(precision=...) accepts with MeshStrategy ("16-mixed" only comes as the FP16MixedPrecision plugin:
@@ -81,3 +84,29 @@ def check_precision_plugin(plugin: Precision) -> None:
             "precision='16-mixed' under MeshStrategy needs a loss scaler that agrees over all ranks:"
             " pass plugins=[lit_mesh.FP16MixedPrecision()] (and leave precision unset)"
         )
+
+
+class GlobalNormClipping(Precision):
+    """Clipping by the true global norm, mixed into the run's precision plugin by MeshStrategy (`with_global_norm_
+    clipping`): Lightning's default cannot mix DTensors of different meshes. Pipeline stages hold different
+    parameters, so their norms also add up over `stage_group` (None without pipeline)."""
+
+    stage_group: Optional[dist.ProcessGroup] = None
+
+    @override
+    def clip_grad_by_norm(self, optimizer: torch.optim.Optimizer, clip_val: Union[int, float]) -> None:
+        clip_grad_norm_(self.main_params(optimizer), float(clip_val), across=self.stage_group)
+
+
+_CLIPPING_CLASSES: dict[type, type] = {}
+
+
+def with_global_norm_clipping(plugin: Precision) -> Precision:
+    """The plugin the user chose (Trainer(precision=...) or plugins=[...]) as a subclass of its own class with
+    GlobalNormClipping first: same object, same state (e.g. FP16MixedPrecision's scaler), same isinstance checks."""
+    cls = type(plugin)
+    if not isinstance(plugin, GlobalNormClipping):
+        if cls not in _CLIPPING_CLASSES:
+            _CLIPPING_CLASSES[cls] = type(cls.__name__, (GlobalNormClipping, cls), {"__module__": cls.__module__})
+        plugin.__class__ = _CLIPPING_CLASSES[cls]
+    return plugin

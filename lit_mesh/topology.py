@@ -15,7 +15,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields, replace
 from typing import Any, Optional
 
-from lit_mesh.mesh import MESH_DIMS, MeshConfigError, MeshLayout
+from lit_mesh.errors import TopologyError  # noqa: F401 - re-exported (lit_mesh.TopologyError)
+from lit_mesh.mesh import MESH_AXES, MeshLayout
 
 GB = 1e9
 
@@ -40,9 +41,6 @@ def all_reduce_time(nbytes: float, k: int, link: Link) -> float:
     """Ring all-reduce: a reduce-scatter, then an all-gather."""
     return 2 * all_gather_time(nbytes, k, link)
 
-
-class TopologyError(MeshConfigError):
-    """A topology that cannot hold the mesh, or contradicts the cluster environment."""
 
 
 @dataclass(frozen=True)
@@ -90,32 +88,6 @@ class Topology:
 
     # ---- the mesh on the nodes ------------------------------------------------------------------------------
 
-    def check_layout(self, layout: MeshLayout, strict: bool) -> list[str]:
-        """Refuse what cannot run; return warnings (a TP/CP group crossing nodes: refused for tp when strict)."""
-        if layout.world_size != self.world_size:
-            raise TopologyError(
-                f"the mesh has {layout.world_size} ranks ({layout.describe()}) but the topology has {self.nodes} nodes"
-                f" x {self.devices_per_node} devices = {self.world_size}; give nodes x devices_per_node ="
-                f" {layout.world_size}"
-            )
-        warnings = []
-        d = self.devices_per_node
-        if layout.tp > d or d % layout.tp:
-            message = (
-                f"tp={layout.tp} does not divide the {d} devices of one node: tensor-parallel groups cross nodes"
-                f" (their all-reduces per layer then run at {self.inter_node_bandwidth / GB:g} GB/s instead of"
-                f" {self.intra_node_bandwidth / GB:g} GB/s); choose tp dividing {d}"
-            )
-            if strict:
-                raise TopologyError(message + " (or strict_topology=False to run anyway)")
-            warnings.append(message)
-        elif d % (layout.tp * layout.cp):
-            warnings.append(
-                f"cp={layout.cp} x tp={layout.tp} = {layout.cp * layout.tp} does not divide the {d} devices of one"
-                f" node: context-parallel groups cross nodes; choose cp x tp dividing {d}"
-            )
-        return warnings
-
     def startup_report(self, layout: MeshLayout, reductions: Sequence[str] = (), max_ranks: int = 16) -> str:
         """What rank 0 prints at start, once: the mesh, the topology, how gradients and metrics are all-reduced,
         and where the first `max_ranks` ranks sit."""
@@ -126,14 +98,14 @@ class Topology:
     def placement(self, layout: MeshLayout, max_ranks: int = 16) -> str:
         """rank -> node, local rank, mesh coordinates: one line per rank, the first `max_ranks`, then one line for
         the rest."""
-        shape = [getattr(layout, dim) for dim in MESH_DIMS]
+        shape = [getattr(layout, axis) for axis in MESH_AXES]
         lines = ["  ranks:"]
         for rank in range(min(layout.world_size, max_ranks)):
             coords, rest = [], rank
             for size in reversed(shape):
                 coords.append(rest % size)
                 rest //= size
-            where = ", ".join(f"{dim}={c}" for dim, c in zip(MESH_DIMS, reversed(coords)))
+            where = ", ".join(f"{axis}={c}" for axis, c in zip(MESH_AXES, reversed(coords)))
             lines.append(f"    rank {rank:>4} -> node {self.node_of(rank)}, local rank {self.local_rank_of(rank)}: {where}")
         if layout.world_size > max_ranks:
             lines.append(f"    ... ({layout.world_size - max_ranks} more ranks, node = rank // {self.devices_per_node})")

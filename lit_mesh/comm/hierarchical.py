@@ -9,7 +9,7 @@ goes through a CompressionSite (lit_mesh/comm/compression.py); the node-local co
 factors need whole matrices, all-reduces the whole tensor inside the node instead and compresses the whole
 tensor between nodes (every rank of a node sends the same factors on its own inter-node group).
 
-Used for replicated gradients (DDP, HSDP's replicate dim: FSDP2's all-reduce hook, the seam compression uses,
+Used for replicated gradients (DDP, HSDP's replicate axis: FSDP2's all-reduce hook, the seam compression uses,
 lit_mesh/comm/fsdp.py) and metric reductions (MeshStrategy.reduce). torch has no hierarchical all-reduce on
 gloo/NCCL process groups, hence ours. The groups come from the Topology (node = rank // devices per node).
 """
@@ -23,10 +23,12 @@ from typing import Any, Literal, Optional
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 
 from lit_mesh.comm.compression import CompressionRun, CompressionSite
 from lit_mesh.comm.fsdp import unit_segments
+from lit_mesh.errors import MeshConfigError
 from lit_mesh.topology import Topology, all_gather_time, all_reduce_time
 
 AllReduceMode = Literal["auto", "flat", "hierarchical"]
@@ -35,8 +37,6 @@ ALLREDUCE_MODES = ("auto", "flat", "hierarchical")
 
 def check_allreduce_mode(mode: str) -> None:
     if mode not in ALLREDUCE_MODES:
-        from lit_mesh.mesh import MeshConfigError
-
         raise MeshConfigError(f"allreduce={mode!r}; choose one of {ALLREDUCE_MODES}")
 
 
@@ -74,11 +74,13 @@ def inter_node_steps(n: int, g: int, hierarchical: bool) -> int:
 # ---- groups --------------------------------------------------------------------------------------------------
 
 
-def groups_of(mesh_ranks: Tensor, dims: tuple[int, ...]) -> list[list[int]]:
-    """Every group of the flattened `dims` of a mesh's rank tensor (the groups of all ranks, not only ours)."""
-    others = [d for d in range(mesh_ranks.dim()) if d not in dims]
-    size = math.prod(mesh_ranks.shape[d] for d in dims)
-    return mesh_ranks.permute(*others, *dims).reshape(-1, size).tolist()
+def groups_of(root: DeviceMesh, axes: tuple[str, ...]) -> list[list[int]]:
+    """Every group of the mesh axes `axes` flattened together (the groups of all ranks, not only ours)."""
+    names = root.mesh_dim_names or ()
+    spanned = [names.index(axis) for axis in axes]  # positions in the rank tensor, looked up by name
+    others = [i for i in range(root.mesh.dim()) if i not in spanned]
+    size = math.prod(root.mesh.shape[i] for i in spanned)
+    return root.mesh.permute(*others, *spanned).reshape(-1, size).tolist()
 
 
 def split_by_node(groups: list[list[int]], topology: Topology) -> Optional[tuple[list[list[int]], list[list[int]]]]:
@@ -109,7 +111,7 @@ class Hierarchy:
     per_node: int  # g
     mode: AllReduceMode
     topology: Topology
-    dim: str
+    axis: str  # the mesh axis or view it reduces over, e.g. "dp_replicate"
 
     @property
     def size(self) -> int:
@@ -125,15 +127,16 @@ class Hierarchy:
 
 
 def build_hierarchy(
-    root_ranks: Tensor, dims: tuple[int, ...], group: Any, topology: Topology, mode: AllReduceMode, dim: str,
+    root: DeviceMesh, axes: tuple[str, ...], group: Any, topology: Topology, mode: AllReduceMode, name: str,
     skip_trivial: bool = True,
 ) -> Optional[Hierarchy]:
-    """The hierarchy of the mesh group over `dims` (call on every rank, in the same order: it creates process
-    groups). None with mode "flat", or where it would change nothing (the group inside one node, or one rank
-    per node; skip_trivial=False builds it anyway, for tests) or the group is not spread evenly over nodes."""
+    """The hierarchy of the group over the mesh axes `axes` of `root` (call on every rank, in the same order: it
+    creates process groups). None with mode "flat", or where it would change nothing (the group inside one node,
+    or one rank per node; skip_trivial=False builds it anyway, for tests) or the group is not spread evenly over
+    nodes. `name` names the group in logs and metrics ("dp_replicate", "dp_cp")."""
     if mode == "flat":
         return None
-    split = split_by_node(groups_of(root_ranks, dims), topology)
+    split = split_by_node(groups_of(root, axes), topology)
     if split is None:
         return None
     intra_lists, inter_lists = split
@@ -142,7 +145,7 @@ def build_hierarchy(
         return None
     intra, _ = dist.new_subgroups_by_enumeration(intra_lists)
     inter, _ = dist.new_subgroups_by_enumeration(inter_lists)
-    return Hierarchy(group, intra, inter, n, g, mode, topology, dim)
+    return Hierarchy(group, intra, inter, n, g, mode, topology, name)
 
 
 # ---- the all-reduce -------------------------------------------------------------------------------------------
@@ -157,9 +160,9 @@ def all_reduce(
     segments: Optional[list] = None,
 ) -> Tensor:
     """tensor <- sum (or mean) over the hierarchy's whole group, in place, by the three collectives; with a
-    compression site, the inter-node all-reduce is compressed (its bytes metered under "<dim>:inter", the
-    node-local collectives exact under "<dim>:intra")."""
-    g, n, dim = hierarchy.per_node, hierarchy.nodes, hierarchy.dim
+    compression site, the inter-node all-reduce is compressed (its bytes metered under "<axis>:inter", the
+    node-local collectives exact under "<axis>:intra")."""
+    g, n, axis = hierarchy.per_node, hierarchy.nodes, hierarchy.axis
     flat = tensor.reshape(-1)
     length = flat.numel()
     meter = site.run.meter if site is not None else None
@@ -167,9 +170,9 @@ def all_reduce(
         whole = flat.clone()
         dist.all_reduce(whole, group=hierarchy.intra)
         if meter is not None:
-            meter.sent(f"{dim}:intra", "all_reduce", whole, g)
-            meter.uncompressed(f"{dim}:intra", "all_reduce", whole, g)
-        site.all_reduce(whole, hierarchy.inter, average=average, dim=f"{dim}:inter", segments=segments)
+            meter.sent(f"{axis}:intra", "all_reduce", whole, g)
+            meter.uncompressed(f"{axis}:intra", "all_reduce", whole, g)
+        site.all_reduce(whole, hierarchy.inter, average=average, dim=f"{axis}:inter", segments=segments)
         tensor.copy_((whole / g if average else whole).view_as(tensor))
         return tensor
     chunk = math.ceil(length / g)
@@ -180,13 +183,13 @@ def all_reduce(
     if site is None:
         dist.all_reduce(piece, group=hierarchy.inter)
     else:
-        site.all_reduce(piece, hierarchy.inter, average=average, dim=f"{dim}:inter")
+        site.all_reduce(piece, hierarchy.inter, average=average, dim=f"{axis}:inter")
     gathered = torch.empty_like(padded)
     dist.all_gather_into_tensor(gathered, piece, group=hierarchy.intra)
     if meter is not None:
         for kind in ("reduce_scatter", "all_gather"):
-            meter.sent(f"{dim}:intra", kind, padded, g)
-            meter.uncompressed(f"{dim}:intra", kind, padded, g)
+            meter.sent(f"{axis}:intra", kind, padded, g)
+            meter.uncompressed(f"{axis}:intra", kind, padded, g)
     result = gathered[:length]
     if average:  # a site averaged over the n nodes already
         result = result / (g if site is not None else g * n)
@@ -195,7 +198,7 @@ def all_reduce(
 
 
 class HierarchicalReplicaAllReduce:
-    """FSDP2's all-reduce hook over the replicate dim (DDP, HSDP): the mean over replicas of this rank's reduced
+    """FSDP2's all-reduce hook over the replicate axis (DDP, HSDP): the mean over replicas of this rank's reduced
     gradient shard, hierarchically (or flat, where the cost model says so), with layered compression."""
 
     def __init__(self, hierarchy: Hierarchy, module: FSDPModule, site: Optional[CompressionSite]) -> None:
@@ -210,7 +213,7 @@ class HierarchicalReplicaAllReduce:
         if self.hierarchy.use_hierarchical(nbytes):
             all_reduce(reduced_shard, self.hierarchy, average=True, site=self.site, segments=segments)
         elif self.site is not None:
-            self.site.all_reduce(reduced_shard, self.hierarchy.group, True, self.hierarchy.dim, segments)
+            self.site.all_reduce(reduced_shard, self.hierarchy.group, True, self.hierarchy.axis, segments)
         else:
             dist.all_reduce(reduced_shard, group=self.hierarchy.group)
             reduced_shard.div_(self.hierarchy.size)

@@ -17,7 +17,7 @@ class CompressionLogger(Callback):
     def on_train_batch_end(
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        run = getattr(trainer.strategy, "grad_compression", None)
+        run = getattr(trainer.strategy, "compression_run", None)
         if run is not None:
             metrics = run.metrics()
             if metrics:

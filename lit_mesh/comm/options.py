@@ -11,13 +11,11 @@ from dataclasses import dataclass, field, replace
 from typing import Optional, Union
 
 from lit_mesh.comm.codecs import ONEBIT_SCALES
+from lit_mesh.errors import CompressionConfigError  # noqa: F401 - re-exported
 
 MODES = ("fp16", "bf16", "powersgd", "onebit", "topk")
 PHASE_MODES = ("none", *MODES)  # a phase of the schedule may also send uncompressed
 
-
-class CompressionConfigError(ValueError):
-    """A gradient-compression setting that cannot work, with the value and the fix in the message."""
 
 
 @dataclass

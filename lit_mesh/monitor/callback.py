@@ -14,12 +14,13 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
+from lit_mesh.mesh import MeshAxis as A
 from lit_mesh.monitor.comm import CollectiveBytes
 from lit_mesh.monitor.peak_flops import peak_bf16_flops
 from lit_mesh.pipeline_timeline import TimelineRecorder, bubble_formula
 
 # which group names count for which mesh dim: the first view that owns a group names it
-_VIEW_ORDER = ("tp", "cp", "ep", "dp_shard_cp", "dp_shard", "dp_replicate", "dp", "dp_cp", "pp")
+_VIEW_ORDER = (A.TP, A.CP, A.EP, A.DP_SHARD_CP, A.DP_SHARD, A.DP_REPLICATE, A.DP, A.DP_CP, A.PP)
 
 
 def default_tokens_in_batch(batch: Any) -> tuple[int, int]:
@@ -161,14 +162,13 @@ class MeshMonitor(Callback):
                 mesh = views[name]
                 if mesh.size() > 1:
                     self._dim_of_group.setdefault(mesh.get_group().group_name, name)
-            for name in ("dp_replicate", "dp_shard_cp"):  # HSDP/DDP reduce over the 2D view's own groups
+            for name in (A.DP_REPLICATE, A.DP_SHARD_CP):  # HSDP/DDP reduce over the 2D view's own groups
                 if views.hsdp[name].size() > 1:
                     self._dim_of_group.setdefault(views.hsdp.get_group(name).group_name, name)
-        for attr in ("replicate_hierarchy", "metric_hierarchy"):  # hierarchical all-reduce: node-local, cross-node
-            h = getattr(trainer.strategy, attr, None)
-            if h is not None:
-                self._dim_of_group.setdefault(h.intra.group_name, f"{h.dim}:intra")
-                self._dim_of_group.setdefault(h.inter.group_name, f"{h.dim}:inter")
+        reductions = getattr(trainer.strategy, "reductions", None)
+        for h in reductions.hierarchies() if reductions is not None else []:  # hierarchical: node-local, cross-node
+            self._dim_of_group.setdefault(h.intra.group_name, f"{h.axis}:intra")
+            self._dim_of_group.setdefault(h.inter.group_name, f"{h.axis}:inter")
         self._dims = sorted(set(self._dim_of_group.values())) + ["other"]
 
     def data_replicas(self, trainer: L.Trainer) -> int:

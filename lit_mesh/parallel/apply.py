@@ -8,13 +8,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from lit_mesh.comm.compression import CompressionRun
 from lit_mesh.comm.hierarchical import Hierarchy, attach_hierarchical_all_reduce
-from lit_mesh.mesh import MeshLayout, MeshViews
+from lit_mesh.mesh import MeshAxis, MeshViews
+from lit_mesh.options import MeshOptions
 from lit_mesh.parallel.checkpointing import apply_activation_checkpointing
 from lit_mesh.parallel.compile import apply_compile
 from lit_mesh.parallel.context import apply_context_parallel
@@ -31,6 +34,7 @@ from lit_mesh.parallel.pipeline_split import (
 )
 from lit_mesh.parallel.tensor import PlanError, apply_tensor_parallel
 from lit_mesh.plan import ParallelPlan, PlanOwner, declared_plan
+from lit_mesh.rules import Facts, check
 
 
 def find_plan_owners(root: nn.Module) -> list[PlanOwner]:
@@ -89,83 +93,60 @@ class Parallelized:
 
 def split_pipeline(root: nn.Module, owners: list[PlanOwner], mesh: MeshViews, pipeline: PipelineSettings) -> Parallelized:
     """Cut the one plan owner into stages and keep this pp rank's (the first step of the order)."""
-    if len(owners) != 1:
-        found = [o.name for o in owners] or "none"
-        raise PlanError(
-            f"pp > 1 pipelines one model that declares parallel_plan(); {type(root).__name__} has {found}."
-            " Declare a plan on the network (see examples/own_model_plan.py), or use pp=1"
-        )
-    owner = owners[0]
-    if owner.plan.moe is not None:  # the MoE layers' auxiliary losses would have to travel between stages
-        raise PlanError(
-            f"pp={mesh['pp'].size()} with the MoE model {type(owner.module).__name__}: pipeline stages do not carry"
-            " the auxiliary load-balancing loss between them yet; use pp=1 (ep, dp, tp and cp work with MoE)"
-        )
+    owner = owners[0]  # one, and not MoE: lit_mesh/rules.py ("pp_needs_one_plan", "pp_without_moe")
     n_blocks = len(owner.module.get_submodule(owner.plan.blocks))
-    pp = mesh["pp"].size()
+    pp_mesh = mesh[MeshAxis.PP]
+    pp = pp_mesh.size()
     n_stages = pp * pipeline.local_stages()
     split = check_split(pipeline.split, n_blocks, n_stages) if pipeline.split else balanced_split(n_blocks, n_stages)
     ranks = stage_ranks(n_stages, pp, pipeline.placement)
-    stages = split_into_stages(owner.module, owner.plan, split, ranks, mesh["pp"].get_local_rank())
+    stages = split_into_stages(owner.module, owner.plan, split, ranks, pp_mesh.get_local_rank())
     return Parallelized(owners, stages, ranks)
 
 
 def parallelize(
     root: nn.Module,
     mesh: MeshViews,
-    layout: MeshLayout,
+    options: MeshOptions,
     *,
-    sequence_parallel: bool,
     precision: str,
-    activation_checkpointing: str = "none",
-    ac_every_n_blocks: int = 1,
-    compile_backend: str | None = None,
-    pipeline: PipelineSettings | None = None,
-    cp_style: str = "ring",
-    grad_compression: CompressionRun | None = None,
+    compression: CompressionRun | None = None,
     replicate_hierarchy: Hierarchy | None = None,
 ) -> Parallelized:
-    """Apply every technique to `root` (the LightningModule) in the fixed order."""
-    owners = find_plan_owners(root)
+    """Apply every technique to `root` (the LightningModule) in the fixed order; a model that configure_model
+    parallelised itself is left as it is. `compression` and `replicate_hierarchy`: the run's reduction hooks."""
+    layout = mesh.layout
+    self_parallelised = is_user_parallelised(root)
+    owners = [] if self_parallelised else find_plan_owners(root)
+    check("setup", Facts(options=options, layout=layout, model_name=type(root).__name__, owners=owners,
+                         self_parallelised=self_parallelised))  # fmt: skip
+    if self_parallelised:
+        rank_zero_info("MeshStrategy: configure_model parallelised the model itself; no plan is applied")
+        return Parallelized([])
+    memory, compile_backend = options.memory, options.compile.backend
+    sequence_parallel = options.mesh.sequence_parallel
     for owner in owners:
         adapt_moe_layers(owner.module, owner.plan)
-    done = split_pipeline(root, owners, mesh, pipeline) if layout.pp > 1 and pipeline else Parallelized(owners)
-    per_block = {"activation_checkpointing": activation_checkpointing != "none", "compile_blocks": compile_backend}
-    for option, asked in per_block.items():
-        if asked and not owners:
-            raise PlanError(
-                f"{option} acts on the blocks a parallel_plan() names, but no module of {type(root).__name__}"
-                " declares one; declare one (see examples/own_model_plan.py)"
-            )
+    done = split_pipeline(root, owners, mesh, options.pipeline) if layout.pp > 1 else Parallelized(owners)
     if layout.tp > 1:
-        if not owners:
-            raise PlanError(
-                f"tp={layout.tp} but no module of {type(root).__name__} declares parallel_plan(); declare one"
-                " (see examples/own_model_plan.py), or apply TP yourself in configure_model with self.device_mesh['tp']"
-            )
         for owner in owners:
             experts = expert_modules(owner.module, owner.plan)  # placed by EP below
-            apply_tensor_parallel(owner.module, owner.plan, mesh["tp"], sequence_parallel, skip=experts)
+            apply_tensor_parallel(owner.module, owner.plan, mesh[MeshAxis.TP], sequence_parallel, skip=experts)
         if done.stages and sequence_parallel and owners[0].plan.cp.positions:
             for stage in (s for s in done.stages if s.index != 0):  # the first stage counts them itself
                 pass_global_positions(stage.module, owners[0].plan.cp.positions, layout.tp)
     if layout.cp > 1:
-        if not owners:
-            raise PlanError(
-                f"cp={layout.cp} but no module of {type(root).__name__} declares parallel_plan() with its attention;"
-                " declare one with cp=ContextPlan(attention=..., positions=...) (see zoo/gpt.py), or use cp=1"
-            )
         for owner in owners:
-            apply_context_parallel(owner.module, owner.plan, mesh["cp"], cp_style)
+            apply_context_parallel(owner.module, owner.plan, mesh[MeshAxis.CP], options.context.style)
     if layout.world_size > 1:
         for owner in owners:
             apply_expert_parallel(owner.module, owner.plan, mesh, layout)
     for owner in owners:
         blocks = list(owner.module.get_submodule(owner.plan.blocks))
-        apply_activation_checkpointing(blocks, activation_checkpointing, ac_every_n_blocks)
+        apply_activation_checkpointing(blocks, memory.activation_checkpointing, memory.ac_every_n_blocks)
         if compile_backend is not None:
             apply_compile(blocks, compile_backend)
-    in_hook = grad_compression is not None or replicate_hierarchy is not None
+    in_hook = compression is not None or replicate_hierarchy is not None
     dp_mesh = data_parallel_mesh(mesh, layout, replicate_in_hook=in_hook)
     if dp_mesh is not None:
         for owner in owners:
@@ -176,9 +157,9 @@ def parallelize(
             apply_data_parallel(stage_roots, list(blocks), dp_mesh, layout, precision)
         for unit in _units_outside_owners(root, "", owners):
             apply_data_parallel([unit], [], dp_mesh, layout, precision)
-        if grad_compression is not None:  # communication hooks come last
-            attach_compression(root, grad_compression, mesh, layout)
+        if compression is not None:  # communication hooks come last
+            attach_compression(root, compression, mesh, layout)
         if replicate_hierarchy is not None:  # replaces the flat replicate all-reduce (compressed or not)
-            attach_hierarchical_all_reduce(root, replicate_hierarchy, grad_compression)
+            attach_hierarchical_all_reduce(root, replicate_hierarchy, compression)
     return done
 

@@ -11,20 +11,12 @@ from torch import nn
 from lit_mesh.mesh import MeshConfigError
 
 
-def check_compile(backend: str, tp: int | str) -> None:
-    """Refuse, before any process starts, what compiled blocks cannot do correctly."""
+def check_compile_backend(backend: str) -> None:
+    """Refuse, before any process starts, a backend torch.compile does not have (compile with tp > 1: see
+    lit_mesh/rules.py, "compile_with_tp")."""
     backends = sorted(torch._dynamo.list_backends(exclude_tags=()))
     if backend not in backends:
         raise MeshConfigError(f"compile_backend={backend!r} is not a torch.compile backend; choose one of {backends}")
-    if tp == "auto" or tp > 1:  # "auto": tp is the devices per node, likely > 1
-        # measured on torch 2.13: with TP/SP DTensors entering a compiled block, the DTensor redistribute
-        # outside the graph receives plain-tensor gradients (AttributeError: '_local_tensor') or, with FSDP2
-        # around, the gradients come out wrong (loss off by 1e-3 at step 2); eager TP is exact
-        raise MeshConfigError(
-            f"compile_blocks=True with tp={tp}: compiled blocks do not yet give correct gradients under tensor"
-            " parallel on this torch; use compile_blocks with data parallel only (dp, dp_replicate, dp_shard),"
-            " or keep tp and set compile_blocks=False"
-        )
 
 
 def apply_compile(blocks: Sequence[nn.Module], backend: str) -> None:

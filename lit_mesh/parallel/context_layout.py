@@ -10,16 +10,12 @@ from torch import Tensor
 from torch.distributed import _functional_collectives as funcol
 from torch.distributed.device_mesh import DeviceMesh
 
-from lit_mesh.mesh import MeshConfigError
-from lit_mesh.plan import PlanError
+from lit_mesh.errors import ContextParallelError, MeshConfigError, PlanError  # noqa: F401 - re-exported
 
 CPStyle = Literal["ring", "ulysses", "allgather"]
 CP_STYLES: tuple[str, ...] = CPStyle.__args__  # type: ignore[attr-defined]
 SEQUENCE_DIM = 1  # batches and activations are (batch, sequence, ...)
 
-
-class ContextParallelError(PlanError):
-    """Input that context parallelism cannot split exactly, with the numbers and the fix."""
 
 
 def check_cp_style(style: str) -> None:

@@ -16,7 +16,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from lit_mesh.comm.compression import CompressionRun
 from lit_mesh.comm.fsdp import attach_gradient_compression
-from lit_mesh.mesh import MeshLayout, MeshViews
+from lit_mesh.mesh import MeshAxis, MeshLayout, MeshViews
 
 
 def data_parallel_mesh(mesh: MeshViews, layout: MeshLayout, replicate_in_hook: bool = False) -> DeviceMesh | None:
@@ -34,7 +34,7 @@ def data_parallel_mesh(mesh: MeshViews, layout: MeshLayout, replicate_in_hook: b
 
 def attach_compression(root: nn.Module, run: CompressionRun, mesh: MeshViews, layout: MeshLayout) -> None:
     """Gradient compression in every FSDP2 unit's reductions (call after fully_shard; see lit_mesh/comm)."""
-    replicate = mesh.root.get_group("dp_replicate") if layout.dp_replicate > 1 else None
+    replicate = mesh.root.get_group(MeshAxis.DP_REPLICATE) if layout.dp_replicate > 1 else None
     attach_gradient_compression(root, run, mesh.dp_shard_cp.get_group(), replicate)
 
 

@@ -27,7 +27,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import Shard, distribute_tensor
 
-from lit_mesh.mesh import MeshLayout, MeshViews
+from lit_mesh.mesh import MeshAxis, MeshLayout, MeshViews
 from lit_mesh.parallel.data import mixed_precision_policy
 from lit_mesh.plan import ParallelPlan, PlanError
 
@@ -152,7 +152,7 @@ def expert_data_parallel_mesh(mesh: MeshViews, layout: MeshLayout) -> DeviceMesh
     """FSDP2's mesh for the expert weights: 1D efsdp to shard, 2D (edp_replicate, efsdp) to replicate too."""
     if layout.data_parallel == "none":
         return None
-    return mesh.expert_dp["efsdp"] if layout.dp_replicate == 1 else mesh.expert_dp
+    return mesh.expert_dp[MeshAxis.EFSDP] if layout.dp_replicate == 1 else mesh.expert_dp
 
 
 def shard_experts(model: nn.Module, plan: ParallelPlan, mesh: MeshViews, layout: MeshLayout, precision: str) -> None:

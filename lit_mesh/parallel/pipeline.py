@@ -65,40 +65,15 @@ class PipelineSettings:
 
 
 def check_pipeline_settings(
-    pp: int, schedule: str, microbatches: Optional[int], stages_per_rank: Optional[int], split: Optional[Sequence[int]]
+    schedule: str, microbatches: Optional[int], stages_per_rank: Optional[int], split: Optional[Sequence[int]]
 ) -> PipelineSettings:
-    """Everything that needs no model and no world: checked in MeshStrategy.__init__."""
+    """Each pipeline option on its own, in MeshStrategy.__init__ (with pp and each other: lit_mesh/rules.py)."""
     if schedule not in SCHEDULES:
         raise PipelineConfigError(f"pp_schedule={schedule!r} is not a schedule; choose one of {sorted(SCHEDULES)}")
     for name, value in (("pp_microbatches", microbatches), ("pp_stages_per_rank", stages_per_rank)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise PipelineConfigError(f"{name}={value!r} must be a positive int (or None for the default)")
-    kind = SCHEDULES[schedule][1]
-    if stages_per_rank is not None:
-        if kind == "one" and stages_per_rank != 1:
-            raise PipelineConfigError(
-                f"pp_schedule={schedule!r} runs one stage per rank, not pp_stages_per_rank={stages_per_rank};"
-                " use 'interleaved_1f1b', 'looped_bfs' or 'zero_bubble' for several"
-            )
-        if kind == "many" and stages_per_rank < 2:
-            raise PipelineConfigError(
-                f"pp_schedule={schedule!r} interleaves several stages per rank, but pp_stages_per_rank="
-                f"{stages_per_rank}; set pp_stages_per_rank >= 2, or use '1f1b' for one stage per rank"
-            )
-        if kind == "two" and stages_per_rank != 2:
-            raise PipelineConfigError(
-                f"pp_schedule={schedule!r} runs exactly 2 stages per rank (V shape), not {stages_per_rank};"
-                " set pp_stages_per_rank=2"
-            )
-    settings = PipelineSettings(schedule, microbatches, stages_per_rank, tuple(split) if split is not None else None)
-    if split is not None and len(split) != pp * settings.local_stages():
-        raise PipelineConfigError(
-            f"pp_split={list(split)} has {len(split)} entries but pp={pp} x stages per rank"
-            f" {settings.local_stages()} = {pp * settings.local_stages()} stages; give one number of blocks per stage"
-        )
-    if pp == 1 and (schedule != "1f1b" or microbatches is not None or stages_per_rank is not None or split):
-        raise PipelineConfigError("pp_schedule, pp_microbatches, pp_stages_per_rank and pp_split need pp > 1")
-    return settings
+    return PipelineSettings(schedule, microbatches, stages_per_rank, tuple(split) if split is not None else None)
 
 
 class PipelineRunner:
@@ -294,7 +269,40 @@ class PipelineRunner:
         self._fresh_grads = None
 
 
+    # ---- what the strategy asks, hook by hook -------------------------------------------------------------
+
+    def begin_step(self, accumulation: int) -> None:
+        """Lightning's training_step: the losses of this step are scaled by 1 / (micro-batches x accumulation)."""
+        self.accumulation = accumulation
+
+    def backward(self, loss: Tensor, strategy: Any, module: Any) -> Tensor:
+        """Lightning's backward: the schedule ran forward and backward inside training_step (loss_of); the
+        strategy's and the precision plugin's hooks still run around it, and this step's gradients are added."""
+        strategy.pre_backward(loss)
+        loss = strategy.precision_plugin.pre_backward(loss, module)
+        self.add_fresh_grads()
+        loss = strategy.precision_plugin.post_backward(loss, module)
+        strategy.post_backward(loss)
+        return loss
+
+    @property
+    def clip_group(self) -> dist.ProcessGroup:
+        """Gradient clipping: stages hold different parameters, so their norms add up over this group."""
+        return self.group
+
+
 _RUNNER_ATTR = "_lit_mesh_pipeline"
+
+
+def start_pipeline(
+    owner: nn.Module, stages: list[Stage], stage_ranks: list[int], settings: PipelineSettings, pp_group: dist.ProcessGroup,
+    device: torch.device,
+) -> PipelineRunner:
+    """Build this rank's schedule over its stages of `owner` (the plan owner cut into stages) and attach it, so
+    that loss_of/output_of on `owner` run the pipeline."""
+    runner = PipelineRunner(stages, settings, pp_group, stage_ranks, device=device, parameters=lambda: list(owner.parameters()))
+    attach_runner(owner, runner)
+    return runner
 
 
 def attach_runner(model: nn.Module, runner: PipelineRunner) -> None:

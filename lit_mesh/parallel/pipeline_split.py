@@ -13,14 +13,11 @@ from typing import Literal
 import torch
 from torch import nn
 
-from lit_mesh.mesh import MeshConfigError
+from lit_mesh.errors import PipelineConfigError  # noqa: F401 - re-exported
 from lit_mesh.plan import ParallelPlan
 
 Placement = Literal["loop", "v"]
 
-
-class PipelineConfigError(MeshConfigError):
-    """A pipeline setting that cannot work, with the numbers and the fix."""
 
 
 def balanced_split(n_blocks: int, n_stages: int) -> list[int]:

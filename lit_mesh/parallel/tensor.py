@@ -19,6 +19,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from lit_mesh.errors import PlanError  # noqa: F401 - re-exported (lit_mesh.PlanError)
 from lit_mesh.parallel.hidden_states import HiddenStatesLayout
 from lit_mesh.init import retie, tied_parameters
 from lit_mesh.plan import ParallelPlan, PlanError

@@ -18,8 +18,8 @@ import torch.distributed as dist
 from torch import nn
 
 from lit_mesh.mesh import MeshLayout, build_device_mesh, resolve_layout
+from lit_mesh.options import MeshDegrees, MeshOptions
 from lit_mesh.parallel.apply import parallelize
-from lit_mesh.parallel.pipeline import PipelineSettings
 from lit_mesh.planner.shapes import build_model
 from zoo.gpt import GPT, GPTConfig
 
@@ -44,9 +44,8 @@ def simulate_rank(config: Any, layout: MeshLayout, rank: int = 0, precision: str
             root.model = build_model(config)  # GPT or MoETransformer
         if precision == "bf16-true":  # Lightning's precision plugin casts the meta model before setup
             root.to(torch.bfloat16)
-        pipeline = PipelineSettings() if layout.pp > 1 else None
-        parallelize(root, build_device_mesh(layout, "cpu"), layout, sequence_parallel=layout.tp > 1,
-                    precision=precision, pipeline=pipeline)
+        options = MeshOptions(mesh=MeshDegrees(sequence_parallel=layout.tp > 1))
+        parallelize(root, build_device_mesh(layout, "cpu"), options, precision=precision)
         params = list(root.parameters())
         out: dict[str, Any] = {"params": sum(_local_bytes(p) for p in params)}
         if optimizer:

@@ -6,9 +6,14 @@ from __future__ import annotations
 from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
 
-def test_pictures_reach_the_loggers_that_take_images(tmp_path: Path) -> None:
+
+def test_pictures_reach_the_loggers_that_take_images(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+    from lightning.pytorch.utilities.rank_zero import rank_zero_only
+
+    monkeypatch.setattr(rank_zero_only, "rank", 0)  # loggers write on rank 0 only; other tests may have set it
 
     from lit_mesh.extras import pyplot
     from lit_mesh.figures import log_image

@@ -202,6 +202,7 @@ def test_timeout_reaches_init_process_group(init_process_group_mock: Mock) -> No
     strategy.accelerator = Mock()
     with mock.patch("lit_mesh.strategy.build_device_mesh") as build:
         build.return_value.dp_cp.size.return_value = 1
+        build.return_value.layout.dp_replicate = 1
         strategy.setup_environment()
     init_process_group_mock.assert_called_with(
         "gloo", rank=0, world_size=1, timeout=timedelta(seconds=30), device_id=None

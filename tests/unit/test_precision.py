@@ -20,3 +20,25 @@ def test_fp16_without_the_mesh_scaler_is_refused_before_processes_start() -> Non
 
     with pytest.raises(ValueError, match=r"FP16MixedPrecision"):  # raised by Trainer(...): nothing spawned yet
         L.Trainer(accelerator="cpu", devices=2, strategy=MeshStrategy(), plugins=[MixedPrecision("16-mixed", "cpu")])
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed", "bf16-true", "fp16-plugin"])
+def test_clipping_by_the_global_norm_is_mixed_into_the_chosen_plugin(precision: str) -> None:
+    """The strategy keeps the user's plugin (its class, state and isinstance checks) and clips by the global norm."""
+    import torch
+
+    from lit_mesh.precision import GlobalNormClipping, with_global_norm_clipping
+
+    given = FP16MixedPrecision(device="cpu") if precision == "fp16-plugin" else None
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=MeshStrategy(), logger=False,
+                        **({"plugins": [given]} if given else {"precision": precision}))  # fmt: skip
+    plugin = trainer.strategy.precision_plugin
+    chosen = type(plugin)
+    mixed = with_global_norm_clipping(plugin)
+    assert mixed is plugin and isinstance(mixed, GlobalNormClipping) and isinstance(mixed, chosen)
+    assert type(with_global_norm_clipping(mixed)) is type(mixed)  # idempotent: one class per plugin class
+    assert given is None or mixed is given and isinstance(mixed.scaler, MeshGradScaler)
+    weight = torch.nn.Parameter(torch.ones(4))
+    weight.grad = torch.full((4,), 3.0)  # norm 6
+    mixed.clip_gradients(torch.optim.SGD([weight], lr=0.1), clip_val=1.5)
+    torch.testing.assert_close(weight.grad.norm(), torch.tensor(1.5), rtol=1e-5, atol=1e-6)

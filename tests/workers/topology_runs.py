@@ -33,8 +33,8 @@ def run(out_dir: Path, name: str, args: list[str]) -> None:
         "rank": [env.global_rank(), env.node_rank(), env.local_rank()],
         "tp_nodes": node_sets(views.root.get_group("tp"), topo),
         "hierarchies": {
-            h.dim: {"intra": dist.get_process_group_ranks(h.intra), "inter": dist.get_process_group_ranks(h.inter)}
-            for h in (strategy.replicate_hierarchy, strategy.metric_hierarchy) if h is not None
+            h.axis: {"intra": dist.get_process_group_ranks(h.intra), "inter": dist.get_process_group_ranks(h.inter)}
+            for h in strategy.reductions.hierarchies()
         },
     }
     every: list = [None] * dist.get_world_size()

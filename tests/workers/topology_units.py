@@ -66,17 +66,17 @@ def tp_groups_inside_a_node() -> None:
     assert "rank    1 -> node 0, local rank 1: pp=0, dp_replicate=0" in TOPOLOGY.placement(layout)
 
 
-def node_local_groups(layout: MeshLayout, dims: tuple[int, ...], g: int, n: int) -> hierarchical.Hierarchy:
+def node_local_groups(layout: MeshLayout, view: str, g: int, n: int) -> hierarchical.Hierarchy:
     views = build_device_mesh(layout, "cpu")
-    group = views.root.get_group("dp_replicate") if dims == (1,) else views.dp_cp.get_group()
-    h = hierarchical.build_hierarchy(views.root.mesh, dims, group, TOPOLOGY, "hierarchical", "dp_replicate")
+    group = views[view].get_group()
+    h = hierarchical.build_hierarchy(views.root, views.axes_of(view), group, TOPOLOGY, "hierarchical", "dp_replicate")
     assert h is not None and (h.per_node, h.nodes) == (g, n), (h, g, n)
     members = ranks_of(group)
     intra, inter = ranks_of(h.intra), ranks_of(h.inter)
     assert intra == [r for r in members if TOPOLOGY.node_of(r) == TOPOLOGY.node_of(RANK)], (intra, members)
     assert len({TOPOLOGY.node_of(r) for r in inter}) == n and RANK in inter and set(inter) <= set(members), inter
     # "flat" makes no groups; "auto" chooses hierarchical on these links for a 1 MB gradient and a 4-byte metric
-    assert hierarchical.build_hierarchy(views.root.mesh, dims, group, TOPOLOGY, "flat", "x") is None
+    assert hierarchical.build_hierarchy(views.root, views.axes_of(view), group, TOPOLOGY, "flat", "x") is None
     auto = hierarchical.Hierarchy(group, h.intra, h.inter, n, g, "auto", TOPOLOGY, "x")
     assert auto.use_hierarchical(2**20) and auto.use_hierarchical(4)
     slow_intra = Topology(NODES, PER_NODE, intra_node_bandwidth=1e6, inter_node_bandwidth=50e9)
@@ -87,7 +87,7 @@ def node_local_groups(layout: MeshLayout, dims: tuple[int, ...], g: int, n: int)
 @functools.cache
 def ddp_hierarchy() -> hierarchical.Hierarchy:
     """The DDP group's hierarchy, made once and shared by the checks that use it (one launch runs them all)."""
-    return node_local_groups(MeshLayout(dp_replicate=WORLD), (1,), PER_NODE, NODES)
+    return node_local_groups(MeshLayout(dp_replicate=WORLD), "dp_replicate", PER_NODE, NODES)
 
 
 @check
@@ -99,20 +99,20 @@ def node_local_groups_ddp() -> None:
 def node_local_groups_hsdp() -> None:
     """Two replicas per node (4 tasks per node): node-local groups; one replica per node: nothing to gain, no groups."""
     if PER_NODE >= 4:
-        node_local_groups(MeshLayout(dp_replicate=WORLD // 2, dp_shard=2), (1,), PER_NODE // 2, NODES)
+        node_local_groups(MeshLayout(dp_replicate=WORLD // 2, dp_shard=2), "dp_replicate", PER_NODE // 2, NODES)
     else:
         hsdp_stays_flat()
 
 
 @check
 def node_local_groups_metrics() -> None:
-    node_local_groups(MeshLayout(dp_shard=WORLD), (1, 2, 3), PER_NODE, NODES)
+    node_local_groups(MeshLayout(dp_shard=WORLD), "dp_cp", PER_NODE, NODES)
 
 
 def hsdp_stays_flat() -> None:
     views = build_device_mesh(MeshLayout(dp_replicate=NODES, dp_shard=PER_NODE), "cpu")
     group = views.root.get_group("dp_replicate")
-    assert hierarchical.build_hierarchy(views.root.mesh, (1,), group, TOPOLOGY, "hierarchical", "x") is None
+    assert hierarchical.build_hierarchy(views.root, ("dp_replicate",), group, TOPOLOGY, "hierarchical", "x") is None
 
 
 @check
@@ -225,7 +225,7 @@ def ddp_and_hsdp_gradients() -> None:
     for layout in (MeshLayout(dp_replicate=WORLD), MeshLayout(dp_replicate=WORLD // 2, dp_shard=2)):
         views = build_device_mesh(layout, "cpu")
         h = hierarchical.build_hierarchy(
-            views.root.mesh, (1,), views.root.get_group("dp_replicate"), TOPOLOGY, "hierarchical", "dp_replicate",
+            views.root, ("dp_replicate",), views.root.get_group("dp_replicate"), TOPOLOGY, "hierarchical", "dp_replicate",
             skip_trivial=False,
         )
         assert h is not None and h.nodes == NODES, layout

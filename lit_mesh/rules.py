@@ -1,0 +1,310 @@
+"""Every cross-feature rule of MeshStrategy in one table: what may combine with what, what must divide what.
+
+A rule is data: a name, the phase that checks it, a predicate that is True when the rule is broken, and a message
+with the numbers and the fix. The phases, each checked in one place:
+  "init"    MeshStrategy.__init__ (lit_mesh.options.build_options): the arguments alone, in the user's process;
+  "layout"  lit_mesh.mesh.resolve_layout: the degrees against the world size;
+  "launch"  MeshStrategy._configure_launcher, before any process spawns: the resolved layout, the precision
+            plugin and the topology;
+  "setup"   lit_mesh.parallel.apply.parallelize: the model (its plans, or its own parallelism).
+Single-value checks ("tp must be >= 1", "cp_style must be one of ...") stay beside the option they check.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal, Optional
+
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
+from lit_mesh.errors import (
+    CompressionConfigError,
+    MeshConfigError,
+    PipelineConfigError,
+    PlanError,
+    TopologyError,
+    WorldSizeError,
+)
+
+Phase = Literal["init", "layout", "launch", "setup"]
+
+
+@dataclass
+class Facts:
+    """What a phase knows. Fields a phase does not know yet stay None (empty for `owners`)."""
+
+    degrees: dict[str, Any] = field(default_factory=dict)  # dp, dp_replicate, dp_shard, tp, cp, pp, ep as given
+    options: Any = None  # lit_mesh.options.MeshOptions (init, launch, setup)
+    world_size: Optional[int] = None  # layout, launch
+    layout: Any = None  # lit_mesh.mesh.MeshLayout, resolved (layout: once resolved; launch, setup)
+    precision: Optional[str] = None  # launch
+    topology: Any = None  # lit_mesh.topology.Topology (launch)
+    model_name: str = ""  # the LightningModule's class (setup)
+    owners: list[Any] = field(default_factory=list)  # plan owners found in the model (setup)
+    self_parallelised: bool = False  # configure_model applied parallelism itself (setup)
+
+    def degree(self, name: str) -> Any:
+        """A resolved degree where the layout is known, else the given one."""
+        return getattr(self.layout, name) if self.layout is not None else self.degrees.get(name)
+
+
+@dataclass(frozen=True)
+class Rule:
+    name: str
+    phase: Phase
+    broken: Callable[[Facts], bool]
+    message: Callable[[Facts], str]
+    error: type[Exception] = MeshConfigError
+    warn_only: bool = False  # a warning, not an error (the run works, only slower or without a feature)
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _schedule_kind(f: Facts) -> str:
+    from lit_mesh.parallel.pipeline import SCHEDULES
+
+    return SCHEDULES[f.options.pipeline.schedule][1]
+
+
+def _block_options(f: Facts) -> list[str]:
+    asked = {"activation_checkpointing": f.options.memory.activation_checkpointing != "none",
+             "compile_blocks": f.options.compile.backend is not None}  # fmt: skip
+    return [name for name, on in asked.items() if on]
+
+
+def _pipeline_options_given(p: Any) -> bool:
+    return p.schedule != "1f1b" or p.microbatches is not None or p.stages_per_rank is not None or bool(p.split)
+
+
+def _node_devices(f: Facts) -> int:
+    return f.topology.devices_per_node
+
+
+def _gbps(bandwidth: float) -> str:
+    return f"{bandwidth / 1e9:g} GB/s"
+
+
+RULES: tuple[Rule, ...] = (
+    # ---- init: the arguments alone ---------------------------------------------------------------------------
+    Rule(
+        "one_auto_degree", "init",
+        lambda f: f.degrees.get("dp") == "auto" and f.degrees.get("dp_shard") == "auto",
+        lambda f: "dp='auto' and dp_shard='auto': only one degree may be 'auto'; give the other a number",
+    ),
+    Rule(
+        "one_stage_schedule", "init",
+        lambda f: f.options.pipeline.stages_per_rank not in (None, 1) and _schedule_kind(f) == "one",
+        lambda f: f"pp_schedule={f.options.pipeline.schedule!r} runs one stage per rank, not pp_stages_per_rank="
+        f"{f.options.pipeline.stages_per_rank}; use 'interleaved_1f1b', 'looped_bfs' or 'zero_bubble' for several",
+        PipelineConfigError,
+    ),
+    Rule(
+        "interleaved_schedule_stages", "init",
+        lambda f: (f.options.pipeline.stages_per_rank or 2) < 2 and _schedule_kind(f) == "many",
+        lambda f: f"pp_schedule={f.options.pipeline.schedule!r} interleaves several stages per rank, but pp_stages_per_rank="
+        f"{f.options.pipeline.stages_per_rank}; set pp_stages_per_rank >= 2, or use '1f1b' for one stage per rank",
+        PipelineConfigError,
+    ),
+    Rule(
+        "v_schedule_two_stages", "init",
+        lambda f: f.options.pipeline.stages_per_rank not in (None, 2) and _schedule_kind(f) == "two",
+        lambda f: f"pp_schedule={f.options.pipeline.schedule!r} runs exactly 2 stages per rank (V shape), not"
+        f" {f.options.pipeline.stages_per_rank}; set pp_stages_per_rank=2",
+        PipelineConfigError,
+    ),
+    Rule(
+        "pp_split_per_stage", "init",
+        lambda f: f.options.pipeline.split is not None
+        and len(f.options.pipeline.split) != f.degrees["pp"] * f.options.pipeline.local_stages(),
+        lambda f: f"pp_split={list(f.options.pipeline.split)} has {len(f.options.pipeline.split)} entries but"
+        f" pp={f.degrees['pp']} x stages per rank {f.options.pipeline.local_stages()} ="
+        f" {f.degrees['pp'] * f.options.pipeline.local_stages()} stages; give one number of blocks per stage",
+        PipelineConfigError,
+    ),
+    Rule(
+        "pipeline_options_need_pp", "init",
+        lambda f: f.degrees["pp"] == 1 and _pipeline_options_given(f.options.pipeline),
+        lambda f: "pp_schedule, pp_microbatches, pp_stages_per_rank and pp_split need pp > 1",
+        PipelineConfigError,
+    ),
+    Rule(
+        "pp_with_cp", "init",
+        lambda f: f.degrees["pp"] > 1 and f.degrees["cp"] > 1,
+        lambda f: f"pp={f.degrees['pp']} with cp={f.degrees['cp']}: pipeline and context parallel together are not"
+        " supported yet; use one of them",
+    ),
+    Rule(
+        # measured on torch 2.13: with TP/SP DTensors entering a compiled block, the DTensor redistribute
+        # outside the graph receives plain-tensor gradients (AttributeError: '_local_tensor') or, with FSDP2
+        # around, the gradients come out wrong (loss off by 1e-3 at step 2); eager TP is exact
+        "compile_with_tp", "init",
+        # "auto": tp is the devices per node, likely > 1
+        lambda f: f.options.compile.backend is not None and (f.degrees["tp"] == "auto" or f.degrees["tp"] > 1),
+        lambda f: f"compile_blocks=True with tp={f.degrees['tp']}: compiled blocks do not yet give correct gradients"
+        " under tensor parallel on this torch; use compile_blocks with data parallel only (dp, dp_replicate,"
+        " dp_shard), or keep tp and set compile_blocks=False",
+    ),
+    Rule(
+        "async_save_needs_sharded", "init",
+        lambda f: f.options.checkpoint.asynchronous and not f.options.checkpoint.distributed,
+        lambda f: "async_save=True writes sharded checkpoints: keep save_distributed_checkpoint=True",
+        ValueError,
+    ),
+    Rule(
+        "compression_state_needs_sharded", "init",
+        lambda f: f.options.communication.compression is not None and not f.options.checkpoint.distributed,
+        lambda f: "grad_compression: single-file checkpoints do not hold its per-rank state; a resume restarts it",
+        warn_only=True,
+    ),
+    # ---- layout: the degrees against the world size ------------------------------------------------------------
+    Rule(
+        "model_parallel_divides_world", "layout",
+        lambda f: f.world_size % (f.degrees["pp"] * f.degrees["cp"] * f.degrees["tp"]) != 0,
+        lambda f: f"pp={f.degrees['pp']} x cp={f.degrees['cp']} x tp={f.degrees['tp']} ="
+        f" {f.degrees['pp'] * f.degrees['cp'] * f.degrees['tp']} does not divide the world size {f.world_size}"
+        f" (devices x num_nodes); choose degrees whose product divides {f.world_size},"
+        f" e.g. tp in {divisors(f.world_size)}",
+        WorldSizeError,
+    ),
+    Rule(
+        "ep_divides_dp_shard_cp", "layout",
+        lambda f: f.layout is not None and (f.layout.dp_shard * f.layout.cp) % f.layout.ep != 0,
+        lambda f: f"ep={f.layout.ep} does not divide dp_shard x cp = {f.layout.dp_shard} x {f.layout.cp} ="
+        f" {f.layout.dp_shard * f.layout.cp} (expert parallel borrows its ranks from them, it does not add any);"
+        f" choose ep in {divisors(f.layout.dp_shard * f.layout.cp)}",
+    ),
+    # ---- launch: layout, precision and topology, before any process spawns ---------------------------------------
+    Rule(
+        "pp_with_fp16_scaler", "launch",
+        lambda f: f.layout.pp > 1 and f.precision == "16-mixed",
+        lambda f: f"pp={f.layout.pp} with fp16 loss scaling: the pipeline schedule runs the backward itself, outside"
+        " the scaler; use precision='bf16-mixed' (no scaler needed) or pp=1",
+    ),
+    Rule(
+        "compression_needs_data_parallel", "launch",
+        lambda f: f.options.communication.compression is not None and f.layout.data_parallel == "none",
+        lambda f: f"grad_compression={f.options.communication.compression.mode!r} but the mesh has no data-parallel"
+        f" dim ({f.layout.describe()}): there is no gradient reduction to compress; give dp or dp_replicate > 1,"
+        " or set grad_compression=None",
+        CompressionConfigError,
+    ),
+    Rule(
+        "topology_holds_mesh", "launch",
+        lambda f: f.layout.world_size != f.topology.world_size,
+        lambda f: f"the mesh has {f.layout.world_size} ranks ({f.layout.describe()}) but the topology has"
+        f" {f.topology.nodes} nodes x {f.topology.devices_per_node} devices = {f.topology.world_size}; give"
+        f" nodes x devices_per_node = {f.layout.world_size}",
+        TopologyError,
+    ),
+    Rule(
+        "tp_inside_node_strict", "launch",
+        lambda f: f.options.communication.strict_topology and _node_devices(f) % f.layout.tp != 0,
+        lambda f: _tp_across_nodes(f) + " (or strict_topology=False to run anyway)",
+        TopologyError,
+    ),
+    Rule(
+        "tp_inside_node", "launch",
+        lambda f: _node_devices(f) % f.layout.tp != 0,
+        lambda f: _tp_across_nodes(f),
+        warn_only=True,
+    ),
+    Rule(
+        "cp_tp_inside_node", "launch",
+        lambda f: _node_devices(f) % f.layout.tp == 0 and _node_devices(f) % (f.layout.tp * f.layout.cp) != 0,
+        lambda f: f"cp={f.layout.cp} x tp={f.layout.tp} = {f.layout.cp * f.layout.tp} does not divide the"
+        f" {_node_devices(f)} devices of one node: context-parallel groups cross nodes; choose cp x tp dividing"
+        f" {_node_devices(f)}",
+        warn_only=True,
+    ),
+    # ---- setup: the model ----------------------------------------------------------------------------------------
+    Rule(
+        "self_parallelised_without_pp", "setup",
+        lambda f: f.self_parallelised and f.layout.pp > 1,
+        lambda f: f"pp={f.layout.pp}: configure_model parallelised the model itself, so MeshStrategy cannot cut it"
+        " into pipeline stages; declare a parallel_plan() instead, or use pp=1",
+    ),
+    Rule(
+        "self_parallelised_without_compression", "setup",
+        lambda f: f.self_parallelised and f.options.communication.compression is not None,
+        lambda f: "grad_compression hooks into the data parallelism MeshStrategy applies, but configure_model"
+        " parallelised the model itself; let MeshStrategy apply it (a parallel_plan()), or drop grad_compression",
+        CompressionConfigError,
+    ),
+    Rule(
+        # the strategy shards batches over cp; without a plan applied, attention would see only its shard
+        "self_parallelised_without_cp", "setup",
+        lambda f: f.self_parallelised and f.layout.cp > 1,
+        lambda f: f"cp={f.layout.cp} but configure_model of {f.model_name} parallelised the model itself, so"
+        " MeshStrategy applies no plan and cannot make its attention span the cp ranks (it would see only its"
+        " shard of the sequence); use cp=1, or leave parallelisation to a parallel_plan() that declares"
+        " attention and positions",
+        PlanError,
+    ),
+    Rule(
+        "pp_needs_one_plan", "setup",
+        lambda f: not f.self_parallelised and f.layout.pp > 1 and len(f.owners) != 1,
+        lambda f: f"pp > 1 pipelines one model that declares parallel_plan(); {f.model_name} has"
+        f" {[o.name for o in f.owners] or 'none'}. Declare a plan on the network (see examples/own_model_plan.py),"
+        " or use pp=1",
+        PlanError,
+    ),
+    Rule(
+        # the MoE layers' auxiliary losses would have to travel between stages
+        "pp_without_moe", "setup",
+        lambda f: not f.self_parallelised and f.layout.pp > 1 and f.owners[0].plan.moe is not None,
+        lambda f: f"pp={f.layout.pp} with the MoE model {type(f.owners[0].module).__name__}: pipeline stages do not"
+        " carry the auxiliary load-balancing loss between them yet; use pp=1 (ep, dp, tp and cp work with MoE)",
+        PlanError,
+    ),
+    Rule(
+        "block_options_need_plan", "setup",
+        lambda f: not f.self_parallelised and not f.owners and bool(_block_options(f)),
+        lambda f: f"{_block_options(f)[0]} acts on the blocks a parallel_plan() names, but no module of"
+        f" {f.model_name} declares one; declare one (see examples/own_model_plan.py)",
+        PlanError,
+    ),
+    Rule(
+        "tp_needs_plan", "setup",
+        lambda f: not f.self_parallelised and f.layout.tp > 1 and not f.owners,
+        lambda f: f"tp={f.layout.tp} but no module of {f.model_name} declares parallel_plan(); declare one"
+        " (see examples/own_model_plan.py), or apply TP yourself in configure_model with self.device_mesh['tp']",
+        PlanError,
+    ),
+    Rule(
+        "cp_needs_plan", "setup",
+        lambda f: not f.self_parallelised and f.layout.cp > 1 and not f.owners,
+        lambda f: f"cp={f.layout.cp} but no module of {f.model_name} declares parallel_plan() with its attention;"
+        " declare one with cp=ContextPlan(attention=..., positions=...) (see zoo/gpt.py), or use cp=1",
+        PlanError,
+    ),
+)
+
+RULES_BY_NAME: dict[str, Rule] = {rule.name: rule for rule in RULES}
+
+
+def _tp_across_nodes(f: Facts) -> str:
+    d = _node_devices(f)
+    return (
+        f"tp={f.layout.tp} does not divide the {d} devices of one node: tensor-parallel groups cross nodes"
+        f" (their all-reduces per layer then run at {_gbps(f.topology.inter_node_bandwidth)} instead of"
+        f" {_gbps(f.topology.intra_node_bandwidth)}); choose tp dividing {d}"
+    )
+
+
+def enforce(rule: Rule, facts: Facts) -> None:
+    """Raise the rule's error (or warn, for a warning rule) where `facts` break it."""
+    if rule.broken(facts):
+        if rule.warn_only:
+            rank_zero_warn(rule.message(facts))
+        else:
+            raise rule.error(rule.message(facts))
+
+
+def check(phase: Phase, facts: Facts, only: Optional[tuple[str, ...]] = None) -> None:
+    """Every rule of `phase` (or only the named ones), in table order: the first broken one raises."""
+    for rule in RULES:
+        if rule.phase == phase and (only is None or rule.name in only):
+            enforce(rule, facts)
