@@ -1,0 +1,36 @@
+"""Attention kernels a model calls: grouped-query attention without repeating K and V where SDPA's kernel takes
+grouped heads (`enable_gqa=True`), and the repeat where the kernel SDPA would pick on this device does not."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def fused_kernel_takes_gqa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool) -> bool:
+    """Whether SDPA runs these inputs with `enable_gqa=True` in a fused kernel (else it would fall back to the
+    math path, which repeats K/V itself and builds the T x T scores).
+
+    CPU: the flash kernel takes grouped heads (torch 2.13, forward and backward). CUDA: flash and cuDNN take them,
+    the memory-efficient kernel does not: where neither of the two applies (e.g. fp32), repeating K/V keeps the
+    memory-efficient kernel."""
+    if q.device.type == "cpu":
+        return True
+    if q.device.type != "cuda":
+        return False
+    from torch.backends.cuda import SDPAParams, can_use_cudnn_attention, can_use_flash_attention
+
+    params = SDPAParams(q, k, v, None, 0.0, is_causal, True)
+    return bool(can_use_flash_attention(params, False) or can_use_cudnn_attention(params, False))
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal SDPA of q (B, H, T, D) over k, v (B, H_kv, T, D), H a multiple of H_kv (query head h reads kv head
+    h // (H / H_kv))."""
+    if k.shape[1] == q.shape[1]:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    if fused_kernel_takes_gqa(q, k, v, True):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    n_rep = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(n_rep, dim=1), v.repeat_interleave(n_rep, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)

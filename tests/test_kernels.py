@@ -1,0 +1,110 @@
+"""Kernels without copies (issue 21): grouped-query attention without repeating K/V, RoPE without an fp32 copy of
+q/k, SwiGLU's w1 and w3 fused into one matmul (and still converted to transformers)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+from lit_mesh import kernels
+from lit_mesh.kernels import causal_attention
+from lit_mesh.parallel.tensor import PlanError, apply_tensor_parallel
+from zoo.gpt import GPT, GPTConfig, apply_rope, rope_cos_sin
+
+
+class _Calls(TorchFunctionMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.names.append(getattr(func, "__name__", str(func)))
+        return func(*args, **(kwargs or {}))
+
+
+def _qkv(dtype=torch.float32):
+    torch.manual_seed(0)
+    q = torch.randn(2, 8, 16, 8, dtype=dtype, requires_grad=True)
+    k = torch.randn(2, 2, 16, 8, dtype=dtype, requires_grad=True)
+    v = torch.randn(2, 2, 16, 8, dtype=dtype, requires_grad=True)
+    return q, k, v
+
+
+def test_grouped_query_attention_does_not_repeat_kv_and_equals_repeated_heads():
+    q, k, v = _qkv()
+    with _Calls() as calls:
+        out = causal_attention(q, k, v)
+    assert "repeat_interleave" not in calls.names
+    expected = F.scaled_dot_product_attention(q, k.repeat_interleave(4, 1), v.repeat_interleave(4, 1), is_causal=True)
+    assert torch.equal(out, expected)  # forward: the same kernel on the same numbers
+    grad = torch.randn_like(out)
+    got = torch.autograd.grad(out, (q, k, v), grad)
+    want = torch.autograd.grad(expected, (q, k, v), grad)
+    for a, b in zip(got, want):  # dK/dV: the group sum in another order
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_grouped_query_attention_falls_back_to_repeated_kv_where_the_kernel_cannot(monkeypatch):
+    q, k, v = _qkv()
+    monkeypatch.setattr(kernels, "fused_kernel_takes_gqa", lambda *_: False)
+    with _Calls() as calls:
+        out = causal_attention(q, k, v)
+    assert calls.names.count("repeat_interleave") == 2
+    monkeypatch.undo()
+    torch.testing.assert_close(out, causal_attention(q, k, v))
+
+
+def _rope_before_issue_21(x, positions, head_dim, theta):
+    """The RoPE of the base commit: an fp32 copy of x, chunk, cat."""
+    cos, sin = (t[:, 0, :][:, None, :] for t in rope_cos_sin(positions, head_dim, theta))
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).type_as(x)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_without_fp32_copies_gives_the_same_bits(dtype):
+    x = torch.randn(2, 12, 4, 16).to(dtype)
+    positions = torch.arange(12)
+    rope = rope_cos_sin(positions, 16, 10000.0)
+    assert rope[0].shape == (12, 1, 8)  # once per forward, shaped to broadcast over heads in every layer
+    with _Calls() as calls:
+        out = apply_rope(x, rope)
+    assert "float" not in calls.names and "chunk" not in calls.names
+    assert torch.equal(out, _rope_before_issue_21(x, positions, 16, 10000.0))
+
+
+def _fused_copy(gpt: GPT) -> GPT:
+    fused = GPT(GPTConfig.from_preset("tiny", fused_w13=True))
+    state = dict(gpt.state_dict())
+    for i in range(gpt.config.n_layers):
+        prefix = f"layers.{i}.feed_forward."
+        state[prefix + "w13.weight"] = torch.cat([state.pop(prefix + "w1.weight"), state.pop(prefix + "w3.weight")])
+    fused.load_state_dict(state)
+    return fused.eval()
+
+
+def test_fused_swiglu_gives_the_same_logits_and_converts_to_transformers():
+    from zoo.convert import zoo_to_hf
+
+    torch.manual_seed(0)
+    gpt = GPT(GPTConfig.from_preset("tiny")).eval()
+    fused = _fused_copy(gpt)
+    assert fused.layers[0].feed_forward.w13.weight.shape == (2 * gpt.config.ffn_hidden, gpt.config.dim)
+    tokens = torch.randint(0, 256, (2, 24))
+    with torch.no_grad():
+        torch.testing.assert_close(fused(tokens), gpt(tokens), rtol=1e-5, atol=1e-5)
+        llama = zoo_to_hf(fused)
+        torch.testing.assert_close(llama(input_ids=tokens).logits, gpt(tokens), rtol=1e-5, atol=1e-5)
+        assert torch.equal(llama.model.layers[1].mlp.up_proj.weight, gpt.layers[1].feed_forward.w3.weight)
+
+
+def test_fused_swiglu_refuses_tensor_parallel_with_the_fix():
+    class TwoRanks:  # the refusal comes before the mesh is used
+        def size(self) -> int:
+            return 2
+
+    model = GPT(GPTConfig.from_preset("tiny", fused_w13=True))
+    with pytest.raises(PlanError, match="tp=2: fused_w13=True .* use fused_w13=False with tp > 1"):
+        apply_tensor_parallel(model, model.parallel_plan(), TwoRanks(), False)
