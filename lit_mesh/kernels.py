@@ -1,7 +1,10 @@
-"""Attention kernels a model calls: grouped-query attention without repeating K and V where SDPA's kernel takes
-grouped heads (`enable_gqa=True`), and the repeat where the kernel SDPA would pick on this device does not."""
+"""Kernel choices by device: grouped-query attention without repeating K and V where SDPA's kernel takes grouped
+heads (`enable_gqa=True`), the repeat where the kernel SDPA would pick on this device does not; AdamW's fused or
+foreach implementation."""
 
 from __future__ import annotations
+
+from collections.abc import Iterable
 
 import torch
 import torch.nn.functional as F
@@ -34,3 +37,16 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
     n_rep = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(n_rep, dim=1), v.repeat_interleave(n_rep, dim=1)
     return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+def adamw_implementation(parameters: Iterable[torch.Tensor]) -> dict[str, bool]:
+    """AdamW's keyword for its fastest path on the parameters' device: `fused=True` where torch has a fused kernel
+    off the CPU (CUDA, XPU, ...: one kernel for all parameters), `foreach=True` on the CPU (multi-tensor loops;
+    the numbers CPU parity runs were recorded with)."""
+    from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
+
+    first = next(iter(parameters), None)
+    device = first.device.type if first is not None else "cpu"
+    if device != "cpu" and device in _get_fused_kernels_supported_devices():
+        return {"fused": True}
+    return {"foreach": True}

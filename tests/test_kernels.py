@@ -108,3 +108,35 @@ def test_fused_swiglu_refuses_tensor_parallel_with_the_fix():
     model = GPT(GPTConfig.from_preset("tiny", fused_w13=True))
     with pytest.raises(PlanError, match="tp=2: fused_w13=True .* use fused_w13=False with tp > 1"):
         apply_tensor_parallel(model, model.parallel_plan(), TwoRanks(), False)
+
+
+def test_adamw_is_fused_off_the_cpu_and_foreach_on_it():
+    from lit_mesh.kernels import adamw_implementation
+
+    assert adamw_implementation([torch.zeros(1)]) == {"foreach": True}
+    assert adamw_implementation([torch.zeros(1, device="meta")]) == {"foreach": True}  # no fused kernel there
+    if torch.cuda.is_available():
+        params = [torch.zeros(4, device="cuda", requires_grad=True)]
+        assert adamw_implementation(params) == {"fused": True}
+        params[0].grad = torch.ones(4, device="cuda")
+        torch.optim.AdamW(params, **adamw_implementation(params)).step()  # the fused kernel runs here
+
+
+def test_clipping_scales_gradients_with_one_foreach_call_per_group(monkeypatch):
+    from lit_mesh.grad_norm import clip_grad_norm_
+
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(5, 3)) for _ in range(3)] + [torch.nn.Parameter(torch.randn(4).double())]
+    for p in params:
+        p.grad = torch.randn_like(p) * 10
+    expected = [p.grad.clone() for p in params]
+    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g).float() for g in expected]))
+    scale = torch.clamp(1.0 / (norm + 1e-6), max=1.0)
+    expected = [g * scale.to(g.dtype) for g in expected]
+    calls = []
+    original = torch._foreach_mul_
+    monkeypatch.setattr(torch, "_foreach_mul_", lambda grads, s: (calls.append(len(grads)), original(grads, s)))
+    clip_grad_norm_(params, 1.0)
+    assert sorted(calls) == [1, 3]  # fp32 and fp64: two groups, no per-tensor loop
+    for p, g in zip(params, expected):
+        assert torch.equal(p.grad, g)

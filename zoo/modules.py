@@ -18,6 +18,7 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 
+from lit_mesh.kernels import adamw_implementation
 from lit_mesh.parallel.pipeline import loss_of, output_of
 from zoo.flops import gpt_flops_per_token, vit_flops_per_token
 from zoo.gpt import GPT, GPTConfig
@@ -29,7 +30,10 @@ def _optimizer(
     variance_freeze_step: int | None = None, decay_steps: int = 0, min_lr_ratio: float = 0.1,
 ) -> Any:
     if variance_freeze_step is None:
-        optimizer = torch.optim.AdamW(module.parameters(), lr=lr, betas=betas, weight_decay=weight_decay, foreach=True)
+        optimizer = torch.optim.AdamW(
+            module.parameters(), lr=lr, betas=betas, weight_decay=weight_decay,
+            **adamw_implementation(module.parameters()),
+        )  # fmt: skip
     else:  # for 1-bit gradient compression: see lit_mesh/comm/onebit_adam.py
         from lit_mesh.comm.onebit_adam import OneBitAdam
 

@@ -14,6 +14,7 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 
+from lit_mesh.kernels import adamw_implementation
 from zoo.hf.configs import tiny_config
 
 Build = Literal["configure_model", "init"]
@@ -38,7 +39,9 @@ class _HFModule(L.LightningModule):
             self.model = self.create_model()
 
     def configure_optimizers(self) -> Any:
-        return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr, betas=(0.9, 0.95), foreach=True)
+        return torch.optim.AdamW(
+            self.parameters(), lr=self.hparams.lr, betas=(0.9, 0.95), **adamw_implementation(self.parameters())
+        )
 
 
 class HFCausalLM(_HFModule):
