@@ -5,6 +5,7 @@ foreach implementation."""
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -27,16 +28,18 @@ def fused_kernel_takes_gqa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is
     return bool(can_use_flash_attention(params, False) or can_use_cudnn_attention(params, False))
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Causal SDPA of q (B, H, T, D) over k, v (B, H_kv, T, D), H a multiple of H_kv (query head h reads kv head
-    h // (H / H_kv))."""
+def grouped_query_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool = True, scale: Optional[float] = None
+) -> torch.Tensor:
+    """SDPA of q (B, H, Tq, D) over k, v (B, H_kv, Tk, D), H a multiple of H_kv (query head h reads kv head
+    h // (H / H_kv)); causal by default (top-left aligned)."""
     if k.shape[1] == q.shape[1]:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    if fused_kernel_takes_gqa(q, k, v, True):
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale)
+    if fused_kernel_takes_gqa(q, k, v, is_causal):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale, enable_gqa=True)
     n_rep = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(n_rep, dim=1), v.repeat_interleave(n_rep, dim=1)
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale)
 
 
 def adamw_implementation(parameters: Iterable[torch.Tensor]) -> dict[str, bool]:

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from lit_mesh import kernels
-from lit_mesh.kernels import causal_attention
+from lit_mesh.kernels import grouped_query_attention
 from lit_mesh.parallel.tensor import PlanError, apply_tensor_parallel
 from zoo.gpt import GPT, GPTConfig, apply_rope, rope_cos_sin
 
@@ -35,7 +35,7 @@ def _qkv(dtype=torch.float32):
 def test_grouped_query_attention_does_not_repeat_kv_and_equals_repeated_heads():
     q, k, v = _qkv()
     with _Calls() as calls:
-        out = causal_attention(q, k, v)
+        out = grouped_query_attention(q, k, v)
     assert "repeat_interleave" not in calls.names
     expected = F.scaled_dot_product_attention(q, k.repeat_interleave(4, 1), v.repeat_interleave(4, 1), is_causal=True)
     assert torch.equal(out, expected)  # forward: the same kernel on the same numbers
@@ -50,10 +50,10 @@ def test_grouped_query_attention_falls_back_to_repeated_kv_where_the_kernel_cann
     q, k, v = _qkv()
     monkeypatch.setattr(kernels, "fused_kernel_takes_gqa", lambda *_: False)
     with _Calls() as calls:
-        out = causal_attention(q, k, v)
+        out = grouped_query_attention(q, k, v)
     assert calls.names.count("repeat_interleave") == 2
     monkeypatch.undo()
-    torch.testing.assert_close(out, causal_attention(q, k, v))
+    torch.testing.assert_close(out, grouped_query_attention(q, k, v))
 
 
 def _rope_before_issue_21(x, positions, head_dim, theta):
@@ -140,3 +140,62 @@ def test_clipping_scales_gradients_with_one_foreach_call_per_group(monkeypatch):
     assert sorted(calls) == [1, 3]  # fp32 and fp64: two groups, no per-tensor loop
     for p, g in zip(params, expected):
         assert torch.equal(p.grad, g)
+
+
+# ---- context-parallel block kernels (lit_mesh/parallel/context_kernels.py) ------------------------------------
+
+
+def test_context_parallel_kernel_is_chosen_by_device_and_dtype():
+    from lit_mesh.parallel.context_kernels import BLOCK_KERNELS, block_kernel_for, check_block_kernel
+
+    assert block_kernel_for("cuda", torch.bfloat16) == "flash"
+    assert block_kernel_for(torch.device("cuda", 1), torch.float16) == "flash"
+    assert block_kernel_for("cuda", torch.float32) == "efficient"  # flash has no fp32 kernel
+    assert block_kernel_for("cpu", torch.float32) == block_kernel_for("cpu", torch.bfloat16) == "cpu_flash"
+    assert block_kernel_for("mps", torch.float32) == "math"  # anything else: the plain math
+    assert {"math", "cpu_flash", "flash", "efficient", "cudnn"} <= set(BLOCK_KERNELS)
+    with pytest.raises(ValueError, match="ring_kernel='flash2'; choose one of"):
+        check_block_kernel("flash2")
+
+
+def _by_blocks_vs_sdpa(device, dtype, T, n_blocks, heads=8, kv_heads=2, head_dim=64, kernel=None):
+    from lit_mesh.parallel.context_kernels import causal_by_blocks
+
+    torch.manual_seed(0)
+    shape = (1, heads, T, head_dim)
+    q = torch.randn(shape, device=device, dtype=dtype, requires_grad=True)
+    k, v = (torch.randn((1, kv_heads, T, head_dim), device=device, dtype=dtype, requires_grad=True) for _ in range(2))
+    grad = torch.randn(shape, device=device, dtype=dtype)
+    results = []
+    for attend in (lambda: grouped_query_attention(q, k, v), lambda: causal_by_blocks(q, k, v, n_blocks, kernel)):
+        if device == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            before = torch.cuda.memory_allocated()
+        out = attend()
+        out.backward(grad)
+        peak = torch.cuda.max_memory_allocated() - before if device == "cuda" else 0
+        results.append(([out.detach(), *(t.grad for t in (q, k, v))], peak))
+        for t in (q, k, v):
+            t.grad = None
+    return results
+
+
+@pytest.mark.parametrize("kernel", ["cpu_flash", "math"])
+def test_blocks_merged_by_log_sum_exp_equal_sdpa_on_cpu(kernel):
+    (want, _), (got, _) = _by_blocks_vs_sdpa("cpu", torch.float32, T=64, n_blocks=4, kernel=kernel)
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=name)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the flash/efficient/cuDNN block kernels")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_cuda_blocks_merged_by_log_sum_exp_equal_sdpa_at_32k(dtype):
+    """The ring's kernel path (8 blocks merged by LSE, in one process) against SDPA at T = 32k: equal within the
+    dtype's tolerance, peak memory <= 1.2x SDPA's (benchmarks/cp_kernels.py records the figures)."""
+    T = 32768 if dtype == torch.bfloat16 else 8192
+    (want, sdpa_peak), (got, blocks_peak) = _by_blocks_vs_sdpa("cuda", dtype, T=T, n_blocks=8, head_dim=128)
+    tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=1e-4, atol=1e-4)
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
+        torch.testing.assert_close(a.float(), b.float(), **tol, msg=name)
+    assert blocks_peak <= 1.2 * sdpa_peak, f"peak {blocks_peak} B vs SDPA's {sdpa_peak} B"

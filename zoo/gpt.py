@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lit_mesh.init import Init, init_parameters
-from lit_mesh.kernels import causal_attention
+from lit_mesh.kernels import grouped_query_attention
 from lit_mesh.plan import ParallelPlan
 
 
@@ -105,7 +105,7 @@ class Attention(nn.Module):
         q, k = apply_rope(q, rope), apply_rope(k, rope)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, heads, T, head_dim)
         # grouped-query attention: each kv head serves n_rep consecutive query heads (K/V not repeated)
-        y = causal_attention(q, k, v)
+        y = grouped_query_attention(q, k, v)
         return self.wo(y.transpose(1, 2).reshape(B, T, -1))
 
 
