@@ -27,8 +27,10 @@ from lit_mesh.init import Init
 #                sequence length between its embedding and its layers (Hugging Face models)
 #   gather_hidden_states  a module whose hidden states (first positional input, or `hidden_states=`) leave the
 #                sequence-sharded region (SP only); its other inputs pass untouched
+#   vocab_head   the output head like "head", but its logits stay a DTensor sharded over the vocabulary, for a
+#                loss that takes them so (lit_mesh.loss.cross_entropy: loss parallel); "head" where pp > 1
 TPStyle = Literal[
-    "colwise", "rowwise", "embedding", "shard_output", "norm", "gather_input", "head",
+    "colwise", "rowwise", "embedding", "shard_output", "norm", "gather_input", "head", "vocab_head",
     "vocab_embedding", "shard_hidden_states", "gather_hidden_states", "whole_sequence",
 ]  # fmt: skip
 TP_STYLES: tuple[str, ...] = TPStyle.__args__  # type: ignore[attr-defined]

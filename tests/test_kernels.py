@@ -199,3 +199,37 @@ def test_cuda_blocks_merged_by_log_sum_exp_equal_sdpa_at_32k(dtype):
     for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
         torch.testing.assert_close(a.float(), b.float(), **tol, msg=name)
     assert blocks_peak <= 1.2 * sdpa_peak, f"peak {blocks_peak} B vs SDPA's {sdpa_peak} B"
+
+
+# ---- loss parallel and the chunked loss (lit_mesh/loss.py) ---------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_chunked_cross_entropy_equals_torch(dtype):
+    from lit_mesh.loss import cross_entropy
+
+    torch.manual_seed(0)
+    logits = torch.randn(3, 50, 97).to(dtype).requires_grad_()
+    targets = torch.randint(0, 97, (3, 50))
+    targets[0, 3] = -100  # ignored, as in F.cross_entropy
+    loss = cross_entropy(logits, targets, chunk_rows=16)  # 150 rows: 10 chunks
+    (grad,) = torch.autograd.grad(loss * 2.5, logits)
+    want = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+    (want_grad,) = torch.autograd.grad(want * 2.5, logits)
+    assert loss.dtype == torch.float32 and grad.dtype == dtype
+    torch.testing.assert_close(loss, want, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(grad, want_grad, rtol=1e-5, atol=1e-7)
+
+
+def test_loss_parallel_keeps_the_logits_sharded_over_the_vocabulary(tmp_path):
+    import json
+
+    from tests.launch import torchrun
+
+    out = tmp_path / "loss_parallel.json"
+    torchrun(2, "loss_parallel.py", str(out), timeout=240)
+    result = json.loads(out.read_text())
+    assert result["sharded_over_vocab"], result["placements"]
+    assert result["local_shape"] == [2, 16, 128]  # vocab 256 over tp=2
+    assert set(result["collectives_in_loss"]) == {"allreduce_.default"}, result["collectives_in_loss"]
+    assert result["loss_error"] <= 1e-6 and result["grad_error"] <= 1e-6, result

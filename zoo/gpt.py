@@ -177,7 +177,7 @@ class GPT(nn.Module):
             blocks="layers",
             pp_first=("tok_embeddings",),
             pp_last=("norm", "output"),
-            tp_root={"tok_embeddings": "embedding", "norm": "norm", "output": "head"},
+            tp_root={"tok_embeddings": "embedding", "norm": "norm", "output": "vocab_head"},  # logits stay vocabulary-sharded into the loss
             tp_block={
                 "attention_norm": "norm",
                 "attention": "gather_input",

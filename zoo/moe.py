@@ -347,7 +347,7 @@ class MoETransformer(nn.Module):
         residual_std = 0.02 / math.sqrt(2 * c.n_layers)
         return ParallelPlan(
             blocks="layers",
-            tp_root={"tok_embeddings": "embedding", "norm": "norm", "output": "head"},
+            tp_root={"tok_embeddings": "embedding", "norm": "norm", "output": "vocab_head"},  # logits stay vocabulary-sharded into the loss
             tp_block=tp_block,
             tp_divides=tp_divides,
             moe_layer="moe",

@@ -42,7 +42,7 @@ def local_numel(p: ParamShape, tp: int, tp_rank: int, shard: int, shard_rank: in
         if shard // ep > 1:
             shape[1] = chunk(shape[1], shard // ep, shard_rank // ep)
         return _prod(shape)
-    if tp > 1 and p.tp_style in ("colwise", "head", "rowwise", "embedding"):
+    if tp > 1 and p.tp_style in ("colwise", "head", "vocab_head", "rowwise", "embedding"):
         torch_rowwise = p.tp_style in ("rowwise", "embedding")  # the plan's "embedding" is RowwiseParallel
         if len(shape) == 1:  # a bias: split with the colwise output, replicated under rowwise
             dim = None if torch_rowwise else 0
