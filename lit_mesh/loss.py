@@ -42,10 +42,11 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         local = local.clamp(0, logits.shape[1] - 1)
         lse = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
         picked = torch.empty_like(lse)
-        for rows in torch.arange(logits.shape[0], device=logits.device).split(chunk_rows):
+        for start in range(0, logits.shape[0], chunk_rows):
+            rows = slice(start, start + chunk_rows)  # a view: no copy of the rows
             chunk = logits[rows].float()
             row_max = _all_reduce(chunk.max(dim=1).values, dist.ReduceOp.MAX, group)
-            sum_exp = _all_reduce(torch.exp(chunk - row_max[:, None]).sum(dim=1), dist.ReduceOp.SUM, group)
+            sum_exp = _all_reduce((chunk - row_max[:, None]).exp_().sum(dim=1), dist.ReduceOp.SUM, group)
             lse[rows] = row_max + torch.log(sum_exp)
             picked[rows] = torch.where(in_shard[rows], chunk.gather(1, local[rows, None]).squeeze(1), 0.0)
         picked = _all_reduce(picked, dist.ReduceOp.SUM, group)
@@ -61,10 +62,13 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         logits, local, hit, valid, lse, count = ctx.saved_tensors
         grad = torch.empty_like(logits)
         scale = grad_loss / count
-        for rows in torch.arange(logits.shape[0], device=logits.device).split(ctx.chunk_rows):
-            probs = torch.exp(logits[rows].float() - lse[rows, None])  # softmax over the whole vocabulary
-            probs.scatter_add_(1, local[rows, None], -hit[rows, None].float())  # minus the one-hot target
-            grad[rows] = (probs * (scale * valid[rows, None])).to(grad.dtype)
+        for start in range(0, logits.shape[0], ctx.chunk_rows):
+            rows = slice(start, start + ctx.chunk_rows)
+            # one fp32 chunk, updated in place: softmax over the whole vocabulary, minus the one-hot target
+            probs = logits[rows].to(torch.float32, copy=True).sub_(lse[rows, None]).exp_()
+            probs.scatter_add_(1, local[rows, None], -hit[rows, None].float())
+            grad[rows] = probs.mul_(scale * valid[rows, None])
+            del probs  # before the next chunk's: one fp32 chunk alive at a time
         return grad, None, None, None, None, None
 
 
