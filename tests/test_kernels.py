@@ -233,3 +233,66 @@ def test_loss_parallel_keeps_the_logits_sharded_over_the_vocabulary(tmp_path):
     assert result["local_shape"] == [2, 16, 128]  # vocab 256 over tp=2
     assert set(result["collectives_in_loss"]) == {"allreduce_.default"}, result["collectives_in_loss"]
     assert result["loss_error"] <= 1e-6 and result["grad_error"] <= 1e-6, result
+
+
+# ---- experts: grouped GEMMs (zoo/moe.py) ------------------------------------------------------------------------
+
+
+def _experts_and_loop():
+    from zoo.moe import GroupedExperts
+
+    torch.manual_seed(0)
+    experts = GroupedExperts(4, 16, 8)
+    for p in experts.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+
+    def loop(x, counts):  # the loop over experts this replaced
+        w1, w2, w3 = experts.w1, experts.w2, experts.w3
+        return torch.cat([(F.silu(a @ b1) * (a @ b3)) @ b2 for a, b1, b2, b3 in zip(x.split(counts), w1, w2, w3)])
+
+    return experts, loop
+
+
+def test_experts_run_as_grouped_gemms_equal_to_the_loop_over_experts():
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    experts, loop = _experts_and_loop()
+    x = torch.randn(10, 16, requires_grad=True)
+    counts = [3, 0, 5, 2]  # an expert without tokens too
+    grad = torch.randn(16, 10).t()  # a non-contiguous upstream gradient
+    with Ops() as ops:
+        out = experts(x, counts)
+        out.backward(grad)
+    assert ops.names.count("_grouped_mm.default") >= 3 and "mm.default" not in ops.names
+    got = [x.grad, *(p.grad for p in experts.parameters())]
+    for t in (x, *experts.parameters()):
+        t.grad = None
+    want_out = loop(x, counts)
+    want_out.backward(grad)
+    torch.testing.assert_close(out, want_out, rtol=1e-5, atol=1e-6)  # the same products, summed in another order
+    for a, t in zip(got, (x, *experts.parameters())):
+        torch.testing.assert_close(a, t.grad, rtol=1e-5, atol=1e-5)
+
+
+def test_experts_without_tokens_give_zero_gradients():
+    experts, _ = _experts_and_loop()
+    out = experts(torch.zeros(0, 16), [0, 0, 0, 0])
+    out.sum().backward()
+    assert out.shape == (0, 16) and all(torch.count_nonzero(p.grad) == 0 for p in experts.parameters())
+
+
+def test_selective_checkpointing_keeps_token_all_to_alls_and_grouped_gemms():
+    from lit_mesh.parallel.checkpointing import _saved_ops
+
+    saved = _saved_ops()
+    assert torch.ops._c10d_functional.all_to_all_single.default in saved
+    assert torch.ops.aten._grouped_mm.default in saved
