@@ -189,7 +189,8 @@ class GroupedExperts(nn.Module):
             raise ValueError(f"{len(tokens_per_expert)} token groups for {w1.shape[0]} experts")
         # one grouped GEMM per weight instead of a Python loop over the experts (no tokens: the loop gives the
         # weights their zero gradients)
-        if tokens.shape[0] and tokens.dtype == w1.dtype and grouped_mm_runs(tokens):
+        if tokens.shape[0] and tokens.dtype == w1.dtype and grouped_mm_runs(tokens.contiguous(), w1, w2, w3):
+            tokens = tokens.contiguous()
             offsets = torch.tensor(tokens_per_expert, device=tokens.device).cumsum(0).to(torch.int32)
             hidden = F.silu(F.grouped_mm(tokens, w1, offs=offsets)) * F.grouped_mm(tokens, w3, offs=offsets)
             return _ContiguousGradient.apply(F.grouped_mm(hidden, w2, offs=offsets))
@@ -199,12 +200,19 @@ class GroupedExperts(nn.Module):
         return torch.cat(outputs)
 
 
-def grouped_mm_runs(tokens: torch.Tensor) -> bool:
-    """Where F.grouped_mm has a kernel for these tokens (torch 2.13): the CPU (with backward), and CUDA in bf16 on
-    Hopper or newer; elsewhere (and under autocast, where tokens and weights differ in dtype) the loop."""
-    if tokens.device.type == "cpu":
-        return True
-    return tokens.device.type == "cuda" and tokens.dtype == torch.bfloat16 and torch.cuda.get_device_capability(tokens.device) >= (9, 0)
+def grouped_mm_runs(tokens: torch.Tensor, *weights: torch.Tensor) -> bool:
+    """Where F.grouped_mm has a kernel for these operands (torch 2.13): the CPU (with backward), and CUDA in bf16 on
+    Hopper or newer; rows of a multiple of 16 bytes (the kernels' layout rule). Elsewhere (and under autocast, where
+    tokens and weights differ in dtype) the loop."""
+    if tokens.device.type == "cuda":
+        if tokens.dtype != torch.bfloat16 or torch.cuda.get_device_capability(tokens.device) < (9, 0):
+            return False
+    elif tokens.device.type != "cpu":
+        return False
+    return all(
+        t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and all(s * t.element_size() % 16 == 0 for s in t.stride()[:-1])
+        for t in (tokens, *weights)
+    )
 
 
 class _ContiguousGradient(torch.autograd.Function):
