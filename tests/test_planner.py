@@ -218,9 +218,10 @@ def test_written_yaml_trains(capsys: pytest.CaptureFixture, tmp_path: Path) -> N
     moe_config = yaml.safe_load(moe_yaml.read_text())
     assert moe_plan["ranked"][0]["layout"]["ep"] == 2 and moe_config["model"]["class_path"] == "zoo.MoEModule"
     assert moe_config["trainer"]["strategy"]["init_args"]["ep"] == 2
-    # the real plan for llama3-8b on one node of 8 GPUs, rehearsed on 4 CPU processes with the same mesh shape
+    # the real plan for llama3-8b on one node of 8 GPUs with cp fixed to 2 (without, dp_shard=8 fits since the loss
+    # is chunked: it ties with dp_shard=4 x cp=2), rehearsed on 4 CPU processes with the same mesh shape
     rehearsal_yaml = tmp_path / "rehearsal.yaml"
-    _, eight_b, text = _run(capsys, "--preset", "llama3-8b", "--devices", "8", "--rehearsal", str(rehearsal_yaml))
+    _, eight_b, text = _run(capsys, "--preset", "llama3-8b", "--devices", "8", "--cp", "2", "--rehearsal", str(rehearsal_yaml))
     assert eight_b["ranked"][0]["layout"] == {"pp": 1, "dp_replicate": 1, "dp_shard": 4, "cp": 2, "tp": 1, "ep": 1}, text
     rehearsal = yaml.safe_load(rehearsal_yaml.read_text())
     rehearsal_args = rehearsal["trainer"]["strategy"]["init_args"]
