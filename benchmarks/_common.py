@@ -29,6 +29,9 @@ from lightning.pytorch.callbacks import Callback
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import Replicate, Shard
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -284,3 +287,26 @@ def local_bytes(tensor: torch.Tensor) -> int:
     """Bytes this rank holds for `tensor`: the local shard of a DTensor."""
     local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
     return local.numel() * local.element_size()
+
+
+class PeakStorages(TorchDispatchMode):
+    """The peak, over the ops run while active, of the bytes of storages created inside and still alive.
+    `existing`: tensors made before, whose storages a view made inside must not count."""
+
+    def __init__(self, existing: Sequence[torch.Tensor] = ()) -> None:
+        super().__init__()
+        self.refs: dict[int, tuple[StorageWeakRef, int]] = {}
+        self.peak = 0
+        self.existing = {StorageWeakRef(t.untyped_storage()).cdata for t in existing}
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                t = t._local_tensor if hasattr(t, "_local_tensor") else t
+                ref = StorageWeakRef(t.untyped_storage())
+                if ref.cdata not in self.existing:
+                    self.refs.setdefault(ref.cdata, (ref, t.untyped_storage().nbytes()))
+        self.refs = {key: (ref, n) for key, (ref, n) in self.refs.items() if not ref.expired()}
+        self.peak = max(self.peak, sum(n for _, n in self.refs.values()))
+        return out

@@ -33,9 +33,6 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 import _common as C  # noqa: N812 (benchmarks/ is on sys.path when run as a script)
 from lit_mesh.init import materialize  # noqa: E402
@@ -47,26 +44,6 @@ from lit_mesh.parallel.context import CP_STYLES, shard_batch  # noqa: E402
 from zoo.gpt import GPT, GPTConfig  # noqa: E402
 
 GOAL = 1.25  # peak at cp=N <= GOAL x (peak at cp=1) / N
-
-
-class PeakStorages(TorchDispatchMode):
-    """The peak, over the ops run while active, of the bytes of storages created inside and still alive."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.refs: dict[int, tuple[StorageWeakRef, int]] = {}
-        self.peak = 0
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        out = func(*args, **(kwargs or {}))
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor):
-                t = t._local_tensor if hasattr(t, "_local_tensor") else t
-                ref = StorageWeakRef(t.untyped_storage())
-                self.refs.setdefault(ref.cdata, (ref, t.untyped_storage().nbytes()))
-        self.refs = {key: (ref, n) for key, (ref, n) in self.refs.items() if not ref.expired()}
-        self.peak = max(self.peak, sum(n for _, n in self.refs.values()))
-        return out
 
 
 class AttentionBytes(CollectiveBytes):
@@ -110,7 +87,7 @@ def step(root: Holder, mesh: Any, style: str, seq_len: int, vocab: int, measure:
     tokens, targets = (window[:, :-1], window[:, 1:])
     if mesh["cp"].size() > 1:
         tokens, targets = shard_batch((tokens, targets), mesh["cp"], style)
-    peak, comm = PeakStorages(), AttentionBytes()
+    peak, comm = C.PeakStorages(), AttentionBytes()
     if measure:
         peak.__enter__()
         comm.__enter__()

@@ -43,6 +43,12 @@ kernels, nothing allocated): A_block = A(2 layers) - A(1 layer), A_out = A(1 lay
 change one rank's activations (no TP, no CP); the state terms assume 32-true or bf16-mixed (fp32 masters).
 
 Goal: ratio <= 1.05 for every component and every N.
+
+The loss alone (--loss-only, in this process, no launch): peak bytes of the storages the cross-entropy creates
+(forward + its backward to the logits, counted by the same dispatch-mode probe) for --loss-tokens tokens at
+vocab --loss-vocab (128256, Llama 3), fp32 and bf16 logits: F.cross_entropy(logits.float()) (the zoo's loss
+before issue 21) against lit_mesh.loss.cross_entropy (chunked, --loss-chunks chunks as a GPU micro-batch of
+8192 tokens has with the default 1024 rows). Goal: the chunked loss's peak <= 1/4 of the plain one's.
 """
 
 from __future__ import annotations
@@ -200,6 +206,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--fit-batch", type=int, default=1, help="per-rank micro-batch of the largest-GPT fit")
     p.add_argument("--fit-seq", type=int, default=4096, help="sequence length of the largest-GPT fit")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds for each launch")
+    p.add_argument("--loss-only", action="store_true", help="measure only the loss's peak bytes (no launch)")
+    p.add_argument("--loss-vocab", type=int, default=128256)
+    p.add_argument("--loss-tokens", type=int, default=1024)
+    p.add_argument("--loss-chunks", type=int, default=8)
     p.add_argument("--worker-n", type=int, default=0, help=argparse.SUPPRESS)  # set by the launcher
     return p.parse_args(argv)
 
@@ -342,6 +352,50 @@ def largest_fit(args: argparse.Namespace) -> dict[str, Any]:
             "widths": widths, "largest": fits}
 
 
+LOSS_GOAL = 0.25
+
+
+def loss_peak_bytes(args: argparse.Namespace) -> dict[str, Any]:
+    """Peak bytes created by the loss (forward, then backward to the logits): plain against chunked."""
+    from lit_mesh.loss import cross_entropy
+
+    def plain(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.cross_entropy(logits.float(), targets)
+
+    def chunked(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return cross_entropy(logits, targets, chunk_rows=args.loss_tokens // args.loss_chunks)
+
+    n, v = args.loss_tokens, args.loss_vocab
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # on a GPU the allocator's peak is recorded too
+    targets = torch.randint(0, v, (n,), generator=torch.Generator().manual_seed(0)).to(device)
+    rows: dict[str, Any] = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        logits = torch.randn(n, v, generator=torch.Generator().manual_seed(1)).to(device, dtype).requires_grad_()
+        row: dict[str, Any] = {"logits_bytes": logits.numel() * logits.element_size()}
+        for name, loss_fn in (("plain", plain), ("chunked", chunked)):
+            peak = C.PeakStorages(existing=[logits])
+            if device == "cuda":
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+                before = torch.cuda.memory_allocated()
+            with peak:
+                loss = loss_fn(logits, targets)
+                (grad,) = torch.autograd.grad(loss, logits)
+            row[name] = {"peak_bytes": peak.peak, "loss": loss.item()}
+            if device == "cuda":
+                row[name]["cuda_max_memory_allocated_bytes"] = torch.cuda.max_memory_allocated() - before
+            del loss, grad
+        row["ratio"] = round(row["chunked"]["peak_bytes"] / row["plain"]["peak_bytes"], 4)
+        rows[str(dtype).removeprefix("torch.")] = row
+    return {
+        "benchmark": "memory_loss", "loss_device": device, "tokens": n, "vocab": v, "chunks": args.loss_chunks, "by_dtype": rows,
+        "goal": f"chunked peak <= {LOSS_GOAL} x plain peak (bf16 logits, as a GPU's bf16-mixed head gives)",
+        "goal_met": rows["bfloat16"]["ratio"] <= LOSS_GOAL,
+        "counted": "storages created by the loss forward and its backward to the logits (dispatch-mode probe)",
+        **C.environment(),
+    }
+
+
 def drive(args: argparse.Namespace, argv: list[str]) -> None:
     """The launching process: one launch per FSDP degree, then each component against the ideal."""
     if 1 not in args.fsdp:
@@ -403,6 +457,10 @@ def drive(args: argparse.Namespace, argv: list[str]) -> None:
 
 
 def main(argv: list[str]) -> None:
+    args = parse_args(argv)
+    if args.loss_only:  # one process, no ranks
+        C.print_result(loss_peak_bytes(args))
+        return
     C.run(argv, parse_args, worker, drive)
 
 

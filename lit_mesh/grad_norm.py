@@ -19,6 +19,20 @@ from torch.distributed.tensor import DTensor
 _REDISTRIBUTE_LOG = logging.getLogger("torch.distributed.tensor._redistribute")
 
 
+def _mesh_groups(parameters: Iterable[torch.Tensor], by_dtype: bool = False) -> list[list[torch.Tensor]]:
+    """The gradients, grouped so that one foreach call can take each group: by (mesh, placements) of DTensors
+    (plain tensors in a group of their own), and by device and dtype where asked."""
+    groups: dict[object, list[torch.Tensor]] = {}
+    for p in parameters:
+        if p.grad is None:
+            continue
+        key = (p.grad.device_mesh, p.grad.placements) if isinstance(p.grad, DTensor) else None
+        if by_dtype:
+            key = (key, p.grad.device, p.grad.dtype)
+        groups.setdefault(key, []).append(p.grad)
+    return list(groups.values())
+
+
 @torch.no_grad()
 def global_grad_norm(
     parameters: Iterable[torch.Tensor], norm_type: float = 2.0, across: Optional[dist.ProcessGroup] = None
@@ -39,19 +53,14 @@ def global_grad_norm(
 
 
 def _local_norm(parameters: Iterable[torch.Tensor], norm_type: float) -> torch.Tensor:
-    groups: dict[object, list[torch.Tensor]] = {}
-    for p in parameters:
-        if p.grad is None:
-            continue
-        key = (p.grad.device_mesh, p.grad.placements) if isinstance(p.grad, DTensor) else None
-        groups.setdefault(key, []).append(p.grad)
+    groups = _mesh_groups(parameters)
     if not groups:
         return torch.tensor(0.0)
     norms = []
     level = _REDISTRIBUTE_LOG.level
     _REDISTRIBUTE_LOG.setLevel(logging.ERROR)
     try:
-        for grads in groups.values():
+        for grads in groups:
             norm = torch.nn.utils.get_total_norm(grads, norm_type, foreach=True)
             norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
     finally:
@@ -70,6 +79,6 @@ def clip_grad_norm_(
     parameters = [p for p in parameters if p.grad is not None]
     total = global_grad_norm(parameters, norm_type, across)
     scale = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    for p in parameters:
-        p.grad.mul_(scale.to(p.grad.dtype))
+    for grads in _mesh_groups(parameters, by_dtype=True):  # one multi-tensor kernel per group
+        torch._foreach_mul_(grads, scale.to(device=grads[0].device, dtype=grads[0].dtype))
     return total

@@ -49,8 +49,10 @@ if TYPE_CHECKING:  # a type only: lit_mesh.init (materialisation) reads plans, s
 #   gather_input   a module whose hidden states leave the sequence-sharded region (SP only)
 #   whole_sequence a module that runs replicated on the whole sequence (e.g. an MoE layer): its first input is
 #                  gathered, its output re-sharded over the sequence (SP only)
+#   vocab_head     the output head like "head", but its logits stay a DTensor sharded over the vocabulary, for a
+#                  loss that takes them so (lit_mesh.loss.cross_entropy: loss parallel); "head" where pp > 1
 TPStyle = Literal[
-    "colwise", "rowwise", "embedding", "embedding_whole_output", "head", "norm",
+    "colwise", "rowwise", "embedding", "embedding_whole_output", "head", "vocab_head", "norm",
     "shard_output", "shard_input", "gather_input", "whole_sequence",
 ]  # fmt: skip
 TP_STYLES: tuple[str, ...] = TPStyle.__args__  # type: ignore[attr-defined]

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lit_mesh.init import Init, init_parameters
+from lit_mesh.kernels import grouped_query_attention
 from lit_mesh.plan import ContextPlan, ParallelPlan, PipelinePlan, TensorPlan
 
 
@@ -33,6 +34,9 @@ class GPTConfig:
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     max_seq_len: int = 256
+    # one matmul for SwiGLU's w1 and w3 (a (2 * ffn_hidden, dim) weight, w1 rows first); tp = 1 only, and its
+    # state dict still converts to transformers (the converter splits it)
+    fused_w13: bool = False
 
     def __post_init__(self) -> None:
         if self.dim % self.n_heads:
@@ -65,16 +69,20 @@ PRESETS: dict[str, GPTConfig] = {
 
 
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of the rotary angles, shape (T, head_dim / 2), in fp32."""
+    """cos and sin of the rotary angles, shape (T, 1, head_dim / 2) (broadcast over heads), in fp32: computed once
+    per forward and reused by every layer."""
     freqs = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim)
-    angles = torch.outer(positions.to(torch.float32), freqs)
+    angles = torch.outer(positions.to(torch.float32), freqs)[:, None, :]
     return angles.cos(), angles.sin()
 
 
 def apply_rope(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """Rotate (B, T, H, head_dim) by the position angles (the "rotate half" convention)."""
-    cos, sin = (t[:, None, :] for t in rope)  # (T, 1, head_dim/2): broadcast over heads
-    x1, x2 = x.float().chunk(2, dim=-1)
+    """Rotate (B, T, H, head_dim) by the position angles (the "rotate half" convention).
+
+    The halves are views of x (no fp32 copy of q/k): each product promotes to fp32 inside its kernel, so the
+    numbers are those of an explicit upcast; the one new tensor is the rotated output."""
+    cos, sin = rope
+    x1, x2 = x.unflatten(-1, (2, -1)).unbind(-2)
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).type_as(x)
 
 
@@ -97,10 +105,8 @@ class Attention(nn.Module):
         v = self.wv(x).view(B, T, -1, self.head_dim)
         q, k = apply_rope(q, rope), apply_rope(k, rope)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, heads, T, head_dim)
-        if self.n_rep > 1:  # grouped-query attention: each kv head serves n_rep consecutive query heads
-            k = k.repeat_interleave(self.n_rep, dim=1)
-            v = v.repeat_interleave(self.n_rep, dim=1)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        # grouped-query attention: each kv head serves n_rep consecutive query heads (K/V not repeated)
+        y = grouped_query_attention(q, k, v)
         return self.wo(y.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -109,11 +115,17 @@ class FeedForward(nn.Module):
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
-        self.w1 = nn.Linear(config.dim, config.ffn_hidden, bias=False)
+        if config.fused_w13:  # one (2 * hidden, dim) matmul instead of two; w1's rows first
+            self.w13 = nn.Linear(config.dim, 2 * config.ffn_hidden, bias=False)
+        else:
+            self.w1 = nn.Linear(config.dim, config.ffn_hidden, bias=False)
+            self.w3 = nn.Linear(config.dim, config.ffn_hidden, bias=False)
         self.w2 = nn.Linear(config.ffn_hidden, config.dim, bias=False)
-        self.w3 = nn.Linear(config.dim, config.ffn_hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if hasattr(self, "w13"):
+            gate, up = self.w13(x).chunk(2, dim=-1)
+            return self.w2(F.silu(gate) * up)
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
@@ -165,7 +177,8 @@ class GPT(nn.Module):
         return ParallelPlan(
             blocks="layers",
             tp=TensorPlan(
-                root={"tok_embeddings": "embedding", "norm": "norm", "output": "head"},
+                # the output's logits stay vocabulary-sharded into the loss (loss parallel)
+                root={"tok_embeddings": "embedding", "norm": "norm", "output": "vocab_head"},
                 block={
                     "attention_norm": "norm",
                     "attention": "gather_input",
@@ -185,6 +198,10 @@ class GPT(nn.Module):
                     "ffn_hidden": c.ffn_hidden,
                     "vocab_size": c.vocab_size,
                 },
+                unavailable=(
+                    "fused_w13=True keeps w1 and w3 in one weight, which a column-wise split would cut between them;"
+                    " use fused_w13=False with tp > 1" if c.fused_w13 else ""
+                ),
             ),
             pp=PipelinePlan(first=("tok_embeddings",), last=("norm", "output")),
             # context parallel swaps the attention's scaled_dot_product_attention and passes global positions

@@ -18,7 +18,9 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 
+from lit_mesh.kernels import adamw_implementation
 from lit_mesh.log_steps import reduced_on_logging_steps
+from lit_mesh.loss import cross_entropy
 from lit_mesh.parallel.pipeline import loss_of, output_of
 from zoo.flops import gpt_flops_per_token, vit_flops_per_token
 from zoo.gpt import GPT, GPTConfig
@@ -30,7 +32,10 @@ def _optimizer(
     variance_freeze_step: int | None = None, decay_steps: int = 0, min_lr_ratio: float = 0.1,
 ) -> Any:
     if variance_freeze_step is None:
-        optimizer = torch.optim.AdamW(module.parameters(), lr=lr, betas=betas, weight_decay=weight_decay, foreach=True)
+        optimizer = torch.optim.AdamW(
+            module.parameters(), lr=lr, betas=betas, weight_decay=weight_decay,
+            **adamw_implementation(module.parameters()),
+        )  # fmt: skip
     else:  # for 1-bit gradient compression: see lit_mesh/comm/onebit_adam.py
         from lit_mesh.comm.onebit_adam import OneBitAdam
 
@@ -100,8 +105,9 @@ class GPTModule(L.LightningModule):
 
     @staticmethod
     def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Mean cross entropy over all tokens of the local batch, in fp32."""
-        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(0, 1))
+        """Mean cross entropy over all tokens of the local batch, in fp32: chunked over the tokens, and on the
+        vocabulary shards when tp > 1 (lit_mesh/loss.py)."""
+        return cross_entropy(logits, targets)
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         tokens, targets = batch

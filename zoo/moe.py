@@ -187,10 +187,44 @@ class GroupedExperts(nn.Module):
         w1, w2, w3 = _local(self.w1), _local(self.w2), _local(self.w3)
         if len(tokens_per_expert) != w1.shape[0]:
             raise ValueError(f"{len(tokens_per_expert)} token groups for {w1.shape[0]} experts")
+        # one grouped GEMM per weight instead of a Python loop over the experts (no tokens: the loop gives the
+        # weights their zero gradients)
+        if tokens.shape[0] and tokens.dtype == w1.dtype and grouped_mm_runs(tokens.contiguous(), w1, w2, w3):
+            tokens = tokens.contiguous()
+            offsets = torch.tensor(tokens_per_expert, device=tokens.device).cumsum(0).to(torch.int32)
+            hidden = F.silu(F.grouped_mm(tokens, w1, offs=offsets)) * F.grouped_mm(tokens, w3, offs=offsets)
+            return _ContiguousGradient.apply(F.grouped_mm(hidden, w2, offs=offsets))
         outputs = [
             (F.silu(x @ a) * (x @ c)) @ b for x, a, b, c in zip(tokens.split(tokens_per_expert), w1, w2, w3)
         ]
-        return torch.cat(outputs) if outputs else tokens[:0]
+        return torch.cat(outputs)
+
+
+def grouped_mm_runs(tokens: torch.Tensor, *weights: torch.Tensor) -> bool:
+    """Where F.grouped_mm has a kernel for these operands (torch 2.13): the CPU (with backward), and CUDA in bf16 on
+    Hopper or newer; rows of a multiple of 16 bytes (the kernels' layout rule). Elsewhere (and under autocast, where
+    tokens and weights differ in dtype) the loop."""
+    if tokens.device.type == "cuda":
+        if tokens.dtype != torch.bfloat16 or torch.cuda.get_device_capability(tokens.device) < (9, 0):
+            return False
+    elif tokens.device.type != "cpu":
+        return False
+    return all(
+        t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and all(s * t.element_size() % 16 == 0 for s in t.stride()[:-1])
+        for t in (tokens, *weights)
+    )
+
+
+class _ContiguousGradient(torch.autograd.Function):
+    """Identity whose backward makes the incoming gradient contiguous: grouped_mm's backward needs it so."""
+
+    @staticmethod
+    def forward(ctx: object, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: object, grad: torch.Tensor) -> torch.Tensor:
+        return grad.contiguous()
 
 
 class LocalDispatch:
@@ -368,7 +402,7 @@ class MoETransformer(nn.Module):
         residual_std = 0.02 / math.sqrt(2 * c.n_layers)
         return ParallelPlan(
             blocks="layers",
-            tp=TensorPlan(root={"tok_embeddings": "embedding", "norm": "norm", "output": "head"}, block=block, divides=divides),
+            tp=TensorPlan(root={"tok_embeddings": "embedding", "norm": "norm", "output": "vocab_head"}, block=block, divides=divides),
             moe=MoEPlan(layer="moe", ep_divides={"n_experts": c.n_experts}),
             # context parallel swaps the attention's scaled_dot_product_attention and passes global positions
             cp=ContextPlan(attention="attention", positions="positions"),

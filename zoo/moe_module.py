@@ -11,6 +11,7 @@ from typing import Any
 
 import lightning as L
 import torch
+from torch.distributed.tensor import DTensor
 
 from lit_mesh.log_steps import module_logs_now, reduced_on_logging_steps
 from zoo.modules import GPTModule, _inputs, _optimizer
@@ -90,7 +91,8 @@ class MoEModule(L.LightningModule):
         self.log("test_loss", self.loss_fn(self(tokens), targets), sync_dist=True)
 
     def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        return self(_inputs(batch))
+        logits = self(_inputs(batch))  # under tp, sharded over the vocabulary (the loss takes them so)
+        return logits.full_tensor() if isinstance(logits, DTensor) else logits
 
     def configure_optimizers(self) -> Any:
         h = self.hparams

@@ -131,7 +131,9 @@ def parallelize(
     if layout.tp > 1:
         for owner in owners:
             experts = expert_modules(owner.module, owner.plan)  # placed by EP below
-            apply_tensor_parallel(owner.module, owner.plan, mesh[MeshAxis.TP], sequence_parallel, skip=experts)
+            apply_tensor_parallel(
+                owner.module, owner.plan, mesh[MeshAxis.TP], sequence_parallel, skip=experts, vocab_sharded_output=layout.pp == 1
+            )
         if done.stages and sequence_parallel and owners[0].plan.cp.positions:
             for stage in (s for s in done.stages if s.index != 0):  # the first stage counts them itself
                 pass_global_positions(stage.module, owners[0].plan.cp.positions, layout.tp)

@@ -27,7 +27,9 @@ def _saved_ops() -> set:
         (aten, "mm"), (aten, "addmm"), (aten, "bmm"),
         (aten, "_scaled_dot_product_efficient_attention"), (aten, "_scaled_dot_product_flash_attention"),
         (aten, "_scaled_dot_product_flash_attention_for_cpu"), (aten, "_scaled_dot_product_cudnn_attention"),
+        (aten, "_grouped_mm"),  # the experts' GEMMs
         (c10d, "reduce_scatter_tensor"), (c10d, "all_gather_into_tensor"), (c10d, "all_reduce"),
+        (c10d, "all_to_all_single"),  # expert parallel's token dispatch and return, Ulysses' head exchange
     ]  # fmt: skip
     return {getattr(ns, name).default for ns, name in candidates if hasattr(ns, name)}
 

@@ -9,61 +9,22 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import Tensor
 from torch.distributed import _functional_collectives as funcol
 
-from lit_mesh.parallel.context_layout import ContextParallelError, _check_length, check_cp_style, is_load_balanced, local_positions
+from lit_mesh.kernels import grouped_query_attention
+from lit_mesh.parallel.context_kernels import (
+    block_backward,
+    block_forward,
+    block_kernel_for,
+    check_block_kernel,
+    key_blocks_attention,
+    merge_block,
+    repeat_kv,
+)
+from lit_mesh.parallel.context_layout import ContextParallelError, _check_length, check_cp_style, is_load_balanced
 
-# ---- attention of one block: the kernels ---------------------------------------------------------------
-# q (B, H, Tq, D), k/v (B, H, Tk, D) (K/V heads already repeated to the query heads); causal: top-left aligned.
-# forward -> (output, log-sum-exp per query row in fp32); backward takes the FINAL output and log-sum-exp of
-# the merged attention (flash-attention's identity: each block's gradient needs only those).
-
-
-def _math_forward(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool) -> tuple[Tensor, Tensor]:
-    s = _scores(q, k, scale, causal)
-    lse = torch.logsumexp(s, dim=-1)
-    return torch.matmul(torch.exp(s - lse.unsqueeze(-1)), v.float()), lse
-
-
-def _math_backward(
-    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float, causal: bool
-) -> tuple[Tensor, Tensor, Tensor]:
-    dout = dout.float()
-    p = torch.exp(_scores(q, k, scale, causal) - lse.unsqueeze(-1))
-    ds = p * (torch.matmul(dout, v.float().transpose(-1, -2)) - (dout * out.float()).sum(-1, keepdim=True))
-    dq = torch.matmul(ds, k.float()) * scale
-    dk = torch.matmul(ds.transpose(-1, -2), q.float()) * scale
-    return dq, dk, torch.matmul(p.transpose(-1, -2), dout)
-
-
-def _scores(q: Tensor, k: Tensor, scale: float, causal: bool) -> Tensor:
-    s = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
-    if causal:
-        Tq, Tk = s.shape[-2:]
-        s = s.masked_fill(torch.ones(Tq, Tk, dtype=torch.bool, device=s.device).triu(1), float("-inf"))
-    return s
-
-
-def _cpu_flash_forward(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool) -> tuple[Tensor, Tensor]:
-    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
-
-
-def _cpu_flash_backward(
-    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float, causal: bool
-) -> tuple[Tensor, Tensor, Tensor]:
-    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        dout.to(q.dtype), q, k, v, out.to(q.dtype), lse, 0.0, causal, scale=scale
-    )
-
-
-# "math" materialises the block's scores (any device); "cpu_flash" is torch's fused CPU kernel (memory O(T))
-BLOCK_KERNELS = {"math": (_math_forward, _math_backward), "cpu_flash": (_cpu_flash_forward, _cpu_flash_backward)}
-
-
-def _default_kernel(device: torch.device) -> str:
-    return "cpu_flash" if device.type == "cpu" else "math"
+# the kernels of one block, their LSE merge and the choice by device and dtype: lit_mesh/parallel/context_kernels.py
 
 
 def _ring_block(step_source: int, rank: int, causal: bool, length: int) -> tuple[slice, slice, bool]:
@@ -109,68 +70,56 @@ class _RingExchange:
         return received
 
 
-def _sum_groups(grad: Tensor, kv_heads: int) -> Tensor:
-    """Gradient of K/V repeated to the query heads -> of the kv heads (B, H_kv, T, D)."""
-    B, H, T, D = grad.shape
-    return grad.reshape(B, kv_heads, H // kv_heads, T, D).sum(2)
-
-
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(
         ctx: Any, q: Tensor, k: Tensor, v: Tensor, group: dist.ProcessGroup, causal: bool, scale: float, kernel: str
     ) -> Tensor:
         cp, rank = dist.get_world_size(group), dist.get_rank(group)
-        block_forward = BLOCK_KERNELS[kernel][0]
+        block_kernel = check_block_kernel(kernel)
         ring = _RingExchange(group)
-        heads, T = q.shape[1], q.shape[2]
+        T = q.shape[2]
         out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
         kv = torch.stack([k, v])  # one message per step
+        auxes = []  # what each block's backward op needs of its forward (CUDA kernels: RNG state, lengths)
         for step in range(cp):
             pending = ring.start(kv) if step + 1 < cp else None  # the next block travels during this one's math
             rows, cols, masked = _ring_block((rank - step) % cp, rank, causal, T)
-            kb, vb = (_repeat_kv(t[:, :, cols], heads) for t in kv)
-            block_out, block_lse = block_forward(q[:, :, rows], kb, vb, scale, masked)
-            # online softmax: rescale the running result and the block's to their common log-sum-exp
-            merged = torch.logaddexp(lse[..., rows], block_lse)
-            out[:, :, rows] = (
-                out[:, :, rows] * torch.exp(lse[..., rows] - merged).unsqueeze(-1)
-                + block_out.float() * torch.exp(block_lse - merged).unsqueeze(-1)
-            )
-            lse[..., rows] = merged
+            block_out, block_lse, aux = block_forward(block_kernel, q[:, :, rows], kv[0, :, :, cols], kv[1, :, :, cols], scale, masked)
+            out[:, :, rows], lse[..., rows] = merge_block(out[:, :, rows], lse[..., rows], block_out, block_lse)
+            auxes.append(aux)
             if pending is not None:
                 kv = _RingExchange.finish(pending)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.group, ctx.causal, ctx.scale, ctx.kernel = group, causal, scale, kernel
+        ctx.group, ctx.causal, ctx.scale, ctx.kernel, ctx.auxes = group, causal, scale, block_kernel, auxes
         return out
 
     @staticmethod
     def backward(ctx: Any, grad_out: Tensor) -> tuple[Optional[Tensor], ...]:
         q, k, v, out, lse = ctx.saved_tensors
         group, causal, scale = ctx.group, ctx.causal, ctx.scale
-        block_backward = BLOCK_KERNELS[ctx.kernel][1]
         cp, rank = dist.get_world_size(group), dist.get_rank(group)
         ring = _RingExchange(group)
-        heads, T, kv_heads = q.shape[1], q.shape[2], k.shape[1]
+        T = q.shape[2]
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         kv = torch.stack([k, v])
         dkv_pending = None  # the dK/dV accumulator of the block we hold, arriving from the previous rank
         for step in range(cp):
             kv_pending = ring.start(kv) if step + 1 < cp else None
             rows, cols, masked = _ring_block((rank - step) % cp, rank, causal, T)
-            kb, vb = (_repeat_kv(t[:, :, cols], heads) for t in kv)
             dq_block, dk, dv = block_backward(
-                grad_out[:, :, rows], q[:, :, rows], kb, vb, out[:, :, rows], lse[..., rows], scale, masked
-            )
+                ctx.kernel, grad_out[:, :, rows], q[:, :, rows], kv[0, :, :, cols], kv[1, :, :, cols], out[:, :, rows],
+                lse[..., rows], ctx.auxes[step], scale, masked,
+            )  # fmt: skip
             dq[:, :, rows] += dq_block.float()
             if dkv_pending is None:
                 dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)
             else:
                 dkv = _RingExchange.finish(dkv_pending)
-            dkv[0, :, :, cols] += _sum_groups(dk.float(), kv_heads)
-            dkv[1, :, :, cols] += _sum_groups(dv.float(), kv_heads)
+            dkv[0, :, :, cols] += dk.float()
+            dkv[1, :, :, cols] += dv.float()
             # on to the next rank while the next block is computed; after the last step it arrives home
             dkv_pending = ring.start(dkv, tag=1)
             if kv_pending is not None:
@@ -183,20 +132,25 @@ def ring_attention(
     q: Tensor, k: Tensor, v: Tensor, group: dist.ProcessGroup, causal: bool, scale: float, kernel: Optional[str] = None
 ) -> Tensor:
     """Exact attention of this rank's queries over the whole sequence; q (B, H, T/cp, D), k/v (B, H_kv, T/cp, D)
-    in the load-balanced layout (for causal; any layout without a mask). K/V circulate with their own heads."""
-    return _RingAttention.apply(q, k, v, group, causal, scale, kernel or _default_kernel(q.device))
+    in the load-balanced layout (for causal; any layout without a mask). K/V circulate with their own heads.
+    kernel: the block kernel (context_kernels.BLOCK_KERNELS); None: by device and dtype."""
+    return _RingAttention.apply(q, k, v, group, causal, scale, kernel or block_kernel_for(q.device, q.dtype))
 
 
 # ---- Ulysses and all-gather -----------------------------------------------------------------------------
 
 
-def _sequence_to_heads(x: Tensor, group: dist.ProcessGroup) -> Tensor:
-    """(B, H, T/cp, D) sequence-sharded -> (B, H/cp, T, D) head-sharded (contiguous shards, rank order)."""
+def _sequence_to_heads(tensors: list[Tensor], group: dist.ProcessGroup) -> list[Tensor]:
+    """(B, H_i, T/cp, D) sequence-sharded -> (B, H_i/cp, T, D) head-sharded (contiguous shards, rank order), all
+    tensors in ONE all-to-all: each destination's heads of every tensor side by side."""
     cp = dist.get_world_size(group)
-    B, H, T, D = x.shape
-    send = x.reshape(B, cp, H // cp, T, D).permute(1, 2, 0, 3, 4).contiguous()  # (cp: destination, H/cp, B, T, D)
+    B, _, T, D = tensors[0].shape
+    heads = [t.shape[1] // cp for t in tensors]
+    send = torch.cat([t.reshape(B, cp, h, T, D) for t, h in zip(tensors, heads)], dim=2)  # (B, cp: dest, sum h, T, D)
+    send = send.permute(1, 2, 0, 3, 4).contiguous()  # (cp: destination, sum h, B, T, D)
     got = funcol.wait_tensor(funcol.all_to_all_single_autograd(send, None, None, group))  # (cp: source, ...)
-    return got.permute(2, 1, 0, 3, 4).reshape(B, H // cp, cp * T, D)
+    got = got.permute(2, 1, 0, 3, 4).reshape(B, sum(heads), cp * T, D)
+    return list(got.split(heads, dim=1))
 
 
 def _heads_to_sequence(x: Tensor, group: dist.ProcessGroup) -> Tensor:
@@ -208,14 +162,10 @@ def _heads_to_sequence(x: Tensor, group: dist.ProcessGroup) -> Tensor:
     return got.permute(2, 0, 1, 3, 4).reshape(B, cp * h, T // cp, D)
 
 
-def _repeat_kv(k: Tensor, heads: int) -> Tensor:
-    return k if k.shape[1] == heads else k.repeat_interleave(heads // k.shape[1], dim=1)
-
-
 def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, group: dist.ProcessGroup, causal: bool, scale: float) -> Tensor:
-    """All-to-all to head shards, full-sequence attention (SDPA: flash/efficient kernels on GPU), all-to-all back.
-    Contiguous sequence shards. K/V with fewer heads (GQA) travel as they are when cp divides their heads, else
-    repeated just enough that it does."""
+    """One all-to-all of q, k and v to head shards, full-sequence attention (SDPA with grouped K/V heads:
+    flash/efficient kernels on GPU), all-to-all back. Contiguous sequence shards. K/V with fewer heads (GQA)
+    travel as they are when cp divides their heads, else repeated just enough that it does."""
     cp = dist.get_world_size(group)
     heads, kv_heads = q.shape[1], k.shape[1]
     if heads % cp:
@@ -226,26 +176,35 @@ def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, group: dist.ProcessGroup,
         )
     if kv_heads % cp:
         kv_heads = math.lcm(kv_heads, cp)  # divides heads: heads is a multiple of both
-        k, v = _repeat_kv(k, kv_heads), _repeat_kv(v, kv_heads)
-    q, k, v = (_sequence_to_heads(t, group) for t in (q, k, v))
-    local_heads = q.shape[1]
-    k, v = _repeat_kv(k, local_heads), _repeat_kv(v, local_heads)
-    out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
-    return _heads_to_sequence(out, group)
+        k, v = repeat_kv(k, kv_heads), repeat_kv(v, kv_heads)
+    q, k, v = _sequence_to_heads([q, k, v], group)
+    return _heads_to_sequence(grouped_query_attention(q, k, v, is_causal=causal, scale=scale), group)
 
 
 def allgather_attention(q: Tensor, k: Tensor, v: Tensor, group: dist.ProcessGroup, causal: bool, scale: float) -> Tensor:
-    """All-gather K/V (load-balanced layout), local queries attend to all keys whose position is not later."""
+    """All-gather K/V (load-balanced layout); the local queries attend to all keys whose position is not later.
+
+    Causal, by the block structure (no mask): rank r's first chunk (chunk r of 2·cp) sees chunks 0..r-1 whole and
+    itself causally, its second (chunk 2·cp-1-r) chunks 0..2·cp-2-r whole and itself causally; the blocks merge by
+    log-sum-exp (context_kernels), flash-class kernels on CUDA."""
     cp, rank = dist.get_world_size(group), dist.get_rank(group)
     B, H, T, D = q.shape
     kv = funcol.wait_tensor(funcol.all_gather_single_autograd(torch.stack([k, v]).contiguous(), 0, group))
-    kv = kv.reshape(cp, 2, *k.shape).permute(1, 2, 3, 0, 4, 5).reshape(2, B, k.shape[1], cp * T, D)
-    mask = None
-    if causal:
-        mine = local_positions(T, cp, rank, True, q.device)
-        everyone = torch.cat([local_positions(T, cp, r, True, q.device) for r in range(cp)])
-        mask = mine[:, None] >= everyone[None, :]
-    return F.scaled_dot_product_attention(q, _repeat_kv(kv[0], H), _repeat_kv(kv[1], H), attn_mask=mask, scale=scale)
+    if not causal:  # any order of the keys will do
+        kv = kv.reshape(cp, 2, *k.shape).permute(1, 2, 3, 0, 4, 5).reshape(2, B, k.shape[1], cp * T, D)
+        return grouped_query_attention(q, kv[0], kv[1], is_causal=False, scale=scale)
+    C = T // 2
+    # (cp: rank, 2: k/v, B, H_kv, 2: its two chunks, C, D) -> the 2·cp chunks in sequence order
+    chunks = kv.reshape(cp, 2, B, k.shape[1], 2, C, D)
+    order = [chunks[c, :, :, :, 0] if c < cp else chunks[2 * cp - 1 - c, :, :, :, 1] for c in range(2 * cp)]
+    kv = torch.cat(order, dim=-2)  # (2, B, H_kv, 2·cp·C, D)
+    outs = []
+    for half, chunk in enumerate((rank, 2 * cp - 1 - rank)):
+        start = chunk * C  # keys before the chunk: whole; the chunk itself: causal
+        blocks = ((0, start, False), (start, start + C, True)) if start else ((start, start + C, True),)
+        q_chunk = q[:, :, half * C : (half + 1) * C]
+        outs.append(key_blocks_attention(q_chunk, kv[0, :, :, : start + C], kv[1, :, :, : start + C], blocks, scale))
+    return torch.cat(outs, dim=2)
 
 
 ATTENTION: dict[str, Callable[..., Tensor]] = {
@@ -266,7 +225,8 @@ def context_parallel_attention(
     ring_kernel: Optional[str] = None,
 ) -> Tensor:
     """Attention over the whole sequence when q, k, v (B, heads, T/cp, head_dim) hold this rank's part of it.
-    `ring_kernel` ("math" or "cpu_flash") picks the ring's per-block kernel; default by device."""
+    `ring_kernel` (a name of context_kernels.BLOCK_KERNELS) picks the ring's per-block kernel; default: by device
+    and dtype (context_kernels.KERNEL_BY_DEVICE_AND_DTYPE)."""
     check_cp_style(style)
     if q.shape[1] % k.shape[1] or k.shape != v.shape:
         raise ContextParallelError(f"query heads {q.shape[1]} must be a multiple of key/value heads {k.shape[1]}")

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 from torch import Tensor, nn
 from torch.distributed.pipelining import PipelineStage
+from torch.distributed.tensor import DTensor
 from torch.distributed.pipelining import schedules as torch_schedules
 
 from lit_mesh.parallel.pipeline_split import PipelineConfigError, Placement, Stage
@@ -330,7 +331,9 @@ def output_of(model: nn.Module, inputs: Tensor) -> Tensor:
     output (the last stage's) is returned on every pp rank. For evaluation and prediction."""
     runner = runner_of(model)
     if runner is None:
-        return model(inputs)
+        out = model(inputs)
+        # whole logits for the caller where the head keeps them vocabulary-sharded for the loss ("vocab_head")
+        return out.full_tensor() if isinstance(out, DTensor) else out
     if torch.is_grad_enabled() and model.training:
         raise RuntimeError(
             "output_of() runs the pipeline forward only; in training_step use lit_mesh.loss_of(self.model, loss_fn,"

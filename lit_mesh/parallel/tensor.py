@@ -43,6 +43,8 @@ def torch_style(style: str, sequence_parallel: bool, check: Any = None) -> Paral
         return RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
     if style == "head":
         return ColwiseParallel(input_layouts=between_blocks, output_layouts=Replicate(), use_local_output=True)
+    if style == "vocab_head":  # loss parallel: the logits are never gathered (lit_mesh/loss.py)
+        return ColwiseParallel(input_layouts=between_blocks, output_layouts=Shard(-1), use_local_output=False)
     if not sequence_parallel:
         return None  # the styles below only move activations in and out of the SP region
     if style == "norm":
@@ -111,9 +113,12 @@ def replicate_remaining(model: nn.Module, tp_mesh: DeviceMesh, skip: Collection[
 
 
 def apply_tensor_parallel(
-    model: nn.Module, plan: ParallelPlan, tp_mesh: DeviceMesh, sequence_parallel: bool, skip: Collection[nn.Module] = ()
+    model: nn.Module, plan: ParallelPlan, tp_mesh: DeviceMesh, sequence_parallel: bool, skip: Collection[nn.Module] = (),
+    vocab_sharded_output: bool = True,
 ) -> None:
-    """Shard `model` over `tp_mesh` as its plan says (modules inside blocks, then the rest)."""
+    """Shard `model` over `tp_mesh` as its plan says (modules inside blocks, then the rest).
+
+    vocab_sharded_output=False: "vocab_head" gathers its logits like "head" (pipeline stages send plain tensors)."""
     tp = tp_mesh.size()
     if plan.tp.unavailable:
         raise PlanError(f"tp={tp}: {plan.tp.unavailable}")
@@ -139,6 +144,8 @@ def apply_tensor_parallel(
         if sequence_parallel and style == "shard_output":
             check = _sequence_check(tp, name)
             module.register_forward_hook(lambda _m, _args, out, check=check: check(out.shape[1]))
+        if style == "vocab_head" and not vocab_sharded_output:
+            style = "head"
         if style in plan.tp.custom_styles:
             torch_plan = plan.tp.custom_styles[style](sequence_parallel)
         else:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from lit_mesh.loss import CHUNK_ROWS
 from lit_mesh.mesh import MeshLayout
 from lit_mesh.parallel.pipeline_split import balanced_split
 from lit_mesh.planner.shapes import ModelShapes, ParamShape
@@ -45,7 +46,7 @@ def local_numel(p: ParamShape, tp: int, tp_rank: int, shard: int, shard_rank: in
         if shard // ep > 1:
             shape[1] = chunk(shape[1], shard // ep, shard_rank // ep)
         return _prod(shape)
-    if tp > 1 and p.tp_style in ("colwise", "head", *_ROWWISE):
+    if tp > 1 and p.tp_style in ("colwise", "head", "vocab_head", *_ROWWISE):
         torch_rowwise = p.tp_style in _ROWWISE
         if len(shape) == 1:  # a bias: split with the colwise output, replicated under rowwise
             dim = None if torch_rowwise else 0
@@ -155,7 +156,7 @@ def block_activation_elements_per_token(shapes: ModelShapes, tp: int, ac: str) -
     h, kv = c.dim, c.n_kv_heads * c.head_dim
     sequence_sharded = 2 * h / tp  # inputs of attention_norm and ffn_norm (the residual stream)
     gathered = 2 * h  # norm outputs, gathered for wq/wk/wv and w1/w3
-    attention = (h + 2 * kv) + (h + kv) + 2 * h + h  # q, k, v; roped q, k; k, v repeated; attention output
+    attention = (h + 2 * kv) + (h + kv) + h  # q, k, v; roped q, k; attention output (grouped K/V: not repeated)
     if shapes.is_moe:
         eh, copies = c.expert_hidden, c.top_k + c.n_shared_experts
         ffn, ffn_matmul_outputs, ffn_tp = c.n_experts + copies * (3 * h + 4 * eh), c.n_experts + copies * (2 * h + 2 * eh), 1
@@ -179,10 +180,14 @@ def activation_bytes(shapes: ModelShapes, layout: MeshLayout, work: Workload, pr
     per_token = blocks * block_activation_elements_per_token(shapes, layout.tp, ac) * b
     if ac == "full":  # the block being recomputed holds everything once
         per_token += block_activation_elements_per_token(shapes, layout.tp, "none") * b / in_flight
+    extra = 0.0
     if stage == layout.pp - 1:
-        # whole logits (the head gathers them), their fp32 copy in the loss and its gradient
-        per_token += shapes.config.vocab_size * (b + 4 + 4) / in_flight
-    return int(tokens * in_flight * per_token)
+        # the logits, kept by the chunked loss for its backward, and their gradient (lit_mesh/loss.py), sharded
+        # over the vocabulary without pp ("vocab_head"; a pipeline stage gathers them); plus one fp32 chunk of rows
+        vocab = shapes.config.vocab_size / (layout.tp if layout.pp == 1 else 1)
+        per_token += vocab * 2 * b / in_flight
+        extra = min(CHUNK_ROWS, tokens) * vocab * 4
+    return int(tokens * in_flight * per_token + extra)
 
 
 def buffer_bytes(shapes: ModelShapes, layout: MeshLayout, precision: str, stage: int) -> int:

@@ -140,13 +140,15 @@ def test_fit_and_no_fit_examples(capsys: pytest.CaptureFixture, tmp_path: Path) 
 
 
 def test_rehearsal_scales_the_70b_plan_to_8_cpu_ranks() -> None:
-    """llama3-70b on 64 GPUs is planned as pp 2 x dp_shard 8 x tp 4; its rehearsal is pp 2 x dp_shard 2 x tp 2 of
-    the tiny GPT on 8 CPU processes, with a 1F1B schedule the scaled batch feeds. Every other fitting plan scales to
-    a layout lit_mesh accepts as well."""
+    """llama3-70b on 64 GPUs is planned as dp_shard 16 x tp 4 (it fits without a pipeline since the loss is chunked
+    and vocabulary-sharded and K/V are not repeated), pp 2 x dp_shard 8 x tp 4 the best with a pipeline; that one's
+    rehearsal is pp 2 x dp_shard 2 x tp 2 of the tiny GPT on 8 CPU processes, with a 1F1B schedule the scaled batch
+    feeds. Every other fitting plan scales to a layout lit_mesh accepts as well."""
     config = GPTConfig.from_preset("llama3-70b")
     hw = Hardware(nodes=8, devices_per_node=8, memory_bytes=80 * GB)
     result = plan(gpt_shapes(config), Workload(global_batch=256, seq_len=8192), hw)
-    best = result.ranked[0]
+    assert result.ranked[0].layout == MeshLayout(dp_shard=16, tp=4)
+    best = next(candidate for candidate in result.ranked if candidate.layout.pp > 1)
     assert best.layout == MeshLayout(pp=2, dp_shard=8, tp=4)
     rehearsal = rehearsal_config(best, hw)
     trainer, strategy = rehearsal["trainer"], rehearsal["trainer"]["strategy"]["init_args"]

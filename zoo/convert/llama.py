@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from lit_mesh.extras import require
 from zoo.convert.rules import Converter, Rule
 from zoo.gpt import GPT, GPTConfig
@@ -62,6 +64,18 @@ _LAYER = [
     ("feed_forward.w2.weight", "mlp.down_proj.weight"),
 ]
 
+def _split_fused_w13(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A GPT with fused_w13=True: its (2 * hidden, dim) w13 -> w1 (first half of the rows) and w3."""
+    out = {}
+    for key, tensor in state.items():
+        if key.endswith("feed_forward.w13.weight"):
+            prefix = key[: -len("w13.weight")]
+            out[prefix + "w1.weight"], out[prefix + "w3.weight"] = tensor.chunk(2, dim=0)
+        else:
+            out[key] = tensor
+    return out
+
+
 LLAMA = Converter(
     name="llama",
     zoo_model=GPT,
@@ -74,4 +88,5 @@ LLAMA = Converter(
         Rule("norm.weight", "model.norm.weight"),
         Rule("output.weight", "lm_head.weight"),
     ],
+    pack=_split_fused_w13,  # transformers -> zoo gives fused_w13=False (the config carries no such choice)
 )

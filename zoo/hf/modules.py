@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 
 from lit_mesh.extras import require
+from lit_mesh.kernels import adamw_implementation
 from lit_mesh.log_steps import reduced_on_logging_steps
-
 from zoo.hf.configs import tiny_config
 
 Build = Literal["configure_model", "init"]
@@ -41,7 +41,9 @@ class _HFModule(L.LightningModule):
             self.model = self.create_model()
 
     def configure_optimizers(self) -> Any:
-        return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr, betas=(0.9, 0.95), foreach=True)
+        return torch.optim.AdamW(
+            self.parameters(), lr=self.hparams.lr, betas=(0.9, 0.95), **adamw_implementation(self.parameters())
+        )
 
 
 class HFCausalLM(_HFModule):
