@@ -1,4 +1,5 @@
-"""The `lit-mesh` command: LightningCLI (fit, validate, test, predict) plus `export` and `plan`."""
+"""The `lit-mesh` command: LightningCLI (fit, validate, test, predict) plus `export`, `export-hf`, `plan` and
+`prepare-data`."""
 
 from __future__ import annotations
 
@@ -27,10 +28,34 @@ def export_main(argv: list[str]) -> None:
     print(f"wrote {out}")
 
 
+def export_hf_main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(
+        prog="lit-mesh export-hf",
+        description="Write the model of a checkpoint as a transformers directory (config.json + model.safetensors)"
+        " that from_pretrained loads.",
+    )
+    parser.add_argument("checkpoint", help="a checkpoint written by `lit-mesh fit` (sharded directory or one file)")
+    parser.add_argument("output", help="the directory to write")
+    parser.add_argument("--prefix", default="model", help="the LightningModule attribute holding the model")
+    args = parser.parse_args(argv)
+    from zoo.convert import export_hf
+
+    print(f"wrote {export_hf(args.checkpoint, args.output, prefix=args.prefix)}")
+
+
 def run(argv: list[str]) -> LightningCLI | None:
-    """Run `lit-mesh ARGV` in this process; returns the LightningCLI (its trainer and model), None for export/plan."""
+    """Run `lit-mesh ARGV` in this process; returns the LightningCLI (its trainer and model), None for the other
+    commands."""
     if argv[:1] == ["export"]:
         export_main(argv[1:])
+        return None
+    if argv[:1] == ["export-hf"]:
+        export_hf_main(argv[1:])
+        return None
+    if argv[:1] == ["prepare-data"]:
+        from zoo.prepare_data import main as prepare_main
+
+        prepare_main(argv[1:])
         return None
     if argv[:1] == ["plan"]:
         from lit_mesh.planner.command import main as plan_main
