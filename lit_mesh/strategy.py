@@ -38,6 +38,7 @@ from lit_mesh.comm.state import load_compression_state, save_compression_state
 from lit_mesh.grad_norm import clip_grad_norm_
 from lit_mesh.mesh import MeshConfigError, MeshLayout, MeshViews, build_device_mesh, check_degrees, resolve_layout
 from lit_mesh.parallel.apply import Parallelized, is_user_parallelised, materialize, parallelize
+from lit_mesh.pretrained import load_pretrained
 from lit_mesh.parallel.checkpointing import ActivationCheckpointing, check_activation_checkpointing
 from lit_mesh.parallel.compile import check_compile
 from lit_mesh.parallel.context import CPStyle, check_cp_style, gather_batch, refuse_cp_without_plan, shard_batch
@@ -291,6 +292,7 @@ class MeshStrategy(ModelParallelStrategy):
                 replicate_hierarchy=self.replicate_hierarchy,
             )
         materialize(self.model, done.owners, self.root_device)
+        load_pretrained(self.model)  # each rank reads its slices of the declared pretrained weights, if any
         self.model_to_device()
         if done.stages is not None:
             self._setup_pipeline(done)
