@@ -196,8 +196,9 @@ def _tokenize_part(task: tuple[int, str, str, Settings]) -> dict[str, Any]:
     if _TOKENIZER is None:
         _TOKENIZER = load_tokenizer(settings.tokenizer)
     path, out = Path(source), Path(out_dir)
+    texts = [text for text in documents(path, settings.text_key) if text.strip()]  # an empty document adds no EOS
     chunks = [np.asarray(e.ids + [settings.eos_id], dtype=DTYPES[settings.dtype])
-              for e in _TOKENIZER.encode_batch(list(documents(path, settings.text_key)), add_special_tokens=False)]  # fmt: skip
+              for e in _TOKENIZER.encode_batch(texts, add_special_tokens=False)]  # fmt: skip
     tokens = np.concatenate(chunks) if chunks else np.zeros(0, dtype=DTYPES[settings.dtype])
     n_val = int(round(len(tokens) * settings.val_fraction))
     train_name, val_name, part_name = _shard_names(index)
