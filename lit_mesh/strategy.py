@@ -38,13 +38,13 @@ from lit_mesh.comm.state import load_compression_state, save_compression_state
 from lit_mesh.grad_norm import clip_grad_norm_
 from lit_mesh.mesh import MeshConfigError, MeshLayout, MeshViews, build_device_mesh, check_degrees, resolve_layout
 from lit_mesh.parallel.apply import Parallelized, is_user_parallelised, materialize, parallelize
-from lit_mesh.pretrained import load_pretrained
 from lit_mesh.parallel.checkpointing import ActivationCheckpointing, check_activation_checkpointing
 from lit_mesh.parallel.compile import check_compile
 from lit_mesh.parallel.context import CPStyle, check_cp_style, gather_batch, refuse_cp_without_plan, shard_batch
 from lit_mesh.parallel.data import fsdp_roots
 from lit_mesh.parallel.pipeline import PipelineRunner, attach_runner, check_pipeline_settings
 from lit_mesh.precision import check_precision_plugin
+from lit_mesh.pretrained import load_pretrained
 from lit_mesh.topology import Topology, as_topology, topology_from_environment
 
 

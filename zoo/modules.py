@@ -17,6 +17,7 @@ from typing import Any, Callable
 import lightning as L
 import torch
 import torch.nn.functional as F
+from typing_extensions import override
 
 from lit_mesh.parallel.pipeline import loss_of, output_of
 from zoo.flops import gpt_flops_per_token, vit_flops_per_token
@@ -96,6 +97,7 @@ class GPTModule(FromPretrained, L.LightningModule):
             self.config, self._sources = pretrained_zoo(pretrained, "llama", config_overrides)
         self.model: GPT | None = None
 
+    @override
     def configure_model(self) -> None:
         created = self.model is None  # the hook may run more than once (fit, then test)
         if created:

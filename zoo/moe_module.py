@@ -11,6 +11,7 @@ from typing import Any
 
 import lightning as L
 import torch
+from typing_extensions import override
 
 from zoo.modules import GPTModule, _inputs, _optimizer
 from zoo.moe import MoEConfig, MoETransformer, moe_flops_per_token
@@ -47,6 +48,7 @@ class MoEModule(FromPretrained, L.LightningModule):
         self.model: MoETransformer | None = None
         self._load_since_step: torch.Tensor | None = None  # (MoE layers, experts), for aux-loss-free balancing
 
+    @override
     def configure_model(self) -> None:
         created = self.model is None  # the hook may run more than once (fit, then test)
         if created:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from typing_extensions import override
 
 from zoo.global_batches import Batch, GlobalBatchDataModule
 from zoo.prepare_data import DTYPES, FORMAT_VERSION, META_FILE
@@ -94,6 +95,7 @@ class TokenDataModule(GlobalBatchDataModule):
         shards = self.meta["splits"][split]
         return TokenWindows(self.path, shards["files"], shards["tokens"], self.meta["dtype"], self.seq_len + 1)
 
+    @override
     def setup(self, stage: str | None = None) -> None:
         if self.train_windows is not None:
             return
@@ -105,10 +107,12 @@ class TokenDataModule(GlobalBatchDataModule):
                 f" make no window of seq_len + 1 = {self.seq_len + 1}; lower seq_len or prepare more text"
             )
 
+    @override
     def make_train_batch(self, indices: torch.Tensor) -> Batch:
         assert self.train_windows is not None, "call setup() first"
         return self.train_windows(indices)
 
+    @override
     def make_val_batch(self, indices: torch.Tensor) -> Batch:
         assert self.val_windows is not None, "call setup() first"
         return self.val_windows(indices)

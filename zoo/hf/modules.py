@@ -18,6 +18,7 @@ from typing import Any, Literal
 import lightning as L
 import torch
 import torch.nn.functional as F
+from typing_extensions import override
 
 from lit_mesh.grad_norm import global_grad_norm
 from lit_mesh.pretrained import fill_parameters
@@ -74,8 +75,6 @@ class HFCausalLM(FromPretrained, _HFModule):
         decay_steps: int = 0,
         min_lr_ratio: float = 0.1,
     ) -> None:
-        from torchmetrics.text import Perplexity
-
         config = None
         if pretrained is not None:
             config = read_config(pretrained, CAUSAL_LMS)
@@ -89,7 +88,7 @@ class HFCausalLM(FromPretrained, _HFModule):
             self._sources = hf_sources(build_on_meta(type(self).create_model_of, self.config), pretrained)
             if self.model is not None:  # build="init": the model exists whole
                 fill_parameters(self.model, self._sources)
-        self.val_ppl = Perplexity()
+        self.val_ppl: torch.nn.Module | None = None  # made at each validation start
 
     @staticmethod
     def create_model_of(config: Any) -> torch.nn.Module:
@@ -100,33 +99,48 @@ class HFCausalLM(FromPretrained, _HFModule):
     def create_model(self) -> torch.nn.Module:
         return self.create_model_of(self.config)
 
+    @override
     def configure_model(self) -> None:
         created = self.model is None
         super().configure_model()
         self._load_if_built(created)
 
+    @override
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids=tokens).logits
 
+    @override
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         tokens, targets = batch
         loss = F.cross_entropy(self(tokens).float().flatten(0, 1), targets.flatten())
         self.log("train_loss", loss, prog_bar=True, sync_dist=True)
         return loss
 
+    @override
+    def on_validation_epoch_start(self) -> None:
+        # a new metric: MeshStrategy's materialisation (to_empty on the whole module) leaves the state and the
+        # defaults that reset() restores uninitialised
+        from torchmetrics.text import Perplexity
+
+        self.val_ppl = Perplexity().to(self.device)
+
+    @override
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
         tokens, targets = batch
         logits = self(tokens).float()
         self.log("val_loss", F.cross_entropy(logits.flatten(0, 1), targets.flatten()), prog_bar=True, sync_dist=True)
         self.val_ppl.update(logits, targets)  # summed negative log-likelihood and token count, reduced over ranks
-        self.log("val_ppl", self.val_ppl, prog_bar=True)
+        self.log("val_ppl", self.val_ppl, prog_bar=True, metric_attribute="val_ppl")
 
+    @override
     def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         return self(batch[0] if isinstance(batch, (tuple, list)) else batch)
 
+    @override
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         self.log("grad_norm", global_grad_norm(self.parameters()))  # the same on every rank: no sync
 
+    @override
     def configure_optimizers(self) -> Any:
         h = self.hparams
         optimizer = torch.optim.AdamW(self.parameters(), lr=h.lr, betas=(0.9, 0.95), weight_decay=h.weight_decay,
