@@ -138,6 +138,9 @@ class HFCausalLM(FromPretrained, _HFModule):
 
     @override
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        layout = getattr(self.trainer.strategy, "layout", None)
+        if layout is not None and layout.pp > 1:  # stages hold different parameters: no common norm here
+            return
         self.log("grad_norm", global_grad_norm(self.parameters()))  # the same on every rank: no sync
 
     @override
