@@ -33,6 +33,27 @@ def export_main(argv: list[str]) -> None:
     print(f"wrote {out}")
 
 
+def export_hf_main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(
+        prog="lit-mesh export-hf",
+        description="Write the model of a checkpoint as a transformers directory (config.json + model.safetensors)"
+        " that from_pretrained loads.",
+    )
+    parser.add_argument("checkpoint", help="a checkpoint written by `lit-mesh fit` (sharded directory or one file)")
+    parser.add_argument("output", help="the directory to write")
+    parser.add_argument("--prefix", default="model", help="the LightningModule attribute holding the model")
+    args = parser.parse_args(argv)
+    from zoo.convert import export_hf
+
+    print(f"wrote {export_hf(args.checkpoint, args.output, prefix=args.prefix)}")
+
+
+def prepare_data_main(argv: list[str]) -> None:
+    from zoo.prepare_data import main
+
+    main(argv)
+
+
 def plan_main(argv: list[str]) -> None:
     from lit_mesh.planner.command import main
 
@@ -44,6 +65,9 @@ def plan_main(argv: list[str]) -> None:
 COMMANDS: dict[str, tuple[str, Callable[[list[str]], None]]] = {
     "plan": ("the best meshes for a zoo model on a cluster, why, and a `lit-mesh fit` config of the best", plan_main),
     "export": ("a checkpoint's model weights (sharded or not) as one unsharded file", export_main),
+    "export-hf": ("a checkpoint as a transformers directory that from_pretrained loads", export_hf_main),
+    "prepare-data": ("tokenise text, JSONL or parquet into memory-mapped token shards (zoo.TokenDataModule)",
+                     prepare_data_main),
 }
 
 

@@ -12,6 +12,9 @@ from types import ModuleType
 EXTRAS: dict[str, tuple[str, str]] = {
     "matplotlib": ("plots", "pictures (PipelineTimeline, `lit-mesh plan --plot`)"),
     "transformers": ("hf", "Hugging Face models, conversion and export"),
+    "safetensors": ("hf", "reading pretrained weights (lit_mesh.pretrained)"),
+    "tokenizers": ("hf", "tokenising a corpus (lit-mesh prepare-data)"),
+    "datasets": ("data", "parquet input of lit-mesh prepare-data"),
     "sklearn": ("vision", "the digits data set of the ViT recipe"),
     "jinja2": ("bench", "the benchmark report (benchmarks/report.py)"),
 }

@@ -58,6 +58,7 @@ from lit_mesh.parallel.context import CPStyle, gather_batch, shard_batch
 from lit_mesh.parallel.data import defer_gradient_reduction, refuse_fsdp1
 from lit_mesh.parallel.pipeline import PipelineRunner, start_pipeline
 from lit_mesh.precision import check_precision_plugin, with_global_norm_clipping
+from lit_mesh.pretrained import load_pretrained
 from lit_mesh.progress import count_steps_in_progress_bar
 from lit_mesh.rules import Facts, check
 from lit_mesh.topology import Topology, topology_from_environment
@@ -266,6 +267,7 @@ class MeshStrategy(ModelParallelStrategy):
             compression=self.compression_run, replicate_hierarchy=self.reductions.replicate,
         )  # fmt: skip
         materialize(self.model, done.owners, self.root_device)
+        load_pretrained(self.model)  # each rank reads its slices of the declared pretrained weights, if any
         self.model_to_device()
         if done.stages is not None:
             pp_group = self.mesh_views[MeshAxis.PP].get_group()

@@ -8,6 +8,7 @@ from zoo.moe import MoEConfig, MoETransformer
 from zoo.moe import PRESETS as MOE_PRESETS
 from zoo.moe_module import MoEModule
 from zoo.text_data import TextDataModule
+from zoo.token_data import TokenDataModule
 from zoo.vit import PRESETS as VIT_PRESETS
 from zoo.vit import ViT, ViTConfig
 
@@ -23,6 +24,7 @@ __all__ = [
     "MoEModule",
     "MoETransformer",
     "TextDataModule",
+    "TokenDataModule",
     "ViT",
     "ViTConfig",
     "ViTModule",

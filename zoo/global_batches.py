@@ -20,12 +20,12 @@ from typing import Any
 
 import lightning as L
 import torch
-from torch.utils.data import DataLoader, IterableDataset
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
-# Lightning warns about IterableDatasets with __len__ because several workers could duplicate data;
-# our loaders always use num_workers=0, and __len__ is exact (it gives progress bars and epoch ends).
+# Lightning warns about IterableDatasets with __len__ because several workers could duplicate data; ours
+# never do (worker w yields global batches w, w + W, ...; see GlobalBatches.__iter__), and __len__ is exact.
 warnings.filterwarnings("ignore", message=r".*Your `IterableDataset` has `__len__` defined.*")
 # Lightning only knows resumable *loaders*; ours resume through the DataModule's state_dict (below)
 warnings.filterwarnings("ignore", message=r".*your dataloader is not resumable.*")
@@ -79,6 +79,7 @@ class GlobalBatches(IterableDataset):
         self.seed = seed
         self.start = start
         self.epoch = 0
+        self._position: tuple[int, int] | None = None  # (epoch, batches to skip), fixed by begin()
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
@@ -98,12 +99,32 @@ class GlobalBatches(IterableDataset):
         order = self.order(epoch)
         return [order[k * G : (k + 1) * G] for k in range(len(self))]
 
+    def begin(self) -> None:
+        """Fix where the next pass starts. The loader calls it in the main process before DataLoader workers
+        copy the dataset: `start` moves the DataModule's resume position, which a worker's copy could not."""
+        self._position = self.start() if self.start is not None else (self.epoch, 0)
+
     def __iter__(self) -> Iterator[Batch]:
-        epoch, skip = self.start() if self.start is not None else (self.epoch, 0)
+        if self._position is None:
+            self.begin()
+        assert self._position is not None
+        (epoch, skip), self._position = self._position, None
         local = self.global_batch_size // self.dp_size
         lo, hi = self.dp_rank * local, (self.dp_rank + 1) * local
-        for indices in self.global_indices(epoch)[skip:]:
+        batches = self.global_indices(epoch)[skip:]
+        worker = get_worker_info()
+        if worker is not None:  # the DataLoader takes one batch from each worker in turn: the order is kept
+            batches = batches[worker.id :: worker.num_workers]
+        for indices in batches:
             yield self.make_batch(indices[lo:hi])
+
+
+class GlobalBatchLoader(DataLoader):
+    """A DataLoader over GlobalBatches that fixes the start of each pass before its workers start."""
+
+    def __iter__(self) -> Any:
+        self.dataset.begin()
+        return super().__iter__()
 
 
 class GlobalBatchDataModule(L.LightningDataModule):
@@ -113,12 +134,15 @@ class GlobalBatchDataModule(L.LightningDataModule):
     `make_train_batch` / `make_val_batch`. Validation data also serves test and predict.
     """
 
-    def __init__(self, global_batch_size: int, seed: int) -> None:
+    def __init__(self, global_batch_size: int, seed: int, num_workers: int = 0) -> None:
         super().__init__()
         if global_batch_size < 1:
             raise ValueError(f"global_batch_size={global_batch_size} must be at least 1")
+        if num_workers < 0:
+            raise ValueError(f"num_workers={num_workers} must be 0 (load in the training process) or more")
         self.global_batch_size = global_batch_size
         self.seed = seed
+        self.num_workers = num_workers
         self.train_samples = 0
         self.val_samples = 0
         self._resume: tuple[int, int] | None = None  # (epoch, batches already processed) from a checkpoint
@@ -185,7 +209,9 @@ class GlobalBatchDataModule(L.LightningDataModule):
                 stacklevel=2,
             )
         # batch_size=None: the dataset yields finished batches; the order is ours, not a sampler's
-        return DataLoader(dataset, batch_size=None, num_workers=0)
+        device = getattr(getattr(self.trainer, "strategy", None), "root_device", None)
+        pin_memory = device is not None and device.type == "cuda"  # page-locked host batches copy asynchronously
+        return GlobalBatchLoader(dataset, batch_size=None, num_workers=self.num_workers, pin_memory=pin_memory)
 
     def train_dataloader(self) -> DataLoader:
         return self._loader(self.train_samples, self.make_train_batch, train=True)

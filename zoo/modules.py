@@ -17,6 +17,7 @@ from typing import Any, Callable
 import lightning as L
 import torch
 import torch.nn.functional as F
+from typing_extensions import override
 
 from lit_mesh.kernels import adamw_implementation
 from lit_mesh.log_steps import reduced_on_logging_steps
@@ -24,6 +25,7 @@ from lit_mesh.loss import cross_entropy
 from lit_mesh.parallel.pipeline import loss_of, output_of
 from zoo.flops import gpt_flops_per_token, vit_flops_per_token
 from zoo.gpt import GPT, GPTConfig
+from zoo.pretrained import FromPretrained, pretrained_zoo
 from zoo.vit import ViT, ViTConfig
 
 
@@ -71,8 +73,10 @@ def _inputs(batch: Any) -> torch.Tensor:
     return batch[0] if isinstance(batch, (tuple, list)) else batch
 
 
-class GPTModule(L.LightningModule):
-    """Next-token language modelling with `zoo.gpt.GPT`; batches are (tokens, targets), both (B, T)."""
+class GPTModule(FromPretrained, L.LightningModule):
+    """Next-token language modelling with `zoo.gpt.GPT`; batches are (tokens, targets), both (B, T).
+
+    pretrained: a transformers Llama directory to start from (its config replaces the preset's)."""
 
     def __init__(
         self,
@@ -85,6 +89,7 @@ class GPTModule(L.LightningModule):
         variance_freeze_step: int | None = None,
         decay_steps: int = 0,
         min_lr_ratio: float = 0.1,
+        pretrained: str | None = None,
     ) -> None:
         """variance_freeze_step: None: AdamW; an int: lit_mesh.OneBitAdam, whose second moment freezes after that
         many steps (give it grad_compression's warmup_steps when compressing to 1 bit).
@@ -94,11 +99,16 @@ class GPTModule(L.LightningModule):
         lr_factor(warmup_steps, decay_steps, min_lr_ratio)  # bad values fail here, before any rank starts
         # validate the preset now, not after the trainer has started
         self.config = GPTConfig.from_preset(preset, **(config_overrides or {}))
+        if pretrained is not None:  # every tensor named and shape-checked now, before any rank starts
+            self.config, self._sources = pretrained_zoo(pretrained, "llama", config_overrides)
         self.model: GPT | None = None
 
+    @override
     def configure_model(self) -> None:
-        if self.model is None:  # the hook may run more than once (fit, then test)
+        created = self.model is None  # the hook may run more than once (fit, then test)
+        if created:
             self.model = GPT(self.config)
+        self._load_if_built(created)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         return output_of(self.model, tokens)

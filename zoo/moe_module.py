@@ -12,10 +12,12 @@ from typing import Any
 import lightning as L
 import torch
 from torch.distributed.tensor import DTensor
+from typing_extensions import override
 
 from lit_mesh.log_steps import module_logs_now, reduced_on_logging_steps
 from zoo.modules import GPTModule, _inputs, _optimizer
 from zoo.moe import MoEConfig, MoETransformer, moe_flops_per_token
+from zoo.pretrained import FromPretrained, pretrained_zoo
 
 
 def imbalance(load: torch.Tensor) -> torch.Tensor:
@@ -24,8 +26,10 @@ def imbalance(load: torch.Tensor) -> torch.Tensor:
     return load.max(dim=-1).values / load.mean(dim=-1).clamp_min(1e-9)
 
 
-class MoEModule(L.LightningModule):
-    """Next-token language modelling with `zoo.moe.MoETransformer`; batches are (tokens, targets), both (B, T)."""
+class MoEModule(FromPretrained, L.LightningModule):
+    """Next-token language modelling with `zoo.moe.MoETransformer`; batches are (tokens, targets), both (B, T).
+
+    pretrained: a transformers Mixtral directory to start from (its config replaces the preset's)."""
 
     def __init__(
         self,
@@ -35,17 +39,23 @@ class MoEModule(L.LightningModule):
         betas: tuple[float, float] = (0.9, 0.95),
         warmup_steps: int = 0,
         config_overrides: dict[str, Any] | None = None,
+        pretrained: str | None = None,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
         # validate the preset and the routing options now, before any process starts
         self.config = MoEConfig.from_preset(preset, **(config_overrides or {}))
+        if pretrained is not None:  # every tensor named and shape-checked now, before any rank starts
+            self.config, self._sources = pretrained_zoo(pretrained, "mixtral", config_overrides)
         self.model: MoETransformer | None = None
         self._load_since_step: torch.Tensor | None = None  # (MoE layers, experts), for aux-loss-free balancing
 
+    @override
     def configure_model(self) -> None:
-        if self.model is None:  # the hook may run more than once (fit, then test)
+        created = self.model is None  # the hook may run more than once (fit, then test)
+        if created:
             self.model = MoETransformer(self.config)
+        self._load_if_built(created)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.model(tokens)

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from tests.launch import REPO, cli_runs
+from tests.token_corpus import VOCAB, prepare_shards, train_tokenizer
 
 STEPS = 10
 # exactly the overrides a user types (issue #2), plus quiet output
@@ -36,6 +37,8 @@ LAYOUTS: dict[str, tuple[int, list[str]]] = {
     "fsdp2_tp2": (4, [f"{S}tp=2"]),  # dp_shard fills the rest: 2
 }
 RECIPES = {"gpt": "configs/gpt.yaml", "vit": "configs/vit.yaml"}
+# the GPT recipe on token shards (zoo.TokenDataModule, a BPE of 384 tokens): the same promise on real data
+TOKEN_LAYOUTS = {"single": (1, []), "fsdp2": LAYOUTS["fsdp2"], "tp2": LAYOUTS["tp2"], "pp2": (2, [f"{S}pp=2"])}
 # more GPT runs in the same launches: gradient accumulation (parity) and bf16 (runs, sane, right dtypes)
 VARIANTS: dict[str, tuple[str, list[str]]] = {
     "single-accum2": ("single", ["--trainer.accumulate_grad_batches=2"]),
@@ -59,6 +62,9 @@ VARIANTS: dict[str, tuple[str, list[str]]] = {
 def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
     """Every (recipe, layout) run, grouped into one torchrun launch per world size."""
     out = tmp_path_factory.mktemp("parity")
+    shards = prepare_shards(train_tokenizer(out / "tokenizer"), out / "shards")
+    token_data = ["--data=zoo.TokenDataModule", f"--data.path={shards}", "--data.seq_len=64",
+                  f"--model.init_args.config_overrides={{vocab_size: {VOCAB}}}"]  # fmt: skip
     found: dict[str, dict] = {}
     for nproc in (1, 2, 4):
         runs = [
@@ -71,6 +77,11 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
             {"name": f"gpt-{variant}", "args": ["-c", str(REPO / RECIPES["gpt"]), f"--trainer.devices={nproc}", *COMMON, *LAYOUTS[layout][1], *extra]}
             for variant, (layout, extra) in VARIANTS.items()
             if LAYOUTS[layout][0] == nproc
+        ]
+        runs += [
+            {"name": f"token-{layout}", "args": ["-c", str(REPO / RECIPES["gpt"]), f"--trainer.devices={n}", *COMMON, *extra, *token_data]}
+            for layout, (n, extra) in TOKEN_LAYOUTS.items()
+            if n == nproc
         ]
         found.update(cli_runs(nproc, out, runs))
     found["_dir"] = {"path": str(out)}
@@ -122,6 +133,11 @@ def test_gradient_norm_and_learning_rate_are_logged_as_on_one_device(results: di
         for step, (a, b) in enumerate(zip(ref, got), start=1):
             assert abs(a - b) <= 1e-4 * abs(a), f"step {step}: {layout} {key} {b} vs single-device {a}"
     assert len(set(reference["grad_norm"].values())) == STEPS
+@pytest.mark.parametrize("layout", [name for name in TOKEN_LAYOUTS if name != "single"])
+def test_token_data_layout_matches_single_device(results: dict, layout: str) -> None:
+    reference = losses(results["token-single"])
+    assert len(set(reference)) == STEPS and reference[0] > 5.0, "a BPE vocabulary of 384: ln(384) = 5.95 at the start"
+    _assert_same_curve(reference, losses(results[f"token-{layout}"]), f"token data {layout}")
 
 
 def test_gradient_accumulation_matches_single_device(results: dict) -> None:

@@ -1,8 +1,10 @@
 """Run several `lit-mesh` CLI invocations, one after another, in the processes torchrun started.
 
 Usage (from tests): torchrun --standalone --nproc_per_node=N tests/workers/cli_runs.py OUT_DIR RUNS_JSON
-RUNS_JSON is a list of {"name": str, "args": [cli args]}. For each run, rank 0 writes OUT_DIR/NAME/result.json
-with the logged metrics per step and OUT_DIR/NAME/params.pt with the final full (unsharded) parameters.
+RUNS_JSON is a list of {"name": str, "args": [cli args], "command": "fit" (default) or another subcommand}. For
+each fit, rank 0 writes OUT_DIR/NAME/result.json with the logged metrics per step and OUT_DIR/NAME/params.pt with
+the final full (unsharded) parameters; other commands write result.json with the world size (predictions: add
+the SavePredictions callback).
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from lightning.pytorch.callbacks import BasePredictionWriter
+from typing_extensions import override
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.tensor import DTensor
 
@@ -46,10 +50,28 @@ def full_parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {name: t for part in parts for name, t in part.items()}
 
 
-def run(out_dir: Path, name: str, args: list[str]) -> None:
+class SavePredictions(BasePredictionWriter):
+    """Writes each rank's inputs and predictions per batch to OUTPUT_DIR/rank{R}-batch{B}.pt."""
+
+    def __init__(self, output_dir: str) -> None:
+        super().__init__(write_interval="batch")
+        self.output_dir = Path(output_dir)
+
+    @override
+    def write_on_batch_end(self, trainer, pl_module, prediction, batch_indices, batch, batch_idx, dataloader_idx=0):  # noqa: ANN001
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        record = {"inputs": batch[0].cpu(), "predictions": prediction.detach().cpu()}
+        torch.save(record, self.output_dir / f"rank{trainer.global_rank}-batch{batch_idx}.pt")
+
+
+def run(out_dir: Path, name: str, args: list[str], command: str = "fit") -> None:
     save_dir = out_dir / name
-    cli = run_cli(["fit", *args, f"--trainer.logger.save_dir={save_dir}"])
+    cli = run_cli([command, *args, f"--trainer.logger.save_dir={save_dir}"])
     assert cli is not None
+    if command != "fit":
+        if cli.trainer.global_rank == 0:
+            (save_dir / "result.json").write_text(json.dumps({"world_size": cli.trainer.world_size}))
+        return
     params = full_parameters(cli.model)
     if cli.trainer.global_rank == 0:
         torch.save(params, save_dir / "params.pt")
@@ -63,5 +85,5 @@ def run(out_dir: Path, name: str, args: list[str]) -> None:
 if __name__ == "__main__":
     out, runs = Path(sys.argv[1]), json.loads(Path(sys.argv[2]).read_text())
     for spec in runs:
-        run(out, spec["name"], spec["args"])
+        run(out, spec["name"], spec["args"], spec.get("command", "fit"))
     close_process_groups()

@@ -52,6 +52,8 @@ def _zoo_config(
     name, config_class = kind
     if isinstance(given, config_class):
         return name, given
+    if hparams.get("pretrained"):  # fine-tuned from a transformers directory: its config, as the module read it
+        return name, _pretrained_config(hparams, checkpoint, lambda c: CONVERTERS[name].to_zoo_config(c))
     if "preset" not in hparams:  # not saved by a zoo module: guessing a preset would name the wrong shapes
         raise ConversionError(
             f"{str(checkpoint)!r} holds zoo {config_class.__name__.removesuffix('Config')} weights but no 'preset'"
@@ -59,6 +61,26 @@ def _zoo_config(
             f" export_hf(checkpoint, directory, config={config_class.__name__}.from_preset(...))"
         )
     return name, config_class.from_preset(hparams["preset"], **(hparams.get("config_overrides") or {}))
+
+
+def _pretrained_config(hparams: dict[str, Any], checkpoint: Any, convert: Any = None) -> Any:
+    """The config of the directory a module was fine-tuned from (hparams 'pretrained'), with its overrides."""
+    import dataclasses
+
+    from transformers import AutoConfig
+
+    directory = Path(hparams["pretrained"])
+    if not (directory / "config.json").is_file():
+        raise ConversionError(
+            f"{str(checkpoint)!r} was fine-tuned from pretrained={str(directory)!r}, whose config.json is gone; pass"
+            " the model's config: export_hf(checkpoint, directory, config=AutoConfig.from_pretrained(...))"
+        )
+    config = AutoConfig.from_pretrained(str(directory), local_files_only=True)
+    overrides = hparams.get("config_overrides") or {}
+    if convert is None:
+        config.update(overrides)
+        return config
+    return dataclasses.replace(convert(config), **overrides)
 
 
 def _hf_model(config: Any, weights: dict[str, torch.Tensor]) -> Any:
@@ -84,6 +106,8 @@ def export_hf(checkpoint: str | Path, directory: str | Path, prefix: str = "mode
         hf_config, hf_weights = zoo_state_to_hf(converter, weights, zoo[1])
         model = _load(converter.hf_model, hf_config, hf_weights)
     else:
+        if config is None and hparams.get("pretrained"):
+            config = _pretrained_config(hparams, checkpoint)
         if config is None:
             if "architecture" not in hparams:
                 raise ConversionError(

@@ -1,0 +1,99 @@
+"""Pretrained transformers directories loaded in one process: logits equal transformers' own for every
+architecture with a plan (sharded safetensors, tied embeddings, Mixtral's per-expert hub layout), the zoo GPT
+and MoE through the converters; missing and mismatched tensors named; another architecture refused by name; the
+slice reader against plain indexing for strided index runs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from lit_mesh.pretrained import Concatenated, Files, FileTensor, PretrainedError, Stacked, Transposed
+from zoo import GPTModule, MoEModule
+from zoo.hf.configs import tiny_config
+from zoo.hf.modules import HFCausalLM
+
+
+def _save(directory: Path, architecture: str, **overrides: object) -> Path:
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(tiny_config(architecture, **overrides)).save_pretrained(directory, max_shard_size="60KB")
+    return directory
+
+
+def _reference_logits(directory: Path, tokens: torch.Tensor) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    with torch.no_grad():
+        return AutoModelForCausalLM.from_pretrained(directory).eval()(input_ids=tokens).logits
+
+
+TOKENS = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(0))
+
+
+@pytest.mark.parametrize("architecture", ["llama", "qwen2", "mistral", "mixtral", "gpt2"])
+def test_hf_causal_lm_logits_equal_transformers(tmp_path: Path, architecture: str) -> None:
+    directory = _save(tmp_path, architecture)
+    assert (tmp_path / "model.safetensors.index.json").is_file(), "several safetensors files"
+    module = HFCausalLM(pretrained=str(directory))
+    module.configure_model()  # no MeshStrategy: the whole model is read here
+    with torch.no_grad():
+        assert torch.equal(module.eval()(TOKENS), _reference_logits(directory, TOKENS))
+
+
+@pytest.mark.parametrize(("module_class", "architecture"), [(GPTModule, "llama"), (MoEModule, "mixtral")])
+def test_zoo_modules_load_through_the_converters(tmp_path: Path, module_class: type, architecture: str) -> None:
+    directory = _save(tmp_path, architecture, tie_word_embeddings=False)
+    module = module_class(pretrained=str(directory))
+    module.configure_model()
+    with torch.no_grad():
+        torch.testing.assert_close(module.eval()(TOKENS), _reference_logits(directory, TOKENS), rtol=1e-5, atol=1e-5)
+
+
+def test_missing_and_mismatched_tensors_are_named(tmp_path: Path) -> None:
+    directory = _save(tmp_path, "llama")
+    files = sorted(tmp_path.glob("*.safetensors"))
+    for file in files:
+        state = load_file(file)
+        state.pop("model.layers.1.mlp.up_proj.weight", None)
+        if "model.norm.weight" in state:
+            state["model.norm.weight"] = torch.ones(32)
+        save_file(state, file, metadata={"format": "pt"})
+    with pytest.raises(PretrainedError) as error:
+        HFCausalLM(pretrained=str(directory))
+    message = str(error.value)
+    assert "model.norm.weight: (32,) in" in message and "(64,) in the model" in message
+    assert "missing from" in message and "model.layers.1.mlp.up_proj.weight" in message
+
+
+def test_another_architecture_is_refused_by_name(tmp_path: Path) -> None:
+    _save(tmp_path / "qwen2", "qwen2")
+    with pytest.raises(PretrainedError, match=r"holds a Qwen2ForCausalLM \(model_type 'qwen2'\); this module loads \['LlamaForCausalLM'\]"):
+        GPTModule(pretrained=str(tmp_path / "qwen2"))
+    _save(tmp_path / "opt", "opt")
+    with pytest.raises(PretrainedError, match="holds a OPTForCausalLM"):
+        HFCausalLM(pretrained=str(tmp_path / "opt"))
+    with pytest.raises(FileNotFoundError, match="has no config.json"):
+        HFCausalLM(pretrained=str(tmp_path / "nothing"))
+
+
+def test_slices_read_from_the_file_equal_indexing(tmp_path: Path) -> None:
+    a, b = torch.randn(6, 10), torch.randn(4, 10)
+    save_file({"a": a, "b": b, "c": torch.randn(6, 10)}, tmp_path / "w.safetensors")
+    t = {k: FileTensor(tmp_path / "w.safetensors", k, tuple(v.shape)) for k, v in load_file(tmp_path / "w.safetensors").items()}
+    rows, cols = torch.tensor([0, 1, 4, 5]), torch.tensor([2, 3, 4, 8, 9])  # strided: two runs each
+    from contextlib import ExitStack
+
+    with ExitStack() as stack:
+        files = Files(stack)
+        assert torch.equal(t["a"].read(files, [rows, cols]), a[rows][:, cols])
+        assert torch.equal(Transposed(t["a"]).read(files, [cols, rows]), a.t()[cols][:, rows])
+        both = torch.cat([a, b])
+        idx = torch.tensor([1, 5, 6, 9])
+        assert torch.equal(Concatenated((t["a"], t["b"]), dim=0).read(files, [idx, cols]), both[idx][:, cols])
+        stacked = Stacked((t["a"], t["c"])).read(files, [torch.tensor([1]), rows, cols])
+        assert torch.equal(stacked, load_file(tmp_path / "w.safetensors")["c"][rows][:, cols][None])
