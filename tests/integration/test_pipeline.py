@@ -112,7 +112,11 @@ def test_pipeline_matches_single_device(results: dict, name: str) -> None:
 def test_gradient_norm_combines_every_stage(results: dict, name: str) -> None:
     """GradientNormMonitor under pp: each stage holds part of the gradient; the logged norm is the whole one."""
     reference, candidate = results[reference_name(name)], results[name]
-    _assert_close(_per_step(reference, "grad_norm"), _per_step(candidate, "grad_norm"), f"{name} grad_norm")
+    ref, got = _per_step(reference, "grad_norm"), _per_step(candidate, "grad_norm")
+    assert sorted(ref) == sorted(got) and len(set(ref.values())) == len(ref), (ref, got)
+    # 1e-3: a norm amplifies the last bits the losses carry (1e-4); a missing stage would be off by tens of percent
+    for step, value in ref.items():
+        assert abs(got[step] - value) <= 1e-3 * value, f"{name} grad_norm at step {step}: {got[step]} vs one device {value}"
 
 
 def test_the_clip_in_the_accumulation_case_bites(results: dict) -> None:
