@@ -13,10 +13,10 @@ from dataclasses import dataclass, field, replace
 from lit_mesh.mesh import MeshLayout
 from lit_mesh.planner.cost import StepTime, model_flops_per_step, step_time
 from lit_mesh.planner.hardware import GIB, Hardware
-from lit_mesh.planner.memory import AC_MODES, PRECISION_BYTES, Workload, rank_memory
+from lit_mesh.planner.memory import Workload, rank_memory
+from lit_mesh.planner.options import AC_MODES, DIMS, PRECISION_BYTES
 from lit_mesh.planner.shapes import ModelShapes
 
-DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
 
 @dataclass
