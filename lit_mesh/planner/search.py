@@ -196,16 +196,14 @@ def explain(c: Candidate, shapes: ModelShapes, work: Workload, hw: Hardware) -> 
         f"memory {_gib(m['total'])} of {_gib(hw.usable_bytes)} usable (worst stage {m['stage']}): params"
         f" {_gib(m['params'])}, grads {_gib(m['grads'])}, AdamW {_gib(m['optimizer'])}, activations"
         f" {_gib(m['activations'])}, FSDP buffers {_gib(m['buffers'])}",
-        f"step {_s(t.total)}: compute {_s(t.compute)}"
-        + "".join(f", {k} {_s(v)} (overlapped)" for k, v in t.overlapped.items())
-        + "".join(f", {k} {_s(v)} (exposed)" for k, v in t.exposed.items())
+        f"step {_s(t.total)}: compute {_s(t.compute)} ("
+        + ", ".join(f"{k} {_s(v)}" for k, v in t.compute_parts.items() if v) + ")"
+        + "".join(f", {k} {_s(v)} exposed" for k, v in t.exposed.items())
         + (f", pipeline bubble +{100 * t.bubble:.0f}%" if t.bubble else "")
-        + f"; {c.tokens_per_s:,.0f} tokens/s, MFU {100 * c.mfu:.0f}%",
+        + f", AdamW {_s(t.optimizer)}; {c.tokens_per_s:,.0f} tokens/s, MFU {100 * c.mfu:.0f}%",
     ]
-    overlapped = sum(t.overlapped.values())
-    if overlapped:
-        hidden = "hidden behind compute" if overlapped <= t.compute else "NOT hidden: it exceeds compute"
-        out.append(f"data-parallel/cp traffic {_s(overlapped)}, {hidden}")
+    for k, v in t.overlapped.items():
+        out.append(f"{k} traffic {_s(v)}, {_s(t.exposed.get(k, 0.0))} of it exposed (the rest overlaps compute)")
     if layout.ep > 1:
         out.append(f"ep={layout.ep}: {shapes.config.n_experts // layout.ep} of {shapes.config.n_experts} experts per rank,"
                    f" tokens to their experts by all-to-all ({_s(t.exposed['ep'])} exposed)")
