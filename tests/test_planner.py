@@ -21,7 +21,7 @@ from lit_mesh.planner.command import main as plan_main
 from lit_mesh.planner.config_yaml import fit_config, rehearsal_config
 from lit_mesh.planner.hardware import GB, Hardware
 from lit_mesh.planner.memory import Workload, state_bytes
-from lit_mesh.planner.search import plan, why_invalid
+from lit_mesh.planner.search import plan, why_invalid, why_wasteful
 from lit_mesh.planner.shapes import gpt_shapes
 from lit_mesh.planner.simulate import simulate_rank
 from tests.launch import cli_runs
@@ -238,8 +238,8 @@ def test_nothing_fits_exits_1(capsys: pytest.CaptureFixture) -> None:
 
 def test_written_yaml_trains(capsys: pytest.CaptureFixture, tmp_path: Path) -> None:
     """Three plans of the tiny presets on 4 CPU processes: fsdp 2 x tp 2 under a memory budget that forces gradient
-    accumulation, pp 2 x fsdp 2 with its micro-batches, and the MoE with ep 2; and the rehearsal of the llama3-8b
-    plan on 8 GPUs (dp_shard 4 x cp 2), scaled to dp_shard 2 x cp 2 of the tiny GPT. The written configs train
+    accumulation, pp 2 x fsdp 2 with its micro-batches, and the MoE with ep 2; and the rehearsal of a llama3-8b
+    plan on 8 GPUs (dp_shard 4 x cp 2, fixed), scaled to dp_shard 2 x cp 2 of the tiny GPT. The written configs train
     through `lit-mesh fit`, in one launch."""
     common = ["--preset", "tiny", "--devices", "4", "--devices-per-node", "4", "--reserve-gib", "0",
               "--precision", "32-true", "--seq-len", "64", "--dp-replicate", "1", "--cp", "1"]
@@ -267,7 +267,8 @@ def test_written_yaml_trains(capsys: pytest.CaptureFixture, tmp_path: Path) -> N
     assert moe_config["trainer"]["strategy"]["init_args"]["ep"] == 2
     # the real plan for llama3-8b on one node of 8 GPUs, rehearsed on 4 CPU processes with the same mesh shape
     rehearsal_yaml = tmp_path / "rehearsal.yaml"
-    _, eight_b, text = _run(capsys, "--preset", "llama3-8b", "--devices", "8", "--rehearsal", str(rehearsal_yaml))
+    _, eight_b, text = _run(capsys, "--preset", "llama3-8b", "--devices", "8", "--dp-shard", "4", "--cp", "2",
+                            "--rehearsal", str(rehearsal_yaml))
     assert eight_b["ranked"][0]["layout"] == {"pp": 1, "dp_replicate": 1, "dp_shard": 4, "cp": 2, "tp": 1, "ep": 1}, text
     rehearsal = yaml.safe_load(rehearsal_yaml.read_text())
     rehearsal_args = rehearsal["trainer"]["strategy"]["init_args"]
@@ -442,3 +443,34 @@ def test_moe_all_to_all_in_the_step_time_by_hand() -> None:
     microbatches = 16 // 4 // 2
     assert t.exposed["ep"] == pytest.approx(microbatches * config.n_layers * 4 * (3 * 1e-6 + 3 / 4 * routed / 100e9))
     assert "ep" not in step_time(shapes, MeshLayout(dp_shard=4), work, "32-true", "none", hw).exposed
+
+
+def test_ties_go_to_less_exposed_communication_then_fewer_dims() -> None:
+    from lit_mesh.planner.cost import StepTime
+    from lit_mesh.planner.search import Candidate, rank
+
+    def option(layout: MeshLayout, total: float, exposed: float, memory: int = 1) -> Candidate:
+        t = StepTime(compute_parts={"gemm": total - exposed}, exposed={"tp": exposed} if exposed else {})
+        return Candidate(layout, "bf16-mixed", "none", Workload(8, 64), {"total": memory}, t, 0.0, 0.0)
+
+    slower = option(MeshLayout(dp_shard=8), 1.05, 0.0)
+    busy = option(MeshLayout(dp_shard=2, tp=4), 1.0, 0.1)  # fastest, but 10% of it exposed communication
+    quiet_3d = option(MeshLayout(dp_shard=2, cp=2, tp=2), 1.01, 0.0)
+    quiet_2d = option(MeshLayout(dp_shard=4, cp=2), 1.015, 0.0, memory=2)  # more memory, one dim fewer
+    assert rank([slower, busy, quiet_3d, quiet_2d]) == [quiet_2d, quiet_3d, busy, slower]
+
+
+def test_cp_only_where_each_rank_keeps_enough_tokens() -> None:
+    """512 tokens per rank across nodes (cp=16 of 8192) is refused: the ring would not hide its K/V exchange;
+    the same sequence over cp=2 inside a node is allowed."""
+    from lit_mesh.planner.search import cp_min_tokens
+
+    shapes, work = gpt_shapes(GPTConfig.from_preset("llama3-8b")), Workload(global_batch=256, seq_len=8192)
+    hw = Hardware(nodes=4, devices_per_node=8, memory_bytes=80 * GB)
+    across = MeshLayout(dp_shard=2, cp=16)
+    assert cp_min_tokens(shapes, across, hw) > 8192 // 16
+    assert why_invalid(across, shapes, work, hw) is None  # lit_mesh runs it, but it is not worth proposing
+    assert "fewer than" in (why_wasteful(across, shapes, work, hw) or "")
+    assert why_wasteful(MeshLayout(dp_shard=16, cp=2), shapes, work, hw) is None
+    result = plan(shapes, work, hw)
+    assert all(work.seq_len // c.layout.cp >= cp_min_tokens(shapes, c.layout, hw) for c in result.ranked)
