@@ -181,7 +181,8 @@ BAD_ARGUMENTS = [
     (["--devices", "8", "--seq-len", "1.5"], "argument --seq-len: '1.5' is not an integer >= 1"),
     (["--devices", "eight"], "argument --devices: 'eight' is not an integer >= 1"),
     *[(["--devices", "8", flag, value], f"argument {flag}: {value} is not a number > 0")
-      for flag in ("--peak-tflops", "--memory-gb", "--intra-node-gbps", "--inter-node-gbps") for value in ("0", "-1", "nan")],
+      for flag in ("--peak-tflops", "--memory-gb", "--memory-tbps", "--intra-node-gbps", "--inter-node-gbps")
+      for value in ("0", "-1", "nan")],
     *[(["--devices", "8", flag, "-1"], f"argument {flag}: -1 is not a number >= 0")
       for flag in ("--reserve-gib", "--intra-node-latency-us", "--inter-node-latency-us")],
     (["--devices", "8", "--efficiency", "1.5"], "argument --efficiency: 1.5 is not a number > 0 and <= 1"),

@@ -77,6 +77,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--reserve-gib", type=NON_NEGATIVE, default=4.0,
                    help="per-device memory kept free (context, fragmentation)")
     p.add_argument("--peak-tflops", type=POSITIVE, default=989.0, help="dense bf16 peak per device, TFLOP/s")
+    p.add_argument("--memory-tbps", type=POSITIVE, default=3.35,
+                   help="HBM bandwidth per device, TB/s (the memory-bound ops and the optimizer step)")
     p.add_argument("--efficiency", type=FRACTION, default=None,
                    help="the fraction of peak the largest matmuls reach (default: the calibrated one, see"
                         " lit_mesh/planner/calibration.yaml); smaller per-rank matmuls reach less")
@@ -138,6 +140,7 @@ def hardware_of(args: argparse.Namespace) -> Hardware:
     extra = {} if args.efficiency is None else {"compute_efficiency": args.efficiency}
     return Hardware(
         nodes=nodes, devices_per_node=per_node, memory_bytes=args.memory_gb * GB, peak_flops=args.peak_tflops * 1e12,
+        memory_bandwidth=args.memory_tbps * 1e12,
         intra_node_bandwidth=args.intra_node_gbps * GB, inter_node_bandwidth=args.inter_node_gbps * GB,
         intra_node_latency=args.intra_node_latency_us * 1e-6, inter_node_latency=args.inter_node_latency_us * 1e-6,
         reserve_bytes=args.reserve_gib * GIB, **extra,
