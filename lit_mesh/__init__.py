@@ -3,7 +3,9 @@
 Importing it registers the strategy under the name "mesh": `Trainer(strategy="mesh")`.
 """
 
+from importlib import import_module
 from importlib.metadata import PackageNotFoundError, version
+from typing import Any
 
 try:
     __version__ = version("lit-mesh")
@@ -11,18 +13,34 @@ except PackageNotFoundError:  # imported from a source tree that was never insta
     __version__ = "0+unknown"
 
 
-import lit_mesh.hf  # noqa: F401  registers the transformers plans and initialisation
-from lit_mesh.comm import CompressionLogger, CompressionOptions, CompressionPhase
-from lit_mesh.comm.onebit_adam import OneBitAdam
-from lit_mesh.init import Init, init_parameters
-from lit_mesh.mesh import MeshConfigError, MeshLayout
-from lit_mesh.monitor import GradientNormMonitor, MeshMonitor
-from lit_mesh.parallel.pipeline import loss_of, output_of
-from lit_mesh.pipeline_timeline import PipelineTimeline
-from lit_mesh.plan import ContextPlan, MoEPlan, ParallelPlan, PipelinePlan, PlanError, TensorPlan
-from lit_mesh.precision import FP16MixedPrecision
-from lit_mesh.strategy import MeshStrategy
-from lit_mesh.topology import Topology, TopologyError
+from lit_mesh.registration import register_mesh_strategy
+
+# the public names, imported on first use: `import lit_mesh` (and the `lit-mesh` command, which Python imports
+# through this package) stays free of torch and Lightning until something needs them
+_EXPORTS = {
+    "CompressionLogger": "lit_mesh.comm", "CompressionOptions": "lit_mesh.comm", "CompressionPhase": "lit_mesh.comm",
+    "OneBitAdam": "lit_mesh.comm.onebit_adam", "Init": "lit_mesh.init", "init_parameters": "lit_mesh.init",
+    "MeshConfigError": "lit_mesh.mesh", "MeshLayout": "lit_mesh.mesh", "GradientNormMonitor": "lit_mesh.monitor",
+    "MeshMonitor": "lit_mesh.monitor", "loss_of": "lit_mesh.parallel.pipeline", "output_of": "lit_mesh.parallel.pipeline",
+    "PipelineTimeline": "lit_mesh.pipeline_timeline", "PlanError": "lit_mesh.errors",
+    "ParallelPlan": "lit_mesh.plan", "TensorPlan": "lit_mesh.plan", "PipelinePlan": "lit_mesh.plan",
+    "ContextPlan": "lit_mesh.plan", "MoEPlan": "lit_mesh.plan", "FP16MixedPrecision": "lit_mesh.precision", "MeshStrategy": "lit_mesh.strategy",
+    "Topology": "lit_mesh.topology", "TopologyError": "lit_mesh.topology",
+}
+register_mesh_strategy()
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'lit_mesh' has no attribute {name!r}")
+    value = getattr(import_module(_EXPORTS[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_EXPORTS])
+
 
 __all__ = [
     "__version__",

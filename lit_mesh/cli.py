@@ -58,7 +58,7 @@ def plan_main(argv: list[str]) -> None:
     from lit_mesh.planner.command import main
 
     if main(argv):
-        raise SystemExit(1)  # --simulate found the estimate and the real sharding apart
+        raise SystemExit(1)  # nothing fits, or --simulate found the estimate and the real sharding apart
 
 
 # our subcommands: name -> (one line for --help, entry point taking the remaining arguments)

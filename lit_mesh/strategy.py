@@ -32,6 +32,7 @@ from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 from torch.distributed.device_mesh import DeviceMesh
 from typing_extensions import override
 
+import lit_mesh.hf  # noqa: F401  registers the transformers plans and initialisation (plan sources)
 from lit_mesh.checkpoint import optimizer_state_options, refuse_overwriting_other_files
 from lit_mesh.checkpoint_writer import CheckpointWriter
 from lit_mesh.comm.compression import CompressionRun

@@ -3,7 +3,9 @@ with on a given cluster.
 
 shapes.py       the model's parameters by role, from its ParallelPlan
 memory.py       per-rank bytes: exact parameter/gradient/AdamW shards, activations and FSDP buffers by formula
-cost.py         step time: compute roofline + alpha-beta collectives
+options.py      the vocabularies (dims, precisions, AC modes), free of torch for a fast --help
+cost.py         step time in parts: GEMMs by shape, attention, memory-bound ops, recompute, exposed collectives, bubble
+calibration.py  the published runs of calibration.yaml against cost.py's one set of kernel constants
 search.py       enumerate meshes x AC x precision x micro-batch, keep the valid and fitting, rank, explain
 simulate.py     the real plan on meta tensors over torch's fake process group: the bytes one rank truly holds
 config_yaml.py  the best plan as a `lit-mesh fit` config

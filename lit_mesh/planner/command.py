@@ -9,47 +9,92 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
+import math
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
-import yaml
+from lit_mesh.planner.options import AC_MODES, DIMS, PRECISION_BYTES
 
-from lit_mesh.planner.hardware import GB, GIB, Hardware
-from lit_mesh.planner.memory import AC_MODES, PRECISION_BYTES, Workload, first_rank_of_stage, state_bytes, stages_to_check
-from lit_mesh.planner.search import DIMS, Candidate, PlanResult, plan
-from lit_mesh.planner.shapes import config_class_of, gpt_shapes
-from zoo.gpt import PRESETS
+if TYPE_CHECKING:  # the model, memory and time modules import torch: only once the arguments are good
+    from lit_mesh.planner.hardware import Hardware
+    from lit_mesh.planner.search import Candidate, PlanResult
+
+PROG = "lit-mesh plan"
+DEFAULT_DEVICES_PER_NODE = 8
+
+
+class BadArgument(SystemExit):
+    """A bad command line: the message on stderr, exit status 2 (argparse's own convention)."""
+
+    def __init__(self, message: str) -> None:
+        print(f"{PROG}: error: {message}", file=sys.stderr)
+        super().__init__(2)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+
+def _number(kind: type, low: float, low_open: bool, high: float | None = None) -> Any:
+    """An argparse type: a finite `kind` above `low` (or at it, unless low_open) and up to `high`."""
+    bound = f"> {low:g}" if low_open else f">= {low:g}"
+    want = f"{'an integer' if kind is int else 'a number'} {bound}" + (f" and <= {high:g}" if high is not None else "")
+
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {want}") from None
+        if not math.isfinite(value) or value < low or (low_open and value == low) or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(f"{text} is not {want}")
+        return value
+
+    parse.__name__ = want  # argparse names the type in some messages
+    return parse
+
+
+COUNT = _number(int, 1, False)  # degrees, devices, batch, sequence length: whole and >= 1
+POSITIVE = _number(float, 0, True)  # memory, peak, bandwidth: > 0
+NON_NEGATIVE = _number(float, 0, False)  # reserve, latency: >= 0
+FRACTION = _number(float, 0, True, 1.0)
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="lit-mesh plan", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="gpt", choices=("gpt", "moe"), help="zoo model family: GPT or MoE (zoo/moe.py)")
-    p.add_argument("--preset", default="llama3-8b", help=f"zoo preset: GPT {', '.join(PRESETS)}; MoE see zoo/moe.py")
+    p.add_argument("--preset", default="llama3-8b",
+                   help="zoo preset: GPT tiny, small, llama3-8b/70b/405b, ... (zoo/gpt.py); MoE see zoo/moe.py")
     p.add_argument("--config-overrides", default="", help="config fields over the preset, YAML/JSON: '{n_layers: 40}'")
-    p.add_argument("--devices", type=int, default=None, help="total devices (default: nodes x devices per node)")
-    p.add_argument("--nodes", type=int, default=None, help="nodes (default: devices / devices per node)")
-    p.add_argument("--devices-per-node", type=int, default=8)
-    p.add_argument("--memory-gb", type=float, default=80.0, help="memory per device, GB (1e9 bytes)")
-    p.add_argument("--reserve-gib", type=float, default=4.0, help="per-device memory kept free (context, fragmentation)")
-    p.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak per device, TFLOP/s")
-    p.add_argument("--efficiency", type=float, default=0.6, help="fraction of peak dense matmuls reach")
-    p.add_argument("--intra-node-gbps", type=float, default=450.0, help="per device, GB/s (NVLink)")
-    p.add_argument("--inter-node-gbps", type=float, default=50.0, help="per device, GB/s (network)")
-    p.add_argument("--intra-node-latency-us", type=float, default=5.0)
-    p.add_argument("--inter-node-latency-us", type=float, default=15.0)
-    p.add_argument("--global-batch", type=int, default=256, help="sequences per optimizer step")
-    p.add_argument("--seq-len", type=int, default=8192)
+    p.add_argument("--devices", type=COUNT, default=None, help="total devices (default: nodes x devices per node)")
+    p.add_argument("--nodes", type=COUNT, default=None, help="nodes (default: devices / devices per node)")
+    p.add_argument("--devices-per-node", type=COUNT, default=None,
+                   help=f"devices of one node (default: --devices / --nodes when both are given, else"
+                        f" {DEFAULT_DEVICES_PER_NODE})")
+    p.add_argument("--memory-gb", type=POSITIVE, default=80.0, help="memory per device, GB (1e9 bytes)")
+    p.add_argument("--reserve-gib", type=NON_NEGATIVE, default=4.0,
+                   help="per-device memory kept free (context, fragmentation)")
+    p.add_argument("--peak-tflops", type=POSITIVE, default=989.0, help="dense bf16 peak per device, TFLOP/s")
+    p.add_argument("--memory-tbps", type=POSITIVE, default=3.35,
+                   help="HBM bandwidth per device, TB/s (the memory-bound ops and the optimizer step)")
+    p.add_argument("--efficiency", type=FRACTION, default=None,
+                   help="the fraction of peak the largest matmuls reach (default: the calibrated one, see"
+                        " lit_mesh/planner/calibration.yaml); smaller per-rank matmuls reach less")
+    p.add_argument("--intra-node-gbps", type=POSITIVE, default=450.0, help="per device, GB/s (NVLink)")
+    p.add_argument("--inter-node-gbps", type=POSITIVE, default=50.0, help="per device, GB/s (network)")
+    p.add_argument("--intra-node-latency-us", type=NON_NEGATIVE, default=5.0)
+    p.add_argument("--inter-node-latency-us", type=NON_NEGATIVE, default=15.0)
+    p.add_argument("--global-batch", type=COUNT, default=256, help="sequences per optimizer step")
+    p.add_argument("--seq-len", type=COUNT, default=8192, help="tokens per sequence (at most the preset's max_seq_len)")
     p.add_argument("--precision", nargs="+", default=["bf16-mixed"], choices=sorted(PRECISION_BYTES))
     p.add_argument("--ac", nargs="+", default=list(AC_MODES), choices=AC_MODES, help="activation checkpointing modes")
     for dim in (*DIMS, "ep"):
-        p.add_argument(f"--{dim.replace('_', '-')}", type=int, default=None, help=f"fix {dim} to this degree")
-    p.add_argument("--top", type=int, default=3, help="how many layouts to print")
+        p.add_argument(f"--{dim.replace('_', '-')}", type=COUNT, default=None, help=f"fix {dim} to this degree")
+    p.add_argument("--top", type=COUNT, default=3, help="how many layouts to print")
     p.add_argument("--out", default="", help="write the best layout as a `lit-mesh fit` config (YAML) here")
-    p.add_argument("--max-steps", type=int, default=1000, help="trainer.max_steps of the written config")
+    p.add_argument("--max-steps", type=COUNT, default=1000, help="trainer.max_steps of the written config")
     p.add_argument("--rehearsal", default="",
                    help="also write the best layout scaled down to a CPU smoke run here (every degree > 1 becomes 2,"
                         " the tiny preset of the family, 32-true, a few steps): `lit-mesh fit -c` it before the big run")
@@ -60,28 +105,79 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def nodes_and_devices_per_node(devices: int | None, nodes: int | None, per_node: int | None) -> tuple[int, int]:
+    """(nodes, devices per node) from whichever of the three flags are given; they must agree."""
+    if devices is None and nodes is None:
+        raise BadArgument("give --devices N (or --nodes N)")
+    if devices is not None and nodes is not None:
+        if per_node is None:
+            if devices % nodes:
+                raise BadArgument(f"--devices {devices} do not spread evenly over --nodes {nodes}: give a multiple of"
+                                  f" {nodes} devices (or drop --nodes)")
+            return nodes, devices // nodes
+        if devices != nodes * per_node:
+            raise BadArgument(f"--devices {devices} disagrees with --nodes {nodes} x --devices-per-node {per_node} ="
+                              f" {nodes * per_node}: give two of the three, or make them agree")
+        return nodes, per_node
+    per_node = per_node or DEFAULT_DEVICES_PER_NODE
+    if nodes is not None:
+        return nodes, per_node
+    assert devices is not None
+    if devices % per_node:
+        one_node = f"--devices-per-node {devices} for one node" if devices < per_node else f"--nodes N"
+        raise BadArgument(f"--devices {devices} is not --nodes x --devices-per-node ({per_node}): give a multiple of"
+                          f" {per_node}, or set {one_node}")
+    return devices // per_node, per_node
+
+
 def hardware_of(args: argparse.Namespace) -> Hardware:
-    dpn = args.devices_per_node
-    if args.devices is None and args.nodes is None:
-        raise SystemExit("lit-mesh plan: give --devices N (or --nodes N)")
-    nodes = args.nodes if args.nodes is not None else args.devices // dpn
-    if args.devices is not None and (args.devices % dpn or nodes * dpn != args.devices):
-        raise SystemExit(
-            f"lit-mesh plan: --devices {args.devices} is not --nodes x --devices-per-node ({dpn}); give a multiple"
-            f" of {dpn}, or set --devices-per-node to the devices of one node"
-        )
-    if nodes < 1:
-        raise SystemExit(f"lit-mesh plan: {args.devices} devices fill no node of {dpn}; set --devices-per-node")
+    from lit_mesh.planner.hardware import GB, GIB, Hardware
+
+    nodes, per_node = nodes_and_devices_per_node(args.devices, args.nodes, args.devices_per_node)
+    if args.memory_gb * GB <= args.reserve_gib * GIB:
+        raise BadArgument(f"--memory-gb {args.memory_gb:g} leaves nothing after the reserve of --reserve-gib"
+                          f" {args.reserve_gib:g}; give more memory or a smaller reserve")
+    extra = {} if args.efficiency is None else {"compute_efficiency": args.efficiency}
     return Hardware(
-        nodes=nodes, devices_per_node=dpn, memory_bytes=args.memory_gb * GB, peak_flops=args.peak_tflops * 1e12,
+        nodes=nodes, devices_per_node=per_node, memory_bytes=args.memory_gb * GB, peak_flops=args.peak_tflops * 1e12,
+        memory_bandwidth=args.memory_tbps * 1e12,
         intra_node_bandwidth=args.intra_node_gbps * GB, inter_node_bandwidth=args.inter_node_gbps * GB,
         intra_node_latency=args.intra_node_latency_us * 1e-6, inter_node_latency=args.inter_node_latency_us * 1e-6,
-        reserve_bytes=args.reserve_gib * GIB, compute_efficiency=args.efficiency,
+        reserve_bytes=args.reserve_gib * GIB, **extra,
     )
+
+
+def model_config(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
+    """The preset with the overrides, checked against the sequence length asked for."""
+    import dataclasses
+
+    import yaml
+
+    from lit_mesh.planner.shapes import config_class_of
+
+    try:
+        overrides = yaml.safe_load(args.config_overrides) if args.config_overrides else {}
+    except yaml.YAMLError as e:
+        raise BadArgument(f"--config-overrides {args.config_overrides!r} is not YAML: {e}".splitlines()[0]) from None
+    config_class = config_class_of(args.model)
+    fields = [f.name for f in dataclasses.fields(config_class)]
+    if not isinstance(overrides or {}, dict) or set(overrides or {}) - set(fields):
+        raise BadArgument(f"--config-overrides {args.config_overrides!r} must map {config_class.__name__}"
+                          f" fields ({', '.join(fields)}) to values, e.g. '{{n_layers: 40}}'")
+    try:
+        config = config_class.from_preset(args.preset, **(overrides or {}))
+    except (ValueError, TypeError) as e:
+        raise BadArgument(f"--model {args.model}: {e}") from None
+    if args.seq_len > config.max_seq_len:
+        raise BadArgument(f"--seq-len {args.seq_len} exceeds the model's max_seq_len={config.max_seq_len} ({args.preset}"
+                          f"{' with the overrides' if overrides else ''}): give --seq-len <= {config.max_seq_len}, or"
+                          f" raise it with --config-overrides '{{max_seq_len: {args.seq_len}}}'")
+    return config, overrides or {}
 
 
 def simulate_best(c: Candidate, config: Any, shapes: Any) -> list[dict[str, Any]]:
     """Estimate vs the real sharding on fake ranks, for the first rank of every stage that can be the worst."""
+    from lit_mesh.planner.memory import first_rank_of_stage, state_bytes, stages_to_check
     from lit_mesh.planner.simulate import simulate_rank
 
     rows = []
@@ -102,6 +198,8 @@ def summary(c: Candidate) -> dict[str, Any]:
 
 
 def report(result: PlanResult, args: argparse.Namespace, hw: Hardware, params: int) -> None:
+    from lit_mesh.planner.hardware import GIB
+
     size = f"{params / 1e9:.2f} B" if params >= 1e9 else f"{params / 1e6:.2f} M"
     print(f"lit-mesh plan: {args.preset} ({size} parameters) on {hw.world_size} devices"
           f" ({hw.nodes} nodes x {hw.devices_per_node}), {args.memory_gb:g} GB each; global batch"
@@ -128,36 +226,32 @@ def report(result: PlanResult, args: argparse.Namespace, hw: Hardware, params: i
 
 
 def main(argv: list[str]) -> int:
+    """0: a plan (and --simulate agrees); 1: nothing fits, or --simulate disagrees; bad arguments exit 2."""
     args = parse_args(argv)
     start = time.perf_counter()
-    overrides = yaml.safe_load(args.config_overrides) if args.config_overrides else {}
-    config_class = config_class_of(args.model)
-    fields = [f.name for f in dataclasses.fields(config_class)]
-    if not isinstance(overrides or {}, dict) or set(overrides or {}) - set(fields):
-        raise SystemExit(f"lit-mesh plan: --config-overrides {args.config_overrides!r} must map {config_class.__name__}"
-                         f" fields ({', '.join(fields)}) to values, e.g. '{{n_layers: 40}}'")
-    try:
-        config = config_class.from_preset(args.preset, **(overrides or {}))
-    except ValueError as e:
-        raise SystemExit(f"lit-mesh plan --model {args.model}: {e}") from None
+    config, overrides = model_config(args)
     hw = hardware_of(args)
-    shapes = gpt_shapes(config)
+    from lit_mesh.planner.memory import Workload
+    from lit_mesh.planner.search import plan
+    from lit_mesh.planner.shapes import gpt_shapes
+
+    try:
+        shapes = gpt_shapes(config)
+    except (ValueError, RuntimeError) as e:  # e.g. moe_every != 1, or overrides the model cannot be built with
+        raise BadArgument(f"--preset {args.preset} --config-overrides {args.config_overrides!r}: {e}") from None
     fixed = {d: getattr(args, d) for d in DIMS if getattr(args, d) is not None}
     if args.ep is not None and not shapes.is_moe:
-        raise SystemExit(f"lit-mesh plan: --ep {args.ep} needs an MoE model (--model moe); a dense model runs ep=1")
-    product = 1
-    for dim, degree in fixed.items():
-        product *= degree
-        if degree < 1 or hw.world_size % product:
-            given = ", ".join(f"--{d.replace('_', '-')} {v}" for d, v in fixed.items())
-            raise SystemExit(f"lit-mesh plan: {given}: the fixed degrees must be >= 1 and their product must divide the"
-                             f" {hw.world_size} devices; choose degrees among the divisors of {hw.world_size}")
+        raise BadArgument(f"--ep {args.ep} needs an MoE model (--model moe); a dense model runs ep=1")
+    if hw.world_size % math.prod(fixed.values()):
+        given = ", ".join(f"--{d.replace('_', '-')} {v}" for d, v in fixed.items())
+        raise BadArgument(f"{given}: the fixed degrees must be >= 1 and their product must divide the"
+                          f" {hw.world_size} devices; choose degrees among the divisors of {hw.world_size}")
     work = Workload(args.global_batch, args.seq_len)
     result = plan(shapes, work, hw, args.precision, args.ac, {**fixed, **({"ep": args.ep} if args.ep else {})})
     report(result, args, hw, shapes.numel())
     out: dict[str, Any] = {"preset": args.preset, "devices": hw.world_size, "ranked": [summary(c) for c in result.ranked[: args.top]],
                            "rejected": dict(result.rejected), "considered": result.considered}
-    status = 0
+    status = 0 if result.ranked else 1
     if result.ranked:
         best = result.ranked[0]
         if args.out:
@@ -207,7 +301,10 @@ def main(argv: list[str]) -> int:
 def _write(args: argparse.Namespace, best: Candidate, overrides: dict[str, Any], hw: Hardware, header: list[str]) -> Path:
     from lit_mesh.planner.config_yaml import write_fit_config
 
-    return write_fit_config(args.out, best, args.preset, overrides, hw, args.max_steps, header, args.model)
+    try:
+        return write_fit_config(args.out, best, args.preset, overrides, hw, args.max_steps, header, args.model)
+    except OSError as e:
+        raise BadArgument(f"--out {args.out}: cannot write it ({e.strerror}); give a writable path") from None
 
 
 def _write_rehearsal(args: argparse.Namespace, best: Candidate, hw: Hardware, argv: list[str]) -> Path:

@@ -1,42 +1,126 @@
-"""Step time of a layout: a compute roofline plus an alpha-beta model of every collective.
+"""Step time of a layout, in parts a reader can check: kernels by their per-rank shapes, every collective's
+exposed share, the pipeline bubble of the schedule, the activation-checkpointing recompute.
 
-Ring collectives over a group of k ranks: lit_mesh.topology's all_gather_time (also reduce-scatter) and
-all_reduce_time (twice that), the formula the hierarchical all-reduce uses too. A group's bandwidth and alpha are the intra-node ones when its ranks share a node, else the inter-node ones
-(the ring is as slow as its slowest link). Overlap rule: FSDP/HSDP/DDP gradient and parameter traffic and the
-context-parallel ring hide behind compute (prefetch, ring overlap): max(compute, overlapped); tensor-parallel
-collectives sit on the critical path and add; pipeline send/receive adds; the 1F1B bubble stretches the whole
-step by (pp - 1) / micro-batches. MoE: the expert weights' FSDP traffic runs over expert_dp (dp_shard x cp / ep)
-ranks, and every MoE block sends its routed tokens to their experts and back with all-to-alls over ep
-(dispatch + combine in forward, both again in backward, and in the recomputed forward under full AC), exposed.
+Compute, per rank and micro-batch, per block:
+- GEMMs: 6 M N K FLOPs (forward + backward) for each weight's tp-local (N, K), at a fraction of peak that grows
+  with the GEMM's size: eff(N, K) = gemm_peak_fraction x N / (N + half) x K / (K + half) (M, the tokens of a
+  micro-batch, is thousands: never the limit). A small GEMM after tp=8 is slower per FLOP than a big one.
+- attention (flash, causal: half the dense 12 T d FLOPs per token) at attention_peak_fraction of peak;
+- norms, activations, RoPE, residuals: memory bound, elementwise_accesses bytes-per-element moved per token of
+  (dim + ffn) / tp, forward + backward, over HBM bandwidth (fewer with torch.compile fusing them);
+- recompute: full AC repeats the block's forward (1/3 of the above); selective (lit_mesh keeps matmul, attention
+  and collective outputs) repeats only the elementwise forward;
+- the AdamW step on the rank's shards (memory bound).
+Communication, each collective with its own overlap rule (lit_mesh.topology's ring alpha-beta for each):
+- FSDP/HSDP: a block's all-gather (and, on the last micro-batch, its reduce-scatter and the replicas' all-reduce)
+  runs while the previous block computes (prefetch depth 1, FSDP2's default): exposed only where it exceeds that
+  block's compute, plus the first block's gather of each pass;
+- TP/SP: all-gathers and reduce-scatters of the activations on the critical path (async TP: the forward's hidden,
+  the backward's exposed);
+- CP ring: each K/V block's send overlaps the attention on the previous one: exposed where the send is longer;
+- EP: the all-to-alls of dispatch and combine, exposed; PP: the stage-boundary send/receive, exposed.
+Pipeline: the bubble of the schedule (BUBBLE) stretches the stage's time; the slowest stage sets the pace.
+The kernel constants are calibrated once against published runs: lit_mesh/planner/calibration.yaml.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
 
 from lit_mesh.mesh import MeshLayout
 from lit_mesh.parallel.pipeline_split import balanced_split
 from lit_mesh.planner.hardware import Hardware
-from lit_mesh.planner.memory import PRECISION_BYTES, Workload, fsdp_degree, unsharded_numel
-from lit_mesh.planner.shapes import ModelShapes
+from lit_mesh.planner.memory import PRECISION_BYTES, Workload, fsdp_degree, state_numel, unsharded_numel
+from lit_mesh.planner.shapes import ModelShapes, ParamShape
 from lit_mesh.topology import all_gather_time, all_reduce_time
 from zoo.flops import gpt_flops_per_token
 
-# extra matmul work of each activation-checkpointing mode: full recomputes every block's forward (1 of the
-# 3 forward+backward units); selective recomputes only norms and elementwise ops, which the roofline ignores
-RECOMPUTE = {"none": 0.0, "selective": 0.0, "full": 1.0 / 3.0}
+CALIBRATION = Path(__file__).with_name("calibration.yaml")
+
+
+@dataclass(frozen=True)
+class Kernels:
+    """How fast the kernels run, as fractions of the hardware's peaks (one set for every run)."""
+
+    gemm_peak_fraction: float  # what the largest bf16 GEMMs reach
+    gemm_half_size: float  # an N or K of this size halves a GEMM's efficiency
+    attention_peak_fraction: float  # flash attention forward + backward
+    elementwise_accesses: float  # bytes per (token x (dim + ffn) / tp element) moved by the memory-bound ops, eager
+    elementwise_accesses_compiled: float  # the same under torch.compile (fused)
+    adamw_bytes_per_parameter: float  # the optimizer step reads and writes the fp32 shards
+
+    def gemm_efficiency(self, n: float, k: float) -> float:
+        return self.gemm_peak_fraction * n / (n + self.gemm_half_size) * k / (k + self.gemm_half_size)
+
+
+@lru_cache(maxsize=1)
+def calibrated_kernels() -> Kernels:
+    import yaml
+
+    return Kernels(**yaml.safe_load(CALIBRATION.read_text())["kernels"])
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """A pipeline schedule and the virtual stages each rank runs (lit_mesh.parallel.pipeline.SCHEDULES)."""
+
+    name: str = "1f1b"
+    stages_per_rank: int = 1
+
+
+def bubble_fraction(schedule: Schedule, pp: int, microbatches: int) -> float:
+    """Idle time over busy time of a stage. With forward F, input-gradient B and weight-gradient W of one
+    micro-batch each a third of F + B + W:
+    - gpipe, 1f1b: (pp - 1) / n (Huang et al. 2019; Narayanan et al. 2021);
+    - interleaved 1F1B / looped BFS with v stages per rank: (pp - 1) / (v n) (Narayanan et al. 2021);
+    - zero bubble (ZB-H1, W deferred into the bubble): (pp - 1)(F + B - 2W) / (n (F + B + W)) = (pp - 1) / (3 n)
+      (Qi et al. 2023), over v stages per rank for the interleaved form;
+    - zbv / dualpipev (two stages per rank in a V): DualPipe's (pp/2 - 1)(F&B + B - 3W) with a full backward
+      B + W and no credit for the F&B overlap: (pp - 2) / (3 n) (DeepSeek-V3 report, table 2).
+    """
+    if pp == 1:
+        return 0.0
+    n, v = microbatches, schedule.stages_per_rank
+    if schedule.name in ("gpipe", "1f1b"):
+        return (pp - 1) / n
+    if schedule.name in ("interleaved_1f1b", "looped_bfs"):
+        return (pp - 1) / (v * n)
+    if schedule.name == "zero_bubble":
+        return (pp - 1) / (3 * v * n)
+    if schedule.name in ("zbv", "dualpipev"):
+        return max(pp - 2, 0) / (3 * n)
+    raise ValueError(f"schedule {schedule.name!r}: the planner knows gpipe, 1f1b, interleaved_1f1b, looped_bfs,"
+                     " zero_bubble, zbv, dualpipev")
+
+
+@dataclass(frozen=True)
+class Features:
+    """Switches of the run that change its speed, not its memory."""
+
+    compile: bool = False  # torch.compile of the blocks: elementwise ops fused
+    async_tp: bool = False  # tensor-parallel collectives decomposed and overlapped with their matmuls
+    reshard_after_forward: bool = True  # FSDP frees gathered weights after each forward (lit_mesh); False: ZeRO-2,
+    # gathered once per step and kept through every micro-batch (Llama 3's 405B run)
+    schedule: Schedule = Schedule()
 
 
 @dataclass
 class StepTime:
-    compute: float
-    overlapped: dict[str, float] = field(default_factory=dict)  # hidden behind compute while it lasts
-    exposed: dict[str, float] = field(default_factory=dict)  # on the critical path
-    bubble: float = 0.0  # fraction the pipeline bubble adds
+    compute_parts: dict[str, float] = field(default_factory=dict)  # per step, on the slowest stage
+    exposed: dict[str, float] = field(default_factory=dict)  # communication on the critical path
+    overlapped: dict[str, float] = field(default_factory=dict)  # communication traffic, hidden or not (for reading)
+    bubble: float = 0.0  # pipeline idle fraction of the stage's time
+    optimizer: float = 0.0  # the AdamW step, after the schedule
+
+    @property
+    def compute(self) -> float:
+        return sum(self.compute_parts.values())
 
     @property
     def total(self) -> float:
-        return (max(self.compute, sum(self.overlapped.values())) + sum(self.exposed.values())) * (1 + self.bubble)
+        return (self.compute + sum(self.exposed.values())) * (1 + self.bubble) + self.optimizer
 
 
 def flops_per_token(shapes: ModelShapes, seq_len: int) -> float:
@@ -57,55 +141,113 @@ def dim_strides(layout: MeshLayout) -> dict[str, int]:
             "dp_replicate": layout.tp * layout.cp * layout.dp_shard, "pp": layout.world_size // layout.pp}
 
 
-def step_time(shapes: ModelShapes, layout: MeshLayout, work: Workload, precision: str, ac: str, hw: Hardware) -> StepTime:
-    c = shapes.config
-    bytes_of = PRECISION_BYTES[precision]
-    stride = dim_strides(layout)
-    # the largest stage sets the pace; its blocks' share of the matmul FLOPs (embedding/head: one block each)
-    blocks = max(balanced_split(shapes.n_blocks, layout.pp))
-    flops = model_flops_per_step(shapes, work) * (1 + RECOMPUTE[ac])
-    compute = flops / layout.world_size * (blocks * layout.pp / shapes.n_blocks) / (hw.peak_flops * hw.compute_efficiency)
-    t = StepTime(compute=compute)
+def _local_matrix(p: ParamShape, tp: int) -> tuple[int, int] | None:
+    """(N, K) of the GEMM a 2-D weight does on one tp rank; None for vectors and embeddings (lookups)."""
+    if len(p.shape) != 2 or p.is_embedding:
+        return None
+    n, k = p.shape
+    if p.tp_style in ("colwise", "head", "vocab_head"):
+        n = -(-n // tp)
+    elif p.tp_style == "rowwise":
+        k = -(-k // tp)
+    return n, k
 
-    # data parallel traffic of the stage's tp-local parameters (first stage: it also holds the embedding)
-    stage_numel = blocks * sum(unsharded_numel(p, layout) for p in shapes.block if not p.expert)
-    stage_numel += sum(unsharded_numel(p, layout) for p in (*shapes.first, *shapes.last)) / layout.pp
-    expert_numel = blocks * sum(unsharded_numel(p, layout) for p in shapes.block if p.expert)
-    k = fsdp_degree(layout)
-    shard_link = hw.link(stride["cp"] if layout.cp > 1 else stride["dp_shard"], k)
-    microbatches = work.microbatches(layout)
-    if k > 1:  # parameters gathered in forward and backward of every micro-batch (resharded after forward);
-        # gradients reduce-scattered in fp32 once per step (no sync while accumulating)
-        t.overlapped["fsdp"] = 2 * microbatches * all_gather_time(stage_numel * bytes_of["gather"], k, shard_link) + all_gather_time(
-            stage_numel * 4, k, shard_link)
-    k_experts = k // layout.ep
-    if expert_numel and k_experts > 1:  # the experts' own FSDP units, over expert_dp
-        t.overlapped["fsdp_experts"] = 2 * microbatches * all_gather_time(
-            expert_numel * bytes_of["gather"], k_experts, shard_link) + all_gather_time(expert_numel * 4, k_experts, shard_link)
-    if layout.dp_replicate > 1:  # the (sharded) gradients all-reduced over the replicas
-        t.overlapped["dp_replicate"] = all_reduce_time(
-            (stage_numel / k + expert_numel / max(k_experts, 1)) * 4, layout.dp_replicate,
-            hw.link(stride["dp_replicate"], layout.dp_replicate))
 
-    tokens = work.tokens_per_microbatch(layout)
+def _gemm_seconds(params: tuple[ParamShape, ...], tokens: float, tp: int, ep: int, top_k: int, kern: Kernels,
+                  peak: float) -> float:
+    """Forward + backward GEMM time of `tokens` tokens through these weights on one rank."""
+    seconds = 0.0
+    for p in params:
+        if p.expert:  # (E, N, K): each token through top_k experts; ep spreads experts and their tokens evenly
+            n, k = p.shape[1], p.shape[2]
+            seconds += 6 * tokens * top_k * n * k / (peak * kern.gemm_efficiency(n, k))
+            continue
+        nk = _local_matrix(p, tp)
+        if nk is not None:
+            seconds += 6 * tokens * nk[0] * nk[1] / (peak * kern.gemm_efficiency(*nk))
+    return seconds
+
+
+def _ffn_width(config: object) -> int:
+    if hasattr(config, "expert_hidden"):  # MoE: the routed and shared experts a token passes through
+        return config.expert_hidden * (config.top_k + config.n_shared_experts)  # type: ignore[attr-defined]
+    return config.ffn_hidden  # type: ignore[attr-defined]
+
+
+def step_time(shapes: ModelShapes, layout: MeshLayout, work: Workload, precision: str, ac: str, hw: Hardware,
+              features: Features = Features(), kernels: Kernels | None = None) -> StepTime:
+    c, kern = shapes.config, kernels or calibrated_kernels()
+    if hw.compute_efficiency is not None:  # the user's own figure for the largest GEMMs
+        kern = Kernels(**{**kern.__dict__, "gemm_peak_fraction": hw.compute_efficiency})
+    bytes_of, stride, peak = PRECISION_BYTES[precision], dim_strides(layout), hw.peak_flops
     act = bytes_of["activation"]
-    if layout.tp > 1:
-        # per block: 2 all-gathers + 2 reduce-scatters of the (tokens, dim) activation in forward, the same in
-        # backward, and the forward's again when full AC recomputes; plus the head's logits all-gather
-        per_block = (8 + (4 if ac == "full" else 0)) * all_gather_time(tokens * c.dim * act, layout.tp, hw.link(1, layout.tp))
-        logits = all_gather_time(tokens * c.vocab_size * act, layout.tp, hw.link(1, layout.tp)) / layout.pp
-        t.exposed["tp"] = microbatches * (blocks * per_block + logits)
+    n_micro = work.microbatches(layout)
+    tokens = work.tokens_per_microbatch(layout)  # on this rank, per micro-batch (cp splits the sequence)
+    split = balanced_split(shapes.n_blocks, layout.pp)
+    top_k = getattr(c, "top_k", 1)
+
+    # one block, one micro-batch, on one rank: forward + backward
+    gemm = _gemm_seconds(shapes.block, tokens, layout.tp, layout.ep, top_k, kern, peak)
+    attention = 0.5 * 12 * tokens * work.seq_len * c.n_heads * c.head_dim / layout.tp / (peak * kern.attention_peak_fraction)
+    accesses = kern.elementwise_accesses_compiled if features.compile else kern.elementwise_accesses
+    elementwise = tokens * (c.dim + _ffn_width(c)) / layout.tp * accesses * act / hw.memory_bandwidth
+    recompute = {"none": 0.0, "selective": elementwise / 3, "full": (gemm + attention + elementwise) / 3}[ac]
+    block = gemm + attention + elementwise + recompute
+    head = _gemm_seconds(shapes.last, tokens, layout.tp, 1, 1, kern, peak)
+    # the slowest stage: the last one (its blocks and the head) or the fullest one
+    blocks = max(split)
+    stage = max(blocks * block, split[-1] * block + head)
+    t = StepTime(compute_parts={
+        "gemm": n_micro * blocks * gemm + (n_micro * head if stage > blocks * block else 0.0),
+        "attention": n_micro * blocks * attention, "elementwise": n_micro * blocks * elementwise,
+        "recompute": n_micro * blocks * recompute})
+    stage_numel = state_numel(shapes, layout, layout.world_size - 1)  # the last stage's shards
+    t.optimizer = stage_numel * kern.adamw_bytes_per_parameter / hw.memory_bandwidth
+
+    # FSDP / HSDP: per block, gathered forward and backward each micro-batch, reduce-scattered (fp32) and
+    # all-reduced over the replicas on the last one; hidden behind the previous block's compute where shorter
+    dense = sum(unsharded_numel(p, layout) for p in shapes.block if not p.expert)
+    experts = sum(unsharded_numel(p, layout) for p in shapes.block if p.expert)
+    k, k_experts = fsdp_degree(layout), fsdp_degree(layout) // layout.ep
+    shard_link = hw.link(stride["cp"] if layout.cp > 1 else stride["dp_shard"], k)
+    gather = reduce = 0.0
+    for numel, group in ((dense, k), (experts, k_experts)):
+        if numel and group > 1:
+            gather += all_gather_time(numel * bytes_of["gather"], group, shard_link)
+            reduce += all_gather_time(numel * 4, group, shard_link)
+    if layout.dp_replicate > 1:
+        reduce += all_reduce_time((dense / k + experts / max(k_experts, 1)) * 4, layout.dp_replicate,
+                                  hw.link(stride["dp_replicate"], layout.dp_replicate))
+    if gather or reduce:
+        forward, backward = block / 3, 2 * block / 3
+        per_micro = gather + max(0.0, gather - forward) * (blocks - 1) + max(0.0, gather - backward) * blocks
+        last = max(0.0, gather + reduce - backward) * blocks - max(0.0, gather - backward) * blocks
+        gathers = n_micro if features.reshard_after_forward else 1  # passes that gather the weights again
+        t.exposed["fsdp"] = gathers * per_micro + last
+        t.overlapped["fsdp"] = blocks * (2 * gathers * gather + reduce)
+
+    tp_link = hw.link(1, layout.tp)
+    if layout.tp > 1:  # per block 2 all-gathers + 2 reduce-scatters forward, the same backward, again under full AC
+        per_block = (8 + (4 if ac == "full" else 0)) * all_gather_time(tokens * c.dim * act, layout.tp, tp_link)
+        logits = all_gather_time(tokens * c.vocab_size * act, layout.tp, tp_link)
+        if features.async_tp:  # torch's micro-pipeline TP overlaps the forward's all-gather -> matmul and
+            # matmul -> reduce-scatter (the recomputed forward's too) with the matmuls; the backward's 4 stay exposed
+            per_block = per_block * 4 / (8 + (4 if ac == "full" else 0))
+        t.exposed["tp"] = n_micro * (blocks * per_block + (logits if stage > blocks * block else 0.0))
     if layout.ep > 1:  # the whole sequence of the micro-batch is routed on every tp rank: top_k copies per token
-        routed = work.micro_batch * work.seq_len // layout.cp * c.top_k * c.dim * act
+        routed = work.micro_batch * work.seq_len // layout.cp * top_k * c.dim * act
         per_block = (4 + (2 if ac == "full" else 0)) * all_gather_time(routed, layout.ep, hw.link(stride["ep"], layout.ep))
-        t.exposed["ep"] = microbatches * blocks * per_block
-    if layout.cp > 1:  # ring: cp - 1 K/V blocks pass in forward; K/V and their gradients in backward
+        t.exposed["ep"] = n_micro * blocks * per_block
+    if layout.cp > 1:  # ring: cp - 1 K/V blocks forward, K/V and their gradients backward, each behind one step
+        bandwidth, alpha = hw.link(stride["cp"], layout.cp)
         kv = tokens * 2 * c.n_kv_heads * c.head_dim // layout.tp * act
-        per_block = 3 * (layout.cp - 1) * kv / hw.link(stride["cp"], layout.cp)[0] + 3 * (layout.cp - 1) * hw.link(
-            stride["cp"], layout.cp)[1]
-        t.overlapped["cp"] = microbatches * blocks * per_block
+        step_attention = attention / layout.cp
+        send = alpha + kv / bandwidth
+        exposed = (layout.cp - 1) * (max(0.0, send - step_attention / 3) + max(0.0, 2 * send - 2 * step_attention / 3))
+        t.exposed["cp"] = n_micro * blocks * exposed
+        t.overlapped["cp"] = n_micro * blocks * 3 * (layout.cp - 1) * send
     if layout.pp > 1:  # one activation forward and one gradient backward per micro-batch and stage boundary
         bandwidth, alpha = hw.link(stride["pp"], 2)
-        t.exposed["pp"] = microbatches * 2 * (alpha + tokens * c.dim * act / layout.tp / bandwidth)
-        t.bubble = (layout.pp - 1) / microbatches
+        t.exposed["pp"] = n_micro * 2 * (alpha + tokens * c.dim * act / layout.tp / bandwidth)
+        t.bubble = bubble_fraction(features.schedule, layout.pp, n_micro)
     return t

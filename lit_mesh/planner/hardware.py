@@ -14,7 +14,7 @@ class Hardware:
     """Devices on nodes, with per-device memory, peak FLOP/s and the two link classes of an alpha-beta model.
 
     Bandwidths are per device and per direction, in bytes/s; latencies (alpha) in seconds per ring step.
-    Defaults: an H100 SXM node (80 GB, 989 TFLOP/s dense bf16; the links are lit_mesh.topology's defaults).
+    Defaults: an H100 SXM node (80 GB, 989 TFLOP/s dense bf16, 3.35 TB/s HBM; the links are lit_mesh.topology's defaults).
     """
 
     nodes: int = 1
@@ -26,13 +26,14 @@ class Hardware:
     intra_node_latency: float = INTRA_NODE_LATENCY
     inter_node_latency: float = INTER_NODE_LATENCY
     reserve_bytes: float = 4 * GIB  # CUDA context, allocator fragmentation, kernels' workspaces
-    compute_efficiency: float = 0.6  # the fraction of peak that dense matmuls reach
+    memory_bandwidth: float = 3.35e12  # HBM bytes/s (H100 SXM); the memory-bound ops and the optimizer step
+    compute_efficiency: float | None = None  # the fraction of peak the largest GEMMs reach; None: calibrated
 
     def __post_init__(self) -> None:
         for name in ("nodes", "devices_per_node"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
-        if not 0 < self.compute_efficiency <= 1:
+        if self.compute_efficiency is not None and not 0 < self.compute_efficiency <= 1:
             raise ValueError(f"compute_efficiency={self.compute_efficiency} must be in (0, 1]")
         if self.memory_bytes <= self.reserve_bytes:
             raise ValueError(

@@ -18,15 +18,9 @@ from dataclasses import dataclass
 from lit_mesh.loss import CHUNK_ROWS
 from lit_mesh.mesh import MeshLayout
 from lit_mesh.parallel.pipeline_split import balanced_split
+from lit_mesh.planner.options import AC_MODES, PRECISION_BYTES  # noqa: F401  (re-exported)
 from lit_mesh.planner.shapes import ModelShapes, ParamShape
 
-# bytes per element of: parameters, gradients, AdamW state (two moments), activations, all-gathered parameters
-PRECISION_BYTES = {
-    "32-true": dict(param=4, grad=4, optimizer=8, activation=4, gather=4),
-    "bf16-mixed": dict(param=4, grad=4, optimizer=8, activation=2, gather=2),  # fp32 masters, bf16 compute
-    "bf16-true": dict(param=2, grad=2, optimizer=4, activation=2, gather=2),
-}
-AC_MODES = ("none", "selective", "full")
 
 
 def chunk(n: int, parts: int, index: int) -> int:

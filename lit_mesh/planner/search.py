@@ -6,17 +6,18 @@ For an MoE model every ep that divides dp_shard x cp (ep borrows those ranks) is
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 
 from lit_mesh.mesh import MeshLayout
-from lit_mesh.planner.cost import StepTime, model_flops_per_step, step_time
+from lit_mesh.planner.cost import StepTime, calibrated_kernels, model_flops_per_step, step_time
 from lit_mesh.planner.hardware import GIB, Hardware
-from lit_mesh.planner.memory import AC_MODES, PRECISION_BYTES, Workload, rank_memory
+from lit_mesh.planner.memory import Workload, rank_memory
+from lit_mesh.planner.options import AC_MODES, DIMS, PRECISION_BYTES
 from lit_mesh.planner.shapes import ModelShapes
 
-DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
 
 @dataclass
@@ -95,6 +96,27 @@ def why_invalid(layout: MeshLayout, shapes: ModelShapes, work: Workload, hw: Har
     return None
 
 
+def why_wasteful(layout: MeshLayout, shapes: ModelShapes, work: Workload, hw: Hardware) -> str | None:
+    """The first reason a runnable layout is not worth proposing, or None."""
+    if layout.cp > 1 and work.seq_len // layout.cp < (need := cp_min_tokens(shapes, layout, hw)):
+        return (f"cp would leave fewer than {need} tokens per rank: the ring's K/V exchange would outlast the"
+                " attention it hides behind (the sequence is too short to need cp)")
+    return None
+
+
+def cp_min_tokens(shapes: ModelShapes, layout: MeshLayout, hw: Hardware) -> int:
+    """The fewest tokens per rank for which context parallelism pays: the ring hides each K/V block's send behind
+    the attention on the previous block only if t = seq_len / cp satisfies
+        attention of a step, 4 t^2 head_dim heads / tp / (peak x eff)  >=  send, 2 t head_dim kv_heads act / tp / bw
+    i.e. t >= kv_heads act peak eff / (2 heads bw): about 1,700 tokens for Llama 3 GQA over a 50 GB/s network,
+    200 over NVLink. Below it cp adds exposed communication and shrinks every kernel: plain FSDP is better.
+    At least 512 tokens per rank anyway (four 128-token flash-attention tiles in each load-balanced half)."""
+    c, act = shapes.config, 2  # bf16 K/V
+    bandwidth = hw.link(layout.tp, layout.cp)[0]
+    overlap = c.n_kv_heads * act * hw.peak_flops * calibrated_kernels().attention_peak_fraction / (2 * c.n_heads * bandwidth)
+    return max(512, math.ceil(overlap))
+
+
 def evaluate(layout: MeshLayout, shapes: ModelShapes, work: Workload, hw: Hardware, precision: str, ac: str) -> Candidate:
     memory = rank_memory(shapes, layout, work, precision, ac)
     time = step_time(shapes, layout, work, precision, ac, hw)
@@ -159,7 +181,7 @@ def plan(shapes: ModelShapes, work: Workload, hw: Hardware, precisions: Iterable
             continue
         options = len(precisions) * len(ac_modes)
         considered += options
-        reason = why_invalid(layout, shapes, work, hw)
+        reason = why_invalid(layout, shapes, work, hw) or why_wasteful(layout, shapes, work, hw)
         if reason:
             rejected[reason] += options
             continue
@@ -172,12 +194,35 @@ def plan(shapes: ModelShapes, work: Workload, hw: Hardware, precisions: Iterable
                     ranked.append(best)
                 else:
                     rejected[f"over {hw.usable_bytes / GIB:.1f} GiB per device (memory minus reserve)"] += 1
-    ranked.sort(key=lambda c: (c.time.total, c.memory["total"]))
+    ranked = rank(ranked)
     for c in ranked:
         c.reasons = explain(c, shapes, work, hw)
     if smallest is not None:
         smallest.reasons = explain(smallest, shapes, work, hw)
     return PlanResult(ranked, rejected, smallest, considered)
+
+
+TIE = 0.02  # step times this close are a tie: well inside the time model's error on published runs (up to 7%)
+
+
+def parallel_dims(c: Candidate) -> int:
+    return sum(getattr(c.layout, d) > 1 for d in (*DIMS, "ep"))
+
+
+def rank(candidates: list[Candidate]) -> list[Candidate]:
+    """Fastest first; among options within TIE of the fastest of their group: less exposed communication (in
+    steps of 1% of the step time), then
+    fewer parallel dims (simpler to run and debug), then less memory."""
+    by_time = sorted(candidates, key=lambda c: c.time.total)
+    ranked: list[Candidate] = []
+    while by_time:
+        lead = by_time[0].time.total
+        tied = [c for c in by_time if c.time.total <= lead * (1 + TIE)]
+        by_time = by_time[len(tied):]
+        # exposed communication in steps of 1% of the step: smaller differences are noise of the model too
+        ranked += sorted(tied, key=lambda c: (round(100 * sum(c.time.exposed.values()) / lead), parallel_dims(c),
+                                              c.memory["total"]))
+    return ranked
 
 
 def _gib(n: float) -> str:
@@ -196,16 +241,14 @@ def explain(c: Candidate, shapes: ModelShapes, work: Workload, hw: Hardware) -> 
         f"memory {_gib(m['total'])} of {_gib(hw.usable_bytes)} usable (worst stage {m['stage']}): params"
         f" {_gib(m['params'])}, grads {_gib(m['grads'])}, AdamW {_gib(m['optimizer'])}, activations"
         f" {_gib(m['activations'])}, FSDP buffers {_gib(m['buffers'])}",
-        f"step {_s(t.total)}: compute {_s(t.compute)}"
-        + "".join(f", {k} {_s(v)} (overlapped)" for k, v in t.overlapped.items())
-        + "".join(f", {k} {_s(v)} (exposed)" for k, v in t.exposed.items())
+        f"step {_s(t.total)}: compute {_s(t.compute)} ("
+        + ", ".join(f"{k} {_s(v)}" for k, v in t.compute_parts.items() if v) + ")"
+        + "".join(f", {k} {_s(v)} exposed" for k, v in t.exposed.items())
         + (f", pipeline bubble +{100 * t.bubble:.0f}%" if t.bubble else "")
-        + f"; {c.tokens_per_s:,.0f} tokens/s, MFU {100 * c.mfu:.0f}%",
+        + f", AdamW {_s(t.optimizer)}; {c.tokens_per_s:,.0f} tokens/s, MFU {100 * c.mfu:.0f}%",
     ]
-    overlapped = sum(t.overlapped.values())
-    if overlapped:
-        hidden = "hidden behind compute" if overlapped <= t.compute else "NOT hidden: it exceeds compute"
-        out.append(f"data-parallel/cp traffic {_s(overlapped)}, {hidden}")
+    for k, v in t.overlapped.items():
+        out.append(f"{k} traffic {_s(v)}, {_s(t.exposed.get(k, 0.0))} of it exposed (the rest overlaps compute)")
     if layout.ep > 1:
         out.append(f"ep={layout.ep}: {shapes.config.n_experts // layout.ep} of {shapes.config.n_experts} experts per rank,"
                    f" tokens to their experts by all-to-all ({_s(t.exposed['ep'])} exposed)")

@@ -24,8 +24,8 @@ def _run(capsys: pytest.CaptureFixture, *argv: str) -> tuple[int, dict, str]:
 
 def test_written_yaml_trains(capsys: pytest.CaptureFixture, tmp_path: Path) -> None:
     """Three plans of the tiny presets on 4 CPU processes: fsdp 2 x tp 2 under a memory budget that forces gradient
-    accumulation, pp 2 x fsdp 2 with its micro-batches, and the MoE with ep 2; and the rehearsal of the llama3-8b
-    plan on 8 GPUs (dp_shard 4 x cp 2), scaled to dp_shard 2 x cp 2 of the tiny GPT. The written configs train
+    accumulation, pp 2 x fsdp 2 with its micro-batches, and the MoE with ep 2; and the rehearsal of a llama3-8b
+    plan on 8 GPUs (dp_shard 4 x cp 2, fixed), scaled to dp_shard 2 x cp 2 of the tiny GPT. The written configs train
     through `lit-mesh fit`, in one launch."""
     common = ["--preset", "tiny", "--devices", "4", "--devices-per-node", "4", "--reserve-gib", "0",
               "--precision", "32-true", "--seq-len", "64", "--dp-replicate", "1", "--cp", "1"]
@@ -53,7 +53,8 @@ def test_written_yaml_trains(capsys: pytest.CaptureFixture, tmp_path: Path) -> N
     assert moe_config["trainer"]["strategy"]["init_args"]["ep"] == 2
     # the real plan for llama3-8b on one node of 8 GPUs, rehearsed on 4 CPU processes with the same mesh shape
     rehearsal_yaml = tmp_path / "rehearsal.yaml"
-    _, eight_b, text = _run(capsys, "--preset", "llama3-8b", "--devices", "8", "--rehearsal", str(rehearsal_yaml))
+    _, eight_b, text = _run(capsys, "--preset", "llama3-8b", "--devices", "8", "--dp-shard", "4", "--cp", "2",
+                            "--rehearsal", str(rehearsal_yaml))
     assert eight_b["ranked"][0]["layout"] == {"pp": 1, "dp_replicate": 1, "dp_shard": 4, "cp": 2, "tp": 1, "ep": 1}, text
     rehearsal = yaml.safe_load(rehearsal_yaml.read_text())
     rehearsal_args = rehearsal["trainer"]["strategy"]["init_args"]

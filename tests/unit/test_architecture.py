@@ -28,18 +28,20 @@ RULES = [
     ("zoo/moe.py", ("lit_mesh.parallel", "lit_mesh.comm", "lit_mesh.mesh", "lit_mesh.hf"), "models know nothing of meshes"),
     ("zoo/vit.py", ("lit_mesh.parallel", "lit_mesh.comm", "lit_mesh.mesh", "lit_mesh.hf"), "models know nothing of meshes"),
 ]  # fmt: skip
-EXEMPT = {"lit_mesh/__init__.py": ("lit_mesh.strategy",)}  # the public API: `from lit_mesh import MeshStrategy`
+# the public API (`from lit_mesh import MeshStrategy`), and the registration of strategy="mesh" that import
+# lit_mesh arranges (lit_mesh/registration.py)
+EXEMPT = {"lit_mesh/__init__.py": ("lit_mesh.strategy",), "lit_mesh/registration.py": ("lit_mesh.strategy",)}  # the public API: `from lit_mesh import MeshStrategy`
 
 # Today's exceptions, (file, imported package). They are being removed (issue #19: s19plans moves the HF plans into
 # the registry and gives the planner its own shapes): empty this list as they go. An entry that no longer occurs
 # fails test_known_exceptions_still_occur, so the list cannot outlive them.
 KNOWN_EXCEPTIONS = {
-    ("lit_mesh/planner/command.py", "zoo.gpt"),
     ("lit_mesh/planner/cost.py", "zoo.flops"),
     ("lit_mesh/planner/cost.py", "zoo.moe"),
     ("lit_mesh/planner/shapes.py", "zoo.gpt"),
     ("lit_mesh/planner/shapes.py", "zoo.moe"),
     ("lit_mesh/planner/simulate.py", "zoo.gpt"),
+    ("lit_mesh/planner/calibration.py", "zoo.gpt"),  # the planner's presets, as command.py had them
     ("lit_mesh/cli.py", "zoo"),  # so that short class paths (`--model=GPTModule`) resolve in LightningCLI
 }
 

@@ -1,0 +1,13 @@
+"""The planner's vocabularies, free of torch so that `lit-mesh plan --help` answers without importing it."""
+
+from __future__ import annotations
+
+DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")  # the mesh dims, outermost first
+
+# bytes per element of: parameters, gradients, AdamW state (two moments), activations, all-gathered parameters
+PRECISION_BYTES = {
+    "32-true": dict(param=4, grad=4, optimizer=8, activation=4, gather=4),
+    "bf16-mixed": dict(param=4, grad=4, optimizer=8, activation=2, gather=2),  # fp32 masters, bf16 compute
+    "bf16-true": dict(param=2, grad=2, optimizer=4, activation=2, gather=2),
+}
+AC_MODES = ("none", "selective", "full")
