@@ -13,6 +13,7 @@ except PackageNotFoundError:  # imported from a source tree that was never insta
 
 from lit_mesh.comm import CompressionLogger, CompressionOptions, CompressionPhase
 from lit_mesh.comm.onebit_adam import OneBitAdam
+from lit_mesh.faults import FaultInjector
 from lit_mesh.init import Init, init_parameters
 from lit_mesh.mesh import MeshConfigError, MeshLayout
 from lit_mesh.monitor import GradientNormMonitor, MeshMonitor
@@ -26,7 +27,7 @@ from lit_mesh.topology import Topology, TopologyError
 
 __all__ = [
     "__version__",
-    "CompressionLogger", "CompressionOptions", "CompressionPhase", "FP16MixedPrecision", "GradientNormMonitor", "Init", "MeshConfigError",
+    "CompressionLogger", "CompressionOptions", "CompressionPhase", "FaultInjector", "FP16MixedPrecision", "GradientNormMonitor", "Init", "MeshConfigError",
     "MeshLayout", "MeshMonitor", "MeshStrategy", "OneBitAdam", "ParallelPlan", "PipelineTimeline", "PlanError", "Topology",
     "TopologyError", "init_parameters",
     "loss_of", "output_of",

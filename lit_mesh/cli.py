@@ -97,7 +97,18 @@ def lightning_cli(args: list[str] | None) -> Any:
     import lit_mesh  # noqa: F401  (registers the "mesh" strategy)
     import zoo  # noqa: F401  (so short class paths of zoo modules resolve)
 
-    return LightningCLI(
+    from typing_extensions import override
+
+    from lit_mesh.resume import resolve_ckpt_path
+
+    class MeshCLI(LightningCLI):
+        @override
+        def before_fit(self) -> None:
+            # after a restart (torchrun --max-restarts, SLURM requeue): the newest complete checkpoint
+            config = self.config_init[self.subcommand]
+            config["ckpt_path"] = resolve_ckpt_path(self.trainer, config.get("ckpt_path"))
+
+    return MeshCLI(
         LightningModule,
         LightningDataModule,
         subclass_mode_model=True,

@@ -41,6 +41,7 @@ from lit_mesh.comm.compression import CompressionRun
 from lit_mesh.comm.hierarchical import AllReduceMode, Hierarchy, build_hierarchy, check_allreduce_mode
 from lit_mesh.comm.options import CompressionConfigError, CompressionOptions, resolve_compression
 from lit_mesh.comm.state import load_compression_state, save_compression_state
+from lit_mesh.elastic import init_process_group_for_attempt
 from lit_mesh.grad_norm import clip_grad_norm_
 from lit_mesh.mesh import (
     MeshConfigError,
@@ -237,6 +238,11 @@ class MeshStrategy(ModelParallelStrategy):
         # Always configure the launcher: with processes created externally (SLURM, torchrun) it spawns
         # nothing but still validates the cluster settings.
         self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+
+    def _setup_distributed(self) -> None:
+        # torchrun --max-restarts: each attempt on its own rendezvous keys (lit_mesh/elastic.py says why)
+        init_process_group_for_attempt(self.cluster_environment, self._get_process_group_backend(), self._timeout, self.root_device)
+        super()._setup_distributed()
 
     def setup_environment(self) -> None:
         self._setup_distributed()
