@@ -120,8 +120,26 @@ def lightning_cli(args: list[str] | None) -> Any:
 
 def main() -> None:
     """The console script (its return value would become the exit status)."""
-    run(sys.argv[1:], from_command_line=True)
+    from lit_mesh.checkpoint import CheckpointError
+
+    try:
+        run(sys.argv[1:], from_command_line=True)
+    except CheckpointError as error:
+        exit_once(error)
     close_process_groups()
+
+
+def exit_once(error: Exception) -> None:
+    """End every rank with one message for the run (rank 0's), not one traceback per rank; exit status 1."""
+    import torch.distributed as dist
+
+    started = dist.is_available() and dist.is_initialized()
+    if not started or dist.get_rank() == 0:
+        print(f"lit-mesh: {error}", file=sys.stderr, flush=True)
+    if started:
+        dist.barrier()  # no rank exits (and gets the others killed by torchrun) before the message is out
+    close_process_groups()
+    raise SystemExit(1)
 
 
 def close_process_groups() -> None:
