@@ -22,13 +22,14 @@ from lit_mesh.pipeline_timeline import PipelineTimeline
 from lit_mesh.parallel.tensor import PlanError
 from lit_mesh.plan import ParallelPlan
 from lit_mesh.precision import FP16MixedPrecision
+from lit_mesh.preemption import Preemption
 from lit_mesh.strategy import MeshStrategy
 from lit_mesh.topology import Topology, TopologyError
 
 __all__ = [
     "__version__",
     "CompressionLogger", "CompressionOptions", "CompressionPhase", "FaultInjector", "FP16MixedPrecision", "GradientNormMonitor", "Init", "MeshConfigError",
-    "MeshLayout", "MeshMonitor", "MeshStrategy", "OneBitAdam", "ParallelPlan", "PipelineTimeline", "PlanError", "Topology",
+    "MeshLayout", "MeshMonitor", "MeshStrategy", "OneBitAdam", "ParallelPlan", "PipelineTimeline", "PlanError", "Preemption", "Topology",
     "TopologyError", "init_parameters",
     "loss_of", "output_of",
 ]  # fmt: skip

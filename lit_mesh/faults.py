@@ -1,4 +1,5 @@
-"""FaultInjector: rehearse failures before a big run (a dead rank, a NaN loss, a slow rank, a hung collective).
+"""FaultInjector: rehearse failures before a big run (a dead rank, a NaN loss, a slow rank, a hung collective,
+a pre-emption signal).
 
     trainer = Trainer(strategy=MeshStrategy(...), callbacks=[FaultInjector("kill", step=7, rank=1)])
 
@@ -11,6 +12,7 @@ that the run recovers; `attempts="always"` repeats it in every attempt.
 from __future__ import annotations
 
 import os
+import signal
 import time
 from typing import Any, Literal
 
@@ -21,8 +23,8 @@ from typing_extensions import override
 
 from lit_mesh.elastic import restart_attempt
 
-Fault = Literal["kill", "nan_loss", "slow", "hang"]
-FAULTS = ("kill", "nan_loss", "slow", "hang")
+Fault = Literal["kill", "nan_loss", "slow", "hang", "sigterm"]
+FAULTS = ("kill", "nan_loss", "slow", "hang", "sigterm")
 
 
 class FaultInjector(Callback):
@@ -32,7 +34,8 @@ class FaultInjector(Callback):
     - "nan_loss": that step's training loss is NaN on that rank;
     - "slow": the rank sleeps `seconds` before the step (a straggler);
     - "hang": the rank stops before the step and never returns, so the other ranks wait in their next
-      collective (what the strategy's timeout must end).
+      collective (what the strategy's timeout must end);
+    - "sigterm": the rank receives SIGTERM, as from a scheduler pre-empting the job (see lit_mesh.Preemption).
 
     attempts: "first" (only in the launch's first attempt) or "always".
     """
@@ -73,6 +76,8 @@ class FaultInjector(Callback):
         elif self.fault == "hang":
             while True:
                 time.sleep(60)
+        elif self.fault == "sigterm":
+            os.kill(os.getpid(), signal.SIGTERM)
         elif self.fault == "nan_loss":
             _poison_next_loss(pl_module)
 
