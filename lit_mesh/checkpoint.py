@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import shutil
 import tempfile
+from collections.abc import Generator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Optional
 
@@ -11,7 +13,9 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from lightning.fabric.utilities.load import _METADATA_FILENAME
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -171,6 +175,42 @@ def publish_checkpoint(staging: Path, path: Path) -> None:
     staging.rename(path)
     if retired.exists():
         shutil.rmtree(retired)
+
+
+def remove_checkpoint(path: Path) -> None:
+    """Delete a checkpoint for retention (ModelCheckpoint's save_top_k), never the newest complete one of its
+    directory (a resume after a crash needs it); a directory is renamed away first, so a crash mid-delete never
+    leaves a half-deleted checkpoint that still looks complete."""
+    from lit_mesh.resume import newest_checkpoint
+
+    if not path.exists():
+        return
+    if newest_checkpoint(path.parent) == path:
+        rank_zero_warn(f"kept {str(path)!r}: it is the newest complete checkpoint of its directory (needed to resume)")
+        return
+    if path.is_dir():
+        doomed = path.with_name(path.name + ".deleting")
+        path.rename(doomed)
+        shutil.rmtree(doomed)
+    else:
+        path.unlink()
+
+
+@contextmanager
+def failed_save_reported(staging: Path, path: Path) -> Generator[None, None, None]:
+    """A save that fails (disk full, ...) removes its partial copy and says which checkpoints are still intact."""
+    from lit_mesh.resume import complete_checkpoints
+
+    try:
+        yield
+    except (OSError, CheckpointException) as error:  # DCP reports a rank's write error on every rank as the latter
+        shutil.rmtree(staging, ignore_errors=True)
+        intact = [p.name for p in complete_checkpoints(path.parent)]
+        kept = f"the previous checkpoints are intact: {', '.join(intact)}" if intact else "no earlier checkpoint exists"
+        raise OSError(
+            f"saving checkpoint {str(path)!r} failed ({error}); nothing was replaced and"
+            f" {kept} (in {str(path.parent)!r}). Free space or choose another dirpath, then resume with ckpt_path='last'"
+        ) from error
 
 
 def load_sharded_checkpoint(

@@ -11,6 +11,7 @@ that the run recovers; `attempts="always"` repeats it in every attempt.
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import time
@@ -18,13 +19,14 @@ from typing import Any, Literal
 
 import lightning as L
 import torch
+from torch.distributed.checkpoint import FileSystemWriter
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
 from lit_mesh.elastic import restart_attempt
 
-Fault = Literal["kill", "nan_loss", "slow", "hang", "sigterm"]
-FAULTS = ("kill", "nan_loss", "slow", "hang", "sigterm")
+Fault = Literal["kill", "nan_loss", "slow", "hang", "sigterm", "disk_full"]
+FAULTS = ("kill", "nan_loss", "slow", "hang", "sigterm", "disk_full")
 
 
 class FaultInjector(Callback):
@@ -35,7 +37,8 @@ class FaultInjector(Callback):
     - "slow": the rank sleeps `seconds` before the step (a straggler);
     - "hang": the rank stops before the step and never returns, so the other ranks wait in their next
       collective (what the strategy's timeout must end);
-    - "sigterm": the rank receives SIGTERM, as from a scheduler pre-empting the job (see lit_mesh.Preemption).
+    - "sigterm": the rank receives SIGTERM, as from a scheduler pre-empting the job (see lit_mesh.Preemption);
+    - "disk_full": the rank's next sharded checkpoint write fails with OSError(ENOSPC).
 
     attempts: "first" (only in the launch's first attempt) or "always".
     """
@@ -78,6 +81,8 @@ class FaultInjector(Callback):
                 time.sleep(60)
         elif self.fault == "sigterm":
             os.kill(os.getpid(), signal.SIGTERM)
+        elif self.fault == "disk_full":
+            _fail_next_shard_write()
         elif self.fault == "nan_loss":
             _poison_next_loss(pl_module)
 
@@ -94,3 +99,15 @@ def _poison_next_loss(module: L.LightningModule) -> None:
         return output * torch.tensor(float("nan"), device=output.device)
 
     module.training_step = nan_step  # type: ignore[method-assign]
+
+
+def _fail_next_shard_write() -> None:
+    """This rank's next shard write fails as on a full disk, inside torch.distributed.checkpoint's write step
+    (which then fails the save on every rank together, as a real write error does)."""
+    write_data = FileSystemWriter.write_data
+
+    def disk_full(self: FileSystemWriter, *args: Any, **kwargs: Any) -> Any:
+        FileSystemWriter.write_data = write_data  # type: ignore[method-assign]
+        raise OSError(errno.ENOSPC, "No space left on device (injected by lit_mesh.FaultInjector)")
+
+    FileSystemWriter.write_data = disk_full  # type: ignore[method-assign]

@@ -31,10 +31,12 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from lit_mesh.async_save import AsyncCheckpointSaver, staged_state, write_metadata
 from lit_mesh.checkpoint import (
+    failed_save_reported,
     load_sharded_checkpoint,
     optimizer_state_options,
     publish_checkpoint,
     refuse_overwriting_other_files,
+    remove_checkpoint,
 )
 from lit_mesh.comm import hierarchical
 from lit_mesh.comm.compression import CompressionRun
@@ -470,11 +472,16 @@ class MeshStrategy(ModelParallelStrategy):
             if trainer is None or trainer.state.status != TrainerStatus.RUNNING:
                 self.wait_for_checkpoint()  # a save outside fit/validate has no teardown to wait for it
             return
-        super().save_checkpoint(checkpoint, staging, storage_options)
+        with failed_save_reported(staging, path):
+            super().save_checkpoint(checkpoint, staging, storage_options)
         self.barrier()  # every shard and the metadata are on disk
         if self.global_rank == 0:
             publish_checkpoint(staging, path)
         self.barrier()
+
+    def remove_checkpoint(self, filepath: Any) -> None:
+        if self.is_global_zero:  # retention never deletes the newest complete checkpoint (lit_mesh/checkpoint.py)
+            remove_checkpoint(Path(filepath))
 
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         if not self._save_distributed_checkpoint:

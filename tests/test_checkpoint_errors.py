@@ -56,3 +56,28 @@ def test_the_console_reports_once_and_exits_1(probes: tuple) -> None:
     assert report.count("lit-mesh: cannot load checkpoint") == 1, report[-4000:]
     # no rank's traceback (torchrun's agent prints its own, of ChildFailedError, after every failed launch)
     assert "CheckpointError" not in report and "lit_mesh/checkpoint.py" not in report, report[-4000:]
+
+
+def test_a_failed_save_leaves_the_previous_checkpoints_and_says_so(probes: tuple) -> None:
+    out, results, _ = probes
+    result = results["disk_full"]
+    assert result["save"].startswith(f"OSError: saving checkpoint '{out / 'full_disk' / 'step=4.ckpt'}' failed"), result
+    assert "No space left on device" in result["save"] and "the previous checkpoints are intact: step=2.ckpt" in result["save"]
+    assert result["left"] == ["step=2.ckpt"], "no partial directory, the earlier checkpoint untouched"
+
+
+def test_retention_never_deletes_the_newest_complete_checkpoint(tmp_path: Path) -> None:
+    import os
+
+    from lit_mesh.checkpoint import remove_checkpoint
+
+    for age, name in enumerate(["step=2.ckpt", "step=4.ckpt"]):
+        (tmp_path / name).mkdir()
+        for file in ("meta.pt", ".metadata"):
+            (tmp_path / name / file).write_bytes(b"x")
+            os.utime(tmp_path / name / file, (1000 + age, 1000 + age))
+    (tmp_path / "step=6.ckpt.partial").mkdir()  # an interrupted save is not "newest complete"
+    remove_checkpoint(tmp_path / "step=4.ckpt")
+    assert (tmp_path / "step=4.ckpt").is_dir(), "the newest complete checkpoint is kept"
+    remove_checkpoint(tmp_path / "step=2.ckpt")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step=4.ckpt", "step=6.ckpt.partial"]

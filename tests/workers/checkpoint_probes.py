@@ -66,6 +66,18 @@ if __name__ == "__main__":
                 results[name]["export"] = f"{type(error).__name__}: {error}"
         dist.barrier()
         results[name]["unchanged"] = fingerprint(directory) == before
+    # disk full while writing step=4.ckpt on rank 1: the save fails on every rank, step=2.ckpt stays as it was
+    try:
+        run(["fit", *gpt_args, "--trainer.max_steps=4", f"--trainer.logger.save_dir={out / 'logs' / 'disk_full'}",
+             "--trainer.callbacks+=ModelCheckpoint", f"--trainer.callbacks.dirpath={out / 'full_disk'}",
+             "--trainer.callbacks.every_n_train_steps=2", "--trainer.callbacks.save_top_k=-1", "--trainer.callbacks.filename={step}",
+             "--trainer.callbacks+=lit_mesh.FaultInjector", "--trainer.callbacks.fault=disk_full", "--trainer.callbacks.step=3",
+             "--trainer.callbacks.rank=1"])  # fmt: skip
+        results["disk_full"] = {"save": "no error"}
+    except Exception as error:  # noqa: BLE001
+        results["disk_full"] = {"save": f"{type(error).__name__}: {error}"}
+    dist.barrier()
+    results["disk_full"]["left"] = sorted(p.name for p in (out / "full_disk").iterdir())
     if dist.get_rank() == 0:
         (out / "probes.json").write_text(json.dumps(results))
     dist.barrier()
