@@ -150,7 +150,7 @@ def test_errors_after_start_are_clear(tmp_path: Path) -> None:
         "cp_without_attention": [a.replace("gpt.yaml", "vit.yaml") for a in _gpt(f"{S}cp=2")],  # ViT: no attention in its plan
         "cp_self_parallelised": _gpt(f"{S}cp=2", "--model=tests.workers.cp_modules.SelfShardedGPT"),
         "nan_loss": _gpt(
-            f"{S}dp=2", "--trainer.max_steps=6", "--trainer.callbacks+=lit_mesh.FaultInjector",
+            f"{S}dp=2", "--trainer.max_steps=6", "--trainer.callbacks=lit_mesh.FaultInjector",
             "--trainer.callbacks.fault=nan_loss", "--trainer.callbacks.step=3", "--trainer.callbacks.rank=1",
         ),
         "ep_vs_experts": [
