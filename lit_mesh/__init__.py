@@ -22,6 +22,7 @@ from lit_mesh.pipeline_timeline import PipelineTimeline
 from lit_mesh.parallel.tensor import PlanError
 from lit_mesh.plan import ParallelPlan
 from lit_mesh.precision import FP16MixedPrecision
+from lit_mesh.resume import newest_checkpoint
 from lit_mesh.preemption import Preemption
 from lit_mesh.strategy import MeshStrategy
 from lit_mesh.topology import Topology, TopologyError
@@ -30,6 +31,6 @@ __all__ = [
     "__version__",
     "CompressionLogger", "CompressionOptions", "CompressionPhase", "FaultInjector", "FP16MixedPrecision", "GradientNormMonitor", "Init", "MeshConfigError",
     "MeshLayout", "MeshMonitor", "MeshStrategy", "OneBitAdam", "ParallelPlan", "PipelineTimeline", "PlanError", "Preemption", "Topology",
-    "TopologyError", "init_parameters",
+    "TopologyError", "init_parameters", "newest_checkpoint",
     "loss_of", "output_of",
 ]  # fmt: skip
