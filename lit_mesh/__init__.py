@@ -25,7 +25,8 @@ _EXPORTS = {
     "PipelineTimeline": "lit_mesh.pipeline_timeline", "PlanError": "lit_mesh.errors",
     "ParallelPlan": "lit_mesh.plan", "TensorPlan": "lit_mesh.plan", "PipelinePlan": "lit_mesh.plan",
     "ContextPlan": "lit_mesh.plan", "MoEPlan": "lit_mesh.plan", "FP16MixedPrecision": "lit_mesh.precision", "MeshStrategy": "lit_mesh.strategy",
-    "Topology": "lit_mesh.topology", "TopologyError": "lit_mesh.topology",
+    "Topology": "lit_mesh.topology", "TopologyError": "lit_mesh.topology", "FaultInjector": "lit_mesh.faults",
+    "Preemption": "lit_mesh.preemption", "newest_checkpoint": "lit_mesh.resume",
 }
 register_mesh_strategy()
 
@@ -44,9 +45,9 @@ def __dir__() -> list[str]:
 
 __all__ = [
     "__version__",
-    "CompressionLogger", "CompressionOptions", "CompressionPhase", "ContextPlan", "FP16MixedPrecision",
+    "CompressionLogger", "CompressionOptions", "CompressionPhase", "ContextPlan", "FaultInjector", "FP16MixedPrecision",
     "GradientNormMonitor", "Init", "MeshConfigError", "MeshLayout", "MeshMonitor", "MeshStrategy", "MoEPlan",
-    "OneBitAdam", "ParallelPlan", "PipelinePlan", "PipelineTimeline", "PlanError", "TensorPlan", "Topology",
-    "TopologyError", "init_parameters",
+    "OneBitAdam", "ParallelPlan", "PipelinePlan", "PipelineTimeline", "PlanError", "Preemption", "TensorPlan",
+    "Topology", "TopologyError", "init_parameters", "newest_checkpoint",
     "loss_of", "output_of",
 ]  # fmt: skip

@@ -4,12 +4,18 @@ from __future__ import annotations
 
 import shutil
 import tempfile
+from collections.abc import Generator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Optional
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from lightning.fabric.utilities.load import _METADATA_FILENAME
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -43,8 +49,96 @@ def stored_optimizer_state_options(path: Path, key: str) -> StateDictOptions:
     return NESTED_OPTIMIZER_STATE_OPTIONS if nested else OPTIMIZER_STATE_OPTIONS
 
 
-class NotACheckpointError(FileNotFoundError, ValueError):
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be loaded; the message names it, what is wrong, and the checkpoint to use instead."""
+
+
+class NotACheckpointError(CheckpointError, FileNotFoundError):
     """A path that is no (complete) checkpoint; a ValueError too, as ModelParallelStrategy raises it."""
+
+
+def _refusal(path: Path, problem: str) -> str:
+    """The whole message: the checkpoint, what is wrong, that nothing was changed, and the previous complete one."""
+    from lit_mesh.resume import complete_checkpoints  # (resume.py needs Lightning's trainer; keep it lazy)
+
+    others = [p for p in complete_checkpoints(path.parent) if p.resolve() != path.resolve() and not shard_problems(p)]
+    advice = (
+        f"resume from the previous complete checkpoint, {str(others[-1])!r} (--ckpt_path={others[-1]})"
+        if others
+        else f"there is no other complete checkpoint in {str(path.parent)!r}: start afresh or restore a copy"
+    )
+    return f"cannot load checkpoint {str(path)!r}: {problem}. Nothing in it was changed; {advice}"
+
+
+def shard_problems(path: Path) -> Optional[str]:
+    """What is wrong with the files of a sharded checkpoint, read from its layout (.metadata) and the file sizes
+    alone (no tensor is read): an unreadable layout, a missing shard file, a shard shorter than the layout says."""
+    try:
+        layout = dcp.FileSystemReader(path).read_metadata()
+    except Exception as error:  # noqa: BLE001 - any failure to read it is the answer
+        return f"its layout file .metadata cannot be read ({type(error).__name__}: {error})"
+    needed: dict[str, int] = {}  # bytes each shard file must hold
+    for info in (layout.storage_data or {}).values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    missing = [name for name in sorted(needed) if not (path / name).is_file()]
+    if missing:
+        return f"shard file(s) {', '.join(missing)} of the {len(needed)} its layout lists are missing"
+    short = [
+        f"{name} holds {size} bytes, its layout needs {size_needed}"
+        for name, size_needed in sorted(needed.items())
+        if (size := (path / name).stat().st_size) < size_needed
+    ]
+    if short:
+        return "truncated shard file(s): " + "; ".join(short)
+    return None
+
+
+def model_problems(path: Path, model: nn.Module, strict: bool) -> Optional[str]:
+    """Tensors this model has that the checkpoint lacks (another model's weights), or of another shape."""
+    stored = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    held = {key[len("state_dict."):] for key in stored if key.startswith("state_dict.")}
+    ours = model.state_dict()
+    absent = [name for name in ours if name not in held]
+    if strict and absent:
+        extra = sorted(held - set(ours))
+        return (
+            f"it holds the weights of another model: {len(absent)} of this model's {len(ours)} tensors are not in it"
+            f" (e.g. {', '.join(absent[:3])})"
+            + (f", and it holds {len(extra)} tensors this model has not (e.g. {', '.join(extra[:3])})" if extra else "")
+            + "; resume with the model it was saved from"
+        )
+    mismatched = [
+        f"{name}: {tuple(stored[key].size)} in the checkpoint, {tuple(tensor.shape)} in this model"
+        for name, tensor in ours.items()
+        if (key := f"state_dict.{name}") in stored
+        and hasattr(stored[key], "size")
+        and tuple(stored[key].size) != tuple(tensor.shape)
+    ]
+    if mismatched:
+        return (
+            f"it holds a model of another shape ({len(mismatched)} tensors differ, e.g. " + "; ".join(mismatched[:3])
+            + "); resume with the model configuration it was saved with"
+        )
+    return None
+
+
+def _agreed(problem: Optional[str]) -> Optional[str]:
+    """Every rank learns the first rank's problem (pipeline stages check different tensors), so all stop alike."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return problem
+    found: list[Optional[str]] = [None] * dist.get_world_size()
+    dist.all_gather_object(found, problem)
+    return next((p for p in found if p), None)
+
+
+def verify_checkpoint(path: Path, model: Optional[nn.Module] = None, strict: bool = True) -> None:
+    """Refuse a damaged checkpoint before anything is loaded, with one CheckpointError naming it and the fix."""
+    problem = shard_problems(path)
+    if problem is None and model is not None:
+        problem = model_problems(path, model, strict)
+    problem = _agreed(problem) if model is not None else problem
+    if problem:
+        raise CheckpointError(_refusal(path, problem))
 
 
 def _is_checkpoint_file(relative: Path) -> bool:
@@ -83,22 +177,40 @@ def publish_checkpoint(partial: Path, path: Path) -> None:
         shutil.rmtree(retired)
 
 
-def check_shapes(path: Path, model: nn.Module) -> None:
-    """Refuse a checkpoint of a model of another shape, naming the tensors (torch's own error names none)."""
-    stored = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
-    mismatched = [
-        f"{name}: {tuple(stored[key].size)} in the checkpoint, {tuple(tensor.shape)} in this model"
-        for name, tensor in model.state_dict().items()
-        if (key := f"state_dict.{name}") in stored
-        and hasattr(stored[key], "size")
-        and tuple(stored[key].size) != tuple(tensor.shape)
-    ]
-    if mismatched:
-        raise ValueError(
-            f"checkpoint {str(path)!r} holds a model of another shape ({len(mismatched)} tensors differ, e.g. "
-            + "; ".join(mismatched[:3])
-            + "); resume with the model configuration it was saved with"
-        )
+def remove_checkpoint(path: Path) -> None:
+    """Delete a checkpoint for retention (ModelCheckpoint's save_top_k), never the newest complete one of its
+    directory (a resume after a crash needs it); a directory is renamed away first, so a crash mid-delete never
+    leaves a half-deleted checkpoint that still looks complete."""
+    from lit_mesh.resume import newest_checkpoint
+
+    if not path.exists():
+        return
+    if newest_checkpoint(path.parent) == path:
+        rank_zero_warn(f"kept {str(path)!r}: it is the newest complete checkpoint of its directory (needed to resume)")
+        return
+    if path.is_dir():
+        doomed = path.with_name(path.name + ".deleting")
+        path.rename(doomed)
+        shutil.rmtree(doomed)
+    else:
+        path.unlink()
+
+
+@contextmanager
+def failed_save_reported(staging: Path, path: Path) -> Generator[None, None, None]:
+    """A save that fails (disk full, ...) removes its partial copy and says which checkpoints are still intact."""
+    from lit_mesh.resume import complete_checkpoints
+
+    try:
+        yield
+    except (OSError, CheckpointException) as error:  # DCP reports a rank's write error on every rank as the latter
+        shutil.rmtree(staging, ignore_errors=True)
+        intact = [p.name for p in complete_checkpoints(path.parent)]
+        kept = f"the previous checkpoints are intact: {', '.join(intact)}" if intact else "no earlier checkpoint exists"
+        raise OSError(
+            f"saving checkpoint {str(path)!r} failed ({error}); nothing was replaced and"
+            f" {kept} (in {str(path.parent)!r}). Free space or choose another dirpath, then resume with ckpt_path='last'"
+        ) from error
 
 
 def load_sharded_checkpoint(
@@ -112,13 +224,15 @@ def load_sharded_checkpoint(
     metadata_file = path / _METADATA_FILENAME
     if not metadata_file.is_file():
         raise NotACheckpointError(
-            f"checkpoint directory {str(path)!r} has no {_METADATA_FILENAME}: it is partial (an interrupted save?)"
-            " or was not written by MeshStrategy or ModelParallelStrategy, so it does not point to a valid"
-            " checkpoint; resume from another checkpoint"
+            _refusal(
+                path,
+                f"the directory has no {_METADATA_FILENAME}: it is partial (an interrupted save?) or was not written"
+                " by MeshStrategy or ModelParallelStrategy, so it does not point to a valid checkpoint",
+            )
         )
     # first, and never unpickling code: a bad checkpoint fails before the model is touched
     metadata = torch.load(metadata_file, map_location="cpu", weights_only=True)
-    check_shapes(path, model)
+    verify_checkpoint(path, model, strict)
     model_state = {"state_dict": get_model_state_dict(model)}
     dcp.load(model_state, checkpoint_id=path)
     model.load_state_dict(model_state["state_dict"], strict=strict)
@@ -140,12 +254,18 @@ def load_full_state_dict(checkpoint: str | Path) -> dict[str, torch.Tensor]:
     if not path.exists():
         raise FileNotFoundError(f"checkpoint {str(path)!r} does not exist")
     if path.is_dir():
+        if not (path / ".metadata").is_file():
+            raise NotACheckpointError(_refusal(path, "the directory has no .metadata: it is no complete sharded checkpoint"))
+        verify_checkpoint(path)
         with tempfile.TemporaryDirectory() as tmp:
             merged = Path(tmp) / "full.pt"
             dcp_to_torch_save(path, merged)
             state = torch.load(merged, map_location="cpu", weights_only=True)
     else:
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True)
+        except (RuntimeError, EOFError, OSError) as error:  # truncated or not a torch file
+            raise CheckpointError(_refusal(path, f"the file cannot be read ({type(error).__name__}: {error})")) from error
     if "state_dict" not in state:
         raise ValueError(f"{str(path)!r} holds no 'state_dict' entry: is it a Lightning checkpoint?")
     return {name: tensor for name, tensor in state["state_dict"].items() if isinstance(tensor, torch.Tensor)}

@@ -18,7 +18,7 @@ from lightning.fabric.utilities.load import _METADATA_FILENAME
 from torch import nn
 
 from lit_mesh.async_save import AsyncCheckpointSaver, split_for_dcp, write_metadata
-from lit_mesh.checkpoint import load_sharded_checkpoint, publish_checkpoint
+from lit_mesh.checkpoint import failed_save_reported, load_sharded_checkpoint, publish_checkpoint
 from lit_mesh.comm.compression import CompressionRun
 from lit_mesh.comm.state import load_compression_state, save_compression_state
 
@@ -64,7 +64,8 @@ class CheckpointWriter:
             if finish_now:
                 self.wait()
             return
-        write(checkpoint, partial)
+        with failed_save_reported(partial, path):  # disk full: the partial copy goes, the message names what is intact
+            write(checkpoint, partial)
         self._barrier()  # every shard and the metadata are on disk
         if self._rank == 0:
             publish_checkpoint(partial, path)

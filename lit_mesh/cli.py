@@ -121,7 +121,18 @@ def lightning_cli(args: list[str] | None) -> Any:
     import lit_mesh  # noqa: F401  (registers the "mesh" strategy)
     import zoo  # noqa: F401  (so short class paths of zoo modules resolve)
 
-    return LightningCLI(
+    from typing_extensions import override
+
+    from lit_mesh.resume import resolve_ckpt_path
+
+    class MeshCLI(LightningCLI):
+        @override
+        def before_fit(self) -> None:
+            # after a restart (torchrun --max-restarts, SLURM requeue): the newest complete checkpoint
+            config = self.config_init[self.subcommand]
+            config["ckpt_path"] = resolve_ckpt_path(self.trainer, config.get("ckpt_path"))
+
+    return MeshCLI(
         LightningModule,
         LightningDataModule,
         subclass_mode_model=True,
@@ -133,8 +144,26 @@ def lightning_cli(args: list[str] | None) -> Any:
 
 def main() -> None:
     """The console script (its return value would become the exit status)."""
-    run(sys.argv[1:], from_command_line=True)
+    from lit_mesh.checkpoint import CheckpointError
+
+    try:
+        run(sys.argv[1:], from_command_line=True)
+    except CheckpointError as error:
+        exit_once(error)
     close_process_groups()
+
+
+def exit_once(error: Exception) -> None:
+    """End every rank with one message for the run (rank 0's), not one traceback per rank; exit status 1."""
+    import torch.distributed as dist
+
+    started = dist.is_available() and dist.is_initialized()
+    if not started or dist.get_rank() == 0:
+        print(f"lit-mesh: {error}", file=sys.stderr, flush=True)
+    if started:
+        dist.barrier()  # no rank exits (and gets the others killed by torchrun) before the message is out
+    close_process_groups()
+    raise SystemExit(1)
 
 
 def close_process_groups() -> None:

@@ -33,12 +33,13 @@ from torch.distributed.device_mesh import DeviceMesh
 from typing_extensions import override
 
 import lit_mesh.hf  # noqa: F401  registers the transformers plans and initialisation (plan sources)
-from lit_mesh.checkpoint import optimizer_state_options, refuse_overwriting_other_files
+from lit_mesh.checkpoint import optimizer_state_options, refuse_overwriting_other_files, remove_checkpoint
 from lit_mesh.checkpoint_writer import CheckpointWriter
 from lit_mesh.comm.compression import CompressionRun
 from lit_mesh.comm.hierarchical import AllReduceMode
 from lit_mesh.comm.options import CompressionOptions
 from lit_mesh.comm.reductions import Reductions
+from lit_mesh.elastic import init_process_group_for_attempt
 from lit_mesh.init import materialize
 from lit_mesh.log_steps import is_logging_step
 from lit_mesh.mesh import (
@@ -215,6 +216,12 @@ class MeshStrategy(ModelParallelStrategy):
         self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
 
     @override
+    def _setup_distributed(self) -> None:
+        # torchrun --max-restarts: each attempt on its own rendezvous keys (lit_mesh/elastic.py says why)
+        init_process_group_for_attempt(self.cluster_environment, self._get_process_group_backend(), self._timeout, self.root_device)
+        super()._setup_distributed()
+
+    @override
     def setup_environment(self) -> None:
         # Lightning's _setup_distributed runs accelerator.setup_device(root_device) (torch.cuda.set_device(local
         # rank)) and then init_process_group(device_id=root_device): each rank's NCCL communicators sit on its own
@@ -373,6 +380,11 @@ class MeshStrategy(ModelParallelStrategy):
             layout=self.layout.describe(),
             finish_now=trainer is None or trainer.state.status != TrainerStatus.RUNNING,  # no teardown will wait
         )
+
+    @override
+    def remove_checkpoint(self, filepath: Any) -> None:
+        if self.is_global_zero:  # retention never deletes the newest complete checkpoint (lit_mesh/checkpoint.py)
+            remove_checkpoint(Path(filepath))
 
     @override
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:

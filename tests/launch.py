@@ -25,8 +25,8 @@ def run_command(cmd: list[str], timeout: float, cwd: Path | None = None) -> subp
     return proc
 
 
-def torchrun(nproc: int, script: str, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+def torchrun(nproc: int, script: str, *args: str, timeout: float = 300, max_restarts: int = 0) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", f"--max-restarts={max_restarts}"]
     return run_command([*cmd, str(WORKERS / script), *args], timeout)
 
 

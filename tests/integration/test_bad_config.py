@@ -50,8 +50,8 @@ ERRORS_AFTER_START: dict[str, tuple[list[str], list[str]]] = {
     "cp_self_parallelised": (_gpt(f"{S}cp=2", "--model=tests.workers.cp_modules.SelfShardedGPT"),
                              ["cp=2 but configure_model of SelfShardedGPT parallelised the model itself"]),
     # a NaN on one rank stops every rank together, naming the step and the rank
-    "nan_loss": (_gpt(f"{S}dp=2", "--trainer.max_steps=6", "--model=tests.workers.faulty_modules.NaNLossAt",
-                      "--model.init_args.step=3", "--model.init_args.rank=1"),
+    "nan_loss": (_gpt(f"{S}dp=2", "--trainer.max_steps=6", "--trainer.callbacks=lit_mesh.FaultInjector",
+                      "--trainer.callbacks.fault=nan_loss", "--trainer.callbacks.step=3", "--trainer.callbacks.rank=1"),
                  ["FloatingPointError: ", "non-finite training loss at step 3 on rank(s) [1]"]),
     "ep_vs_experts": ([*MOE, *_gpt(f"{S}ep=2")[3:], "--model.init_args.config_overrides={n_experts: 3}"],
                       ["ep=2 does not divide n_experts=3 of MoETransformer (choose ep in [1, 3])"]),

@@ -99,3 +99,15 @@ def test_export_writes_the_full_model(runs: tuple[Path, dict], tmp_path: Path) -
 def test_export_names_a_missing_checkpoint(tmp_path: Path) -> None:
     proc = run_command(["lit-mesh", "export", str(tmp_path / "nope.ckpt"), str(tmp_path / "x.pt")], 60)
     assert proc.returncode != 0 and "nope.ckpt" in proc.stderr and "does not exist" in proc.stderr
+
+
+def test_a_relaunch_on_fewer_ranks_continues_the_curve(runs: tuple[Path, dict]) -> None:
+    """fsdp2 x tp2 on 4 ranks saved step 5; a relaunch on 2 ranks keeps tp=2, shrinks data parallel to 1 (the
+    global batch of 8 stays: each replica reads all of it) and continues the 4-rank curve (issue #25, item 3)."""
+    out, results = runs
+    args = [a.replace("--trainer.devices=4", "--trainer.devices=2") for a in _args(out / "ckpt_fewer", 10)]
+    fewer = cli_runs(2, out, [{"name": "fewer", "args": [*args, f"--ckpt_path={out / 'ckpt_first' / 'step=5.ckpt'}"]}])
+    full, resumed = _losses(results["full"]), _losses(fewer["fewer"])
+    assert fewer["fewer"]["world_size"] == 2 and sorted(resumed) == list(range(5, 10))
+    for step in range(5, 10):
+        assert abs(resumed[step] - full[step]) <= 1e-4 * abs(full[step]), (step, resumed[step], full[step])

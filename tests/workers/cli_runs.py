@@ -1,10 +1,10 @@
 """Run several `lit-mesh` CLI invocations, one after another, in the processes torchrun started.
 
 Usage (from tests): torchrun --standalone --nproc_per_node=N tests/workers/cli_runs.py OUT_DIR RUNS_JSON
-RUNS_JSON is a list of {"name": str, "args": [cli args], "command": "fit" (default) or another subcommand}. For
-each fit, rank 0 writes OUT_DIR/NAME/result.json with the logged metrics per step and OUT_DIR/NAME/params.pt with
-the final full (unsharded) parameters; other commands write result.json with the world size (predictions: add
-the SavePredictions callback).
+RUNS_JSON is a list of {"name": str, "args": [cli args], "command": "fit" (default) or another subcommand}; a
+restarted launch skips the runs already finished. For each fit, rank 0 writes OUT_DIR/NAME/result.json with the
+logged metrics per step and OUT_DIR/NAME/params.pt with the final full (unsharded) parameters; other commands write
+result.json with the world size (predictions: add the SavePredictions callback).
 """
 
 from __future__ import annotations
@@ -85,5 +85,7 @@ def run(out_dir: Path, name: str, args: list[str], command: str = "fit") -> None
 if __name__ == "__main__":
     out, runs = Path(sys.argv[1]), json.loads(Path(sys.argv[2]).read_text())
     for spec in runs:
+        if (out / spec["name"] / "result.json").is_file():
+            continue  # finished in an earlier attempt of this launch (torchrun --max-restarts)
         run(out, spec["name"], spec["args"], spec.get("command", "fit"))
     close_process_groups()
