@@ -36,7 +36,8 @@ def test_gpu_recipe_is_bf16_mixed_compiled_1b_with_the_monitor() -> None:
     trainer = config["trainer"]
     assert (trainer["accelerator"], trainer["precision"]) == ("gpu", "bf16-mixed")
     assert trainer["strategy"]["init_args"]["compile_blocks"] is True
-    assert "lit_mesh.MeshMonitor" in [c["class_path"] for c in trainer["callbacks"]]
+    callbacks = [c["class_path"] for c in trainer["callbacks"]]
+    assert {"lit_mesh.MeshMonitor", "lit_mesh.GradientNormMonitor", "lightning.pytorch.callbacks.LearningRateMonitor"} <= set(callbacks)
     assert config["model"]["init_args"]["preset"] == "llama3.2-1b"
 
 

@@ -78,3 +78,15 @@ def test_a_step_limited_fit_shows_step_n_of_max_steps(tmp_path: Path) -> None:
         close_process_groups()
     task = bar.progress.tasks[bar.train_progress_bar_id]
     assert task.description.strip() == "step 3/3", task.description
+
+
+def test_every_recipe_logs_the_learning_rate_and_the_gradient_norm() -> None:
+    import yaml
+
+    from tests.launch import REPO
+
+    recipes = sorted((REPO / "configs").glob("*.yaml"))
+    assert len(recipes) >= 6
+    for recipe in recipes:
+        callbacks = {c["class_path"] for c in yaml.safe_load(recipe.read_text())["trainer"].get("callbacks", [])}
+        assert {"lightning.pytorch.callbacks.LearningRateMonitor", "lit_mesh.GradientNormMonitor"} <= callbacks, recipe.name
