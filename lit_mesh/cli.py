@@ -7,6 +7,7 @@ Heavy imports (Lightning, the zoo, torch.distributed) happen inside the subcomma
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -150,7 +151,13 @@ def main() -> None:
         run(sys.argv[1:], from_command_line=True)
     except CheckpointError as error:
         exit_once(error)
-    close_process_groups()
+    if close_process_groups():
+        # the run is complete (loggers and checkpoints finalised at teardown); under load torch 2.13 + gloo can
+        # still abort in interpreter shutdown ("terminate called without an active exception", a joinable native
+        # thread destroyed), turning a finished run into exit -6: leave without the C++ teardown
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 def exit_once(error: Exception) -> None:
@@ -166,15 +173,17 @@ def exit_once(error: Exception) -> None:
     raise SystemExit(1)
 
 
-def close_process_groups() -> None:
-    """Destroy the process groups before the interpreter exits: gloo's threads torn down during interpreter
-    shutdown can abort a finished run ("terminate called without an active exception")."""
+def close_process_groups() -> bool:
+    """Destroy the process groups before the interpreter exits (gloo's threads torn down during interpreter
+    shutdown can abort a finished run); True if there were any."""
     if "torch" not in sys.modules:  # a --help or plan run never started torch.distributed
-        return
+        return False
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+        return True
+    return False
 
 
 if __name__ == "__main__":

@@ -73,3 +73,17 @@ def test_cp_across_nodes_warns() -> None:
 
     with pytest.warns(UserWarning, match=r"cp=2 x tp=2 = 4 does not divide the 2 devices of one node"):
         Trainer(accelerator="cpu", devices=2, num_nodes=2, strategy=MeshStrategy(cp=2, tp=2), logger=False)
+
+
+def test_startup_report_is_one_block_with_the_layout_once() -> None:
+    layout = MeshLayout(dp_replicate=4, dp_shard=8, tp=4)
+    text = Topology(nodes=16, devices_per_node=8).startup_report(layout, ["dp_replicate all-reduce hierarchical"])
+    lines = text.splitlines()
+    assert lines[0] == f"MeshStrategy: mesh {layout.describe()}"
+    assert text.count(layout.describe()) == 1 and text.count("topology:") == 1
+    assert "  topology: 16 node(s) x 8 device(s)" in lines and "  dp_replicate all-reduce hierarchical" in lines
+    shown = [line for line in lines if " -> node " in line]
+    assert len(shown) == 16 and "rank   15 -> node 1, local rank 7" in shown[-1]  # collapsed beyond 16 ranks
+    assert lines[-1] == "    ... (112 more ranks, node = rank // 8)"
+    small = Topology(nodes=1, devices_per_node=4).startup_report(MeshLayout(dp_shard=2, tp=2))
+    assert "more ranks" not in small and sum(" -> node " in line for line in small.splitlines()) == 4
