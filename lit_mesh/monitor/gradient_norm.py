@@ -9,6 +9,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lit_mesh.grad_norm import global_grad_norm
+from lit_mesh.log_steps import is_logging_step
 
 
 class GradientNormMonitor(Callback):
@@ -25,8 +26,7 @@ class GradientNormMonitor(Callback):
 
     @override
     def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Optimizer) -> None:
-        # the Trainer's own test for "this step's metrics reach the logger" (no public equivalent)
-        if not trainer._logger_connector.should_update_logs:
+        if not is_logging_step(trainer):
             return
         pipeline: Any = getattr(trainer.strategy, "_pipeline", None)  # stages hold different parameters
         across = pipeline.group if pipeline is not None else None
