@@ -30,3 +30,24 @@ def reduced_on_logging_steps(module: Any, value: Any, reduce_op: str = "mean") -
     if trainer is None or not is_logging_step(trainer):
         return value
     return trainer.strategy.reduce(value.clone(), reduce_op=reduce_op)  # a copy: collectives reduce in place
+
+
+def accumulates_now(trainer: Any) -> bool:
+    """True on a micro-batch whose gradients are accumulated, not yet stepped (Lightning's own rule, read where it
+    lives: `_TrainingEpochLoop._should_accumulate`). False without a Trainer or outside fitting."""
+    loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
+    return bool(loop is not None and getattr(trainer, "training", False) and loop._should_accumulate())
+
+
+def step_mean(module: Any, name: str, value: Any) -> Any:
+    """The mean of `value` over the micro-batches of the optimizer step so far: with accumulate_grad_batches=k,
+    the k-th micro-batch returns the loss of the whole step's batch. Lightning logs the last micro-batch's value
+    alone, which would make a run that accumulates (a replanned one, lit_mesh/replan.py) log another curve than
+    the same global batches in one step. Summed on the device: no host sync."""
+    value = value.detach()
+    sums = module.__dict__.setdefault("_lit_mesh_step_sums", {})  # per module and name, beside its parameters
+    total, count = sums.get(name, (None, 0))
+    total, count = (value if total is None else total + value), count + 1
+    mean = total / count if count > 1 else total
+    sums[name] = (None, 0) if not accumulates_now(getattr(module, "_trainer", None)) else (total, count)
+    return mean

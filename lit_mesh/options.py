@@ -18,6 +18,7 @@ from lit_mesh.parallel.checkpointing import check_activation_checkpointing
 from lit_mesh.parallel.compile import check_compile_backend
 from lit_mesh.parallel.context_layout import check_cp_style
 from lit_mesh.parallel.pipeline import PipelineSettings, check_pipeline_settings
+from lit_mesh.replan import OnWorldChange, check_on_world_change
 from lit_mesh.rules import Facts, check
 from lit_mesh.topology import Topology, as_topology
 
@@ -82,6 +83,7 @@ class MeshOptions:
     communication: CommunicationOptions = CommunicationOptions()
     checkpoint: CheckpointOptions = CheckpointOptions()
     stop_on_nonfinite_loss: bool = True
+    on_world_change: OnWorldChange = "error"  # lit_mesh/replan.py
 
 
 def build_options(
@@ -110,6 +112,7 @@ def build_options(
     topology: Any,
     strict_topology: bool,
     allreduce: str,
+    on_world_change: str = "error",
 ) -> MeshOptions:
     """MeshStrategy's flat arguments -> MeshOptions; raises what needs no world size, in the user's process."""
     mesh = MeshDegrees(dp, dp_replicate, dp_shard, tp, cp, pp, ep, sequence_parallel)
@@ -120,6 +123,7 @@ def build_options(
     if compile_blocks:
         check_compile_backend(compile_backend)
     check_allreduce_mode(allreduce)
+    check_on_world_change(on_world_change)
     options = MeshOptions(
         mesh=mesh,
         pipeline=pipeline,
@@ -129,6 +133,7 @@ def build_options(
         communication=CommunicationOptions(resolve_compression(grad_compression), allreduce, as_topology(topology), strict_topology),  # fmt: skip
         checkpoint=CheckpointOptions(save_distributed_checkpoint, async_save),
         stop_on_nonfinite_loss=stop_on_nonfinite_loss,
+        on_world_change=on_world_change,  # type: ignore[arg-type]
     )
     check("init", Facts(degrees=mesh.degrees(), options=options))
     return options

@@ -49,7 +49,6 @@ from lit_mesh.mesh import (
     build_device_mesh,
     lightning_sizes,
     per_node_degrees,
-    resolve_layout,
 )
 from lit_mesh.meta_writes import record_meta_writes
 from lit_mesh.nonfinite import NonFiniteLossGuard
@@ -62,6 +61,7 @@ from lit_mesh.parallel.pipeline import PipelineRunner, start_pipeline
 from lit_mesh.precision import check_precision_plugin, with_global_norm_clipping
 from lit_mesh.pretrained import load_pretrained
 from lit_mesh.progress import count_steps_in_progress_bar
+from lit_mesh.replan import SPLITS_KEY, OnWorldChange, WorldPlan, keep_global_batch, plan_for_world, rescale_batch_progress
 from lit_mesh.rules import Facts, check
 from lit_mesh.topology import Topology, topology_from_environment
 
@@ -116,6 +116,10 @@ class MeshStrategy(ModelParallelStrategy):
             The mesh answers to "data_parallel" and "tensor_parallel" whichever names are used.
         process_group_backend: "gloo", "nccl", ...; default from the device.
         timeout: timeout of collectives.
+        on_world_change: a launch on fewer devices than the degrees plan: "error" (default), or "replan": keep
+            pp, cp, tp and ep, shrink data parallelism to the devices there are, and keep the planned global
+            batch and rows per rank by accumulating micro-batches, so a resumed run continues its loss curve
+            (data from zoo.GlobalBatchDataModule). See lit_mesh/replan.py.
     """
 
     strategy_name = "mesh"
@@ -150,6 +154,7 @@ class MeshStrategy(ModelParallelStrategy):
         timeout: Optional[timedelta] = default_pg_timeout,
         data_parallel_size: Union[int, Literal["auto"], None] = None,
         tensor_parallel_size: Union[int, Literal["auto"], None] = None,
+        on_world_change: OnWorldChange = "error",
     ) -> None:
         super().__init__(
             save_distributed_checkpoint=save_distributed_checkpoint,
@@ -164,11 +169,12 @@ class MeshStrategy(ModelParallelStrategy):
             ac_every_n_blocks=ac_every_n_blocks, compile_blocks=compile_blocks, compile_backend=compile_backend,
             stop_on_nonfinite_loss=stop_on_nonfinite_loss, save_distributed_checkpoint=save_distributed_checkpoint,
             async_save=async_save, grad_compression=grad_compression, topology=topology,
-            strict_topology=strict_topology, allreduce=allreduce,
+            strict_topology=strict_topology, allreduce=allreduce, on_world_change=on_world_change,
         )  # fmt: skip
         self._lightning_sizes = lightning_sizes(self.options.mesh.degrees(), data_parallel_size, tensor_parallel_size)
         self._nonfinite = NonFiniteLossGuard() if stop_on_nonfinite_loss else None
-        self._layout: Optional[MeshLayout] = None
+        self._world_plan: Optional[WorldPlan] = None
+        self._base_accumulation: Optional[int] = None  # the Trainer's accumulate_grad_batches before a replan
         self.mesh_views: Optional[MeshViews] = None
         self.topology: Optional[Topology] = self.options.communication.topology  # the run's, from launch on
         self.reductions: Optional[Reductions] = None  # made once the processes exist
@@ -181,10 +187,15 @@ class MeshStrategy(ModelParallelStrategy):
     @property
     def layout(self) -> MeshLayout:
         """The resolved degrees (known once the Trainer has set devices and num_nodes)."""
-        if self._layout is None:
+        if self._world_plan is None:
             degrees = per_node_degrees(self.options.mesh.degrees(), self._lightning_sizes, self.num_nodes, self.num_processes)
-            self._layout = resolve_layout(self.num_processes * self.num_nodes, **degrees)
-        return self._layout
+            self._world_plan = plan_for_world(self.num_processes * self.num_nodes, degrees, self.options.on_world_change)
+        return self._world_plan.layout
+
+    @property
+    def global_batch_splits(self) -> int:
+        """Micro-batches per global batch: 1, or more after on_world_change="replan" (zoo's data modules read it)."""
+        return self._world_plan.splits if self._world_plan is not None else 1
 
     @property
     @override
@@ -237,6 +248,8 @@ class MeshStrategy(ModelParallelStrategy):
             for h in self.reductions.hierarchies()
         ]
         rank_zero_info(self.topology.startup_report(self.layout, reductions))  # the layout, once, as one block
+        if self.global_batch_splits > 1:
+            rank_zero_info(self._world_plan.report())
         self._checkpoints.connect(self.global_rank, self.world_size, self.barrier)
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = self._device_mesh
@@ -285,6 +298,8 @@ class MeshStrategy(ModelParallelStrategy):
         self.precision_plugin.stage_group = self._pipeline.clip_group if self._pipeline is not None else None
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
+            self._base_accumulation = self._base_accumulation or trainer.accumulate_grad_batches
+            keep_global_batch(trainer, self.global_batch_splits, self._base_accumulation)
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
@@ -366,6 +381,8 @@ class MeshStrategy(ModelParallelStrategy):
         trainer = getattr(self.lightning_module, "_trainer", None)
         if self._nonfinite is not None and trainer is not None and trainer.state.fn == TrainerFn.FITTING:
             self._nonfinite.check(self.root_device)  # never write NaN weights over a good checkpoint
+        if self.global_batch_splits > 1:  # what its loop counters count in (lit_mesh/replan.py); absent means 1
+            checkpoint[SPLITS_KEY] = self.global_batch_splits
         if storage_options is not None or not self._save_distributed_checkpoint:
             if _is_sharded_checkpoint(Path(filepath)):  # Lightning would delete the directory for the file
                 refuse_overwriting_other_files(Path(filepath))
@@ -409,11 +426,14 @@ class MeshStrategy(ModelParallelStrategy):
         self.wait_for_checkpoint()
         path = Path(self.broadcast(checkpoint_path))
         if not path.is_dir():  # a full single-file checkpoint
-            return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
-        assert self.model is not None and self.lightning_module is not None
-        optimizers = {f"optimizer_{i}": optimizer for i, optimizer in enumerate(self.optimizers)}
-        strict = self.lightning_module.strict_loading
-        return self._checkpoints.load(path, self.model, optimizers, strict, self.compression_run, self.layout.describe())
+            checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        else:
+            assert self.model is not None and self.lightning_module is not None
+            optimizers = {f"optimizer_{i}": optimizer for i, optimizer in enumerate(self.optimizers)}
+            strict = self.lightning_module.strict_loading
+            checkpoint = self._checkpoints.load(path, self.model, optimizers, strict, self.compression_run, self.layout.describe())
+        rescale_batch_progress(checkpoint, self.global_batch_splits)
+        return checkpoint
 
     @property
     @override

@@ -39,6 +39,12 @@ def check_divisible(global_batch_size: int, dp_size: int) -> None:
         )
 
 
+def global_batch_splits(trainer: L.Trainer | None) -> int:
+    """Micro-batches per global batch: 1, or the data-parallel ranks a replanned run lost, as a factor
+    (MeshStrategy(on_world_change="replan"), lit_mesh/replan.py); Lightning accumulates them into one step."""
+    return int(getattr(getattr(trainer, "strategy", None), "global_batch_splits", 1))
+
+
 def dp_rank_and_size(trainer: L.Trainer | None) -> tuple[int, int]:
     """(dp_rank, dp_size) from the strategy's sampler arguments; (0, 1) without a distributed strategy."""
     if trainer is None:
@@ -52,8 +58,9 @@ class GlobalBatches(IterableDataset):
 
     make_batch:  maps a 1-D LongTensor of sample indices to a batch `(inputs, targets)`.
     shuffle:     a seeded permutation per epoch (training) or the fixed order 0..n-1 (evaluation).
-    start:       called at the start of each pass; returns (epoch, batches to skip). Defaults to
+    start:       called at the start of each pass; returns (epoch, global batches to skip). Defaults to
                  (self.epoch, 0); the DataModule uses it to follow the trainer's epoch and to resume.
+    splits:      each rank's slice of a global batch is yielded as this many micro-batches, in row order.
     """
 
     def __init__(
@@ -66,8 +73,9 @@ class GlobalBatches(IterableDataset):
         shuffle: bool = False,
         seed: int = 0,
         start: Callable[[], tuple[int, int]] | None = None,
+        splits: int = 1,
     ) -> None:
-        check_divisible(global_batch_size, dp_size)
+        check_divisible(global_batch_size, dp_size * splits)
         if not 0 <= dp_rank < dp_size:
             raise ValueError(f"dp_rank={dp_rank} is outside the data-parallel size {dp_size}")
         self.n_samples = n_samples
@@ -78,6 +86,7 @@ class GlobalBatches(IterableDataset):
         self.shuffle = shuffle
         self.seed = seed
         self.start = start
+        self.splits = splits
         self.epoch = 0
         self._position: tuple[int, int] | None = None  # (epoch, batches to skip), fixed by begin()
 
@@ -86,7 +95,7 @@ class GlobalBatches(IterableDataset):
 
     def __len__(self) -> int:
         """Batches per epoch: the same on every rank and for every dp size."""
-        return self.n_samples // self.global_batch_size
+        return self.n_samples // self.global_batch_size * self.splits
 
     def order(self, epoch: int) -> torch.Tensor:
         if self.shuffle:
@@ -97,7 +106,7 @@ class GlobalBatches(IterableDataset):
         """The sample indices of every global batch of `epoch` (what a single rank would see)."""
         G = self.global_batch_size
         order = self.order(epoch)
-        return [order[k * G : (k + 1) * G] for k in range(len(self))]
+        return [order[k * G : (k + 1) * G] for k in range(self.n_samples // G)]
 
     def begin(self) -> None:
         """Fix where the next pass starts. The loader calls it in the main process before DataLoader workers
@@ -110,13 +119,14 @@ class GlobalBatches(IterableDataset):
         assert self._position is not None
         (epoch, skip), self._position = self._position, None
         local = self.global_batch_size // self.dp_size
-        lo, hi = self.dp_rank * local, (self.dp_rank + 1) * local
-        batches = self.global_indices(epoch)[skip:]
+        micro = local // self.splits
+        starts = range(self.dp_rank * local, (self.dp_rank + 1) * local, micro)
+        batches = [indices[lo : lo + micro] for indices in self.global_indices(epoch)[skip:] for lo in starts]
         worker = get_worker_info()
         if worker is not None:  # the DataLoader takes one batch from each worker in turn: the order is kept
             batches = batches[worker.id :: worker.num_workers]
         for indices in batches:
-            yield self.make_batch(indices[lo:hi])
+            yield self.make_batch(indices)
 
 
 class GlobalBatchLoader(DataLoader):
@@ -133,6 +143,8 @@ class GlobalBatchDataModule(L.LightningDataModule):
     Subclasses implement `setup()` to fill `self.train_samples` / `self.val_samples` (sample counts) and
     `make_train_batch` / `make_val_batch`. Validation data also serves test and predict.
     """
+
+    splits_global_batches = True  # can serve each training global batch as micro-batches (lit_mesh/replan.py)
 
     def __init__(self, global_batch_size: int, seed: int, num_workers: int = 0) -> None:
         super().__init__()
@@ -179,7 +191,8 @@ class GlobalBatchDataModule(L.LightningDataModule):
         processed = trainer.fit_loop.epoch_loop.batch_progress.current.processed
         if processed >= trainer.num_training_batches:  # the epoch is finished: resume at the next one
             epoch, processed = epoch + 1, 0
-        return {"epoch": epoch, "batches_processed": processed}
+        # in global batches, whatever micro-batches they were served as: a relaunch may split them otherwise
+        return {"epoch": epoch, "batches_processed": processed // global_batch_splits(trainer)}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if state_dict:
@@ -201,6 +214,7 @@ class GlobalBatchDataModule(L.LightningDataModule):
             shuffle=train,
             seed=self.seed,
             start=self._train_start if train else None,
+            splits=global_batch_splits(self.trainer) if train else 1,
         )
         if len(dataset) == 0:
             warnings.warn(

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from typing_extensions import override
 
 from lit_mesh.kernels import adamw_implementation
-from lit_mesh.log_steps import reduced_on_logging_steps
+from lit_mesh.log_steps import reduced_on_logging_steps, step_mean
 from lit_mesh.loss import cross_entropy
 from lit_mesh.parallel.pipeline import loss_of, output_of
 from zoo.flops import gpt_flops_per_token, vit_flops_per_token
@@ -122,7 +122,7 @@ class GPTModule(FromPretrained, L.LightningModule):
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         tokens, targets = batch
         loss = loss_of(self.model, self.loss_fn, tokens, targets)
-        self.log("train_loss", reduced_on_logging_steps(self, loss), prog_bar=True)  # no per-step collective
+        self.log("train_loss", reduced_on_logging_steps(self, step_mean(self, "train_loss", loss)), prog_bar=True)  # no per-step collective
         return loss
 
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
@@ -179,7 +179,7 @@ class ViTModule(L.LightningModule):
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         images, labels = batch
         loss = loss_of(self.model, self.loss_fn, images, labels)
-        self.log("train_loss", reduced_on_logging_steps(self, loss), prog_bar=True)  # no per-step collective
+        self.log("train_loss", reduced_on_logging_steps(self, step_mean(self, "train_loss", loss)), prog_bar=True)  # no per-step collective
         return loss
 
     def _evaluate(self, batch: tuple[torch.Tensor, torch.Tensor], stage: str) -> None:

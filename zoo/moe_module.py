@@ -14,7 +14,7 @@ import torch
 from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
-from lit_mesh.log_steps import module_logs_now, reduced_on_logging_steps
+from lit_mesh.log_steps import module_logs_now, reduced_on_logging_steps, step_mean
 from zoo.modules import GPTModule, _inputs, _optimizer
 from zoo.moe import MoEConfig, MoETransformer, moe_flops_per_token
 from zoo.pretrained import FromPretrained, pretrained_zoo
@@ -69,9 +69,9 @@ class MoEModule(FromPretrained, L.LightningModule):
         layers = self.model.moe_layers()
         load = torch.stack([moe.load for moe in layers]).float()  # already global: the same on every rank
         self._load_since_step = load if self._load_since_step is None else self._load_since_step + load
-        self.log("train_loss", reduced_on_logging_steps(self, lm_loss), prog_bar=True)  # no per-step collective
+        self.log("train_loss", reduced_on_logging_steps(self, step_mean(self, "train_loss", lm_loss)), prog_bar=True)  # no per-step collective
         # each rank's aux loss uses the global load, so the mean over ranks is the global aux loss
-        self.log("train_aux_loss", reduced_on_logging_steps(self, aux_loss))
+        self.log("train_aux_loss", reduced_on_logging_steps(self, step_mean(self, "train_aux_loss", aux_loss)))
         if module_logs_now(self):
             self._log_balance(layers, load)
         return lm_loss + aux_loss

@@ -13,10 +13,13 @@ from tests.launch import REPO, cli_runs, run_command
 S = "--trainer.strategy.init_args."
 
 
-def _args(ckpt_dir: Path, max_steps: int, *extra: str) -> list[str]:
+FSDP2_TP2 = ("--trainer.devices=4", f"{S}tp=2")
+FSDP4 = ("--trainer.devices=4", f"{S}dp=4")
+
+
+def _args(ckpt_dir: Path, max_steps: int, *extra: str, layout: tuple[str, ...] = FSDP2_TP2) -> list[str]:
     return [
-        "-c", str(REPO / "configs/gpt.yaml"),
-        "--trainer.devices=4", f"{S}tp=2",
+        "-c", str(REPO / "configs/gpt.yaml"), *layout,
         f"--trainer.max_steps={max_steps}", "--trainer.log_every_n_steps=1", "--trainer.logger=CSVLogger",
         "--data.global_batch_size=8", "--seed_everything=0", "--trainer.enable_progress_bar=false",
         "--trainer.limit_val_batches=0", "--trainer.enable_checkpointing=true",
@@ -39,9 +42,26 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
             # asynchronous saves: training goes on while step 5 is written; then resume from what was written
             {"name": "full_async", "args": _args(out / "ckpt_async", 10, f"{S}async_save=true")},
             {"name": "resumed_from_async", "args": [*_args(out / "ckpt_resumed_async", 10), f"--ckpt_path={out / 'ckpt_async' / 'step=5.ckpt'}"]},
+            {"name": "fsdp4", "args": _args(out / "ckpt_fsdp4", 10, layout=FSDP4)},  # saves step 5 for the replan
         ],
     )
     return out, results
+
+
+@pytest.fixture(scope="module")
+def fewer(runs: tuple[Path, dict]) -> dict:
+    """Relaunches on 2 of the 4 ranks from step 5, in one 2-rank launch."""
+    out, _ = runs
+    args = [a.replace("--trainer.devices=4", "--trainer.devices=2") for a in _args(out / "ckpt_fewer", 10)]
+    replan = [*_args(out / "ckpt_replan", 10, layout=("--trainer.devices=2", f"{S}dp=4")), f"{S}on_world_change=replan"]
+    return cli_runs(
+        2,
+        out,
+        [
+            {"name": "fewer", "args": [*args, f"--ckpt_path={out / 'ckpt_first' / 'step=5.ckpt'}"]},
+            {"name": "replan", "args": [*replan, f"--ckpt_path={out / 'ckpt_fsdp4' / 'step=5.ckpt'}"]},
+        ],
+    )
 
 
 def _losses(result: dict) -> dict[int, float]:
@@ -101,13 +121,28 @@ def test_export_names_a_missing_checkpoint(tmp_path: Path) -> None:
     assert proc.returncode != 0 and "nope.ckpt" in proc.stderr and "does not exist" in proc.stderr
 
 
-def test_a_relaunch_on_fewer_ranks_continues_the_curve(runs: tuple[Path, dict]) -> None:
+def test_a_relaunch_on_fewer_ranks_continues_the_curve(runs: tuple[Path, dict], fewer: dict) -> None:
     """fsdp2 x tp2 on 4 ranks saved step 5; a relaunch on 2 ranks keeps tp=2, shrinks data parallel to 1 (the
     global batch of 8 stays: each replica reads all of it) and continues the 4-rank curve (issue #25, item 3)."""
-    out, results = runs
-    args = [a.replace("--trainer.devices=4", "--trainer.devices=2") for a in _args(out / "ckpt_fewer", 10)]
-    fewer = cli_runs(2, out, [{"name": "fewer", "args": [*args, f"--ckpt_path={out / 'ckpt_first' / 'step=5.ckpt'}"]}])
+    _, results = runs
     full, resumed = _losses(results["full"]), _losses(fewer["fewer"])
     assert fewer["fewer"]["world_size"] == 2 and sorted(resumed) == list(range(5, 10))
     for step in range(5, 10):
         assert abs(resumed[step] - full[step]) <= 1e-4 * abs(full[step]), (step, resumed[step], full[step])
+
+
+def test_replan_continues_the_planned_curve_on_fewer_ranks(runs: tuple[Path, dict], fewer: dict) -> None:
+    """dp=4 planned, 4 ranks saved step 5; relaunched on 2 with on_world_change="replan": fsdp2, each global
+    batch of 8 as 2 accumulated micro-batches of the planned 2 rows per rank; the 4-rank curve goes on."""
+    out, results = runs
+    full, replanned = _losses(results["fsdp4"]), _losses(fewer["replan"])
+    assert fewer["replan"]["world_size"] == 2 and sorted(replanned) == list(range(5, 10))
+    assert len(set(full.values())) == 10
+    for step in range(5, 10):
+        assert abs(replanned[step] - full[step]) <= 1e-4 * abs(full[step]), (step, replanned[step], full[step])
+    final_full = torch.load(out / "fsdp4" / "params.pt", weights_only=True)
+    final_replanned = torch.load(out / "replan" / "params.pt", weights_only=True)
+    for name, tensor in final_full.items():
+        torch.testing.assert_close(final_replanned[name], tensor, rtol=1e-4, atol=1e-5)
+    # its own checkpoint counts in this launch's micro-batches and resumes anywhere (step=10 on 2 ranks)
+    assert (out / "ckpt_replan" / "step=10.ckpt").is_dir()

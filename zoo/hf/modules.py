@@ -22,7 +22,7 @@ from typing_extensions import override
 
 from lit_mesh.extras import require
 from lit_mesh.kernels import adamw_implementation
-from lit_mesh.log_steps import reduced_on_logging_steps
+from lit_mesh.log_steps import reduced_on_logging_steps, step_mean
 from lit_mesh.pretrained import fill_parameters
 from zoo.hf.configs import tiny_config
 from zoo.pretrained import CAUSAL_LMS, FromPretrained, hf_sources, read_config
@@ -116,7 +116,7 @@ class HFCausalLM(FromPretrained, _HFModule):
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         tokens, targets = batch
         loss = F.cross_entropy(self(tokens).float().flatten(0, 1), targets.flatten())
-        self.log("train_loss", reduced_on_logging_steps(self, loss), prog_bar=True)  # no per-step collective
+        self.log("train_loss", reduced_on_logging_steps(self, step_mean(self, "train_loss", loss)), prog_bar=True)  # no per-step collective
         return loss
 
     @override
@@ -171,5 +171,5 @@ class HFImageClassifier(_HFModule):
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         images, labels = batch
         loss = F.cross_entropy(self.model(pixel_values=images).logits.float(), labels)
-        self.log("train_loss", reduced_on_logging_steps(self, loss), prog_bar=True)  # no per-step collective
+        self.log("train_loss", reduced_on_logging_steps(self, step_mean(self, "train_loss", loss)), prog_bar=True)  # no per-step collective
         return loss
