@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -16,13 +17,18 @@ WORKERS = REPO / "tests" / "workers"
 def run_command(cmd: list[str], timeout: float, cwd: Path | None = None) -> subprocess.CompletedProcess:
     # PYTHONPATH: workers and CLI configs may name test helpers (tests.workers.*) as class paths
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONWARNINGS": "ignore", "PYTHONPATH": str(REPO)}
+    # a scratch working directory: Lightning writes logs and config.yaml there, never into the repository
+    workdir = cwd or tempfile.mkdtemp(prefix="lit-mesh-test-")
+    # a session of its own: on a timeout the whole process group goes (torchrun's workers too, not torchrun alone)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=workdir, env=env,
+                            start_new_session=True)  # fmt: skip
     try:
-        # a scratch working directory: Lightning writes logs and config.yaml there, never into the repository
-        workdir = cwd or tempfile.mkdtemp(prefix="lit-mesh-test-")
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=workdir, env=env)
-    except subprocess.TimeoutExpired as e:
-        raise AssertionError(f"timed out after {timeout}s: {' '.join(cmd)}\n{(e.stdout or b'')[-3000:]!r}") from e
-    return proc
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, _ = proc.communicate()
+        raise AssertionError(f"timed out after {timeout}s: {' '.join(cmd)}\n{stdout[-3000:]}") from None
+    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
 
 
 def torchrun(nproc: int, script: str, *args: str, timeout: float = 300, max_restarts: int = 0) -> subprocess.CompletedProcess:
