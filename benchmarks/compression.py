@@ -27,8 +27,9 @@ from lit_mesh.comm.codecs import ONEBIT_SCALES
 from lit_mesh.comm.options import CompressionOptions
 
 DEFAULTS = CompressionOptions()  # the library's 1-bit defaults are the benchmark's
-MODES = ("fp32", "fp16", "bf16", "powersgd", "onebit", "topk")
-GOALS = {"onebit": 20.0, "powersgd": 10.0}
+MODES = ("fp32", "fp16", "bf16", "powersgd", "onebit", "topk")  # the default run
+CODEC_MODES = ("int8", "int4", "randomk", "threshold")  # issue #27's codecs: --modes fp32,int8,int4,randomk,threshold
+GOALS = {"onebit": 20.0, "powersgd": 10.0, "int8": 3.5}  # fewer bytes than fp32; each also within 3% in loss
 LOSS_TOLERANCE = 0.03
 
 
@@ -43,6 +44,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--powersgd-rank", type=int, default=4)
     p.add_argument("--topk-ratio", type=float, default=0.01)
+    p.add_argument("--quant-block", type=int, default=DEFAULTS.quant_block, help="entries per int8/int4 scale")
+    p.add_argument("--randomk-ratio", type=float, default=DEFAULTS.randomk_ratio)
+    p.add_argument("--threshold", type=float, default=DEFAULTS.threshold, help="|gradient| that threshold sends")
+    p.add_argument("--threshold-capacity", type=float, default=DEFAULTS.threshold_capacity,
+                   help="the most entries threshold sends, as a fraction")
     p.add_argument("--onebit-block", type=int, default=DEFAULTS.onebit_block, help="entries per 1-bit scale")
     p.add_argument("--onebit-scale", default=DEFAULTS.onebit_scale, choices=ONEBIT_SCALES,
                    help="scale of a block of 1-bit codes")
@@ -55,7 +61,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="every mode (fp32 too): lr decays by a cosine to 10%% of 3e-3 over the run, as LLM recipes do")
     p.add_argument("--plot", default="", help="write the loss-vs-step PNG here")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds for the whole launch")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    unknown = set(args.modes.split(",")) - {*MODES, *CODEC_MODES}
+    if unknown:
+        p.error(f"--modes: {sorted(unknown)} unknown; choose from {', '.join((*MODES, *CODEC_MODES))}")
+    return args
 
 
 def train(args: argparse.Namespace, mode: str) -> dict[str, Any]:
@@ -77,6 +87,8 @@ def train(args: argparse.Namespace, mode: str) -> dict[str, Any]:
     compression = None if mode == "fp32" else CompressionOptions(
         mode=mode, powersgd_rank=args.powersgd_rank, topk_ratio=args.topk_ratio, onebit_block=args.onebit_block,
         onebit_scale=args.onebit_scale, onebit_rms_refresh=args.onebit_rms_refresh, warmup_steps=args.warmup_steps,
+        quant_block=args.quant_block, randomk_ratio=args.randomk_ratio, threshold=args.threshold,
+        threshold_capacity=args.threshold_capacity,
     )
     degrees = {"dp_replicate": 2} if args.layout == "ddp2" else {"dp": 2}
     strategy = MeshStrategy(**degrees, grad_compression=compression, process_group_backend="gloo")
@@ -125,13 +137,14 @@ def worker(args: argparse.Namespace) -> None:
         mode: {"bytes_ratio_goal": goal, "met": mode in table and reference is not None
                and table[mode].get("bytes_ratio", 0) >= goal and table[mode]["val_loss_vs_fp32"] <= 1 + LOSS_TOLERANCE}
         for mode, goal in GOALS.items()
+        if mode in table
     }  # fmt: skip
     if args.plot:
         plot(Path(args.plot), {m: r["losses"] for m, r in per_mode.items()}, f"zoo GPT {args.preset}, {args.layout}")
     C.emit({
         "benchmark": "compression", "layout": args.layout, "preset": args.preset, "steps": args.steps, "seed": args.seed,
         "global_batch_size": args.global_batch_size, "seq_len": args.seq_len, "powersgd_rank": args.powersgd_rank,
-        "topk_ratio": args.topk_ratio, "onebit_block": args.onebit_block, "onebit_scale": args.onebit_scale, "onebit_rms_refresh": args.onebit_rms_refresh, "lr_schedule": "cosine" if args.cosine else "constant", "warmup_steps": args.warmup_steps, "optimizer": args.optimizer, "table": table, "goals": goals,
+        "topk_ratio": args.topk_ratio, "quant_block": args.quant_block, "randomk_ratio": args.randomk_ratio, "threshold": args.threshold, "threshold_capacity": args.threshold_capacity, "onebit_block": args.onebit_block, "onebit_scale": args.onebit_scale, "onebit_rms_refresh": args.onebit_rms_refresh, "lr_schedule": "cosine" if args.cosine else "constant", "warmup_steps": args.warmup_steps, "optimizer": args.optimizer, "table": table, "goals": goals,
         "goal_met": all(g["met"] for g in goals.values()), "plot": args.plot or None, **C.environment(),
     })  # fmt: skip
 
@@ -141,7 +154,8 @@ def plot(path: Path, curves: dict[str, list[float]], title: str) -> None:
     from PIL import Image, ImageDraw
 
     colors = {"fp32": (0, 0, 0), "fp16": (31, 119, 180), "bf16": (44, 160, 44), "powersgd": (214, 39, 40),
-              "onebit": (148, 103, 189), "topk": (255, 127, 14)}  # fmt: skip
+              "onebit": (148, 103, 189), "topk": (255, 127, 14), "int8": (23, 190, 207), "int4": (188, 189, 34),
+              "randomk": (140, 86, 75), "threshold": (227, 119, 194)}  # fmt: skip
     width, height, left, right, top, bottom = 900, 560, 70, 160, 40, 50
     smooth = {m: [statistics.mean(c[max(0, i - 9) : i + 1]) for i in range(len(c))] for m, c in curves.items()}
     lo = min(min(c) for c in smooth.values())

@@ -100,8 +100,9 @@ class MeshStrategy(ModelParallelStrategy):
         save_distributed_checkpoint: sharded checkpoints (a directory, one file per rank) or one full file.
         async_save: write sharded checkpoints in a background thread (training goes on once the state is
             copied in memory); the directory appears under its name only when every rank has written it.
-        grad_compression: compress every data-parallel gradient reduction: "fp16", "bf16", "powersgd", "onebit",
-            "topk", or a `lit_mesh.CompressionOptions` (rank, ratio, warm-up, schedule, ...); None: off.
+        grad_compression: compress every data-parallel gradient reduction: "fp16", "bf16", "int8", "int4",
+            "powersgd", "onebit", "topk", "randomk", "threshold", or a `lit_mesh.CompressionOptions` (rank, ratio,
+            warm-up, schedule, ...); None: off.
             See lit_mesh/comm/compression.py.
         topology: nodes, devices per node and link bandwidths/latencies (`lit_mesh.Topology`); default: read
             from the cluster environment (SLURM, torchrun) and Trainer(num_nodes, devices). Given explicitly, it

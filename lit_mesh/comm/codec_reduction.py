@@ -52,24 +52,31 @@ class CodecReduction:
     ) -> tuple[Tensor, Tensor]:  # fmt: skip
         """The sum (mean when `average`) over ranks of x, by reduce-scatter and gather half. Returns (it, what this
         rank sent of x, in x's layout)."""
-        length, chunk = x.numel(), math.ceil(x.numel() / n)
+        length = x.numel()
         reduced, sent = self.reduce_scatter(padded(x, n), n, group, codec, scales, meter, dim)
         if average:
             reduced = reduced / n
-        # the gather half: re-encode this rank's reduced chunk (with its own residual) and gather every chunk
-        unit = _per_chunk(scales, n, x)
+        result = self.all_gather(reduced, n, group, codec, meter, dim, _per_chunk(scales, n, x), x.dtype)
+        return result[:length], sent[:length]  # the padding is no signal
+
+    def all_gather(
+        self, piece: Tensor, n: int, group: Any, codec: Codec, meter: WireMeter, dim: str,
+        unit: Optional[Tensor] = None, dtype: Optional[torch.dtype] = None,
+    ) -> Tensor:  # fmt: skip
+        """The gather half: this rank's piece re-encoded (with its own residual: error feedback) and every rank's
+        codes all-gathered and decoded, end to end. `unit`: 1-bit's per-entry scales as n chunk rows."""
+        chunk, dtype = piece.numel(), dtype or piece.dtype
+        unit = torch.ones(n, 1, dtype=piece.dtype, device=piece.device) if unit is None else unit
         mine = unit[dist.get_rank(group)]
         if self.server_residual is not None:
-            reduced = reduced + self.server_residual
-        payload = codec.encode(reduced / mine)
+            piece = piece + self.server_residual
+        payload = codec.encode(piece / mine)
         if self.error_feedback:
-            self.server_residual = reduced - codec.decode(payload, chunk, reduced.dtype) * mine
-        gathered = torch.empty(n * payload.numel(), dtype=torch.uint8, device=x.device)
+            self.server_residual = piece - codec.decode(payload, chunk, piece.dtype) * mine
+        gathered = torch.empty(n * payload.numel(), dtype=torch.uint8, device=piece.device)
         dist.all_gather_into_tensor(gathered, payload, group=group)
         meter.sent(dim, "all_gather", gathered, n)
-        parts = gathered.view(n, -1)
-        result = torch.cat([codec.decode(p, chunk, x.dtype) * unit[r] for r, p in enumerate(parts)])[:length]
-        return result, sent[:length]  # the padding is no signal
+        return torch.cat([codec.decode(p, chunk, dtype) * unit[r] for r, p in enumerate(gathered.view(n, -1))])
 
     def fold_server_residual(self, x: Tensor, n: int, group: Any, average: bool) -> None:
         """A scheme without a gather half takes over what the last codec all-reduce kept back: it joins this rank's

@@ -7,6 +7,8 @@ uint8 tensors whose length is a multiple of 4, so that fp32/int32 fields inside 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import Optional
 
 import torch
 from torch import Tensor
@@ -100,30 +102,158 @@ class TopKCodec:
         return 8 * self.k(n)
 
     def encode(self, x: Tensor) -> Tensor:
-        k = self.k(x.numel())
-        index = torch.topk(x.detach().abs(), k, sorted=False).indices
-        out = torch.empty(8 * k, dtype=torch.uint8, device=x.device)
-        out[: 4 * k] = x[index].float().view(torch.uint8)
-        out[4 * k :] = index.to(torch.int32).view(torch.uint8)
+        index = torch.topk(x.detach().abs(), self.k(x.numel()), sorted=False).indices
+        return _sparse_payload(x[index], index)
+
+    def decode(self, payload: Tensor, n: int, dtype: torch.dtype) -> Tensor:
+        return _sparse_entries(payload, n, self.k(n), dtype)
+
+
+class QuantCodec:
+    """int8 / int4 (QSGD-style): per block of entries one fp32 scale (the block's largest |x|) and every entry as a
+    signed integer level in [-L, L], L = 2^(bits-1) - 1, rounded stochastically: up with probability equal to the
+    fraction past the lower level, so the decoded block is unbiased. int4 levels are packed two per byte."""
+
+    def __init__(self, bits: int, block: int, generator: torch.Generator) -> None:
+        if bits not in (4, 8):
+            raise ValueError(f"quantisation to {bits} bits: choose 8 or 4")
+        self.bits, self.block, self.generator = bits, block, generator
+        self.levels = 2 ** (bits - 1) - 1
+
+    def _blocks(self, n: int) -> int:
+        return max(1, math.ceil(n / self.block))
+
+    def _code_bytes(self, n: int) -> int:
+        return n if self.bits == 8 else math.ceil(n / 2)
+
+    def payload_bytes(self, n: int) -> int:
+        return 4 * self._blocks(n) + _align4(self._code_bytes(n))
+
+    def encode(self, x: Tensor) -> Tensor:
+        n, blocks = x.numel(), self._blocks(x.numel())
+        padded = torch.zeros(blocks * self.block, dtype=torch.float32, device=x.device)
+        padded[:n] = x.detach().float()
+        rows = padded.view(blocks, self.block)
+        scales = rows.abs().amax(1)
+        level = rows.abs() / scales.clamp_min(torch.finfo(torch.float32).tiny).unsqueeze(1) * self.levels
+        noise = torch.rand(level.shape, generator=self.generator, device=self.generator.device).to(x.device)
+        codes = (torch.floor(level + noise).clamp_max(self.levels) * rows.sign()).flatten()[:n].to(torch.int8)
+        out = torch.zeros(self.payload_bytes(n), dtype=torch.uint8, device=x.device)
+        out[: 4 * blocks] = scales.view(torch.uint8)
+        if self.bits == 8:
+            out[4 * blocks : 4 * blocks + n] = codes.view(torch.uint8)
+        else:  # two's-complement nibbles, low nibble first
+            nibbles = torch.zeros(2 * self._code_bytes(n), dtype=torch.uint8, device=x.device)
+            nibbles[:n] = codes.view(torch.uint8) & 0xF
+            out[4 * blocks : 4 * blocks + nibbles.numel() // 2] = nibbles[0::2] | (nibbles[1::2] << 4)
         return out
 
     def decode(self, payload: Tensor, n: int, dtype: torch.dtype) -> Tensor:
-        k = self.k(n)
-        values = payload[: 4 * k].view(torch.float32)
-        index = payload[4 * k :].view(torch.int32).long()
-        return torch.zeros(n, dtype=dtype, device=payload.device).index_put_((index,), values.to(dtype))
+        blocks = self._blocks(n)
+        scales = payload[: 4 * blocks].view(torch.float32)
+        raw = payload[4 * blocks : 4 * blocks + self._code_bytes(n)]
+        if self.bits == 8:
+            codes = raw.view(torch.int8)
+        else:
+            nibbles = torch.stack([raw & 0xF, raw >> 4], 1).flatten()[:n].to(torch.int8)
+            codes = torch.where(nibbles > 7, nibbles - 16, nibbles)
+        step = (scales / self.levels).to(dtype).repeat_interleave(self.block)[:n]
+        return codes[:n].to(dtype) * step
 
 
-Codec = CastCodec | SignCodec | TopKCodec
+class RandomKCodec:
+    """random-k: k = ceil(ratio x n) entries at positions drawn uniformly without replacement (on the device, from
+    the run's generator: no host sync), as fp32 values and int32 positions: top-k's bytes, without its selection.
+    With error feedback the entries not drawn wait for a later step."""
+
+    def __init__(self, ratio: float, generator: torch.Generator) -> None:
+        self.ratio, self.generator = ratio, generator
+
+    def k(self, n: int) -> int:
+        return min(n, max(1, math.ceil(self.ratio * n)))
+
+    def payload_bytes(self, n: int) -> int:
+        return 8 * self.k(n)
+
+    def encode(self, x: Tensor) -> Tensor:
+        k = self.k(x.numel())
+        index = torch.randperm(x.numel(), generator=self.generator, device=self.generator.device)[:k].to(x.device)
+        return _sparse_payload(x.detach()[index], index)
+
+    def decode(self, payload: Tensor, n: int, dtype: torch.dtype) -> Tensor:
+        return _sparse_entries(payload, n, self.k(n), dtype)
 
 
-def make_codec(mode: str, onebit_block: int, topk_ratio: float, onebit_scale: str = "rms") -> Codec:
+class ThresholdCodec:
+    """Threshold sparsification: the entries with |x| >= threshold, as fp32 values and int32 positions.
+    All-to-all needs payloads of one size, so a payload holds up to ceil(capacity x n) entries (the largest when
+    more pass; with error feedback the rest wait) and its bytes are that capacity's, however few pass."""
+
+    def __init__(self, threshold: float, capacity: float) -> None:
+        self.threshold, self.capacity = threshold, capacity
+
+    def k(self, n: int) -> int:
+        return min(n, max(1, math.ceil(self.capacity * n)))
+
+    def payload_bytes(self, n: int) -> int:
+        return 8 * self.k(n)
+
+    def encode(self, x: Tensor) -> Tensor:
+        top = torch.topk(x.detach().abs(), self.k(x.numel()), sorted=False)
+        passing = top.values >= self.threshold
+        # unused slots: value 0 at position 0 (decode adds, so a real entry at position 0 is kept)
+        return _sparse_payload(torch.where(passing, x.detach()[top.indices], 0), torch.where(passing, top.indices, 0))
+
+    def decode(self, payload: Tensor, n: int, dtype: torch.dtype) -> Tensor:
+        return _sparse_entries(payload, n, self.k(n), dtype)
+
+
+def _sparse_payload(values: Tensor, index: Tensor) -> Tensor:
+    """k fp32 values, then their k int32 positions."""
+    k = values.numel()
+    out = torch.empty(8 * k, dtype=torch.uint8, device=values.device)
+    out[: 4 * k] = values.float().view(torch.uint8)
+    out[4 * k :] = index.to(torch.int32).view(torch.uint8)
+    return out
+
+
+def _sparse_entries(payload: Tensor, n: int, k: int, dtype: torch.dtype) -> Tensor:
+    values = payload[: 4 * k].view(torch.float32).to(dtype)
+    index = payload[4 * k :].view(torch.int32).long()
+    return torch.zeros(n, dtype=dtype, device=payload.device).index_put_((index,), values, accumulate=True)
+
+
+Codec = CastCodec | SignCodec | TopKCodec | QuantCodec | RandomKCodec | ThresholdCodec
+
+
+@dataclass(frozen=True)
+class CodecSettings:
+    """What the codecs read of CompressionOptions."""
+
+    onebit_block: int = 256
+    topk_ratio: float = 0.01
+    onebit_scale: str = "rms"
+    quant_block: int = 256
+    randomk_ratio: float = 0.01
+    threshold: float = 1e-3
+    threshold_capacity: float = 0.05
+
+
+def make_codec(mode: str, settings: CodecSettings = CodecSettings(), generator: Optional[torch.Generator] = None) -> Codec:
+    """The codec of `mode`; `generator` draws the random bits of int8/int4 and random-k (seed it per rank)."""
+    generator = generator if generator is not None else torch.Generator().manual_seed(0)
     if mode == "fp16":
         return CastCodec(torch.float16)
     if mode == "bf16":
         return CastCodec(torch.bfloat16)
     if mode == "onebit":
-        return SignCodec(onebit_block, onebit_scale)
+        return SignCodec(settings.onebit_block, settings.onebit_scale)
     if mode == "topk":
-        return TopKCodec(topk_ratio)
+        return TopKCodec(settings.topk_ratio)
+    if mode in ("int8", "int4"):
+        return QuantCodec(int(mode[3:]), settings.quant_block, generator)
+    if mode == "randomk":
+        return RandomKCodec(settings.randomk_ratio, generator)
+    if mode == "threshold":
+        return ThresholdCodec(settings.threshold, settings.threshold_capacity)
     raise ValueError(f"no chunk codec for mode {mode!r}")

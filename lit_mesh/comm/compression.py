@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lit_mesh.comm.codec_reduction import CodecReduction, padded
-from lit_mesh.comm.codecs import Codec, make_codec
+from lit_mesh.comm.codecs import Codec, CodecSettings, make_codec
 from lit_mesh.comm.entry_scales import EntryScales
 from lit_mesh.comm.fusion import plan_buckets
 from lit_mesh.comm.meter import WireMeter
@@ -34,19 +34,34 @@ from lit_mesh.comm.powersgd import PowerSGD, Segment, segments_of_shapes
 from lit_mesh.comm.schedule import CompressionSchedule
 
 
+INTRA_SUFFIX = ":intra"
+
+
 class CompressionSite:
     """One reduction site: its worker residual (input layout), the codec reductions' gather-half residual,
     PowerSGD's Q per matrix, 1-bit's per-entry scales."""
 
-    def __init__(self, name: str, run: CompressionRun) -> None:
+    def __init__(self, name: str, run: CompressionRun, fixed_mode: Optional[str] = None) -> None:
         self.name = name
         self.run = run
+        self.fixed_mode = fixed_mode  # a node-local site's own codec (CompressionOptions.intra_mode)
         self.residual: Optional[Tensor] = None
         self.codec_reduction = CodecReduction(run.options.error_feedback)
         self.powersgd = PowerSGD(name, run.options)
         self.entry_scales: Optional[EntryScales] = None
 
+    @property
+    def mode(self) -> str:
+        return self.fixed_mode or self.run.mode
+
     # ---- public entry points ---------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def all_gather(self, piece: Tensor, group: Any, dim: str) -> Tensor:
+        """Every rank's piece, end to end, sent as codes (the gather half of a codec all-reduce, with its residual)."""
+        n = group.size()
+        self.run.meter.uncompressed(dim, "all_gather", piece.numel() * n * piece.element_size(), n)
+        return self.codec_reduction.all_gather(piece, n, group, self.run.codec(self.mode), self.run.meter, dim)
 
     @torch.no_grad()
     def reduce_scatter(
@@ -61,7 +76,7 @@ class CompressionSite:
         meter.uncompressed(dim, "reduce_scatter", input, n)
         self._observe(input)
         x = self._with_residual(input)
-        mode = self.run.mode
+        mode = self.mode
         if mode == "none":
             result = torch.empty(x.numel() // n, dtype=x.dtype, device=x.device)
             dist.reduce_scatter_tensor(result, x, group=group)
@@ -71,7 +86,7 @@ class CompressionSite:
                 result, sent = self.powersgd.reduce(x, n, group, dim, segments, dist.get_rank(group), meter)
             else:
                 scales = self._scales(n, group, dim)
-                result, sent = self.codec_reduction.reduce_scatter(x, n, group, self.run.codec(), scales, meter, dim)
+                result, sent = self.codec_reduction.reduce_scatter(x, n, group, self.run.codec(mode), scales, meter, dim)
             self._keep(x, sent)
         output.copy_(result / n if average else result)
         if final:
@@ -87,7 +102,7 @@ class CompressionSite:
         meter.uncompressed(dim, "all_reduce", tensor, n)
         self._observe(padded(tensor, n))
         x = self._with_residual(tensor)
-        mode = self.run.mode
+        mode = self.mode
         if mode in ("none", "powersgd"):
             self.codec_reduction.fold_server_residual(x, n, group, average)
         if mode == "none":
@@ -99,7 +114,7 @@ class CompressionSite:
             self._keep(x, sent)
         else:
             scales = self._scales(n, group, dim)
-            result, sent = self.codec_reduction.all_reduce(x, n, group, self.run.codec(), scales, meter, dim, average)
+            result, sent = self.codec_reduction.all_reduce(x, n, group, self.run.codec(mode), scales, meter, dim, average)
             self._keep(x, sent)
             average = False  # the codec all-reduce averages before re-encoding
         if average:
@@ -134,7 +149,7 @@ class CompressionSite:
                 f" gradient buffer has {tuple(x.shape)}; the set of parameters with gradients changed between steps"
             )
         out = x + self.residual.to(x.dtype)
-        self.residual = None if self.run.mode == "none" else self.residual
+        self.residual = None if self.mode == "none" else self.residual
         return out
 
     def _keep(self, meant: Tensor, sent: Tensor) -> None:
@@ -151,7 +166,7 @@ class CompressionSite:
             self.entry_scales.observe(gradient)
 
     def _scales(self, n: int, group: Any, dim: str) -> Optional[Tensor]:
-        if self.entry_scales is None or self.run.mode != "onebit":
+        if self.entry_scales is None or self.mode != "onebit":
             return None
         sent = lambda buffer: self.run.meter.sent(dim, "all_gather", buffer, n)  # noqa: E731
         return self.entry_scales.scales(n, group, self.run.schedule.step, sent)
@@ -167,22 +182,35 @@ class CompressionRun:
         self.meter = WireMeter()
         self.sites: dict[str, CompressionSite] = {}
         self._codecs: dict[str, Codec] = {}
+        # the random bits of int8/int4 rounding and random-k draws: on the device (no host sync), its own per rank
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        self._generator = torch.Generator(device=self.device).manual_seed(options.seed * 65537 + rank)
 
     @property
     def mode(self) -> str:
         return self.schedule.mode
 
-    def codec(self) -> Codec:
-        if self.mode not in self._codecs:
-            self._codecs[self.mode] = make_codec(
-                self.mode, self.options.onebit_block, self.options.topk_ratio, self.options.onebit_scale
-            )
-        return self._codecs[self.mode]
+    def codec(self, mode: Optional[str] = None) -> Codec:
+        """The codec of `mode` (default: the schedule's current one)."""
+        mode = mode or self.mode
+        if mode not in self._codecs:
+            o = self.options
+            settings = CodecSettings(o.onebit_block, o.topk_ratio, o.onebit_scale, o.quant_block, o.randomk_ratio, o.threshold, o.threshold_capacity)  # fmt: skip
+            self._codecs[mode] = make_codec(mode, settings, self._generator)
+        return self._codecs[mode]
 
     def site(self, name: str) -> CompressionSite:
-        if name not in self.sites:
-            self.sites[name] = CompressionSite(name, self)
+        if name not in self.sites:  # "<site>:intra": the node-local half of a hierarchical all-reduce, own codec
+            fixed = self.options.intra_mode if name.endswith(INTRA_SUFFIX) else None
+            self.sites[name] = CompressionSite(name, self, fixed_mode=fixed)
         return self.sites[name]
+
+    def intra_site(self, name: str) -> Optional[CompressionSite]:
+        """The node-local site beside site `name` of a hierarchical all-reduce, when intra_mode is set and the
+        schedule compresses at all now (warm-up and "none" phases stay exact inside the node too)."""
+        if self.options.intra_mode is None or self.mode == "none":
+            return None
+        return self.site(name + INTRA_SUFFIX)
 
     def begin_step(self, step: int) -> None:
         """Called at every training step (micro-batches of one step: once); moves along the schedule."""
@@ -202,6 +230,7 @@ class CompressionRun:
     def state_dict(self) -> dict[str, Any]:
         return {
             **self.schedule.state_dict(),
+            "generator": self._generator.get_state(),
             "compressors": {
                 name: {
                     "residual": s.residual, "server_residual": s.codec_reduction.server_residual,
@@ -217,6 +246,8 @@ class CompressionRun:
         self.schedule.load_state_dict(state)
         if not sites:
             return
+        if "generator" in state:  # the random bits of this rank's codecs go on where they were
+            self._generator.set_state(state["generator"].cpu())
         for name, saved in state["compressors"].items():
             site = self.site(name)
             move = lambda t: None if t is None else t.to(self.device)  # noqa: E731

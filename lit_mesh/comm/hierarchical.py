@@ -4,8 +4,9 @@
   2. all-reduce of that 1/g piece between nodes (n ranks, one per node: the slow links carry S/g, not S);
   3. all-gather inside the node.
 Per rank, the bytes crossing nodes drop from 2(N-1)/N·S (flat ring over N = n·g) to 2(n-1)/n·S/g, and the
-sequential inter-node ring steps from 2(N-1) to 2(n-1). Layered compression: only the inter-node all-reduce (2)
-goes through a CompressionSite (lit_mesh/comm/compression.py); the node-local collectives stay exact. PowerSGD, whose
+sequential inter-node ring steps from 2(N-1) to 2(n-1). Layered compression: the inter-node all-reduce (2) goes
+through a CompressionSite (lit_mesh/comm/compression.py) with the run's mode; the node-local collectives stay exact,
+or with CompressionOptions(intra_mode=...) use that codec (a site "<site>:intra" of their own). PowerSGD, whose
 factors need whole matrices, all-reduces the whole tensor inside the node instead and compresses the whole
 tensor between nodes (every rank of a node sends the same factors on its own inter-node group).
 
@@ -26,7 +27,7 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 
-from lit_mesh.comm.compression import CompressionRun, CompressionSite
+from lit_mesh.comm.compression import INTRA_SUFFIX, CompressionRun, CompressionSite
 from lit_mesh.comm.fsdp import unit_segments
 from lit_mesh.errors import MeshConfigError
 from lit_mesh.topology import Topology, all_gather_time, all_reduce_time
@@ -179,17 +180,24 @@ def all_reduce(
     padded = torch.zeros(g * chunk, dtype=flat.dtype, device=flat.device)
     padded[:length] = flat
     piece = torch.empty(chunk, dtype=flat.dtype, device=flat.device)
-    dist.reduce_scatter_tensor(piece, padded, group=hierarchy.intra)
+    intra = site.run.intra_site(site.name) if site is not None else None
+    if intra is not None:  # the node's links get their own codec (CompressionOptions.intra_mode), error feedback
+        intra.reduce_scatter(piece, padded, hierarchy.intra, average=False, dim=f"{axis}:intra", final=False)
+    else:
+        dist.reduce_scatter_tensor(piece, padded, group=hierarchy.intra)
     if site is None:
         dist.all_reduce(piece, group=hierarchy.inter)
     else:
         site.all_reduce(piece, hierarchy.inter, average=average, dim=f"{axis}:inter")
-    gathered = torch.empty_like(padded)
-    dist.all_gather_into_tensor(gathered, piece, group=hierarchy.intra)
-    if meter is not None:
-        for kind in ("reduce_scatter", "all_gather"):
-            meter.sent(f"{axis}:intra", kind, padded, g)
-            meter.uncompressed(f"{axis}:intra", kind, padded, g)
+    if intra is not None:
+        gathered = intra.all_gather(piece, hierarchy.intra, dim=f"{axis}:intra")
+    else:
+        gathered = torch.empty_like(padded)
+        dist.all_gather_into_tensor(gathered, piece, group=hierarchy.intra)
+        if meter is not None:
+            for kind in ("reduce_scatter", "all_gather"):
+                meter.sent(f"{axis}:intra", kind, padded, g)
+                meter.uncompressed(f"{axis}:intra", kind, padded, g)
     result = gathered[:length]
     if average:  # a site averaged over the n nodes already
         result = result / (g if site is not None else g * n)
@@ -227,6 +235,8 @@ def attach_hierarchical_all_reduce(root: nn.Module, hierarchy: Hierarchy, run: O
         if not isinstance(module, FSDPModule) or not module._get_fsdp_state()._fsdp_param_groups:
             continue
         site = run.site(f"{name or '<root>'}:all_reduce") if run is not None else None
+        if run is not None and run.options.intra_mode is not None:
+            run.site(site.name + INTRA_SUFFIX)  # made now, so that a checkpoint finds every site on resume
         module.set_all_reduce_hook(HierarchicalReplicaAllReduce(hierarchy, module, site))
         hooked += 1
     return hooked

@@ -13,7 +13,7 @@ from typing import Optional, Union
 from lit_mesh.comm.codecs import ONEBIT_SCALES
 from lit_mesh.errors import CompressionConfigError  # noqa: F401 - re-exported
 
-MODES = ("fp16", "bf16", "powersgd", "onebit", "topk")
+MODES = ("fp16", "bf16", "powersgd", "onebit", "topk", "int8", "int4", "randomk", "threshold")
 PHASE_MODES = ("none", *MODES)  # a phase of the schedule may also send uncompressed
 
 
@@ -34,9 +34,15 @@ class CompressionPhase:
 class CompressionOptions:
     """Gradient compression in every data-parallel reduction (FSDP reduce-scatter, DDP/HSDP all-reduce).
 
-    mode: "fp16" / "bf16" (cast), "powersgd" (low rank), "onebit" (sign + scale), "topk" (largest entries).
+    mode: "fp16" / "bf16" (cast), "powersgd" (low rank), "onebit" (sign + scale), "topk" (largest entries),
+        "int8" / "int4" (QSGD-style levels per block, stochastic rounding), "randomk" (entries drawn at random),
+        "threshold" (entries at or above a magnitude). Codecs: lit_mesh/comm/codecs.py.
     powersgd_rank: rank of PowerSGD's factors P and Q.
     topk_ratio: fraction of entries top-k sends, in (0, 1].
+    quant_block: entries sharing one fp32 scale in int8/int4 codes.
+    randomk_ratio: fraction of entries random-k sends, in (0, 1].
+    threshold: the magnitude at or above which "threshold" sends an entry.
+    threshold_capacity: the most entries "threshold" sends, as a fraction in (0, 1]: its payload has that room.
     onebit_block: entries sharing one scale in 1-bit codes (the scale costs 32 bits per block).
     onebit_scale: the scale of a block of 1-bit codes: "rms" (its root mean square: the decoded gradient keeps
         the size that AdamW's second moment sees) or "mean_abs" (its mean |x|: the least squared error, for SGD).
@@ -45,20 +51,29 @@ class CompressionOptions:
         steps, 1/4 of an fp32 all-gather each time), so that after decoding every coordinate keeps its own size
         under AdamW (lit_mesh/comm/entry_scales.py). The defaults (block 256, RMS scales, refresh 32) send
         ~25x fewer bytes than fp32 and matched its loss under AdamW (benchmarks/README.md, "Gradient compression").
+    intra_mode: the codec inside a node of the hierarchical all-reduce (allreduce="hierarchical" or "auto" across
+        nodes: DDP, HSDP's replicate axis): e.g. "fp16" inside, `mode` (e.g. "onebit") between nodes; None: exact
+        inside the node. Any mode but "powersgd", which needs whole matrices.
     warmup_steps: optimizer steps sent uncompressed before `mode` starts.
     bucket_mb: tensor fusion: pieces sent per tensor (PowerSGD factors, uncompressed 1-D tensors, lists
         given to the standalone API) are packed into buckets of up to this size, one collective each.
     error_feedback: keep what compression dropped, per rank, and add it to the next step's gradient.
     schedule: later phases (e.g. fp16 after warm-up, then 1-bit once the gradient norm settles).
-    seed: seed of PowerSGD's first Q (the same on every rank).
+    seed: seed of PowerSGD's first Q (the same on every rank) and of int8/int4 rounding and random-k draws
+        (offset by the rank).
     """
 
     mode: str = "onebit"
     powersgd_rank: int = 4
     topk_ratio: float = 0.01
+    quant_block: int = 256
+    randomk_ratio: float = 0.01
+    threshold: float = 1e-3
+    threshold_capacity: float = 0.05
     onebit_block: int = 256
     onebit_scale: str = "rms"
     onebit_rms_refresh: int = 32
+    intra_mode: Optional[str] = None
     warmup_steps: int = 0
     bucket_mb: float = 25.0
     error_feedback: bool = True
@@ -111,6 +126,20 @@ def check_options(o: CompressionOptions) -> None:
         raise CompressionConfigError(
             f"topk_ratio={o.topk_ratio!r} must be in (0, 1] (the fraction of gradient entries top-k sends, e.g. 0.01)"
         )
+    for name, value in (("randomk_ratio", o.randomk_ratio), ("threshold_capacity", o.threshold_capacity)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+            raise CompressionConfigError(f"{name}={value!r} must be in (0, 1] (a fraction of the gradient entries, e.g. 0.01)")
+    if isinstance(o.threshold, bool) or not isinstance(o.threshold, (int, float)) or not o.threshold > 0:
+        raise CompressionConfigError(f"threshold={o.threshold!r} must be > 0 (the |gradient| at or above which an entry is sent)")
+    if isinstance(o.quant_block, bool) or not isinstance(o.quant_block, int) or o.quant_block < 1:
+        raise CompressionConfigError(f"quant_block={o.quant_block!r} must be an int >= 1 (entries per int8/int4 scale, e.g. 256)")
+    if o.intra_mode is not None:
+        _check_mode(o.intra_mode, tuple(m for m in MODES if m != "powersgd"), "grad_compression intra_mode")
+        if o.mode == "powersgd":
+            raise CompressionConfigError(
+                f"intra_mode={o.intra_mode!r} with mode='powersgd': PowerSGD sums whole matrices inside the node before"
+                " compressing them between nodes, so there is no node-local chunk to encode; use intra_mode=None"
+            )
     if isinstance(o.warmup_steps, bool) or not isinstance(o.warmup_steps, int) or o.warmup_steps < 0:
         raise CompressionConfigError(
             f"warmup_steps={o.warmup_steps!r} must be an int >= 0 (optimizer steps sent uncompressed first; 0: none)"

@@ -13,6 +13,15 @@ from tests.launch import REPO, cli_runs
 
 STEPS = 10
 MODES = ("fp16", "bf16", "powersgd", "onebit", "topk")
+# the codecs of issue #27, each on one layout (their reductions on every layout: tests/workers/compression_units.py)
+CODEC_RUNS = {
+    "ddp2-int8": ("ddp2", "int8"),
+    "hsdp2x2-int4": ("hsdp2x2", "int4"),
+    "fsdp2-randomk": ("fsdp2", "{mode: randomk, randomk_ratio: 0.25}"),
+    "ddp2-threshold": ("ddp2", "{mode: threshold, threshold: 0.001, threshold_capacity: 0.05}"),
+    # a schedule by step through the quantisers: fp16, int8 from step 3, int4 from step 6
+    "fsdp2-quant-schedule": ("fsdp2", "{mode: fp16, schedule: [{mode: int8, start_step: 3}, {mode: int4, start_step: 6}]}"),
+}
 S = "--trainer.strategy.init_args."
 COMMON = [
     f"--trainer.max_steps={STEPS}", "--trainer.log_every_n_steps=1", "--trainer.logger=CSVLogger",
@@ -73,6 +82,9 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict:
             resume = f"--ckpt_path={out / 'ckpt-fsdp2-onebitrms' / 'step=5.ckpt'}"
             runs.append(_run("fsdp2-onebitrms-resumed", "fsdp2", [*ONEBIT_RMS, resume]))
             runs.append(_run("fsdp2-onebit-accum2", "fsdp2", [f"{S}grad_compression=onebit", "--trainer.accumulate_grad_batches=2"]))
+        for name, (layout, mode) in CODEC_RUNS.items():
+            if LAYOUTS[layout][0] == nproc:
+                runs.append(_run(name, layout, [f"{S}grad_compression={mode}"]))
         for layout, mode in RESUMED.items():
             if LAYOUTS[layout][0] == nproc:
                 resume = f"--ckpt_path={out / f'ckpt-{layout}-{mode}' / 'step=5.ckpt'}"
@@ -100,6 +112,23 @@ def test_every_mode_trains_on_every_layout(results: dict, layout: str, mode: str
     assert got != reference, "compression must actually change what is sent"
     ratio = results[f"{layout}-{mode}"]["metrics"]["grad_compression/ratio"]
     assert all(r > 1.5 for r in ratio.values()), ratio  # fewer bytes than fp32 at every step
+
+
+@pytest.mark.parametrize("name", sorted(CODEC_RUNS))
+def test_quantised_and_sparse_codecs_train(results: dict, name: str) -> None:
+    reference, got = curve(results["fsdp2-fp32"]), curve(results[name])
+    assert len(got) == STEPS and all(torch.isfinite(torch.tensor(got)))
+    assert got[0] == pytest.approx(reference[0], rel=1e-5) and got != reference
+    assert got[-1] < 0.95 * got[0], f"{name} does not learn: {got}"
+    ratio = {int(s): v for s, v in results[name]["metrics"]["grad_compression/ratio"].items()}
+    # bytes against each codec's formula on the tiny GPT (blocks of 256 fp32 scales; sparse: 8 bytes an entry)
+    low = {"ddp2-int8": 3.0, "hsdp2x2-int4": 5.0, "fsdp2-randomk": 1.5, "ddp2-threshold": 6.0, "fsdp2-quant-schedule": 1.9}
+    assert all(r > low[name] for r in ratio.values()), ratio
+    if name == "fsdp2-quant-schedule":
+        phase = {int(s): v for s, v in results[name]["metrics"]["grad_compression/phase"].items()}
+        assert [phase[s] for s in range(STEPS)] == [0, 0, 0, 1, 1, 1, 2, 2, 2, 2]
+        assert all(1.9 < ratio[s] <= 2.0 for s in (0, 1, 2)) and all(3.0 < ratio[s] < 4.0 for s in (3, 4, 5))
+        assert all(5.0 < ratio[s] < 8.0 for s in range(6, STEPS - 1))
 
 
 @pytest.mark.parametrize("mode", ["fp16", "bf16"])

@@ -4,6 +4,7 @@ The compressors over real gloo groups: tests/integration/test_compression.py."""
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -11,12 +12,17 @@ import torch
 from lightning.pytorch import Trainer
 
 from lit_mesh import CompressionOptions, CompressionPhase, MeshStrategy
-from lit_mesh.comm.codecs import CastCodec, SignCodec, TopKCodec
+from lit_mesh.comm.codecs import CastCodec, QuantCodec, RandomKCodec, SignCodec, ThresholdCodec, TopKCodec
 from lit_mesh.comm.fusion import fused, plan_buckets
 from lit_mesh.comm.options import CompressionConfigError
 from lit_mesh.comm.powersgd import initial_q, low_rank_sum
 
-CODECS = {"fp16": CastCodec(torch.float16), "bf16": CastCodec(torch.bfloat16), "onebit": SignCodec(64), "topk": TopKCodec(0.05)}
+GENERATOR = torch.Generator().manual_seed(0)
+CODECS = {
+    "fp16": CastCodec(torch.float16), "bf16": CastCodec(torch.bfloat16), "onebit": SignCodec(64), "topk": TopKCodec(0.05),
+    "int8": QuantCodec(8, 64, GENERATOR), "int4": QuantCodec(4, 64, GENERATOR), "randomk": RandomKCodec(0.05, GENERATOR),
+    "threshold": ThresholdCodec(1.0, 0.2),
+}  # fmt: skip
 
 
 @pytest.mark.parametrize("name", sorted(CODECS))
@@ -28,8 +34,8 @@ def test_error_feedback_conserves_the_signal_exactly(name: str) -> None:
         x = torch.randn(1000, generator=torch.Generator().manual_seed(0)).float().to(dtype)
         sent = codec.decode(codec.encode(x), x.numel(), dtype)
         residual = x - sent
-        if dtype == torch.float32 and name == "onebit":
-            continue  # x - sign x scale rounds in fp32 (the residual is kept in the gradient's dtype)
+        if dtype == torch.float32 and name in ("onebit", "int8", "int4"):
+            continue  # x - level x scale rounds in fp32 (the residual is kept in the gradient's dtype)
         assert torch.equal(sent + residual, x), name
         assert not torch.equal(sent, x), "the codec must actually drop something"
 
@@ -135,3 +141,60 @@ def test_checkpoint_state_restores_on_the_same_layout_and_resets_with_a_warning_
     assert why is not None
     assert other.sites["model.layers.0:reduce_scatter"].residual is None  # reset
     assert other.mode == "onebit"  # the schedule's position is kept
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_quantised_codes_are_unbiased_levels_within_their_block_scale(bits: int) -> None:
+    x = torch.randn(1000, generator=torch.Generator().manual_seed(3))
+    codec = QuantCodec(bits, 100, torch.Generator().manual_seed(4))
+    levels = 2 ** (bits - 1) - 1
+    assert codec.payload_bytes(1000) == 4 * 10 + (1000 if bits == 8 else 500)
+    scales = x.view(10, 100).abs().amax(1)
+    draws = torch.stack([codec.decode(codec.encode(x), 1000, torch.float64) for _ in range(400)])
+    step = (scales.double() / levels).repeat_interleave(100)
+    codes = draws / step
+    assert torch.allclose(codes, codes.round(), atol=1e-4) and codes.abs().max() <= levels + 1e-4  # whole levels in [-L, L]
+    assert ((draws - x.double()).abs() <= step + 1e-6).all(), "rounding goes to a neighbouring level only"
+    # unbiased: the mean of 400 draws is within 4 standard errors of x, everywhere
+    assert ((draws.mean(0) - x.double()).abs() <= 4 * step / 2 / 400**0.5 + 1e-6).all()
+    exact = (torch.arange(-levels, levels + 1).float() / levels).repeat(7)[:100]  # levels of scale 1 decode exactly
+    torch.testing.assert_close(codec.decode(codec.encode(exact), 100, torch.float32), exact, rtol=1e-6, atol=1e-7)
+
+
+def test_randomk_sends_k_distinct_entries_as_they_are() -> None:
+    x = torch.randn(997, generator=torch.Generator().manual_seed(5))
+    codec = RandomKCodec(0.03, torch.Generator().manual_seed(6))
+    k = codec.k(997)
+    first, second = (codec.decode(codec.encode(x), 997, torch.float32) for _ in range(2))
+    for decoded in (first, second):
+        kept = decoded.nonzero().flatten()
+        assert kept.numel() == k and torch.equal(decoded[kept], x[kept])
+    assert not torch.equal(first, second), "fresh positions at every call"
+    assert codec.payload_bytes(997) == 8 * k
+
+
+def test_threshold_sends_what_passes_up_to_its_capacity() -> None:
+    x = torch.tensor([0.5, -2.0, 0.1, 3.0, -0.9, 1.0, 0.0, -1.5] * 10)
+    roomy = ThresholdCodec(1.0, 0.5)  # room for 40 of 80 entries: the 40 passing ones all fit
+    decoded = roomy.decode(roomy.encode(x), 80, torch.float32)
+    assert torch.equal(decoded, torch.where(x.abs() >= 1.0, x, 0))
+    tight = ThresholdCodec(1.0, 0.125)  # room for 10: the largest 10 of those passing
+    decoded = tight.decode(tight.encode(x), 80, torch.float32)
+    assert decoded.count_nonzero() == 10 and set(decoded[decoded != 0].abs().tolist()) == {3.0}
+    assert tight.payload_bytes(80) == 8 * 10
+    first = torch.tensor([5.0] + [0.0] * 79)  # a real entry at position 0 next to unused slots
+    assert torch.equal(roomy.decode(roomy.encode(first), 80, torch.float32), first)
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("randomk_ratio", 0.0, "randomk_ratio=0.0 must be in (0, 1]"),
+        ("threshold_capacity", 2.0, "threshold_capacity=2.0 must be in (0, 1]"),
+        ("threshold", -1.0, "threshold=-1.0 must be > 0"),
+        ("quant_block", 0, "quant_block=0 must be an int >= 1"),
+    ],
+)
+def test_bad_codec_settings_fail_at_construction(field: str, value: object, message: str) -> None:
+    with pytest.raises(CompressionConfigError, match=re.escape(message)):
+        MeshStrategy(dp_replicate=2, grad_compression=CompressionOptions(mode="int8", **{field: value}))

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from lit_mesh.comm.codecs import make_codec
+from lit_mesh.comm.codecs import CodecSettings, make_codec
 from lit_mesh.comm.compression import CompressionRun
 from lit_mesh.comm.powersgd import Segment
 from lit_mesh.comm.options import CompressionOptions, CompressionPhase
@@ -38,7 +38,7 @@ def roundtrip(codec, x: torch.Tensor) -> torch.Tensor:
 def onebit_all_reduce_formula() -> None:
     n, me = dist.get_world_size(), dist.get_rank()
     run = CompressionRun(CompressionOptions(mode="onebit", onebit_block=64, onebit_rms_refresh=0))
-    site, codec = run.site("ar"), make_codec("onebit", 64, 0.0)
+    site, codec = run.site("ar"), make_codec("onebit", CodecSettings(onebit_block=64))
     xs = inputs(1000)
     out = xs[me].clone()
     site.all_reduce(out, dist.group.WORLD, average=True, dim="dp_replicate")
@@ -65,7 +65,7 @@ def onebit_scaled_by_entry_rms() -> None:
 
     n, me = dist.get_world_size(), dist.get_rank()
     run = CompressionRun(CompressionOptions(mode="onebit", onebit_block=64, onebit_rms_refresh=2))
-    site, codec = run.site("ar"), make_codec("onebit", 64, 0.0)
+    site, codec = run.site("ar"), make_codec("onebit", CodecSettings(onebit_block=64))
     # entries of very different but steady sizes in one block (as gradients are, step to step): what the
     # per-entry scales are for
     sizes = 10 ** (4 * torch.rand(1000, generator=torch.Generator().manual_seed(3)) - 3)  # 1e-3 .. 10, mixed
@@ -136,9 +136,10 @@ def powersgd_sums_rank_r_matrices_exactly() -> None:
 @check
 def nothing_lost_across_steps_and_switches() -> None:
     """mean input + what was held back before == output + what is held back now, at every step, through
-    onebit -> topk -> powersgd -> fp16 -> onebit -> none (residuals carried, the server's folded back)."""
+    onebit -> topk -> powersgd -> fp16 -> int8 -> int4 -> randomk -> threshold -> onebit -> none (residuals
+    carried, the server's folded back)."""
     n, me = dist.get_world_size(), dist.get_rank()
-    modes = ["onebit", "topk", "powersgd", "fp16", "onebit", "none"]
+    modes = ["onebit", "topk", "powersgd", "fp16", "int8", "int4", "randomk", "threshold", "onebit", "none"]
     phases = [CompressionPhase(m, start_step=i) for i, m in enumerate(modes) if i]
     options = CompressionOptions(mode=modes[0], topk_ratio=0.05, onebit_block=32, onebit_rms_refresh=0, schedule=phases)
     run = CompressionRun(options)
@@ -204,6 +205,46 @@ def schedule_switches_by_rule_on_all_ranks_together() -> None:
     dist.all_gather_object(modes, seen)
     assert all(m == modes[0] for m in modes), modes
     assert seen == ["fp16", "fp16", "fp16", "onebit", "onebit", "onebit"], seen
+
+
+def sent_formula(mode: str, options: dict) -> None:
+    """Any codec, random ones included: the reduce-scatter gives the mean over ranks of what each rank sent (its
+    input less its residual), and the all-reduce sends (n-1) payloads in each half; bytes against the formula."""
+    n, me = dist.get_world_size(), dist.get_rank()
+    run = CompressionRun(CompressionOptions(mode=mode, **options))
+    xs = inputs(1200)
+    out = torch.empty(1200 // n)
+    site = run.site("rs")
+    site.reduce_scatter(out, xs[me], dist.group.WORLD, average=True, dim="dp_shard")
+    sent = [x - r for x, r in zip(xs, gathered(site.residual))]
+    torch.testing.assert_close(out, (sum(sent) / n).view(n, -1)[me], rtol=1e-6, atol=1e-7)
+    assert not torch.equal(sent[me], xs[me]), "the codec must drop something"
+    payload = run.codec().payload_bytes(1200 // n)
+    assert run.meter.current["dp_shard"]["sent"] == (n - 1) * payload, run.meter.current
+    x = xs[me].clone()
+    run.site("ar").all_reduce(x, dist.group.WORLD, average=True, dim="dp_replicate")
+    assert run.meter.current["dp_replicate"]["sent"] == 2 * (n - 1) * payload, run.meter.current
+    assert torch.equal(torch.stack(gathered(x))[0], x), "every rank ends with the same reduced gradient"
+
+
+@check
+def int8_sent_formula() -> None:
+    sent_formula("int8", {"quant_block": 64})
+
+
+@check
+def int4_sent_formula() -> None:
+    sent_formula("int4", {"quant_block": 64})
+
+
+@check
+def randomk_sent_formula() -> None:
+    sent_formula("randomk", {"randomk_ratio": 0.1})
+
+
+@check
+def threshold_sent_formula() -> None:
+    sent_formula("threshold", {"threshold": 1.0, "threshold_capacity": 0.2})
 
 
 @check

@@ -19,7 +19,7 @@ from torch import nn
 
 from lit_mesh import CompressionOptions, MeshStrategy, Topology
 from lit_mesh.comm import hierarchical
-from lit_mesh.comm.codecs import make_codec
+from lit_mesh.comm.codecs import CodecSettings, make_codec
 from lit_mesh.comm.compression import CompressionRun
 from lit_mesh.comm.powersgd import segments_of_shapes
 from lit_mesh.mesh import MeshLayout, build_device_mesh
@@ -153,12 +153,29 @@ def layered_compression() -> None:
     assert set(bytes_) == {"dp_replicate:intra", "dp_replicate:inter"}, dict(bytes_)
     assert bytes_["dp_replicate:intra"]["sent"] == bytes_["dp_replicate:intra"]["uncompressed"] > 0  # exact in the node
     assert bytes_["dp_replicate:inter"]["sent"] * 2 == bytes_["dp_replicate:inter"]["uncompressed"]  # fp16 between
+    # a codec per level (intra_mode): fp16 inside the node too, still exact on small integers, half the bytes there
+    run = CompressionRun(CompressionOptions(mode="fp16", intra_mode="fp16"))
+    out = hierarchical.all_reduce(xs[RANK].clone(), h, average=True, site=run.site("site"))
+    assert torch.equal(out, flat), (out - flat).abs().max()
+    bytes_ = run.meter.current
+    assert bytes_["dp_replicate:intra"]["sent"] * 2 == bytes_["dp_replicate:intra"]["uncompressed"] > 0, dict(bytes_)
+    assert bytes_["dp_replicate:inter"]["sent"] * 2 == bytes_["dp_replicate:inter"]["uncompressed"] > 0, dict(bytes_)
+    # int8 inside, 1-bit between: bytes against each codec's formula, per level
+    run = CompressionRun(CompressionOptions(mode="onebit", intra_mode="int8", quant_block=32, onebit_block=32, onebit_rms_refresh=0))
+    piece = xs[RANK].numel() // g  # each rank's share of the node's sum
+    hierarchical.all_reduce(every_rank(g * n * 64 * 2, integer=False)[RANK].clone(), h, average=True, site=run.site("site"))
+    bytes_ = run.meter.current
+    int8, onebit = run.codec("int8"), run.codec("onebit")
+    assert bytes_["dp_replicate:intra"]["sent"] == 2 * (g - 1) * int8.payload_bytes(piece), dict(bytes_)  # scatter + gather
+    assert bytes_["dp_replicate:inter"]["sent"] == 2 * (n - 1) * onebit.payload_bytes(piece // n), dict(bytes_)
+    assert bytes_["dp_replicate:intra"]["uncompressed"] == 2 * (g - 1) / g * 4 * xs[RANK].numel()
+    assert run.sites["site:intra"].residual is not None, "error feedback inside the node too"
     # 1-bit between nodes: the node sums of this rank's piece, through the 1-bit all-reduce (scatter and gather halves)
     run = CompressionRun(CompressionOptions(mode="onebit", onebit_block=32, onebit_rms_refresh=0))
     site = run.site("site")
     xs = every_rank(g * n * 64 * 2, integer=False)
     out = hierarchical.all_reduce(xs[RANK].clone(), h, average=True, site=site)
-    codec = make_codec("onebit", 32, 0.0)
+    codec = make_codec("onebit", CodecSettings(onebit_block=32))
     roundtrip = lambda t: codec.decode(codec.encode(t), t.numel(), t.dtype)  # noqa: E731
     inter = ranks_of(h.inter)
     nodes = [[r for r in members if TOPOLOGY.node_of(r) == TOPOLOGY.node_of(i)] for i in inter]
