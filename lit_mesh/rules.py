@@ -69,6 +69,12 @@ def _schedule_kind(f: Facts) -> str:
     return SCHEDULES[f.options.pipeline.schedule][1]
 
 
+def _microbatch_problem(f: Facts) -> Optional[str]:
+    from lit_mesh.parallel.pipeline import microbatch_problem
+
+    return microbatch_problem(f.options.pipeline, f.degrees["pp"])
+
+
 def _block_options(f: Facts) -> list[str]:
     asked = {"activation_checkpointing": f.options.memory.activation_checkpointing != "none",
              "compile_blocks": f.options.compile.backend is not None}  # fmt: skip
@@ -113,6 +119,13 @@ RULES: tuple[Rule, ...] = (
         lambda f: f.options.pipeline.stages_per_rank not in (None, 2) and _schedule_kind(f) == "two",
         lambda f: f"pp_schedule={f.options.pipeline.schedule!r} runs exactly 2 stages per rank (V shape), not"
         f" {f.options.pipeline.stages_per_rank}; set pp_stages_per_rank=2",
+        PipelineConfigError,
+    ),
+    Rule(
+        "pp_microbatches_for_schedule", "init",
+        lambda f: f.degrees["pp"] > 1 and _microbatch_problem(f) is not None,
+        lambda f: f"pp_schedule={f.options.pipeline.schedule!r} with pp={f.degrees['pp']} and"
+        f" {f.options.pipeline.n_microbatches(f.degrees['pp'])} micro-batches: it {_microbatch_problem(f)}",
         PipelineConfigError,
     ),
     Rule(
