@@ -75,6 +75,12 @@ def _microbatch_problem(f: Facts) -> Optional[str]:
     return microbatch_problem(f.options.pipeline, f.degrees["pp"])
 
 
+def _splits_backward(f: Facts) -> bool:
+    from lit_mesh.parallel.pipeline import SPLIT_BACKWARD
+
+    return f.options.pipeline.schedule in SPLIT_BACKWARD
+
+
 def _block_options(f: Facts) -> list[str]:
     asked = {"activation_checkpointing": f.options.memory.activation_checkpointing != "none",
              "compile_blocks": f.options.compile.backend is not None}  # fmt: skip
@@ -159,6 +165,17 @@ RULES: tuple[Rule, ...] = (
         lambda f: f"compile_blocks=True with tp={f.degrees['tp']}: compiled blocks do not yet give correct gradients"
         " under tensor parallel on this torch; use compile_blocks with data parallel only (dp, dp_replicate,"
         " dp_shard), or keep tp and set compile_blocks=False",
+    ),
+    Rule(
+        # measured on torch 2.13: the first input-gradient pass fails in AOTAutograd ("compiled with non-empty
+        # donated buffers which requires ... retain_graph=False")
+        "compile_with_split_backward", "init",
+        lambda f: f.options.compile.backend is not None and f.degrees["pp"] > 1 and _splits_backward(f),
+        lambda f: f"compile_blocks=True with pp_schedule={f.options.pipeline.schedule!r}: this schedule splits each"
+        " backward into input and weight gradients, and a compiled block's backward is one graph that cannot be"
+        " split (torch refuses compiled stages with it too); use pp_schedule='interleaved_1f1b' (or '1f1b',"
+        " 'gpipe', 'looped_bfs') with compile_blocks, or compile_blocks=False",
+        PipelineConfigError,
     ),
     Rule(
         "async_save_needs_sharded", "init",

@@ -38,6 +38,10 @@ SCHEDULES: dict[str, tuple[type, str, Placement]] = {
     "dualpipev": (torch_schedules.ScheduleDualPipeV, "two", "v"),
 }
 
+# the zero-bubble family: each backward runs in two parts, input gradients first (autograd with retain_graph) and
+# weight gradients later; a compiled block's backward is one graph that cannot be split (torch refuses it too)
+SPLIT_BACKWARD = frozenset({"zero_bubble", "zbv", "dualpipev"})
+
 
 _DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64]
 _MAX_DIMS = 8

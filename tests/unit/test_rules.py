@@ -47,6 +47,10 @@ def pipeline(pp: int, **settings: object) -> Facts:
     return init(replace(O, pipeline=PipelineSettings(**settings)), pp=pp)
 
 
+def compiled_pipeline(schedule: str) -> Facts:
+    return init(replace(O, pipeline=PipelineSettings(schedule), compile=CompileOptions("aot_eager")), pp=2)
+
+
 PP2, CP2, TP2 = MeshLayout(pp=2, dp_shard=2), MeshLayout(dp_shard=2, cp=2), MeshLayout(dp_shard=2, tp=2)
 DP4 = MeshLayout(dp_shard=4)
 AC = replace(O, memory=MemoryOptions("full"))
@@ -72,6 +76,8 @@ CASES: dict[str, tuple[Facts, str, Facts]] = {
                    init(pp=2)),
     "compile_with_tp": (init(replace(O, compile=CompileOptions("aot_eager")), tp=2), "compile_blocks=True with tp=2:"
                         " compiled blocks do not yet give correct gradients", init(replace(O, compile=CompileOptions("aot_eager")))),
+    "compile_with_split_backward": (compiled_pipeline("zbv"), "compile_blocks=True with pp_schedule='zbv': this schedule"
+                                    " splits each backward into input and weight gradients", compiled_pipeline("interleaved_1f1b")),
     "async_save_needs_sharded": (init(replace(O, checkpoint=CheckpointOptions(False, True))), "async_save=True writes"
                                  " sharded checkpoints: keep save_distributed_checkpoint=True",
                                  init(replace(O, checkpoint=CheckpointOptions(True, True)))),
