@@ -167,14 +167,15 @@ RULES: tuple[Rule, ...] = (
         " dp_shard), or keep tp and set compile_blocks=False",
     ),
     Rule(
-        # measured on torch 2.13: the first input-gradient pass fails in AOTAutograd ("compiled with non-empty
-        # donated buffers which requires ... retain_graph=False")
-        "compile_with_split_backward", "init",
-        lambda f: f.options.compile.backend is not None and f.degrees["pp"] > 1 and _splits_backward(f),
-        lambda f: f"compile_blocks=True with pp_schedule={f.options.pipeline.schedule!r}: this schedule splits each"
-        " backward into input and weight gradients, and a compiled block's backward is one graph that cannot be"
-        " split (torch refuses compiled stages with it too); use pp_schedule='interleaved_1f1b' (or '1f1b',"
-        " 'gpipe', 'looped_bfs') with compile_blocks, or compile_blocks=False",
+        # measured on torch 2.13: compiled blocks fail in the input-gradient pass inside AOTAutograd ("compiled with
+        # non-empty donated buffers which requires ... retain_graph=False"); checkpointed blocks fail in the weight-
+        # gradient pass (the composable checkpoint's recompute context is entered a second time: AttributeError)
+        "split_backward_without_block_options", "init",
+        lambda f: f.degrees["pp"] > 1 and _splits_backward(f) and bool(_block_options(f)),
+        lambda f: f"{_block_options(f)[0]} with pp_schedule={f.options.pipeline.schedule!r}: this schedule splits each"
+        " backward into an input-gradient pass and a later weight-gradient pass over every block, but a compiled"
+        " block's backward is one graph that cannot be split and a checkpointed block is recomputed only once per"
+        " forward; use pp_schedule='interleaved_1f1b' (or '1f1b', 'gpipe', 'looped_bfs') with it, or turn it off",
         PipelineConfigError,
     ),
     Rule(

@@ -39,7 +39,7 @@ SCHEDULES: dict[str, tuple[type, str, Placement]] = {
 }
 
 # the zero-bubble family: each backward runs in two parts, input gradients first (autograd with retain_graph) and
-# weight gradients later; a compiled block's backward is one graph that cannot be split (torch refuses it too)
+# weight gradients later; compiled or checkpointed blocks do not survive that (lit_mesh/rules.py)
 SPLIT_BACKWARD = frozenset({"zero_bubble", "zbv", "dualpipev"})
 
 

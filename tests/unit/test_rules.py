@@ -51,6 +51,14 @@ def compiled_pipeline(schedule: str) -> Facts:
     return init(replace(O, pipeline=PipelineSettings(schedule), compile=CompileOptions("aot_eager")), pp=2)
 
 
+def test_checkpointed_blocks_are_refused_with_the_split_backward_too() -> None:
+    rule = RULES_BY_NAME["split_backward_without_block_options"]
+    for schedule in ("zero_bubble", "zbv", "dualpipev"):
+        facts = init(replace(O, pipeline=PipelineSettings(schedule), memory=MemoryOptions("selective")), pp=2)
+        assert rule.broken(facts) and rule.message(facts).startswith(f"activation_checkpointing with pp_schedule={schedule!r}")
+    assert not rule.broken(init(replace(O, pipeline=PipelineSettings("looped_bfs"), memory=MemoryOptions("full")), pp=2))
+
+
 PP2, CP2, TP2 = MeshLayout(pp=2, dp_shard=2), MeshLayout(dp_shard=2, cp=2), MeshLayout(dp_shard=2, tp=2)
 DP4 = MeshLayout(dp_shard=4)
 AC = replace(O, memory=MemoryOptions("full"))
@@ -76,8 +84,9 @@ CASES: dict[str, tuple[Facts, str, Facts]] = {
                    init(pp=2)),
     "compile_with_tp": (init(replace(O, compile=CompileOptions("aot_eager")), tp=2), "compile_blocks=True with tp=2:"
                         " compiled blocks do not yet give correct gradients", init(replace(O, compile=CompileOptions("aot_eager")))),
-    "compile_with_split_backward": (compiled_pipeline("zbv"), "compile_blocks=True with pp_schedule='zbv': this schedule"
-                                    " splits each backward into input and weight gradients", compiled_pipeline("interleaved_1f1b")),
+    "split_backward_without_block_options": (compiled_pipeline("zbv"), "compile_blocks with pp_schedule='zbv': this"
+                                             " schedule splits each backward into an input-gradient pass and a later"
+                                             " weight-gradient pass", compiled_pipeline("interleaved_1f1b")),
     "async_save_needs_sharded": (init(replace(O, checkpoint=CheckpointOptions(False, True))), "async_save=True writes"
                                  " sharded checkpoints: keep save_distributed_checkpoint=True",
                                  init(replace(O, checkpoint=CheckpointOptions(True, True)))),
