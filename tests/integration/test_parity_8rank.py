@@ -36,7 +36,7 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict:
     references = sorted({recipe for recipe, _ in LAYOUTS.values()})
     found: dict = {"_dir": out}
     found.update(cli_runs(1, out, [_run(f"{recipe}-single", recipe, 1, []) for recipe in references]))
-    found.update(cli_runs(WORLD, out, [_run(name, recipe, WORLD, extra) for name, (recipe, extra) in LAYOUTS.items()], timeout=900))
+    found.update(cli_runs(WORLD, out, [_run(name, recipe, WORLD, extra) for name, (recipe, extra) in LAYOUTS.items()], timeout=540))
     return found
 
 
