@@ -69,6 +69,18 @@ def _schedule_kind(f: Facts) -> str:
     return SCHEDULES[f.options.pipeline.schedule][1]
 
 
+def _microbatch_problem(f: Facts) -> Optional[str]:
+    from lit_mesh.parallel.pipeline import microbatch_problem
+
+    return microbatch_problem(f.options.pipeline, f.degrees["pp"])
+
+
+def _splits_backward(f: Facts) -> bool:
+    from lit_mesh.parallel.pipeline import SPLIT_BACKWARD
+
+    return f.options.pipeline.schedule in SPLIT_BACKWARD
+
+
 def _block_options(f: Facts) -> list[str]:
     asked = {"activation_checkpointing": f.options.memory.activation_checkpointing != "none",
              "compile_blocks": f.options.compile.backend is not None}  # fmt: skip
@@ -116,6 +128,13 @@ RULES: tuple[Rule, ...] = (
         PipelineConfigError,
     ),
     Rule(
+        "pp_microbatches_for_schedule", "init",
+        lambda f: f.degrees["pp"] > 1 and _microbatch_problem(f) is not None,
+        lambda f: f"pp_schedule={f.options.pipeline.schedule!r} with pp={f.degrees['pp']} and"
+        f" {f.options.pipeline.n_microbatches(f.degrees['pp'])} micro-batches: it {_microbatch_problem(f)}",
+        PipelineConfigError,
+    ),
+    Rule(
         "pp_split_per_stage", "init",
         lambda f: f.options.pipeline.split is not None
         and len(f.options.pipeline.split) != f.degrees["pp"] * f.options.pipeline.local_stages(),
@@ -146,6 +165,18 @@ RULES: tuple[Rule, ...] = (
         lambda f: f"compile_blocks=True with tp={f.degrees['tp']}: compiled blocks do not yet give correct gradients"
         " under tensor parallel on this torch; use compile_blocks with data parallel only (dp, dp_replicate,"
         " dp_shard), or keep tp and set compile_blocks=False",
+    ),
+    Rule(
+        # measured on torch 2.13: compiled blocks fail in the input-gradient pass inside AOTAutograd ("compiled with
+        # non-empty donated buffers which requires ... retain_graph=False"); checkpointed blocks fail in the weight-
+        # gradient pass (the composable checkpoint's recompute context is entered a second time: AttributeError)
+        "split_backward_without_block_options", "init",
+        lambda f: f.degrees["pp"] > 1 and _splits_backward(f) and bool(_block_options(f)),
+        lambda f: f"{_block_options(f)[0]} with pp_schedule={f.options.pipeline.schedule!r}: this schedule splits each"
+        " backward into an input-gradient pass and a later weight-gradient pass over every block, but a compiled"
+        " block's backward is one graph that cannot be split and a checkpointed block is recomputed only once per"
+        " forward; use pp_schedule='interleaved_1f1b' (or '1f1b', 'gpipe', 'looped_bfs') with it, or turn it off",
+        PipelineConfigError,
     ),
     Rule(
         "async_save_needs_sharded", "init",

@@ -84,7 +84,8 @@ class MeshStrategy(ModelParallelStrategy):
             layers are split over ep, their weights FSDP-sharded over dp_shard x cp / ep.
         pp_schedule: "gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "zero_bubble" (interleaved zero bubble),
             "zbv" or "dualpipev" (V-shaped, 2 stages per rank).
-        pp_microbatches: micro-batches per step (must divide each pipeline replica's batch); default pp.
+        pp_microbatches: micro-batches per step (must divide each pipeline replica's batch); default pp
+            (dualpipev: 2 x pp, one per stage).
         pp_stages_per_rank: virtual stages per rank for the interleaved schedules (default 2 there, else 1).
         pp_split: blocks per stage, e.g. [3, 5]; default: balanced, counting embedding and head as one block each.
         sequence_parallel: shard activations over the sequence between TP regions (needs tp to divide it).

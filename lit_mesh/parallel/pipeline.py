@@ -38,6 +38,10 @@ SCHEDULES: dict[str, tuple[type, str, Placement]] = {
     "dualpipev": (torch_schedules.ScheduleDualPipeV, "two", "v"),
 }
 
+# the zero-bubble family: each backward runs in two parts, input gradients first (autograd with retain_graph) and
+# weight gradients later; compiled or checkpointed blocks do not survive that (lit_mesh/rules.py)
+SPLIT_BACKWARD = frozenset({"zero_bubble", "zbv", "dualpipev"})
+
 
 _DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64]
 _MAX_DIMS = 8
@@ -62,7 +66,36 @@ class PipelineSettings:
         return 1 if SCHEDULES[self.schedule][1] == "one" else 2
 
     def n_microbatches(self, pp: int) -> int:
-        return self.microbatches if self.microbatches is not None else pp
+        if self.microbatches is not None:
+            return self.microbatches
+        return max(pp, fewest_microbatches(self.schedule, pp, self.local_stages()))
+
+
+def fewest_microbatches(schedule: str, pp: int, stages_per_rank: int) -> int:
+    """The fewest micro-batches torch's schedule accepts: 1F1B one per stage, DualPipeV one per stage of its V."""
+    return {"1f1b": pp, "dualpipev": pp * stages_per_rank}.get(schedule, 1)
+
+
+_FEWER_MICROBATCHES = {"1f1b": "gpipe", "dualpipev": "zbv"}  # a schedule of the same shape that takes fewer
+
+
+def microbatch_problem(settings: PipelineSettings, pp: int) -> Optional[str]:
+    """Why torch's schedule refuses this many micro-batches at pp stage ranks (None: it accepts them), with counts
+    that work; checked before any process starts (torch raises only inside the schedule's constructor)."""
+    count, schedule = settings.n_microbatches(pp), settings.schedule
+    fewest = fewest_microbatches(schedule, pp, settings.local_stages())
+    if count < fewest:
+        return (
+            f"needs at least {fewest} micro-batches (one per stage); set pp_microbatches >= {fewest}, or use"
+            f" pp_schedule={_FEWER_MICROBATCHES[schedule]!r}"
+        )
+    rounds = max(1, count // pp)  # the interleaved schedules run the micro-batches in rounds of pp
+    if schedule in ("interleaved_1f1b", "zero_bubble") and count % rounds:
+        return (
+            f"runs micro-batches in {rounds} rounds of pp={pp} and {count} is not a multiple of {rounds}; set"
+            f" pp_microbatches to a multiple of {pp}"
+        )
+    return None
 
 
 def check_pipeline_settings(

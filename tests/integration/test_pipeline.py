@@ -1,6 +1,7 @@
 """Pipeline parallel through the `lit-mesh` CLI: every schedule, and pp with FSDP and TP, trains the same
 model on the same global batches as one device (fp32, relative 1e-4 per step over 10 steps; validation
-loss and final parameters too), logs the true loss on every rank, and resumes exactly from a checkpoint."""
+loss and final parameters too), logs the true loss on every rank, and each schedule resumes exactly from a
+checkpoint saved at step 5."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from lit_mesh.parallel.pipeline import SCHEDULES
 from tests.launch import REPO, cli_runs, run_command
 
 STEPS = 10
@@ -34,8 +36,12 @@ RUNS: dict[str, tuple[int, list[str], list[str]]] = {
     "gpt-pp2-gpipe": (2, GPT, [f"{S}pp=2", f"{S}pp_schedule=gpipe"]),
     "gpt-pp2-1f1b": (2, GPT, [f"{S}pp=2", f"{S}pp_schedule=1f1b"]),
     "gpt-pp2-interleaved": (2, GPT, [f"{S}pp=2", f"{S}pp_schedule=interleaved_1f1b", f"{S}pp_stages_per_rank=2"]),
+    # what the refusal of checkpointing with the zero-bubble schedules offers instead (lit_mesh/rules.py)
+    "gpt-pp2-interleaved-ac": (2, GPT, [f"{S}pp=2", f"{S}pp_schedule=interleaved_1f1b", f"{S}activation_checkpointing=full"]),
     "gpt-pp2-zero_bubble": (2, GPT, [f"{S}pp=2", f"{S}pp_schedule=zero_bubble"]),
+    "gpt-pp2-looped_bfs": (2, GPT, [f"{S}pp=2", f"{S}pp_schedule=looped_bfs"]),
     "gpt-pp2-zbv": (2, GPT, [f"{S}pp=2", f"{S}pp_schedule=zbv", f"{S}pp_microbatches=4"]),
+    "gpt-pp2-dualpipev": (2, GPT, [f"{S}pp=2", f"{S}pp_schedule=dualpipev"]),  # its default: 4 micro-batches
     "vit-pp2": (2, VIT, [f"{S}pp=2"]),
     "gpt-pp4-1f1b": (4, GPT, [f"{S}pp=4", f"{S}pp_schedule=1f1b"]),
     "gpt-pp2-fsdp2": (4, GPT, [f"{S}pp=2", f"{S}dp=2"]),
@@ -44,6 +50,15 @@ RUNS: dict[str, tuple[int, list[str], list[str]]] = {
 }
 REFERENCE = {"gpt-pp2-fsdp2-accum2-clip": "gpt-single-accum2-clip"}
 TIMELINE = "gpt-pp2-zero_bubble"  # this run also draws the PipelineTimeline of its step 3
+# every schedule MeshStrategy offers -> the run that trains it
+SCHEDULE_RUNS = {
+    "gpipe": "gpt-pp2-gpipe", "1f1b": "gpt-pp2-1f1b", "interleaved_1f1b": "gpt-pp2-interleaved",
+    "looped_bfs": "gpt-pp2-looped_bfs", "zero_bubble": "gpt-pp2-zero_bubble", "zbv": "gpt-pp2-zbv",
+    "dualpipev": "gpt-pp2-dualpipev",
+}  # fmt: skip
+# these runs save a checkpoint at step 5; "<name>-resumed" (same launch) continues from it to step 10
+RESUMED = [*SCHEDULE_RUNS.values(), "gpt-pp2-fsdp2"]
+RESUME_STEP = 5
 
 
 def reference_name(name: str) -> str:
@@ -54,7 +69,7 @@ def reference_name(name: str) -> str:
 def _checkpointing(directory: Path) -> list[str]:
     return [
         "--trainer.enable_checkpointing=true", "--trainer.callbacks+=ModelCheckpoint",
-        f"--trainer.callbacks.dirpath={directory}", "--trainer.callbacks.every_n_train_steps=5",
+        f"--trainer.callbacks.dirpath={directory}", f"--trainer.callbacks.every_n_train_steps={RESUME_STEP}",
         "--trainer.callbacks.save_top_k=-1", "--trainer.callbacks.filename={step}",
     ]  # fmt: skip
 
@@ -63,19 +78,19 @@ def _checkpointing(directory: Path) -> list[str]:
 def results(tmp_path_factory: pytest.TempPathFactory) -> dict:
     out = tmp_path_factory.mktemp("pipeline")
     found: dict = {"_dir": out}
-    pp2_fsdp2 = [*GPT, "--trainer.devices=4", *COMMON, f"{S}pp=2", f"{S}dp=2", "--trainer.limit_val_batches=0"]
-    resume = [
-        {"name": "resume-first", "args": [*pp2_fsdp2, "--trainer.max_steps=5", *_checkpointing(out / "ckpt")]},
-        {"name": "resume-rest", "args": [*pp2_fsdp2, *_checkpointing(out / "ckpt_rest"), f"--ckpt_path={out / 'ckpt' / 'step=5.ckpt'}"]},
-    ]  # fmt: skip
     timeline = ["--trainer.callbacks+=lit_mesh.PipelineTimeline", f"--trainer.callbacks.dirpath={out / 'timeline'}"]
     for nproc in (1, 2, 4):
-        runs = [
-            {"name": name, "args": [*recipe, f"--trainer.devices={n}", *COMMON, *extra, *(timeline if name == TIMELINE else [])]}
-            for name, (n, recipe, extra) in RUNS.items()
-            if n == nproc
-        ]
-        found.update(cli_runs(nproc, out, runs + (resume if nproc == 4 else [])))
+        runs = []
+        for name, (n, recipe, extra) in RUNS.items():
+            if n != nproc:
+                continue
+            args = [*recipe, f"--trainer.devices={n}", *COMMON, *extra]
+            saves = _checkpointing(out / "ckpt" / name) if name in RESUMED else []
+            runs.append({"name": name, "args": [*args, *(timeline if name == TIMELINE else []), *saves]})
+            if name in RESUMED:
+                resume_from = f"--ckpt_path={out / 'ckpt' / name / f'step={RESUME_STEP}.ckpt'}"
+                runs.append({"name": f"{name}-resumed", "args": [*args, *_checkpointing(out / "ckpt" / f"{name}-resumed"), resume_from]})
+        found.update(cli_runs(nproc, out, runs))
     return found
 
 
@@ -124,14 +139,26 @@ def test_the_clip_in_the_accumulation_case_bites(results: dict) -> None:
     assert plain[STEPS - 1] != pytest.approx(clipped[STEPS - 1], rel=1e-3)
 
 
-def test_resume_from_a_pp2_fsdp2_checkpoint_continues_exactly(results: dict) -> None:
-    full = _per_step(results["gpt-pp2-fsdp2"], "train_loss")
-    first, rest = _per_step(results["resume-first"], "train_loss"), _per_step(results["resume-rest"], "train_loss")
-    assert sorted(first) == list(range(5)) and sorted(rest) == list(range(5, STEPS))
-    assert (results["_dir"] / "ckpt" / "step=5.ckpt").is_dir()
-    for step in range(STEPS):
-        value = first[step] if step < 5 else rest[step]
-        assert abs(value - full[step]) <= 1e-6 * abs(full[step]), (step, value, full[step])
+def test_every_offered_schedule_trains_here() -> None:
+    assert sorted(SCHEDULE_RUNS) == sorted(SCHEDULES), "a schedule MeshStrategy offers must train in RUNS"
+    for schedule, name in SCHEDULE_RUNS.items():
+        assert f"{S}pp_schedule={schedule}" in RUNS[name][2], (schedule, name)
+
+
+@pytest.mark.parametrize("name", RESUMED)
+def test_resume_from_a_checkpoint_continues_exactly(results: dict, name: str) -> None:
+    """The run saved a sharded checkpoint at step 5; the resumed run continues from it on the same curve, validation
+    included (the steps after 5 and their validation losses equal the uninterrupted run's)."""
+    assert (results["_dir"] / "ckpt" / name / f"step={RESUME_STEP}.ckpt").is_dir()
+    full, resumed = results[name], results[f"{name}-resumed"]
+    train = _per_step(resumed, "train_loss")
+    assert sorted(train) == list(range(RESUME_STEP, STEPS)), sorted(train)
+    validation = _per_step(resumed, "val_loss")
+    assert validation, "the resumed run validates too"
+    for key, got in (("train_loss", train), ("val_loss", validation)):
+        expected = _per_step(full, key)
+        for step, value in got.items():
+            assert abs(value - expected[step]) <= 1e-6 * abs(expected[step]), (key, step, value, expected[step])
 
 
 def test_timeline_png(results: dict) -> None:

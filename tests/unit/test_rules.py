@@ -9,11 +9,14 @@ from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.pipelining import PipelineStage
 
 from lit_mesh.comm.options import CompressionOptions
 from lit_mesh.mesh import MeshLayout
 from lit_mesh.options import CheckpointOptions, CommunicationOptions, CompileOptions, MeshOptions, MemoryOptions
-from lit_mesh.parallel.pipeline import PipelineSettings
+from lit_mesh.parallel.pipeline import SCHEDULES, PipelineSettings
 from lit_mesh.rules import RULES, RULES_BY_NAME, Facts, enforce
 from lit_mesh.topology import Topology
 
@@ -44,6 +47,18 @@ def pipeline(pp: int, **settings: object) -> Facts:
     return init(replace(O, pipeline=PipelineSettings(**settings)), pp=pp)
 
 
+def compiled_pipeline(schedule: str) -> Facts:
+    return init(replace(O, pipeline=PipelineSettings(schedule), compile=CompileOptions("aot_eager")), pp=2)
+
+
+def test_checkpointed_blocks_are_refused_with_the_split_backward_too() -> None:
+    rule = RULES_BY_NAME["split_backward_without_block_options"]
+    for schedule in ("zero_bubble", "zbv", "dualpipev"):
+        facts = init(replace(O, pipeline=PipelineSettings(schedule), memory=MemoryOptions("selective")), pp=2)
+        assert rule.broken(facts) and rule.message(facts).startswith(f"activation_checkpointing with pp_schedule={schedule!r}")
+    assert not rule.broken(init(replace(O, pipeline=PipelineSettings("looped_bfs"), memory=MemoryOptions("full")), pp=2))
+
+
 PP2, CP2, TP2 = MeshLayout(pp=2, dp_shard=2), MeshLayout(dp_shard=2, cp=2), MeshLayout(dp_shard=2, tp=2)
 DP4 = MeshLayout(dp_shard=4)
 AC = replace(O, memory=MemoryOptions("full"))
@@ -58,6 +73,9 @@ CASES: dict[str, tuple[Facts, str, Facts]] = {
                                     "set pp_stages_per_rank >= 2", pipeline(2, schedule="interleaved_1f1b")),
     "v_schedule_two_stages": (pipeline(2, schedule="zbv", stages_per_rank=3), "runs exactly 2 stages per rank (V shape),"
                               " not 3; set pp_stages_per_rank=2", pipeline(2, schedule="zbv", stages_per_rank=2)),
+    "pp_microbatches_for_schedule": (pipeline(4, schedule="1f1b", microbatches=2), "pp_schedule='1f1b' with pp=4 and 2"
+                                     " micro-batches: it needs at least 4 micro-batches (one per stage); set pp_microbatches"
+                                     " >= 4, or use pp_schedule='gpipe'", pipeline(4, schedule="1f1b")),
     "pp_split_per_stage": (pipeline(2, split=(1, 1, 2)), "pp_split=[1, 1, 2] has 3 entries but pp=2 x stages per rank 1"
                            " = 2 stages", pipeline(2, split=(1, 3))),
     "pipeline_options_need_pp": (pipeline(1, schedule="gpipe"), "pp_schedule, pp_microbatches, pp_stages_per_rank and"
@@ -66,6 +84,9 @@ CASES: dict[str, tuple[Facts, str, Facts]] = {
                    init(pp=2)),
     "compile_with_tp": (init(replace(O, compile=CompileOptions("aot_eager")), tp=2), "compile_blocks=True with tp=2:"
                         " compiled blocks do not yet give correct gradients", init(replace(O, compile=CompileOptions("aot_eager")))),
+    "split_backward_without_block_options": (compiled_pipeline("zbv"), "compile_blocks with pp_schedule='zbv': this"
+                                             " schedule splits each backward into an input-gradient pass and a later"
+                                             " weight-gradient pass", compiled_pipeline("interleaved_1f1b")),
     "async_save_needs_sharded": (init(replace(O, checkpoint=CheckpointOptions(False, True))), "async_save=True writes"
                                  " sharded checkpoints: keep save_distributed_checkpoint=True",
                                  init(replace(O, checkpoint=CheckpointOptions(True, True)))),
@@ -131,3 +152,43 @@ def test_rule(name: str) -> None:
     else:
         with pytest.raises(rule.error, match=re.escape(message)):
             enforce(rule, broken)
+
+
+
+@pytest.mark.parametrize("pp", [2, 4])
+def test_microbatch_rule_agrees_with_torchs_schedules(pp: int) -> None:
+    """pp_microbatches_for_schedule refuses, before processes start, exactly the counts torch's schedule constructors
+    raise on (inside every rank), for every schedule: built here over a fake process group of pp ranks."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    assert not dist.is_initialized()
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=pp)
+    try:
+        for name, (schedule_cls, _, placement) in SCHEDULES.items():
+            for count in [None, *range(1, 3 * pp + 2)]:
+                settings = PipelineSettings(name, count)
+                per_rank, n_stages = settings.local_stages(), pp * settings.local_stages()
+                # rank 0's stages: 0, then pp, 2 pp, ... (loop) or the last one (V)
+                indices = [0, n_stages - 1] if placement == "v" else list(range(0, n_stages, pp))
+                stages = [PipelineStage(torch.nn.Linear(2, 2), i, n_stages, torch.device("cpu")) for i in indices]
+                try:
+                    schedule_cls(stages if per_rank > 1 else stages[0], n_microbatches=settings.n_microbatches(pp),
+                                 loss_fn=torch.nn.functional.mse_loss, scale_grads=False)  # fmt: skip
+                    accepted = True
+                except ValueError:
+                    accepted = False
+                refused = RULES_BY_NAME["pp_microbatches_for_schedule"].broken(pipeline(pp, schedule=name, microbatches=count))
+                assert accepted != refused, (name, pp, count, accepted)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_microbatch_refusals_name_counts_that_work() -> None:
+    rule = RULES_BY_NAME["pp_microbatches_for_schedule"]
+    assert "needs at least 4 micro-batches (one per stage); set pp_microbatches >= 4, or use pp_schedule='zbv'" in (
+        rule.message(pipeline(2, schedule="dualpipev", microbatches=3))
+    )
+    assert "runs micro-batches in 2 rounds of pp=2 and 5 is not a multiple of 2; set pp_microbatches to a multiple of 2" in (
+        rule.message(pipeline(2, schedule="zero_bubble", microbatches=5))
+    )
+    assert not rule.broken(pipeline(2, schedule="dualpipev"))  # its default: one micro-batch per stage, 2 x pp

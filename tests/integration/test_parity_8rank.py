@@ -1,0 +1,57 @@
+"""8-rank layout parity through the `lit-mesh` CLI: the 3-D layouts train the same model on the same global batches
+as one device (fp32: relative 1e-4 per step over 10 steps; final full parameters within 1e-4).
+
+All of them run in ONE torchrun launch of 8 gloo ranks (8 ranks on a 2-core machine are slow: one launch, a tiny
+model, 10 steps); the single-device references of the recipes they use run in one 1-rank launch. Adding a layout
+is one entry of LAYOUTS: its recipe and its strategy arguments."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.integration.test_parity import COMMON, S, _assert_same_curve, losses
+from tests.launch import REPO, cli_runs
+
+WORLD = 8
+RECIPES = {"gpt": "configs/gpt.yaml", "moe": "configs/moe.yaml"}
+QUIET = ["--trainer.limit_val_batches=0"]  # validation under pp: tests/integration/test_pipeline.py
+# name: (recipe, MeshStrategy arguments on 8 ranks); compared with the run "<recipe>-single"
+LAYOUTS: dict[str, tuple[str, list[str]]] = {
+    "gpt-pp2_fsdp2_tp2": ("gpt", [f"{S}pp=2", f"{S}tp=2"]),  # dp_shard fills the rest: 2
+    "gpt-fsdp2_cp2_tp2": ("gpt", [f"{S}cp=2", f"{S}tp=2"]),
+    "gpt-hsdp2x2_tp2": ("gpt", [f"{S}dp_replicate=2", f"{S}dp_shard=2", f"{S}tp=2"]),
+}
+
+
+def _run(name: str, recipe: str, devices: int, extra: list[str]) -> dict:
+    return {"name": name, "args": ["-c", str(REPO / RECIPES[recipe]), f"--trainer.devices={devices}", *COMMON, *QUIET, *extra]}
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    out = tmp_path_factory.mktemp("parity_8rank")
+    references = sorted({recipe for recipe, _ in LAYOUTS.values()})
+    found: dict = {"_dir": out}
+    found.update(cli_runs(1, out, [_run(f"{recipe}-single", recipe, 1, []) for recipe in references]))
+    found.update(cli_runs(WORLD, out, [_run(name, recipe, WORLD, extra) for name, (recipe, extra) in LAYOUTS.items()], timeout=540))
+    return found
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_8rank_layout_matches_single_device(results: dict, name: str) -> None:
+    reference_name = f"{LAYOUTS[name][0]}-single"
+    reference, candidate = results[reference_name], results[name]
+    assert candidate["world_size"] == WORLD
+    ref_losses = losses(reference)
+    assert len(set(ref_losses)) == len(ref_losses), "the reference run must actually update the model"
+    _assert_same_curve(ref_losses, losses(candidate), name)
+    out: Path = results["_dir"]
+    ref_params = torch.load(out / reference_name / "params.pt", weights_only=True)
+    params = torch.load(out / name / "params.pt", weights_only=True)
+    assert ref_params.keys() == params.keys(), "every rank's part, under the single-device names"
+    for key, ref in ref_params.items():
+        diff = (params[key] - ref).abs().max().item()
+        assert diff <= 1e-4, f"{name}: parameter {key} differs by {diff}"
