@@ -53,7 +53,7 @@ from lit_mesh.mesh import (
 from lit_mesh.meta_writes import record_meta_writes
 from lit_mesh.nonfinite import NonFiniteLossGuard
 from lit_mesh.options import build_options
-from lit_mesh.parallel.apply import parallelize
+from lit_mesh.parallel.apply import already_parallelized, parallelize
 from lit_mesh.parallel.checkpointing import ActivationCheckpointing
 from lit_mesh.parallel.context import CPStyle, gather_batch, shard_batch
 from lit_mesh.parallel.data import defer_gradient_reduction, refuse_fsdp1
@@ -285,14 +285,16 @@ class MeshStrategy(ModelParallelStrategy):
         compression = self.options.communication.compression
         if compression is not None and self.compression_run is None:
             self.compression_run = CompressionRun(compression, self.root_device)
+        first_setup = not already_parallelized(self.model)  # validate/test after fit keep the trained weights
         done = parallelize(
             self.model, self.mesh_views, self.options, precision=str(self.precision_plugin.precision),
             compression=self.compression_run, replicate_hierarchy=self.reductions.replicate,
         )  # fmt: skip
-        materialize(self.model, done.owners, self.root_device)
-        load_pretrained(self.model)  # each rank reads its slices of the declared pretrained weights, if any
+        if first_setup:
+            materialize(self.model, done.owners, self.root_device)
+            load_pretrained(self.model)  # each rank reads its slices of the declared pretrained weights, if any
         self.model_to_device()
-        if done.stages is not None:
+        if done.stages is not None and self._pipeline is None:
             pp_group = self.mesh_views[MeshAxis.PP].get_group()
             owner = done.owners[0].module
             self._pipeline = start_pipeline(owner, done.stages, done.stage_ranks, self.options.pipeline, pp_group, self.root_device)

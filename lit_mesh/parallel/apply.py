@@ -6,6 +6,8 @@ torch.compile -> FSDP/HSDP/DDP per block (experts first) -> each stage's root ->
 
 from __future__ import annotations
 
+import weakref
+
 from dataclasses import dataclass
 
 import torch
@@ -115,6 +117,8 @@ def parallelize(
 ) -> Parallelized:
     """Apply every technique to `root` (the LightningModule) in the fixed order; a model that configure_model
     parallelised itself is left as it is. `compression` and `replicate_hierarchy`: the run's reduction hooks."""
+    if root in _APPLIED:  # a later loop of the same model (validate or test after fit): its plans are in place
+        return _APPLIED[root]
     layout = mesh.layout
     self_parallelised = is_user_parallelised(root)
     owners = [] if self_parallelised else find_plan_owners(root)
@@ -122,7 +126,8 @@ def parallelize(
                          self_parallelised=self_parallelised))  # fmt: skip
     if self_parallelised:
         rank_zero_info("MeshStrategy: configure_model parallelised the model itself; no plan is applied")
-        return Parallelized([])
+        _APPLIED[root] = Parallelized([])
+        return _APPLIED[root]
     memory, compile_backend = options.memory, options.compile.backend
     sequence_parallel = options.mesh.sequence_parallel
     for owner in owners:
@@ -163,5 +168,14 @@ def parallelize(
             attach_compression(root, compression, mesh, layout)
         if replicate_hierarchy is not None:  # replaces the flat replicate all-reduce (compressed or not)
             attach_hierarchical_all_reduce(root, replicate_hierarchy, compression)
+    _APPLIED[root] = done
     return done
+
+
+def already_parallelized(root: nn.Module) -> bool:
+    """True once `parallelize` applied the plans to `root`: later loops must not materialise or load it again."""
+    return root in _APPLIED
+
+
+_APPLIED: "weakref.WeakKeyDictionary[nn.Module, Parallelized]" = weakref.WeakKeyDictionary()
 

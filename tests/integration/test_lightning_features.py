@@ -77,3 +77,10 @@ def test_max_time_stops_every_rank_at_the_same_step(observed: dict) -> None:
     assert 0 < run["global_step"] < 100_000 and run["global_step"] == run["max_over_ranks"]
     assert run["train_batches"] == run["global_step"]
     assert run["global_step"] > 7 and run["max_batch_idx"] == 6  # limit_train_batches=7: epochs of 7 batches
+
+
+def test_validate_after_fit_keeps_the_trained_model(observed: dict) -> None:
+    run = observed["validate_after_fit"]
+    assert run["weights_unchanged"], "validate() after fit() must not re-initialise or re-load the weights"
+    first, second = run["val_loss"]
+    assert first == second and 0 < first < 6.0

@@ -123,6 +123,25 @@ def callbacks_and_loops(out: Path) -> dict:
     }  # fmt: skip
 
 
+def validate_after_fit() -> dict:
+    """trainer.validate() after trainer.fit() on the same model, with gradient compression hooked in: the plans
+    are not applied again (that was refused as "configure_model parallelised the model itself") and the trained
+    weights are neither re-initialised nor re-loaded."""
+    L.seed_everything(0)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=4, strategy=MeshStrategy(tp=2, grad_compression="fp16"), max_steps=2,
+        limit_val_batches=2, num_sanity_val_steps=0, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    module, data = GPTModule(), TextDataModule(global_batch_size=8, seq_len=32)
+    trainer.fit(module, data)
+    trained = {name: p.full_tensor().clone() for name, p in module.named_parameters()}
+    first = trainer.validate(module, data, verbose=False)[0]["val_loss"]
+    second = trainer.validate(module, data, verbose=False)[0]["val_loss"]
+    unchanged = all(torch.equal(p.full_tensor(), trained[name]) for name, p in module.named_parameters())
+    return {"validate_after_fit": {"val_loss": [first, second], "weights_unchanged": unchanged}}
+
+
 def main(out: Path) -> None:
     probe, init = GradientProbe(), InitProbe()
     best = ModelCheckpoint(dirpath=out.parent / "best", monitor="train_loss", save_top_k=1, every_n_train_steps=1)
@@ -149,6 +168,7 @@ def main(out: Path) -> None:
         "max_init_diff": init.max_init_diff,
     }
     observed.update(callbacks_and_loops(out))
+    observed.update(validate_after_fit())
     if dist.get_rank() == 0:
         out.write_text(json.dumps(observed))
 
