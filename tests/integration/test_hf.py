@@ -175,7 +175,10 @@ LLAMA_TP = {"self_attn.q_proj.weight": "S(0)", "self_attn.o_proj.weight": "S(1)"
 # the fused c_attn stays replicated over tp (lit_mesh/hf/conv1d.py); Conv1D weights are (in, out)
 GPT2_TP = {"attn.c_attn.weight": "R", "attn.c_proj.weight": "S(0)", "mlp.c_fc.weight": "S(1)",
            "mlp.c_proj.weight": "S(0)"}  # fmt: skip
-MIXTRAL_TP = {"self_attn.q_proj.weight": "S(0)", "self_attn.o_proj.weight": "S(1)", "mlp.gate.weight": "R"}  # MoE whole
+# the MoE block runs whole over tp; its experts' width is split over tp (gate_up_proj (E, 2I, D) stacks [gate; up]:
+# each tp rank holds its slice of both halves, a strided shard; down_proj (E, D, I))
+MIXTRAL_TP = {"self_attn.q_proj.weight": "S(0)", "self_attn.o_proj.weight": "S(1)", "mlp.gate.weight": "R",
+              "mlp.experts.gate_up_proj": "_S(1, 2)", "mlp.experts.down_proj": "S(2)"}  # fmt: skip
 # the blocks: Llama-style decoder layers (Llama, Qwen2, Mistral, Mixtral), GPT-2 blocks, ViT layers
 DECODER, GPT2, VIT = "model.model.layers", "model.transformer.h", "model.vit.layers"
 APPLIED = {
@@ -210,10 +213,12 @@ def params_by_block(found: dict, blocks: str) -> dict[str, dict[str, dict]]:
 
 
 def fsdp_sharded(inner: str, record: dict) -> bool:
-    """FSDP2 sharded this parameter: by dim 0 over dp_shard_cp, experts by dim 1 over efsdp (dim 0 is ep's)."""
+    """FSDP2 sharded this parameter: by dim 0 over dp_shard_cp, experts by dim 1 over efsdp (dim 0 is ep's; dim 2
+    where tp splits dim 1)."""
     placements = record["placements"]
     if inner.startswith(EXPERTS):
-        return placements.get("efsdp") == "S(1)"
+        over_tp = re.sub(r"_?S\((\d).*", r"S(\1)", placements.get("tp", ""))
+        return placements.get("efsdp") in ("S(1)", "S(2)") and placements.get("efsdp") != over_tp
     # over a tp shard of dim 0, FSDP2's dim-0 shard is a strided one: _S(0, tp)
     return re.fullmatch(r"_?S\(0(, \d+)?\)", placements.get("dp_shard_cp", "")) is not None
 
@@ -225,6 +230,9 @@ def assert_experts(found: dict, block: str, params: dict[str, dict], expected: A
         local, full = record["local_shape"], record["shape"]
         assert record["placements"].get("ep") == "S(0)", f"{what}: {block}.{inner} is {record['placements']}"
         assert local[0] * expected.ep == full[0], f"{what}: {block}.{inner} {local} of {full}: not 1/{expected.ep}"
+        if inner in expected.tp:  # expert tensor parallel: 1/tp of each expert's width (gate_up: dim 1, down: dim 2)
+            hidden = 1 if "gate_up" in inner else 2
+            assert local[hidden] * 2 == full[hidden], f"{what}: {block}.{inner} {local} of {full}: width not 1/2"
     if expected.ep and expected.fsdp:
         assert f"{block}.mlp.experts" in found["fsdp"], f"{what}: {block}'s experts are no FSDPModule"
 
