@@ -92,7 +92,8 @@ LAUNCHES: dict[int, list[dict]] = {
         _fit("zoo-gpt-fsdp2", 2, ["-c", str(REPO / "configs/gpt.yaml"), "--data.global_batch_size=8"], f"{S}dp=2",
              "--trainer.max_steps=2", "--trainer.limit_val_batches=0", checkpoint=True),  # fmt: skip
         _fit("mixtral-fsdp2", 2, TEXT, MIXTRAL, f"{S}dp=2"),
-        _fit("mixtral-tp2", 2, TEXT, MIXTRAL, f"{S}tp=2"),
+        _fit("mixtral-tp2", 2, TEXT, MIXTRAL, f"{S}tp=2", checkpoint=True),  # experts split over tp: saved, resumed
+        _fit("mixtral-tp2-resumed", 2, TEXT, MIXTRAL, f"{S}tp=2", "--ckpt_path=@mixtral-tp2"),  # at step 10: loads only
         _fit("mixtral-ep2", 2, TEXT, MIXTRAL, f"{S}ep=2", checkpoint=True),  # exported below
         # a zoo MoE trained with experts split over ep=2, exported to a transformers Mixtral directory
         _fit("zoo-moe-ep2", 2, ZOO_MOE, f"{S}ep=2", "--trainer.max_steps=2", "--trainer.limit_val_batches=0",
@@ -289,7 +290,7 @@ def _checkpoint(out: Path, name: str) -> Path:
 
 
 @pytest.mark.parametrize(
-    ("name", "architecture"), [("llama-tp2", "llama"), ("gpt2-tp2", "gpt2"), ("mixtral-ep2", "mixtral")]
+    ("name", "architecture"), [("llama-tp2", "llama"), ("gpt2-tp2", "gpt2"), ("mixtral-ep2", "mixtral"), ("mixtral-tp2", "mixtral")]
 )
 def test_exported_checkpoint_loads_with_from_pretrained(out: Path, tmp_path: Path, name: str, architecture: str) -> None:
     """A tp2-sharded checkpoint -> transformers directory -> from_pretrained: the trained model's logits."""
@@ -307,6 +308,18 @@ def test_exported_checkpoint_loads_with_from_pretrained(out: Path, tmp_path: Pat
     tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert (loaded(input_ids=tokens).logits - trained(input_ids=tokens).logits).abs().max().item() <= 1e-5
+
+
+def test_experts_split_by_halves_over_tp_save_and_load_back(out: Path) -> None:
+    """Mixtral under tp2 holds each half's slice of gate_up_proj ([gate; up]), which torch's DCP cannot write as it
+    is: saved as plain shards, and put back on resume (lit_mesh/checkpoint.py). The resumed run (at the last step:
+    it loads, trains nothing) ends with exactly the saved weights, laid out as before."""
+    saved = torch.load(out / "mixtral-tp2" / "params.pt", weights_only=True)
+    resumed = torch.load(out / "mixtral-tp2-resumed" / "params.pt", weights_only=True)
+    assert saved.keys() == resumed.keys() and any(EXPERTS + "gate_up_proj" in k for k in saved)
+    for key, value in saved.items():
+        assert torch.equal(resumed[key], value), key
+    assert_applied(applied(out, "mixtral-tp2-resumed"), APPLIED["mixtral-tp2"], "mixtral-tp2-resumed")
 
 
 def test_exported_vit_checkpoint_loads_with_from_pretrained(out: Path, tmp_path: Path) -> None:
