@@ -18,6 +18,7 @@ from lit_mesh.options import MeshDegrees, MeshOptions
 from lit_mesh.parallel.apply import parallelize
 from lit_mesh.parallel.expert import expert_tp_placement
 from lit_mesh.plan import MoEPlan, PlanError
+from lit_mesh.pretrained import local_index
 from zoo.moe import MoEConfig, MoETransformer
 
 
@@ -78,10 +79,11 @@ def test_packed_gate_up_gives_each_tp_rank_its_slice_of_both_halves() -> None:
     for rank in (0, 1):
         with fake_ranks(2, rank):
             mesh = build_device_mesh(MeshLayout(tp=2), "cpu")["tp"]
-            local = distribute_tensor(full, mesh, [expert_tp_placement(moe, "gate_up_proj", "M")], src_data_rank=None).to_local()
+            gate_up = distribute_tensor(full, mesh, [expert_tp_placement(moe, "gate_up_proj", "M")], src_data_rank=None)
             down = distribute_tensor(full.transpose(1, 2), mesh, [expert_tp_placement(moe, "down_proj", "M")], src_data_rank=None)
+            read = local_index(gate_up)  # the rows a pretrained load reads for this rank
         rows = [2 * rank, 2 * rank + 1, 4 + 2 * rank, 5 + 2 * rank]
-        assert torch.equal(local, full[:, rows]), rank
+        assert torch.equal(gate_up.to_local(), full[:, rows]) and read[1].tolist() == rows, (rank, read)
         assert torch.equal(down.to_local(), full.transpose(1, 2)[:, :, 2 * rank * 2 : 2 * rank * 2 + 4]), rank
 
 
