@@ -7,7 +7,7 @@ import tempfile
 from collections.abc import Generator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -23,6 +23,8 @@ from torch.distributed.checkpoint.state_dict import (
     get_optimizer_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.tensor import DTensor, Placement, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from lit_mesh.comm.state import DIRECTORY as COMPRESSION_DIRECTORY
 
@@ -213,6 +215,53 @@ def failed_save_reported(staging: Path, path: Path) -> Generator[None, None, Non
         ) from error
 
 
+def _is_split_by_halves(tensor: DTensor, mesh_dim: int, placement: Placement) -> bool:
+    # expert tensor parallel's packed [gate; up] split (lit_mesh/parallel/expert.py); FSDP2's strided shards over
+    # a tp shard are one contiguous run each, which DCP writes as they are
+    names = tensor.device_mesh.mesh_dim_names or ()
+    return isinstance(placement, _StridedShard) and mesh_dim < len(names) and names[mesh_dim] == "tp"
+
+
+def _with_placements(tensor: DTensor, placements: tuple[Placement, ...]) -> DTensor:
+    device = tensor.device  # optimizer state offloaded to the CPU moves over the mesh's own device
+    on_mesh = tensor.to(tensor.device_mesh.device_type) if device.type != tensor.device_mesh.device_type else tensor
+    return on_mesh.redistribute(placements=placements).to(device)
+
+
+def dcp_writable(state: Any) -> Any:
+    """`state` with each DTensor split by halves over tp as the plain shard of the same dims (new containers
+    where something changed; the rest as it is). torch 2.13's DCP writes one contiguous run per rank and dim, and
+    refuses ("overlapping chunks") a rank that holds two (each half's slice of an expert's packed [gate; up])."""
+    if isinstance(state, DTensor):
+        plain = tuple(
+            Shard(p.dim) if _is_split_by_halves(state, i, p) else p for i, p in enumerate(state.placements)  # type: ignore[attr-defined]
+        )
+        return state if plain == tuple(state.placements) else _with_placements(state, plain)
+    if isinstance(state, dict):
+        return {key: dcp_writable(value) for key, value in state.items()}
+    if isinstance(state, (list, tuple)):
+        return type(state)(dcp_writable(value) for value in state)
+    return state
+
+
+def _placed_like(loaded: Any, template: Any) -> Any:
+    """The inverse of dcp_writable: what was stored as plain shards, back in `template`'s placements."""
+    if isinstance(template, DTensor) and isinstance(loaded, DTensor) and loaded is not template:
+        return _with_placements(loaded, tuple(template.placements))
+    if isinstance(template, dict):
+        return {key: _placed_like(loaded[key], value) for key, value in template.items()}
+    if isinstance(template, (list, tuple)):
+        return type(template)(_placed_like(a, b) for a, b in zip(loaded, template))
+    return loaded
+
+
+def dcp_load(state: dict[str, Any], path: Path) -> dict[str, Any]:
+    """dcp.load into a state laid out as dcp_writable saves it; returned in `state`'s own placements."""
+    stored = dcp_writable(state)
+    dcp.load(stored, checkpoint_id=path)
+    return _placed_like(stored, state)
+
+
 def load_sharded_checkpoint(
     path: Path, model: nn.Module, optimizers: dict[str, torch.optim.Optimizer], strict: bool = True
 ) -> dict:
@@ -233,13 +282,11 @@ def load_sharded_checkpoint(
     # first, and never unpickling code: a bad checkpoint fails before the model is touched
     metadata = torch.load(metadata_file, map_location="cpu", weights_only=True)
     verify_checkpoint(path, model, strict)
-    model_state = {"state_dict": get_model_state_dict(model)}
-    dcp.load(model_state, checkpoint_id=path)
+    model_state = dcp_load({"state_dict": get_model_state_dict(model)}, path)
     model.load_state_dict(model_state["state_dict"], strict=strict)
     for key, optimizer in optimizers.items():
         options = stored_optimizer_state_options(path, key)  # either format loads, whoever wrote it
-        optimizer_state = {key: get_optimizer_state_dict(model, optimizer, options=options)}
-        dcp.load(optimizer_state, checkpoint_id=path)
+        optimizer_state = dcp_load({key: get_optimizer_state_dict(model, optimizer, options=options)}, path)
         set_optimizer_state_dict(model, optimizer, optim_state_dict=optimizer_state[key], options=options)
     return metadata
 

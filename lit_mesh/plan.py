@@ -122,11 +122,18 @@ class MoEPlan:
     adapter:    for an MoE layer without `experts`/`dispatcher` of that kind (transformers' Mixtral): a
                 function called on every MoE layer before anything else is applied, on every layout, that
                 makes it so in place (lit_mesh/hf/mixtral.py). None: the layer already is.
+    hidden_dims: expert tensor parallel: for each stacked expert weight, the dim that runs over the experts'
+                hidden units; with tp > 1 it is split over tp (w1/w3 by output, w2 by input: the tp ranks' outputs
+                are summed). Empty: the experts are replicated over tp.
+    packed:     weights in hidden_dims whose hidden dim stacks two halves ([gate; up]): each tp rank takes its
+                slice of each half.
     """
 
     layer: str
     ep_divides: Mapping[str, int] = field(default_factory=dict)
     adapter: Callable[[Any], None] | None = None
+    hidden_dims: Mapping[str, int] = field(default_factory=dict)
+    packed: Sequence[str] = ()
 
 
 @dataclass(frozen=True)

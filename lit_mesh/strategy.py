@@ -33,7 +33,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from typing_extensions import override
 
 import lit_mesh.hf  # noqa: F401  registers the transformers plans and initialisation (plan sources)
-from lit_mesh.checkpoint import optimizer_state_options, refuse_overwriting_other_files, remove_checkpoint
+from lit_mesh.checkpoint import dcp_writable, optimizer_state_options, refuse_overwriting_other_files, remove_checkpoint
 from lit_mesh.checkpoint_writer import CheckpointWriter
 from lit_mesh.comm.compression import CompressionRun
 from lit_mesh.comm.hierarchical import AllReduceMode
@@ -394,7 +394,7 @@ class MeshStrategy(ModelParallelStrategy):
         path = Path(self.broadcast(filepath))
         refuse_overwriting_other_files(path)  # on every rank: all raise together
         self._checkpoints.save(
-            checkpoint,
+            dcp_writable(checkpoint),  # experts split by halves over tp as plain shards (lit_mesh/checkpoint.py)
             path,
             write=lambda state, directory: super(MeshStrategy, self).save_checkpoint(state, directory, storage_options),
             compression=self.compression_run,

@@ -378,7 +378,8 @@ class MoETransformer(nn.Module):
 
     def parallel_plan(self) -> ParallelPlan:
         c = self.config
-        divides = {"n_heads": c.n_heads, "n_kv_heads": c.n_kv_heads, "vocab_size": c.vocab_size}
+        # expert_hidden: expert tensor parallel splits each expert's hidden units over tp
+        divides = {"n_heads": c.n_heads, "n_kv_heads": c.n_kv_heads, "vocab_size": c.vocab_size, "expert_hidden": c.expert_hidden}
         block: dict[str, TPStyle] = {
             "attention_norm": "norm",
             "attention": "gather_input",
@@ -388,7 +389,7 @@ class MoETransformer(nn.Module):
             "attention.wo": "rowwise",
             "ffn_norm": "norm",
             # MoE blocks route the whole sequence, replicated over tp: routing and capacity then see the
-            # same tokens on every layout
+            # same tokens on every layout (the experts' hidden units are split over tp: MoEPlan.hidden_dims)
             "moe": "whole_sequence",
         }
         if any(layer.feed_forward is not None for layer in self.layers):  # dense blocks: the zoo GPT's plan
@@ -403,7 +404,7 @@ class MoETransformer(nn.Module):
         return ParallelPlan(
             blocks="layers",
             tp=TensorPlan(root={"tok_embeddings": "embedding", "norm": "norm", "output": "vocab_head"}, block=block, divides=divides),
-            moe=MoEPlan(layer="moe", ep_divides={"n_experts": c.n_experts}),
+            moe=MoEPlan(layer="moe", ep_divides={"n_experts": c.n_experts}, hidden_dims={"w1": 2, "w3": 2, "w2": 1}),
             # context parallel swaps the attention's scaled_dot_product_attention and passes global positions
             cp=ContextPlan(attention="attention", positions="positions"),
             init=(

@@ -1,9 +1,10 @@
 """Mixtral (MixtralModel, MixtralForCausalLM): FSDP per decoder layer and per layer's experts, TP of the
-attention from transformers' own plan (+SP), expert parallel over `ep`.
+attention from transformers' own plan (+SP), expert parallel over `ep`, expert tensor parallel over `tp`.
 
-transformers' plan also splits each expert's width over tp (packed_colwise / moe_tp_experts styles, which
-lit-mesh does not apply); as for the zoo MoE, the MoE block instead runs replicated over tp on the whole
-sequence ("whole_sequence"), its experts placed by expert parallel.
+transformers' plan also splits each expert's width over tp (packed_colwise / moe_tp_experts styles); lit-mesh
+does so as for the zoo MoE instead: the MoE block runs on the whole sequence, replicated over tp
+("whole_sequence"), and expert parallel splits each expert's width over tp (`MoEPlan.hidden_dims`; gate_up_proj
+stacks [gate; up], so each tp rank takes its slice of both).
 
 Expert parallel needs an MoE layer that sends grouped tokens through a `dispatcher` to `experts(tokens,
 tokens_per_expert)` (lit_mesh/parallel/expert.py). transformers' MixtralSparseMoeBlock loops over its experts
@@ -100,10 +101,12 @@ def mixtral_plan(model: nn.Module) -> ParallelPlan:
     config = model.config
     # transformers' plan without its expert entries (see the module docstring)
     attention_only = {key: style for key, style in hf_tp_plan(model).items() if ".mlp." not in f"{key}."}
-    divides = {name: size for name, size in tp_divides(model).items() if name != "intermediate_size"}
-    plan = plan_from_hf(model, divides, attention_only)
+    plan = plan_from_hf(model, tp_divides(model), attention_only)  # intermediate_size: the experts' width
     return dataclasses.replace(
         plan,
         tp=dataclasses.replace(plan.tp, block={**plan.tp.block, "mlp": "whole_sequence"}),
-        moe=MoEPlan(layer="mlp", ep_divides={"num_local_experts": config.num_local_experts}, adapter=dispatch_experts),
+        moe=MoEPlan(
+            layer="mlp", ep_divides={"num_local_experts": config.num_local_experts}, adapter=dispatch_experts,
+            hidden_dims={"gate_up_proj": 1, "down_proj": 2}, packed=("gate_up_proj",),
+        ),
     )

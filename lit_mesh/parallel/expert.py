@@ -7,7 +7,13 @@ on an MoE layer (the plan's `moe.layer` in a block):
   global statistics, identical on every rank) and, with ep > 1, moves tokens with variable-split all-to-alls:
   token counts first, then the tokens, the experts' outputs back the same way;
 - `experts`: the stacked weights become DTensors sharded over ep by expert (dim 0), then FSDP-sharded over the
-  remaining ranks (`expert_dp`) by their dim 1, before the blocks are wrapped.
+  remaining ranks (`expert_dp`) by their dim 1 (dim 2 where tp holds dim 1), before the blocks are wrapped.
+
+Expert tensor parallel (tp > 1 and a plan with `moe.hidden_dims`; torchtitan's etp, Megatron's ETP): each expert's
+hidden units are split over tp as well (w1/w3 by output, w2 by input), so each tp rank does 1/tp of the expert
+FLOPs. The tokens are replicated over tp (the MoE layer runs on the whole sequence, routed alike on every tp
+rank); the dispatcher sums the tp ranks' partial outputs, and in backward the tokens' partial gradients.
+Routing, the load statistics and the all-to-alls (over ep, within one tp index) are those of replicated experts.
 
 Gradients: a rank's experts see the tokens of all ep ranks, so their gradient is the sum of ep ranks'
 contributions, while FSDP averages only over expert_dp (world / ep ranks): the expert weights' gradient is
@@ -25,11 +31,12 @@ from torch import nn
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from lit_mesh.mesh import MeshAxis, MeshLayout, MeshViews
 from lit_mesh.parallel.data import mixed_precision_policy
-from lit_mesh.plan import ParallelPlan, PlanError
+from lit_mesh.plan import MoEPlan, ParallelPlan, PlanError
 
 
 def moe_layers(model: nn.Module, plan: ParallelPlan) -> Iterator[nn.Module]:
@@ -74,8 +81,19 @@ class _ScaleGradient(torch.autograd.Function):
         return grad * ctx.scale, None
 
 
+def copy_to_tp(tokens: torch.Tensor, tp_mesh: DeviceMesh) -> torch.Tensor:
+    """Identity forward; backward sums the tp ranks' partial gradients (Megatron's f, as torch's ColwiseParallel)."""
+    return DTensor.from_local(tokens, tp_mesh, [Replicate()], run_check=False).to_local(grad_placements=[Partial()])
+
+
+def sum_over_tp(partial: torch.Tensor, tp_mesh: DeviceMesh) -> torch.Tensor:
+    """All-reduce forward; backward hands the (replicated) gradient to every rank (Megatron's g)."""
+    return DTensor.from_local(partial, tp_mesh, [Partial()], run_check=False).redistribute(placements=[Replicate()]).to_local()
+
+
 class AllToAllDispatch:
-    """Global load over `load_group`; tokens to their experts' ranks over `ep_group` (None: ep = 1).
+    """Global load over `load_group`; tokens to their experts' ranks over `ep_group` (None: ep = 1); each expert's
+    hidden units split over `tp_mesh` (None: whole experts on this rank).
 
     Host reads: one copy of the token counts per MoE layer and step (the split sizes of the all-to-alls and of
     the experts' matmuls are host integers); the load statistics are reduced once per step for all layers
@@ -84,11 +102,20 @@ class AllToAllDispatch:
 
     reduces_load_later = True
 
-    def __init__(self, n_experts: int, load_group: dist.ProcessGroup, ep_group: dist.ProcessGroup | None) -> None:
+    def __init__(
+        self, n_experts: int, load_group: dist.ProcessGroup, ep_group: dist.ProcessGroup | None, tp_mesh: DeviceMesh | None = None
+    ) -> None:
         self.n_experts = n_experts
         self.load_group = load_group
         self.ep_group = ep_group
         self.ep = dist.get_world_size(ep_group) if ep_group is not None else 1
+        self.tp_mesh = tp_mesh
+        self.tp = tp_mesh.size() if tp_mesh is not None else 1
+
+    def run_experts(self, experts: nn.Module, tokens: torch.Tensor, tokens_per_expert: list[int]) -> torch.Tensor:
+        if self.tp_mesh is None:
+            return experts(tokens, tokens_per_expert)
+        return sum_over_tp(experts(copy_to_tp(tokens, self.tp_mesh), tokens_per_expert), self.tp_mesh)
 
     def global_load(self, tokens_per_expert: torch.Tensor) -> torch.Tensor:
         load = tokens_per_expert.clone()
@@ -98,7 +125,7 @@ class AllToAllDispatch:
     def compute(self, experts: nn.Module, tokens: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
         """tokens grouped by (global) expert id -> the experts' outputs, in the same order."""
         if self.ep_group is None:
-            return experts(tokens, tokens_per_expert.tolist())
+            return self.run_experts(experts, tokens, tokens_per_expert.tolist())
         ep, local_experts = self.ep, self.n_experts // self.ep
         # 1. counts: row r = how many tokens this rank sends to each expert of rank r, and receives back
         send_counts = tokens_per_expert.view(ep, local_experts)
@@ -114,7 +141,7 @@ class AllToAllDispatch:
         )
         by_expert = torch.argsort(source_expert % local_experts * ep + source_expert // local_experts, stable=True)
         grouped = _ScaleGradient.apply(received[by_expert], float(ep))
-        out = experts(grouped, per_local_expert)
+        out = self.run_experts(experts, grouped, per_local_expert)
         # the weights' gradient / ep (FSDP averages over world / ep ranks); the tokens' gradient unchanged
         out = _ScaleGradient.apply(out, 1.0 / ep)
         # 3. outputs back to the ranks the tokens came from, in the order they were sent
@@ -122,8 +149,26 @@ class AllToAllDispatch:
         return all_to_all_single_autograd(back, send_splits, recv_splits, group=self.ep_group)
 
 
+def expert_tensor_parallel(plan: ParallelPlan, layout: MeshLayout) -> bool:
+    """Whether the experts' hidden units are split over tp (else the experts are replicated over tp)."""
+    return layout.tp > 1 and plan.moe is not None and bool(plan.moe.hidden_dims)
+
+
+def expert_tp_placement(moe: MoEPlan, name: str, model_name: str) -> Placement:
+    """How expert tensor parallel splits the stacked weight `name` over tp: by its hidden dim."""
+    if name not in moe.hidden_dims:
+        raise PlanError(
+            f"{model_name}.parallel_plan(): expert weight {name!r} has no hidden dim in MoEPlan.hidden_dims"
+            f" {dict(moe.hidden_dims)}; name the dim of each expert weight that runs over the hidden units"
+        )
+    dim = moe.hidden_dims[name]
+    # a [gate; up] stack: slice each half (torch has no public placement for it; FSDP2 uses _StridedShard so too)
+    return _StridedShard(dim, split_factor=2) if name in moe.packed else Shard(dim)
+
+
 def apply_expert_parallel(model: nn.Module, plan: ParallelPlan, mesh: MeshViews, layout: MeshLayout) -> None:
-    """Swap the dispatcher of every MoE layer and split the stacked expert weights over ep (dim 0)."""
+    """Swap the dispatcher of every MoE layer and split the stacked expert weights over ep (dim 0), and with
+    expert tensor parallel over tp (their hidden dim) too."""
     layers = list(moe_layers(model, plan))
     if not layers:
         if layout.ep > 1:
@@ -135,16 +180,19 @@ def apply_expert_parallel(model: nn.Module, plan: ParallelPlan, mesh: MeshViews,
     check_ep_divides(plan, layout.ep, type(model).__name__)
     ep_group = mesh.ep.get_group() if layout.ep > 1 else None
     load_group = mesh.dp_cp.get_group()
+    tp_mesh = mesh[MeshAxis.TP] if expert_tensor_parallel(plan, layout) else None
+    weights_mesh = mesh.ep if tp_mesh is None else DeviceMesh._concatenate([mesh.ep, tp_mesh])  # (ep, tp), as FSDP2 does
     for layer in layers:
         n_experts = next(layer.experts.parameters()).shape[0]  # stacked weights: experts first
-        layer.dispatcher = AllToAllDispatch(n_experts, load_group, ep_group)
+        layer.dispatcher = AllToAllDispatch(n_experts, load_group, ep_group, tp_mesh)
         if getattr(layer, "capacity_factor", None) is not None and layout.cp > 1:
             raise PlanError(
                 f"capacity_factor={layer.capacity_factor} counts capacity per sequence, which cp={layout.cp} splits;"
                 " use capacity_factor=None (dropless) with context parallel"
             )
         for name, param in list(layer.experts.named_parameters(recurse=False)):
-            sharded = distribute_tensor(param.data, mesh.ep, [Shard(0)], src_data_rank=None)
+            placements = [Shard(0)] if tp_mesh is None else [Shard(0), expert_tp_placement(plan.moe, name, type(model).__name__)]
+            sharded = distribute_tensor(param.data, weights_mesh, placements, src_data_rank=None)
             layer.experts.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
 
 
@@ -158,7 +206,8 @@ def expert_data_parallel_mesh(mesh: MeshViews, layout: MeshLayout) -> DeviceMesh
 def shard_experts(model: nn.Module, plan: ParallelPlan, mesh: MeshViews, layout: MeshLayout, precision: str) -> None:
     """fully_shard each MoE layer's experts over expert_dp, before the blocks (their own FSDP units).
 
-    Dim 1: dim 0 is already split over ep, and there may be fewer local experts than expert_dp ranks.
+    Dim 1 (dim 2 where expert tensor parallel splits dim 1): dim 0 is already split over ep, and there may be
+    fewer local experts than expert_dp ranks.
     """
     expert_mesh = expert_data_parallel_mesh(mesh, layout)
     if expert_mesh is None:
@@ -171,22 +220,29 @@ def shard_experts(model: nn.Module, plan: ParallelPlan, mesh: MeshViews, layout:
             mesh=expert_mesh,
             mp_policy=mixed_precision_policy(precision),
             reshard_after_forward=layout.data_parallel != "ddp",
-            shard_placement_fn=lambda _param: Shard(1),
+            shard_placement_fn=lambda param: Shard(fsdp_dim(param)),
         )
+
+
+def fsdp_dim(param: torch.Tensor) -> int:
+    """The dim FSDP2 shards an expert weight by: 1, or 2 where tp splits dim 1 (no FSDP shard inside a tp shard)."""
+    tp_dims = {getattr(p, "dim", None) for p in param.placements[1:]} if isinstance(param, DTensor) else set()
+    return 2 if 1 in tp_dims else 1
 
 
 def _check_even_shards(experts: nn.Module, shards: int, layout: MeshLayout) -> None:
     # FSDP2 cannot shard a dim other than 0 unevenly (NotImplementedError deep in setup): say why, with the fix
     params = dict(experts.named_parameters(recurse=False))
     for name, param in params.items():
-        if param.shape[1] % shards:
+        dim = fsdp_dim(param)
+        if param.shape[dim] % shards:
             ranks = layout.dp_shard * layout.cp
             fits = [
                 ep for ep in range(1, ranks + 1)
-                if ranks % ep == 0 and param.shape[0] % ep == 0 and all(p.shape[1] % (ranks // ep) == 0 for p in params.values())
+                if ranks % ep == 0 and param.shape[0] % ep == 0 and all(p.shape[fsdp_dim(p)] % (ranks // ep) == 0 for p in params.values())
             ]  # fmt: skip
             raise PlanError(
-                f"expert weight {name!r} {tuple(param.shape)} is FSDP-sharded by its dim 1 ({param.shape[1]}) over"
+                f"expert weight {name!r} {tuple(param.shape)} is FSDP-sharded by its dim {dim} ({param.shape[dim]}) over"
                 f" dp_shard x cp / ep = {layout.dp_shard} x {layout.cp} / {layout.ep} = {shards} ranks, which does not"
                 f" divide it; choose " + (f"ep in {fits}, or " if fits else "") + f"expert sizes divisible by {shards}"
             )

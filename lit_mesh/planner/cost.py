@@ -160,6 +160,8 @@ def _gemm_seconds(params: tuple[ParamShape, ...], tokens: float, tp: int, ep: in
     for p in params:
         if p.expert:  # (E, N, K): each token through top_k experts; ep spreads experts and their tokens evenly
             n, k = p.shape[1], p.shape[2]
+            if p.hidden_dim is not None:  # expert tensor parallel: 1/tp of each expert's hidden units per rank
+                n, k = (-(-n // tp), k) if p.hidden_dim == 1 else (n, -(-k // tp))
             seconds += 6 * tokens * top_k * n * k / (peak * kern.gemm_efficiency(n, k))
             continue
         nk = _local_matrix(p, tp)
@@ -233,6 +235,9 @@ def step_time(shapes: ModelShapes, layout: MeshLayout, work: Workload, precision
         if features.async_tp:  # torch's micro-pipeline TP overlaps the forward's all-gather -> matmul and
             # matmul -> reduce-scatter (the recomputed forward's too) with the matmuls; the backward's 4 stay exposed
             per_block = per_block * 4 / (8 + (4 if ac == "full" else 0))
+        if shapes.expert_tp:  # the tp ranks' partial expert outputs summed forward, the tokens' gradients backward
+            routed = work.micro_batch * work.seq_len // layout.cp * top_k * c.dim * act
+            per_block += (2 + (1 if ac == "full" else 0)) * all_reduce_time(routed, layout.tp, tp_link)
         t.exposed["tp"] = n_micro * (blocks * per_block + (logits if stage > blocks * block else 0.0))
     if layout.ep > 1:  # the whole sequence of the micro-batch is routed on every tp rank: top_k copies per token
         routed = work.micro_batch * work.seq_len // layout.cp * top_k * c.dim * act

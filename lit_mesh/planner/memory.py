@@ -7,8 +7,9 @@ Exact sharding rules, the ones torch applies under lit_mesh.parallel:
 - FSDP2 then splits dim 0 of each rank's tp piece over dp_shard x cp the same way (DDP: no split).
 - A pipeline stage holds its blocks (lit_mesh's balanced split), plus the embedding (first) or the final norm
   and head (last).
-- MoE experts (stacked (E, ...) weights) skip TP: EP splits dim 0 over ep (the innermost ranks of dp_shard x cp),
-  then FSDP2 splits dim 1 over the remaining expert_dp = dp_shard x cp / ep ranks (lit_mesh/parallel/expert.py).
+- MoE experts (stacked (E, ...) weights) skip TP's styles: EP splits dim 0 over ep (the innermost ranks of
+  dp_shard x cp), expert tensor parallel splits each expert's hidden dim over tp, then FSDP2 splits dim 1 (dim 2
+  where tp holds dim 1) over the remaining expert_dp = dp_shard x cp / ep ranks (lit_mesh/parallel/expert.py).
 """
 
 from __future__ import annotations
@@ -37,8 +38,11 @@ def local_numel(p: ParamShape, tp: int, tp_rank: int, shard: int, shard_rank: in
     shape = list(p.shape)
     if p.expert:
         shape[0] = chunk(shape[0], ep, shard_rank % ep)
+        if tp > 1 and p.hidden_dim is not None:
+            shape[p.hidden_dim] = chunk(shape[p.hidden_dim], tp, tp_rank)
         if shard // ep > 1:
-            shape[1] = chunk(shape[1], shard // ep, shard_rank // ep)
+            dim = expert_fsdp_dim(p, tp)
+            shape[dim] = chunk(shape[dim], shard // ep, shard_rank // ep)
         return _prod(shape)
     if tp > 1 and p.tp_style in ("colwise", "head", "vocab_head", *_ROWWISE):
         torch_rowwise = p.tp_style in _ROWWISE
@@ -53,6 +57,11 @@ def local_numel(p: ParamShape, tp: int, tp_rank: int, shard: int, shard_rank: in
     if shard > 1:
         shape[0] = chunk(shape[0], shard, shard_rank)
     return _prod(shape)
+
+
+def expert_fsdp_dim(p: ParamShape, tp: int) -> int:
+    """The dim FSDP2 shards an expert weight by: 1, or 2 where expert tensor parallel splits dim 1."""
+    return 2 if tp > 1 and p.hidden_dim == 1 else 1
 
 
 def _prod(shape: list[int]) -> int:
@@ -144,16 +153,17 @@ def block_activation_elements_per_token(shapes: ModelShapes, tp: int, ac: str) -
     T x T scores). Under sequence parallelism the norm inputs are sequence shards (/tp); the all-gathered
     inputs of the column-parallel linears are whole; everything between the column and row linears is /tp.
     An MoE block routes the whole sequence on every tp rank (not /tp): per token the router scores, and per
-    routed copy (top_k of them, plus each shared expert) the gathered input, w1 / w3 / silu / product outputs,
-    the expert output and its weighted copy."""
+    routed copy (top_k of them, plus each shared expert) the gathered input, w1 / w3 / silu / product outputs
+    (/tp for the routed experts under expert tensor parallel), the expert output and its weighted copy."""
     c = shapes.config
     h, kv = c.dim, c.n_kv_heads * c.head_dim
     sequence_sharded = 2 * h / tp  # inputs of attention_norm and ffn_norm (the residual stream)
     gathered = 2 * h  # norm outputs, gathered for wq/wk/wv and w1/w3
     attention = (h + 2 * kv) + (h + kv) + h  # q, k, v; roped q, k; attention output (grouped K/V: not repeated)
     if shapes.is_moe:
-        eh, copies = c.expert_hidden, c.top_k + c.n_shared_experts
-        ffn, ffn_matmul_outputs, ffn_tp = c.n_experts + copies * (3 * h + 4 * eh), c.n_experts + copies * (2 * h + 2 * eh), 1
+        copies = c.top_k + c.n_shared_experts
+        hidden = c.top_k * c.expert_hidden / (tp if shapes.expert_tp else 1) + c.n_shared_experts * c.expert_hidden
+        ffn, ffn_matmul_outputs, ffn_tp = c.n_experts + copies * 3 * h + 4 * hidden, c.n_experts + copies * 2 * h + 2 * hidden, 1
     else:
         f = c.ffn_hidden
         ffn, ffn_matmul_outputs, ffn_tp = 4 * f, 2 * f, tp  # w1, w3, silu and product outputs

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, replace
 from lit_mesh.mesh import MeshLayout
 from lit_mesh.planner.cost import StepTime, calibrated_kernels, model_flops_per_step, step_time
 from lit_mesh.planner.hardware import GIB, Hardware
-from lit_mesh.planner.memory import Workload, rank_memory
+from lit_mesh.planner.memory import Workload, expert_fsdp_dim, rank_memory
 from lit_mesh.planner.options import AC_MODES, DIMS, PRECISION_BYTES
 from lit_mesh.planner.shapes import ModelShapes
 
@@ -76,9 +76,10 @@ def why_invalid(layout: MeshLayout, shapes: ModelShapes, work: Workload, hw: Har
             return f"tp must divide {what}={size}"
     expert_dp = layout.dp_shard * layout.cp // layout.ep
     for p in shapes.block:
-        if p.expert and expert_dp > 1 and p.shape[1] % expert_dp:  # FSDP2 refuses uneven shards off dim 0
-            return (f"dp_shard x cp / ep must divide the expert weights' dim 1 ({p.name}: {p.shape[1]}): FSDP2 shards"
-                    " them on dim 1, evenly only")
+        dim = expert_fsdp_dim(p, layout.tp)
+        if p.expert and expert_dp > 1 and p.shape[dim] % expert_dp:  # FSDP2 refuses uneven shards off dim 0
+            return (f"dp_shard x cp / ep must divide the expert weights' dim {dim} ({p.name}: {p.shape[dim]}): FSDP2"
+                    f" shards them on dim {dim}, evenly only")
     if layout.pp > 1 and shapes.is_moe:
         return "pp with the MoE model is refused by MeshStrategy (stages do not carry the MoE layers' statistics)"
     if layout.pp > shapes.n_blocks:
@@ -253,7 +254,8 @@ def explain(c: Candidate, shapes: ModelShapes, work: Workload, hw: Hardware) -> 
         out.append(f"ep={layout.ep}: {shapes.config.n_experts // layout.ep} of {shapes.config.n_experts} experts per rank,"
                    f" tokens to their experts by all-to-all ({_s(t.exposed['ep'])} exposed)")
     if layout.tp > 1:
-        out.append(f"tp={layout.tp} inside a node: weights and activations / {layout.tp}, collectives on NVLink")
+        out.append(f"tp={layout.tp} inside a node: weights and activations / {layout.tp}, collectives on NVLink"
+                   + (", each expert's hidden units split over tp" if shapes.expert_tp else ""))
     if layout.dp_replicate > 1:
         out.append(f"HSDP: shards over {layout.dp_shard * layout.cp} ranks, replicas all-reduce across"
                    f" {layout.dp_replicate} groups (less inter-node traffic than sharding over all)")

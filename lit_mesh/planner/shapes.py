@@ -29,6 +29,7 @@ class ParamShape:
     tp_style: str | None  # the plan's style of the module holding it (None: replicated over tp)
     is_embedding: bool  # an nn.Embedding weight (RowwiseParallel shards its rows, a Linear's columns)
     expert: bool = False  # a stacked expert weight (E, ...): split over ep by expert, FSDP over expert_dp by dim 1
+    hidden_dim: int | None = None  # an expert weight's hidden dim: expert tensor parallel splits it over tp
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,11 @@ class ModelShapes:
     @property
     def is_moe(self) -> bool:
         return bool(self.ep_divides)
+
+    @property
+    def expert_tp(self) -> bool:
+        """tp > 1 splits each routed expert's hidden units over tp (MoEPlan.hidden_dims)."""
+        return any(p.hidden_dim is not None for p in self.block if p.expert)
 
     def numel(self) -> int:
         count = lambda params: sum(_numel(p.shape) for p in params)  # noqa: E731
@@ -87,7 +93,8 @@ def gpt_shapes(config: Any) -> ModelShapes:
             local = owner[len(plan.blocks) + 3 :]
             expert = experts is not None and name.startswith(experts)  # TP leaves them to EP
             style = None if expert else plan.tp.block.get(local)
-            block.append(ParamShape(name[len(plan.blocks) + 3 :], tuple(p.shape), style, embedding, expert))
+            hidden = plan.moe.hidden_dims.get(name.rsplit(".", 1)[1]) if expert else None  # type: ignore[union-attr]
+            block.append(ParamShape(name[len(plan.blocks) + 3 :], tuple(p.shape), style, embedding, expert, hidden))
             continue
         child = name.split(".")[0]
         entry = ParamShape(name, tuple(p.shape), plan.tp.root.get(owner), embedding)

@@ -92,7 +92,8 @@ LAUNCHES: dict[int, list[dict]] = {
         _fit("zoo-gpt-fsdp2", 2, ["-c", str(REPO / "configs/gpt.yaml"), "--data.global_batch_size=8"], f"{S}dp=2",
              "--trainer.max_steps=2", "--trainer.limit_val_batches=0", checkpoint=True),  # fmt: skip
         _fit("mixtral-fsdp2", 2, TEXT, MIXTRAL, f"{S}dp=2"),
-        _fit("mixtral-tp2", 2, TEXT, MIXTRAL, f"{S}tp=2"),
+        _fit("mixtral-tp2", 2, TEXT, MIXTRAL, f"{S}tp=2", checkpoint=True),  # experts split over tp: saved, resumed
+        _fit("mixtral-tp2-resumed", 2, TEXT, MIXTRAL, f"{S}tp=2", "--ckpt_path=@mixtral-tp2"),  # at step 10: loads only
         _fit("mixtral-ep2", 2, TEXT, MIXTRAL, f"{S}ep=2", checkpoint=True),  # exported below
         # a zoo MoE trained with experts split over ep=2, exported to a transformers Mixtral directory
         _fit("zoo-moe-ep2", 2, ZOO_MOE, f"{S}ep=2", "--trainer.max_steps=2", "--trainer.limit_val_batches=0",
@@ -175,7 +176,10 @@ LLAMA_TP = {"self_attn.q_proj.weight": "S(0)", "self_attn.o_proj.weight": "S(1)"
 # the fused c_attn stays replicated over tp (lit_mesh/hf/conv1d.py); Conv1D weights are (in, out)
 GPT2_TP = {"attn.c_attn.weight": "R", "attn.c_proj.weight": "S(0)", "mlp.c_fc.weight": "S(1)",
            "mlp.c_proj.weight": "S(0)"}  # fmt: skip
-MIXTRAL_TP = {"self_attn.q_proj.weight": "S(0)", "self_attn.o_proj.weight": "S(1)", "mlp.gate.weight": "R"}  # MoE whole
+# the MoE block runs whole over tp; its experts' width is split over tp (gate_up_proj (E, 2I, D) stacks [gate; up]:
+# each tp rank holds its slice of both halves, a strided shard; down_proj (E, D, I))
+MIXTRAL_TP = {"self_attn.q_proj.weight": "S(0)", "self_attn.o_proj.weight": "S(1)", "mlp.gate.weight": "R",
+              "mlp.experts.gate_up_proj": "_S(1, 2)", "mlp.experts.down_proj": "S(2)"}  # fmt: skip
 # the blocks: Llama-style decoder layers (Llama, Qwen2, Mistral, Mixtral), GPT-2 blocks, ViT layers
 DECODER, GPT2, VIT = "model.model.layers", "model.transformer.h", "model.vit.layers"
 APPLIED = {
@@ -210,10 +214,12 @@ def params_by_block(found: dict, blocks: str) -> dict[str, dict[str, dict]]:
 
 
 def fsdp_sharded(inner: str, record: dict) -> bool:
-    """FSDP2 sharded this parameter: by dim 0 over dp_shard_cp, experts by dim 1 over efsdp (dim 0 is ep's)."""
+    """FSDP2 sharded this parameter: by dim 0 over dp_shard_cp, experts by dim 1 over efsdp (dim 0 is ep's; dim 2
+    where tp splits dim 1)."""
     placements = record["placements"]
     if inner.startswith(EXPERTS):
-        return placements.get("efsdp") == "S(1)"
+        over_tp = re.sub(r"_?S\((\d).*", r"S(\1)", placements.get("tp", ""))
+        return placements.get("efsdp") in ("S(1)", "S(2)") and placements.get("efsdp") != over_tp
     # over a tp shard of dim 0, FSDP2's dim-0 shard is a strided one: _S(0, tp)
     return re.fullmatch(r"_?S\(0(, \d+)?\)", placements.get("dp_shard_cp", "")) is not None
 
@@ -225,6 +231,9 @@ def assert_experts(found: dict, block: str, params: dict[str, dict], expected: A
         local, full = record["local_shape"], record["shape"]
         assert record["placements"].get("ep") == "S(0)", f"{what}: {block}.{inner} is {record['placements']}"
         assert local[0] * expected.ep == full[0], f"{what}: {block}.{inner} {local} of {full}: not 1/{expected.ep}"
+        if inner in expected.tp:  # expert tensor parallel: 1/tp of each expert's width (gate_up: dim 1, down: dim 2)
+            hidden = 1 if "gate_up" in inner else 2
+            assert local[hidden] * 2 == full[hidden], f"{what}: {block}.{inner} {local} of {full}: width not 1/2"
     if expected.ep and expected.fsdp:
         assert f"{block}.mlp.experts" in found["fsdp"], f"{what}: {block}'s experts are no FSDPModule"
 
@@ -281,7 +290,7 @@ def _checkpoint(out: Path, name: str) -> Path:
 
 
 @pytest.mark.parametrize(
-    ("name", "architecture"), [("llama-tp2", "llama"), ("gpt2-tp2", "gpt2"), ("mixtral-ep2", "mixtral")]
+    ("name", "architecture"), [("llama-tp2", "llama"), ("gpt2-tp2", "gpt2"), ("mixtral-ep2", "mixtral"), ("mixtral-tp2", "mixtral")]
 )
 def test_exported_checkpoint_loads_with_from_pretrained(out: Path, tmp_path: Path, name: str, architecture: str) -> None:
     """A tp2-sharded checkpoint -> transformers directory -> from_pretrained: the trained model's logits."""
@@ -299,6 +308,17 @@ def test_exported_checkpoint_loads_with_from_pretrained(out: Path, tmp_path: Pat
     tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert (loaded(input_ids=tokens).logits - trained(input_ids=tokens).logits).abs().max().item() <= 1e-5
+
+
+def test_experts_split_by_halves_over_tp_save_and_load_back(out: Path) -> None:
+    """Mixtral under tp2 holds each half's slice of gate_up_proj ([gate; up]), which torch's DCP cannot write as it
+    is: saved as plain shards, and put back on resume (lit_mesh/checkpoint.py). The resumed run (at the last step:
+    it loads, trains nothing) ends with exactly the saved weights."""
+    saved = torch.load(out / "mixtral-tp2" / "params.pt", weights_only=True)
+    resumed = torch.load(out / "mixtral-tp2-resumed" / "params.pt", weights_only=True)
+    assert saved.keys() == resumed.keys() and any(EXPERTS + "gate_up_proj" in k for k in saved)
+    for key, value in saved.items():
+        assert torch.equal(resumed[key], value), key
 
 
 def test_exported_vit_checkpoint_loads_with_from_pretrained(out: Path, tmp_path: Path) -> None:

@@ -1,6 +1,6 @@
 """Expert-parallel parity through the `lit-mesh` CLI with configs/moe.yaml (dropless routing, aux loss and
-aux-loss-free balancing on): ep2, ep4, fsdp4 x ep2, tp2 x ep2, hsdp 2x2 x ep2 and cp2 x ep2 train the same model on the same global
-batches as one device: relative 1e-4 per step over 10 steps, final full parameters within 1e-4, and the
+aux-loss-free balancing on): ep2, ep4, fsdp4 x ep2, tp2 (expert tensor parallel), tp2 x ep2, hsdp 2x2 x ep2 and cp2 x ep2
+train the same model on the same global batches as one device: relative 1e-4 per step over 10 steps, final full parameters within 1e-4, and the
 router and expert gradients of the first step within 1e-5 of the single-device ones."""
 
 from __future__ import annotations
@@ -21,8 +21,9 @@ LAYOUTS: dict[str, tuple[int, list[str]]] = {
     "single": (1, []),
     "ep2": (2, [f"{S}ep=2"]),  # dp_shard 2, one expert pair per rank
     "ep4": (4, [f"{S}ep=4"]),  # dp_shard 4, one expert per rank
+    "tp2": (2, [f"{S}tp=2"]),  # expert tensor parallel: each expert's hidden units split over tp, no ep
     "fsdp4_ep2": (4, [f"{S}dp=4", f"{S}ep=2"]),  # experts FSDP-sharded over the 2 ranks beside ep
-    "tp2_ep2": (4, [f"{S}tp=2", f"{S}ep=2"]),  # dense parts TP/SP 2 x FSDP 2; MoE replicated over tp
+    "tp2_ep2": (4, [f"{S}tp=2", f"{S}ep=2"]),  # dense parts TP/SP 2 x FSDP 2; experts split over ep and tp
     "hsdp2x2_ep2": (4, [f"{S}dp_replicate=2", f"{S}dp_shard=2", f"{S}ep=2"]),  # experts replicated over dp_replicate
     "cp2_ep2": (4, [f"{S}cp=2", f"{S}ep=2"]),  # sequences split over cp; ep borrows from dp_shard x cp
 }
@@ -57,23 +58,27 @@ def _load(results: dict, name: str, file: str) -> dict[str, torch.Tensor]:
     return torch.load(Path(results["_dir"]["path"]) / name / file, weights_only=True)
 
 
-# layout -> (ep, ranks the expert weights are split over in all: ep x the FSDP shards beside it)
-EXPERT_SPLIT = {"single": (1, 1), "ep2": (2, 2), "ep4": (4, 4), "fsdp4_ep2": (2, 4), "tp2_ep2": (2, 2),
-                "hsdp2x2_ep2": (2, 2), "cp2_ep2": (2, 4)}  # fmt: skip
+# layout -> (ep, tp, ranks the expert weights are split over in all: ep x tp x the FSDP shards beside them)
+EXPERT_SPLIT = {"single": (1, 1, 1), "ep2": (2, 1, 2), "ep4": (4, 1, 4), "fsdp4_ep2": (2, 1, 4), "tp2": (1, 2, 2),
+                "tp2_ep2": (2, 2, 4), "hsdp2x2_ep2": (2, 1, 2), "cp2_ep2": (2, 1, 4)}  # fmt: skip
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_expert_parallel_is_really_applied(results: dict, layout: str) -> None:
-    """Each MoE layer dispatches by all-to-all over ep ranks, and holds 1/(ep x FSDP shards) of the experts."""
-    ep, split = EXPERT_SPLIT[layout]
+    """Each MoE layer dispatches by all-to-all over ep ranks, and holds 1/(ep x tp x FSDP shards) of the experts:
+    split by expert id over ep, by hidden unit over tp (w1/w3 (E, dim, hidden), w2 (E, hidden, dim))."""
+    ep, tp, split = EXPERT_SPLIT[layout]
     found = json.loads((Path(results["_dir"]["path"]) / layout / "expert_layout.json").read_text())
     assert len(found) == 2, found  # configs/moe.yaml: both layers MoE
     for name, layer in found.items():
-        assert layer["dispatcher"] == ("AllToAllDispatch" if ep > 1 else "LocalDispatch"), (name, layer)
-        assert layer["ep"] == ep, (name, layer)
-        full, local = layer["w1"], layer["w1_local"]
-        assert local[0] == full[0] // ep, (name, layer)  # experts split by expert id over ep
-        assert math.prod(local) * split == math.prod(full), (name, layer)
+        assert layer["dispatcher"] == ("LocalDispatch" if layout == "single" else "AllToAllDispatch"), (name, layer)
+        assert (layer["ep"], layer["tp"]) == (ep, tp), (name, layer)
+        for weight, hidden_dim in (("w1", 2), ("w3", 2), ("w2", 1)):
+            full, local = layer[weight], layer[f"{weight}_local"]
+            assert local[0] == full[0] // ep, (name, weight, layer)  # experts split by expert id over ep
+            if tp > 1:  # hidden units over tp (FSDP then shards the other dim; with tp = 1 it may take this one)
+                assert local[hidden_dim] == full[hidden_dim] // tp, (name, weight, layer)
+            assert math.prod(local) * split == math.prod(full), (name, weight, layer)
 
 
 @pytest.mark.parametrize("layout", [name for name in LAYOUTS if name != "single"])

@@ -218,7 +218,7 @@ def test_plans_are_selected_by_class_and_can_be_named() -> None:
 
 
 def test_mixtral_plan_and_its_expert_adapter() -> None:
-    """Attention TP from transformers' plan, the MoE block whole over tp, EP through the adapter, which
+    """Attention TP from transformers' plan, the MoE block whole over tp (its experts' width split), EP through the adapter, which
     computes what transformers' own MoE block does (same parameters and names)."""
     import copy
 
@@ -234,7 +234,9 @@ def test_mixtral_plan_and_its_expert_adapter() -> None:
     assert plan.blocks == "model.layers" and plan.moe.layer == "mlp" and plan.moe.ep_divides == {"num_local_experts": 4}
     assert plan.tp.block["self_attn.q_proj"] == "colwise" and plan.tp.block["self_attn.o_proj"] == "rowwise"
     assert plan.tp.block["mlp"] == "whole_sequence" and not any(k.startswith("mlp.") for k in plan.tp.block)
-    assert plan.tp.divides == {"num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256}
+    # intermediate_size: expert tensor parallel splits each expert's width over tp, gate_up_proj by halves
+    assert plan.tp.divides == {"num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 64, "vocab_size": 256}
+    assert plan.moe.hidden_dims == {"gate_up_proj": 1, "down_proj": 2} and plan.moe.packed == ("gate_up_proj",)
     adapted = copy.deepcopy(mixtral)
     adapt_moe_layers(adapted, plan)
     adapt_moe_layers(adapted, plan)  # idempotent

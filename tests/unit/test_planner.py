@@ -398,6 +398,36 @@ def test_moe_all_to_all_in_the_step_time_by_hand() -> None:
     assert "ep" not in step_time(shapes, MeshLayout(dp_shard=4), work, "32-true", "none", hw).exposed
 
 
+def test_expert_tensor_parallel_in_memory_and_cost() -> None:
+    """tp splits each expert's hidden units (expert tensor parallel): a rank holds 1/tp of every expert weight (FSDP
+    then shards w2 by dim 2, tp holding its dim 1), does 1/tp of the expert GEMMs, and sums the partial outputs
+    over tp (two all-reduces of the routed tokens per MoE block). The same shapes with replicated experts: none of it."""
+    from lit_mesh.planner.cost import _gemm_seconds, calibrated_kernels, step_time
+    from lit_mesh.planner.memory import local_numel
+    from lit_mesh.topology import all_reduce_time
+
+    config = MoEConfig.from_preset("tiny")
+    shapes = gpt_shapes(config)
+    experts = [p for p in shapes.block if p.expert]
+    assert shapes.expert_tp and {p.name.rsplit(".", 1)[1]: p.hidden_dim for p in experts} == {"w1": 2, "w3": 2, "w2": 1}
+    replicated = dataclasses.replace(shapes, block=tuple(dataclasses.replace(p, hidden_dim=None) for p in shapes.block))
+    for p in experts:  # (4, 64, 64): ep 2 -> 2 experts; tp 2 -> 32 hidden units; 2 FSDP shards of the dim of 64
+        assert local_numel(p, 2, 1, 4, 3, ep=2) == 2 * 64 * 32 // 2 == local_numel(p, 1, 0, 4, 3, ep=2) // 2, p
+    e = {"w1": 0, "w3": 1, "w2": 2}
+    assert [local_numel(p, 2, 0, 4, 0, ep=2) for p in sorted(experts, key=lambda p: e[p.name.rsplit(".", 1)[1]])] == [2048] * 3
+    flat = dataclasses.replace(calibrated_kernels(), gemm_half_size=0)  # the same efficiency at any GEMM size: FLOPs alone
+    assert _gemm_seconds(tuple(experts), 128, 2, 1, 2, flat, 1e12) == pytest.approx(_gemm_seconds(tuple(experts), 128, 1, 1, 2, flat, 1e12) / 2)
+    layout, work = MeshLayout(dp_shard=2, tp=2), Workload(global_batch=8, seq_len=64, micro_batch=2)
+    hw = Hardware(nodes=1, devices_per_node=4, memory_bytes=80 * GB, peak_flops=1e12, compute_efficiency=0.5)
+    with_etp, without = (step_time(s, layout, work, "32-true", "none", hw) for s in (shapes, replicated))
+    routed = 2 * 64 * config.top_k * config.dim * 4
+    microbatches = 8 // 2 // 2
+    extra = microbatches * config.n_layers * 2 * all_reduce_time(routed, 2, hw.link(1, 2))
+    assert with_etp.exposed["tp"] - without.exposed["tp"] == pytest.approx(extra)
+    assert with_etp.compute_parts["gemm"] < without.compute_parts["gemm"]
+    assert state_bytes(shapes, layout, "32-true")["params"] < state_bytes(replicated, layout, "32-true")["params"]
+
+
 def test_ties_go_to_less_exposed_communication_then_fewer_dims() -> None:
     from lit_mesh.planner.cost import StepTime
     from lit_mesh.planner.search import Candidate, rank

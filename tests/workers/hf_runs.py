@@ -2,7 +2,7 @@
 
 Usage: torchrun --standalone --nproc_per_node=N tests/workers/hf_runs.py OUT_DIR RUNS_JSON
 RUNS_JSON is a list of {"kind": "fit" | "error" | "example", "name": str, "args": [...]}:
-- fit: a `lit-mesh fit` run (see cli_runs.py): OUT_DIR/NAME/result.json and params.pt, and layout.json: how the
+- fit: a `lit-mesh fit` run (see cli_runs.py; `--ckpt_path=@NAME` resumes from run NAME's last checkpoint): OUT_DIR/NAME/result.json and params.pt, and layout.json: how the
   mesh was really applied (RecordLayout), so that a run that silently stayed replicated cannot pass;
 - error: a `lit-mesh fit` run that must fail: its error goes to OUT_DIR/errors_N.json (see expect_errors.py);
 - example: examples/SCRIPT's main(args + ["--out", OUT_DIR/NAME.json]), args[0] being the script.
@@ -62,7 +62,10 @@ if __name__ == "__main__":
     errors: dict[str, dict[str, str]] = {}
     for spec in runs:
         if spec["kind"] == "fit":
-            run_fit(out, spec["name"], [*spec["args"], RECORD_LAYOUT])
+            # --ckpt_path=@NAME: the checkpoint an earlier run of this launch wrote last
+            args = [f"--ckpt_path={sorted((out / a[13:]).rglob('*.ckpt'))[-1]}" if a.startswith("--ckpt_path=@") else a
+                    for a in spec["args"]]  # fmt: skip
+            run_fit(out, spec["name"], [*args, RECORD_LAYOUT])
         elif spec["kind"] == "example":
             script, *args = spec["args"]
             load(script).main([*args, "--out", str(out / f"{spec['name']}.json")])

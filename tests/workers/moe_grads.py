@@ -30,14 +30,13 @@ class SaveRoutingGradients(L.Callback):
 
 
 def expert_layout(module: torch.nn.Module) -> dict[str, dict[str, Any]]:
-    """Per MoE layer: its dispatcher's class and ep, and the full and rank-local shapes of the expert weight w1."""
+    """Per MoE layer: its dispatcher's class, ep and tp, and the full and rank-local shapes of the expert weights."""
     out = {}
     for name, sub in module.named_modules():
         if hasattr(sub, "dispatcher") and hasattr(sub, "experts"):
-            w1 = sub.experts.w1
-            local = w1.to_local() if isinstance(w1, DTensor) else w1
-            out[name] = {
-                "dispatcher": type(sub.dispatcher).__name__, "ep": getattr(sub.dispatcher, "ep", 1),
-                "w1": list(w1.shape), "w1_local": list(local.shape),
-            }  # fmt: skip
+            out[name] = {"dispatcher": type(sub.dispatcher).__name__, "ep": getattr(sub.dispatcher, "ep", 1),
+                         "tp": getattr(sub.dispatcher, "tp", 1)}  # fmt: skip
+            for weight, param in sub.experts.named_parameters():
+                local = param.to_local() if isinstance(param, DTensor) else param
+                out[name].update({weight: list(param.shape), f"{weight}_local": list(local.shape)})
     return out
