@@ -75,6 +75,22 @@ class CompressedReplicaAllReduce:
         self.site.all_reduce(reduced_shard, self.group, average=True, dim=self.dim, segments=segments)
 
 
+def fsdp_units(root: nn.Module, extra_roots: Sequence[tuple[str, nn.Module]] = ()) -> list[tuple[str, FSDPModule]]:
+    """Every FSDP2 unit that reduces gradients, named by its module path under `root` ("<root>" for root), then
+    those of `extra_roots` not already among them, named "<prefix>/<path>": the views of a rank's pipeline
+    stages (interleaved, V schedules) are FSDP roots of their own outside the model's module tree."""
+    units: list[tuple[str, FSDPModule]] = []
+    seen: set[int] = set()
+    for prefix, top in [("", root), *extra_roots]:
+        for name, module in top.named_modules():
+            if id(module) in seen or not isinstance(module, FSDPModule) or not module._get_fsdp_state()._fsdp_param_groups:
+                continue
+            seen.add(id(module))
+            path = name or "<root>"
+            units.append((f"{prefix}/{path}" if prefix else path, module))
+    return units
+
+
 def attach_gradient_compression(
     root: nn.Module,
     run: CompressionRun,
@@ -82,14 +98,12 @@ def attach_gradient_compression(
     replicate_group: Optional[dist.ProcessGroup],
     shard_dim: str = "dp_shard_cp",
     replicate_dim: str = "dp_replicate",
+    extra_roots: Sequence[tuple[str, nn.Module]] = (),
 ) -> int:
-    """Hook `run` into every FSDP2 unit under `root` (units named by their module path, so that a resumed
-    run finds its state). Returns the number of units hooked."""
+    """Hook `run` into every FSDP2 unit under `root` and `extra_roots` (fsdp_units: named by module path, so
+    that a resumed run finds its state). Returns the number of units hooked."""
     hooked = 0
-    for name, module in root.named_modules():
-        if not isinstance(module, FSDPModule) or not module._get_fsdp_state()._fsdp_param_groups:
-            continue
-        unit = name or "<root>"
+    for unit, module in fsdp_units(root, extra_roots):
         replicated = replicate_group is not None and replicate_group.size() > 1
         if shard_group.size() > 1:
             site = run.site(f"{unit}:reduce_scatter")

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Any, Literal, Optional
 
 import torch
@@ -28,7 +29,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 
 from lit_mesh.comm.compression import INTRA_SUFFIX, CompressionRun, CompressionSite
-from lit_mesh.comm.fsdp import unit_segments
+from lit_mesh.comm.fsdp import fsdp_units, unit_segments
 from lit_mesh.errors import MeshConfigError
 from lit_mesh.topology import Topology, all_gather_time, all_reduce_time
 
@@ -227,14 +228,15 @@ class HierarchicalReplicaAllReduce:
             reduced_shard.div_(self.hierarchy.size)
 
 
-def attach_hierarchical_all_reduce(root: nn.Module, hierarchy: Hierarchy, run: Optional[CompressionRun]) -> int:
-    """Hook the replicate all-reduce of every FSDP2 unit under `root` (on a 1-D shard mesh, as compression does;
-    the compression sites keep their names "<unit>:all_reduce", so checkpointed state finds them)."""
+def attach_hierarchical_all_reduce(
+    root: nn.Module, hierarchy: Hierarchy, run: Optional[CompressionRun], extra_roots: Sequence[tuple[str, nn.Module]] = ()
+) -> int:
+    """Hook the replicate all-reduce of every FSDP2 unit under `root` and `extra_roots` (on a 1-D shard mesh, as
+    compression does; the compression sites keep their names "<unit>:all_reduce", so checkpointed state finds
+    them)."""
     hooked = 0
-    for name, module in root.named_modules():
-        if not isinstance(module, FSDPModule) or not module._get_fsdp_state()._fsdp_param_groups:
-            continue
-        site = run.site(f"{name or '<root>'}:all_reduce") if run is not None else None
+    for name, module in fsdp_units(root, extra_roots):
+        site = run.site(f"{name}:all_reduce") if run is not None else None
         if run is not None and run.options.intra_mode is not None:
             run.site(site.name + INTRA_SUFFIX)  # made now, so that a checkpoint finds every site on resume
         module.set_all_reduce_hook(HierarchicalReplicaAllReduce(hierarchy, module, site))

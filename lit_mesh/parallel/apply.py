@@ -164,10 +164,12 @@ def parallelize(
             apply_data_parallel(stage_roots, list(blocks), dp_mesh, layout, precision)
         for unit in _units_outside_owners(root, "", owners):
             apply_data_parallel([unit], [], dp_mesh, layout, precision)
+        # several stages per rank: each stage's view is an FSDP root outside the model's tree, hooked too
+        views = [(f"stage{st.index}", st.module) for st in done.stages or [] if st.module is not owners[0].module]
         if compression is not None:  # communication hooks come last
-            attach_compression(root, compression, mesh, layout)
+            attach_compression(root, compression, mesh, layout, views)
         if replicate_hierarchy is not None:  # replaces the flat replicate all-reduce (compressed or not)
-            attach_hierarchical_all_reduce(root, replicate_hierarchy, compression)
+            attach_hierarchical_all_reduce(root, replicate_hierarchy, compression, views)
     _APPLIED[root] = done
     return done
 

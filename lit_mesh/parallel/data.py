@@ -6,6 +6,8 @@ over dp_replicate. One engine for all three keeps TP composition and the reducti
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 
@@ -32,10 +34,14 @@ def data_parallel_mesh(mesh: MeshViews, layout: MeshLayout, replicate_in_hook: b
     return mesh.hsdp
 
 
-def attach_compression(root: nn.Module, run: CompressionRun, mesh: MeshViews, layout: MeshLayout) -> None:
-    """Gradient compression in every FSDP2 unit's reductions (call after fully_shard; see lit_mesh/comm)."""
+def attach_compression(
+    root: nn.Module, run: CompressionRun, mesh: MeshViews, layout: MeshLayout,
+    extra_roots: Sequence[tuple[str, nn.Module]] = (),
+) -> None:  # fmt: skip
+    """Gradient compression in every FSDP2 unit's reductions (call after fully_shard; see lit_mesh/comm);
+    `extra_roots`: the views of this rank's pipeline stages, FSDP roots outside the model's tree."""
     replicate = mesh.root.get_group(MeshAxis.DP_REPLICATE) if layout.dp_replicate > 1 else None
-    attach_gradient_compression(root, run, mesh.dp_shard_cp.get_group(), replicate)
+    attach_gradient_compression(root, run, mesh.dp_shard_cp.get_group(), replicate, extra_roots=extra_roots)
 
 
 _COMPUTE_DTYPE = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}

@@ -29,7 +29,10 @@ COMMON = [
     "--trainer.enable_model_summary=false", "--trainer.num_sanity_val_steps=0", "--trainer.limit_val_batches=0",
 ]  # fmt: skip
 LAYOUTS = {"ddp2": (2, [f"{S}dp_replicate=2"]), "fsdp2": (2, [f"{S}dp=2"]), "hsdp2x2": (4, [f"{S}dp_replicate=2", f"{S}dp_shard=2"])}
-TP_LAYOUT = {"fsdp2_tp2": (4, [f"{S}tp=2"])}  # dp_shard fills the rest: 2
+TP_LAYOUT = {
+    "fsdp2_tp2": (4, [f"{S}tp=2"]),  # dp_shard fills the rest: 2
+    "pp2_fsdp2": (4, [f"{S}pp=2", f"{S}pp_schedule=interleaved_1f1b", f"{S}pp_stages_per_rank=2"]),
+}
 RESUMED = {"ddp2": "onebit", "fsdp2": "powersgd"}  # (layout, mode) pairs that also checkpoint at step 5
 # 1-bit with lit_mesh.OneBitAdam on fsdp2: 3 steps uncompressed, variance frozen from step 4, checkpoint at step 5
 ONEBIT_ADAM = [f"{S}grad_compression={{mode: onebit, warmup_steps: 3}}", "--model.init_args.variance_freeze_step=3"]
@@ -70,6 +73,8 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict:
             runs.append(_run(f"{layout}-hooks-uncompressed", layout, [f"{S}grad_compression={{mode: onebit, warmup_steps: 100}}"]))
         if nproc == 4:  # with tensor parallel: FSDP2 reduces the local TP shards
             runs.append(_run("fsdp2_tp2-powersgd", "fsdp2_tp2", [f"{S}grad_compression=powersgd"]))
+            # two pipeline stages per rank: the stages' own FSDP roots (embedding, final norm, head) compressed too
+            runs.append(_run("pp2_fsdp2-interleaved-fp16", "pp2_fsdp2", [f"{S}grad_compression=fp16"], out / "ckpt-pp2-interleaved"))
             warm = f"{S}grad_compression={{mode: onebit, warmup_steps: 100}}"
             runs.append(_run("fsdp2_tp2-hooks-uncompressed", "fsdp2_tp2", [warm]))
         if nproc == 2:
@@ -244,3 +249,15 @@ def test_compression_composes_with_tensor_parallel(results: dict) -> None:
     got = curve(results["fsdp2_tp2-powersgd"])
     assert got != reference and got[-1] < 0.95 * got[0]
     assert min(results["fsdp2_tp2-powersgd"]["metrics"]["grad_compression/ratio"].values()) > 1.5
+
+
+def test_every_pipeline_stage_root_is_compressed(results: dict) -> None:
+    """interleaved 1F1B, 2 stages per rank: each stage's view is an FSDP root of its own (outside the model's
+    module tree); its reduce-scatter goes through a compression site like every block's."""
+    reference, got = curve(results["fsdp2-fp32"]), curve(results["pp2_fsdp2-interleaved-fp16"])
+    for step, (a, b) in enumerate(zip(reference, got), start=1):
+        assert abs(a - b) <= 1e-2 * abs(a), (step, a, b)
+    for rank in range(4):
+        saved = torch.load(results["_dir"] / "ckpt-pp2-interleaved" / "step=5.ckpt" / "grad_compression" / f"rank{rank}.pt", weights_only=True)
+        stage_roots = [name for name in saved["sites"] if name.startswith("stage") and "<root>" in name]
+        assert len(stage_roots) == 2, saved["sites"]  # this rank's two stage views
