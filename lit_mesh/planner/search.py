@@ -83,8 +83,6 @@ def why_invalid(layout: MeshLayout, shapes: ModelShapes, work: Workload, hw: Har
         return "pp with the MoE model is refused by MeshStrategy (stages do not carry the MoE layers' statistics)"
     if layout.pp > shapes.n_blocks:
         return f"pp must not exceed the {shapes.n_blocks} blocks"
-    if layout.pp > 1 and layout.cp > 1:
-        return "pp and cp together are not supported by MeshStrategy"
     if work.global_batch % layout.dp:
         return f"dp must divide the global batch of {work.global_batch} sequences"
     if layout.pp > 1 and work.local_batch(layout) < layout.pp:
