@@ -259,7 +259,9 @@ def explain(c: Candidate, shapes: ModelShapes, work: Workload, hw: Hardware) -> 
         out.append(f"cp={layout.cp}: each rank holds {work.seq_len // layout.cp} of {work.seq_len} tokens per sequence")
     if layout.pp > 1:
         out.append(f"pp={layout.pp}: {c.work.microbatches(layout)} micro-batches of {c.work.micro_batch} per step,"
-                   f" bubble {100 * t.bubble:.0f}%")
+                   f" bubble {100 * t.bubble:.0f}%; stages exchange activations of ({c.work.micro_batch},"
+                   f" {work.seq_len // (layout.cp * layout.tp)}, {shapes.config.dim}) per rank (micro-batch, T / cp / tp"
+                   " under sequence parallelism, dim)")
     elif c.work.microbatches(layout) > 1:
         out.append(f"gradient accumulation: {c.work.microbatches(layout)} micro-batches of {c.work.micro_batch}"
                    " sequences per step (the whole local batch would not fit)")
