@@ -150,12 +150,6 @@ RULES: tuple[Rule, ...] = (
         PipelineConfigError,
     ),
     Rule(
-        "pp_with_cp", "init",
-        lambda f: f.degrees["pp"] > 1 and f.degrees["cp"] > 1,
-        lambda f: f"pp={f.degrees['pp']} with cp={f.degrees['cp']}: pipeline and context parallel together are not"
-        " supported yet; use one of them",
-    ),
-    Rule(
         # measured on torch 2.13: with TP/SP DTensors entering a compiled block, the DTensor redistribute
         # outside the graph receives plain-tensor gradients (AttributeError: '_local_tensor') or, with FSDP2
         # around, the gradients come out wrong (loss off by 1e-3 at step 2); eager TP is exact

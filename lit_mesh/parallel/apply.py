@@ -139,12 +139,15 @@ def parallelize(
             apply_tensor_parallel(
                 owner.module, owner.plan, mesh[MeshAxis.TP], sequence_parallel, skip=experts, vocab_sharded_output=layout.pp == 1
             )
-        if done.stages and sequence_parallel and owners[0].plan.cp.positions:
+        if done.stages and sequence_parallel and owners[0].plan.cp.positions and layout.cp == 1:  # cp: below
             for stage in (s for s in done.stages if s.index != 0):  # the first stage counts them itself
                 pass_global_positions(stage.module, owners[0].plan.cp.positions, layout.tp)
     if layout.cp > 1:
+        # under pp the positions go to each stage (interleaved stages are views made before this hook)
+        sp_shards = layout.tp if sequence_parallel else 1
+        entries = [(s.module, 1 if s.index == 0 else sp_shards) for s in done.stages or []]
         for owner in owners:
-            apply_context_parallel(owner.module, owner.plan, mesh[MeshAxis.CP], options.context.style)
+            apply_context_parallel(owner.module, owner.plan, mesh[MeshAxis.CP], options.context.style, entries)
     if layout.world_size > 1:
         for owner in owners:
             apply_expert_parallel(owner.module, owner.plan, mesh, layout)

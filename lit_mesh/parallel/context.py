@@ -25,7 +25,7 @@ their kernels), this one (swapping them into a model, applying the plan).
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Optional
 
 import torch.distributed as dist
@@ -105,10 +105,10 @@ def _swap_attention(module: nn.Module, mode: ContextParallelAttention) -> None:
     module.forward = forward  # type: ignore[method-assign]
 
 
-def _positions_hook(keyword: str, cp: int, rank: int, load_balanced: bool) -> Callable:
+def _positions_hook(keyword: str, cp: int, rank: int, load_balanced: bool, input_shards: int) -> Callable:
     def pass_positions(_module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if kwargs.get(keyword) is None:
-            local_length = args[0].shape[SEQUENCE_DIM]
+            local_length = args[0].shape[SEQUENCE_DIM] * input_shards
             kwargs = {**kwargs, keyword: local_positions(local_length, cp, rank, load_balanced, args[0].device)}
         return args, kwargs
 
@@ -125,8 +125,15 @@ def refuse_cp_without_plan(cp: int, module_name: str) -> None:
         )
 
 
-def apply_context_parallel(model: nn.Module, plan: ParallelPlan, cp_mesh: DeviceMesh, style: str) -> None:
-    """Swap the attention of every block for the cp style's and pass this rank's global positions to `model`."""
+def apply_context_parallel(
+    model: nn.Module, plan: ParallelPlan, cp_mesh: DeviceMesh, style: str, entries: Sequence[tuple[nn.Module, int]] = ()
+) -> None:
+    """Swap the attention of every block for the cp style's and pass this rank's global positions to `model`.
+
+    `entries`: where the inputs come in, if not `model` itself: this rank's pipeline stages, each with the number
+    of tp shards its input's sequence is cut into besides cp (tp for a stage after the first under sequence
+    parallelism, else 1).
+    """
     check_cp_style(style)
     name = type(model).__name__
     attention_name, positions = plan.cp.attention, plan.cp.positions
@@ -149,6 +156,7 @@ def apply_context_parallel(model: nn.Module, plan: ParallelPlan, cp_mesh: Device
         except AttributeError:
             raise PlanError(f"{name}.parallel_plan() names attention {attention_name!r}, which {where} does not have")
         _swap_attention(attention, ContextParallelAttention(group, style, where))
-    model.register_forward_pre_hook(
-        _positions_hook(positions, cp_mesh.size(), rank, is_load_balanced(style)), with_kwargs=True
-    )
+    for entry, input_shards in entries or [(model, 1)]:
+        entry.register_forward_pre_hook(
+            _positions_hook(positions, cp_mesh.size(), rank, is_load_balanced(style), input_shards), with_kwargs=True
+        )

@@ -18,6 +18,7 @@ Communication, each collective with its own overlap rule (lit_mesh.topology's ri
 - TP/SP: all-gathers and reduce-scatters of the activations on the critical path (async TP: the forward's hidden,
   the backward's exposed);
 - CP ring: each K/V block's send overlaps the attention on the previous one: exposed where the send is longer;
+  under pp each stage runs the ring over its own blocks, on micro-batches of T/cp tokens per rank;
 - EP: the all-to-alls of dispatch and combine, exposed; PP: the stage-boundary send/receive, exposed.
 Pipeline: the bubble of the schedule (BUBBLE) stretches the stage's time; the slowest stage sets the pace.
 The kernel constants are calibrated once against published runs: lit_mesh/planner/calibration.yaml.

@@ -175,7 +175,8 @@ def block_activation_elements_per_token(shapes: ModelShapes, tp: int, ac: str) -
 
 
 def activation_bytes(shapes: ModelShapes, layout: MeshLayout, work: Workload, precision: str, ac: str, stage: int) -> int:
-    """Activations pipeline stage `stage` holds at its peak (1F1B: up to pp - stage micro-batches in flight)."""
+    """Activations pipeline stage `stage` holds at its peak (1F1B: up to pp - stage micro-batches in flight), each
+    micro-batch of T/cp tokens per rank (cp shards every micro-batch's sequence, with pp too)."""
     b = PRECISION_BYTES[precision]["activation"]
     tokens = work.tokens_per_microbatch(layout)
     # 1F1B: stage s holds up to pp - s micro-batches in flight; accumulation frees each before the next

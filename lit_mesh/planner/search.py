@@ -84,8 +84,6 @@ def why_invalid(layout: MeshLayout, shapes: ModelShapes, work: Workload, hw: Har
         return "pp with the MoE model is refused by MeshStrategy (stages do not carry the MoE layers' statistics)"
     if layout.pp > shapes.n_blocks:
         return f"pp must not exceed the {shapes.n_blocks} blocks"
-    if layout.pp > 1 and layout.cp > 1:
-        return "pp and cp together are not supported by MeshStrategy"
     if work.global_batch % layout.dp:
         return f"dp must divide the global batch of {work.global_batch} sequences"
     if layout.pp > 1 and work.local_batch(layout) < layout.pp:
@@ -263,7 +261,9 @@ def explain(c: Candidate, shapes: ModelShapes, work: Workload, hw: Hardware) -> 
         out.append(f"cp={layout.cp}: each rank holds {work.seq_len // layout.cp} of {work.seq_len} tokens per sequence")
     if layout.pp > 1:
         out.append(f"pp={layout.pp}: {c.work.microbatches(layout)} micro-batches of {c.work.micro_batch} per step,"
-                   f" bubble {100 * t.bubble:.0f}%")
+                   f" bubble {100 * t.bubble:.0f}%; stages exchange activations of ({c.work.micro_batch},"
+                   f" {work.seq_len // (layout.cp * layout.tp)}, {shapes.config.dim}) per rank (micro-batch, T / cp / tp"
+                   " under sequence parallelism, dim)")
     elif c.work.microbatches(layout) > 1:
         out.append(f"gradient accumulation: {c.work.microbatches(layout)} micro-batches of {c.work.micro_batch}"
                    " sequences per step (the whole local batch would not fit)")

@@ -1,4 +1,4 @@
-"""Pipeline parallel through the `lit-mesh` CLI: every schedule, and pp with FSDP and TP, trains the same
+"""Pipeline parallel through the `lit-mesh` CLI: every schedule, and pp with FSDP, TP and CP, trains the same
 model on the same global batches as one device (fp32, relative 1e-4 per step over 10 steps; validation
 loss and final parameters too), logs the true loss on every rank, and each schedule resumes exactly from a
 checkpoint saved at step 5."""
@@ -47,6 +47,8 @@ RUNS: dict[str, tuple[int, list[str], list[str]]] = {
     "gpt-pp2-fsdp2": (4, GPT, [f"{S}pp=2", f"{S}dp=2"]),
     "gpt-pp2-tp2": (4, GPT, [f"{S}pp=2", f"{S}tp=2"]),
     "gpt-pp2-fsdp2-accum2-clip": (4, GPT, [f"{S}pp=2", f"{S}dp=2", *ACCUM_CLIP]),
+    # each micro-batch's sequence split over cp (load-balanced ring), stage-to-stage activations (B/mb, T/cp, D)
+    "gpt-pp2-cp2-1f1b": (4, GPT, [f"{S}pp=2", f"{S}cp=2", f"{S}pp_schedule=1f1b"]),
 }
 REFERENCE = {"gpt-pp2-fsdp2-accum2-clip": "gpt-single-accum2-clip"}
 TIMELINE = "gpt-pp2-zero_bubble"  # this run also draws the PipelineTimeline of its step 3

@@ -25,7 +25,6 @@ from tests.launch import torchrun
         ({"pp": 2, "pp_split": [1, 1, 2]}, "pp_split=[1, 1, 2] has 3 entries but pp=2 x stages per rank 1 = 2"),
         ({"pp": 2, "pp_microbatches": 0}, "pp_microbatches=0 must be a positive int"),
         ({"pp_schedule": "gpipe"}, "need pp > 1"),
-        ({"pp": 2, "cp": 2}, "pp=2 with cp=2: pipeline and context parallel together are not supported yet"),
         ({"cp": 2, "cp_style": "zigzag"}, "cp_style='zigzag'; choose one of ('ring', 'ulysses', 'allgather')"),
         ({"ep": 0}, "ep=0 must be >= 1"),
         ({"allreduce": "ring"}, "allreduce='ring'; choose one of ('auto', 'flat', 'hierarchical')"),

@@ -143,15 +143,18 @@ def test_fit_and_no_fit_examples(capsys: pytest.CaptureFixture, tmp_path: Path) 
 
 
 def test_rehearsal_scales_the_70b_plan_to_8_cpu_ranks() -> None:
-    """llama3-70b on 64 GPUs is planned as dp_shard 16 x tp 4 with selective checkpointing (it fits without a
-    pipeline: the loss is chunked and vocabulary-sharded, K/V not repeated); the best plan with a pipeline is pp 2 x dp_shard 8 x tp 4, and its rehearsal is pp 2 x dp_shard
-    2 x tp 2 of the tiny GPT on 8 CPU processes, with a 1F1B schedule the scaled batch feeds. Every other fitting
-    plan scales to a layout lit_mesh accepts as well."""
+    """llama3-70b on 64 GPUs is planned as pp 4 x dp_replicate 2 x cp 8 without checkpointing (pp cuts the layers,
+    cp the tokens of every micro-batch: no TP collectives, no recompute); the best plan without cp is dp_shard 16 x
+    tp 4 with selective checkpointing (it fits without a pipeline: the loss is chunked and vocabulary-sharded, K/V
+    not repeated); the best plan with a pipeline and tp is pp 2 x dp_shard 8 x tp 4, and its rehearsal is pp 2 x
+    dp_shard 2 x tp 2 of the tiny GPT on 8 CPU processes, with a 1F1B schedule the scaled batch feeds. Every other
+    fitting plan scales to a layout lit_mesh accepts as well."""
     config = GPTConfig.from_preset("llama3-70b")
     hw = Hardware(nodes=8, devices_per_node=8, memory_bytes=80 * GB)
     result = plan(gpt_shapes(config), Workload(global_batch=256, seq_len=8192), hw)
-    assert result.ranked[0].layout == MeshLayout(dp_shard=16, tp=4)
-    best = next(candidate for candidate in result.ranked if candidate.layout.pp > 1)
+    assert (result.ranked[0].layout, result.ranked[0].ac) == (MeshLayout(pp=4, dp_replicate=2, cp=8), "none")
+    assert next(c for c in result.ranked if c.layout.cp == 1).layout == MeshLayout(dp_shard=16, tp=4)
+    best = next(c for c in result.ranked if c.layout.pp > 1 and c.layout.tp > 1 and c.layout.cp == 1)
     assert best.layout == MeshLayout(pp=2, dp_shard=8, tp=4)
     rehearsal = rehearsal_config(best, hw)
     trainer, strategy = rehearsal["trainer"], rehearsal["trainer"]["strategy"]["init_args"]
@@ -426,6 +429,37 @@ def test_expert_tensor_parallel_in_memory_and_cost() -> None:
     assert with_etp.exposed["tp"] - without.exposed["tp"] == pytest.approx(extra)
     assert with_etp.compute_parts["gemm"] < without.compute_parts["gemm"]
     assert state_bytes(shapes, layout, "32-true")["params"] < state_bytes(replicated, layout, "32-true")["params"]
+def test_pp_x_cp_is_proposed_with_per_stage_terms_and_simulated(capsys: pytest.CaptureFixture) -> None:
+    """Long sequences: pp x cp layouts are proposed where they fit, MeshStrategy takes them; each stage keeps the
+    activations of T/cp tokens per micro-batch (as pp alone on sequences of T/cp) and runs the CP ring over its own
+    blocks only; `--simulate` checks the sharding of a pp x cp plan on fake ranks, stage by stage."""
+    from lit_mesh.planner.cost import step_time
+    from lit_mesh.planner.memory import activation_bytes
+
+    seq_len = 131072
+    config = dataclasses.replace(GPTConfig.from_preset("llama3-8b"), max_seq_len=seq_len)
+    shapes, work, hw = gpt_shapes(config), Workload(global_batch=8, seq_len=seq_len), Hardware(nodes=2, memory_bytes=80 * GB)
+    both = [c for c in plan(shapes, work, hw).ranked if c.layout.pp > 1 and c.layout.cp > 1]
+    assert both and all(c.fits(hw) for c in both)
+    c = both[0]
+    layout, precision, ac = c.layout, c.precision, c.ac
+    MeshStrategy(**fit_config(c, "llama3-8b", {}, hw, 10)["trainer"]["strategy"]["init_args"])
+    shorter = dataclasses.replace(c.work, seq_len=seq_len // layout.cp)
+    for stage in range(layout.pp):
+        assert activation_bytes(shapes, layout, c.work, precision, ac, stage) == activation_bytes(
+            shapes, dataclasses.replace(layout, cp=1), shorter, precision, ac, stage)
+    ring = step_time(shapes, layout, c.work, precision, ac, hw).overlapped["cp"]
+    whole_model_ring = step_time(shapes, dataclasses.replace(layout, pp=1), c.work, precision, ac, hw).overlapped["cp"]
+    assert ring == pytest.approx(whole_model_ring * max(balanced_split(config.n_layers, layout.pp)) / config.n_layers)
+    exchanged = f"({c.work.micro_batch}, {seq_len // (layout.cp * layout.tp)}, {config.dim})"
+    assert any(f"stages exchange activations of {exchanged}" in r for r in c.reasons), c.reasons
+
+    status, out, text = _run(capsys, "--preset", "llama3-8b", "--devices", "16", "--seq-len", str(seq_len),
+                             "--global-batch", "8", "--config-overrides", f"{{max_seq_len: {seq_len}}}", "--pp", "2",
+                             "--cp", "8", "--simulate", "--top", "1")
+    assert status == 0, text
+    assert out["ranked"][0]["layout"] == {"pp": 2, "dp_replicate": 1, "dp_shard": 1, "cp": 8, "tp": 1, "ep": 1}
+    assert [r["stage"] for r in out["simulation"]] == [0, 1] and all(r["equal"] for r in out["simulation"]), text
 
 
 def test_ties_go_to_less_exposed_communication_then_fewer_dims() -> None:

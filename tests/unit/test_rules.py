@@ -80,8 +80,6 @@ CASES: dict[str, tuple[Facts, str, Facts]] = {
                            " = 2 stages", pipeline(2, split=(1, 3))),
     "pipeline_options_need_pp": (pipeline(1, schedule="gpipe"), "pp_schedule, pp_microbatches, pp_stages_per_rank and"
                                  " pp_split need pp > 1", pipeline(2, schedule="gpipe")),
-    "pp_with_cp": (init(pp=2, cp=2), "pp=2 with cp=2: pipeline and context parallel together are not supported yet",
-                   init(pp=2)),
     "compile_with_tp": (init(replace(O, compile=CompileOptions("aot_eager")), tp=2), "compile_blocks=True with tp=2:"
                         " compiled blocks do not yet give correct gradients", init(replace(O, compile=CompileOptions("aot_eager")))),
     "split_backward_without_block_options": (compiled_pipeline("zbv"), "compile_blocks with pp_schedule='zbv': this"
