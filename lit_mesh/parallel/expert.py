@@ -143,6 +143,8 @@ def apply_expert_parallel(model: nn.Module, plan: ParallelPlan, mesh: MeshViews,
                 f"capacity_factor={layer.capacity_factor} counts capacity per sequence, which cp={layout.cp} splits;"
                 " use capacity_factor=None (dropless) with context parallel"
             )
+        if layout.tp == 1 and layout.data_parallel == "none":
+            continue  # pp alone: no other parameter becomes a DTensor, and AdamW's foreach cannot mix the two
         for name, param in list(layer.experts.named_parameters(recurse=False)):
             sharded = distribute_tensor(param.data, mesh.ep, [Shard(0)], src_data_rank=None)
             layer.experts.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
