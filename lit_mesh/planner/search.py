@@ -79,8 +79,6 @@ def why_invalid(layout: MeshLayout, shapes: ModelShapes, work: Workload, hw: Har
         if p.expert and expert_dp > 1 and p.shape[1] % expert_dp:  # FSDP2 refuses uneven shards off dim 0
             return (f"dp_shard x cp / ep must divide the expert weights' dim 1 ({p.name}: {p.shape[1]}): FSDP2 shards"
                     " them on dim 1, evenly only")
-    if layout.pp > 1 and shapes.is_moe:
-        return "pp with the MoE model is refused by MeshStrategy (stages do not carry the MoE layers' statistics)"
     if layout.pp > shapes.n_blocks:
         return f"pp must not exceed the {shapes.n_blocks} blocks"
     if layout.pp > 1 and layout.cp > 1:
@@ -261,7 +259,8 @@ def explain(c: Candidate, shapes: ModelShapes, work: Workload, hw: Hardware) -> 
         out.append(f"cp={layout.cp}: each rank holds {work.seq_len // layout.cp} of {work.seq_len} tokens per sequence")
     if layout.pp > 1:
         out.append(f"pp={layout.pp}: {c.work.microbatches(layout)} micro-batches of {c.work.micro_batch} per step,"
-                   f" bubble {100 * t.bubble:.0f}%")
+                   f" bubble {100 * t.bubble:.0f}%" + (f", MoE routing pass {_s(t.compute_parts['routing_pass'])} (the"
+                   " step's expert load before the schedule)" if "routing_pass" in t.compute_parts else ""))
     elif c.work.microbatches(layout) > 1:
         out.append(f"gradient accumulation: {c.work.microbatches(layout)} micro-batches of {c.work.micro_batch}"
                    " sequences per step (the whole local batch would not fit)")
