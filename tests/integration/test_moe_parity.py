@@ -33,7 +33,8 @@ LAYOUTS: dict[str, tuple[int, list[str]]] = {
 # capacity-factor dropping (counted per sequence, so it drops the same assignments on every layout)
 VARIANT = ["--model.init_args.config_overrides={n_layers: 3, moe_every: 2, n_shared_experts: 1, score_func: sigmoid,"
            " aux_loss_coef: 0.01, bias_update_rate: 0.001, capacity_factor: 1.0}"]  # fmt: skip
-VARIANT_LAYOUTS = {"single": 1, "tp2_ep2": 4}
+# pp2 cuts it into a dense-only stage and a stage with the MoE block (a stage without MoE layers)
+VARIANT_LAYOUTS = {"single": 1, "pp2": 2, "tp2_ep2": 4}
 
 
 @pytest.fixture(scope="module")
@@ -120,13 +121,16 @@ def test_balancing_is_logged_and_acts(results: dict) -> None:
     assert bias.abs().max() > 0 and steps.abs().max() <= 10 and torch.allclose(steps, steps.round(), atol=1e-3)
 
 
-def test_dense_and_moe_blocks_and_capacity_dropping_under_tp_and_ep(results: dict) -> None:
-    _assert_same_curve(losses(results["variant-single"]), losses(results["variant-tp2_ep2"]), "variant tp2_ep2")
-    ref_dropped = results["variant-single"]["metrics"]["moe/dropped_fraction"]
-    dropped = results["variant-tp2_ep2"]["metrics"]["moe/dropped_fraction"]
+@pytest.mark.parametrize("layout", [name for name in VARIANT_LAYOUTS if name != "single"])
+def test_dense_and_moe_blocks_and_capacity_dropping(results: dict, layout: str) -> None:
+    reference, candidate = results["variant-single"], results[f"variant-{layout}"]
+    _assert_same_curve(losses(reference), losses(candidate), f"variant {layout}")
+    ref_dropped = reference["metrics"]["moe/dropped_fraction"]
+    dropped = candidate["metrics"]["moe/dropped_fraction"]
     assert max(ref_dropped.values()) > 0, "capacity 1.0 must drop some assignments of the unbalanced router"
     assert all(abs(dropped[step] - ref_dropped[step]) <= 1e-6 for step in ref_dropped), (ref_dropped, dropped)
-    ref_params, params = _load(results, "variant-single", "params.pt"), _load(results, "variant-tp2_ep2", "params.pt")
+    ref_params, params = _load(results, "variant-single", "params.pt"), _load(results, f"variant-{layout}", "params.pt")
     assert any("feed_forward.w1" in n for n in params) and any("shared_experts" in n for n in params)
+    assert ref_params.keys() == params.keys()
     for name, ref in ref_params.items():
         assert (params[name] - ref).abs().max().item() <= 1e-4, name
