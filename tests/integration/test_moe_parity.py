@@ -1,5 +1,6 @@
 """Expert-parallel parity through the `lit-mesh` CLI with configs/moe.yaml (dropless routing, aux loss and
-aux-loss-free balancing on): ep2, ep4, fsdp4 x ep2, tp2 x ep2, hsdp 2x2 x ep2, cp2 x ep2, pp2 and pp2 x ep2 train the same model on the same global
+aux-loss-free balancing on): ep2, ep4, fsdp4 x ep2, tp2 x ep2, hsdp 2x2 x ep2, cp2 x ep2 and pp2 x ep2 (pp2 alone:
+the variant below) train the same model on the same global
 batches as one device: relative 1e-4 per step over 10 steps, final full parameters within 1e-4, and the
 router and expert gradients of the first step within 1e-5 of the single-device ones."""
 
@@ -25,10 +26,11 @@ LAYOUTS: dict[str, tuple[int, list[str]]] = {
     "tp2_ep2": (4, [f"{S}tp=2", f"{S}ep=2"]),  # dense parts TP/SP 2 x FSDP 2; MoE replicated over tp
     "hsdp2x2_ep2": (4, [f"{S}dp_replicate=2", f"{S}dp_shard=2", f"{S}ep=2"]),  # experts replicated over dp_replicate
     "cp2_ep2": (4, [f"{S}cp=2", f"{S}ep=2"]),  # sequences split over cp; ep borrows from dp_shard x cp
-    # pipeline stages hold one MoE layer each: aux loss per stage and micro-batch, load of the whole step
-    "pp2": (2, [f"{S}pp=2"]),
-    "pp2_ep2": (4, [f"{S}pp=2", f"{S}ep=2"]),  # Megatron's MoE mapping scaled down: pp2 x ep2, tp1
+    # pipeline stages hold one MoE layer each: aux loss per stage and micro-batch, load of the whole step;
+    # Megatron's MoE mapping scaled down: pp2 x ep2, tp1 (pp2 alone: the variant below)
+    "pp2_ep2": (4, [f"{S}pp=2", f"{S}ep=2"]),
 }
+PIPELINE_ONLY = {"pp2": (2, [f"{S}pp=2"])}
 # shared experts, sigmoid scores, a dense block beside the MoE block (the TP plan of both kinds of blocks) and
 # capacity-factor dropping (counted per sequence, so it drops the same assignments on every layout)
 VARIANT = ["--model.init_args.config_overrides={n_layers: 3, moe_every: 2, n_shared_experts: 1, score_func: sigmoid,"
@@ -48,7 +50,7 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
             if n == nproc
         ]
         runs += [
-            {"name": f"variant-{layout}", "args": ["-c", CONFIG, f"--trainer.devices={n}", *COMMON, *LAYOUTS[layout][1], *VARIANT]}
+            {"name": f"variant-{layout}", "args": ["-c", CONFIG, f"--trainer.devices={n}", *COMMON, *{**LAYOUTS, **PIPELINE_ONLY}[layout][1], *VARIANT]}
             for layout, n in VARIANT_LAYOUTS.items()
             if n == nproc
         ]
@@ -63,7 +65,7 @@ def _load(results: dict, name: str, file: str) -> dict[str, torch.Tensor]:
 
 # layout -> (ep, ranks the expert weights are split over in all: ep x the FSDP shards beside it)
 EXPERT_SPLIT = {"single": (1, 1), "ep2": (2, 2), "ep4": (4, 4), "fsdp4_ep2": (2, 4), "tp2_ep2": (2, 2),
-                "hsdp2x2_ep2": (2, 2), "cp2_ep2": (2, 4), "pp2": (1, 1), "pp2_ep2": (2, 2)}  # fmt: skip
+                "hsdp2x2_ep2": (2, 2), "cp2_ep2": (2, 4), "pp2_ep2": (2, 2)}  # fmt: skip
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
@@ -73,7 +75,7 @@ def test_expert_parallel_is_really_applied(results: dict, layout: str) -> None:
     found = json.loads((Path(results["_dir"]["path"]) / layout / "expert_layout.json").read_text())
     assert len(found) == 2, found  # configs/moe.yaml: both layers MoE
     for name, layer in found.items():
-        assert layer["dispatcher"] == ("AllToAllDispatch" if LAYOUTS[layout][0] > 1 else "LocalDispatch"), (name, layer)
+        assert layer["dispatcher"] == ("AllToAllDispatch" if ep > 1 else "LocalDispatch"), (name, layer)
         assert layer["ep"] == ep, (name, layer)
         full, local = layer["w1"], layer["w1_local"]
         assert local[0] == full[0] // ep, (name, layer)  # experts split by expert id over ep
