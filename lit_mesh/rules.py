@@ -277,11 +277,13 @@ RULES: tuple[Rule, ...] = (
         PlanError,
     ),
     Rule(
-        # the MoE layers' auxiliary losses would have to travel between stages
-        "pp_without_moe", "setup",
-        lambda f: not f.self_parallelised and f.layout.pp > 1 and f.owners[0].plan.moe is not None,
-        lambda f: f"pp={f.layout.pp} with the MoE model {type(f.owners[0].module).__name__}: pipeline stages do not"
-        " carry the auxiliary load-balancing loss between them yet; use pp=1 (ep, dp, tp and cp work with MoE)",
+        "pp_moe_needs_stage_plan", "setup",
+        lambda f: not f.self_parallelised and f.layout.pp > 1 and f.owners[0].plan.moe is not None
+        and not (f.owners[0].plan.pp.first or f.owners[0].plan.pp.last),
+        lambda f: f"pp={f.layout.pp} with the MoE model {type(f.owners[0].module).__name__}: its parallel_plan()"
+        " declares no PipelinePlan (the modules before and after the blocks), so it cannot be cut into stages;"
+        " declare pp=PipelinePlan(first=..., last=...) as zoo/moe.py does, or use pp=1 (ep, dp, tp and cp work"
+        " with MoE)",
         PlanError,
     ),
     Rule(

@@ -58,6 +58,7 @@ from lit_mesh.parallel.checkpointing import ActivationCheckpointing
 from lit_mesh.parallel.context import CPStyle, gather_batch, shard_batch
 from lit_mesh.parallel.data import defer_gradient_reduction, refuse_fsdp1
 from lit_mesh.parallel.pipeline import PipelineRunner, start_pipeline
+from lit_mesh.parallel.pipeline_moe import carry_moe_statistics
 from lit_mesh.precision import check_precision_plugin, with_global_norm_clipping
 from lit_mesh.pretrained import load_pretrained
 from lit_mesh.progress import count_steps_in_progress_bar
@@ -298,6 +299,7 @@ class MeshStrategy(ModelParallelStrategy):
             pp_group = self.mesh_views[MeshAxis.PP].get_group()
             owner = done.owners[0].module
             self._pipeline = start_pipeline(owner, done.stages, done.stage_ranks, self.options.pipeline, pp_group, self.root_device)
+            carry_moe_statistics(self._pipeline, done.owners[0], self.mesh_views.dp_cp.get_group())
         self.precision_plugin = with_global_norm_clipping(self.precision_plugin)
         self.precision_plugin.stage_group = self._pipeline.clip_group if self._pipeline is not None else None
         self.barrier()

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lit_mesh.init import Init, init_parameters
-from lit_mesh.plan import ContextPlan, MoEPlan, ParallelPlan, TensorPlan, TPStyle
+from lit_mesh.plan import ContextPlan, MoEPlan, ParallelPlan, PipelinePlan, TensorPlan, TPStyle
 from zoo.gpt import Attention, FeedForward, GPTConfig, rope_cos_sin
 
 
@@ -273,7 +273,8 @@ class MoE(nn.Module):
         self.load = torch.zeros(config.n_experts)
         self.dropped = torch.zeros(())
         self.aux_loss: torch.Tensor = torch.zeros(())
-        self._local_load, self._mean_probs = self.load, torch.zeros(config.n_experts)  # this rank's, of the last forward
+        # this rank's, of the last forward: tokens per expert, and the mean router probabilities (differentiable)
+        self.local_load, self.mean_probs = self.load, torch.zeros(config.n_experts)
 
     def capacity(self, seq_len: int) -> int:
         assert self.capacity_factor is not None
@@ -283,9 +284,9 @@ class MoE(nn.Module):
         B, T, D = x.shape
         tokens = x.reshape(B * T, D)
         routing = self.router(tokens)
-        self._local_load, self._mean_probs = expert_counts(routing.expert_ids.flatten(), self.n_experts), routing.probs.mean(dim=0)
+        self.local_load, self.mean_probs = expert_counts(routing.expert_ids.flatten(), self.n_experts), routing.probs.mean(dim=0)
         if not getattr(self.dispatcher, "reduces_load_later", False):  # the local load is the global one
-            self.use_load(self._local_load)
+            self.use_load(self.local_load)
 
         token_index = torch.arange(B * T, device=x.device).repeat_interleave(self.top_k)
         expert_ids, weights = routing.expert_ids.flatten(), routing.weights.flatten()
@@ -305,7 +306,12 @@ class MoE(nn.Module):
     def use_load(self, load: torch.Tensor) -> None:
         """Set the global tokens per expert of the last forward, and the aux loss that depends on it."""
         self.load = load.detach()
-        self.aux_loss = self.aux_loss_coef * self.n_experts * ((load / load.sum()) * self._mean_probs).sum()
+        self.aux_loss = self.aux_loss_of(load, self.mean_probs)
+
+    def aux_loss_of(self, load: torch.Tensor, mean_probs: torch.Tensor) -> torch.Tensor:
+        """The Switch balancing loss for the global tokens per expert `load` and this rank's mean router
+        probabilities: linear in `mean_probs` (pipeline stages add it per micro-batch: lit_mesh/parallel/pipeline_moe.py)."""
+        return self.aux_loss_coef * self.n_experts * ((load / load.sum()) * mean_probs).sum()
 
     @torch.no_grad()
     def update_expert_bias(self, load: torch.Tensor) -> None:
@@ -346,7 +352,7 @@ class MoETransformer(nn.Module):
     def forward(self, tokens: torch.Tensor, *, positions: torch.Tensor | None = None) -> torch.Tensor:
         """tokens (B, T) -> logits (B, T, vocab_size); each MoE layer keeps its aux loss and load.
 
-        `positions` (T,) overrides 0..T-1, e.g. for a context-parallel shard of the sequence.
+        A pipeline stage without the embedding receives hidden states (B, T, dim) instead. `positions` (T,) overrides 0..T-1, e.g. for a context-parallel shard of the sequence.
         """
         T = tokens.shape[1]
         if positions is None:
@@ -354,10 +360,11 @@ class MoETransformer(nn.Module):
                 raise ValueError(f"sequence length {T} exceeds max_seq_len={self.config.max_seq_len}")
             positions = torch.arange(T, device=tokens.device)
         rope = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta)
-        h = self.tok_embeddings(tokens)
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens  # a later pipeline stage
         for layer in self.layers:
             h = layer(h, rope=rope)
-        return self.output(self.norm(h))
+        h = self.norm(h) if self.norm is not None else h
+        return self.output(h) if self.output is not None else h
 
     def moe_layers(self) -> list[MoE]:
         return [layer.moe for layer in self.layers if layer.moe is not None]
@@ -371,7 +378,7 @@ class MoETransformer(nn.Module):
         layers = self.moe_layers()
         dispatcher = layers[0].dispatcher
         if getattr(dispatcher, "reduces_load_later", False):
-            loads = dispatcher.global_load(torch.stack([moe._local_load for moe in layers]))
+            loads = dispatcher.global_load(torch.stack([moe.local_load for moe in layers]))
             for moe, load in zip(layers, loads):
                 moe.use_load(load)
         return torch.stack([moe.aux_loss for moe in layers]).sum()
@@ -405,6 +412,7 @@ class MoETransformer(nn.Module):
             blocks="layers",
             tp=TensorPlan(root={"tok_embeddings": "embedding", "norm": "norm", "output": "vocab_head"}, block=block, divides=divides),
             moe=MoEPlan(layer="moe", ep_divides={"n_experts": c.n_experts}, hidden_dims={"w1": 2, "w3": 2, "w2": 1}),
+            pp=PipelinePlan(first=("tok_embeddings",), last=("norm", "output")),
             # context parallel swaps the attention's scaled_dot_product_attention and passes global positions
             cp=ContextPlan(attention="attention", positions="positions"),
             init=(
@@ -418,7 +426,9 @@ class MoETransformer(nn.Module):
 
     def num_params(self, exclude_embedding: bool = False) -> int:
         n = sum(p.numel() for p in self.parameters())
-        return n - self.tok_embeddings.weight.numel() if exclude_embedding else n
+        if exclude_embedding and self.tok_embeddings is not None:
+            n -= self.tok_embeddings.weight.numel()
+        return n
 
 
 def moe_flops_per_token(config: MoEConfig, seq_len: int) -> float:

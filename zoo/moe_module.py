@@ -11,10 +11,10 @@ from typing import Any
 
 import lightning as L
 import torch
-from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
 from lit_mesh.log_steps import module_logs_now, reduced_on_logging_steps, step_mean
+from lit_mesh.parallel.pipeline import is_pipelined, loss_of, output_of, sum_over_stages
 from zoo.modules import GPTModule, _inputs, _optimizer
 from zoo.moe import MoEConfig, MoETransformer, moe_flops_per_token
 from zoo.pretrained import FromPretrained, pretrained_zoo
@@ -58,31 +58,56 @@ class MoEModule(FromPretrained, L.LightningModule):
         self._load_if_built(created)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.model(tokens)
+        return output_of(self.model, tokens)
 
     loss_fn = staticmethod(GPTModule.loss_fn)
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         tokens, targets = batch
-        lm_loss = self.loss_fn(self(tokens), targets)
-        aux_loss = self.model.aux_loss()
-        layers = self.model.moe_layers()
-        load = torch.stack([moe.load for moe in layers]).float()  # already global: the same on every rank
-        self._load_since_step = load if self._load_since_step is None else self._load_since_step + load
+        # under pp the schedule runs forward and backward here, each stage adding its MoE layers' aux loss to its
+        # own backward (lit_mesh/parallel/pipeline_moe.py); the layers then hold the step's load and aux loss
+        lm_loss = loss_of(self.model, self.loss_fn, tokens, targets)
+        layers = self.model.moe_layers()  # this pipeline stage's (all of them without pp)
+        if is_pipelined(self.model):
+            aux_loss = torch.stack([moe.aux_loss for moe in layers]).sum() if layers else lm_loss.new_zeros(())
+        else:
+            aux_loss = self.model.aux_loss()
+        if layers:  # each stage updates the bias of its own layers from their global load
+            load = torch.stack([moe.load for moe in layers]).float()
+            self._load_since_step = load if self._load_since_step is None else self._load_since_step + load
+        whole_aux, whole_load, dropped = self._whole_model(aux_loss, layers)
         self.log("train_loss", reduced_on_logging_steps(self, step_mean(self, "train_loss", lm_loss)), prog_bar=True)  # no per-step collective
         # each rank's aux loss uses the global load, so the mean over ranks is the global aux loss
-        self.log("train_aux_loss", reduced_on_logging_steps(self, step_mean(self, "train_aux_loss", aux_loss)))
+        self.log("train_aux_loss", reduced_on_logging_steps(self, step_mean(self, "train_aux_loss", whole_aux)))
         if module_logs_now(self):
-            self._log_balance(layers, load)
+            self._log_balance(whole_load, dropped)
         return lm_loss + aux_loss
 
-    def _log_balance(self, layers: list, load: torch.Tensor) -> None:
+    def _whole_model(self, aux_loss: torch.Tensor, layers: list) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The aux loss, the load (MoE layers, experts) and this rank's dropped assignments per MoE layer of the
+        whole model: this rank's layers without pp; under pp each stage fills the rows of its own layers, summed
+        over the stages (one small collective per step), so that rank 0 logs every layer."""
+        if not is_pipelined(self.model):
+            dropped = torch.stack([moe.dropped for moe in layers]).float() if self.config.capacity_factor is not None else None
+            return aux_loss, torch.stack([moe.load for moe in layers]).float(), dropped
+        c = self.config
+        row = {block: n for n, block in enumerate(i for i in range(c.n_layers) if c.is_moe_layer(i))}
+        packed = torch.zeros(len(row), c.n_experts + 1, device=aux_loss.device)  # per layer: load, dropped
+        for name, block in self.model.layers.named_children():  # names stay the whole model's under pp
+            if block.moe is not None:
+                packed[row[int(name)], :-1] = block.moe.load
+                packed[row[int(name)], -1] = block.moe.dropped
+        summed = sum_over_stages(self.model, torch.cat([aux_loss.detach().float().reshape(1), packed.flatten()]))
+        packed = summed[1:].view(len(row), c.n_experts + 1)
+        return summed[0], packed[:, :-1], packed[:, -1] if c.capacity_factor is not None else None
+
+    def _log_balance(self, load: torch.Tensor, dropped_per_layer: torch.Tensor | None) -> None:
         self.log("moe/imbalance", imbalance(load).mean())
         for expert, tokens in enumerate(load.sum(dim=0)):
             self.log(f"moe/tokens_expert_{expert}", tokens)
-        if self.config.capacity_factor is not None:
-            routed = load.sum() / len(layers)  # global assignments per MoE layer
-            dropped = torch.stack([moe.dropped for moe in layers]).float().sum() / len(layers)  # this rank's
+        if dropped_per_layer is not None:  # capacity_factor set
+            routed = load.sum() / len(load)  # global assignments per MoE layer
+            dropped = dropped_per_layer.sum() / len(load)  # this rank's
             self.log("moe/dropped_fraction", reduced_on_logging_steps(self, dropped / routed.clamp_min(1), "sum"))
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
@@ -94,15 +119,14 @@ class MoEModule(FromPretrained, L.LightningModule):
 
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
         tokens, targets = batch
-        self.log("val_loss", self.loss_fn(self(tokens), targets), prog_bar=True, sync_dist=True)
+        self.log("val_loss", loss_of(self.model, self.loss_fn, tokens, targets), prog_bar=True, sync_dist=True)
 
     def test_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
         tokens, targets = batch
-        self.log("test_loss", self.loss_fn(self(tokens), targets), sync_dist=True)
+        self.log("test_loss", loss_of(self.model, self.loss_fn, tokens, targets), sync_dist=True)
 
     def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        logits = self(_inputs(batch))  # under tp, sharded over the vocabulary (the loss takes them so)
-        return logits.full_tensor() if isinstance(logits, DTensor) else logits
+        return self(_inputs(batch))  # whole logits (under tp the loss takes them vocabulary-sharded)
 
     def configure_optimizers(self) -> Any:
         h = self.hparams

@@ -95,7 +95,7 @@ class Parallelized:
 
 def split_pipeline(root: nn.Module, owners: list[PlanOwner], mesh: MeshViews, pipeline: PipelineSettings) -> Parallelized:
     """Cut the one plan owner into stages and keep this pp rank's (the first step of the order)."""
-    owner = owners[0]  # one, and not MoE: lit_mesh/rules.py ("pp_needs_one_plan", "pp_without_moe")
+    owner = owners[0]  # one: lit_mesh/rules.py ("pp_needs_one_plan")
     n_blocks = len(owner.module.get_submodule(owner.plan.blocks))
     pp_mesh = mesh[MeshAxis.PP]
     pp = pp_mesh.size()

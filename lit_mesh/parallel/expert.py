@@ -190,6 +190,8 @@ def apply_expert_parallel(model: nn.Module, plan: ParallelPlan, mesh: MeshViews,
                 f"capacity_factor={layer.capacity_factor} counts capacity per sequence, which cp={layout.cp} splits;"
                 " use capacity_factor=None (dropless) with context parallel"
             )
+        if layout.tp == 1 and layout.data_parallel == "none":
+            continue  # pp alone: no other parameter becomes a DTensor, and AdamW's foreach cannot mix the two
         for name, param in list(layer.experts.named_parameters(recurse=False)):
             placements = [Shard(0)] if tp_mesh is None else [Shard(0), expert_tp_placement(plan.moe, name, type(model).__name__)]
             sharded = distribute_tensor(param.data, weights_mesh, placements, src_data_rank=None)

@@ -13,7 +13,7 @@ How it fits Lightning's automatic optimisation (see shared DESIGN, "Automatic op
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager, nullcontext
+from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -144,6 +144,9 @@ class PipelineRunner:
         for stage in stages:
             stage.module.register_forward_pre_hook(self._refuse_direct_calls, prepend=True)
         self.recorder: Any = None  # lit_mesh.pipeline_timeline.TimelineRecorder while one is attached
+        # context managers entered around each training schedule step, called with (inputs, loss scale): what a
+        # technique measures over the micro-batches of a step (MoE statistics: lit_mesh/parallel/pipeline_moe.py)
+        self.step_contexts: list[Callable[[Tensor, float], Any]] = []
 
     def _build(self, stages: list[Stage], device: torch.device) -> tuple[list[PipelineStage], Any]:
         n_stages = len(self.stage_ranks)
@@ -216,8 +219,7 @@ class PipelineRunner:
     def output(self, inputs: Tensor) -> Tensor:
         """The model's output for `inputs` (forward only), on every pp rank."""
         self._check_batch(inputs)
-        with torch.no_grad(), self._driving():
-            outputs = self._forward_only(inputs)
+        outputs = self.forward_pass(inputs)
         out = torch.cat(outputs) if self.holds_last_stage else None
         meta = [(tuple(out.shape), out.dtype) if out is not None else None]
         dist.broadcast_object_list(meta, group=self.group, group_src=self.last_stage_rank)
@@ -225,6 +227,12 @@ class PipelineRunner:
         if out is None:
             out = torch.empty(shape, dtype=dtype, device=inputs.device)
         return self._broadcast(out.contiguous())
+
+    def forward_pass(self, inputs: Tensor) -> list[Tensor]:
+        """Every micro-batch of `inputs` forward through this rank's stages, without autograd; the last stage's
+        outputs per micro-batch (empty on other ranks)."""
+        with torch.no_grad(), self._driving():
+            return self._forward_only(inputs)
 
     def _forward_only(self, inputs: Tensor) -> list[Tensor]:
         """Every micro-batch through this rank's stages in stage order (a DAG: no cycle, no deadlock); returns
@@ -283,12 +291,19 @@ class PipelineRunner:
         earlier = [p.grad for p in params]  # what earlier micro-steps accumulated; zero_grad may still clear it
         for p in params:
             p.grad = None
-        with self.recorder.recording() if self.recorder is not None else nullcontext():
+        with self._around_step(inputs), self.recorder.recording() if self.recorder is not None else nullcontext():
             with self._driving():
                 self.schedule.step(*self._first_stage_args(inputs), target=targets, losses=losses)
         self._fresh_grads = [p.grad for p in params]
         for p, grad in zip(params, earlier):
             p.grad = grad
+
+    @contextmanager
+    def _around_step(self, inputs: Tensor) -> Iterator[None]:
+        with ExitStack() as stack:
+            for context in self.step_contexts:
+                stack.enter_context(context(inputs, self._loss_scale))
+            yield
 
     def add_fresh_grads(self) -> None:
         """Called from the strategy's backward: add this step's gradients to what zero_grad left."""
@@ -357,6 +372,20 @@ def loss_of(model: nn.Module, loss_fn: Callable[[Tensor, Tensor], Tensor], input
     if runner is None:
         return loss_fn(model(inputs), targets)
     return runner.loss(loss_fn, inputs, targets)
+
+
+def is_pipelined(model: nn.Module) -> bool:
+    """True when MeshStrategy cut `model` into pipeline stages (pp > 1): each rank holds only its stages' part."""
+    return runner_of(model) is not None
+
+
+def sum_over_stages(model: nn.Module, tensor: Tensor) -> Tensor:
+    """`tensor` summed over the pipeline stages of `model` in place, where each stage holds its own layers' part
+    (zeros elsewhere); `tensor` itself when `model` is not pipelined. A collective over pp: call it on every rank."""
+    runner = runner_of(model)
+    if runner is not None:
+        dist.all_reduce(tensor, group=runner.group)
+    return tensor
 
 
 def output_of(model: nn.Module, inputs: Tensor) -> Tensor:

@@ -240,10 +240,15 @@ def step_time(shapes: ModelShapes, layout: MeshLayout, work: Workload, precision
             routed = work.micro_batch * work.seq_len // layout.cp * top_k * c.dim * act
             per_block += (2 + (1 if ac == "full" else 0)) * all_reduce_time(routed, layout.tp, tp_link)
         t.exposed["tp"] = n_micro * (blocks * per_block + (logits if stage > blocks * block else 0.0))
+    # pp x MoE: a forward-only routing pass over the step's micro-batches measures the load the aux loss needs
+    # before the schedule runs (lit_mesh/parallel/pipeline_moe.py): one forward more, with its all-to-alls
+    routing_pass = layout.pp > 1 and shapes.is_moe
+    if routing_pass:
+        t.compute_parts["routing_pass"] = n_micro * blocks * (gemm + attention + elementwise) / 3
     if layout.ep > 1:  # the whole sequence of the micro-batch is routed on every tp rank: top_k copies per token
         routed = work.micro_batch * work.seq_len // layout.cp * top_k * c.dim * act
-        per_block = (4 + (2 if ac == "full" else 0)) * all_gather_time(routed, layout.ep, hw.link(stride["ep"], layout.ep))
-        t.exposed["ep"] = n_micro * blocks * per_block
+        passes = 4 + (2 if ac == "full" else 0) + (2 if routing_pass else 0)
+        t.exposed["ep"] = n_micro * blocks * passes * all_gather_time(routed, layout.ep, hw.link(stride["ep"], layout.ep))
     if layout.cp > 1:  # ring: cp - 1 K/V blocks forward, K/V and their gradients backward, each behind one step
         bandwidth, alpha = hw.link(stride["cp"], layout.cp)
         kv = tokens * 2 * c.n_kv_heads * c.head_dim // layout.tp * act

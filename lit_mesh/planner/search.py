@@ -80,8 +80,6 @@ def why_invalid(layout: MeshLayout, shapes: ModelShapes, work: Workload, hw: Har
         if p.expert and expert_dp > 1 and p.shape[dim] % expert_dp:  # FSDP2 refuses uneven shards off dim 0
             return (f"dp_shard x cp / ep must divide the expert weights' dim {dim} ({p.name}: {p.shape[dim]}): FSDP2"
                     f" shards them on dim {dim}, evenly only")
-    if layout.pp > 1 and shapes.is_moe:
-        return "pp with the MoE model is refused by MeshStrategy (stages do not carry the MoE layers' statistics)"
     if layout.pp > shapes.n_blocks:
         return f"pp must not exceed the {shapes.n_blocks} blocks"
     if work.global_batch % layout.dp:
@@ -263,7 +261,8 @@ def explain(c: Candidate, shapes: ModelShapes, work: Workload, hw: Hardware) -> 
         out.append(f"pp={layout.pp}: {c.work.microbatches(layout)} micro-batches of {c.work.micro_batch} per step,"
                    f" bubble {100 * t.bubble:.0f}%; stages exchange activations of ({c.work.micro_batch},"
                    f" {work.seq_len // (layout.cp * layout.tp)}, {shapes.config.dim}) per rank (micro-batch, T / cp / tp"
-                   " under sequence parallelism, dim)")
+                   " under sequence parallelism, dim)" + (f", MoE routing pass {_s(t.compute_parts['routing_pass'])} (the"
+                   " step's expert load before the schedule)" if "routing_pass" in t.compute_parts else ""))
     elif c.work.microbatches(layout) > 1:
         out.append(f"gradient accumulation: {c.work.microbatches(layout)} micro-batches of {c.work.micro_batch}"
                    " sequences per step (the whole local batch would not fit)")

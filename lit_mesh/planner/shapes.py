@@ -98,7 +98,7 @@ def gpt_shapes(config: Any) -> ModelShapes:
             continue
         child = name.split(".")[0]
         entry = ParamShape(name, tuple(p.shape), plan.tp.root.get(owner), embedding)
-        if child in plan.pp.first or not (plan.pp.first or plan.pp.last):  # no pp split declared (MoE): one stage
+        if child in plan.pp.first or not (plan.pp.first or plan.pp.last):  # no pp split declared: one stage
             first.append(entry)
         elif child in plan.pp.last:
             last.append(entry)

@@ -1,6 +1,7 @@
 """Expert-parallel parity through the `lit-mesh` CLI with configs/moe.yaml (dropless routing, aux loss and
-aux-loss-free balancing on): ep2, ep4, fsdp4 x ep2, tp2 (expert tensor parallel), tp2 x ep2, hsdp 2x2 x ep2 and cp2 x ep2
-train the same model on the same global batches as one device: relative 1e-4 per step over 10 steps, final full parameters within 1e-4, and the
+aux-loss-free balancing on): ep2, ep4, fsdp4 x ep2, tp2 (expert tensor parallel), tp2 x ep2, hsdp 2x2 x ep2, cp2 x ep2
+and pp2 x ep2 (pp2 alone: the variant below) train the same model on the same global batches as one device: relative
+1e-4 per step over 10 steps, final full parameters within 1e-4, and the
 router and expert gradients of the first step within 1e-5 of the single-device ones."""
 
 from __future__ import annotations
@@ -26,12 +27,17 @@ LAYOUTS: dict[str, tuple[int, list[str]]] = {
     "tp2_ep2": (4, [f"{S}tp=2", f"{S}ep=2"]),  # dense parts TP/SP 2 x FSDP 2; experts split over ep and tp
     "hsdp2x2_ep2": (4, [f"{S}dp_replicate=2", f"{S}dp_shard=2", f"{S}ep=2"]),  # experts replicated over dp_replicate
     "cp2_ep2": (4, [f"{S}cp=2", f"{S}ep=2"]),  # sequences split over cp; ep borrows from dp_shard x cp
+    # pipeline stages hold one MoE layer each: aux loss per stage and micro-batch, load of the whole step;
+    # Megatron's MoE mapping scaled down: pp2 x ep2, tp1 (pp2 alone: the variant below)
+    "pp2_ep2": (4, [f"{S}pp=2", f"{S}ep=2"]),
 }
+PIPELINE_ONLY = {"pp2": (2, [f"{S}pp=2"])}
 # shared experts, sigmoid scores, a dense block beside the MoE block (the TP plan of both kinds of blocks) and
 # capacity-factor dropping (counted per sequence, so it drops the same assignments on every layout)
 VARIANT = ["--model.init_args.config_overrides={n_layers: 3, moe_every: 2, n_shared_experts: 1, score_func: sigmoid,"
            " aux_loss_coef: 0.01, bias_update_rate: 0.001, capacity_factor: 1.0}"]  # fmt: skip
-VARIANT_LAYOUTS = {"single": 1, "tp2_ep2": 4}
+# pp2 cuts it into a dense-only stage and a stage with the MoE block (a stage without MoE layers)
+VARIANT_LAYOUTS = {"single": 1, "pp2": 2, "tp2_ep2": 4}
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +51,7 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
             if n == nproc
         ]
         runs += [
-            {"name": f"variant-{layout}", "args": ["-c", CONFIG, f"--trainer.devices={n}", *COMMON, *LAYOUTS[layout][1], *VARIANT]}
+            {"name": f"variant-{layout}", "args": ["-c", CONFIG, f"--trainer.devices={n}", *COMMON, *{**LAYOUTS, **PIPELINE_ONLY}[layout][1], *VARIANT]}
             for layout, n in VARIANT_LAYOUTS.items()
             if n == nproc
         ]
@@ -60,7 +66,7 @@ def _load(results: dict, name: str, file: str) -> dict[str, torch.Tensor]:
 
 # layout -> (ep, tp, ranks the expert weights are split over in all: ep x tp x the FSDP shards beside them)
 EXPERT_SPLIT = {"single": (1, 1, 1), "ep2": (2, 1, 2), "ep4": (4, 1, 4), "fsdp4_ep2": (2, 1, 4), "tp2": (1, 2, 2),
-                "tp2_ep2": (2, 2, 4), "hsdp2x2_ep2": (2, 1, 2), "cp2_ep2": (2, 1, 4)}  # fmt: skip
+                "tp2_ep2": (2, 2, 4), "hsdp2x2_ep2": (2, 1, 2), "cp2_ep2": (2, 1, 4), "pp2_ep2": (2, 1, 2)}  # fmt: skip
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
@@ -122,13 +128,16 @@ def test_balancing_is_logged_and_acts(results: dict) -> None:
     assert bias.abs().max() > 0 and steps.abs().max() <= 10 and torch.allclose(steps, steps.round(), atol=1e-3)
 
 
-def test_dense_and_moe_blocks_and_capacity_dropping_under_tp_and_ep(results: dict) -> None:
-    _assert_same_curve(losses(results["variant-single"]), losses(results["variant-tp2_ep2"]), "variant tp2_ep2")
-    ref_dropped = results["variant-single"]["metrics"]["moe/dropped_fraction"]
-    dropped = results["variant-tp2_ep2"]["metrics"]["moe/dropped_fraction"]
+@pytest.mark.parametrize("layout", [name for name in VARIANT_LAYOUTS if name != "single"])
+def test_dense_and_moe_blocks_and_capacity_dropping(results: dict, layout: str) -> None:
+    reference, candidate = results["variant-single"], results[f"variant-{layout}"]
+    _assert_same_curve(losses(reference), losses(candidate), f"variant {layout}")
+    ref_dropped = reference["metrics"]["moe/dropped_fraction"]
+    dropped = candidate["metrics"]["moe/dropped_fraction"]
     assert max(ref_dropped.values()) > 0, "capacity 1.0 must drop some assignments of the unbalanced router"
     assert all(abs(dropped[step] - ref_dropped[step]) <= 1e-6 for step in ref_dropped), (ref_dropped, dropped)
-    ref_params, params = _load(results, "variant-single", "params.pt"), _load(results, "variant-tp2_ep2", "params.pt")
+    ref_params, params = _load(results, "variant-single", "params.pt"), _load(results, f"variant-{layout}", "params.pt")
     assert any("feed_forward.w1" in n for n in params) and any("shared_experts" in n for n in params)
+    assert ref_params.keys() == params.keys()
     for name, ref in ref_params.items():
         assert (params[name] - ref).abs().max().item() <= 1e-4, name

@@ -371,7 +371,6 @@ def test_moe_plan_proposes_only_runnable_layouts_and_simulates_its_best(capsys: 
         assert result.ranked, devices
         for c in result.ranked:
             layout = c.layout
-            assert layout.pp == 1  # MeshStrategy refuses pp with MoE
             assert config.n_experts % layout.ep == 0 and (layout.dp_shard * layout.cp) % layout.ep == 0
             strategy = fit_config(c, "mixtral-8x7b", {}, hw, 10, "moe")["trainer"]["strategy"]["init_args"]
             MeshStrategy(**strategy)  # the strategy's own argument checks
@@ -383,6 +382,23 @@ def test_moe_plan_proposes_only_runnable_layouts_and_simulates_its_best(capsys: 
     status, out, text = _run(capsys, "--model", "moe", "--preset", "mixtral-8x7b", "--devices", "1024", "--simulate")
     assert status == 0 and out["simulation"] and all(r["equal"] for r in out["simulation"]), text
     assert "experts per rank, tokens to their experts by all-to-all" in text or out["ranked"][0]["layout"]["ep"] == 1
+
+
+def test_moe_pipeline_layouts_are_proposed_and_simulated(capsys: pytest.CaptureFixture) -> None:
+    """pp x MoE at Megatron's Mixtral mapping (tp1 x ep8 x pp4) on 32 devices: proposed where it fits, with the
+    routing pass in its step time, and `--simulate` finds the estimate equal to the real sharding of each stage."""
+    status, out, text = _run(capsys, "--model", "moe", "--preset", "mixtral-8x7b", "--devices", "32", "--pp", "4",
+                             "--tp", "1", "--global-batch", "64", "--seq-len", "4096", "--simulate")
+    best = out["ranked"][0]["layout"]
+    assert status == 0 and best["pp"] == 4 and best["tp"] == 1 and best["ep"] > 1, text
+    assert "MoE routing pass" in text
+    stages = {row["stage"] for row in out["simulation"]}
+    assert {0, 3} <= stages and all(row["equal"] for row in out["simulation"]), text
+    # without a fixed pp the same layouts are weighed, not rejected
+    config = MoEConfig.from_preset("mixtral-8x7b")
+    layout = MeshLayout(pp=4, dp_shard=8, ep=8)
+    hw = Hardware(nodes=4, devices_per_node=8, memory_bytes=80 * GB)
+    assert why_invalid(layout, gpt_shapes(config), Workload(global_batch=64, seq_len=4096), hw) is None
 
 
 def test_moe_all_to_all_in_the_step_time_by_hand() -> None:

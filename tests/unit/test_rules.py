@@ -38,9 +38,10 @@ def setup(layout: MeshLayout, owners: list, options: MeshOptions = O, self_paral
     return Facts(options=options, layout=layout, model_name="Net", owners=owners, self_parallelised=self_parallelised)
 
 
-def owner(moe_layer: str = "") -> SimpleNamespace:
+def owner(moe_layer: str = "", stages: tuple[str, ...] = ("embedding",)) -> SimpleNamespace:
     moe = SimpleNamespace(layer=moe_layer) if moe_layer else None  # a MoEPlan, or None for a dense model
-    return SimpleNamespace(name="model", module=SimpleNamespace(), plan=SimpleNamespace(moe=moe))
+    pp = SimpleNamespace(first=stages, last=())  # a PipelinePlan: what runs before the blocks
+    return SimpleNamespace(name="model", module=SimpleNamespace(), plan=SimpleNamespace(moe=moe, pp=pp))
 
 
 def pipeline(pp: int, **settings: object) -> Facts:
@@ -119,8 +120,8 @@ CASES: dict[str, tuple[Facts, str, Facts]] = {
                                      " parallelised the model itself", setup(CP2, [owner()])),
     "pp_needs_one_plan": (setup(PP2, [owner(), owner()]), "pp > 1 pipelines one model that declares parallel_plan();"
                           " Net has ['model', 'model']", setup(PP2, [owner()])),
-    "pp_without_moe": (setup(PP2, [owner("moe")]), "pp=2 with the MoE model SimpleNamespace: pipeline stages do not"
-                       " carry the auxiliary load-balancing loss", setup(DP4, [owner("moe")])),
+    "pp_moe_needs_stage_plan": (setup(PP2, [owner("moe", stages=())]), "pp=2 with the MoE model SimpleNamespace: its"
+                                " parallel_plan() declares no PipelinePlan", setup(PP2, [owner("moe")])),
     "block_options_need_plan": (setup(DP4, [], AC), "activation_checkpointing acts on the blocks a parallel_plan()"
                                 " names, but no module of Net declares one", setup(DP4, [owner()], AC)),
     "tp_needs_plan": (setup(TP2, []), "tp=2 but no module of Net declares parallel_plan()", setup(TP2, [owner()])),
