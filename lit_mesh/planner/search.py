@@ -81,6 +81,8 @@ def why_invalid(layout: MeshLayout, shapes: ModelShapes, work: Workload, hw: Har
                     " them on dim 1, evenly only")
     if layout.pp > 1 and shapes.is_moe:
         return "pp with the MoE model is refused by MeshStrategy (stages do not carry the MoE layers' statistics)"
+    if layout.pp > 1 and getattr(shapes.config, "tie_embeddings", False):
+        return "pp with tied embeddings is refused by MeshStrategy (the first and last stages would share the matrix)"
     if layout.pp > shapes.n_blocks:
         return f"pp must not exceed the {shapes.n_blocks} blocks"
     if layout.pp > 1 and layout.cp > 1:
