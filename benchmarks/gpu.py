@@ -145,7 +145,9 @@ def main(argv: list[str]) -> None:
     batches = C.random_batches(args.warmup + args.steps, args.batch_size, args.seq_len, config.vocab_size, seed=0)
     card = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     peak = args.peak_flops or (peak_bf16_flops(card) if torch.cuda.is_available() else None)
-    flops_per_token = gpt_flops_per_token(config, args.seq_len)
+    flops_per_token = gpt_flops_per_token(config, args.seq_len)  # a tied head still runs its matmul
+    with torch.device("meta"):
+        params = GPT(config).num_params()  # a tied embedding/head matrix once
     tokens = args.steps * args.batch_size * args.seq_len
     rows = []
     for _ in range(args.rounds):
@@ -161,7 +163,7 @@ def main(argv: list[str]) -> None:
         "peak_memory_gib": {n: max((r["peak_memory_gib"] or 0.0) for r in rows if r["run"] == n) or None for n in median},
         "rounds": rows,
         "goals": {"ratio": ">= 0.98", "mfu": ">= 0.45 (llama3.2-1b, one H100, bf16)"},
-        "config": {"preset": args.preset, "batch_size": args.batch_size, "seq_len": args.seq_len, "steps": args.steps,
+        "config": {"preset": args.preset, "params": params, "tie_embeddings": config.tie_embeddings, "batch_size": args.batch_size, "seq_len": args.seq_len, "steps": args.steps,
                    "warmup": args.warmup, "precision": "bf16-mixed", "compile_backend": args.compile_backend,
                    "activation_checkpointing": args.activation_checkpointing, "torch": torch.__version__,
                    "lightning": L.__version__},

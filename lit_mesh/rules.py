@@ -307,9 +307,28 @@ RULES: tuple[Rule, ...] = (
         " declare one with cp=ContextPlan(attention=..., positions=...) (see zoo/gpt.py), or use cp=1",
         PlanError,
     ),
+    Rule(
+        # Megatron sums the two uses' gradients over an embedding group of the first and last stages; we do not yet
+        "pp_without_tied_parameters", "setup",
+        lambda f: not f.self_parallelised and f.layout.pp > 1 and bool(_tied_names(f.owners[0].module)),
+        lambda f: f"pp={f.layout.pp} with {type(f.owners[0].module).__name__}'s tied parameters"
+        f" {_tied_names(f.owners[0].module)}: the embedding runs on the first pipeline stage and the output head on"
+        " the last, and their gradients would have to be summed across stages (not supported yet); use pp=1 (fsdp,"
+        " tp and cp work with tied embeddings), or untie them (zoo GPT: tie_embeddings=False)",
+        PlanError,
+    ),
 )
 
 RULES_BY_NAME: dict[str, Rule] = {rule.name: rule for rule in RULES}
+
+
+def _tied_names(module: Any) -> list[str]:
+    """Names of the parameters one module shares with another (tied embeddings: ['tok_embeddings.weight =
+    output.weight']); empty for anything that is no nn.Module."""
+    names: dict[int, list[str]] = {}
+    for name, param in getattr(module, "named_parameters", lambda **_: ())(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    return [" = ".join(group) for group in names.values() if len(group) > 1]
 
 
 def _tp_across_nodes(f: Facts) -> str:

@@ -37,6 +37,9 @@ class GPTConfig:
     # one matmul for SwiGLU's w1 and w3 (a (2 * ffn_hidden, dim) weight, w1 rows first); tp = 1 only, and its
     # state dict still converts to transformers (the converter splits it)
     fused_w13: bool = False
+    # the output head uses the token embedding's weight (one (vocab_size, dim) matrix, its gradient the sum of both
+    # uses; Llama 3.2 1B/3B): converts to transformers' tie_word_embeddings=True; pp = 1 only (lit_mesh/rules.py)
+    tie_embeddings: bool = False
 
     def __post_init__(self) -> None:
         if self.dim % self.n_heads:
@@ -61,7 +64,7 @@ _LLAMA3 = dict(vocab_size=128256, n_kv_heads=8, rope_theta=500000.0, max_seq_len
 PRESETS: dict[str, GPTConfig] = {
     "tiny": GPTConfig(256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=128, max_seq_len=256),
     "small": GPTConfig(256, dim=128, n_layers=4, n_heads=4, n_kv_heads=2, ffn_hidden=384, max_seq_len=512),
-    "llama3.2-1b": GPTConfig(dim=2048, n_layers=16, n_heads=32, ffn_hidden=8192, **_LLAMA3),
+    "llama3.2-1b": GPTConfig(dim=2048, n_layers=16, n_heads=32, ffn_hidden=8192, tie_embeddings=True, **_LLAMA3),
     "llama3-8b": GPTConfig(dim=4096, n_layers=32, n_heads=32, ffn_hidden=14336, **_LLAMA3),
     "llama3-70b": GPTConfig(dim=8192, n_layers=80, n_heads=64, ffn_hidden=28672, **_LLAMA3),
     "llama3-405b": GPTConfig(dim=16384, n_layers=126, n_heads=128, ffn_hidden=53248, **_LLAMA3),
@@ -150,6 +153,8 @@ class GPT(nn.Module):
         self.layers = nn.ModuleList(Block(config) for _ in range(config.n_layers))
         self.norm: nn.RMSNorm | None = nn.RMSNorm(config.dim, eps=config.norm_eps)
         self.output: nn.Linear | None = nn.Linear(config.dim, config.vocab_size, bias=False)
+        if config.tie_embeddings:  # one Parameter in two modules; TP shards both over the vocabulary (dim 0)
+            self.output.weight = self.tok_embeddings.weight
         # on the meta device the strategy initialises the (sharded) weights with the same rules
         if next(self.parameters()).device.type != "meta":
             init_parameters(self, self.parallel_plan().init)
@@ -217,8 +222,10 @@ class GPT(nn.Module):
         )
 
     def num_params(self, exclude_embedding: bool = False) -> int:
+        """Parameters, a tied embedding/head matrix counted once. exclude_embedding leaves out the lookup table,
+        unless it is tied: then it is also the head, a matmul."""
         n = sum(p.numel() for p in self.parameters())
-        if exclude_embedding and self.tok_embeddings is not None:
+        if exclude_embedding and self.tok_embeddings is not None and not self.config.tie_embeddings:
             n -= self.tok_embeddings.weight.numel()
         return n
 

@@ -80,6 +80,8 @@ def why_invalid(layout: MeshLayout, shapes: ModelShapes, work: Workload, hw: Har
         if p.expert and expert_dp > 1 and p.shape[dim] % expert_dp:  # FSDP2 refuses uneven shards off dim 0
             return (f"dp_shard x cp / ep must divide the expert weights' dim {dim} ({p.name}: {p.shape[dim]}): FSDP2"
                     f" shards them on dim {dim}, evenly only")
+    if layout.pp > 1 and getattr(shapes.config, "tie_embeddings", False):
+        return "pp with tied embeddings is refused by MeshStrategy (the first and last stages would share the matrix)"
     if layout.pp > shapes.n_blocks:
         return f"pp must not exceed the {shapes.n_blocks} blocks"
     if work.global_batch % layout.dp:

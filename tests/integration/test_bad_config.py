@@ -41,6 +41,8 @@ ERRORS_AFTER_START: dict[str, tuple[list[str], list[str]]] = {
                            ["pp_split=[1, 2] must give every stage >= 1 block and add up to the model's 2 blocks"]),
     "pp_microbatches_vs_batch": (_gpt(f"{S}pp=2", f"{S}pp_microbatches=3"),
                                  ["pp_microbatches=3 does not divide the batch of 8 samples"]),
+    "pp_with_tied_embeddings": (_gpt(f"{S}pp=2", "--model.init_args.config_overrides={tie_embeddings: true}"),
+                                ["pp=2 with GPT's tied parameters ['tok_embeddings.weight = output.weight']", "use pp=1"]),
     "cp_vs_seq_len": (_gpt(f"{S}cp=2", "--data.init_args.seq_len=66"),
                       ["sequence length is 66; use a sequence length that is a multiple of 4"]),
     "ulysses_vs_heads": (_gpt(f"{S}cp=2", f"{S}cp_style=ulysses", "--model.init_args.config_overrides={dim: 96, n_heads: 3, n_kv_heads: 3}"),

@@ -17,6 +17,7 @@ def test_gpu_benchmark_smoke_prints_tokens_per_s_mfu_and_the_ratio() -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["card"] == "cpu" and result["config"]["preset"] == "tiny"
+    assert (result["config"]["params"], result["config"]["tie_embeddings"]) == (106_816, False)
     tokens = 2 * 2 * 16  # steps x batch x seq_len
     for run in result["rounds"]:
         assert run["tokens_per_s"] == pytest.approx(tokens / run["seconds"])
@@ -46,3 +47,4 @@ def test_llama32_1b_preset_has_the_published_shape() -> None:
 
     c = GPTConfig.from_preset("llama3.2-1b")
     assert (c.dim, c.n_layers, c.n_heads, c.n_kv_heads, c.ffn_hidden, c.vocab_size) == (2048, 16, 32, 8, 8192, 128256)
+    assert c.tie_embeddings  # as Meta's Llama 3.2 1B: the head is the embedding matrix

@@ -46,6 +46,38 @@ def test_zoo_gpt_and_llama_give_the_same_logits_both_ways(tmp_path: Path) -> Non
         assert _max_diff(other(input_ids=tokens).logits, gpt(tokens)) > 1e-5
 
 
+def test_tied_zoo_gpt_and_tied_llama_convert_both_ways(tmp_path: Path) -> None:
+    from safetensors import safe_open
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from zoo import GPT, GPTConfig
+    from zoo.convert import ConversionError, hf_to_zoo, load_hf_as_zoo, save_hf, zoo_to_hf
+
+    torch.manual_seed(0)
+    tokens = torch.randint(0, 256, (2, 24))
+    gpt = GPT(GPTConfig.from_preset("tiny", tie_embeddings=True)).eval()
+    with torch.no_grad():
+        llama = zoo_to_hf(gpt)
+        assert llama.config.tie_word_embeddings and llama.lm_head.weight is llama.model.embed_tokens.weight
+        assert _max_diff(llama(input_ids=tokens).logits, gpt(tokens)) <= 1e-5
+        save_hf(gpt, tmp_path / "tied")  # transformers writes the shared matrix once
+        with safe_open(str(tmp_path / "tied" / "model.safetensors"), framework="pt") as f:
+            assert "model.embed_tokens.weight" in f.keys() and "lm_head.weight" not in f.keys()
+        for back in (hf_to_zoo(LlamaForCausalLM.from_pretrained(tmp_path / "tied")), load_hf_as_zoo(tmp_path / "tied")):
+            assert back.config.tie_embeddings and back.output.weight is back.tok_embeddings.weight
+            assert _max_diff(back(tokens), gpt(tokens)) <= 1e-5
+        hf = LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                          num_attention_heads=8, num_key_value_heads=2, tie_word_embeddings=True)).eval()
+        zoo = hf_to_zoo(hf)
+        assert zoo.config.tie_embeddings and _max_diff(zoo(tokens), hf(input_ids=tokens).logits) <= 1e-5
+        # an untied head cannot go into a tied model silently
+        untied = GPT(GPTConfig.from_preset("tiny")).state_dict()
+        from zoo.convert.api import CONVERTERS, zoo_state_to_hf
+
+        with pytest.raises(ConversionError, match="model.embed_tokens.weight and lm_head.weight hold different values, but the model ties them"):
+            zoo_state_to_hf(CONVERTERS["llama"], untied, GPTConfig.from_preset("tiny", tie_embeddings=True))
+
+
 def test_zoo_vit_and_transformers_vit_give_the_same_logits_both_ways(tmp_path: Path) -> None:
     from transformers import ViTForImageClassification
 

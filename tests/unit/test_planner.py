@@ -84,6 +84,7 @@ SIMULATED = [
     ("llama3-405b", MeshLayout(pp=8, dp_replicate=2, dp_shard=8, tp=8), 0, "32-true"),
     ("llama3-8b", MeshLayout(dp_shard=512, cp=2), 1023, "bf16-mixed"),
     ("llama3-8b", MeshLayout(dp_shard=1000), 999, "bf16-mixed"),
+    ("llama3.2-1b", MeshLayout(dp_shard=8, tp=8), 63, "bf16-mixed"),  # tied embeddings: one matrix, vocab-sharded
 ]
 
 
@@ -95,6 +96,15 @@ def test_estimate_equals_simulation(preset: str, layout: MeshLayout, rank: int, 
     estimate = state_bytes(gpt_shapes(config), layout, precision, rank)
     assert {k: simulated[k] for k in COMPONENTS} == estimate
     assert estimate["params"] > 0 or layout.dp_shard == 1000
+
+
+def test_tied_embeddings_count_once_and_rule_out_pp() -> None:
+    tied, untied = GPTConfig.from_preset("llama3.2-1b"), GPTConfig.from_preset("llama3.2-1b", tie_embeddings=False)
+    assert gpt_shapes(tied).numel() == 1_235_814_400
+    assert gpt_shapes(untied).numel() - gpt_shapes(tied).numel() == 128256 * 2048
+    layout, work, hw = MeshLayout(pp=2, dp_shard=4), Workload(global_batch=64, seq_len=2048), Hardware(1, 8, 80 * GB)
+    assert "pp with tied embeddings is refused" in why_invalid(layout, gpt_shapes(tied), work, hw)
+    assert why_invalid(layout, gpt_shapes(untied), work, hw) is None
 
 
 def test_plan_simulates_its_best_layout_at_1024_ranks(capsys: pytest.CaptureFixture, tmp_path: Path) -> None:

@@ -54,6 +54,17 @@ def test_zoo_modules_load_through_the_converters(tmp_path: Path, module_class: t
         torch.testing.assert_close(module.eval()(TOKENS), _reference_logits(directory, TOKENS), rtol=1e-5, atol=1e-5)
 
 
+def test_tied_llama_directory_loads_into_a_tied_zoo_gpt(tmp_path: Path) -> None:
+    directory = _save(tmp_path, "llama", tie_word_embeddings=True)
+    assert not any("lm_head" in key for file in tmp_path.glob("*.safetensors") for key in load_file(file))
+    module = GPTModule(pretrained=str(directory))
+    module.configure_model()
+    model = module.model
+    assert model.config.tie_embeddings and model.output.weight is model.tok_embeddings.weight
+    with torch.no_grad():
+        torch.testing.assert_close(module.eval()(TOKENS), _reference_logits(directory, TOKENS), rtol=1e-5, atol=1e-5)
+
+
 def test_missing_and_mismatched_tensors_are_named(tmp_path: Path) -> None:
     directory = _save(tmp_path, "llama")
     files = sorted(tmp_path.glob("*.safetensors"))

@@ -13,6 +13,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage
 
+from torch import nn
+
 from lit_mesh.comm.options import CompressionOptions
 from lit_mesh.mesh import MeshLayout
 from lit_mesh.options import CheckpointOptions, CommunicationOptions, CompileOptions, MeshOptions, MemoryOptions
@@ -42,6 +44,12 @@ def owner(moe_layer: str = "", stages: tuple[str, ...] = ("embedding",)) -> Simp
     moe = SimpleNamespace(layer=moe_layer) if moe_layer else None  # a MoEPlan, or None for a dense model
     pp = SimpleNamespace(first=stages, last=())  # a PipelinePlan: what runs before the blocks
     return SimpleNamespace(name="model", module=SimpleNamespace(), plan=SimpleNamespace(moe=moe, pp=pp))
+
+
+def tied_owner() -> SimpleNamespace:
+    embed, head = nn.Embedding(8, 4), nn.Linear(4, 8, bias=False)
+    head.weight = embed.weight  # tied input/output embeddings
+    return SimpleNamespace(name="model", module=nn.ModuleDict({"embed": embed, "head": head}), plan=SimpleNamespace(moe=None))
 
 
 def pipeline(pp: int, **settings: object) -> Facts:
@@ -127,6 +135,9 @@ CASES: dict[str, tuple[Facts, str, Facts]] = {
     "tp_needs_plan": (setup(TP2, []), "tp=2 but no module of Net declares parallel_plan()", setup(TP2, [owner()])),
     "cp_needs_plan": (setup(CP2, []), "cp=2 but no module of Net declares parallel_plan() with its attention",
                       setup(CP2, [owner()])),
+    "pp_without_tied_parameters": (setup(PP2, [tied_owner()]), "pp=2 with ModuleDict's tied parameters ['embed.weight ="
+                                   " head.weight']: the embedding runs on the first pipeline stage and the output head on"
+                                   " the last", setup(DP4, [tied_owner()])),
 }
 
 

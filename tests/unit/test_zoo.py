@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lit_mesh.init import init_parameters, rule_for
+from zoo.flops import gpt_flops_per_token
 from zoo.gpt import GPT, PRESETS, GPTConfig, apply_rope, rope_cos_sin
 from zoo.gpt import Attention as GPTAttention
 from zoo.gpt import FeedForward
@@ -56,7 +57,63 @@ def test_llama3_8b_parameter_count_on_meta():
     assert model.flops_per_token(8192) > 6 * model.num_params(exclude_embedding=True)
 
 
+def test_llama3_2_1b_ties_and_counts_the_shared_matrix_once():
+    with torch.device("meta"):
+        model = GPT(GPTConfig.from_preset("llama3.2-1b"))
+        untied = GPT(GPTConfig.from_preset("llama3.2-1b", tie_embeddings=False))
+    assert model.output.weight is model.tok_embeddings.weight
+    assert model.num_params() == 1_235_814_400  # the published Llama-3.2-1B size (tied embeddings)
+    assert untied.num_params() - model.num_params() == 128256 * 2048
+    # the head's matmul is still spent: tying changes no FLOPs
+    assert model.flops_per_token(2048) == untied.flops_per_token(2048)
+    assert gpt_flops_per_token(model.config, 2048) == gpt_flops_per_token(untied.config, 2048)
+
+
 # ---- GPT --------------------------------------------------------------------------------------
+
+
+def test_tied_gpt_has_one_matrix_whose_gradient_sums_both_uses():
+    torch.manual_seed(0)
+    tied = tiny_gpt(tie_embeddings=True)
+    assert tied.output.weight is tied.tok_embeddings.weight
+    assert len(list(tied.parameters())) == len(list(tiny_gpt().parameters())) - 1
+    untied = tiny_gpt()
+    untied.load_state_dict(tied.state_dict())  # the state dict names both uses (as transformers' does)
+    tokens = torch.randint(0, 256, (2, 16))
+    for model in (tied, untied):
+        model(tokens).logsumexp(-1).mean().backward()
+    both = untied.tok_embeddings.weight.grad + untied.output.weight.grad
+    torch.testing.assert_close(tied.tok_embeddings.weight.grad, both)
+    assert tied.tok_embeddings.weight.grad.abs().sum() > 0
+
+
+def test_tied_gpt_stays_tied_through_mesh_strategy_on_one_device(tmp_path):
+    """Built on the meta device, materialised by MeshStrategy, trained: one Parameter throughout, with the weights
+    of a direct build."""
+    from lit_mesh import MeshStrategy
+
+    class CheckTied(L.Callback):
+        def on_train_start(self, trainer, pl_module):
+            model = pl_module.model
+            assert model.output.weight is model.tok_embeddings.weight and not model.output.weight.is_meta
+            self.start = model.output.weight.detach().clone()
+
+    (tmp_path / "a.txt").write_text("hello world, " * 400)
+    data = TextDataModule(global_batch_size=4, seq_len=16, source=str(tmp_path), val_fraction=0.1)
+    module = GPTModule(lr=1e-2, config_overrides={"tie_embeddings": True})
+    check = CheckTied()
+    L.seed_everything(5)
+    trainer = _trainer(strategy=MeshStrategy(), max_steps=3, limit_val_batches=0, callbacks=[check])
+    trainer.fit(module, data)
+    torch.manual_seed(5)
+    assert torch.equal(check.start, tiny_gpt(tie_embeddings=True).tok_embeddings.weight)
+    model = module.model
+    assert model.output.weight is model.tok_embeddings.weight
+    assert not torch.equal(model.output.weight, check.start)  # trained
+    optimizer = trainer.optimizers[0]
+    assert sum(1 for group in optimizer.param_groups for p in group["params"] if p is model.output.weight) == 1
+
+
 
 
 def test_gpt_forward_shape():

@@ -12,7 +12,8 @@ from torch import nn
 from lit_mesh.extras import require
 from zoo.convert.llama import LLAMA
 from zoo.convert.mixtral import MIXTRAL
-from zoo.convert.rules import ConversionError, Converter, build_on_meta, check_against, rename
+from lit_mesh.init import retie, tied_parameters
+from zoo.convert.rules import ConversionError, Converter, build_on_meta, check_against, complete_tied, rename
 from zoo.convert.vit import VIT
 
 CONVERTERS: dict[str, Converter] = {c.name: c for c in (LLAMA, MIXTRAL, VIT)}
@@ -44,8 +45,9 @@ def zoo_state_to_hf(converter: Converter, state: dict[str, torch.Tensor], zoo_co
                 f" of shape {tuple(expected.shape)}); convert a model trained without them"
             )
     state = converter.pack({k: v for k, v in state.items() if k not in extra})
-    hf_state = rename(state, converter.rules, "zoo", hf_config)
-    check_against(hf_state, build_on_meta(converter.hf_model, hf_config), "the transformers model")
+    hf_model = build_on_meta(converter.hf_model, hf_config)
+    hf_state = complete_tied(rename(state, converter.rules, "zoo", hf_config), hf_model)
+    check_against(hf_state, hf_model, "the transformers model")
     return hf_config, hf_state
 
 
@@ -53,8 +55,9 @@ def hf_state_to_zoo(converter: Converter, state: dict[str, torch.Tensor], hf_con
     """(zoo config, state dict) of a transformers model's weights; shapes checked against that config."""
     zoo_config = converter.to_zoo_config(hf_config)
     renamed = rename(converter.from_checkpoint(state), converter.rules, "hf", hf_config)
-    zoo_state = {**converter.unpack(renamed), **converter.zoo_only(zoo_config)}
-    check_against(zoo_state, build_on_meta(converter.zoo_model, zoo_config), "the zoo model")
+    zoo_model = build_on_meta(converter.zoo_model, zoo_config)
+    zoo_state = complete_tied({**converter.unpack(renamed), **converter.zoo_only(zoo_config)}, zoo_model)
+    check_against(zoo_state, zoo_model, "the zoo model")
     return zoo_config, zoo_state
 
 
@@ -75,8 +78,10 @@ def hf_to_zoo(model: nn.Module) -> nn.Module:
 def _load(factory: Any, config: Any, state: dict[str, torch.Tensor]) -> nn.Module:
     with torch.device("meta"):
         model = factory(config)
+    tied = tied_parameters(model)
     # copies: the converted model never shares storage with the source
     model.load_state_dict({k: v.detach().cpu().clone() for k, v in state.items()}, strict=True, assign=True)
+    retie(tied, type(model).__name__)  # assign=True gave each use of a tied weight its own copy
     _rebuild_buffers(model)
     return model.eval()
 

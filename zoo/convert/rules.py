@@ -97,6 +97,29 @@ def check_against(state: dict[str, torch.Tensor], model: nn.Module, what: str, i
         )
 
 
+def complete_tied(state: dict[str, torch.Tensor], model: nn.Module) -> dict[str, torch.Tensor]:
+    """`state` with every name of a tied parameter of `model` (e.g. the head sharing the embedding: lm_head.weight,
+    output.weight), given once is enough: transformers' files omit the alias. Two different values are an error."""
+    by_id: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        by_id.setdefault(id(param), []).append(name)
+    out = dict(state)
+    for names in (names for names in by_id.values() if len(names) > 1):
+        given = [n for n in names if n in out]
+        if not given:
+            continue  # reported missing by check_against
+        value = out[given[0]]
+        for name in given[1:]:
+            other = out[name]
+            if not (value.is_meta or other.is_meta or torch.equal(value.cpu(), other.cpu())):
+                raise ConversionError(
+                    f"{given[0]} and {name} hold different values, but the model ties them (one matrix); convert"
+                    " with the untied configuration (tie_embeddings / tie_word_embeddings=False)"
+                )
+        out.update({name: value for name in names})
+    return out
+
+
 def build_on_meta(factory: Callable[[Any], nn.Module], config: Any) -> nn.Module:
     """The model's tensor names and shapes without allocating or initialising anything."""
     with torch.device("meta"):
