@@ -16,18 +16,25 @@ from tests.integration.test_parity import COMMON, S, _assert_same_curve, losses
 from tests.launch import REPO, cli_runs
 
 WORLD = 8
-RECIPES = {"gpt": "configs/gpt.yaml", "moe": "configs/moe.yaml"}
+RECIPES = {
+    "gpt": ["-c", str(REPO / "configs/gpt.yaml")],
+    # interleaved with 2 stages per rank on pp 2: 4 stages need 4 blocks
+    "gpt4": ["-c", str(REPO / "configs/gpt.yaml"), "--model.init_args.config_overrides={n_layers: 4}"],
+    "moe": ["-c", str(REPO / "configs/moe.yaml")],
+}
 QUIET = ["--trainer.limit_val_batches=0"]  # validation under pp: tests/integration/test_pipeline.py
 # name: (recipe, MeshStrategy arguments on 8 ranks); compared with the run "<recipe>-single"
 LAYOUTS: dict[str, tuple[str, list[str]]] = {
     "gpt-pp2_fsdp2_tp2": ("gpt", [f"{S}pp=2", f"{S}tp=2"]),  # dp_shard fills the rest: 2
     "gpt-fsdp2_cp2_tp2": ("gpt", [f"{S}cp=2", f"{S}tp=2"]),
     "gpt-hsdp2x2_tp2": ("gpt", [f"{S}dp_replicate=2", f"{S}dp_shard=2", f"{S}tp=2"]),
+    "gpt-pp2_cp2_tp2-interleaved": ("gpt4", [f"{S}pp=2", f"{S}cp=2", f"{S}tp=2", f"{S}pp_schedule=interleaved_1f1b", f"{S}pp_stages_per_rank=2"]),
+    "moe-pp2_tp2_ep2": ("moe", [f"{S}pp=2", f"{S}tp=2", f"{S}ep=2"]),
 }
 
 
 def _run(name: str, recipe: str, devices: int, extra: list[str]) -> dict:
-    return {"name": name, "args": ["-c", str(REPO / RECIPES[recipe]), f"--trainer.devices={devices}", *COMMON, *QUIET, *extra]}
+    return {"name": name, "args": [*RECIPES[recipe], f"--trainer.devices={devices}", *COMMON, *QUIET, *extra]}
 
 
 @pytest.fixture(scope="module")
