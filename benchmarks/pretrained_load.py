@@ -63,10 +63,10 @@ class LoadMemory(L.Callback):
         self.sampler = PeakSampler().__enter__()
         read = strategy_module.load_pretrained
 
-        def measured_read(root: torch.nn.Module) -> None:  # the strategy's one call, measured
+        def measured_read(root: torch.nn.Module, sources: Any) -> None:  # the strategy's one call, measured
             self.at_read = rss_anon_bytes()
             self.materialise_peak, self.sampler.peak = self.sampler.peak, self.at_read
-            read(root)
+            read(root, sources)
 
         strategy_module.load_pretrained = measured_read
 

@@ -60,7 +60,7 @@ from lit_mesh.parallel.context import CPStyle, gather_batch, shard_batch
 from lit_mesh.parallel.data import defer_gradient_reduction, refuse_fsdp1
 from lit_mesh.parallel.pipeline import PipelineRunner, start_pipeline
 from lit_mesh.precision import check_precision_plugin, with_global_norm_clipping
-from lit_mesh.pretrained import load_pretrained
+from lit_mesh.pretrained import declared_sources, load_pretrained
 from lit_mesh.progress import count_steps_in_progress_bar
 from lit_mesh.rules import Facts, check
 from lit_mesh.topology import Topology, topology_from_environment
@@ -274,8 +274,9 @@ class MeshStrategy(ModelParallelStrategy):
             self.model, self.mesh_views, self.options, precision=str(self.precision_plugin.precision),
             compression=self.compression_run, replicate_hierarchy=self.reductions.replicate,
         )  # fmt: skip
-        materialize(self.model, done.owners, self.root_device)
-        load_pretrained(self.model)  # each rank reads its slices of the declared pretrained weights, if any
+        pretrained = declared_sources(self.model)  # parameters filled from pretrained weights: allocated, not initialised
+        materialize(self.model, done.owners, self.root_device, filled=pretrained)
+        load_pretrained(self.model, pretrained)  # each rank reads its slices of the declared pretrained weights, if any
         self.model_to_device()
         if done.stages is not None:
             pp_group = self.mesh_views[MeshAxis.PP].get_group()
