@@ -4,13 +4,13 @@ error naming the mesh dim, the operation and the ranks that did not arrive.
 torch's flight recorder (on by default on gloo and NCCL: the last TORCH_FR_BUFFER_SIZE collectives of the
 process) records each collective a process group starts, its per-group sequence number and whether it
 completed. It cannot see which *other* ranks never started one, and gloo's timeout error ("Timed out waiting
-30000ms for recv operation") names neither the group nor the peers. So each rank runs a `HangWatch` thread that
-- publishes in the rendezvous store, every `poll` seconds, how many collectives this rank has started per group;
-- when a collective of this rank is older than the timeout (or, sooner, when the main thread gets torch's
-  timeout error: `MeshStrategy.on_exception`), compares the group's ranks' counts: those behind did not
-  arrive. The report goes into the store; every rank's thread that reads it prints it and ends its process
-  (exit 1), the hung rank too, whatever it is stuck in (a thread, because a rank stuck outside torch never
-  returns to Python code of ours).
+30000ms for recv operation") names neither the group nor the peers. So:
+- when torch's timeout error reaches a rank's main thread (`MeshStrategy.on_exception`), that rank asks every
+  rank, through the rendezvous store, how many collectives it has started per group (each rank's `HangWatch`
+  thread answers from its flight recorder within `poll` seconds); the ranks of a group behind this rank's count
+  did not arrive. The report goes into the store and is raised as CollectiveHangError;
+- every rank's thread that reads the report prints it and ends its process (exit 1): the rank that did not
+  arrive too, whatever it is stuck in (a thread, because such a rank never returns to Python code of ours).
 NCCL: torch's own watchdog ends a timed-out collective; `watchdog_environment` switches on its error handling
 and flight-recorder dumps when the user has not set them (README, "Reliability").
 """
@@ -29,7 +29,7 @@ from typing import Any, Optional
 
 import torch.distributed as dist
 
-_KEY = "lit_mesh/hang"  # store keys: {_KEY}/started/{rank}, {_KEY}/report, {_KEY}/seen/{rank}
+_KEY = "lit_mesh/hang"  # store keys: {_KEY}/request, {_KEY}/started/{rank}, {_KEY}/report, {_KEY}/seen/{rank}
 
 # torch's NCCL watchdog and flight recorder: set where the user has not (names: torch/csrc/distributed/c10d/
 # ProcessGroupNCCL.hpp and FlightRecorder.hpp)
@@ -100,46 +100,48 @@ class HangWatch:
     def __init__(self, store: dist.Store, rank: int, world_size: int, timeout: timedelta, groups: dict[str, str]) -> None:
         self.store, self.rank, self.world_size, self.groups = store, rank, world_size, groups
         self.timeout = timeout.total_seconds()
-        self.poll = min(5.0, max(0.5, self.timeout / 6))
+        self.poll = min(5.0, max(0.5, self.timeout / 6))  # the report reaches every rank within a poll
         self.started: dict[str, int] = {}  # group name -> collectives this rank has started on it
-        self.entries: dict[tuple[str, int], dict[str, Any]] = {}  # (group, seq) -> this rank's entry, recent
-        self._published = ""
+        self.entries: dict[tuple[str, int], dict[str, Any]] = {}  # (group, seq) -> this rank's recent entries
         self._raising = False  # the main thread is raising the report (on_exception)
         self._stop = threading.Event()
-        self._lock = threading.Lock()  # the thread and on_exception update the counts
         self._thread = threading.Thread(target=self._run, name="lit_mesh.HangWatch", daemon=True)
 
     def start(self) -> HangWatch:
-        self._publish()
         self._thread.start()
         return self
 
     def stop(self) -> None:
         self._stop.set()
 
-    # ---- this rank's progress ------------------------------------------------------------------------------
+    # ---- every rank's progress, asked for only when a collective timed out (a dump costs ~0.5 s of CPU) -------
 
-    def _refresh(self) -> Optional[dict[str, Any]]:
-        """Update the counts from the flight recorder; return the oldest collective still open past the timeout."""
-        overdue = None
-        now = time.time_ns()
-        with self._lock:
-            for entry in _flight_recorder():
-                if entry.get("is_p2p"):
-                    continue  # point-to-point sequence numbers are not comparable between ranks
-                group, seq = entry["process_group"][0], entry["collective_seq_id"]
-                self.started[group] = max(self.started.get(group, 0), seq)
-                self.entries[(group, seq)] = entry
-                open_ = not entry.get("retired") and entry.get("state") != "completed"
-                if open_ and overdue is None and now - entry["time_created_ns"] > self.timeout * 1e9:
-                    overdue = entry
-        return overdue
+    def _refresh(self) -> None:
+        started: dict[str, int] = {}
+        entries: dict[tuple[str, int], dict[str, Any]] = {}
+        for entry in _flight_recorder():
+            if entry.get("is_p2p"):
+                continue  # point-to-point sequence numbers are not comparable between ranks
+            group, seq = entry["process_group"][0], entry["collective_seq_id"]
+            started[group] = max(started.get(group, 0), seq)
+            entries[(group, seq)] = entry
+        self.started, self.entries = started, entries
 
-    def _publish(self) -> None:
-        state = json.dumps(self.started, sort_keys=True)
-        if state != self._published:
-            self.store.set(f"{_KEY}/started/{self.rank}", state)
-            self._published = state
+    def _answer(self) -> None:
+        self._refresh()
+        self.store.set(f"{_KEY}/started/{self.rank}", json.dumps(self.started))
+
+    def _ask_everyone(self) -> None:
+        self.store.set(f"{_KEY}/request", "1")
+        self._answer()
+        self._wait_for("started")
+
+    def _wait_for(self, what: str) -> None:
+        """Until every other rank has set {_KEY}/{what}/{rank}, or a few polls have passed (a dead rank never will)."""
+        deadline = time.monotonic() + 2 * self.poll + 2
+        keys = [f"{_KEY}/{what}/{r}" for r in range(self.world_size) if r != self.rank]
+        while keys and time.monotonic() < deadline and not self.store.check(keys):
+            time.sleep(0.1)
 
     def _started_by(self, rank: int) -> Optional[dict[str, int]]:
         key = f"{_KEY}/started/{rank}"
@@ -147,27 +149,24 @@ class HangWatch:
 
     # ---- the report ----------------------------------------------------------------------------------------
 
-    def diagnose(self, entry: Optional[dict[str, Any]] = None) -> str:
-        """Which collective hangs and who did not arrive: `entry` (this rank's collective open past the timeout),
-        else the earliest collective this rank started that some rank of its group did not."""
-        behind_by_group = {}  # group -> {rank: collectives it started on the group}, for groups with ranks behind
+    def diagnose(self) -> Optional[str]:
+        """The earliest collective this rank started that some rank of its group did not (None if there is none):
+        its mesh dim, operation and the ranks that did not arrive."""
+        behind_by_group = {}  # group -> {rank: collectives it started on the group, None: no answer}
         for group, mine in self.started.items():
             counts = {r: self._started_by(r) for r in self._ranks(group) if r != self.rank}
-            behind = {r: (c or {}).get(group, 0) for r, c in counts.items() if c is None or c.get(group, 0) < mine}
+            behind = {r: c if c is None else c.get(group, 0) for r, c in counts.items() if c is None or c.get(group, 0) < mine}
             if behind:
                 behind_by_group[group] = behind
-        if entry is None and behind_by_group:  # the first collective not every rank started
-            firsts = [self.entries.get((g, min(b.values()) + 1)) for g, b in behind_by_group.items()]
-            entry = min((e for e in firsts if e is not None), key=lambda e: e["time_created_ns"], default=None)
+        firsts = [self.entries.get((g, min((n for n in b.values() if n is not None), default=0) + 1)) for g, b in behind_by_group.items()]
+        entry = min((e for e in firsts if e is not None), key=lambda e: e["time_created_ns"], default=None)
         if entry is None:
-            return (f"a collective on rank {self.rank} did not complete within the timeout of {self.timeout:g} s, and"
-                    " every rank of its groups started as many collectives as this one (a slow collective, or peers"
-                    " that are gone)")  # fmt: skip
+            return None
         group, seq = entry["process_group"][0], entry["collective_seq_id"]
-        behind, ranks = behind_by_group.get(group, {}), self._ranks(group)
+        behind, ranks = behind_by_group[group], self._ranks(group)
         op = str(entry["profiling_name"]).split(":")[-1]
         dim = self.groups.get(group, f"process group {group}")
-        late = ", ".join(f"{r} (started {n} on it)" for r, n in sorted(behind.items())) or "none seen behind"
+        late = ", ".join(f"{r} (" + ("no answer" if n is None else f"started {n} on it") + ")" for r, n in sorted(behind.items()))
         return (
             f"collective {op} (#{seq}) on mesh dim '{dim}' (ranks {ranks}) did not complete within the timeout of"
             f" {self.timeout:g} s: ranks that did not arrive: {late}; ranks {sorted(set(ranks) - set(behind))} waited"
@@ -184,46 +183,43 @@ class HangWatch:
 
     def report(self, message: str) -> str:
         """Publish `message` unless another rank's report came first; return the report every rank shows."""
-        key = f"{_KEY}/report"
-        return self.store.compare_set(key, "", message).decode()
+        return self.store.compare_set(f"{_KEY}/report", "", message).decode()
 
     def reported(self) -> Optional[str]:
         key = f"{_KEY}/report"
         return self.store.get(key).decode() if self.store.check([key]) else None
 
     def on_exception(self, error: BaseException) -> None:
-        """From the main thread (MeshStrategy.on_exception): a timeout of torch's becomes the named error,
-        raised once every rank has seen the report (or a few polls have passed)."""
-        if self._stop.is_set() or not (_is_timeout(error) or self.reported()):
+        """From the main thread (MeshStrategy.on_exception): torch's collective timeout becomes the named error,
+        raised once every rank has seen the report; any other error passes unchanged."""
+        if self._stop.is_set():
             return
-        self._raising = True
         report = self.reported()
         if report is None:
-            self._refresh()
-            self._publish()
-            report = self.report(self.diagnose())
-        self._wait_until_seen()
+            if not _is_timeout(error):
+                return
+            self._raising = True
+            self._ask_everyone()
+            message = self.diagnose()
+            if message is None:  # every rank started every collective: not a hang of a missing rank
+                self._raising = False
+                return
+            report = self.report(message)
+        self._raising = True
+        self._wait_for("seen")  # the store may live in this process (rank 0 without torchrun): let them read it
         self.stop()
         raise CollectiveHangError(report) from error
 
-    def _wait_until_seen(self) -> None:
-        # the store may live in this process (rank 0 without torchrun): let the others read the report first
-        deadline = time.monotonic() + 3 * self.poll + 2
-        keys = [f"{_KEY}/seen/{r}" for r in range(self.world_size) if r != self.rank]
-        while time.monotonic() < deadline and not self.store.check(keys):
-            time.sleep(0.1)
-
     def _run(self) -> None:
+        answered = False
         try:
             while not self._stop.wait(self.poll):
                 report = self.reported()
-                if report is None:
-                    overdue = self._refresh()
-                    self._publish()
-                    if overdue is None:
-                        continue
-                    report = self.report(self.diagnose(overdue))
-                self._end(report)
+                if report is not None:
+                    self._end(report)
+                if not answered and self.store.check([f"{_KEY}/request"]):
+                    self._answer()
+                    answered = True
         except Exception as error:  # noqa: BLE001 - a broken store (peers gone) must not hide the run's own error
             if not self._stop.is_set():
                 print(f"[rank {self.rank}] lit_mesh.HangWatch stopped: {error}", file=sys.stderr, flush=True)
@@ -232,9 +228,9 @@ class HangWatch:
         self.store.set(f"{_KEY}/seen/{self.rank}", "1")
         if self._raising:  # the main thread raises the same error: end the process only if it does not end
             time.sleep(3 * self.poll + 10)
-        else:
+        else:  # stuck where no error of torch's reaches it (the rank that did not arrive)
             print(f"[rank {self.rank}] {CollectiveHangError.__name__}: {report}", file=sys.stderr, flush=True)
-            self._wait_until_seen()
+            self._wait_for("seen")
         os._exit(1)
 
 
