@@ -3,7 +3,8 @@
 Layout parity through the `lit-mesh` CLI (fp32: relative 1e-4 per step over 10 steps, final full parameters
 1e-4): transformers GPT-2 and Llama in a plain LightningModule (zoo.hf.HFCausalLM) under tp2 and fsdp2 x tp2,
 ViT under fsdp2, Llama built whole in __init__ (not on the meta device) under tp2, and the user example
-examples/hf_model.py under tp2. One torchrun launch per world size
+examples/hf_model.py under tp2; a saved Mixtral loaded into zoo.MoEModule(pretrained=DIR) on ep2 and ep2 x fsdp
+(transformers' logits; each rank reads only its own slices). One torchrun launch per world size
 (1, 2, 4) runs every run, the export checkpoints and the error cases. Each run also records how the mesh was
 really applied (DTensor placements, FSDP2 units, MoE dispatchers: tests/workers/hf_runs.py), so that a run that
 silently stayed replicated cannot pass parity.
