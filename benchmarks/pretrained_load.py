@@ -53,8 +53,10 @@ def llama_config(args: argparse.Namespace) -> Any:
 
 class LoadMemory(L.Callback):
     """RssAnon from the setup hook (model on meta) to the start of validation (model sharded and loaded), with
-    the peak split at the call of lit_mesh.pretrained.load_pretrained: materialisation (allocation and random
-    init of the shards) before it, reading the slices from it on."""
+    the peak split at the call of lit_mesh.pretrained.load_pretrained: materialisation (allocation of the shards,
+    initialisation of what no pretrained source fills) before it, reading the slices from it on. The parameters'
+    sizes are taken there too: every parameter is then a shard (FSDP2 keeps the root and last block gathered
+    after a forward, so they would be whole at validation)."""
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         import lit_mesh.strategy as strategy_module
@@ -63,10 +65,15 @@ class LoadMemory(L.Callback):
         self.sampler = PeakSampler().__enter__()
         read = strategy_module.load_pretrained
 
-        def measured_read(root: torch.nn.Module) -> None:  # the strategy's one call, measured
+        def measured_read(root: torch.nn.Module, sources: Any) -> None:  # the strategy's one call, measured
             self.at_read = rss_anon_bytes()
             self.materialise_peak, self.sampler.peak = self.sampler.peak, self.at_read
-            read(root)
+            params = list(root.parameters())
+            self.shard = sum((p.to_local() if isinstance(p, DTensor) else p).numel() * p.element_size() for p in params)
+            self.largest = max(p.numel() * p.element_size() for p in params)
+            self.whole = sum(p.numel() * p.element_size() for p in params)
+            self.count = sum(p.numel() for p in params)
+            read(root, sources)
 
         strategy_module.load_pretrained = measured_read
 
@@ -87,10 +94,7 @@ def worker(args: argparse.Namespace) -> None:
     tokens = torch.randint(0, args.vocab, (args.ranks * 2, 17))
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=2)
     trainer.validate(model, loader, verbose=False)
-    params = list(model.model.parameters())
-    shard = sum((p.to_local() if isinstance(p, DTensor) else p).numel() * p.element_size() for p in params)
-    largest = max(p.numel() * p.element_size() for p in params)
-    whole = sum(p.numel() * p.element_size() for p in params)
+    shard, largest, whole = memory.shard, memory.largest, memory.whole
     bound = 1.3 * shard + largest
     reading, materialising = memory.sampler.peak - memory.before, memory.materialise_peak - memory.before
     per_rank = C.gather({"shard_mib": shard / 2**20, "bound_mib": bound / 2**20,
@@ -100,7 +104,7 @@ def worker(args: argparse.Namespace) -> None:
                          "reading_within_bound": reading <= bound, "setup_within_bound": max(reading, materialising) <= bound})  # fmt: skip
     C.emit({
         "config": {"module": type(model).__name__, "ranks": args.ranks, "tp": args.tp, "dp_shard": args.ranks // args.tp, "hidden": args.hidden,
-                   "layers": args.layers, "vocab": args.vocab, "params": sum(p.numel() for p in params)},
+                   "layers": args.layers, "vocab": args.vocab, "params": memory.count},
         "whole_model_mib": round(whole / 2**20, 1), "largest_tensor_mib": round(largest / 2**20, 1),
         "per_rank": [{k: (round(v, 1) if isinstance(v, float) else v) for k, v in r.items()} for r in per_rank],
         "max_reading_peak_growth_mib": round(max(r["reading_peak_growth_mib"] for r in per_rank), 1),

@@ -146,11 +146,15 @@ def lightning_cli(args: list[str] | None) -> Any:
 def main() -> None:
     """The console script (its return value would become the exit status)."""
     from lit_mesh.checkpoint import CheckpointError
+    from lit_mesh.hangs import CollectiveHangError
 
     try:
         run(sys.argv[1:], from_command_line=True)
     except CheckpointError as error:
         exit_once(error)
+    except CollectiveHangError as error:  # every rank says it; no barrier, no teardown: a peer is stuck
+        print(f"lit-mesh: {type(error).__name__}: {error}", file=sys.stderr, flush=True)
+        os._exit(1)
     if close_process_groups():
         # the run is complete (loggers and checkpoints finalised at teardown); under load torch 2.13 + gloo can
         # still abort in interpreter shutdown ("terminate called without an active exception", a joinable native

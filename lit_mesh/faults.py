@@ -14,6 +14,7 @@ from __future__ import annotations
 import errno
 import os
 import signal
+import sys
 import time
 from typing import Any, Literal
 
@@ -77,6 +78,7 @@ class FaultInjector(Callback):
         elif self.fault == "slow":
             time.sleep(self.seconds)
         elif self.fault == "hang":
+            print(f"[rank {trainer.global_rank}] FaultInjector: hanging before step {self.step}", file=sys.stderr, flush=True)
             while True:
                 time.sleep(60)
         elif self.fault == "sigterm":

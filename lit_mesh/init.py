@@ -7,13 +7,14 @@ per-rank streams), so we write our own.
 
 `materialize` allocates a parallelised meta model and initialises it: by its plan's init rules, else by a
 registered initialiser (lit_mesh.hf registers transformers' own), else by each module's reset_parameters().
+Parameters a pretrained source fills next are only allocated: no init kernels, no whole tensors drawn for them.
 """
 
 from __future__ import annotations
 
 import fnmatch
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -58,14 +59,20 @@ def parameter_generator(seed: int, name: str) -> torch.Generator:
 
 
 @torch.no_grad()
-def init_parameters(module: nn.Module, rules: Sequence[tuple[str, Init]], seed: int | None = None) -> None:
-    """Fill every parameter of `module` (plain or DTensor, on any device) by `rules`.
+def init_parameters(
+    module: nn.Module, rules: Sequence[tuple[str, Init]], seed: int | None = None, skip: Collection[int] = ()
+) -> None:
+    """Fill every parameter of `module` (plain or DTensor, on any device) by `rules`, but those whose id is in
+    `skip` (a pretrained source fills them).
 
-    The seed defaults to torch's initial seed, so `seed_everything(s)` fixes the weights.
+    The seed defaults to torch's initial seed, so `seed_everything(s)` fixes the weights; each parameter draws
+    from its own generator, so skipping some leaves the others' values unchanged.
     Peak extra memory is one full parameter on the CPU, never the whole model.
     """
     seed = torch.initial_seed() if seed is None else seed
     for name, param in module.named_parameters():
+        if id(param) in skip:
+            continue
         full = rule_for(name, rules).sample(param.shape, parameter_generator(seed, name))
         if isinstance(param, DTensor):
             # src_data_rank=None: each rank slices its own shard, no communication
@@ -75,9 +82,10 @@ def init_parameters(module: nn.Module, rules: Sequence[tuple[str, Init]], seed: 
             param.copy_(full)
 
 
-# An initialiser: initialises a materialised (possibly sharded) plan owner that has no init rules its own way
-# and returns True, or returns False when the module is not of its kind (lit_mesh.hf registers transformers').
-Initialiser = Callable[[nn.Module], bool]
+# An initialiser: initialises a materialised (possibly sharded) plan owner that has no init rules its own way,
+# leaving the parameters whose ids it is given (a pretrained source fills them), and returns True; or returns
+# False when the module is not of its kind (lit_mesh.hf registers transformers').
+Initialiser = Callable[[nn.Module, Collection[int]], bool]
 _INITIALISERS: list[Initialiser] = []
 
 
@@ -87,8 +95,8 @@ def register_initialiser(initialiser: Initialiser) -> None:
         _INITIALISERS.append(initialiser)
 
 
-def _initialise_by_registered(module: nn.Module) -> bool:
-    return any(initialise(module) for initialise in _INITIALISERS)
+def _initialise_by_registered(module: nn.Module, skip: Collection[int]) -> bool:
+    return any(initialise(module, skip) for initialise in _INITIALISERS)
 
 
 def meta_modules(root: nn.Module) -> set[nn.Module]:
@@ -101,12 +109,17 @@ def meta_modules(root: nn.Module) -> set[nn.Module]:
 
 
 @torch.no_grad()
-def materialize(root: nn.Module, owners: Sequence[PlanOwner], device: torch.device) -> None:
+def materialize(
+    root: nn.Module, owners: Sequence[PlanOwner], device: torch.device, filled: Collection[str] = ()
+) -> None:
     """Allocate meta tensors on `device` (each rank only its shards) and initialise them.
 
     Plan owners with init rules get layout-independent weights (init_parameters); owners a registered
     initialiser knows get its initialisation; other modules their reset_parameters(). A module that has
-    none of these is an error, never silent uninitialised memory.
+    none of these is an error, never silent uninitialised memory. `filled` names the parameters (as
+    `root.named_parameters()` does) that the caller fills right after (lit_mesh.pretrained, which names any
+    parameter it has no source for): they are allocated, not initialised; everything else still is, buffers
+    (RoPE tables) included.
     """
     pending = meta_modules(root)
     if not pending:
@@ -114,19 +127,21 @@ def materialize(root: nn.Module, owners: Sequence[PlanOwner], device: torch.devi
     tied = tied_parameters(root)
     root.to_empty(device=device)
     retie(tied, type(root).__name__)  # to_empty gives each use of a tied meta parameter its own copy
+    names = set(filled)
+    skip = {id(p) for name, p in root.named_parameters(remove_duplicate=False) if name in names}
     by_plan: set[nn.Module] = set()  # modules whose weights a plan's init rules (or a registered initialiser) set
     for owner in owners:
         owned = set(owner.module.modules())
         if owner.plan.init and owned & pending:
-            init_parameters(owner.module, owner.plan.init)
+            init_parameters(owner.module, owner.plan.init, skip=skip)
             pending -= {m for m in owned if not any(True for _ in m.buffers(recurse=False))}
             by_plan |= owned
-        elif owned & pending and _initialise_by_registered(owner.module):
+        elif owned & pending and _initialise_by_registered(owner.module, skip):
             pending -= owned
             by_plan |= owned
     missing = []
     for module in root.modules():  # a fixed order: every rank draws the same random numbers
-        if module not in pending:
+        if module not in pending or _all_filled(module, skip):
             continue
         reset = getattr(module, "reset_parameters", None)
         if callable(reset):
@@ -141,6 +156,12 @@ def materialize(root: nn.Module, owners: Sequence[PlanOwner], device: torch.devi
             " empty_init=True)"
         )
     carry_meta_writes(root, by_plan)  # values set on the meta device in configure_model (lit_mesh/meta_writes.py)
+
+
+def _all_filled(module: nn.Module, skip: Collection[int]) -> bool:
+    """The module's own tensors are all parameters a pretrained source fills: nothing to initialise."""
+    params = list(module.parameters(recurse=False))
+    return bool(params) and all(id(p) in skip for p in params) and not any(True for _ in module.buffers(recurse=False))
 
 
 def _reset_whole(module: nn.Module, reset: Any) -> None:

@@ -2,10 +2,11 @@
 
 A LightningModule that starts from pretrained weights defines `pretrained_sources()`: its parameter names ->
 where each tensor comes from (a `TensorSource`: one tensor of a safetensors file, or a stack / concatenation /
-transpose of such). After the strategy has sharded and materialised the model, `load_pretrained(root)` fills
-every parameter's local part: for a DTensor it works out which global indices this rank holds along each dim
-(FSDP, TP and EP placements, strided ones included) and reads only those rows/columns with safetensors'
-`get_slice`; a plain tensor is read whole. No rank builds the full model; the extra memory is one local block.
+transpose of such). After the strategy has sharded the model and allocated (not initialised) the parameters a
+source fills, `load_pretrained(root, sources)` fills every parameter's local part: for a DTensor it works out
+which global indices this rank holds along each dim (FSDP, TP and EP placements, strided ones included) and
+reads only those rows/columns with safetensors' `get_slice`; a plain tensor is read whole. No rank builds the
+full model; the extra memory is one local block.
 """
 
 from __future__ import annotations
@@ -224,10 +225,15 @@ def fill_parameters(module: nn.Module, sources: Mapping[str, TensorSource]) -> i
     return read
 
 
-def load_pretrained(root: nn.Module) -> None:
-    """Fill `root`'s parameters from its `pretrained_sources()`, if it declares any (the strategy calls this
-    once the model is sharded and materialised; a resumed checkpoint is loaded after, over it)."""
+def declared_sources(root: nn.Module) -> dict[str, TensorSource]:
+    """`root.pretrained_sources()` (parameter names -> sources), or {} when it declares none."""
     declare = getattr(root, "pretrained_sources", None)
-    sources = declare() if callable(declare) else None
+    return dict(declare() or {}) if callable(declare) else {}
+
+
+def load_pretrained(root: nn.Module, sources: Mapping[str, TensorSource]) -> None:
+    """Fill `root`'s parameters from `sources` (its `declared_sources`), if any. The strategy calls this once
+    the model is sharded and materialised, with these parameters allocated but not initialised; every
+    parameter must have a source, else PretrainedError names it. A resumed checkpoint is loaded after, over it."""
     if sources:
         fill_parameters(root, sources)

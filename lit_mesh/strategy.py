@@ -40,6 +40,7 @@ from lit_mesh.comm.hierarchical import AllReduceMode
 from lit_mesh.comm.options import CompressionOptions
 from lit_mesh.comm.reductions import Reductions
 from lit_mesh.elastic import init_process_group_for_attempt
+from lit_mesh.hangs import HangWatch, start_hang_watch, use_watchdog_defaults
 from lit_mesh.init import materialize
 from lit_mesh.log_steps import is_logging_step
 from lit_mesh.mesh import (
@@ -60,7 +61,7 @@ from lit_mesh.parallel.data import defer_gradient_reduction, refuse_fsdp1
 from lit_mesh.parallel.pipeline import PipelineRunner, start_pipeline
 from lit_mesh.parallel.pipeline_moe import carry_moe_statistics
 from lit_mesh.precision import check_precision_plugin, with_global_norm_clipping
-from lit_mesh.pretrained import load_pretrained
+from lit_mesh.pretrained import declared_sources, load_pretrained
 from lit_mesh.progress import count_steps_in_progress_bar
 from lit_mesh.replan import SPLITS_KEY, OnWorldChange, WorldPlan, keep_global_batch, plan_for_world, rescale_batch_progress
 from lit_mesh.rules import Facts, check
@@ -184,6 +185,7 @@ class MeshStrategy(ModelParallelStrategy):
         self.compression_run: Optional[CompressionRun] = None  # the run's compression state, made in setup()
         self._pipeline: Optional[PipelineRunner] = None
         self._checkpoints = CheckpointWriter(asynchronous=async_save)
+        self._hang_watch: Optional[HangWatch] = None
 
     # ---- degrees and mesh -------------------------------------------------------------------------------
 
@@ -231,6 +233,7 @@ class MeshStrategy(ModelParallelStrategy):
 
     @override
     def _setup_distributed(self) -> None:
+        use_watchdog_defaults(self._get_process_group_backend())  # NCCL's watchdog settings, before the group starts
         # torchrun --max-restarts: each attempt on its own rendezvous keys (lit_mesh/elastic.py says why)
         init_process_group_for_attempt(self.cluster_environment, self._get_process_group_backend(), self._timeout, self.root_device)
         super()._setup_distributed()
@@ -246,6 +249,7 @@ class MeshStrategy(ModelParallelStrategy):
         if self.topology is None:  # _configure_launcher did not run (a Strategy used outside the Trainer)
             self.topology = Topology(nodes=self.num_nodes, devices_per_node=self.num_processes)
         self.reductions = Reductions.build(self.mesh_views, self.topology, self.options.communication.allreduce)
+        self._hang_watch = start_hang_watch(self.mesh_views, self._timeout)  # a hung collective is named (lit_mesh/hangs.py)
         reductions = [
             f"{h.axis} all-reduce {h.mode}: {h.nodes} nodes x {h.per_node} ranks per node"
             for h in self.reductions.hierarchies()
@@ -292,8 +296,9 @@ class MeshStrategy(ModelParallelStrategy):
             compression=self.compression_run, replicate_hierarchy=self.reductions.replicate,
         )  # fmt: skip
         if first_setup:
-            materialize(self.model, done.owners, self.root_device)
-            load_pretrained(self.model)  # each rank reads its slices of the declared pretrained weights, if any
+            pretrained = declared_sources(self.model)  # filled from pretrained weights: allocated, not initialised
+            materialize(self.model, done.owners, self.root_device, filled=pretrained)
+            load_pretrained(self.model, pretrained)  # each rank reads its slices of the declared pretrained weights
         self.model_to_device()
         if done.stages is not None and self._pipeline is None:
             pp_group = self.mesh_views[MeshAxis.PP].get_group()
@@ -425,7 +430,15 @@ class MeshStrategy(ModelParallelStrategy):
     @override
     def teardown(self) -> None:
         self.wait_for_checkpoint()  # the last checkpoint of a run is complete when fit() returns
+        if self._hang_watch is not None:
+            self._hang_watch.stop()
         super().teardown()
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        if self._hang_watch is not None:
+            self._hang_watch.on_exception(exception)  # torch's collective timeout -> CollectiveHangError, named
+        super().on_exception(exception)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:

@@ -3,7 +3,8 @@
 Layout parity through the `lit-mesh` CLI (fp32: relative 1e-4 per step over 10 steps, final full parameters
 1e-4): transformers GPT-2 and Llama in a plain LightningModule (zoo.hf.HFCausalLM) under tp2 and fsdp2 x tp2,
 ViT under fsdp2, Llama built whole in __init__ (not on the meta device) under tp2, and the user example
-examples/hf_model.py under tp2. One torchrun launch per world size
+examples/hf_model.py under tp2; a saved Mixtral loaded into zoo.MoEModule(pretrained=DIR) on ep2 and ep2 x fsdp
+(transformers' logits; each rank reads only its own slices). One torchrun launch per world size
 (1, 2, 4) runs every run, the export checkpoints and the error cases. Each run also records how the mesh was
 really applied (DTensor placements, FSDP2 units, MoE dispatchers: tests/workers/hf_runs.py), so that a run that
 silently stayed replicated cannot pass parity.
@@ -113,12 +114,39 @@ LAUNCHES: dict[int, list[dict]] = {
 }
 
 
+# zoo.MoEModule(pretrained=DIR) from a transformers Mixtral directory (4 experts), predicting with the experts split
+# over ep=2: on 2 ranks (2 experts per rank; the dense parts FSDP 2), and on 4 (the dense parts FSDP 4; each
+# expert FSDP-sharded over the 2 ranks of its ep rank's dp_shard)
+PRETRAINED_EP = {2: "moe-pretrained-ep2", 4: "moe-pretrained-ep2_fsdp4"}
+
+
+def _save_mixtral(directory: Path) -> Path:
+    from transformers import MixtralForCausalLM
+
+    from zoo.hf.configs import tiny_config
+
+    torch.manual_seed(0)
+    MixtralForCausalLM(tiny_config("mixtral", tie_word_embeddings=False)).save_pretrained(directory, max_shard_size="60KB")
+    return directory
+
+
+def _pretrained_ep(out: Path, nproc: int) -> dict:
+    predictions = out / PRETRAINED_EP[nproc] / "predictions"
+    args = ["-c", str(REPO / "configs/moe.yaml"), f"--model.init_args.pretrained={out / 'mixtral-pretrained'}",
+            f"--trainer.devices={nproc}", f"{S}ep=2", "--trainer.limit_predict_batches=1", "--seed_everything=0",
+            "--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false",
+            "--trainer.callbacks+=tests.workers.cli_runs.SavePredictions", f"--trainer.callbacks.output_dir={predictions}",
+            "--trainer.callbacks+=tests.workers.hf_runs.RecordReads", f"--trainer.callbacks.output_dir={predictions}"]  # fmt: skip
+    return {"kind": "predict", "name": PRETRAINED_EP[nproc], "args": args}
+
+
 @pytest.fixture(scope="module")
 def out(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("hf")
+    _save_mixtral(out / "mixtral-pretrained")
     for nproc, runs in LAUNCHES.items():
         spec = out / f"runs_{nproc}.json"
-        spec.write_text(json.dumps(runs))
+        spec.write_text(json.dumps([*runs, *([_pretrained_ep(out, nproc)] if nproc in PRETRAINED_EP else [])]))
         proc = torchrun(nproc, "hf_runs.py", str(out), str(spec), timeout=600)
         if proc.returncode != 0:
             raise AssertionError(f"hf_runs with {nproc} processes failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
@@ -373,6 +401,46 @@ def test_exported_zoo_moe_checkpoint_is_a_mixtral(out: Path, tmp_path: Path) -> 
         # the check can fail: the untrained model gives other logits
         untrained = MoETransformer(MoEConfig.from_preset("tiny")).eval()
         assert (mixtral(input_ids=tokens).logits - untrained(tokens)).abs().max().item() > 1e-5
+
+
+@pytest.mark.parametrize("nproc", sorted(PRETRAINED_EP))
+def test_pretrained_mixtral_on_ep_gives_transformers_logits(out: Path, nproc: int) -> None:
+    from transformers import MixtralForCausalLM
+
+    files = sorted((out / PRETRAINED_EP[nproc] / "predictions").glob("rank*-batch0.pt"))
+    assert len(files) == nproc, files
+    reference = MixtralForCausalLM.from_pretrained(out / "mixtral-pretrained").eval()
+    for file in files:
+        record = torch.load(file, weights_only=True)
+        with torch.no_grad():
+            expected = reference(input_ids=record["inputs"]).logits
+        torch.testing.assert_close(record["predictions"], expected, rtol=1e-5, atol=1e-5)
+
+
+def _indices(runs: list[list[int]]) -> torch.Tensor:
+    return torch.cat([torch.arange(a, b) for a, b in runs]) if runs else torch.zeros(0, dtype=torch.long)
+
+
+@pytest.mark.parametrize("nproc", sorted(PRETRAINED_EP))
+def test_pretrained_ep_ranks_read_only_their_own_slices(out: Path, nproc: int) -> None:
+    """Across ranks every element of every file tensor is read exactly once (no rank reads what another holds,
+    none a whole dense tensor), and each rank reads the per-expert tensors of its own 2 experts of 4 only."""
+    from zoo.pretrained import directory_tensors
+
+    reads = [json.loads(f.read_text()) for f in sorted((out / PRETRAINED_EP[nproc] / "predictions").glob("reads-rank*.json"))]
+    assert len(reads) == nproc
+    tensors = directory_tensors(out / "mixtral-pretrained")
+    assert set().union(*reads) == set(tensors), "every tensor of the directory is read by some rank"
+    for key, tensor in tensors.items():
+        count = torch.zeros(tensor.shape, dtype=torch.int32)
+        for rank_reads in reads:
+            for per_dim in rank_reads.get(key, {"reads": []})["reads"]:
+                count[torch.meshgrid(*map(_indices, per_dim), indexing="ij")] += 1
+        assert bool((count == 1).all()), f"{key}: read {count.min().item()} to {count.max().item()} times across ranks"
+    expert = re.compile(r"^model\.layers\.\d+\.block_sparse_moe\.experts\.(\d+)\.w[123]\.weight$")
+    for rank, rank_reads in enumerate(reads):
+        experts = {int(m[1]) for key in rank_reads if (m := expert.match(key))}
+        assert experts in ({0, 1}, {2, 3}), f"rank {rank} read the tensors of experts {sorted(experts)}"
 
 
 def test_errors_name_the_model_and_the_fix(out: Path) -> None:

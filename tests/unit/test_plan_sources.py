@@ -73,7 +73,7 @@ def test_a_registered_initialiser_initialises_owners_without_init_rules(registri
         model = Tower()
     owners = [PlanOwner("", model, ParallelPlan(blocks="layers"))]
 
-    def fill_ones(module: nn.Module) -> bool:
+    def fill_ones(module: nn.Module, skip: object) -> bool:
         if not isinstance(module, Tower):
             return False
         for p in module.parameters():

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from lit_mesh.pretrained import Concatenated, Files, FileTensor, PretrainedError, Stacked, Transposed
 from zoo import GPTModule, MoEModule
@@ -108,3 +109,58 @@ def test_slices_read_from_the_file_equal_indexing(tmp_path: Path) -> None:
         assert torch.equal(Concatenated((t["a"], t["b"]), dim=0).read(files, [idx, cols]), both[idx][:, cols])
         stacked = Stacked((t["a"], t["c"])).read(files, [torch.tensor([1]), rows, cols])
         assert torch.equal(stacked, load_file(tmp_path / "w.safetensors")["c"][rows][:, cols][None])
+
+
+class _Writes(TorchDispatchMode):
+    """The storages (data pointers) every in-place or out= op writes into."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.storages: set[int] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204 - torch's signature
+        kwargs = kwargs or {}
+        for i, argument in enumerate(func._schema.arguments):
+            written = args[i] if i < len(args) else kwargs.get(argument.name)
+            if argument.alias_info is not None and argument.alias_info.is_write and isinstance(written, torch.Tensor):
+                if not written.is_meta:
+                    self.storages.add(written.untyped_storage().data_ptr())
+        return func(*args, **kwargs)
+
+
+def _on_meta(module: torch.nn.Module) -> tuple[torch.nn.Module, list]:
+    import lit_mesh.hf  # noqa: F401  registers transformers' plans and initialisation, as the strategy does
+    from lit_mesh.parallel.apply import find_plan_owners
+
+    with torch.device("meta"):
+        module.configure_model()
+    return module, find_plan_owners(module)
+
+
+@pytest.mark.parametrize("kind", ["zoo", "hf"])
+def test_materialize_allocates_pretrained_parameters_without_initialising_them(kind: str) -> None:
+    """The parameters a pretrained source fills are allocated, never written (no init kernels); every other
+    parameter is initialised (zoo: to the same values as without the skip); buffers (RoPE tables) still are."""
+    from lit_mesh.init import materialize
+
+    def build() -> tuple[torch.nn.Module, list]:
+        return _on_meta(GPTModule() if kind == "zoo" else HFCausalLM(architecture="llama"))
+
+    torch.manual_seed(0)
+    reference, owners = build()
+    materialize(reference, owners, torch.device("cpu"))
+    module, owners = build()
+    names = [name for name, _ in module.named_parameters()]
+    filled = set(names[::2]) if kind == "zoo" else set(names)  # transformers draws from one stream: skip all
+    torch.manual_seed(0)
+    with _Writes() as writes:
+        materialize(module, owners, torch.device("cpu"), filled=filled)
+    params, expected = dict(module.named_parameters()), dict(reference.named_parameters())
+    assert not {params[n].untyped_storage().data_ptr() for n in filled} & writes.storages, "a filled parameter was written"
+    for name in set(names) - filled:
+        assert torch.equal(params[name], expected[name]), name
+    buffers, expected_buffers = dict(module.named_buffers()), dict(reference.named_buffers())
+    assert (kind == "zoo") or buffers, "the HF Llama has RoPE buffers"
+    for name, buffer in buffers.items():
+        assert torch.equal(buffer, expected_buffers[name]), name
+    assert not any(hasattr(p, "_is_hf_initialized") for p in module.parameters()), "transformers' flag is removed"

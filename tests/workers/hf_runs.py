@@ -5,7 +5,8 @@ RUNS_JSON is a list of {"kind": "fit" | "error" | "example", "name": str, "args"
 - fit: a `lit-mesh fit` run (see cli_runs.py; `--ckpt_path=@NAME` resumes from run NAME's last checkpoint): OUT_DIR/NAME/result.json and params.pt, and layout.json: how the
   mesh was really applied (RecordLayout), so that a run that silently stayed replicated cannot pass;
 - error: a `lit-mesh fit` run that must fail: its error goes to OUT_DIR/errors_N.json (see expect_errors.py);
-- example: examples/SCRIPT's main(args + ["--out", OUT_DIR/NAME.json]), args[0] being the script.
+- example: examples/SCRIPT's main(args + ["--out", OUT_DIR/NAME.json]), args[0] being the script;
+- predict: a `lit-mesh predict` run (with SavePredictions and RecordReads for a pretrained load).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from torch.distributed.tensor import DTensor
 
 from lit_mesh.cli import close_process_groups
 from lit_mesh.cli import run as run_cli
+from lit_mesh.pretrained import FileTensor, _runs
 from tests.workers.cli_runs import run as run_fit
 from tests.workers.examples_runs import load
 
@@ -35,6 +37,30 @@ class RecordLayout(L.Callback):
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if trainer.global_rank == 0:  # after the last step FSDP2 has resharded every unit, the root included
             (Path(trainer.logger.save_dir) / "layout.json").write_text(json.dumps(layout(pl_module)))
+
+
+class RecordReads(L.Callback):
+    """Each rank writes OUTPUT_DIR/reads-rank{R}.json: every safetensors tensor it read while the strategy
+    loaded the pretrained weights, {key: {"shape": file shape, "reads": [[[start, stop) runs] per dim], ...]}}."""
+
+    def __init__(self, output_dir: str) -> None:
+        self.output_dir = Path(output_dir)
+        self.reads: dict[str, dict[str, Any]] = {}
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        self.original = read = FileTensor.read  # the strategy's setup runs after this hook: the load is seen
+
+        def recorded(tensor: FileTensor, files: Any, index: list[torch.Tensor]) -> torch.Tensor:
+            entry = self.reads.setdefault(tensor.key, {"shape": list(tensor.shape), "reads": []})
+            entry["reads"].append([_runs(i) for i in index])
+            return read(tensor, files, index)
+
+        FileTensor.read = recorded  # type: ignore[method-assign]
+
+    def on_predict_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        FileTensor.read = self.original  # type: ignore[method-assign]
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        (self.output_dir / f"reads-rank{trainer.global_rank}.json").write_text(json.dumps(self.reads))
 
 
 def layout(module: torch.nn.Module) -> dict[str, Any]:
@@ -69,6 +95,8 @@ if __name__ == "__main__":
         elif spec["kind"] == "example":
             script, *args = spec["args"]
             load(script).main([*args, "--out", str(out / f"{spec['name']}.json")])
+        elif spec["kind"] == "predict":
+            run_fit(out, spec["name"], spec["args"], command="predict")
         else:
             try:
                 run_cli(["fit", *spec["args"]])
