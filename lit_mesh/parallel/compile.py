@@ -8,14 +8,15 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
 
 from lit_mesh.mesh import MeshConfigError
 
 
 def check_compile_backend(backend: str) -> None:
-    """Refuse, before any process starts, a backend torch.compile does not have (async TP: see
-    lit_mesh/rules.py, "async_tp_needs_cuda")."""
+    """Refuse, before any process starts, a backend torch.compile does not have (async TP's needs: see
+    lit_mesh/rules.py, "async_tp_needs_compiled_sp" and "async_tp_needs_cuda_nccl")."""
     backends = sorted(torch._dynamo.list_backends(exclude_tags=()))
     if backend not in backends:
         raise MeshConfigError(f"compile_backend={backend!r} is not a torch.compile backend; choose one of {backends}")
@@ -43,3 +44,13 @@ def apply_compile(blocks: Sequence[nn.Module], backend: str, fullgraph: bool = F
         # prepend: before activation checkpointing's hook, so recomputation sees the settled input too
         block.register_forward_pre_hook(_settle_async_collectives, prepend=True, with_kwargs=True)
         block.forward = torch.compile(block.forward, backend=backend, fullgraph=fullgraph)  # type: ignore[method-assign]
+
+
+def enable_async_tp(tp_mesh: DeviceMesh) -> None:
+    """torch's micro-pipeline TP (as torchtitan enables it): inductor splits the sequence-parallel all-gather ->
+    matmul and matmul -> reduce-scatter into tiles exchanged through symmetric memory on the tp group. CUDA + NCCL
+    only (lit_mesh/rules.py refuses anything else before launch)."""
+    from torch.distributed._symmetric_memory import enable_symm_mem_for_group
+
+    torch._inductor.config._micro_pipeline_tp = True
+    enable_symm_mem_for_group(tp_mesh.get_group().group_name)

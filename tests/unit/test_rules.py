@@ -26,9 +26,11 @@ def init(options: MeshOptions = O, **degrees: object) -> Facts:
     return Facts(degrees={**DEGREES, **degrees}, options=options)
 
 
-def launch(layout: MeshLayout, options: MeshOptions = O, precision: str = "32-true", nodes: int = 1) -> Facts:
+def launch(layout: MeshLayout, options: MeshOptions = O, precision: str = "32-true", nodes: int = 1,
+           device_type: str = "cpu", backend: str = "gloo") -> Facts:
     topology = Topology(nodes=nodes, devices_per_node=layout.world_size // nodes)
-    return Facts(options=options, layout=layout, precision=precision, topology=topology)
+    return Facts(options=options, layout=layout, precision=precision, topology=topology, device_type=device_type,
+                 process_group_backend=backend)
 
 
 def setup(layout: MeshLayout, owners: list, options: MeshOptions = O, self_parallelised: bool = False) -> Facts:
@@ -47,6 +49,7 @@ def pipeline(pp: int, **settings: object) -> Facts:
 PP2, CP2, TP2 = MeshLayout(pp=2, dp_shard=2), MeshLayout(dp_shard=2, cp=2), MeshLayout(dp_shard=2, tp=2)
 DP4 = MeshLayout(dp_shard=4)
 AC = replace(O, memory=MemoryOptions("full"))
+ASYNC_TP = replace(O, compile=CompileOptions("inductor", async_tp=True))
 
 # rule -> (facts that break it, the message or a part of it, facts that pass)
 CASES: dict[str, tuple[Facts, str, Facts]] = {
@@ -64,8 +67,10 @@ CASES: dict[str, tuple[Facts, str, Facts]] = {
                                  " pp_split need pp > 1", pipeline(2, schedule="gpipe")),
     "pp_with_cp": (init(pp=2, cp=2), "pp=2 with cp=2: pipeline and context parallel together are not supported yet",
                    init(pp=2)),
-    "compile_with_tp": (init(replace(O, compile=CompileOptions("aot_eager")), tp=2), "compile_blocks=True with tp=2:"
-                        " compiled blocks do not yet give correct gradients", init(replace(O, compile=CompileOptions("aot_eager")))),
+    "async_tp_needs_compiled_sp": (init(replace(O, compile=CompileOptions("aot_eager", async_tp=True)), tp=2),
+                                   "async_tp=True with compile_blocks=True, compile_backend='aot_eager', tp=2,"
+                                   " sequence_parallel=True: async TP (torch's micro-pipeline TP) fuses the",
+                                   init(ASYNC_TP, tp=2)),
     "async_save_needs_sharded": (init(replace(O, checkpoint=CheckpointOptions(False, True))), "async_save=True writes"
                                  " sharded checkpoints: keep save_distributed_checkpoint=True",
                                  init(replace(O, checkpoint=CheckpointOptions(True, True)))),
@@ -79,6 +84,10 @@ CASES: dict[str, tuple[Facts, str, Facts]] = {
                                Facts(layout=MeshLayout(dp_shard=2, cp=2, ep=4))),
     "pp_with_fp16_scaler": (launch(PP2, precision="16-mixed"), "pp=2 with fp16 loss scaling: the pipeline schedule runs"
                             " the backward itself", launch(PP2, precision="bf16-mixed")),
+    "async_tp_needs_cuda_nccl": (launch(TP2, ASYNC_TP), "async_tp=True on device 'cpu' with process group backend"
+                                 " 'gloo': async TP (torch's micro-pipeline TP) exchanges tiles through CUDA symmetric"
+                                 " memory and needs accelerator='cuda' with the 'nccl' backend",
+                                 launch(TP2, ASYNC_TP, device_type="cuda", backend="nccl")),
     "compression_needs_data_parallel": (launch(MeshLayout(tp=2), replace(O, communication=FP16)), "grad_compression='fp16'"
                                         " but the mesh has no data-parallel dim", launch(DP4, replace(O, communication=FP16))),
     "topology_holds_mesh": (replace(launch(DP4), topology=Topology(nodes=1, devices_per_node=2)), "the mesh has 4 ranks",
