@@ -67,6 +67,10 @@ CASES: dict[str, tuple[Facts, str, Facts]] = {
                                  " pp_split need pp > 1", pipeline(2, schedule="gpipe")),
     "pp_with_cp": (init(pp=2, cp=2), "pp=2 with cp=2: pipeline and context parallel together are not supported yet",
                    init(pp=2)),
+    "selective_ac_with_inductor_tp": (init(replace(O, memory=MemoryOptions("selective"), compile=CompileOptions("inductor")),
+                                      tp=2), "activation_checkpointing='selective' with compile_blocks (compile_backend="
+                                      "'inductor') and tp=2: on this torch the gradients come out wrong",
+                                      init(replace(O, memory=MemoryOptions("full"), compile=CompileOptions("inductor")), tp=2)),
     "async_tp_needs_compiled_sp": (init(replace(O, compile=CompileOptions("aot_eager", async_tp=True)), tp=2),
                                    "async_tp=True with compile_blocks=True, compile_backend='aot_eager', tp=2,"
                                    " sequence_parallel=True: async TP (torch's micro-pipeline TP) fuses the",
