@@ -9,6 +9,15 @@ compiled in one of several ways. One forward/backward on a fixed batch; every gr
     python benchmarks/compile_tp_repro.py --backend inductor --cases eager-sp,torch-forward-sp,lit-mesh-sp
 
 The last stdout line is one JSON object: per case, the largest gradient difference (or the error raised).
+
+Found on torch 2.13.0 (CPU, gloo), every `torch-*` case fails: the first block's input is an AsyncCollectiveTensor
+(`to_local()` after RowwiseParallel's async redistribute); AOTAutograd unwraps it with `trigger_wait()`, which drops
+requires_grad (a gradient hook on that input sees None), and the embedding's redistribute then fails in backward
+("'Tensor' object has no attribute '_local_tensor'") or, with FSDP2 around, trains on wrong gradients.
+pytorch/pytorch#179849 added the unwrap, #191113 restores requires_grad (after 2.13). The `lit-mesh-*` cases (a
+`clone()` of such an input before the compiled forward) match to 6e-8 with aot_eager and inductor, except
+selective checkpointing + inductor (wrong gradients: refused in lit_mesh/rules.py). Composable checkpoint + the
+module compiled whole (torchtitan's order, with its checkpoint_wrapper instead) does not trace on 2.13.
 """
 
 from __future__ import annotations

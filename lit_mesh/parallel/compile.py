@@ -27,8 +27,8 @@ def _settle_async_collectives(_module: nn.Module, args: tuple, kwargs: dict) -> 
 
     Under tensor parallel a block's input can be an AsyncCollectiveTensor (the `to_local()` of torch's
     RowwiseParallel output, which redistributes with async_op=True). torch 2.13's AOTAutograd unwraps such an
-    input with `trigger_wait()`, which drops its requires_grad, so the compiled graph returns no gradient for it
-    and everything upstream (the embedding) loses its gradient: pytorch/pytorch#191113 (fix after 2.13),
+    input with `trigger_wait()`, which drops its requires_grad, so its gradient never reaches the embedding (the
+    backward fails, or trains on wrong gradients): pytorch/pytorch#191113 (fix after 2.13),
     reproduced by benchmarks/compile_tp_repro.py. `clone()` waits through the subclass's dispatch and keeps
     the autograd edge (one copy of the block's input, at the first block only)."""
 
