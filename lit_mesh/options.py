@@ -55,6 +55,7 @@ class MemoryOptions:
 @dataclass(frozen=True)
 class CompileOptions:
     backend: Optional[str] = None  # None: blocks are not compiled
+    async_tp: bool = False  # torch's micro-pipeline TP in the compiled blocks (CUDA + NCCL, inductor, SP)
 
 
 @dataclass(frozen=True)
@@ -105,6 +106,7 @@ def build_options(
     ac_every_n_blocks: int,
     compile_blocks: bool,
     compile_backend: str,
+    async_tp: bool,
     stop_on_nonfinite_loss: bool,
     save_distributed_checkpoint: bool,
     async_save: bool,
@@ -129,7 +131,7 @@ def build_options(
         pipeline=pipeline,
         context=ContextOptions(cp_style),
         memory=MemoryOptions(activation_checkpointing, ac_every_n_blocks),
-        compile=CompileOptions(compile_backend if compile_blocks else None),
+        compile=CompileOptions(compile_backend if compile_blocks else None, async_tp),
         communication=CommunicationOptions(resolve_compression(grad_compression), allreduce, as_topology(topology), strict_topology),  # fmt: skip
         checkpoint=CheckpointOptions(save_distributed_checkpoint, async_save),
         stop_on_nonfinite_loss=stop_on_nonfinite_loss,

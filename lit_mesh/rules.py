@@ -39,6 +39,8 @@ class Facts:
     world_size: Optional[int] = None  # layout, launch
     layout: Any = None  # lit_mesh.mesh.MeshLayout, resolved (layout: once resolved; launch, setup)
     precision: Optional[str] = None  # launch
+    device_type: Optional[str] = None  # launch: "cpu", "cuda", ...
+    process_group_backend: Optional[str] = None  # launch: "gloo", "nccl", ...
     topology: Any = None  # lit_mesh.topology.Topology (launch)
     model_name: str = ""  # the LightningModule's class (setup)
     owners: list[Any] = field(default_factory=list)  # plan owners found in the model (setup)
@@ -150,15 +152,30 @@ RULES: tuple[Rule, ...] = (
         PipelineConfigError,
     ),
     Rule(
-        # measured on torch 2.13: with TP/SP DTensors entering a compiled block, the DTensor redistribute
-        # outside the graph receives plain-tensor gradients (AttributeError: '_local_tensor') or, with FSDP2
-        # around, the gradients come out wrong (loss off by 1e-3 at step 2); eager TP is exact
-        "compile_with_tp", "init",
-        # "auto": tp is the devices per node, likely > 1
-        lambda f: f.options.compile.backend is not None and (f.degrees["tp"] == "auto" or f.degrees["tp"] > 1),
-        lambda f: f"compile_blocks=True with tp={f.degrees['tp']}: compiled blocks do not yet give correct gradients"
-        " under tensor parallel on this torch; use compile_blocks with data parallel only (dp, dp_replicate,"
-        " dp_shard), or keep tp and set compile_blocks=False",
+        # measured on torch 2.13 (benchmarks/compile_tp_repro.py --backend inductor): selective checkpointing
+        # around inductor-compiled TP blocks gives wrong weight gradients (wv off by 0.057); full checkpointing,
+        # aot_eager, selective + inductor without TP, and the same policy without the collectives in its saved set
+        # all match one device to 1e-7: the saved outputs of the collectives inductor's code calls are not the
+        # values recompute needs
+        "selective_ac_with_inductor_tp", "init",
+        lambda f: f.options.memory.activation_checkpointing == "selective" and f.options.compile.backend == "inductor"
+        and f.degrees["tp"] != 1,
+        lambda f: f"activation_checkpointing='selective' with compile_blocks (compile_backend='inductor') and"
+        f" tp={f.degrees['tp']}: on this torch the gradients come out wrong (benchmarks/compile_tp_repro.py --backend"
+        " inductor, case lit-mesh-ac-selective-sp: the collective outputs it saves); use activation_checkpointing="
+        "'full', or compile_backend='aot_eager', or tp=1",
+    ),
+    Rule(
+        # torch's micro-pipeline TP is an inductor pass that fuses the SP all-gather/reduce-scatter with the
+        # matmuls next to them; it needs a compiled, sequence-parallel TP region to find them
+        "async_tp_needs_compiled_sp", "init",
+        lambda f: f.options.compile.async_tp and (
+            f.options.compile.backend != "inductor" or f.degrees["tp"] == 1 or not f.options.mesh.sequence_parallel
+        ),
+        lambda f: f"async_tp=True with compile_blocks={f.options.compile.backend is not None}, compile_backend="
+        f"{f.options.compile.backend!r}, tp={f.degrees['tp']}, sequence_parallel={f.options.mesh.sequence_parallel}:"
+        " async TP (torch's micro-pipeline TP) fuses the sequence-parallel collectives into the matmuls in inductor;"
+        " set compile_blocks=True, compile_backend='inductor', tp > 1 and sequence_parallel=True, or async_tp=False",
     ),
     Rule(
         # measured on torch 2.13: compiled blocks fail in the input-gradient pass inside AOTAutograd ("compiled with
@@ -207,6 +224,14 @@ RULES: tuple[Rule, ...] = (
         lambda f: f.layout.pp > 1 and f.precision == "16-mixed",
         lambda f: f"pp={f.layout.pp} with fp16 loss scaling: the pipeline schedule runs the backward itself, outside"
         " the scaler; use precision='bf16-mixed' (no scaler needed) or pp=1",
+    ),
+    Rule(
+        "async_tp_needs_cuda_nccl", "launch",
+        lambda f: f.options.compile.async_tp and (f.device_type != "cuda" or f.process_group_backend != "nccl"),
+        lambda f: f"async_tp=True on device {f.device_type!r} with process group backend"
+        f" {f.process_group_backend!r}: async TP (torch's micro-pipeline TP) exchanges tiles through CUDA symmetric"
+        " memory and needs accelerator='cuda' with the 'nccl' backend; on this machine set async_tp=False (plain TP,"
+        " compiled or not, runs here)",
     ),
     Rule(
         "compression_needs_data_parallel", "launch",

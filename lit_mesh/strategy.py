@@ -94,9 +94,11 @@ class MeshStrategy(ModelParallelStrategy):
         activation_checkpointing: "none", "full" (recompute whole blocks in backward) or "selective" (keep
             matmul, attention and collective outputs, recompute the rest).
         ac_every_n_blocks: checkpoint every n-th block only (1: all blocks).
-        compile_blocks: torch.compile each block's forward (after checkpointing, before FSDP); data-parallel
-            layouts only for now (with tp > 1 it is refused: compiled DTensor blocks get wrong gradients).
+        compile_blocks: torch.compile each block's forward (after TP and checkpointing, before FSDP).
         compile_backend: the torch.compile backend ("inductor"; "aot_eager" compiles fast and generates no code).
+        async_tp: torch's micro-pipeline (async) TP: inductor overlaps the sequence-parallel all-gather and
+            reduce-scatter with the matmuls of the compiled blocks. CUDA + NCCL only; needs compile_blocks with
+            "inductor", tp > 1 and sequence_parallel.
         stop_on_nonfinite_loss: stop with the step and the ranks when a training loss is NaN or infinite; every
             rank stops together (one tiny all-reduce on logging steps, before saves and at the end; nothing on
             the other steps: see lit_mesh/nonfinite.py).
@@ -147,6 +149,7 @@ class MeshStrategy(ModelParallelStrategy):
         ac_every_n_blocks: int = 1,
         compile_blocks: bool = False,
         compile_backend: str = "inductor",
+        async_tp: bool = False,
         stop_on_nonfinite_loss: bool = True,
         save_distributed_checkpoint: bool = True,
         async_save: bool = False,
@@ -171,7 +174,8 @@ class MeshStrategy(ModelParallelStrategy):
             pp_schedule=pp_schedule, pp_microbatches=pp_microbatches, pp_stages_per_rank=pp_stages_per_rank,
             pp_split=pp_split, sequence_parallel=sequence_parallel, activation_checkpointing=activation_checkpointing,
             ac_every_n_blocks=ac_every_n_blocks, compile_blocks=compile_blocks, compile_backend=compile_backend,
-            stop_on_nonfinite_loss=stop_on_nonfinite_loss, save_distributed_checkpoint=save_distributed_checkpoint,
+            async_tp=async_tp, stop_on_nonfinite_loss=stop_on_nonfinite_loss,
+            save_distributed_checkpoint=save_distributed_checkpoint,
             async_save=async_save, grad_compression=grad_compression, topology=topology,
             strict_topology=strict_topology, allreduce=allreduce, on_world_change=on_world_change,
         )  # fmt: skip
@@ -226,7 +230,8 @@ class MeshStrategy(ModelParallelStrategy):
             self.cluster_environment, self.num_nodes, self.num_processes, self.options.communication.topology
         )
         precision = str(self.precision_plugin.precision)
-        check("launch", Facts(options=self.options, layout=layout, precision=precision, topology=self.topology))
+        check("launch", Facts(options=self.options, layout=layout, precision=precision, topology=self.topology,
+                              device_type=self.root_device.type, process_group_backend=self._get_process_group_backend()))
         # Always configure the launcher: with processes created externally (SLURM, torchrun) it spawns
         # nothing but still validates the cluster settings.
         self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)

@@ -21,7 +21,7 @@ from lit_mesh.comm.hierarchical import Hierarchy, attach_hierarchical_all_reduce
 from lit_mesh.mesh import MeshAxis, MeshViews
 from lit_mesh.options import MeshOptions
 from lit_mesh.parallel.checkpointing import apply_activation_checkpointing
-from lit_mesh.parallel.compile import apply_compile
+from lit_mesh.parallel.compile import apply_compile, enable_async_tp
 from lit_mesh.parallel.context import apply_context_parallel
 from lit_mesh.parallel.data import apply_data_parallel, attach_compression, data_parallel_mesh
 from lit_mesh.parallel.expert import adapt_moe_layers, apply_expert_parallel, expert_modules, shard_experts
@@ -151,6 +151,8 @@ def parallelize(
     if layout.world_size > 1:
         for owner in owners:
             apply_expert_parallel(owner.module, owner.plan, mesh, layout)
+    if options.compile.async_tp:  # CUDA + NCCL, inductor, tp > 1 with SP: lit_mesh/rules.py
+        enable_async_tp(mesh[MeshAxis.TP])
     for owner in owners:
         blocks = list(owner.module.get_submodule(owner.plan.blocks))
         apply_activation_checkpointing(blocks, memory.activation_checkpointing, memory.ac_every_n_blocks)

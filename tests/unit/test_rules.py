@@ -31,9 +31,11 @@ def init(options: MeshOptions = O, **degrees: object) -> Facts:
     return Facts(degrees={**DEGREES, **degrees}, options=options)
 
 
-def launch(layout: MeshLayout, options: MeshOptions = O, precision: str = "32-true", nodes: int = 1) -> Facts:
+def launch(layout: MeshLayout, options: MeshOptions = O, precision: str = "32-true", nodes: int = 1,
+           device_type: str = "cpu", backend: str = "gloo") -> Facts:
     topology = Topology(nodes=nodes, devices_per_node=layout.world_size // nodes)
-    return Facts(options=options, layout=layout, precision=precision, topology=topology)
+    return Facts(options=options, layout=layout, precision=precision, topology=topology, device_type=device_type,
+                 process_group_backend=backend)
 
 
 def setup(layout: MeshLayout, owners: list, options: MeshOptions = O, self_parallelised: bool = False) -> Facts:
@@ -71,6 +73,7 @@ def test_checkpointed_blocks_are_refused_with_the_split_backward_too() -> None:
 PP2, CP2, TP2 = MeshLayout(pp=2, dp_shard=2), MeshLayout(dp_shard=2, cp=2), MeshLayout(dp_shard=2, tp=2)
 DP4 = MeshLayout(dp_shard=4)
 AC = replace(O, memory=MemoryOptions("full"))
+ASYNC_TP = replace(O, compile=CompileOptions("inductor", async_tp=True))
 
 # rule -> (facts that break it, the message or a part of it, facts that pass)
 CASES: dict[str, tuple[Facts, str, Facts]] = {
@@ -89,11 +92,17 @@ CASES: dict[str, tuple[Facts, str, Facts]] = {
                            " = 2 stages", pipeline(2, split=(1, 3))),
     "pipeline_options_need_pp": (pipeline(1, schedule="gpipe"), "pp_schedule, pp_microbatches, pp_stages_per_rank and"
                                  " pp_split need pp > 1", pipeline(2, schedule="gpipe")),
-    "compile_with_tp": (init(replace(O, compile=CompileOptions("aot_eager")), tp=2), "compile_blocks=True with tp=2:"
-                        " compiled blocks do not yet give correct gradients", init(replace(O, compile=CompileOptions("aot_eager")))),
     "split_backward_without_block_options": (compiled_pipeline("zbv"), "compile_blocks with pp_schedule='zbv': this"
                                              " schedule splits each backward into an input-gradient pass and a later"
                                              " weight-gradient pass", compiled_pipeline("interleaved_1f1b")),
+    "selective_ac_with_inductor_tp": (init(replace(O, memory=MemoryOptions("selective"), compile=CompileOptions("inductor")),
+                                      tp=2), "activation_checkpointing='selective' with compile_blocks (compile_backend="
+                                      "'inductor') and tp=2: on this torch the gradients come out wrong",
+                                      init(replace(O, memory=MemoryOptions("full"), compile=CompileOptions("inductor")), tp=2)),
+    "async_tp_needs_compiled_sp": (init(replace(O, compile=CompileOptions("aot_eager", async_tp=True)), tp=2),
+                                   "async_tp=True with compile_blocks=True, compile_backend='aot_eager', tp=2,"
+                                   " sequence_parallel=True: async TP (torch's micro-pipeline TP) fuses the",
+                                   init(ASYNC_TP, tp=2)),
     "async_save_needs_sharded": (init(replace(O, checkpoint=CheckpointOptions(False, True))), "async_save=True writes"
                                  " sharded checkpoints: keep save_distributed_checkpoint=True",
                                  init(replace(O, checkpoint=CheckpointOptions(True, True)))),
@@ -107,6 +116,10 @@ CASES: dict[str, tuple[Facts, str, Facts]] = {
                                Facts(layout=MeshLayout(dp_shard=2, cp=2, ep=4))),
     "pp_with_fp16_scaler": (launch(PP2, precision="16-mixed"), "pp=2 with fp16 loss scaling: the pipeline schedule runs"
                             " the backward itself", launch(PP2, precision="bf16-mixed")),
+    "async_tp_needs_cuda_nccl": (launch(TP2, ASYNC_TP), "async_tp=True on device 'cpu' with process group backend"
+                                 " 'gloo': async TP (torch's micro-pipeline TP) exchanges tiles through CUDA symmetric"
+                                 " memory and needs accelerator='cuda' with the 'nccl' backend",
+                                 launch(TP2, ASYNC_TP, device_type="cuda", backend="nccl")),
     "compression_needs_data_parallel": (launch(MeshLayout(tp=2), replace(O, communication=FP16)), "grad_compression='fp16'"
                                         " but the mesh has no data-parallel dim", launch(DP4, replace(O, communication=FP16))),
     "topology_holds_mesh": (replace(launch(DP4), topology=Topology(nodes=1, devices_per_node=2)), "the mesh has 4 ranks",
