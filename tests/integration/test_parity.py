@@ -52,6 +52,10 @@ VARIANTS: dict[str, tuple[str, list[str]]] = {
         "fsdp2_tp2", [f"{S}activation_checkpointing=selective", f"{S}ac_every_n_blocks=2"]
     ),
     "fsdp2-compile": ("fsdp2", [f"{S}compile_blocks=true", f"{S}compile_backend=aot_eager"]),
+    # ZeRO stages 1 and 2 (stage 1 with accumulation: gradients then reduced once per step)
+    "fsdp2-zero1-accum2": ("fsdp2", [f"{S}zero_stage=1", "--trainer.accumulate_grad_batches=2"]),
+    "fsdp2-zero2": ("fsdp2", [f"{S}zero_stage=2"]),
+    "fsdp2_tp2-zero2": ("fsdp2_tp2", [f"{S}zero_stage=2"]),
     "fsdp2_tp2-bf16-mixed-ac-selective": (
         "fsdp2_tp2", ["--trainer.precision=bf16-mixed", f"{S}activation_checkpointing=selective"]
     ),
@@ -173,6 +177,18 @@ def test_activation_checkpointing_keeps_the_loss_curve(results: dict, variant: s
 def test_selective_checkpointing_under_bf16_mixed_changes_no_number(results: dict) -> None:
     # FSDP2 casts block inputs to bf16 in a hook that recompute runs inside the checkpointed region
     assert losses(results["gpt-fsdp2_tp2-bf16-mixed-ac-selective"]) == losses(results["gpt-fsdp2_tp2-bf16-mixed"])
+
+
+@pytest.mark.parametrize(("variant", "reference"), [
+    ("fsdp2-zero1-accum2", "single-accum2"), ("fsdp2-zero2", "single"), ("fsdp2_tp2-zero2", "single"),
+])  # fmt: skip
+def test_zero_stages_keep_the_loss_curve(results: dict, variant: str, reference: str) -> None:
+    _assert_same_curve(losses(results[f"gpt-{reference}"]), losses(results[f"gpt-{variant}"]), variant)
+    out = Path(results["_dir"]["path"])
+    ref_params = torch.load(out / f"gpt-{reference}" / "params.pt", weights_only=True)
+    params = torch.load(out / f"gpt-{variant}" / "params.pt", weights_only=True)
+    for name, ref in ref_params.items():
+        assert (params[name] - ref).abs().max().item() <= 1e-4, f"{variant}: parameter {name}"
 
 
 def test_compiled_blocks_keep_the_loss_curve(results: dict) -> None:

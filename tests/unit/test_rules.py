@@ -12,7 +12,14 @@ import pytest
 
 from lit_mesh.comm.options import CompressionOptions
 from lit_mesh.mesh import MeshLayout
-from lit_mesh.options import CheckpointOptions, CommunicationOptions, CompileOptions, MeshOptions, MemoryOptions
+from lit_mesh.options import (
+    CheckpointOptions,
+    CommunicationOptions,
+    CompileOptions,
+    DataParallelOptions,
+    MemoryOptions,
+    MeshOptions,
+)
 from lit_mesh.parallel.pipeline import PipelineSettings
 from lit_mesh.rules import RULES, RULES_BY_NAME, Facts, enforce
 from lit_mesh.topology import Topology
@@ -47,6 +54,7 @@ def pipeline(pp: int, **settings: object) -> Facts:
 PP2, CP2, TP2 = MeshLayout(pp=2, dp_shard=2), MeshLayout(dp_shard=2, cp=2), MeshLayout(dp_shard=2, tp=2)
 DP4 = MeshLayout(dp_shard=4)
 AC = replace(O, memory=MemoryOptions("full"))
+ZERO1, ZERO2 = replace(O, data=DataParallelOptions(1)), replace(O, data=DataParallelOptions(2))
 
 # rule -> (facts that break it, the message or a part of it, facts that pass)
 CASES: dict[str, tuple[Facts, str, Facts]] = {
@@ -64,6 +72,8 @@ CASES: dict[str, tuple[Facts, str, Facts]] = {
                                  " pp_split need pp > 1", pipeline(2, schedule="gpipe")),
     "pp_with_cp": (init(pp=2, cp=2), "pp=2 with cp=2: pipeline and context parallel together are not supported yet",
                    init(pp=2)),
+    "zero_stage_with_pp": (init(ZERO2, pp=2), "zero_stage=2 with pp=2: under a pipeline each stage's parameters are"
+                           " already gathered once per step", init(ZERO2)),
     "compile_with_tp": (init(replace(O, compile=CompileOptions("aot_eager")), tp=2), "compile_blocks=True with tp=2:"
                         " compiled blocks do not yet give correct gradients", init(replace(O, compile=CompileOptions("aot_eager")))),
     "async_save_needs_sharded": (init(replace(O, checkpoint=CheckpointOptions(False, True))), "async_save=True writes"
@@ -81,6 +91,9 @@ CASES: dict[str, tuple[Facts, str, Facts]] = {
                             " the backward itself", launch(PP2, precision="bf16-mixed")),
     "compression_needs_data_parallel": (launch(MeshLayout(tp=2), replace(O, communication=FP16)), "grad_compression='fp16'"
                                         " but the mesh has no data-parallel dim", launch(DP4, replace(O, communication=FP16))),
+    "zero_stage_needs_sharded_dp": (launch(MeshLayout(dp_replicate=2), ZERO1), "zero_stage=1 shards optimizer state"
+                                    " over the sharded data-parallel dim, but the mesh has none (pp=1 x dp_replicate=2",
+                                    launch(MeshLayout(dp_replicate=2, dp_shard=2), ZERO1)),
     "topology_holds_mesh": (replace(launch(DP4), topology=Topology(nodes=1, devices_per_node=2)), "the mesh has 4 ranks",
                             launch(DP4)),
     "tp_inside_node_strict": (launch(MeshLayout(tp=4), replace(O, communication=CommunicationOptions(strict_topology=True)), nodes=2),
@@ -96,6 +109,8 @@ CASES: dict[str, tuple[Facts, str, Facts]] = {
     "self_parallelised_without_compression": (setup(DP4, [], replace(O, communication=FP16), self_parallelised=True),
                                               "grad_compression hooks into the data parallelism MeshStrategy applies",
                                               setup(DP4, [owner()], replace(O, communication=FP16))),
+    "self_parallelised_without_zero_stage": (setup(DP4, [], ZERO2, self_parallelised=True), "zero_stage=2 chooses"
+                                             " how MeshStrategy applies FSDP2", setup(DP4, [owner()], ZERO2)),
     "self_parallelised_without_cp": (setup(CP2, [], self_parallelised=True), "cp=2 but configure_model of Net"
                                      " parallelised the model itself", setup(CP2, [owner()])),
     "pp_needs_one_plan": (setup(PP2, [owner(), owner()]), "pp > 1 pipelines one model that declares parallel_plan();"
