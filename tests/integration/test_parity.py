@@ -56,6 +56,7 @@ VARIANTS: dict[str, tuple[str, list[str]]] = {
     "fsdp2-zero1-accum2": ("fsdp2", [f"{S}zero_stage=1", "--trainer.accumulate_grad_batches=2"]),
     "fsdp2-zero2": ("fsdp2", [f"{S}zero_stage=2"]),
     "fsdp2_tp2-zero2": ("fsdp2_tp2", [f"{S}zero_stage=2"]),
+    "hsdp2x2-zero1": ("hsdp2x2", [f"{S}zero_stage=1"]),
     "fsdp2_tp2-bf16-mixed-ac-selective": (
         "fsdp2_tp2", ["--trainer.precision=bf16-mixed", f"{S}activation_checkpointing=selective"]
     ),
@@ -181,6 +182,7 @@ def test_selective_checkpointing_under_bf16_mixed_changes_no_number(results: dic
 
 @pytest.mark.parametrize(("variant", "reference"), [
     ("fsdp2-zero1-accum2", "single-accum2"), ("fsdp2-zero2", "single"), ("fsdp2_tp2-zero2", "single"),
+    ("hsdp2x2-zero1", "single"),
 ])  # fmt: skip
 def test_zero_stages_keep_the_loss_curve(results: dict, variant: str, reference: str) -> None:
     _assert_same_curve(losses(results[f"gpt-{reference}"]), losses(results[f"gpt-{variant}"]), variant)
