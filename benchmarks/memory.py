@@ -44,6 +44,9 @@ change one rank's activations (no TP, no CP); the state terms assume 32-true or 
 
 Goal: ratio <= 1.05 for every component and every N.
 
+ZeRO stages (--zero): MeshStrategy(dp=N, zero_stage=1|2|3) against the ZeRO paper's per-rank formulas; see
+benchmarks/memory_zero.py.  python benchmarks/memory.py --zero --preset small --fsdp 1 2 4
+
 The loss alone (--loss-only, in this process, no launch): peak bytes of the storages the cross-entropy creates
 (forward + its backward to the logits, counted by the same dispatch-mode probe) for --loss-tokens tokens at
 vocab --loss-vocab (128256, Llama 3), fp32 and bf16 logits: F.cross_entropy(logits.float()) (the zoo's loss
@@ -187,7 +190,9 @@ def gradient_bytes(module: torch.nn.Module) -> int:
         pending = [group._partial_reduce_output]
         for param in group.fsdp_params:
             unsharded = getattr(param, "_unsharded_param", None)
-            pending += [getattr(param, "unsharded_accumulated_grad", None), getattr(unsharded, "grad", None)]
+            # the shard's .grad too: while a unit is gathered (ZeRO-1/2) the module's parameters are the gathered ones
+            pending += [getattr(param, "unsharded_accumulated_grad", None), getattr(unsharded, "grad", None),
+                        param.sharded_param.grad]
         held.update({id(t): C.local_bytes(t) for t in pending if t is not None})
     return sum(held.values())
 
@@ -207,6 +212,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--fit-seq", type=int, default=4096, help="sequence length of the largest-GPT fit")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds for each launch")
     p.add_argument("--loss-only", action="store_true", help="measure only the loss's peak bytes (no launch)")
+    p.add_argument("--zero", action="store_true", help="ZeRO stages 1, 2, 3 against the paper's formulas (memory_zero.py)")
     p.add_argument("--loss-vocab", type=int, default=128256)
     p.add_argument("--loss-tokens", type=int, default=1024)
     p.add_argument("--loss-chunks", type=int, default=8)
@@ -460,6 +466,11 @@ def main(argv: list[str]) -> None:
     args = parse_args(argv)
     if args.loss_only:  # one process, no ranks
         C.print_result(loss_peak_bytes(args))
+        return
+    if args.zero:
+        import memory_zero
+
+        C.run(argv, parse_args, memory_zero.worker, lambda a, v: memory_zero.drive(a, v, __file__))
         return
     C.run(argv, parse_args, worker, drive)
 

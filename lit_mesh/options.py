@@ -17,6 +17,7 @@ from lit_mesh.mesh import Degree, check_degrees
 from lit_mesh.parallel.checkpointing import check_activation_checkpointing
 from lit_mesh.parallel.compile import check_compile_backend
 from lit_mesh.parallel.context_layout import check_cp_style
+from lit_mesh.parallel.data import ZeroStage, check_zero_stage
 from lit_mesh.parallel.pipeline import PipelineSettings, check_pipeline_settings
 from lit_mesh.replan import OnWorldChange, check_on_world_change
 from lit_mesh.rules import Facts, check
@@ -39,6 +40,11 @@ class MeshDegrees:
     def degrees(self) -> dict[str, Any]:
         return dict(dp=self.dp, dp_replicate=self.dp_replicate, dp_shard=self.dp_shard, tp=self.tp, cp=self.cp,
                     pp=self.pp, ep=self.ep)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class DataParallelOptions:
+    zero_stage: ZeroStage = 3  # what the sharded data-parallel dim shards: 3 FSDP; 2, 1 (lit_mesh/parallel/data.py)
 
 
 @dataclass(frozen=True)
@@ -77,6 +83,7 @@ class MeshOptions:
     """Everything the user chose, by concern."""
 
     mesh: MeshDegrees = MeshDegrees()
+    data: DataParallelOptions = DataParallelOptions()
     pipeline: PipelineSettings = PipelineSettings()
     context: ContextOptions = ContextOptions()
     memory: MemoryOptions = MemoryOptions()
@@ -115,10 +122,12 @@ def build_options(
     strict_topology: bool,
     allreduce: str,
     on_world_change: str = "error",
+    zero_stage: ZeroStage = 3,
 ) -> MeshOptions:
     """MeshStrategy's flat arguments -> MeshOptions; raises what needs no world size, in the user's process."""
     mesh = MeshDegrees(dp, dp_replicate, dp_shard, tp, cp, pp, ep, sequence_parallel)
     check_degrees(**mesh.degrees())
+    check_zero_stage(zero_stage)
     pipeline = check_pipeline_settings(pp_schedule, pp_microbatches, pp_stages_per_rank, pp_split)
     check_activation_checkpointing(activation_checkpointing, ac_every_n_blocks)
     check_cp_style(cp_style)
@@ -128,6 +137,7 @@ def build_options(
     check_on_world_change(on_world_change)
     options = MeshOptions(
         mesh=mesh,
+        data=DataParallelOptions(zero_stage),
         pipeline=pipeline,
         context=ContextOptions(cp_style),
         memory=MemoryOptions(activation_checkpointing, ac_every_n_blocks),

@@ -190,6 +190,15 @@ RULES: tuple[Rule, ...] = (
         PipelineConfigError,
     ),
     Rule(
+        # torch's PipelineStage keeps FSDP units gathered over the micro-batches and reduces once at the last one
+        "zero_stage_with_pp", "init",
+        lambda f: f.options.data.zero_stage != 3 and f.degrees["pp"] > 1,
+        lambda f: f"zero_stage={f.options.data.zero_stage} with pp={f.degrees['pp']}: under a pipeline each stage's"
+        " parameters are already gathered once per step and its gradients reduced once, at the last micro-batch"
+        " (torch's PipelineStage), with parameters, gradients and optimizer state sharded between steps; zero_stage"
+        " applies to pp=1 only: leave it at 3 with pp, or use pp=1",
+    ),
+    Rule(
         "async_save_needs_sharded", "init",
         lambda f: f.options.checkpoint.asynchronous and not f.options.checkpoint.distributed,
         lambda f: "async_save=True writes sharded checkpoints: keep save_distributed_checkpoint=True",
@@ -242,6 +251,16 @@ RULES: tuple[Rule, ...] = (
         CompressionConfigError,
     ),
     Rule(
+        "zero_stage_needs_sharded_dp", "launch",
+        lambda f: f.options.data.zero_stage != 3 and f.layout.data_parallel in ("none", "ddp"),
+        lambda f: f"zero_stage={f.options.data.zero_stage} shards optimizer state"
+        f"{' and gradients' if f.options.data.zero_stage == 2 else ''} over the sharded data-parallel dim, but the"
+        f" mesh has none ({f.layout.describe()}): "
+        + ("dp_replicate alone keeps everything whole (DDP, ZeRO stage 0); " if f.layout.data_parallel == "ddp" else
+           "one data-parallel rank has nothing to shard; ")
+        + "give dp (or dp_shard) > 1, or leave zero_stage=3",
+    ),
+    Rule(
         "topology_holds_mesh", "launch",
         lambda f: f.layout.world_size != f.topology.world_size,
         lambda f: f"the mesh has {f.layout.world_size} ranks ({f.layout.describe()}) but the topology has"
@@ -282,6 +301,13 @@ RULES: tuple[Rule, ...] = (
         lambda f: "grad_compression hooks into the data parallelism MeshStrategy applies, but configure_model"
         " parallelised the model itself; let MeshStrategy apply it (a parallel_plan()), or drop grad_compression",
         CompressionConfigError,
+    ),
+    Rule(
+        "self_parallelised_without_zero_stage", "setup",
+        lambda f: f.self_parallelised and f.options.data.zero_stage != 3,
+        lambda f: f"zero_stage={f.options.data.zero_stage} chooses how MeshStrategy applies FSDP2, but configure_model"
+        f" of {f.model_name} parallelised the model itself; pass reshard_after_forward=False to your fully_shard"
+        " calls (ZeRO-2), or let MeshStrategy apply a parallel_plan()",
     ),
     Rule(
         # the strategy shards batches over cp; without a plan applied, attention would see only its shard

@@ -57,7 +57,7 @@ from lit_mesh.options import build_options
 from lit_mesh.parallel.apply import already_parallelized, parallelize
 from lit_mesh.parallel.checkpointing import ActivationCheckpointing
 from lit_mesh.parallel.context import CPStyle, gather_batch, shard_batch
-from lit_mesh.parallel.data import defer_gradient_reduction, refuse_fsdp1
+from lit_mesh.parallel.data import ZeroStage, defer_gradient_reduction, refuse_fsdp1
 from lit_mesh.parallel.pipeline import PipelineRunner, start_pipeline
 from lit_mesh.parallel.pipeline_moe import carry_moe_statistics
 from lit_mesh.precision import check_precision_plugin, with_global_norm_clipping
@@ -75,6 +75,10 @@ class MeshStrategy(ModelParallelStrategy):
         dp: data-parallel degree; alone it means FSDP over dp ranks. "auto" fills the world size.
         dp_replicate: replicas (DDP); with dp_shard > 1 as well, HSDP.
         dp_shard: FSDP shards per replica; "auto" fills the world size (the default when no dp degree is given).
+        zero_stage: what the sharded data-parallel dim (dp / dp_shard) shards: 3 (FSDP: parameters, gradients and
+            optimizer state), 2 (gradients and optimizer state: parameters gathered once per step, kept until
+            backward ends) or 1 (optimizer state: gradients also reduced once per step, at the last accumulated
+            micro-batch). Lower stages communicate less and hold more. See lit_mesh/parallel/data.py.
         tp: tensor-parallel degree (innermost axis: keep it inside a node); "auto": the devices of a node.
         cp: context-parallel degree: each sample's sequence is split over cp ranks (needs a plan that declares
             its attention and positions); FSDP then shards over dp_shard x cp.
@@ -162,6 +166,7 @@ class MeshStrategy(ModelParallelStrategy):
         data_parallel_size: Union[int, Literal["auto"], None] = None,
         tensor_parallel_size: Union[int, Literal["auto"], None] = None,
         on_world_change: OnWorldChange = "error",
+        zero_stage: ZeroStage = 3,
     ) -> None:
         super().__init__(
             save_distributed_checkpoint=save_distributed_checkpoint,
@@ -177,7 +182,7 @@ class MeshStrategy(ModelParallelStrategy):
             async_tp=async_tp, stop_on_nonfinite_loss=stop_on_nonfinite_loss,
             save_distributed_checkpoint=save_distributed_checkpoint,
             async_save=async_save, grad_compression=grad_compression, topology=topology,
-            strict_topology=strict_topology, allreduce=allreduce, on_world_change=on_world_change,
+            strict_topology=strict_topology, allreduce=allreduce, on_world_change=on_world_change, zero_stage=zero_stage,
         )  # fmt: skip
         self._lightning_sizes = lightning_sizes(self.options.mesh.degrees(), data_parallel_size, tensor_parallel_size)
         self._nonfinite = NonFiniteLossGuard() if stop_on_nonfinite_loss else None
@@ -368,8 +373,9 @@ class MeshStrategy(ModelParallelStrategy):
     @override
     def block_backward_sync(self) -> Generator[None, None, None]:
         # Accumulating micro-batches: sharded gradients reduce-scattered each time, the rest deferred (see its doc)
-        keep_sharded = self.layout.dp_shard * self.layout.cp > 1 and self.compression_run is None
-        with defer_gradient_reduction(self.model, keep_sharded):
+        zero_stage = self.options.data.zero_stage
+        keep_sharded = self.layout.dp_shard * self.layout.cp > 1 and self.compression_run is None and zero_stage != 1
+        with defer_gradient_reduction(self.model, keep_sharded, keep_gathered=zero_stage < 3):
             yield
 
     @override

@@ -162,13 +162,13 @@ def parallelize(
     dp_mesh = data_parallel_mesh(mesh, layout, replicate_in_hook=in_hook)
     if dp_mesh is not None:
         for owner in owners:
-            shard_experts(owner.module, owner.plan, mesh, layout, precision)
+            shard_experts(owner.module, owner.plan, mesh, layout, precision, options.data.zero_stage)
             blocks = owner.module.get_submodule(owner.plan.blocks)
             # each pipeline stage is an FSDP root of its own (one stage per rank: the model itself)
             stage_roots = [s.module for s in done.stages] if done.stages else [owner.module]
-            apply_data_parallel(stage_roots, list(blocks), dp_mesh, layout, precision)
+            apply_data_parallel(stage_roots, list(blocks), dp_mesh, layout, precision, options.data.zero_stage)
         for unit in _units_outside_owners(root, "", owners):
-            apply_data_parallel([unit], [], dp_mesh, layout, precision)
+            apply_data_parallel([unit], [], dp_mesh, layout, precision, options.data.zero_stage)
         # several stages per rank: each stage's view is an FSDP root outside the model's tree, hooked too
         views = [(f"stage{st.index}", st.module) for st in done.stages or [] if st.module is not owners[0].module]
         if compression is not None:  # communication hooks come last

@@ -2,6 +2,15 @@
 
 DDP is FSDP2 on a (dp_replicate, dp_shard_cp = 1) mesh: parameters stay whole, gradients are all-reduced
 over dp_replicate. One engine for all three keeps TP composition and the reduction hooks uniform.
+
+ZeRO stages are options of the sharded dim (zero_stage), all on FSDP2, so that TP's DTensors, Lightning's optimizer,
+DCP state dicts and global-norm clipping work unchanged on every stage (torch's ZeroRedundancyOptimizer partitions
+whole parameters unevenly, cannot broadcast DTensors, and keeps a state dict DCP cannot read):
+- stage 3: FSDP2 `fully_shard(reshard_after_forward=True)`: parameters gathered in forward and again in backward;
+- stage 2: `reshard_after_forward=False`: parameters gathered once per step (kept over accumulated micro-batches)
+  and freed when backward ends; gradients reduce-scattered every micro-batch; optimizer state and update sharded;
+- stage 1: as stage 2, but gradients accumulate whole on each rank and are reduced once, at the last micro-batch
+  (a reduce-scatter: the half of the all-reduce the sharded update needs; the other half is the next all-gather).
 """
 
 from __future__ import annotations
@@ -10,6 +19,7 @@ from collections.abc import Sequence
 
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
+from typing import Literal
 
 import torch
 from torch import nn
@@ -18,6 +28,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from lit_mesh.comm.compression import CompressionRun
 from lit_mesh.comm.fsdp import attach_gradient_compression
+from lit_mesh.errors import MeshConfigError
 from lit_mesh.mesh import MeshAxis, MeshLayout, MeshViews
 
 
@@ -54,8 +65,27 @@ def mixed_precision_policy(precision: str) -> MixedPrecisionPolicy:
     return MixedPrecisionPolicy()
 
 
+ZeroStage = Literal[1, 2, 3]
+ZERO_STAGES = (1, 2, 3)
+
+
+def check_zero_stage(zero_stage: object) -> None:
+    if isinstance(zero_stage, bool) or zero_stage not in ZERO_STAGES:
+        raise MeshConfigError(
+            f"zero_stage={zero_stage!r} must be 1 (sharded optimizer state), 2 (and sharded gradients) or 3 (and"
+            " sharded parameters: FSDP, the default)"
+        )
+
+
+def reshards_after_forward(layout: MeshLayout, zero_stage: int) -> bool:
+    """Whether FSDP2 units (blocks, experts) free their gathered parameters after forward: ZeRO-3 only; never
+    under DDP (nothing is sharded) or a pipeline (the stage's micro-batches reuse them)."""
+    return zero_stage == 3 and layout.data_parallel != "ddp" and layout.pp == 1
+
+
 def apply_data_parallel(
-    roots: Iterable[nn.Module], blocks: Iterable[nn.Module], dp_mesh: DeviceMesh, layout: MeshLayout, precision: str
+    roots: Iterable[nn.Module], blocks: Iterable[nn.Module], dp_mesh: DeviceMesh, layout: MeshLayout, precision: str,
+    zero_stage: int = 3,
 ) -> None:
     """fully_shard each block (the communication units), then each root for what is left (one root, or one per
     pipeline stage of this rank).
@@ -63,10 +93,10 @@ def apply_data_parallel(
     Resharding after forward (torchtitan's choices): a unit whose parameters backward needs next keeps them
     gathered — the last block and the roots (embeddings, final norm, head: backward starts there), and every unit
     under a pipeline (the stage's micro-batches reuse them: one all-gather per step; the schedule reshards after
-    the last backward). DDP keeps everything gathered, like torch DDP.
+    the last backward). DDP keeps everything gathered, like torch DDP; so do ZeRO stages 1 and 2.
     """
     policy = mixed_precision_policy(precision)
-    reshard = layout.data_parallel != "ddp" and layout.pp == 1
+    reshard = reshards_after_forward(layout, zero_stage)
     blocks = list(blocks)
     for i, block in enumerate(blocks):
         fully_shard(block, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard and i < len(blocks) - 1)
@@ -75,22 +105,28 @@ def apply_data_parallel(
 
 
 @contextmanager
-def defer_gradient_reduction(module: nn.Module | None, keep_sharded: bool = True) -> Iterator[None]:
+def defer_gradient_reduction(module: nn.Module | None, keep_sharded: bool = True, keep_gathered: bool = False) -> Iterator[None]:
     """Accumulating micro-batches: reduce once, at the last one.
 
     keep_sharded (FSDP, HSDP: dp_shard x cp > 1): gradients are reduce-scattered every micro-batch and stay sharded (1/N of the
     bytes between micro-batches); only HSDP's replicate all-reduce waits for the last micro-batch (FSDP2's
-    set_requires_all_reduce). Otherwise (DDP, or compression hooks that own the reduction): no reduction until
-    the last micro-batch, with full gradients kept in between (set_requires_gradient_sync).
+    set_requires_all_reduce). Otherwise (DDP, ZeRO-1, or compression hooks that own the reduction): no reduction
+    until the last micro-batch, with full gradients kept in between (set_requires_gradient_sync).
+    keep_gathered (ZeRO-1/2): parameters stay gathered until the last micro-batch's backward (one all-gather per
+    step; no optimizer step runs in between, so they cannot go stale).
     """
     roots = fsdp_roots(module) if module is not None else []
     for root in roots:
         root.set_requires_all_reduce(False) if keep_sharded else root.set_requires_gradient_sync(False)
+        if keep_gathered:
+            root.set_reshard_after_backward(False)
     try:
         yield
     finally:
         for root in roots:
             root.set_requires_all_reduce(True) if keep_sharded else root.set_requires_gradient_sync(True)
+            if keep_gathered:
+                root.set_reshard_after_backward(True)
 
 
 def refuse_fsdp1(root: nn.Module, strategy: str) -> None:

@@ -35,7 +35,7 @@ from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Sha
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from lit_mesh.mesh import MeshAxis, MeshLayout, MeshViews
-from lit_mesh.parallel.data import mixed_precision_policy
+from lit_mesh.parallel.data import mixed_precision_policy, reshards_after_forward
 from lit_mesh.plan import MoEPlan, ParallelPlan, PlanError
 
 
@@ -205,7 +205,9 @@ def expert_data_parallel_mesh(mesh: MeshViews, layout: MeshLayout) -> DeviceMesh
     return mesh.expert_dp[MeshAxis.EFSDP] if layout.dp_replicate == 1 else mesh.expert_dp
 
 
-def shard_experts(model: nn.Module, plan: ParallelPlan, mesh: MeshViews, layout: MeshLayout, precision: str) -> None:
+def shard_experts(
+    model: nn.Module, plan: ParallelPlan, mesh: MeshViews, layout: MeshLayout, precision: str, zero_stage: int = 3
+) -> None:
     """fully_shard each MoE layer's experts over expert_dp, before the blocks (their own FSDP units).
 
     Dim 1 (dim 2 where expert tensor parallel splits dim 1): dim 0 is already split over ep, and there may be
@@ -221,7 +223,7 @@ def shard_experts(model: nn.Module, plan: ParallelPlan, mesh: MeshViews, layout:
             experts,
             mesh=expert_mesh,
             mp_policy=mixed_precision_policy(precision),
-            reshard_after_forward=layout.data_parallel != "ddp",
+            reshard_after_forward=reshards_after_forward(layout, zero_stage),
             shard_placement_fn=lambda param: Shard(fsdp_dim(param)),
         )
 

@@ -92,6 +92,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--ac", nargs="+", default=list(AC_MODES), choices=AC_MODES, help="activation checkpointing modes")
     for dim in (*DIMS, "ep"):
         p.add_argument(f"--{dim.replace('_', '-')}", type=COUNT, default=None, help=f"fix {dim} to this degree")
+    p.add_argument("--zero-stage", type=int, nargs="+", default=[3], choices=(1, 2, 3),
+                   help="ZeRO stages to search (MeshStrategy zero_stage): 3 FSDP; 2, 1 gather less and hold more")
     p.add_argument("--top", type=COUNT, default=3, help="how many layouts to print")
     p.add_argument("--out", default="", help="write the best layout as a `lit-mesh fit` config (YAML) here")
     p.add_argument("--max-steps", type=COUNT, default=1000, help="trainer.max_steps of the written config")
@@ -192,6 +194,7 @@ def simulate_best(c: Candidate, config: Any, shapes: Any) -> list[dict[str, Any]
 
 def summary(c: Candidate) -> dict[str, Any]:
     return {"layout": {d: getattr(c.layout, d) for d in (*DIMS, "ep")}, "precision": c.precision, "ac": c.ac,
+            "zero_stage": c.zero_stage,
             "micro_batch": c.work.micro_batch, "microbatches": c.work.microbatches(c.layout),
             "memory": c.memory, "step_s": c.time.total, "tokens_per_s": c.tokens_per_s, "mfu": c.mfu,
             "reasons": c.reasons}
@@ -247,7 +250,8 @@ def main(argv: list[str]) -> int:
         raise BadArgument(f"{given}: the fixed degrees must be >= 1 and their product must divide the"
                           f" {hw.world_size} devices; choose degrees among the divisors of {hw.world_size}")
     work = Workload(args.global_batch, args.seq_len)
-    result = plan(shapes, work, hw, args.precision, args.ac, {**fixed, **({"ep": args.ep} if args.ep else {})})
+    result = plan(shapes, work, hw, args.precision, args.ac, {**fixed, **({"ep": args.ep} if args.ep else {})},
+                  zero_stages=sorted(set(args.zero_stage), reverse=True))
     report(result, args, hw, shapes.numel())
     out: dict[str, Any] = {"preset": args.preset, "devices": hw.world_size, "ranked": [summary(c) for c in result.ranked[: args.top]],
                            "rejected": dict(result.rejected), "considered": result.considered}

@@ -28,6 +28,8 @@ def fit_config(c: Candidate, preset: str, overrides: dict[str, Any], hw: Hardwar
     }
     if layout.ep > 1:
         strategy["ep"] = layout.ep
+    if c.zero_stage < 3:
+        strategy["zero_stage"] = c.zero_stage
     # the links the plan was costed with, so that the run chooses its all-reduce on them too (nodes and devices
     # per node come from the cluster environment and the Trainer)
     strategy["topology"] = {

@@ -14,7 +14,8 @@ Compute, per rank and micro-batch, per block:
 Communication, each collective with its own overlap rule (lit_mesh.topology's ring alpha-beta for each):
 - FSDP/HSDP: a block's all-gather (and, on the last micro-batch, its reduce-scatter and the replicas' all-reduce)
   runs while the previous block computes (prefetch depth 1, FSDP2's default): exposed only where it exceeds that
-  block's compute, plus the first block's gather of each pass;
+  block's compute, plus the first block's gather of each pass; ZeRO-1/2 gather once per step (forward only) and
+  reduce every micro-batch (2) or once per step (1);
 - TP/SP: all-gathers and reduce-scatters of the activations on the critical path (async TP: the forward's hidden,
   the backward's exposed);
 - CP ring: each K/V block's send overlaps the attention on the previous one: exposed where the send is longer;
@@ -105,6 +106,8 @@ class Features:
     reshard_after_forward: bool = True  # FSDP frees gathered weights after each forward (lit_mesh); False: ZeRO-2,
     # gathered once per step and kept through every micro-batch (Llama 3's 405B run)
     schedule: Schedule = Schedule()
+    zero_stage: int = 3  # 1, 2 (pp = 1): gathered once per step, no gather in backward; gradients reduced every
+    # micro-batch (2) or once, at the last one (1)
 
 
 @dataclass
@@ -228,6 +231,10 @@ def step_time(shapes: ModelShapes, layout: MeshLayout, work: Workload, precision
         gathers = n_micro if features.reshard_after_forward else 1  # passes that gather the weights again
         t.exposed["fsdp"] = gathers * per_micro + last
         t.overlapped["fsdp"] = blocks * (2 * gathers * gather + reduce)
+        if features.zero_stage < 3:  # one forward gather per step; each reduction behind the backward's compute
+            reductions = n_micro if features.zero_stage == 2 else 1
+            t.exposed["fsdp"] = gather + max(0.0, gather - forward) * (blocks - 1) + reductions * max(0.0, reduce - backward) * blocks
+            t.overlapped["fsdp"] = blocks * (gather + reductions * reduce)
 
     tp_link = hw.link(1, layout.tp)
     if layout.tp > 1:  # per block 2 all-gathers + 2 reduce-scatters forward, the same backward, again under full AC

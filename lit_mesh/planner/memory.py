@@ -7,6 +7,8 @@ Exact sharding rules, the ones torch applies under lit_mesh.parallel:
 - FSDP2 then splits dim 0 of each rank's tp piece over dp_shard x cp the same way (DDP: no split).
 - A pipeline stage holds its blocks (lit_mesh's balanced split), plus the embedding (first) or the final norm
   and head (last).
+- ZeRO stages 1 and 2 (zero_stage < 3) shard the same way, and keep every unit's gathered copy from the first
+  forward to the last backward of a step (buffers); stage 1 accumulates whole gradients over micro-batches.
 - MoE experts (stacked (E, ...) weights) skip TP's styles: EP splits dim 0 over ep (the innermost ranks of
   dp_shard x cp), expert tensor parallel splits each expert's hidden dim over tp, then FSDP2 splits dim 1 (dim 2
   where tp holds dim 1) over the remaining expert_dp = dp_shard x cp / ep ranks (lit_mesh/parallel/expert.py).
@@ -208,6 +210,17 @@ def buffer_bytes(shapes: ModelShapes, layout: MeshLayout, precision: str, stage:
     return int(2 * block * gather + root_numel * gather + block * 4)
 
 
+def zero_stage_bytes(shapes: ModelShapes, layout: MeshLayout, work: Workload, precision: str) -> dict[str, int]:
+    """ZeRO-1/2 (pp = 1): every unit's parameters gathered (compute dtype) from the first forward to the last
+    backward plus one block's unsharded fp32 gradient before its reduce-scatter (buffers); ZeRO-1 with several
+    micro-batches also holds the whole gradients it accumulates (grads)."""
+    gathered = sum(unsharded_numel(p, layout) for p in (*shapes.first, *shapes.last))
+    block = sum(unsharded_numel(p, layout) for p in shapes.block)
+    gathered += shapes.n_blocks * block
+    return {"buffers": int(gathered * PRECISION_BYTES[precision]["gather"] + block * 4),
+            "accumulated_grads": gathered * PRECISION_BYTES[precision]["grad"]}
+
+
 def stages_to_check(shapes: ModelShapes, pp: int) -> list[int]:
     """Stages that can be the worst: the first, the last, and the first stage of each block count (later
     stages with as many blocks hold the same state and fewer micro-batches in flight)."""
@@ -231,13 +244,19 @@ def _cached_state(shapes: ModelShapes, layout: MeshLayout, precision: str, stage
     return hit[1]
 
 
-def rank_memory(shapes: ModelShapes, layout: MeshLayout, work: Workload, precision: str, ac: str) -> dict[str, int]:
+def rank_memory(shapes: ModelShapes, layout: MeshLayout, work: Workload, precision: str, ac: str,
+                zero_stage: int = 3) -> dict[str, int]:
     """The worst stage's per-rank bytes by component (the first rank of each stage holds the most)."""
     worst: dict[str, int] = {}
     for stage in stages_to_check(shapes, layout.pp):
         m = dict(_cached_state(shapes, layout, precision, stage))
         m["activations"] = activation_bytes(shapes, layout, work, precision, ac, stage)
         m["buffers"] = buffer_bytes(shapes, layout, precision, stage)
+        if zero_stage < 3 and fsdp_degree(layout) > 1:
+            zero = zero_stage_bytes(shapes, layout, work, precision)
+            m["buffers"] = zero["buffers"]
+            if zero_stage == 1 and work.microbatches(layout) > 1:
+                m["grads"] = zero["accumulated_grads"]
         m["total"] = sum(m.values())
         m["stage"] = stage
         if not worst or m["total"] > worst["total"]:

@@ -12,7 +12,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 
 from lit_mesh.mesh import MeshLayout
-from lit_mesh.planner.cost import StepTime, calibrated_kernels, model_flops_per_step, step_time
+from lit_mesh.planner.cost import Features, StepTime, calibrated_kernels, model_flops_per_step, step_time
 from lit_mesh.planner.hardware import GIB, Hardware
 from lit_mesh.planner.memory import Workload, expert_fsdp_dim, rank_memory
 from lit_mesh.planner.options import AC_MODES, DIMS, PRECISION_BYTES
@@ -31,6 +31,7 @@ class Candidate:
     tokens_per_s: float
     mfu: float
     reasons: list[str] = field(default_factory=list)
+    zero_stage: int = 3  # what the data-parallel shard dim shards (lit_mesh/parallel/data.py)
 
     def fits(self, hw: Hardware) -> bool:
         return self.memory["total"] <= hw.usable_bytes
@@ -39,7 +40,8 @@ class Candidate:
         degrees = " x ".join(f"{d}={getattr(self.layout, d)}" for d in DIMS if getattr(self.layout, d) > 1) or "one device"
         if self.layout.ep > 1:
             degrees += f" (ep={self.layout.ep} of dp_shard x cp)"
-        return f"{degrees}, {self.precision}, AC {self.ac}, micro-batch {self.work.micro_batch}"
+        zero = f", ZeRO-{self.zero_stage}" if self.zero_stage < 3 else ""
+        return f"{degrees}{zero}, {self.precision}, AC {self.ac}, micro-batch {self.work.micro_batch}"
 
 
 def divisors(n: int) -> list[int]:
@@ -116,12 +118,22 @@ def cp_min_tokens(shapes: ModelShapes, layout: MeshLayout, hw: Hardware) -> int:
     return max(512, math.ceil(overlap))
 
 
-def evaluate(layout: MeshLayout, shapes: ModelShapes, work: Workload, hw: Hardware, precision: str, ac: str) -> Candidate:
-    memory = rank_memory(shapes, layout, work, precision, ac)
-    time = step_time(shapes, layout, work, precision, ac, hw)
+def why_not_zero_stage(layout: MeshLayout, zero_stage: int) -> str | None:
+    """MeshStrategy's rules for zero_stage < 3 (lit_mesh/rules.py)."""
+    if zero_stage < 3 and layout.dp_shard * layout.cp == 1:
+        return "ZeRO-1/2 need a sharded data-parallel dim (dp_shard x cp > 1)"
+    if zero_stage < 3 and layout.pp > 1:
+        return "ZeRO-1/2 with pp: the pipeline already gathers once per step (MeshStrategy refuses zero_stage there)"
+    return None
+
+
+def evaluate(layout: MeshLayout, shapes: ModelShapes, work: Workload, hw: Hardware, precision: str, ac: str,
+             zero_stage: int = 3) -> Candidate:
+    memory = rank_memory(shapes, layout, work, precision, ac, zero_stage)
+    time = step_time(shapes, layout, work, precision, ac, hw, Features(zero_stage=zero_stage))
     tokens = work.global_batch * work.seq_len
     mfu = model_flops_per_step(shapes, work) / (time.total * layout.world_size * hw.peak_flops)
-    return Candidate(layout, precision, ac, work, memory, time, tokens / time.total, mfu)
+    return Candidate(layout, precision, ac, work, memory, time, tokens / time.total, mfu, zero_stage=zero_stage)
 
 
 MAX_MICRO_BATCH = 32
@@ -135,23 +147,23 @@ def micro_batches(layout: MeshLayout, work: Workload) -> list[int]:
     return sorted(sizes, reverse=True)
 
 
-def best_option(layout: MeshLayout, shapes: ModelShapes, work: Workload, hw: Hardware, precision: str, ac: str
-                ) -> tuple[Candidate | None, Candidate]:
+def best_option(layout: MeshLayout, shapes: ModelShapes, work: Workload, hw: Hardware, precision: str, ac: str,
+                zero_stage: int = 3) -> tuple[Candidate | None, Candidate]:
     """(the fastest fitting micro-batch size or None, the least-memory one)."""
     fitting: list[Candidate] = []
     smallest = None
     for micro in micro_batches(layout, work):
         w = replace(work, micro_batch=micro)
-        memory = rank_memory(shapes, layout, w, precision, ac)
+        memory = rank_memory(shapes, layout, w, precision, ac, zero_stage)
         if memory["total"] <= hw.usable_bytes:
-            fitting.append(evaluate(layout, shapes, w, hw, precision, ac))
+            fitting.append(evaluate(layout, shapes, w, hw, precision, ac, zero_stage))
         elif smallest is None or memory["total"] < smallest[1]:
             smallest = (w, memory["total"])
     if fitting:
         best = min(fitting, key=lambda c: c.time.total)
         return best, min(fitting, key=lambda c: c.memory["total"])
     assert smallest is not None
-    return None, evaluate(layout, shapes, smallest[0], hw, precision, ac)
+    return None, evaluate(layout, shapes, smallest[0], hw, precision, ac, zero_stage)
 
 
 @dataclass
@@ -163,8 +175,10 @@ class PlanResult:
 
 
 def plan(shapes: ModelShapes, work: Workload, hw: Hardware, precisions: Iterable[str] = ("bf16-mixed",),
-         ac_modes: Iterable[str] = AC_MODES, fixed: Mapping[str, int] | None = None) -> PlanResult:
-    precisions, ac_modes, fixed = tuple(precisions), tuple(ac_modes), dict(fixed or {})
+         ac_modes: Iterable[str] = AC_MODES, fixed: Mapping[str, int] | None = None,
+         zero_stages: Iterable[int] = (3,)) -> PlanResult:
+    """zero_stages: the ZeRO stages to search (3: FSDP, the default; 1 and 2 gather less, hold more)."""
+    precisions, ac_modes, fixed, zero_stages = tuple(precisions), tuple(ac_modes), dict(fixed or {}), tuple(zero_stages)
     for p in precisions:
         if p not in PRECISION_BYTES:
             raise ValueError(f"precision {p!r}; choose from {sorted(PRECISION_BYTES)}")
@@ -179,20 +193,24 @@ def plan(shapes: ModelShapes, work: Workload, hw: Hardware, precisions: Iterable
         if any(getattr(layout, d) != v for d, v in fixed.items()):
             continue
         options = len(precisions) * len(ac_modes)
-        considered += options
+        considered += options * len(zero_stages)
         reason = why_invalid(layout, shapes, work, hw) or why_wasteful(layout, shapes, work, hw)
         if reason:
-            rejected[reason] += options
+            rejected[reason] += options * len(zero_stages)
             continue
-        for precision in precisions:
-            for ac in ac_modes:
-                best, least = best_option(layout, shapes, work, hw, precision, ac)
-                if smallest is None or least.memory["total"] < smallest.memory["total"]:
-                    smallest = least
-                if best is not None:
-                    ranked.append(best)
-                else:
-                    rejected[f"over {hw.usable_bytes / GIB:.1f} GiB per device (memory minus reserve)"] += 1
+        for zero_stage in zero_stages:
+            if reason := why_not_zero_stage(layout, zero_stage):
+                rejected[reason] += options
+                continue
+            for precision in precisions:
+                for ac in ac_modes:
+                    best, least = best_option(layout, shapes, work, hw, precision, ac, zero_stage)
+                    if smallest is None or least.memory["total"] < smallest.memory["total"]:
+                        smallest = least
+                    if best is not None:
+                        ranked.append(best)
+                    else:
+                        rejected[f"over {hw.usable_bytes / GIB:.1f} GiB per device (memory minus reserve)"] += 1
     ranked = rank(ranked)
     for c in ranked:
         c.reasons = explain(c, shapes, work, hw)
@@ -254,6 +272,9 @@ def explain(c: Candidate, shapes: ModelShapes, work: Workload, hw: Hardware) -> 
     if layout.tp > 1:
         out.append(f"tp={layout.tp} inside a node: weights and activations / {layout.tp}, collectives on NVLink"
                    + (", each expert's hidden units split over tp" if shapes.expert_tp else ""))
+    if c.zero_stage < 3:
+        out.append(f"ZeRO-{c.zero_stage}: parameters gathered once per step and kept until backward ends (buffers),"
+                   + (" gradients reduced once per step" if c.zero_stage == 1 else " gradients reduce-scattered"))
     if layout.dp_replicate > 1:
         out.append(f"HSDP: shards over {layout.dp_shard * layout.cp} ranks, replicas all-reduce across"
                    f" {layout.dp_replicate} groups (less inter-node traffic than sharding over all)")

@@ -54,6 +54,10 @@ VARIANTS: dict[str, tuple[str, list[str]]] = {
     ),
     "fsdp2-compile": ("fsdp2", [f"{S}compile_blocks=true", f"{S}compile_backend=aot_eager"]),
     "fsdp2_tp2-compile": ("fsdp2_tp2", [f"{S}compile_blocks=true", f"{S}compile_backend=aot_eager"]),
+    # ZeRO stages 1 and 2 (stage 1 with accumulation: gradients then reduced once per step)
+    "fsdp2-zero1-accum2": ("fsdp2", [f"{S}zero_stage=1", "--trainer.accumulate_grad_batches=2"]),
+    "fsdp2-zero2": ("fsdp2", [f"{S}zero_stage=2"]),
+    "fsdp2_tp2-zero2": ("fsdp2_tp2", [f"{S}zero_stage=2"]),
     "fsdp2_tp2-bf16-mixed-ac-selective": (
         "fsdp2_tp2", ["--trainer.precision=bf16-mixed", f"{S}activation_checkpointing=selective"]
     ),
@@ -179,11 +183,23 @@ def test_selective_checkpointing_under_bf16_mixed_changes_no_number(results: dic
     assert losses(results["gpt-fsdp2_tp2-bf16-mixed-ac-selective"]) == losses(results["gpt-fsdp2_tp2-bf16-mixed"])
 
 
+@pytest.mark.parametrize(("variant", "reference"), [
+    ("fsdp2-zero1-accum2", "single-accum2"), ("fsdp2-zero2", "single"), ("fsdp2_tp2-zero2", "single"),
+])  # fmt: skip
+def test_zero_stages_keep_the_loss_curve(results: dict, variant: str, reference: str) -> None:
+    _assert_same_curve(losses(results[f"gpt-{reference}"]), losses(results[f"gpt-{variant}"]), variant)
+    out = Path(results["_dir"]["path"])
+    ref_params = torch.load(out / f"gpt-{reference}" / "params.pt", weights_only=True)
+    params = torch.load(out / f"gpt-{variant}" / "params.pt", weights_only=True)
+    for name, ref in ref_params.items():
+        assert (params[name] - ref).abs().max().item() <= 1e-4, f"{variant}: parameter {name}"
+
+
 @pytest.mark.parametrize("variant", ["fsdp2-compile", "fsdp2_tp2-compile"])
 def test_compiled_blocks_keep_the_loss_curve(results: dict, variant: str) -> None:
     # aot_eager: dynamo + AOTAutograd over FSDP2 (x TP) blocks, without inductor's code generation time (minutes
     # on 2 CPU cores); inductor with tp: `python benchmarks/compile_tp_repro.py --backend inductor` (gradients vs one
-    # device, recorded in benchmarks/README.md)
+    # device)
     _assert_same_curve(losses(results["gpt-single"]), losses(results[f"gpt-{variant}"]), variant)
 
 

@@ -43,6 +43,9 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
             {"name": "full_async", "args": _args(out / "ckpt_async", 10, f"{S}async_save=true")},
             {"name": "resumed_from_async", "args": [*_args(out / "ckpt_resumed_async", 10), f"--ckpt_path={out / 'ckpt_async' / 'step=5.ckpt'}"]},
             {"name": "fsdp4", "args": _args(out / "ckpt_fsdp4", 10, layout=FSDP4)},  # saves step 5 for the replan
+            # ZeRO-1 saves and resumes its own checkpoint (the DCP format of FSDP's: stage 3 reads it too)
+            {"name": "first_zero1", "args": _args(out / "ckpt_zero1", 5, f"{S}zero_stage=1")},
+            {"name": "resumed_zero1", "args": [*_args(out / "ckpt_resumed_zero1", 10, f"{S}zero_stage=1"), f"--ckpt_path={out / 'ckpt_zero1' / 'step=5.ckpt'}"]},
         ],
     )
     return out, results
@@ -80,6 +83,20 @@ def test_resume_continues_exactly(runs: tuple[Path, dict]) -> None:
     final_resumed = torch.load(out / "resumed" / "params.pt", weights_only=True)
     for name, tensor in final_full.items():
         torch.testing.assert_close(final_resumed[name], tensor, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["resumed_zero1"])
+def test_zero_stages_resume_exactly(runs: tuple[Path, dict], name: str) -> None:
+    out, results = runs
+    full, resumed = _losses(results["full"]), _losses(results[name])
+    assert sorted(resumed) == list(range(5, 10))
+    for step in range(5, 10):
+        assert abs(resumed[step] - full[step]) <= 1e-6 * abs(full[step]), (name, step, resumed[step], full[step])
+    assert _losses(results["first_zero1"]) == _losses(results["first"])  # the same reductions as FSDP, fewer gathers
+    final_full = torch.load(out / "full" / "params.pt", weights_only=True)
+    final = torch.load(out / name / "params.pt", weights_only=True)
+    for key, tensor in final_full.items():
+        torch.testing.assert_close(final[key], tensor, rtol=0, atol=1e-6)
 
 
 def test_async_save_writes_the_same_checkpoints(runs: tuple[Path, dict]) -> None:

@@ -28,6 +28,9 @@ from tests.launch import torchrun
         ({"cp": 2, "cp_style": "zigzag"}, "cp_style='zigzag'; choose one of ('ring', 'ulysses', 'allgather')"),
         ({"ep": 0}, "ep=0 must be >= 1"),
         ({"allreduce": "ring"}, "allreduce='ring'; choose one of ('auto', 'flat', 'hierarchical')"),
+        ({"zero_stage": 0}, "zero_stage=0 must be 1 (sharded optimizer state), 2"),
+        ({"zero_stage": True}, "zero_stage=True must be 1"),
+        ({"pp": 2, "zero_stage": 1}, "zero_stage=1 with pp=2: under a pipeline"),
     ],
 )
 def test_degree_errors_at_construction(kwargs: dict, message: str) -> None:
@@ -46,6 +49,8 @@ def test_degree_errors_at_construction(kwargs: dict, message: str) -> None:
         (4, {"dp": 4, "dp_shard": 3}, "dp_shard=3 does not divide dp=4"),
         (4, {"tp": 2, "ep": 4}, "ep=4 does not divide dp_shard x cp = 2 x 1 = 2"),
         (8, {"dp_replicate": 2, "cp": 2, "ep": 3}, "ep=3 does not divide dp_shard x cp = 2 x 2 = 4"),
+        (1, {"zero_stage": 2}, "zero_stage=2 shards optimizer state and gradients over the sharded data-parallel dim"),
+        (2, {"dp_replicate": 2, "zero_stage": 1}, "dp_replicate alone keeps everything whole (DDP, ZeRO stage 0)"),
     ],
 )
 def test_world_size_errors_before_any_process_starts(devices: int, kwargs: dict, message: str) -> None:

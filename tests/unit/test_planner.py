@@ -517,3 +517,52 @@ def test_cp_only_where_each_rank_keeps_enough_tokens() -> None:
     assert why_wasteful(MeshLayout(dp_shard=16, cp=2), shapes, work, hw) is None
     result = plan(shapes, work, hw)
     assert all(work.seq_len // c.layout.cp >= cp_min_tokens(shapes, c.layout, hw) for c in result.ranked)
+
+
+def test_zero_stages_in_memory_step_time_search_and_config(tmp_path: Path) -> None:
+    """ZeRO-1/2 (#24): the same shards, every unit gathered for the whole step (buffers), ZeRO-1's whole
+    gradients while accumulating; one gather per step, reductions every micro-batch (2) or once (1); searched
+    when asked, refused where MeshStrategy refuses it, written into the YAML."""
+    from lit_mesh.planner.cost import Features, Kernels, step_time
+    from lit_mesh.planner.memory import rank_memory
+    from lit_mesh.planner.search import why_not_zero_stage
+
+    config = dataclasses.replace(GPTConfig.from_preset("tiny"), n_layers=4)
+    shapes, work = gpt_shapes(config), Workload(global_batch=16, seq_len=64, micro_batch=2)  # 4 micro-batches
+    layout, numel = MeshLayout(dp_shard=2), sum(p.numel() for p in GPT(config).parameters())
+    mem = {z: rank_memory(shapes, layout, work, "32-true", "none", z) for z in (1, 2, 3)}
+    assert mem[1]["params"] == mem[2]["params"] == mem[3]["params"] == 4 * numel // 2  # the same shards
+    assert mem[1]["optimizer"] == mem[2]["optimizer"] == mem[3]["optimizer"] == 8 * numel // 2
+    assert mem[2]["grads"] == mem[3]["grads"] == 4 * numel // 2 and mem[1]["grads"] == 4 * numel  # accumulating whole
+    block = sum(p.numel() for p in GPT(config).layers[0].parameters())
+    assert mem[2]["buffers"] == mem[1]["buffers"] == 4 * numel + 4 * block  # everything gathered + one block's grad
+    assert mem[3]["buffers"] < mem[2]["buffers"]  # stage 3: two blocks and the root at a time
+    one_micro = Workload(global_batch=4, seq_len=64, micro_batch=2)
+    assert rank_memory(shapes, layout, one_micro, "32-true", "none", 1)["grads"] == 4 * numel // 2  # nothing to accumulate
+
+    hw = Hardware(nodes=2, devices_per_node=1, memory_bytes=80 * GB, peak_flops=1e12, memory_bandwidth=1e11,
+                  intra_node_bandwidth=100e9, intra_node_latency=1e-6, inter_node_bandwidth=1e8, inter_node_latency=1e-5)
+    kernels = Kernels(**KERNELS)
+    t = {z: step_time(shapes, layout, work, "32-true", "none", hw, Features(zero_stage=z), kernels) for z in (1, 2, 3)}
+    assert t[1].compute == t[2].compute == t[3].compute
+    ring = lambda nbytes, k, bw, alpha: (k - 1) * alpha + (k - 1) / k * nbytes / bw  # noqa: E731
+    eff = lambda n, k: 0.5 * n / (n + 64) * k / (k + 64)  # noqa: E731
+    head = 6 * 2 * 64 * 256 * 64 / (1e12 * eff(256, 64))  # per micro-batch of 2 x 64 tokens
+    g, b = ring(4 * block, 2, 1e8, 1e-5), (t[3].compute / 4 - head) / config.n_layers  # per block and micro-batch
+    forward, backward = b / 3, 2 * b / 3
+    once = g + (g - forward) * (config.n_layers - 1)  # the step's one gather pass
+    assert t[2].exposed["fsdp"] == pytest.approx(once + 4 * (g - backward) * config.n_layers)
+    assert t[1].exposed["fsdp"] == pytest.approx(once + (g - backward) * config.n_layers)
+    assert t[1].total < t[2].total < t[3].total  # a slow network: each stage down communicates less
+
+    assert why_not_zero_stage(MeshLayout(dp_replicate=2), 2) and why_not_zero_stage(MeshLayout(pp=2, dp_shard=2), 1)
+    assert why_not_zero_stage(MeshLayout(dp_replicate=2, dp_shard=2), 1) is None
+    slower = dataclasses.replace(hw, inter_node_bandwidth=1e6)  # the gathers outlast the compute: fewer is faster
+    result = plan(shapes, work, slower, ["32-true"], ["none"], {"dp_shard": 2}, zero_stages=(3, 2, 1))
+    assert sorted(c.zero_stage for c in result.ranked) == [1, 2, 3] and result.ranked[-1].zero_stage == 3
+    best = result.ranked[0]
+    assert best.zero_stage < 3 and f"ZeRO-{best.zero_stage}" in best.name()
+    assert all(c.zero_stage == 3 for c in plan(shapes, work, hw, ["32-true"], ["none"]).ranked)  # default: FSDP only
+    strategy = fit_config(best, "tiny", {}, hw, 10)["trainer"]["strategy"]["init_args"]
+    assert strategy["zero_stage"] == best.zero_stage
+    assert MeshStrategy(**{k: v for k, v in strategy.items() if k != "topology"}).options.data.zero_stage == best.zero_stage

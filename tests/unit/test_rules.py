@@ -17,7 +17,14 @@ from torch import nn
 
 from lit_mesh.comm.options import CompressionOptions
 from lit_mesh.mesh import MeshLayout
-from lit_mesh.options import CheckpointOptions, CommunicationOptions, CompileOptions, MeshOptions, MemoryOptions
+from lit_mesh.options import (
+    CheckpointOptions,
+    CommunicationOptions,
+    CompileOptions,
+    DataParallelOptions,
+    MemoryOptions,
+    MeshOptions,
+)
 from lit_mesh.parallel.pipeline import SCHEDULES, PipelineSettings
 from lit_mesh.rules import RULES, RULES_BY_NAME, Facts, enforce
 from lit_mesh.topology import Topology
@@ -74,6 +81,7 @@ PP2, CP2, TP2 = MeshLayout(pp=2, dp_shard=2), MeshLayout(dp_shard=2, cp=2), Mesh
 DP4 = MeshLayout(dp_shard=4)
 AC = replace(O, memory=MemoryOptions("full"))
 ASYNC_TP = replace(O, compile=CompileOptions("inductor", async_tp=True))
+ZERO1, ZERO2 = replace(O, data=DataParallelOptions(1)), replace(O, data=DataParallelOptions(2))
 
 # rule -> (facts that break it, the message or a part of it, facts that pass)
 CASES: dict[str, tuple[Facts, str, Facts]] = {
@@ -103,6 +111,8 @@ CASES: dict[str, tuple[Facts, str, Facts]] = {
                                    "async_tp=True with compile_blocks=True, compile_backend='aot_eager', tp=2,"
                                    " sequence_parallel=True: async TP (torch's micro-pipeline TP) fuses the",
                                    init(ASYNC_TP, tp=2)),
+    "zero_stage_with_pp": (init(ZERO2, pp=2), "zero_stage=2 with pp=2: under a pipeline each stage's parameters are"
+                           " already gathered once per step", init(ZERO2)),
     "async_save_needs_sharded": (init(replace(O, checkpoint=CheckpointOptions(False, True))), "async_save=True writes"
                                  " sharded checkpoints: keep save_distributed_checkpoint=True",
                                  init(replace(O, checkpoint=CheckpointOptions(True, True)))),
@@ -122,6 +132,9 @@ CASES: dict[str, tuple[Facts, str, Facts]] = {
                                  launch(TP2, ASYNC_TP, device_type="cuda", backend="nccl")),
     "compression_needs_data_parallel": (launch(MeshLayout(tp=2), replace(O, communication=FP16)), "grad_compression='fp16'"
                                         " but the mesh has no data-parallel dim", launch(DP4, replace(O, communication=FP16))),
+    "zero_stage_needs_sharded_dp": (launch(MeshLayout(dp_replicate=2), ZERO1), "zero_stage=1 shards optimizer state"
+                                    " over the sharded data-parallel dim, but the mesh has none (pp=1 x dp_replicate=2",
+                                    launch(MeshLayout(dp_replicate=2, dp_shard=2), ZERO1)),
     "topology_holds_mesh": (replace(launch(DP4), topology=Topology(nodes=1, devices_per_node=2)), "the mesh has 4 ranks",
                             launch(DP4)),
     "tp_inside_node_strict": (launch(MeshLayout(tp=4), replace(O, communication=CommunicationOptions(strict_topology=True)), nodes=2),
@@ -137,6 +150,8 @@ CASES: dict[str, tuple[Facts, str, Facts]] = {
     "self_parallelised_without_compression": (setup(DP4, [], replace(O, communication=FP16), self_parallelised=True),
                                               "grad_compression hooks into the data parallelism MeshStrategy applies",
                                               setup(DP4, [owner()], replace(O, communication=FP16))),
+    "self_parallelised_without_zero_stage": (setup(DP4, [], ZERO2, self_parallelised=True), "zero_stage=2 chooses"
+                                             " how MeshStrategy applies FSDP2", setup(DP4, [owner()], ZERO2)),
     "self_parallelised_without_cp": (setup(CP2, [], self_parallelised=True), "cp=2 but configure_model of Net"
                                      " parallelised the model itself", setup(CP2, [owner()])),
     "pp_needs_one_plan": (setup(PP2, [owner(), owner()]), "pp > 1 pipelines one model that declares parallel_plan();"
