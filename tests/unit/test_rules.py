@@ -100,9 +100,6 @@ CASES: dict[str, tuple[Facts, str, Facts]] = {
                            " = 2 stages", pipeline(2, split=(1, 3))),
     "pipeline_options_need_pp": (pipeline(1, schedule="gpipe"), "pp_schedule, pp_microbatches, pp_stages_per_rank and"
                                  " pp_split need pp > 1", pipeline(2, schedule="gpipe")),
-    "split_backward_without_block_options": (compiled_pipeline("zbv"), "compile_blocks with pp_schedule='zbv': this"
-                                             " schedule splits each backward into an input-gradient pass and a later"
-                                             " weight-gradient pass", compiled_pipeline("interleaved_1f1b")),
     "selective_ac_with_inductor_tp": (init(replace(O, memory=MemoryOptions("selective"), compile=CompileOptions("inductor")),
                                       tp=2), "activation_checkpointing='selective' with compile_blocks (compile_backend="
                                       "'inductor') and tp=2: on this torch the gradients come out wrong",
@@ -111,6 +108,9 @@ CASES: dict[str, tuple[Facts, str, Facts]] = {
                                    "async_tp=True with compile_blocks=True, compile_backend='aot_eager', tp=2,"
                                    " sequence_parallel=True: async TP (torch's micro-pipeline TP) fuses the",
                                    init(ASYNC_TP, tp=2)),
+    "split_backward_without_block_options": (compiled_pipeline("zbv"), "compile_blocks with pp_schedule='zbv': this"
+                                             " schedule splits each backward into an input-gradient pass and a later"
+                                             " weight-gradient pass", compiled_pipeline("interleaved_1f1b")),
     "zero_stage_with_pp": (init(ZERO2, pp=2), "zero_stage=2 with pp=2: under a pipeline each stage's parameters are"
                            " already gathered once per step", init(ZERO2)),
     "async_save_needs_sharded": (init(replace(O, checkpoint=CheckpointOptions(False, True))), "async_save=True writes"

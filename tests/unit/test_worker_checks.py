@@ -14,7 +14,7 @@ from tests.workers.checks import Checks
 
 def test_check_names_are_read_from_the_worker_source() -> None:
     names = check_names("compression_units.py")
-    assert len(names) == len(set(names)) == 9
+    assert len(names) == len(set(names)) == 13
     assert "powersgd_sums_rank_r_matrices_exactly" in names and "reduce_scatter_formula" not in names  # a helper
     assert check_names("topology_units.py")[0] == "strategy_reads_slurm"
 
