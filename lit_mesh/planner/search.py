@@ -1,5 +1,7 @@
 """Enumerate every mesh (pp, dp_replicate, dp_shard, cp, tp) x activation checkpointing x precision for a world
 size, keep the ones lit_mesh can run and whose per-rank memory fits, and rank them by estimated step time.
+With pp > 1 each option takes its fastest fitting pipeline schedule (lit_mesh.planner.schedules.schedules_for:
+1F1B, interleaved and zero-bubble with v stages per rank, ZBV, DualPipeV) and micro-batch count.
 
 For an MoE model every ep that divides dp_shard x cp (ep borrows those ranks) is tried as well.
 """
@@ -12,10 +14,11 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 
 from lit_mesh.mesh import MeshLayout
-from lit_mesh.planner.cost import StepTime, calibrated_kernels, model_flops_per_step, step_time
+from lit_mesh.planner.cost import Features, StepTime, calibrated_kernels, model_flops_per_step, step_time
 from lit_mesh.planner.hardware import GIB, Hardware
 from lit_mesh.planner.memory import Workload, rank_memory
 from lit_mesh.planner.options import AC_MODES, DIMS, PRECISION_BYTES
+from lit_mesh.planner.schedules import ONE_F_ONE_B, Schedule, microbatches_refused, schedules_for
 from lit_mesh.planner.shapes import ModelShapes
 
 
@@ -31,6 +34,7 @@ class Candidate:
     tokens_per_s: float
     mfu: float
     reasons: list[str] = field(default_factory=list)
+    schedule: Schedule = ONE_F_ONE_B  # the pipeline schedule (pp > 1)
 
     def fits(self, hw: Hardware) -> bool:
         return self.memory["total"] <= hw.usable_bytes
@@ -39,7 +43,8 @@ class Candidate:
         degrees = " x ".join(f"{d}={getattr(self.layout, d)}" for d in DIMS if getattr(self.layout, d) > 1) or "one device"
         if self.layout.ep > 1:
             degrees += f" (ep={self.layout.ep} of dp_shard x cp)"
-        return f"{degrees}, {self.precision}, AC {self.ac}, micro-batch {self.work.micro_batch}"
+        schedule = f", {self.schedule.describe()}" if self.layout.pp > 1 else ""
+        return f"{degrees}{schedule}, {self.precision}, AC {self.ac}, micro-batch {self.work.micro_batch}"
 
 
 def divisors(n: int) -> list[int]:
@@ -88,7 +93,7 @@ def why_invalid(layout: MeshLayout, shapes: ModelShapes, work: Workload, hw: Har
     if work.global_batch % layout.dp:
         return f"dp must divide the global batch of {work.global_batch} sequences"
     if layout.pp > 1 and work.local_batch(layout) < layout.pp:
-        return "1F1B needs at least pp micro-batches (sequences per data-parallel rank)"
+        return "the pipeline needs at least pp micro-batches (sequences per data-parallel rank)"
     if work.seq_len % (2 * layout.cp) and layout.cp > 1:
         return "cp (ring, load-balanced) needs the sequence length divisible by 2 x cp"
     if (work.seq_len // layout.cp) % layout.tp:
@@ -117,42 +122,45 @@ def cp_min_tokens(shapes: ModelShapes, layout: MeshLayout, hw: Hardware) -> int:
     return max(512, math.ceil(overlap))
 
 
-def evaluate(layout: MeshLayout, shapes: ModelShapes, work: Workload, hw: Hardware, precision: str, ac: str) -> Candidate:
-    memory = rank_memory(shapes, layout, work, precision, ac)
-    time = step_time(shapes, layout, work, precision, ac, hw)
+def evaluate(layout: MeshLayout, shapes: ModelShapes, work: Workload, hw: Hardware, precision: str, ac: str,
+             schedule: Schedule = ONE_F_ONE_B) -> Candidate:
+    memory = rank_memory(shapes, layout, work, precision, ac, schedule)
+    time = step_time(shapes, layout, work, precision, ac, hw, Features(schedule=schedule))
     tokens = work.global_batch * work.seq_len
     mfu = model_flops_per_step(shapes, work) / (time.total * layout.world_size * hw.peak_flops)
-    return Candidate(layout, precision, ac, work, memory, time, tokens / time.total, mfu)
+    return Candidate(layout, precision, ac, work, memory, time, tokens / time.total, mfu, schedule=schedule)
 
 
 MAX_MICRO_BATCH = 32
 
 
-def micro_batches(layout: MeshLayout, work: Workload) -> list[int]:
+def micro_batches(layout: MeshLayout, work: Workload, schedule: Schedule = ONE_F_ONE_B) -> list[int]:
     """Sequences per micro-batch to try, largest first: divisors of the local batch (pp > 1: leaving at least pp
-    micro-batches for the schedule)."""
+    micro-batches, and a count the schedule accepts: MeshStrategy's own rule, pp_microbatches_for_schedule)."""
     local = work.local_batch(layout)
-    sizes = [m for m in divisors(local) if m <= MAX_MICRO_BATCH and (layout.pp == 1 or local // m >= layout.pp)]
+    sizes = [m for m in divisors(local) if m <= MAX_MICRO_BATCH and (layout.pp == 1 or local // m >= layout.pp)
+             and microbatches_refused(schedule, layout.pp, local // m) is None]
     return sorted(sizes, reverse=True)
 
 
 def best_option(layout: MeshLayout, shapes: ModelShapes, work: Workload, hw: Hardware, precision: str, ac: str
                 ) -> tuple[Candidate | None, Candidate]:
-    """(the fastest fitting micro-batch size or None, the least-memory one)."""
+    """(the fastest fitting (schedule, micro-batch size) or None, the least-memory one)."""
     fitting: list[Candidate] = []
     smallest = None
-    for micro in micro_batches(layout, work):
-        w = replace(work, micro_batch=micro)
-        memory = rank_memory(shapes, layout, w, precision, ac)
-        if memory["total"] <= hw.usable_bytes:
-            fitting.append(evaluate(layout, shapes, w, hw, precision, ac))
-        elif smallest is None or memory["total"] < smallest[1]:
-            smallest = (w, memory["total"])
+    for schedule in schedules_for(layout.pp, shapes.n_blocks, ac):
+        for micro in micro_batches(layout, work, schedule):
+            w = replace(work, micro_batch=micro)
+            memory = rank_memory(shapes, layout, w, precision, ac, schedule)
+            if memory["total"] <= hw.usable_bytes:
+                fitting.append(evaluate(layout, shapes, w, hw, precision, ac, schedule))
+            elif smallest is None or memory["total"] < smallest[1]:
+                smallest = (w, memory["total"], schedule)
     if fitting:
         best = min(fitting, key=lambda c: c.time.total)
         return best, min(fitting, key=lambda c: c.memory["total"])
     assert smallest is not None
-    return None, evaluate(layout, shapes, smallest[0], hw, precision, ac)
+    return None, evaluate(layout, shapes, smallest[0], hw, precision, ac, smallest[2])
 
 
 @dataclass
@@ -260,8 +268,10 @@ def explain(c: Candidate, shapes: ModelShapes, work: Workload, hw: Hardware) -> 
     if layout.cp > 1:
         out.append(f"cp={layout.cp}: each rank holds {work.seq_len // layout.cp} of {work.seq_len} tokens per sequence")
     if layout.pp > 1:
-        out.append(f"pp={layout.pp}: {c.work.microbatches(layout)} micro-batches of {c.work.micro_batch} per step,"
-                   f" bubble {100 * t.bubble:.0f}%")
+        v = c.schedule.stages_per_rank
+        stages = f", {v} stages per rank ({layout.pp * v} in all)" if v > 1 else ""
+        out.append(f"pp={layout.pp}, schedule {c.schedule.name}{stages}: {c.work.microbatches(layout)} micro-batches"
+                   f" of {c.work.micro_batch} per step, bubble {100 * t.bubble:.1f}%")
     elif c.work.microbatches(layout) > 1:
         out.append(f"gradient accumulation: {c.work.microbatches(layout)} micro-batches of {c.work.micro_batch}"
                    " sequences per step (the whole local batch would not fit)")
