@@ -144,15 +144,17 @@ def test_fit_and_no_fit_examples(capsys: pytest.CaptureFixture, tmp_path: Path) 
 
 def test_rehearsal_scales_the_70b_plan_to_8_cpu_ranks() -> None:
     """llama3-70b on 64 GPUs is planned as dp_shard 16 x tp 4 with selective checkpointing (it fits without a
-    pipeline: the loss is chunked and vocabulary-sharded, K/V not repeated); the best plan with a pipeline is pp 2 x dp_shard 8 x tp 4, and its rehearsal is pp 2 x dp_shard
-    2 x tp 2 of the tiny GPT on 8 CPU processes, with a 1F1B schedule the scaled batch feeds. Every other fitting
+    pipeline: the loss is chunked and vocabulary-sharded, K/V not repeated); the best plan with a pipeline is pp 2 x dp_shard 4 x tp 8
+    (tp 4 no longer fits once every block of the stage stays gathered through the schedule, as lit_mesh keeps
+    them), and its rehearsal is pp 2 x dp_shard 2 x tp 2 of the tiny GPT on 8 CPU processes, with a 1F1B schedule
+    the scaled batch feeds. Every other fitting
     plan scales to a layout lit_mesh accepts as well."""
     config = GPTConfig.from_preset("llama3-70b")
     hw = Hardware(nodes=8, devices_per_node=8, memory_bytes=80 * GB)
     result = plan(gpt_shapes(config), Workload(global_batch=256, seq_len=8192), hw)
     assert result.ranked[0].layout == MeshLayout(dp_shard=16, tp=4)
     best = next(candidate for candidate in result.ranked if candidate.layout.pp > 1)
-    assert best.layout == MeshLayout(pp=2, dp_shard=8, tp=4)
+    assert best.layout == MeshLayout(pp=2, dp_shard=4, tp=8)
     rehearsal = rehearsal_config(best, hw)
     trainer, strategy = rehearsal["trainer"], rehearsal["trainer"]["strategy"]["init_args"]
     assert {d: strategy[d] for d in ("pp", "dp_replicate", "dp_shard", "cp", "tp")} == \
@@ -574,3 +576,17 @@ def test_interleaved_plan_for_llama3_405b_at_metas_layout_writes_its_schedule(tm
     scaled = rehearsal_config(best, hw)  # pp 2 x v 2 on the tiny GPT: deepened to 4 blocks
     assert scaled["model"]["init_args"]["config_overrides"] == {"n_layers": 4}
     MeshStrategy(**scaled["trainer"]["strategy"]["init_args"])
+
+
+@pytest.mark.parametrize(("schedule", "rank"), [(("interleaved_1f1b", 2), 32), (("zbv", 2), 0)],
+                         ids=["interleaved-v2-pp-rank-2", "zbv-embedding-and-head-rank"])
+def test_estimate_equals_simulation_with_v_stages_per_rank(schedule: tuple[str, int], rank: int) -> None:
+    """The stages lit_mesh builds for v stages per rank (looped: pp rank 2 runs stages 2 and 6 of 8; V: embedding
+    and head both on pp rank 0) hold the bytes the planner counts."""
+    from lit_mesh.planner.schedules import Schedule
+
+    config, layout = GPTConfig.from_preset("llama3-8b"), MeshLayout(pp=4, dp_shard=2, tp=8)
+    simulated = simulate_rank(config, layout, rank, "bf16-mixed", schedule=Schedule(*schedule))
+    estimate = state_bytes(gpt_shapes(config), layout, "bf16-mixed", rank, Schedule(*schedule))
+    assert {k: simulated[k] for k in COMPONENTS} == estimate
+    assert estimate != state_bytes(gpt_shapes(config), layout, "bf16-mixed", rank)  # 1F1B's stage differs
