@@ -181,9 +181,9 @@ def simulate_best(c: Candidate, config: Any, shapes: Any) -> list[dict[str, Any]
     from lit_mesh.planner.simulate import simulate_rank
 
     rows = []
-    for stage in stages_to_check(shapes, c.layout.pp, c.schedule):
+    for stage in stages_to_check(shapes, c.layout.pp, schedule=c.schedule):
         rank = first_rank_of_stage(c.layout, stage)
-        estimate = state_bytes(shapes, c.layout, c.precision, rank, c.schedule)
+        estimate = state_bytes(shapes, c.layout, c.precision, rank, schedule=c.schedule)
         simulated = simulate_rank(config, c.layout, rank, c.precision, schedule=c.schedule)
         same = all(estimate[k] == simulated[k] for k in estimate)
         rows.append({"rank": rank, "stage": stage, "estimate": estimate, "simulated": simulated, "equal": same})

@@ -177,8 +177,8 @@ def step_time(shapes: ModelShapes, layout: MeshLayout, work: Workload, precision
         "gemm": n_micro * blocks * gemm + (n_micro * head if stage > blocks * block else 0.0),
         "attention": n_micro * blocks * attention, "elementwise": n_micro * blocks * elementwise,
         "recompute": n_micro * blocks * recompute})
-    stage_numel = max(state_numel(shapes, layout, first_rank_of_stage(layout, r), features.schedule)  # the fullest
-                      for r in stages_to_check(shapes, layout.pp, features.schedule))
+    stage_numel = max(state_numel(shapes, layout, first_rank_of_stage(layout, r), schedule=features.schedule)  # the fullest
+                      for r in stages_to_check(shapes, layout.pp, schedule=features.schedule))
     t.optimizer = stage_numel * kern.adamw_bytes_per_parameter / hw.memory_bandwidth
 
     # FSDP / HSDP: per block, gathered forward and backward each micro-batch, reduce-scattered (fp32) and

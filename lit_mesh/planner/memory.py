@@ -90,7 +90,7 @@ def fsdp_degree(layout: MeshLayout) -> int:
     return layout.dp_shard * layout.cp
 
 
-def state_numel(shapes: ModelShapes, layout: MeshLayout, rank: int = 0, schedule: Schedule = ONE_F_ONE_B) -> int:
+def state_numel(shapes: ModelShapes, layout: MeshLayout, rank: int = 0, *, schedule: Schedule = ONE_F_ONE_B) -> int:
     """Elements of the parameter shards global rank `rank` holds (gradients and AdamW moments: the same)."""
     c = coords_of(rank, layout)
     shard, shard_rank = fsdp_degree(layout), c.dp_shard * layout.cp + c.cp  # dp_shard_cp: dp_shard-major
@@ -104,10 +104,10 @@ def state_numel(shapes: ModelShapes, layout: MeshLayout, rank: int = 0, schedule
     return n
 
 
-def state_bytes(shapes: ModelShapes, layout: MeshLayout, precision: str, rank: int = 0,
+def state_bytes(shapes: ModelShapes, layout: MeshLayout, precision: str, rank: int = 0, *,
                 schedule: Schedule = ONE_F_ONE_B) -> dict[str, int]:
     """Bytes of parameters, gradients and AdamW exp_avg + exp_avg_sq on global rank `rank`."""
-    n = state_numel(shapes, layout, rank, schedule)
+    n = state_numel(shapes, layout, rank, schedule=schedule)
     b = PRECISION_BYTES[precision]
     return {"params": n * b["param"], "grads": n * b["grad"], "optimizer": n * b["optimizer"]}
 
@@ -166,7 +166,7 @@ def block_activation_elements_per_token(shapes: ModelShapes, tp: int, ac: str) -
     return h / tp  # full: only each block's input
 
 
-def activation_bytes(shapes: ModelShapes, layout: MeshLayout, work: Workload, precision: str, ac: str, stage: int,
+def activation_bytes(shapes: ModelShapes, layout: MeshLayout, work: Workload, precision: str, ac: str, stage: int, *,
                      schedule: Schedule = ONE_F_ONE_B) -> int:
     """Activations pp rank `stage` holds at its peak: the schedule's stage forwards in flight (1F1B: up to
     pp - stage micro-batches; lit_mesh.planner.schedules.in_flight), each through the rank's largest stage."""
@@ -188,7 +188,7 @@ def activation_bytes(shapes: ModelShapes, layout: MeshLayout, work: Workload, pr
     return int(tokens * per_token + extra)
 
 
-def buffer_bytes(shapes: ModelShapes, layout: MeshLayout, precision: str, stage: int,
+def buffer_bytes(shapes: ModelShapes, layout: MeshLayout, precision: str, stage: int, *,
                  schedule: Schedule = ONE_F_ONE_B) -> int:
     """FSDP2's transient unsharded copies in the compute dtype: without pp two blocks' parameters (computing +
     prefetched); under pp every block of the rank's stages (lit_mesh.parallel.data keeps them gathered from the
@@ -205,7 +205,7 @@ def buffer_bytes(shapes: ModelShapes, layout: MeshLayout, precision: str, stage:
     return int(gathered * block * gather + root_numel * gather + block * 4)
 
 
-def stages_to_check(shapes: ModelShapes, pp: int, schedule: Schedule = ONE_F_ONE_B) -> list[int]:
+def stages_to_check(shapes: ModelShapes, pp: int, *, schedule: Schedule = ONE_F_ONE_B) -> list[int]:
     """pp ranks whose state can be the worst: the first rank of each (blocks, embedding, head) holding."""
     first_with: dict[tuple, int] = {}
     for rank, stages in enumerate(rank_stages(shapes.n_blocks, pp, schedule)):
@@ -234,18 +234,18 @@ def _cached_state(shapes: ModelShapes, layout: MeshLayout, precision: str, stage
         if len(_STATE_CACHE) > 100_000:
             _STATE_CACHE.clear()
         rank = first_rank_of_stage(layout, stage)
-        hit = _STATE_CACHE[key] = (shapes, state_bytes(shapes, layout, precision, rank, schedule))
+        hit = _STATE_CACHE[key] = (shapes, state_bytes(shapes, layout, precision, rank, schedule=schedule))
     return hit[1]
 
 
-def rank_memory(shapes: ModelShapes, layout: MeshLayout, work: Workload, precision: str, ac: str,
+def rank_memory(shapes: ModelShapes, layout: MeshLayout, work: Workload, precision: str, ac: str, *,
                 schedule: Schedule = ONE_F_ONE_B) -> dict[str, int]:
     """The worst pp rank's bytes by component (the first rank of each pp slice holds the most); "stage" names it."""
     worst: dict[str, int] = {}
     for stage in ranks_to_check(shapes, layout.pp, schedule, work.microbatches(layout)):
         m = dict(_cached_state(shapes, layout, precision, stage, schedule))
-        m["activations"] = activation_bytes(shapes, layout, work, precision, ac, stage, schedule)
-        m["buffers"] = buffer_bytes(shapes, layout, precision, stage, schedule)
+        m["activations"] = activation_bytes(shapes, layout, work, precision, ac, stage, schedule=schedule)
+        m["buffers"] = buffer_bytes(shapes, layout, precision, stage, schedule=schedule)
         m["total"] = sum(m.values())
         m["stage"] = stage
         if not worst or m["total"] > worst["total"]:

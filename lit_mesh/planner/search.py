@@ -122,9 +122,9 @@ def cp_min_tokens(shapes: ModelShapes, layout: MeshLayout, hw: Hardware) -> int:
     return max(512, math.ceil(overlap))
 
 
-def evaluate(layout: MeshLayout, shapes: ModelShapes, work: Workload, hw: Hardware, precision: str, ac: str,
+def evaluate(layout: MeshLayout, shapes: ModelShapes, work: Workload, hw: Hardware, precision: str, ac: str, *,
              schedule: Schedule = ONE_F_ONE_B) -> Candidate:
-    memory = rank_memory(shapes, layout, work, precision, ac, schedule)
+    memory = rank_memory(shapes, layout, work, precision, ac, schedule=schedule)
     time = step_time(shapes, layout, work, precision, ac, hw, Features(schedule=schedule))
     tokens = work.global_batch * work.seq_len
     mfu = model_flops_per_step(shapes, work) / (time.total * layout.world_size * hw.peak_flops)
@@ -134,7 +134,7 @@ def evaluate(layout: MeshLayout, shapes: ModelShapes, work: Workload, hw: Hardwa
 MAX_MICRO_BATCH = 32
 
 
-def micro_batches(layout: MeshLayout, work: Workload, schedule: Schedule = ONE_F_ONE_B) -> list[int]:
+def micro_batches(layout: MeshLayout, work: Workload, *, schedule: Schedule = ONE_F_ONE_B) -> list[int]:
     """Sequences per micro-batch to try, largest first: divisors of the local batch (pp > 1: leaving at least pp
     micro-batches, and a count the schedule accepts: MeshStrategy's own rule, pp_microbatches_for_schedule)."""
     local = work.local_batch(layout)
@@ -149,18 +149,18 @@ def best_option(layout: MeshLayout, shapes: ModelShapes, work: Workload, hw: Har
     fitting: list[Candidate] = []
     smallest = None
     for schedule in schedules_for(layout.pp, shapes.n_blocks, ac):
-        for micro in micro_batches(layout, work, schedule):
+        for micro in micro_batches(layout, work, schedule=schedule):
             w = replace(work, micro_batch=micro)
-            memory = rank_memory(shapes, layout, w, precision, ac, schedule)
+            memory = rank_memory(shapes, layout, w, precision, ac, schedule=schedule)
             if memory["total"] <= hw.usable_bytes:
-                fitting.append(evaluate(layout, shapes, w, hw, precision, ac, schedule))
+                fitting.append(evaluate(layout, shapes, w, hw, precision, ac, schedule=schedule))
             elif smallest is None or memory["total"] < smallest[1]:
                 smallest = (w, memory["total"], schedule)
     if fitting:
         best = min(fitting, key=lambda c: c.time.total)
         return best, min(fitting, key=lambda c: c.memory["total"])
     assert smallest is not None
-    return None, evaluate(layout, shapes, smallest[0], hw, precision, ac, smallest[2])
+    return None, evaluate(layout, shapes, smallest[0], hw, precision, ac, schedule=smallest[2])
 
 
 @dataclass

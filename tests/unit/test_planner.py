@@ -486,7 +486,7 @@ def test_interleaved_ranks_hold_the_same_parameters_and_more_activations() -> No
     from lit_mesh.planner.schedules import ONE_F_ONE_B, Schedule, rank_stages
 
     shapes, layout = gpt_shapes(GPTConfig.from_preset("llama3-70b")), MeshLayout(pp=4, dp_shard=2, tp=8)
-    total = {s: sum(state_numel(shapes, layout, r * 16, s) for r in range(4))
+    total = {s: sum(state_numel(shapes, layout, r * 16, schedule=s) for r in range(4))
              for s in (ONE_F_ONE_B, Schedule("interleaved_1f1b", 2), Schedule("zbv", 2))}
     assert len(set(total.values())) == 1  # every block, the embedding and the head once
     looped, v_shape = rank_stages(80, 4, Schedule("interleaved_1f1b", 2)), rank_stages(80, 4, Schedule("zbv", 2))
@@ -495,11 +495,11 @@ def test_interleaved_ranks_hold_the_same_parameters_and_more_activations() -> No
     assert v_shape[0].first and v_shape[0].last and v_shape[0].blocks == (10, 4) and v_shape[1].blocks == (11, 11)
     work = Workload(64, 8192, 1)  # 8 per dp rank: 8 micro-batches
     one = activation_bytes(shapes, layout, work, "bf16-mixed", "selective", 0)
-    two = activation_bytes(shapes, layout, work, "bf16-mixed", "selective", 0, Schedule("interleaved_1f1b", 2))
+    two = activation_bytes(shapes, layout, work, "bf16-mixed", "selective", 0, schedule=Schedule("interleaved_1f1b", 2))
     # 1F1B: 4 micro-batches x 20 blocks; interleaved: (v-1) 4 + 2 (pp-1) + 1 = 11 stage forwards of (at most) 11
     assert two / one == pytest.approx(11 * 11 / (4 * 20), rel=1e-3)
     # the worst rank of a V: rank 1's 22 blocks x 8 stage forwards outweigh rank 0's 10 plus the head's logits
-    assert rank_memory(shapes, layout, work, "bf16-mixed", "none", Schedule("zbv", 2))["stage"] == 1
+    assert rank_memory(shapes, layout, work, "bf16-mixed", "none", schedule=Schedule("zbv", 2))["stage"] == 1
 
 
 def test_schedules_the_search_tries() -> None:
@@ -537,7 +537,7 @@ def test_every_pipeline_option_the_search_can_propose_passes_meshstrategys_init_
         for layout in {c.layout for c in result.ranked if c.layout.pp > 1}:
             for ac in ("none", "selective", "full"):
                 for schedule in schedules_for(layout.pp, shapes.n_blocks, ac):
-                    for micro in micro_batches(layout, work, schedule):
+                    for micro in micro_batches(layout, work, schedule=schedule):
                         w = dataclasses.replace(work, micro_batch=micro)
                         option = Candidate(layout, "bf16-mixed", ac, w, {}, None, 0.0, 0.0, schedule=schedule)  # type: ignore[arg-type]
                         args = _init_args(option, preset, hw)
@@ -561,7 +561,7 @@ def test_interleaved_plan_for_llama3_405b_at_metas_layout_writes_its_schedule(tm
     shapes, work = gpt_shapes(GPTConfig.from_preset("llama3-405b")), Workload(2048, 8192, 1)
     layout, hw = MeshLayout(pp=16, dp_shard=64, tp=8), Hardware(nodes=1024, devices_per_node=8, memory_bytes=80 * GB)
     one = evaluate(layout, shapes, work, hw, "bf16-mixed", "full")
-    two = evaluate(layout, shapes, work, hw, "bf16-mixed", "full", Schedule("interleaved_1f1b", 2))
+    two = evaluate(layout, shapes, work, hw, "bf16-mixed", "full", schedule=Schedule("interleaved_1f1b", 2))
     assert one.time.bubble == pytest.approx(15 / 32) and two.time.bubble == pytest.approx(15 / 64)
     assert two.mfu > one.mfu and two.memory["activations"] > one.memory["activations"]
     best = plan(shapes, work, hw, fixed={"pp": 16, "tp": 8, "dp_shard": 64}).ranked[0]
@@ -587,6 +587,6 @@ def test_estimate_equals_simulation_with_v_stages_per_rank(schedule: tuple[str, 
 
     config, layout = GPTConfig.from_preset("llama3-8b"), MeshLayout(pp=4, dp_shard=2, tp=8)
     simulated = simulate_rank(config, layout, rank, "bf16-mixed", schedule=Schedule(*schedule))
-    estimate = state_bytes(gpt_shapes(config), layout, "bf16-mixed", rank, Schedule(*schedule))
+    estimate = state_bytes(gpt_shapes(config), layout, "bf16-mixed", rank, schedule=Schedule(*schedule))
     assert {k: simulated[k] for k in COMPONENTS} == estimate
     assert estimate != state_bytes(gpt_shapes(config), layout, "bf16-mixed", rank)  # 1F1B's stage differs
