@@ -58,6 +58,7 @@ def main(argv: list[str]) -> None:
             if result.ranked:
                 best = result.ranked[0]
                 row["best"] = {"layout": {d: getattr(best.layout, d) for d in (*DIMS, "ep")}, "ac": best.ac,
+                               "pp_schedule": best.schedule.describe() if best.layout.pp > 1 else None,
                                "micro_batch": best.work.micro_batch, "memory_gib": round(best.memory["total"] / GIB, 2),
                                "step_s": round(best.time.total, 3), "tokens_per_s": round(best.tokens_per_s),
                                "mfu": round(best.mfu, 3)}

@@ -183,10 +183,10 @@ def simulate_best(c: Candidate, config: Any, shapes: Any) -> list[dict[str, Any]
     from lit_mesh.planner.simulate import simulate_rank
 
     rows = []
-    for stage in stages_to_check(shapes, c.layout.pp):
+    for stage in stages_to_check(shapes, c.layout.pp, schedule=c.schedule):
         rank = first_rank_of_stage(c.layout, stage)
-        estimate = state_bytes(shapes, c.layout, c.precision, rank)
-        simulated = simulate_rank(config, c.layout, rank, c.precision)
+        estimate = state_bytes(shapes, c.layout, c.precision, rank, schedule=c.schedule)
+        simulated = simulate_rank(config, c.layout, rank, c.precision, schedule=c.schedule)
         same = all(estimate[k] == simulated[k] for k in estimate)
         rows.append({"rank": rank, "stage": stage, "estimate": estimate, "simulated": simulated, "equal": same})
     return rows
@@ -196,6 +196,7 @@ def summary(c: Candidate) -> dict[str, Any]:
     return {"layout": {d: getattr(c.layout, d) for d in (*DIMS, "ep")}, "precision": c.precision, "ac": c.ac,
             "zero_stage": c.zero_stage,
             "micro_batch": c.work.micro_batch, "microbatches": c.work.microbatches(c.layout),
+            "pp_schedule": c.schedule.name, "pp_stages_per_rank": c.schedule.stages_per_rank,
             "memory": c.memory, "step_s": c.time.total, "tokens_per_s": c.tokens_per_s, "mfu": c.mfu,
             "reasons": c.reasons}
 

@@ -12,6 +12,7 @@ import yaml
 from lit_mesh.mesh import MeshLayout
 from lit_mesh.planner.hardware import Hardware
 from lit_mesh.planner.memory import Workload
+from lit_mesh.planner.schedules import microbatches_refused
 from lit_mesh.planner.search import DIMS, Candidate, why_invalid
 from lit_mesh.planner.shapes import config_class_of, gpt_shapes
 
@@ -21,6 +22,8 @@ MODULES = {"gpt": "zoo.GPTModule", "moe": "zoo.MoEModule"}  # the LightningModul
 
 def fit_config(c: Candidate, preset: str, overrides: dict[str, Any], hw: Hardware, max_steps: int, model_family: str = "gpt"
                ) -> dict[str, Any]:
+    """MeshStrategy's arguments for the plan (pp: its schedule, stages per rank and micro-batches), the model and
+    the data; a dict of what `lit-mesh fit -c` reads."""
     layout, work = c.layout, c.work
     strategy: dict[str, Any] = {
         "dp_replicate": layout.dp_replicate, "dp_shard": layout.dp_shard, "tp": layout.tp, "cp": layout.cp,
@@ -38,7 +41,9 @@ def fit_config(c: Candidate, preset: str, overrides: dict[str, Any], hw: Hardwar
     }  # fmt: skip
     steps = work.microbatches(layout)
     if layout.pp > 1:  # the schedule runs every micro-batch of the step
-        strategy.update(pp_schedule="1f1b", pp_microbatches=steps)
+        strategy.update(pp_schedule=c.schedule.name, pp_microbatches=steps)
+        if c.schedule.stages_per_rank > 1:
+            strategy["pp_stages_per_rank"] = c.schedule.stages_per_rank
         accumulate, per_batch = 1, work.global_batch
     else:  # Lightning accumulates micro-batches; each DataModule batch is one micro-batch per dp rank
         accumulate, per_batch = steps, work.global_batch // steps
@@ -67,21 +72,27 @@ def rehearsal_config(c: Candidate, hw: Hardware, model_family: str = "gpt", max_
     """A plan scaled down to a CPU smoke run that exercises the same code paths: every mesh dim of degree > 1
     (ep too) becomes 2, the model the family's `tiny` preset (config overrides of the plan are dropped: they size
     the big model), 32-true on CPU, one node of as many processes as the scaled mesh has ranks (ep borrows them),
-    the plan's activation checkpointing, gradient accumulation (pp: the 1F1B schedule) over 2 micro-batches when
-    the plan has several, a global batch of 2-sequence micro-batches per dp rank, `max_steps` steps.
+    the plan's activation checkpointing, gradient accumulation over 2 micro-batches when the plan has several (pp:
+    the plan's schedule over pp micro-batches, or the fewest it accepts, and the tiny model deepened to one block
+    per stage where it has fewer), a global batch of 2-sequence micro-batches per dp rank, `max_steps` steps.
 
     Raises ValueError with lit_mesh's reason when the scaled layout would not run on the tiny model."""
     scaled = MeshLayout(**{d: min(getattr(c.layout, d), 2) for d in (*DIMS, "ep")})
-    n_micro = max(min(c.work.microbatches(c.layout), 2), scaled.pp)  # 1F1B needs at least pp micro-batches
+    n_micro = max(min(c.work.microbatches(c.layout), 2), scaled.pp)  # the schedules need at least pp micro-batches
+    while scaled.pp > 1 and microbatches_refused(c.schedule, scaled.pp, n_micro):
+        n_micro += scaled.pp  # DualPipeV: 2 pp
     work = Workload(scaled.dp * REHEARSAL_MICRO_BATCH * n_micro, REHEARSAL_SEQ_LEN, REHEARSAL_MICRO_BATCH)
     small = dataclasses.replace(hw, nodes=1, devices_per_node=scaled.world_size)  # the planned links stay (topology:)
-    tiny = gpt_shapes(config_class_of(model_family).from_preset("tiny"))
+    tiny_config = config_class_of(model_family).from_preset("tiny")
+    stages = scaled.pp * c.schedule.stages_per_rank
+    overrides = {"n_layers": stages} if stages > tiny_config.n_layers else {}
+    tiny = gpt_shapes(dataclasses.replace(tiny_config, **overrides))
     reason = why_invalid(scaled, tiny, work, small)  # the checks every plan passes
     if reason:
         raise ValueError(f"the rehearsal of {c.name()} scales to {scaled.describe()}, which the tiny {model_family}"
                          f" preset cannot run: {reason}")
     rehearsal = dataclasses.replace(c, layout=scaled, work=work, precision="32-true")
-    config = fit_config(rehearsal, "tiny", {}, small, max_steps, model_family)
+    config = fit_config(rehearsal, "tiny", overrides, small, max_steps, model_family)
     config["trainer"].update(accelerator="cpu", log_every_n_steps=1)
     return config
 

@@ -21,7 +21,7 @@ Communication, each collective with its own overlap rule (lit_mesh.topology's ri
 - CP ring: each K/V block's send overlaps the attention on the previous one: exposed where the send is longer;
   under pp each stage runs the ring over its own blocks, on micro-batches of T/cp tokens per rank;
 - EP: the all-to-alls of dispatch and combine, exposed; PP: the stage-boundary send/receive, exposed.
-Pipeline: the bubble of the schedule (BUBBLE) stretches the stage's time; the slowest stage sets the pace.
+Pipeline: the bubble of the schedule (lit_mesh.planner.schedules) stretches the stage's time; the slowest stage sets the pace.
 The kernel constants are calibrated once against published runs: lit_mesh/planner/calibration.yaml.
 """
 
@@ -32,9 +32,17 @@ from functools import lru_cache
 from pathlib import Path
 
 from lit_mesh.mesh import MeshLayout
-from lit_mesh.parallel.pipeline_split import balanced_split
 from lit_mesh.planner.hardware import Hardware
-from lit_mesh.planner.memory import PRECISION_BYTES, Workload, fsdp_degree, state_numel, unsharded_numel
+from lit_mesh.planner.memory import (
+    PRECISION_BYTES,
+    Workload,
+    first_rank_of_stage,
+    fsdp_degree,
+    stages_to_check,
+    state_numel,
+    unsharded_numel,
+)
+from lit_mesh.planner.schedules import Schedule, bubble_fraction, rank_stages  # noqa: F401  (re-exported)
 from lit_mesh.planner.shapes import ModelShapes, ParamShape
 from lit_mesh.topology import all_gather_time, all_reduce_time
 from zoo.flops import gpt_flops_per_token
@@ -62,39 +70,6 @@ def calibrated_kernels() -> Kernels:
     import yaml
 
     return Kernels(**yaml.safe_load(CALIBRATION.read_text())["kernels"])
-
-
-@dataclass(frozen=True)
-class Schedule:
-    """A pipeline schedule and the virtual stages each rank runs (lit_mesh.parallel.pipeline.SCHEDULES)."""
-
-    name: str = "1f1b"
-    stages_per_rank: int = 1
-
-
-def bubble_fraction(schedule: Schedule, pp: int, microbatches: int) -> float:
-    """Idle time over busy time of a stage. With forward F, input-gradient B and weight-gradient W of one
-    micro-batch each a third of F + B + W:
-    - gpipe, 1f1b: (pp - 1) / n (Huang et al. 2019; Narayanan et al. 2021);
-    - interleaved 1F1B / looped BFS with v stages per rank: (pp - 1) / (v n) (Narayanan et al. 2021);
-    - zero bubble (ZB-H1, W deferred into the bubble): (pp - 1)(F + B - 2W) / (n (F + B + W)) = (pp - 1) / (3 n)
-      (Qi et al. 2023), over v stages per rank for the interleaved form;
-    - zbv / dualpipev (two stages per rank in a V): DualPipe's (pp/2 - 1)(F&B + B - 3W) with a full backward
-      B + W and no credit for the F&B overlap: (pp - 2) / (3 n) (DeepSeek-V3 report, table 2).
-    """
-    if pp == 1:
-        return 0.0
-    n, v = microbatches, schedule.stages_per_rank
-    if schedule.name in ("gpipe", "1f1b"):
-        return (pp - 1) / n
-    if schedule.name in ("interleaved_1f1b", "looped_bfs"):
-        return (pp - 1) / (v * n)
-    if schedule.name == "zero_bubble":
-        return (pp - 1) / (3 * v * n)
-    if schedule.name in ("zbv", "dualpipev"):
-        return max(pp - 2, 0) / (3 * n)
-    raise ValueError(f"schedule {schedule.name!r}: the planner knows gpipe, 1f1b, interleaved_1f1b, looped_bfs,"
-                     " zero_bubble, zbv, dualpipev")
 
 
 @dataclass(frozen=True)
@@ -189,7 +164,7 @@ def step_time(shapes: ModelShapes, layout: MeshLayout, work: Workload, precision
     act = bytes_of["activation"]
     n_micro = work.microbatches(layout)
     tokens = work.tokens_per_microbatch(layout)  # on this rank, per micro-batch (cp splits the sequence)
-    split = balanced_split(shapes.n_blocks, layout.pp)
+    ranks = rank_stages(shapes.n_blocks, layout.pp, features.schedule)
     top_k = getattr(c, "top_k", 1)
 
     # one block, one micro-batch, on one rank: forward + backward
@@ -200,14 +175,16 @@ def step_time(shapes: ModelShapes, layout: MeshLayout, work: Workload, precision
     recompute = {"none": 0.0, "selective": elementwise / 3, "full": (gemm + attention + elementwise) / 3}[ac]
     block = gemm + attention + elementwise + recompute
     head = _gemm_seconds(shapes.last, tokens, layout.tp, 1, 1, kern, peak)
-    # the slowest stage: the last one (its blocks and the head) or the fullest one
-    blocks = max(split)
-    stage = max(blocks * block, split[-1] * block + head)
+    # the slowest pp rank: the one with the head (its blocks and the head) or the fullest one; with v stages per
+    # rank, its v stages' blocks
+    blocks = max(r.total_blocks for r in ranks)
+    stage = max(blocks * block, next(r.total_blocks for r in ranks if r.last) * block + head)
     t = StepTime(compute_parts={
         "gemm": n_micro * blocks * gemm + (n_micro * head if stage > blocks * block else 0.0),
         "attention": n_micro * blocks * attention, "elementwise": n_micro * blocks * elementwise,
         "recompute": n_micro * blocks * recompute})
-    stage_numel = state_numel(shapes, layout, layout.world_size - 1)  # the last stage's shards
+    stage_numel = max(state_numel(shapes, layout, first_rank_of_stage(layout, r), schedule=features.schedule)  # the fullest
+                      for r in stages_to_check(shapes, layout.pp, schedule=features.schedule))
     t.optimizer = stage_numel * kern.adamw_bytes_per_parameter / hw.memory_bandwidth
 
     # FSDP / HSDP: per block, gathered forward and backward each micro-batch, reduce-scattered (fp32) and
@@ -228,7 +205,8 @@ def step_time(shapes: ModelShapes, layout: MeshLayout, work: Workload, precision
         forward, backward = block / 3, 2 * block / 3
         per_micro = gather + max(0.0, gather - forward) * (blocks - 1) + max(0.0, gather - backward) * blocks
         last = max(0.0, gather + reduce - backward) * blocks - max(0.0, gather - backward) * blocks
-        gathers = n_micro if features.reshard_after_forward else 1  # passes that gather the weights again
+        # passes that gather the weights again (under pp lit_mesh keeps them gathered through the schedule)
+        gathers = n_micro if features.reshard_after_forward and layout.pp == 1 else 1
         t.exposed["fsdp"] = gathers * per_micro + last
         t.overlapped["fsdp"] = blocks * (2 * gathers * gather + reduce)
         if features.zero_stage < 3:  # one forward gather per step; each reduction behind the backward's compute
@@ -264,8 +242,10 @@ def step_time(shapes: ModelShapes, layout: MeshLayout, work: Workload, precision
         exposed = (layout.cp - 1) * (max(0.0, send - step_attention / 3) + max(0.0, 2 * send - 2 * step_attention / 3))
         t.exposed["cp"] = n_micro * blocks * exposed
         t.overlapped["cp"] = n_micro * blocks * 3 * (layout.cp - 1) * send
-    if layout.pp > 1:  # one activation forward and one gradient backward per micro-batch and stage boundary
+    if layout.pp > 1:  # one activation forward and one gradient backward per micro-batch and stage boundary: v
+        # boundaries per rank with v stages per rank
         bandwidth, alpha = hw.link(stride["pp"], 2)
-        t.exposed["pp"] = n_micro * 2 * (alpha + tokens * c.dim * act / layout.tp / bandwidth)
+        hops = features.schedule.stages_per_rank
+        t.exposed["pp"] = n_micro * 2 * hops * (alpha + tokens * c.dim * act / layout.tp / bandwidth)
         t.bubble = bubble_fraction(features.schedule, layout.pp, n_micro)
     return t

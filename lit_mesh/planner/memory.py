@@ -5,8 +5,9 @@ Exact sharding rules, the ones torch applies under lit_mesh.parallel:
 - TP (DTensor Shard): colwise / head / an embedding's rows split dim 0 over tp, rowwise splits dim 1, the rest
   is replicated; a split gives rank t `torch.chunk`'s t-th piece (pieces of ceil(n / tp), the last ones short).
 - FSDP2 then splits dim 0 of each rank's tp piece over dp_shard x cp the same way (DDP: no split).
-- A pipeline stage holds its blocks (lit_mesh's balanced split), plus the embedding (first) or the final norm
-  and head (last).
+- A pipeline rank holds the blocks of its stages (lit_mesh's balanced split of pp x v stages, placed by the
+  schedule: lit_mesh.planner.schedules.rank_stages), plus the embedding (first stage) and the final norm and
+  head (last stage: rank pp - 1 when looped, rank 0 in a V).
 - ZeRO stages 1 and 2 (zero_stage < 3) shard the same way, and keep every unit's gathered copy from the first
   forward to the last backward of a step (buffers); stage 1 accumulates whole gradients over micro-batches.
 - MoE experts (stacked (E, ...) weights) skip TP's styles: EP splits dim 0 over ep (the innermost ranks of
@@ -20,8 +21,8 @@ from dataclasses import dataclass
 
 from lit_mesh.loss import CHUNK_ROWS
 from lit_mesh.mesh import MeshLayout
-from lit_mesh.parallel.pipeline_split import balanced_split
 from lit_mesh.planner.options import AC_MODES, PRECISION_BYTES  # noqa: F401  (re-exported)
+from lit_mesh.planner.schedules import ONE_F_ONE_B, Schedule, in_flight, rank_stages
 from lit_mesh.planner.shapes import ModelShapes, ParamShape
 
 
@@ -100,23 +101,24 @@ def fsdp_degree(layout: MeshLayout) -> int:
     return layout.dp_shard * layout.cp
 
 
-def state_numel(shapes: ModelShapes, layout: MeshLayout, rank: int = 0) -> int:
+def state_numel(shapes: ModelShapes, layout: MeshLayout, rank: int = 0, *, schedule: Schedule = ONE_F_ONE_B) -> int:
     """Elements of the parameter shards global rank `rank` holds (gradients and AdamW moments: the same)."""
     c = coords_of(rank, layout)
     shard, shard_rank = fsdp_degree(layout), c.dp_shard * layout.cp + c.cp  # dp_shard_cp: dp_shard-major
     local = lambda params: sum(local_numel(p, layout.tp, c.tp, shard, shard_rank, layout.ep) for p in params)  # noqa: E731
-    blocks = balanced_split(shapes.n_blocks, layout.pp)[c.pp]
-    n = blocks * local(shapes.block)  # every block has the same shapes
-    if c.pp == 0:
+    stages = rank_stages(shapes.n_blocks, layout.pp, schedule)[c.pp]
+    n = stages.total_blocks * local(shapes.block)  # every block has the same shapes
+    if stages.first:
         n += local(shapes.first)
-    if c.pp == layout.pp - 1:
+    if stages.last:
         n += local(shapes.last)
     return n
 
 
-def state_bytes(shapes: ModelShapes, layout: MeshLayout, precision: str, rank: int = 0) -> dict[str, int]:
+def state_bytes(shapes: ModelShapes, layout: MeshLayout, precision: str, rank: int = 0, *,
+                schedule: Schedule = ONE_F_ONE_B) -> dict[str, int]:
     """Bytes of parameters, gradients and AdamW exp_avg + exp_avg_sq on global rank `rank`."""
-    n = state_numel(shapes, layout, rank)
+    n = state_numel(shapes, layout, rank, schedule=schedule)
     b = PRECISION_BYTES[precision]
     return {"params": n * b["param"], "grads": n * b["grad"], "optimizer": n * b["optimizer"]}
 
@@ -176,38 +178,44 @@ def block_activation_elements_per_token(shapes: ModelShapes, tp: int, ac: str) -
     return h / tp  # full: only each block's input
 
 
-def activation_bytes(shapes: ModelShapes, layout: MeshLayout, work: Workload, precision: str, ac: str, stage: int) -> int:
-    """Activations pipeline stage `stage` holds at its peak (1F1B: up to pp - stage micro-batches in flight), each
+def activation_bytes(shapes: ModelShapes, layout: MeshLayout, work: Workload, precision: str, ac: str, stage: int, *,
+                     schedule: Schedule = ONE_F_ONE_B) -> int:
+    """Activations pp rank `stage` holds at its peak: the schedule's stage forwards in flight (1F1B: up to
+    pp - stage micro-batches; lit_mesh.planner.schedules.in_flight), each through the rank's largest stage, each
     micro-batch of T/cp tokens per rank (cp shards every micro-batch's sequence, with pp too)."""
     b = PRECISION_BYTES[precision]["activation"]
     tokens = work.tokens_per_microbatch(layout)
-    # 1F1B: stage s holds up to pp - s micro-batches in flight; accumulation frees each before the next
-    in_flight = min(layout.pp - stage, work.microbatches(layout)) if layout.pp > 1 else 1
-    blocks = balanced_split(shapes.n_blocks, layout.pp)[stage]
-    per_token = blocks * block_activation_elements_per_token(shapes, layout.tp, ac) * b
+    stages = rank_stages(shapes.n_blocks, layout.pp, schedule)[stage]
+    held = in_flight(schedule, layout.pp, work.microbatches(layout), stage)
+    per_token = held * max(stages.blocks) * block_activation_elements_per_token(shapes, layout.tp, ac) * b
     if ac == "full":  # the block being recomputed holds everything once
-        per_token += block_activation_elements_per_token(shapes, layout.tp, "none") * b / in_flight
+        per_token += block_activation_elements_per_token(shapes, layout.tp, "none") * b
     extra = 0.0
-    if stage == layout.pp - 1:
-        # the logits, kept by the chunked loss for its backward, and their gradient (lit_mesh/loss.py), sharded
-        # over the vocabulary without pp ("vocab_head"; a pipeline stage gathers them); plus one fp32 chunk of rows
+    if stages.last:
+        # the logits of one micro-batch, kept by the chunked loss for its backward, and their gradient
+        # (lit_mesh/loss.py), sharded over the vocabulary without pp ("vocab_head"; a pipeline stage gathers
+        # them); plus one fp32 chunk of rows
         vocab = shapes.config.vocab_size / (layout.tp if layout.pp == 1 else 1)
-        per_token += vocab * 2 * b / in_flight
+        per_token += vocab * 2 * b
         extra = min(CHUNK_ROWS, tokens) * vocab * 4
-    return int(tokens * in_flight * per_token + extra)
+    return int(tokens * per_token + extra)
 
 
-def buffer_bytes(shapes: ModelShapes, layout: MeshLayout, precision: str, stage: int) -> int:
-    """FSDP2's transient unsharded copies: two blocks' parameters (computing + prefetched) and the stage root's
-    (embedding / head, kept from forward to backward) in the compute dtype, plus one block's unsharded fp32
-    gradient before its reduce-scatter. Nothing without sharding (parameters already whole)."""
+def buffer_bytes(shapes: ModelShapes, layout: MeshLayout, precision: str, stage: int, *,
+                 schedule: Schedule = ONE_F_ONE_B) -> int:
+    """FSDP2's transient unsharded copies in the compute dtype: without pp two blocks' parameters (computing +
+    prefetched); under pp every block of the rank's stages (lit_mesh.parallel.data keeps them gathered from the
+    first forward to the schedule's last backward); the stage roots' (embedding / head, kept from forward to
+    backward); plus one block's unsharded fp32 gradient before its reduce-scatter. Nothing without sharding."""
     if fsdp_degree(layout) == 1:
         return 0
     gather = PRECISION_BYTES[precision]["gather"]
     block = sum(unsharded_numel(p, layout) for p in shapes.block)
-    root = [*(shapes.first if stage == 0 else ()), *(shapes.last if stage == layout.pp - 1 else ())]
+    stages = rank_stages(shapes.n_blocks, layout.pp, schedule)[stage]
+    gathered = stages.total_blocks if layout.pp > 1 else 2
+    root = [*(shapes.first if stages.first else ()), *(shapes.last if stages.last else ())]
     root_numel = sum(unsharded_numel(p, layout) for p in root)
-    return int(2 * block * gather + root_numel * gather + block * 4)
+    return int(gathered * block * gather + root_numel * gather + block * 4)
 
 
 def zero_stage_bytes(shapes: ModelShapes, layout: MeshLayout, work: Workload, precision: str) -> dict[str, int]:
@@ -221,37 +229,47 @@ def zero_stage_bytes(shapes: ModelShapes, layout: MeshLayout, work: Workload, pr
             "accumulated_grads": gathered * PRECISION_BYTES[precision]["grad"]}
 
 
-def stages_to_check(shapes: ModelShapes, pp: int) -> list[int]:
-    """Stages that can be the worst: the first, the last, and the first stage of each block count (later
-    stages with as many blocks hold the same state and fewer micro-batches in flight)."""
-    split = balanced_split(shapes.n_blocks, pp)
-    first_with = {}
-    for stage, blocks in enumerate(split):
-        first_with.setdefault(blocks, stage)
-    return sorted({0, pp - 1, *first_with.values()})
+def stages_to_check(shapes: ModelShapes, pp: int, *, schedule: Schedule = ONE_F_ONE_B) -> list[int]:
+    """pp ranks whose state can be the worst: the first rank of each (blocks, embedding, head) holding."""
+    first_with: dict[tuple, int] = {}
+    for rank, stages in enumerate(rank_stages(shapes.n_blocks, pp, schedule)):
+        first_with.setdefault((stages.total_blocks, max(stages.blocks), stages.first, stages.last), rank)
+    return sorted(first_with.values())
+
+
+def ranks_to_check(shapes: ModelShapes, pp: int, schedule: Schedule, microbatches: int) -> list[int]:
+    """pp ranks whose memory can be the worst: of the ranks with the same holding, the one with the most stage
+    forwards in flight (1F1B: the first; ZBV: the last)."""
+    worst: dict[tuple, int] = {}
+    for rank, stages in enumerate(rank_stages(shapes.n_blocks, pp, schedule)):
+        key = (stages.total_blocks, max(stages.blocks), stages.first, stages.last)
+        if key not in worst or in_flight(schedule, pp, microbatches, rank) > in_flight(schedule, pp, microbatches, worst[key]):
+            worst[key] = rank
+    return sorted(worst.values())
 
 
 _STATE_CACHE: dict[tuple, tuple[ModelShapes, dict[str, int]]] = {}
 
 
-def _cached_state(shapes: ModelShapes, layout: MeshLayout, precision: str, stage: int) -> dict[str, int]:
-    key = (id(shapes), layout, precision, stage)
+def _cached_state(shapes: ModelShapes, layout: MeshLayout, precision: str, stage: int, schedule: Schedule) -> dict[str, int]:
+    key = (id(shapes), layout, precision, stage, schedule)
     hit = _STATE_CACHE.get(key)
     if hit is None or hit[0] is not shapes:
         if len(_STATE_CACHE) > 100_000:
             _STATE_CACHE.clear()
-        hit = _STATE_CACHE[key] = (shapes, state_bytes(shapes, layout, precision, first_rank_of_stage(layout, stage)))
+        rank = first_rank_of_stage(layout, stage)
+        hit = _STATE_CACHE[key] = (shapes, state_bytes(shapes, layout, precision, rank, schedule=schedule))
     return hit[1]
 
 
 def rank_memory(shapes: ModelShapes, layout: MeshLayout, work: Workload, precision: str, ac: str,
-                zero_stage: int = 3) -> dict[str, int]:
-    """The worst stage's per-rank bytes by component (the first rank of each stage holds the most)."""
+                zero_stage: int = 3, *, schedule: Schedule = ONE_F_ONE_B) -> dict[str, int]:
+    """The worst pp rank's bytes by component (the first rank of each pp slice holds the most); "stage" names it."""
     worst: dict[str, int] = {}
-    for stage in stages_to_check(shapes, layout.pp):
-        m = dict(_cached_state(shapes, layout, precision, stage))
-        m["activations"] = activation_bytes(shapes, layout, work, precision, ac, stage)
-        m["buffers"] = buffer_bytes(shapes, layout, precision, stage)
+    for stage in ranks_to_check(shapes, layout.pp, schedule, work.microbatches(layout)):
+        m = dict(_cached_state(shapes, layout, precision, stage, schedule))
+        m["activations"] = activation_bytes(shapes, layout, work, precision, ac, stage, schedule=schedule)
+        m["buffers"] = buffer_bytes(shapes, layout, precision, stage, schedule=schedule)
         if zero_stage < 3 and fsdp_degree(layout) > 1:
             zero = zero_stage_bytes(shapes, layout, work, precision)
             m["buffers"] = zero["buffers"]

@@ -1,5 +1,7 @@
 """Enumerate every mesh (pp, dp_replicate, dp_shard, cp, tp) x activation checkpointing x precision for a world
 size, keep the ones lit_mesh can run and whose per-rank memory fits, and rank them by estimated step time.
+With pp > 1 each option takes its fastest fitting pipeline schedule (lit_mesh.planner.schedules.schedules_for:
+1F1B, interleaved and zero-bubble with v stages per rank, ZBV, DualPipeV) and micro-batch count.
 
 For an MoE model every ep that divides dp_shard x cp (ep borrows those ranks) is tried as well.
 """
@@ -16,6 +18,7 @@ from lit_mesh.planner.cost import Features, StepTime, calibrated_kernels, model_
 from lit_mesh.planner.hardware import GIB, Hardware
 from lit_mesh.planner.memory import Workload, expert_fsdp_dim, rank_memory
 from lit_mesh.planner.options import AC_MODES, DIMS, PRECISION_BYTES
+from lit_mesh.planner.schedules import ONE_F_ONE_B, Schedule, microbatches_refused, schedules_for
 from lit_mesh.planner.shapes import ModelShapes
 
 
@@ -32,6 +35,7 @@ class Candidate:
     mfu: float
     reasons: list[str] = field(default_factory=list)
     zero_stage: int = 3  # what the data-parallel shard dim shards (lit_mesh/parallel/data.py)
+    schedule: Schedule = ONE_F_ONE_B  # the pipeline schedule (pp > 1)
 
     def fits(self, hw: Hardware) -> bool:
         return self.memory["total"] <= hw.usable_bytes
@@ -41,7 +45,8 @@ class Candidate:
         if self.layout.ep > 1:
             degrees += f" (ep={self.layout.ep} of dp_shard x cp)"
         zero = f", ZeRO-{self.zero_stage}" if self.zero_stage < 3 else ""
-        return f"{degrees}{zero}, {self.precision}, AC {self.ac}, micro-batch {self.work.micro_batch}"
+        schedule = f", {self.schedule.describe()}" if self.layout.pp > 1 else ""
+        return f"{degrees}{schedule}{zero}, {self.precision}, AC {self.ac}, micro-batch {self.work.micro_batch}"
 
 
 def divisors(n: int) -> list[int]:
@@ -89,7 +94,7 @@ def why_invalid(layout: MeshLayout, shapes: ModelShapes, work: Workload, hw: Har
     if work.global_batch % layout.dp:
         return f"dp must divide the global batch of {work.global_batch} sequences"
     if layout.pp > 1 and work.local_batch(layout) < layout.pp:
-        return "1F1B needs at least pp micro-batches (sequences per data-parallel rank)"
+        return "the pipeline needs at least pp micro-batches (sequences per data-parallel rank)"
     if work.seq_len % (2 * layout.cp) and layout.cp > 1:
         return "cp (ring, load-balanced) needs the sequence length divisible by 2 x cp"
     if (work.seq_len // layout.cp) % layout.tp:
@@ -128,42 +133,45 @@ def why_not_zero_stage(layout: MeshLayout, zero_stage: int) -> str | None:
 
 
 def evaluate(layout: MeshLayout, shapes: ModelShapes, work: Workload, hw: Hardware, precision: str, ac: str,
-             zero_stage: int = 3) -> Candidate:
-    memory = rank_memory(shapes, layout, work, precision, ac, zero_stage)
-    time = step_time(shapes, layout, work, precision, ac, hw, Features(zero_stage=zero_stage))
+             zero_stage: int = 3, *, schedule: Schedule = ONE_F_ONE_B) -> Candidate:
+    memory = rank_memory(shapes, layout, work, precision, ac, zero_stage, schedule=schedule)
+    time = step_time(shapes, layout, work, precision, ac, hw, Features(zero_stage=zero_stage, schedule=schedule))
     tokens = work.global_batch * work.seq_len
     mfu = model_flops_per_step(shapes, work) / (time.total * layout.world_size * hw.peak_flops)
-    return Candidate(layout, precision, ac, work, memory, time, tokens / time.total, mfu, zero_stage=zero_stage)
+    return Candidate(layout, precision, ac, work, memory, time, tokens / time.total, mfu, zero_stage=zero_stage,
+                     schedule=schedule)
 
 
 MAX_MICRO_BATCH = 32
 
 
-def micro_batches(layout: MeshLayout, work: Workload) -> list[int]:
+def micro_batches(layout: MeshLayout, work: Workload, *, schedule: Schedule = ONE_F_ONE_B) -> list[int]:
     """Sequences per micro-batch to try, largest first: divisors of the local batch (pp > 1: leaving at least pp
-    micro-batches for the schedule)."""
+    micro-batches, and a count the schedule accepts: MeshStrategy's own rule, pp_microbatches_for_schedule)."""
     local = work.local_batch(layout)
-    sizes = [m for m in divisors(local) if m <= MAX_MICRO_BATCH and (layout.pp == 1 or local // m >= layout.pp)]
+    sizes = [m for m in divisors(local) if m <= MAX_MICRO_BATCH and (layout.pp == 1 or local // m >= layout.pp)
+             and microbatches_refused(schedule, layout.pp, local // m) is None]
     return sorted(sizes, reverse=True)
 
 
 def best_option(layout: MeshLayout, shapes: ModelShapes, work: Workload, hw: Hardware, precision: str, ac: str,
                 zero_stage: int = 3) -> tuple[Candidate | None, Candidate]:
-    """(the fastest fitting micro-batch size or None, the least-memory one)."""
+    """(the fastest fitting (schedule, micro-batch size) or None, the least-memory one)."""
     fitting: list[Candidate] = []
     smallest = None
-    for micro in micro_batches(layout, work):
-        w = replace(work, micro_batch=micro)
-        memory = rank_memory(shapes, layout, w, precision, ac, zero_stage)
-        if memory["total"] <= hw.usable_bytes:
-            fitting.append(evaluate(layout, shapes, w, hw, precision, ac, zero_stage))
-        elif smallest is None or memory["total"] < smallest[1]:
-            smallest = (w, memory["total"])
+    for schedule in schedules_for(layout.pp, shapes.n_blocks, ac):
+        for micro in micro_batches(layout, work, schedule=schedule):
+            w = replace(work, micro_batch=micro)
+            memory = rank_memory(shapes, layout, w, precision, ac, zero_stage, schedule=schedule)
+            if memory["total"] <= hw.usable_bytes:
+                fitting.append(evaluate(layout, shapes, w, hw, precision, ac, zero_stage, schedule=schedule))
+            elif smallest is None or memory["total"] < smallest[1]:
+                smallest = (w, memory["total"], schedule)
     if fitting:
         best = min(fitting, key=lambda c: c.time.total)
         return best, min(fitting, key=lambda c: c.memory["total"])
     assert smallest is not None
-    return None, evaluate(layout, shapes, smallest[0], hw, precision, ac, zero_stage)
+    return None, evaluate(layout, shapes, smallest[0], hw, precision, ac, zero_stage, schedule=smallest[2])
 
 
 @dataclass
@@ -281,11 +289,14 @@ def explain(c: Candidate, shapes: ModelShapes, work: Workload, hw: Hardware) -> 
     if layout.cp > 1:
         out.append(f"cp={layout.cp}: each rank holds {work.seq_len // layout.cp} of {work.seq_len} tokens per sequence")
     if layout.pp > 1:
-        out.append(f"pp={layout.pp}: {c.work.microbatches(layout)} micro-batches of {c.work.micro_batch} per step,"
-                   f" bubble {100 * t.bubble:.0f}%; stages exchange activations of ({c.work.micro_batch},"
-                   f" {work.seq_len // (layout.cp * layout.tp)}, {shapes.config.dim}) per rank (micro-batch, T / cp / tp"
-                   " under sequence parallelism, dim)" + (f", MoE routing pass {_s(t.compute_parts['routing_pass'])} (the"
-                   " step's expert load before the schedule)" if "routing_pass" in t.compute_parts else ""))
+        v = c.schedule.stages_per_rank
+        stages = f", {v} stages per rank ({layout.pp * v} in all)" if v > 1 else ""
+        out.append(f"pp={layout.pp}, schedule {c.schedule.name}{stages}: {c.work.microbatches(layout)} micro-batches"
+                   f" of {c.work.micro_batch} per step, bubble {100 * t.bubble:.1f}%; stages exchange activations of"
+                   f" ({c.work.micro_batch}, {work.seq_len // (layout.cp * layout.tp)}, {shapes.config.dim}) per rank"
+                   " (micro-batch, T / cp / tp under sequence parallelism, dim)"
+                   + (f", MoE routing pass {_s(t.compute_parts['routing_pass'])} (the step's expert load before the"
+                      " schedule)" if "routing_pass" in t.compute_parts else ""))
     elif c.work.microbatches(layout) > 1:
         out.append(f"gradient accumulation: {c.work.microbatches(layout)} micro-batches of {c.work.micro_batch}"
                    " sequences per step (the whole local batch would not fit)")

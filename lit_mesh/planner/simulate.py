@@ -20,6 +20,8 @@ from torch import nn
 from lit_mesh.mesh import MeshLayout, build_device_mesh, resolve_layout
 from lit_mesh.options import MeshDegrees, MeshOptions
 from lit_mesh.parallel.apply import parallelize
+from lit_mesh.parallel.pipeline import PipelineSettings
+from lit_mesh.planner.schedules import ONE_F_ONE_B, Schedule
 from lit_mesh.planner.shapes import build_model
 from zoo.gpt import GPT, GPTConfig
 
@@ -30,8 +32,9 @@ def _local_bytes(t: torch.Tensor) -> int:
 
 
 def simulate_rank(config: Any, layout: MeshLayout, rank: int = 0, precision: str = "bf16-mixed",
-                  optimizer: bool = True) -> dict[str, Any]:
-    """Bytes of parameters, gradients and AdamW state on global rank `rank` of `layout` (fake process group)."""
+                  optimizer: bool = True, schedule: Schedule = ONE_F_ONE_B) -> dict[str, Any]:
+    """Bytes of parameters, gradients and AdamW state on global rank `rank` of `layout` (fake process group),
+    with the pipeline stages of `schedule` (pp > 1)."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     if dist.is_initialized():
@@ -44,7 +47,8 @@ def simulate_rank(config: Any, layout: MeshLayout, rank: int = 0, precision: str
             root.model = build_model(config)  # GPT or MoETransformer
         if precision == "bf16-true":  # Lightning's precision plugin casts the meta model before setup
             root.to(torch.bfloat16)
-        options = MeshOptions(mesh=MeshDegrees(sequence_parallel=layout.tp > 1))
+        pipeline = PipelineSettings(schedule.name, stages_per_rank=schedule.stages_per_rank)
+        options = MeshOptions(mesh=MeshDegrees(sequence_parallel=layout.tp > 1), pipeline=pipeline)
         parallelize(root, build_device_mesh(layout, "cpu"), options, precision=precision)
         params = list(root.parameters())
         out: dict[str, Any] = {"params": sum(_local_bytes(p) for p in params)}

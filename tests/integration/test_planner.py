@@ -25,8 +25,9 @@ def _run(capsys: pytest.CaptureFixture, *argv: str) -> tuple[int, dict, str]:
 def test_written_yaml_trains(capsys: pytest.CaptureFixture, tmp_path: Path) -> None:
     """Three plans of the tiny presets on 4 CPU processes: fsdp 2 x tp 2 under a memory budget that forces gradient
     accumulation, pp 2 x fsdp 2 with its micro-batches, and the MoE with ep 2; and the rehearsal of a llama3-8b
-    plan on 8 GPUs (dp_shard 4 x cp 2, fixed), scaled to dp_shard 2 x cp 2 of the tiny GPT. The written configs train
-    through `lit-mesh fit`, in one launch."""
+    plan on 8 GPUs (dp_shard 4 x cp 2, fixed), scaled to dp_shard 2 x cp 2 of the tiny GPT, and of an interleaved
+    pipeline plan (pp_schedule, pp_stages_per_rank, pp_microbatches). The written configs train through
+    `lit-mesh fit`, in one launch."""
     common = ["--preset", "tiny", "--devices", "4", "--devices-per-node", "4", "--reserve-gib", "0",
               "--precision", "32-true", "--seq-len", "64", "--dp-replicate", "1", "--cp", "1"]
     tp_yaml, pp_yaml = tmp_path / "tp.yaml", tmp_path / "pp.yaml"
@@ -62,13 +63,24 @@ def test_written_yaml_trains(capsys: pytest.CaptureFixture, tmp_path: Path) -> N
         {"pp": 1, "dp_replicate": 1, "dp_shard": 2, "cp": 2, "tp": 1}
     assert rehearsal["trainer"]["devices"] == 4 and rehearsal["trainer"]["accelerator"] == "cpu"
     assert rehearsal["model"]["init_args"] == {"preset": "tiny"} and rehearsal["trainer"]["precision"] == "32-true"
+    # an interleaved plan (llama3-8b, pp 2 x dp_shard 4, 4 micro-batches: v stages per rank shrink the bubble),
+    # rehearsed as pp 2 x dp_shard 2 of the tiny GPT deepened to one block per stage, with the plan's schedule
+    interleaved_yaml = tmp_path / "interleaved.yaml"
+    _, interleaved, text = _run(capsys, "--preset", "llama3-8b", "--devices", "8", "--pp", "2", "--dp-shard", "4",
+                                "--global-batch", "16", "--rehearsal", str(interleaved_yaml))
+    best = interleaved["ranked"][0]
+    assert best["pp_schedule"] == "interleaved_1f1b" and best["pp_stages_per_rank"] >= 2, text
+    interleaved_args = yaml.safe_load(interleaved_yaml.read_text())["trainer"]["strategy"]["init_args"]
+    assert (interleaved_args["pp"], interleaved_args["pp_schedule"], interleaved_args["pp_stages_per_rank"]) == \
+        (2, "interleaved_1f1b", best["pp_stages_per_rank"])
     overrides = ["--trainer.max_steps=4", "--trainer.accelerator=cpu", "--trainer.logger=CSVLogger",
                  "--trainer.log_every_n_steps=1", "--trainer.enable_progress_bar=false",
                  "--trainer.enable_checkpointing=false", "--trainer.enable_model_summary=false"]
     runs = [{"name": name, "args": ["-c", str(path), *overrides]}
-            for name, path in (("tp", tp_yaml), ("pp", pp_yaml), ("moe", moe_yaml), ("rehearsal", rehearsal_yaml))]
+            for name, path in (("tp", tp_yaml), ("pp", pp_yaml), ("moe", moe_yaml), ("rehearsal", rehearsal_yaml),
+                               ("interleaved", interleaved_yaml))]
     results = cli_runs(4, tmp_path, runs, timeout=500)
-    for name in ("tp", "pp", "moe", "rehearsal"):
+    for name in ("tp", "pp", "moe", "rehearsal", "interleaved"):
         losses = [v for _, v in sorted(results[name]["metrics"]["train_loss"].items(), key=lambda kv: int(kv[0]))]
         assert results[name]["world_size"] == 4 and len(losses) == 4
         assert all(math.isfinite(x) for x in losses) and losses[-1] < losses[0], (name, losses)

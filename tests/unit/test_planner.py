@@ -153,29 +153,32 @@ def test_fit_and_no_fit_examples(capsys: pytest.CaptureFixture, tmp_path: Path) 
 
 
 def test_rehearsal_scales_the_70b_plan_to_8_cpu_ranks() -> None:
-    """llama3-70b on 64 GPUs is planned as pp 4 x dp_replicate 2 x cp 8 without checkpointing (pp cuts the layers,
-    cp the tokens of every micro-batch: no TP collectives, no recompute); the best plan without cp is dp_shard 16 x
-    tp 4 with selective checkpointing (it fits without a pipeline: the loss is chunked and vocabulary-sharded, K/V
-    not repeated); the best plan with a pipeline and tp is pp 2 x dp_shard 8 x tp 4, and its rehearsal is pp 2 x
-    dp_shard 2 x tp 2 of the tiny GPT on 8 CPU processes, with a 1F1B schedule the scaled batch feeds. Every other
-    fitting plan scales to a layout lit_mesh accepts as well."""
+    """llama3-70b on 64 GPUs is planned as pp 8 x cp 8 without checkpointing (pp cuts the layers, cp the tokens of
+    every micro-batch: no TP collectives, no recompute); the best plan without cp is dp_shard 16 x tp 4 with
+    selective checkpointing (it fits without a pipeline: the loss is chunked and vocabulary-sharded, K/V not
+    repeated); the best plan with a pipeline and tp is pp 2 x dp_shard 16 x tp 2, interleaved with 2 stages per rank
+    (tp 4 no longer fits once every block of a stage stays gathered through the schedule, as lit_mesh keeps them),
+    and its rehearsal is pp 2 x dp_shard 2 x tp 2 of the tiny GPT deepened to one block per stage on 8 CPU
+    processes, with the same schedule. Every other fitting plan scales to a layout lit_mesh accepts as well."""
     config = GPTConfig.from_preset("llama3-70b")
     hw = Hardware(nodes=8, devices_per_node=8, memory_bytes=80 * GB)
     result = plan(gpt_shapes(config), Workload(global_batch=256, seq_len=8192), hw)
-    assert (result.ranked[0].layout, result.ranked[0].ac) == (MeshLayout(pp=4, dp_replicate=2, cp=8), "none")
+    assert (result.ranked[0].layout, result.ranked[0].ac) == (MeshLayout(pp=8, cp=8), "none")
     assert next(c for c in result.ranked if c.layout.cp == 1).layout == MeshLayout(dp_shard=16, tp=4)
     best = next(c for c in result.ranked if c.layout.pp > 1 and c.layout.tp > 1 and c.layout.cp == 1)
-    assert best.layout == MeshLayout(pp=2, dp_shard=8, tp=4)
+    assert best.layout == MeshLayout(pp=2, dp_shard=16, tp=2)
+    assert (best.schedule.name, best.schedule.stages_per_rank) == ("interleaved_1f1b", 2)
     rehearsal = rehearsal_config(best, hw)
     trainer, strategy = rehearsal["trainer"], rehearsal["trainer"]["strategy"]["init_args"]
     assert {d: strategy[d] for d in ("pp", "dp_replicate", "dp_shard", "cp", "tp")} == \
         {"pp": 2, "dp_replicate": 1, "dp_shard": 2, "cp": 1, "tp": 2}
     assert "ep" not in strategy and strategy["sequence_parallel"] and strategy["activation_checkpointing"] == best.ac
     assert (trainer["accelerator"], trainer["devices"], trainer["num_nodes"], trainer["precision"]) == ("cpu", 8, 1, "32-true")
-    assert rehearsal["model"] == {"class_path": "zoo.GPTModule", "init_args": {"preset": "tiny"}}
+    assert rehearsal["model"] == {"class_path": "zoo.GPTModule", "init_args": {"preset": "tiny", "config_overrides": {"n_layers": 4}}}
     batch, seq_len = rehearsal["data"]["init_args"]["global_batch_size"], rehearsal["data"]["init_args"]["seq_len"]
     local = batch // 2  # per dp rank
-    assert batch % 2 == 0 and strategy["pp_schedule"] == "1f1b" and trainer["accumulate_grad_batches"] == 1
+    assert batch % 2 == 0 and strategy["pp_schedule"] == "interleaved_1f1b" and strategy["pp_stages_per_rank"] == 2
+    assert trainer["accumulate_grad_batches"] == 1
     assert strategy["pp_microbatches"] >= 2 and local % strategy["pp_microbatches"] == 0
     assert seq_len % 2 == 0 and seq_len <= GPTConfig.from_preset("tiny").max_seq_len
     tiny_plan = GPT(GPTConfig.from_preset("tiny")).parallel_plan()
@@ -566,3 +569,162 @@ def test_zero_stages_in_memory_step_time_search_and_config(tmp_path: Path) -> No
     strategy = fit_config(best, "tiny", {}, hw, 10)["trainer"]["strategy"]["init_args"]
     assert strategy["zero_stage"] == best.zero_stage
     assert MeshStrategy(**{k: v for k, v in strategy.items() if k != "topology"}).options.data.zero_stage == best.zero_stage
+# ---- pipeline schedules with v stages per rank (#26 item 4) ----------------------------------------------------
+
+def _torch_peaks(schedule: str, pp: int, v: int, n: int) -> list[int]:
+    """Stage forwards each pp rank holds at its peak in torch's own schedule (its `pipeline_order`, built from stub
+    stages: the orders depend only on pp, v and n): +1 per forward, -1 per full backward or weight-gradient pass."""
+    from types import SimpleNamespace
+
+    from torch.distributed.pipelining.schedules import _ComputationType as Op
+
+    from lit_mesh.parallel.pipeline import SCHEDULES
+
+    stages = [SimpleNamespace(group_size=pp, group_rank=0, num_stages=pp * v, submod=None, stage_index=i,
+                              is_first=i == 0, is_last=False) for i in range(v)]
+    cls, kind, _ = SCHEDULES[schedule]
+    built = cls(stages[0] if kind == "one" else stages, n_microbatches=n, loss_fn=lambda *a: a[0])
+    order = built._get_pipeline_order() if kind == "one" else built.pipeline_order
+    change = {Op.FORWARD: 1, Op.FULL_BACKWARD: -1, Op.BACKWARD_WEIGHT: -1}
+
+    def steps(action):  # DualPipeV overlaps a forward with a backward in one action
+        return [s for a in (action.sub_actions or ()) for s in steps(a)] or [change.get(action.computation_type, 0)]
+
+    peaks = []
+    for rank in range(pp):
+        held = peak = 0
+        for action in filter(None, order[rank]):
+            for step in steps(action):
+                held += step
+                peak = max(peak, held)
+        peaks.append(peak)
+    return peaks
+
+
+@pytest.mark.parametrize(("schedule", "v"), [("1f1b", 1), ("gpipe", 1), ("interleaved_1f1b", 2), ("interleaved_1f1b", 3),
+                                             ("looped_bfs", 2), ("zero_bubble", 2), ("zero_bubble", 3), ("zbv", 2),
+                                             ("dualpipev", 2)])
+def test_in_flight_stage_forwards_match_torchs_schedules(schedule: str, v: int) -> None:
+    from lit_mesh.planner.schedules import Schedule, in_flight, microbatches_refused
+
+    checked = 0
+    for pp in (2, 4, 8):
+        for n in (1, pp - 1, pp, pp + 2, 2 * pp, 3 * pp):
+            if n < 1 or microbatches_refused(Schedule(schedule, v), pp, n):
+                continue  # MeshStrategy refuses it (and the planner never proposes it)
+            assert [in_flight(Schedule(schedule, v), pp, n, r) for r in range(pp)] == _torch_peaks(schedule, pp, v, n), (pp, n)
+            checked += 1
+    assert checked >= 6
+
+
+def test_interleaved_ranks_hold_the_same_parameters_and_more_activations() -> None:
+    """v stages per rank: a rank's blocks add up to about the 1F1B stage's (the same parameters in total), the V
+    puts the head on rank 0, and the interleaved warm-up holds more micro-batches' activations on rank 0."""
+    from lit_mesh.planner.memory import activation_bytes, rank_memory, state_numel
+    from lit_mesh.planner.schedules import ONE_F_ONE_B, Schedule, rank_stages
+
+    shapes, layout = gpt_shapes(GPTConfig.from_preset("llama3-70b")), MeshLayout(pp=4, dp_shard=2, tp=8)
+    total = {s: sum(state_numel(shapes, layout, r * 16, schedule=s) for r in range(4))
+             for s in (ONE_F_ONE_B, Schedule("interleaved_1f1b", 2), Schedule("zbv", 2))}
+    assert len(set(total.values())) == 1  # every block, the embedding and the head once
+    looped, v_shape = rank_stages(80, 4, Schedule("interleaved_1f1b", 2)), rank_stages(80, 4, Schedule("zbv", 2))
+    # lit_mesh's balanced split of 8 stages fills from the front: 10, 11 x 6, 4 blocks
+    assert [r.blocks for r in looped] == [(10, 11), (11, 11), (11, 11), (11, 4)] and looped[3].last and looped[0].first
+    assert v_shape[0].first and v_shape[0].last and v_shape[0].blocks == (10, 4) and v_shape[1].blocks == (11, 11)
+    work = Workload(64, 8192, 1)  # 8 per dp rank: 8 micro-batches
+    one = activation_bytes(shapes, layout, work, "bf16-mixed", "selective", 0)
+    two = activation_bytes(shapes, layout, work, "bf16-mixed", "selective", 0, schedule=Schedule("interleaved_1f1b", 2))
+    # 1F1B: 4 micro-batches x 20 blocks; interleaved: (v-1) 4 + 2 (pp-1) + 1 = 11 stage forwards of (at most) 11
+    assert two / one == pytest.approx(11 * 11 / (4 * 20), rel=1e-3)
+    # the worst rank of a V: rank 1's 22 blocks x 8 stage forwards outweigh rank 0's 10 plus the head's logits
+    assert rank_memory(shapes, layout, work, "bf16-mixed", "none", schedule=Schedule("zbv", 2))["stage"] == 1
+
+
+def test_schedules_the_search_tries() -> None:
+    from lit_mesh.planner.schedules import Schedule, schedules_for
+
+    tried = schedules_for(4, 80, "none")
+    assert Schedule("interleaved_1f1b", 2) in tried and Schedule("interleaved_1f1b", 4) in tried
+    assert Schedule("interleaved_1f1b", 3) not in tried  # 12 stages do not divide 80 blocks
+    assert {Schedule("zero_bubble", 2), Schedule("zbv", 2), Schedule("dualpipev", 2)} <= set(tried)
+    # split backward refuses checkpointed blocks (rules.split_backward_without_block_options)
+    for ac in ("selective", "full"):
+        assert {s.name for s in schedules_for(4, 80, ac)} == {"1f1b", "interleaved_1f1b"}
+    assert schedules_for(8, 8, "none") == [Schedule()]  # one block per stage already
+    assert schedules_for(1, 80, "none") == [Schedule()]
+
+
+def _init_args(c, preset: str, hw: Hardware) -> dict:  # noqa: ANN001
+    return fit_config(c, preset, {}, hw, 10)["trainer"]["strategy"]["init_args"]
+
+
+def test_every_pipeline_option_the_search_can_propose_passes_meshstrategys_init_rules() -> None:
+    """Every (schedule, micro-batch) the search may rank for pp layouts of three presets builds MeshOptions through
+    lit_mesh.options.build_options (MeshStrategy.__init__, every "init" rule); the ranked ones use v > 1 too."""
+    from lit_mesh.planner.schedules import schedules_for
+    from lit_mesh.planner.search import Candidate, micro_batches
+
+    seen: set[str] = set()
+    for preset, devices, batch in (("llama3-8b", 64, 256), ("llama3-70b", 256, 96), ("llama3-405b", 1024, 512)):
+        shapes, work = gpt_shapes(GPTConfig.from_preset(preset)), Workload(batch, 8192)
+        hw = Hardware(nodes=devices // 8, devices_per_node=8, memory_bytes=80 * GB)
+        result = plan(shapes, work, hw)
+        for c in result.ranked:
+            MeshStrategy(**_init_args(c, preset, hw))
+            seen.add(c.schedule.describe())
+        for layout in {c.layout for c in result.ranked if c.layout.pp > 1}:
+            for ac in ("none", "selective", "full"):
+                for schedule in schedules_for(layout.pp, shapes.n_blocks, ac):
+                    for micro in micro_batches(layout, work, schedule=schedule):
+                        w = dataclasses.replace(work, micro_batch=micro)
+                        option = Candidate(layout, "bf16-mixed", ac, w, {}, None, 0.0, 0.0, schedule=schedule)  # type: ignore[arg-type]
+                        args = _init_args(option, preset, hw)
+                        MeshStrategy(**args)
+                        seen.add(schedule.describe())
+    assert {"1f1b", "interleaved_1f1b v=2", "zero_bubble v=2", "zbv v=2", "dualpipev v=2"} <= seen, seen
+    # and the check can fail: the rule the search avoids
+    from lit_mesh.errors import PipelineConfigError
+
+    with pytest.raises(PipelineConfigError, match="splits each backward"):
+        MeshStrategy(pp=4, dp_shard=2, pp_schedule="zbv", pp_stages_per_rank=2, pp_microbatches=8,
+                     activation_checkpointing="selective")
+
+
+def test_interleaved_plan_for_llama3_405b_at_metas_layout_writes_its_schedule(tmp_path: Path) -> None:
+    """Meta's TP 8 x PP 16 x DP 64: interleaving halves the 1F1B bubble; the plan names the schedule and v, prints
+    both bubbles' terms, and writes pp_schedule, pp_stages_per_rank and pp_microbatches for `lit-mesh fit`."""
+    from lit_mesh.planner.schedules import Schedule
+    from lit_mesh.planner.search import evaluate
+
+    shapes, work = gpt_shapes(GPTConfig.from_preset("llama3-405b")), Workload(2048, 8192, 1)
+    layout, hw = MeshLayout(pp=16, dp_shard=64, tp=8), Hardware(nodes=1024, devices_per_node=8, memory_bytes=80 * GB)
+    one = evaluate(layout, shapes, work, hw, "bf16-mixed", "full")
+    two = evaluate(layout, shapes, work, hw, "bf16-mixed", "full", schedule=Schedule("interleaved_1f1b", 2))
+    assert one.time.bubble == pytest.approx(15 / 32) and two.time.bubble == pytest.approx(15 / 64)
+    assert two.mfu > one.mfu and two.memory["activations"] > one.memory["activations"]
+    best = plan(shapes, work, hw, fixed={"pp": 16, "tp": 8, "dp_shard": 64}).ranked[0]
+    assert best.schedule.stages_per_rank >= 2 and "interleaved_1f1b v=2" in best.name()
+    from lit_mesh.planner.search import explain
+
+    lines = explain(best, shapes, work, hw)
+    assert any("schedule interleaved_1f1b, 2 stages per rank (32 in all)" in r and "bubble 23.4%" in r for r in lines)
+    args = _init_args(best, "llama3-405b", hw)
+    assert (args["pp_schedule"], args["pp_stages_per_rank"], args["pp_microbatches"]) == ("interleaved_1f1b", 2, 32)
+    MeshStrategy(**args)
+    scaled = rehearsal_config(best, hw)  # pp 2 x v 2 on the tiny GPT: deepened to 4 blocks
+    assert scaled["model"]["init_args"]["config_overrides"] == {"n_layers": 4}
+    MeshStrategy(**scaled["trainer"]["strategy"]["init_args"])
+
+
+@pytest.mark.parametrize(("schedule", "rank"), [(("interleaved_1f1b", 2), 32), (("zbv", 2), 0)],
+                         ids=["interleaved-v2-pp-rank-2", "zbv-embedding-and-head-rank"])
+def test_estimate_equals_simulation_with_v_stages_per_rank(schedule: tuple[str, int], rank: int) -> None:
+    """The stages lit_mesh builds for v stages per rank (looped: pp rank 2 runs stages 2 and 6 of 8; V: embedding
+    and head both on pp rank 0) hold the bytes the planner counts."""
+    from lit_mesh.planner.schedules import Schedule
+
+    config, layout = GPTConfig.from_preset("llama3-8b"), MeshLayout(pp=4, dp_shard=2, tp=8)
+    simulated = simulate_rank(config, layout, rank, "bf16-mixed", schedule=Schedule(*schedule))
+    estimate = state_bytes(gpt_shapes(config), layout, "bf16-mixed", rank, schedule=Schedule(*schedule))
+    assert {k: simulated[k] for k in COMPONENTS} == estimate
+    assert estimate != state_bytes(gpt_shapes(config), layout, "bf16-mixed", rank)  # 1F1B's stage differs

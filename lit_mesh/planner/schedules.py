@@ -1,0 +1,131 @@
+"""Pipeline schedules as the planner models them: which schedules it proposes, their bubble, how many stage
+forwards each pp rank holds at its activation peak, and which blocks each pp rank runs.
+
+The in-flight counts are read off torch's own schedule definitions (torch.distributed.pipelining.schedules,
+checked against their `pipeline_order` in tests/unit/test_planner.py), with m = n // max(1, n // pp) the
+micro-batches per round of the interleaved schedules, for pp rank r holding v stages:
+- gpipe: every micro-batch, n;  1f1b: its warm-up plus one, min(pp - r, n);
+- looped_bfs: every forward of every local stage, n v;
+- interleaved_1f1b: warm-up (v - 1) m + 2 (pp - 1 - r) plus one, at most n v;
+- zero_bubble (interleaved ZB1P): warm-up (v - 1) m + (pp - 1 - r) plus one, plus the r weight-gradient passes it
+  defers (a stage's activations live until its weight gradient): (v - 1) m + pp, at most n v;
+- zbv: min(n + 1 + r, 2n, 2 pp);  dualpipev: 2 pp + 1 (it needs n >= 2 pp).
+One unit is one micro-batch through one stage of the rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+from lit_mesh.parallel.pipeline import SCHEDULES, SPLIT_BACKWARD, PipelineSettings, microbatch_problem
+from lit_mesh.parallel.pipeline_split import balanced_split, stage_ranks
+
+MAX_STAGES_PER_RANK = 8  # more virtual stages: smaller bubble, but v times the stage-boundary sends and warm-up
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """A pipeline schedule and the virtual stages each rank runs (lit_mesh.parallel.pipeline.SCHEDULES)."""
+
+    name: str = "1f1b"
+    stages_per_rank: int = 1
+
+    def describe(self) -> str:
+        return self.name if self.stages_per_rank == 1 else f"{self.name} v={self.stages_per_rank}"
+
+
+ONE_F_ONE_B = Schedule()
+
+
+def bubble_fraction(schedule: Schedule, pp: int, microbatches: int) -> float:
+    """Idle time over busy time of a stage. With forward F, input-gradient B and weight-gradient W of one
+    micro-batch each a third of F + B + W:
+    - gpipe, 1f1b: (pp - 1) / n (Huang et al. 2019; Narayanan et al. 2021);
+    - interleaved 1F1B / looped BFS with v stages per rank: (pp - 1) / (v n) (Narayanan et al. 2021);
+    - zero bubble (ZB-H1, W deferred into the bubble): (pp - 1)(F + B - 2W) / (n (F + B + W)) = (pp - 1) / (3 n)
+      (Qi et al. 2023), over v stages per rank for the interleaved form;
+    - zbv / dualpipev (two stages per rank in a V): DualPipe's (pp/2 - 1)(F&B + B - 3W) with a full backward
+      B + W and no credit for the F&B overlap: (pp - 2) / (3 n) (DeepSeek-V3 report, table 2).
+    """
+    if pp == 1:
+        return 0.0
+    n, v = microbatches, schedule.stages_per_rank
+    if schedule.name in ("gpipe", "1f1b"):
+        return (pp - 1) / n
+    if schedule.name in ("interleaved_1f1b", "looped_bfs"):
+        return (pp - 1) / (v * n)
+    if schedule.name == "zero_bubble":
+        return (pp - 1) / (3 * v * n)
+    if schedule.name in ("zbv", "dualpipev"):
+        return max(pp - 2, 0) / (3 * n)
+    raise ValueError(f"schedule {schedule.name!r}: the planner knows gpipe, 1f1b, interleaved_1f1b, looped_bfs,"
+                     " zero_bubble, zbv, dualpipev")
+
+
+def in_flight(schedule: Schedule, pp: int, microbatches: int, rank: int) -> int:
+    """Stage forwards (one micro-batch through one local stage) pp rank `rank` holds at its peak (module doc)."""
+    n, v, name = microbatches, schedule.stages_per_rank, schedule.name
+    if pp == 1:
+        return 1  # gradient accumulation frees each micro-batch before the next
+    per_round = n // max(1, n // pp)
+    counts = {
+        "gpipe": lambda: n,
+        "1f1b": lambda: min(pp - rank, n),
+        "looped_bfs": lambda: n * v,
+        "interleaved_1f1b": lambda: min((v - 1) * per_round + 2 * (pp - 1 - rank) + 1, n * v),
+        "zero_bubble": lambda: min((v - 1) * per_round + pp, n * v),
+        "zbv": lambda: min(n + 1 + rank, 2 * n, 2 * pp),
+        "dualpipev": lambda: 2 * pp + 1,
+    }
+    if name not in counts:
+        raise ValueError(f"schedule {name!r}: the planner knows {sorted(counts)}")
+    return counts[name]()
+
+
+@dataclass(frozen=True)
+class RankStages:
+    """What pp rank r runs: the blocks of each of its stages, and whether it holds the embedding / the head."""
+
+    blocks: tuple[int, ...]  # per local stage
+    first: bool
+    last: bool
+
+    @property
+    def total_blocks(self) -> int:
+        return sum(self.blocks)
+
+
+@lru_cache(maxsize=4096)
+def rank_stages(n_blocks: int, pp: int, schedule: Schedule = ONE_F_ONE_B) -> tuple[RankStages, ...]:
+    """Each pp rank's stages under lit_mesh's balanced split of pp x v stages and the schedule's placement
+    (looped: stage s on rank s mod pp, the head on rank pp - 1; V: rank r runs r and 2pp - 1 - r, the head on 0)."""
+    n_stages = pp * schedule.stages_per_rank
+    split = balanced_split(n_blocks, n_stages)
+    owner = stage_ranks(n_stages, pp, SCHEDULES[schedule.name][2])
+    return tuple(RankStages(tuple(split[s] for s in range(n_stages) if owner[s] == r), owner[0] == r,
+                            owner[-1] == r) for r in range(pp))
+
+
+def schedules_for(pp: int, n_blocks: int, ac: str) -> list[Schedule]:
+    """The schedules the search tries at pp stage ranks: 1f1b; interleaved_1f1b and zero_bubble with v = 2, and
+    every larger v up to MAX_STAGES_PER_RANK whose pp x v stages divide the blocks evenly; zbv and dualpipev.
+    gpipe and looped_bfs are left out: the bubble of their 1F1B counterparts, with every micro-batch in flight.
+    The split-backward schedules only without activation checkpointing (rules.split_backward_without_block_options;
+    the planner proposes no compiled blocks)."""
+    if pp == 1:
+        return [ONE_F_ONE_B]
+    out = [ONE_F_ONE_B]
+    for v in range(2, MAX_STAGES_PER_RANK + 1):
+        if pp * v <= n_blocks and (v == 2 or n_blocks % (pp * v) == 0):
+            out += [Schedule("interleaved_1f1b", v), Schedule("zero_bubble", v)]
+    if 2 * pp <= n_blocks:
+        out += [Schedule("zbv", 2), Schedule("dualpipev", 2)]
+    return [s for s in out if ac == "none" or s.name not in SPLIT_BACKWARD]
+
+
+def microbatches_refused(schedule: Schedule, pp: int, microbatches: int) -> str | None:
+    """Why MeshStrategy would refuse this many micro-batches with this schedule (its own rule), or None."""
+    if pp == 1:
+        return None
+    return microbatch_problem(PipelineSettings(schedule.name, microbatches, schedule.stages_per_rank), pp)
