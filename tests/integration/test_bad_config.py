@@ -58,7 +58,6 @@ ERRORS_AFTER_START: dict[str, tuple[list[str], list[str]]] = {
     "ep_vs_experts": ([*MOE, *_gpt(f"{S}ep=2")[3:], "--model.init_args.config_overrides={n_experts: 3}"],
                       ["ep=2 does not divide n_experts=3 of MoETransformer (choose ep in [1, 3])"]),
     "ep_dense_model": (_gpt(f"{S}ep=2"), ["ep=2 but GPT.parallel_plan() declares no MoE layer"]),
-    "pp_moe": ([*MOE, *_gpt(f"{S}pp=2")[3:]], ["pp=2 with the MoE model MoETransformer: pipeline stages do not carry"]),
     "experts_vs_shards": ([*MOE, *_gpt(f"{S}dp=2")[3:], "--model.init_args.config_overrides={expert_hidden: 63}"],
                           ["is FSDP-sharded by its dim 1 (63) over dp_shard x cp / ep = 2 x 1 / 1 = 2 ranks"]),
 }  # fmt: skip
