@@ -89,8 +89,9 @@ class SignCodec:
         return signs * scales.to(dtype).repeat_interleave(self.block)[:n]
 
 
-class TopKCodec:
-    """Top-k: the k = ceil(ratio x n) entries of largest magnitude, as fp32 values and int32 positions."""
+class SparseCodec:
+    """k = ceil(ratio x n) entries as fp32 values, then their int32 positions (8 bytes an entry); subclasses choose
+    which entries."""
 
     def __init__(self, ratio: float) -> None:
         self.ratio = ratio
@@ -101,12 +102,27 @@ class TopKCodec:
     def payload_bytes(self, n: int) -> int:
         return 8 * self.k(n)
 
-    def encode(self, x: Tensor) -> Tensor:
-        index = torch.topk(x.detach().abs(), self.k(x.numel()), sorted=False).indices
-        return _sparse_payload(x[index], index)
+    @staticmethod
+    def _payload(values: Tensor, index: Tensor) -> Tensor:
+        k = values.numel()
+        out = torch.empty(8 * k, dtype=torch.uint8, device=values.device)
+        out[: 4 * k] = values.float().view(torch.uint8)
+        out[4 * k :] = index.to(torch.int32).view(torch.uint8)
+        return out
 
     def decode(self, payload: Tensor, n: int, dtype: torch.dtype) -> Tensor:
-        return _sparse_entries(payload, n, self.k(n), dtype)
+        k = self.k(n)
+        values = payload[: 4 * k].view(torch.float32).to(dtype)
+        index = payload[4 * k :].view(torch.int32).long()
+        return torch.zeros(n, dtype=dtype, device=payload.device).index_put_((index,), values, accumulate=True)
+
+
+class TopKCodec(SparseCodec):
+    """Top-k: the k = ceil(ratio x n) entries of largest magnitude."""
+
+    def encode(self, x: Tensor) -> Tensor:
+        index = torch.topk(x.detach().abs(), self.k(x.numel()), sorted=False).indices
+        return self._payload(x[index], index)
 
 
 class QuantCodec:
@@ -161,66 +177,35 @@ class QuantCodec:
         return codes[:n].to(dtype) * step
 
 
-class RandomKCodec:
+class RandomKCodec(SparseCodec):
     """random-k: k = ceil(ratio x n) entries at positions drawn uniformly without replacement (on the device, from
-    the run's generator: no host sync), as fp32 values and int32 positions: top-k's bytes, without its selection.
-    With error feedback the entries not drawn wait for a later step."""
+    the run's generator: no host sync): top-k's bytes, without its selection. With error feedback the entries not
+    drawn wait for a later step."""
 
     def __init__(self, ratio: float, generator: torch.Generator) -> None:
-        self.ratio, self.generator = ratio, generator
-
-    def k(self, n: int) -> int:
-        return min(n, max(1, math.ceil(self.ratio * n)))
-
-    def payload_bytes(self, n: int) -> int:
-        return 8 * self.k(n)
+        super().__init__(ratio)
+        self.generator = generator
 
     def encode(self, x: Tensor) -> Tensor:
         k = self.k(x.numel())
         index = torch.randperm(x.numel(), generator=self.generator, device=self.generator.device)[:k].to(x.device)
-        return _sparse_payload(x.detach()[index], index)
-
-    def decode(self, payload: Tensor, n: int, dtype: torch.dtype) -> Tensor:
-        return _sparse_entries(payload, n, self.k(n), dtype)
+        return self._payload(x.detach()[index], index)
 
 
-class ThresholdCodec:
-    """Threshold sparsification: the entries with |x| >= threshold, as fp32 values and int32 positions.
-    All-to-all needs payloads of one size, so a payload holds up to ceil(capacity x n) entries (the largest when
-    more pass; with error feedback the rest wait) and its bytes are that capacity's, however few pass."""
+class ThresholdCodec(SparseCodec):
+    """Threshold sparsification: the entries with |x| >= threshold. All-to-all needs payloads of one size, so a
+    payload holds up to ceil(capacity x n) entries (the largest when more pass; with error feedback the rest wait)
+    and its bytes are that capacity's, however few pass."""
 
     def __init__(self, threshold: float, capacity: float) -> None:
-        self.threshold, self.capacity = threshold, capacity
-
-    def k(self, n: int) -> int:
-        return min(n, max(1, math.ceil(self.capacity * n)))
-
-    def payload_bytes(self, n: int) -> int:
-        return 8 * self.k(n)
+        super().__init__(capacity)
+        self.threshold = threshold
 
     def encode(self, x: Tensor) -> Tensor:
         top = torch.topk(x.detach().abs(), self.k(x.numel()), sorted=False)
         passing = top.values >= self.threshold
         # unused slots: value 0 at position 0 (decode adds, so a real entry at position 0 is kept)
-        return _sparse_payload(torch.where(passing, x.detach()[top.indices], 0), torch.where(passing, top.indices, 0))
-
-    def decode(self, payload: Tensor, n: int, dtype: torch.dtype) -> Tensor:
-        return _sparse_entries(payload, n, self.k(n), dtype)
-
-
-def _sparse_payload(values: Tensor, index: Tensor) -> Tensor:
-    """k fp32 values, then their k int32 positions."""
-    k = values.numel()
-    out = torch.empty(8 * k, dtype=torch.uint8, device=values.device)
-    out[: 4 * k] = values.float().view(torch.uint8)
-    out[4 * k :] = index.to(torch.int32).view(torch.uint8)
-    return out
-
-
-def _sparse_entries(payload: Tensor, n: int, k: int, dtype: torch.dtype) -> Tensor:
-    values = payload[: 4 * k].view(torch.float32).to(dtype)
-    index = payload[4 * k :].view(torch.int32).long()
-    return torch.zeros(n, dtype=dtype, device=payload.device).index_put_((index,), values, accumulate=True)
+        return self._payload(torch.where(passing, x.detach()[top.indices], 0), torch.where(passing, top.indices, 0))
 
 
 Codec = CastCodec | SignCodec | TopKCodec | QuantCodec | RandomKCodec | ThresholdCodec
