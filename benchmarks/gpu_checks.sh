@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# The one-GPU checks of benchmarks/README.md ("One GPU", "GPU checks") in one run, each step under its own time
+# limit so one slow or failing step leaves the others' figures. Logs go to $OUT (default gpu_out/), one per step.
+#   bash benchmarks/gpu_checks.sh                 # all steps
+#   bash benchmarks/gpu_checks.sh gpu recipe      # the named steps only
+# Without `pip install -e .` (a bare GPU host): the repository is put on PYTHONPATH and `lit-mesh` is run as
+# `python -m lit_mesh.cli`.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${OUT:-gpu_out}
+mkdir -p "$out"
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
+wanted=" ${*:-env kernels gpu recipe memory_loss gpu_ac} "
+
+step() {  # step NAME SECONDS COMMAND...: run it if wanted, log to $out/NAME.log, print its status and last lines
+    local name=$1 limit=$2
+    shift 2
+    [[ $wanted == *" $name "* ]] || return 0
+    local start=$SECONDS
+    timeout "$limit" "$@" >"$out/$name.log" 2>&1
+    echo "== $name: rc=$? in $((SECONDS - start)) s"
+    tail -n 4 "$out/$name.log" | cut -c1-3000
+}
+
+step env 30 bash -c 'nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; python -c "import torch, lightning; print(torch.__version__, torch.version.cuda, lightning.__version__, torch.cuda.get_device_name())"'
+step kernels 90 python -m pytest -q -p no:cacheprovider tests/unit/test_kernels.py -k "cuda or kernel_is_chosen or adamw"
+step gpu 200 python benchmarks/gpu.py --rounds 2
+# the recipe on one GPU, with gpu.py's batch (4 x 2048) so the 1B model fits without activation checkpointing
+step recipe 160 bash -c "python -m lit_mesh.cli fit -c configs/gpu.yaml --trainer.devices=1 --trainer.max_steps=50 \
+    --data.init_args.global_batch_size=4 --trainer.logger.init_args.save_dir=$out/logs && python benchmarks/tensorboard_scalars.py $out/logs"
+step memory_loss 60 python benchmarks/memory.py --loss-only
+step gpu_ac 100 python benchmarks/gpu.py --activation-checkpointing full --rounds 1
