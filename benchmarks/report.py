@@ -76,10 +76,12 @@ def _mesh(layout: dict[str, int]) -> str:
 def _about(entry: dict[str, Any]) -> str:
     """One line on where and when a result was measured: date, machine, load, wall time."""
     m = entry["machine"]
-    load = f"load average {m['load_before']:.1f} before, {m['load_after']:.1f} after"
+    # results run on the device machine come back as logs: no load average, sometimes no wall time of their own
+    load = "" if m["load_before"] is None else f"; load average {m['load_before']:.1f} before, {m['load_after']:.1f} after"
+    wall = "" if entry["wall_s"] is None else f"; {entry['wall_s']:.0f} s wall"
     return (
         f"{entry['date']}, {m['cpu_count']} CPU cores ({m['machine']}), {m['accelerator']}, torch {m['torch']},"
-        f" lightning {m['lightning']}, Python {m['python']}; {load}; {entry['wall_s']:.0f} s wall"
+        f" lightning {m['lightning']}, Python {m['python']}{load}{wall}"
     )
 
 

@@ -12,6 +12,7 @@ from typing import Optional, Union
 import torch
 import torch.distributed as dist
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
+from lightning.pytorch.utilities import GradClipAlgorithmType
 from typing_extensions import override
 
 from lit_mesh.grad_norm import clip_grad_norm_
@@ -92,6 +93,18 @@ class GlobalNormClipping(Precision):
     parameters, so their norms also add up over `stage_group` (None without pipeline)."""
 
     stage_group: Optional[dist.ProcessGroup] = None
+
+    @override
+    def clip_gradients(
+        self, optimizer: torch.optim.Optimizer, clip_val: Union[int, float] = 0.0,
+        gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM,
+    ) -> None:
+        if getattr(self, "scaler", None) is None:
+            # no loss scale (bf16-mixed): the gradients are true, so a fused optimizer (which would unscale inside
+            # its step) clips fine; Lightning's MixedPrecision refuses it regardless (seen on an H100, configs/gpu.yaml)
+            Precision.clip_gradients(self, optimizer, clip_val, gradient_clip_algorithm)
+        else:
+            super().clip_gradients(optimizer, clip_val, gradient_clip_algorithm)
 
     @override
     def clip_grad_by_norm(self, optimizer: torch.optim.Optimizer, clip_val: Union[int, float]) -> None:

@@ -42,3 +42,28 @@ def test_clipping_by_the_global_norm_is_mixed_into_the_chosen_plugin(precision: 
     weight.grad = torch.full((4,), 3.0)  # norm 6
     mixed.clip_gradients(torch.optim.SGD([weight], lr=0.1), clip_val=1.5)
     torch.testing.assert_close(weight.grad.norm(), torch.tensor(1.5), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "fp16-plugin"])
+def test_a_fused_optimizer_clips_without_a_loss_scale_and_is_refused_with_one(precision: str) -> None:
+    """bf16-mixed has no loss scale, so a fused optimizer's gradients are true and clip (configs/gpu.yaml: fused AdamW
+    on CUDA with gradient_clip_val, which Lightning's MixedPrecision refuses); with fp16's scaler they are still
+    scaled at clipping time, so Lightning's refusal stands."""
+    import torch
+
+    from lit_mesh.precision import with_global_norm_clipping
+
+    given = FP16MixedPrecision(device="cpu") if precision == "fp16-plugin" else None
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=MeshStrategy(), logger=False,
+                        **({"plugins": [given]} if given else {"precision": precision}))  # fmt: skip
+    plugin = with_global_norm_clipping(trainer.strategy.precision_plugin)
+    weight = torch.nn.Parameter(torch.ones(4))
+    weight.grad = torch.full((4,), 3.0)  # norm 6
+    optimizer = torch.optim.SGD([weight], lr=0.1)
+    optimizer._step_supports_amp_scaling = True  # what fused AdamW declares: it unscales inside its step
+    if given is not None:
+        with pytest.raises(RuntimeError, match="fused"):
+            plugin.clip_gradients(optimizer, clip_val=1.5)
+        return
+    plugin.clip_gradients(optimizer, clip_val=1.5)
+    torch.testing.assert_close(weight.grad.norm(), torch.tensor(1.5), rtol=1e-5, atol=1e-6)

@@ -71,7 +71,8 @@ def test_every_result_file_has_its_command_and_machine() -> None:
     for name, entry in entries.items():
         assert entry["name"] == name
         assert entry["command"] == "python " + " ".join(entry["argv"])
-        assert (REPO / entry["argv"][0]).exists(), entry["argv"]
+        script = entry["argv"][1].replace(".", "/") + ".py" if entry["argv"][0] == "-m" else entry["argv"][0]
+        assert (REPO / script).exists(), entry["argv"]
         assert {"date", "wall_s", "timeout_s", "machine", "result"} <= set(entry)
 
 
@@ -84,3 +85,20 @@ def test_a_run_keeps_the_last_json_line_and_the_exact_command(tmp_path: Path) ->
     assert saved["result"] == {"argv": ["--n", "2"], "x": 3}
     assert saved["command"] == f"python {script} --n 2"
     assert saved["machine"]["cpu_count"] >= 1 and saved["timeout_s"] == 60
+
+
+def test_tensorboard_scalars_reads_back_every_logged_value(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """benchmarks/tensorboard_scalars.py: how the GPU recipe's MeshMonitor figures come back from a bare host."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    import tensorboard_scalars
+
+    writer = SummaryWriter(str(tmp_path / "version_0"))
+    for step, value in [(9, 0.5), (19, 0.25)]:
+        writer.add_scalar("monitor/mfu", value, step)
+    writer.close()
+    tensorboard_scalars.main([str(tmp_path)])
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["scalars"]["monitor/mfu"]
+    assert summary == {"last": 0.25, "mean": 0.375, "count": 2, "steps": [9, 19]}
+    with pytest.raises(SystemExit, match="no TensorBoard scalars"):
+        tensorboard_scalars.main([str(tmp_path / "empty")])
