@@ -182,27 +182,29 @@ class TwoBWRunner(PipelineRunner):
     # ---- one forward, one backward ----------------------------------------------------------------------------
 
     def _forward(self, version: _Version, micro: Tensor, target: Tensor, loss_fn: Callable, raw: list, k: int) -> _InFlight:
+        # the timed blocks hold the computation only, as torch's stages do (waiting for a receive is bubble)
+        x = micro if self._first else self._recv(self._previous, micro.device).requires_grad_(True)
         with self._block("F", k):
-            x = micro if self._first else self._recv(self._previous, micro.device).requires_grad_(True)
             out = functional_call(self._module, version.leaves, (x,))
             if self._last:
                 loss = loss_fn(out, target)
                 raw.append(loss.detach().float())
                 return _InFlight(loss * (1.0 / self.n_microbatches), None if self._first else x, k)
-            self._sends[1] += [(w, t) for w, t in self._isend_with_header(out.detach(), self._next)]
-            return _InFlight(out, None if self._first else x, k)
+        self._sends[1] += self._isend_with_header(out.detach(), self._next)
+        return _InFlight(out, None if self._first else x, k)
 
     def _backward(self, item: _InFlight) -> None:
-        with self._block("B", item.microbatch):
-            if self._last:
+        if self._last:
+            with self._block("B", item.microbatch):
                 item.output.backward()
-            else:
-                grad = torch.empty_like(item.output)
-                dist.recv(grad, group=self.group, group_src=self._next)
+        else:
+            grad = torch.empty_like(item.output)
+            dist.recv(grad, group=self.group, group_src=self._next)
+            with self._block("B", item.microbatch):
                 torch.autograd.backward(item.output, grad)
-            if item.input is not None:
-                grad_in = item.input.grad.contiguous()
-                self._sends[1].append((dist.isend(grad_in, group=self.group, group_dst=self._previous), grad_in))
+        if item.input is not None:
+            grad_in = item.input.grad.contiguous()
+            self._sends[1].append((dist.isend(grad_in, group=self.group, group_dst=self._previous), grad_in))
 
     def _isend_with_header(self, tensor: Tensor, to: int) -> list[tuple[Any, Tensor]]:
         tensor = tensor.contiguous()
