@@ -1,8 +1,9 @@
 """PipeDream-2BW on pp = world size ranks (tests/integration/test_pipeline_2bw.py): the zoo GPT trains STEPS steps
-with MeshStrategy(pp=world, pp_schedule="2bw"); every rank records its loss and weight storage per step, then
-rank 0 replays the run on one process from the same initial weights and batches twice, with the delayed rule
-(W_{t+1} = W_t - update(grad f(W_{t-1}; batch t-1)), no update at step 0) and synchronously (1F1B's curve),
-and writes both next to what the pipeline did to OUT/result.json.
+with MeshStrategy(pp=world, pp_schedule="2bw"), saving a checkpoint at RESUME_STEP, then a second fit resumes from it;
+every rank records its losses, batches and weight storage per step. Rank 0 then replays on one process, from the same
+initial weights and batches: with the delayed rule (W_{t+1} = W_t - update(grad f(W_{t-1}; batch t-1)), no update at
+step 0), synchronously (1F1B's curve), and with the delay restarted at the resume step; it writes them next to what
+the pipeline did to OUT/result.json.
 
 Usage: torchrun --nproc_per_node=P pipeline_2bw.py OUT
 """
@@ -89,7 +90,7 @@ def fit(record: Record, world: int, checkpoints: Path, resume: bool) -> GPTModul
     trainer = L.Trainer(
         accelerator="cpu", devices=world, max_steps=STEPS, precision="32-true", logger=False,
         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
-        callbacks=[record, saves] if not resume else [record],
+        enable_checkpointing=not resume, callbacks=[record, saves] if not resume else [record],
         strategy=MeshStrategy(pp=world, pp_schedule="2bw", pp_microbatches=MICROBATCHES),
     )  # fmt: skip
     trainer.fit(module, data, ckpt_path=checkpoints / f"step={RESUME_STEP}.ckpt" if resume else None)
@@ -106,8 +107,13 @@ def main(out: Path) -> None:
     final = merged({n: p.detach().clone() for n, p in module.model.named_parameters()})
     initial = merged(record.initial)
     fit(resumed, world, out / "ckpt", resume=True)
-    if dist.get_rank() != 0:
-        return
+    if dist.get_rank() == 0:
+        write_result(out, world, record, resumed, initial, final, storage)
+    dist.barrier()  # no rank tears gloo down while another still talks to it
+    dist.destroy_process_group()
+
+
+def write_result(out: Path, world: int, record: Record, resumed: Record, initial: dict, final: dict, storage: dict) -> None:
     delayed_losses, delayed_params = replay(initial, record.batches, delayed=True)
     sync_losses, _ = replay(initial, record.batches, delayed=False)
     restarted, _ = replay(initial, record.batches[:RESUME_STEP] + resumed.batches, delayed=True, restart_at=RESUME_STEP)
