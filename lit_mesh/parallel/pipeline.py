@@ -8,6 +8,8 @@ How it fits Lightning's automatic optimisation (see shared DESIGN, "Automatic op
   schedule made are set aside before `zero_grad` can wipe them and added back in the strategy's `backward`.
 - Losses are scaled by 1 / (micro-batches x accumulation) inside the schedule, built with `scale_grads=False`
   (its own scaling would also divide gradients accumulated by earlier micro-steps).
+- pp_schedule="2bw" (PipeDream-2BW) is not one of torch's schedules: lit_mesh/parallel/pipeline_2bw.py runs it on
+  these hooks, with batches in flight across steps and updates one step late.
 """
 
 from __future__ import annotations
@@ -74,7 +76,8 @@ class PipelineSettings:
 
 
 def fewest_microbatches(schedule: str, pp: int, stages_per_rank: int) -> int:
-    """The fewest micro-batches torch's schedule accepts: 1F1B one per stage, DualPipeV one per stage of its V."""
+    """The fewest micro-batches a schedule accepts: 1F1B one per stage, DualPipeV one per stage of its V; 2bw one per
+    stage (each step's first backwards then finish the previous batch: at most two weight versions)."""
     return {"1f1b": pp, "2bw": pp, "dualpipev": pp * stages_per_rank}.get(schedule, 1)
 
 
