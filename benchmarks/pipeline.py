@@ -9,8 +9,12 @@ is the median over ranks of the median over steps. Peak activation memory = the 
 Formulas (p stages-ranks, m micro-batches, v stages per rank; ideal F = B = W block times):
   gpipe, 1f1b (p-1)/(m+p-1)   interleaved_1f1b (p-1)/(v m + p-1)   zero_bubble (interleaved, ZB-H1 shape)
   (p-1)/(3 v m + p-1)   -- 1F1B has GPipe's bubble but holds at most p micro-batches' activations, not m.
+  2bw (PipeDream-2BW: 1F1B without a flush, updates one step late) 0 after step 0's warm-up.
+Throughput: tokens per second of the pipelined part of a step (batch x seq_len / the recorded step time, median).
 
-Usage: python benchmarks/pipeline.py [--pp 2] [--microbatches 4] [--schedules gpipe 1f1b ...]
+2bw against 1f1b on the same model and micro-batches: --schedules 1f1b 2bw
+
+Usage: python benchmarks/pipeline.py [--pp 2] [--microbatches 4] [--schedules gpipe 1f1b ...] [--repeats 1]
 """
 
 from __future__ import annotations
@@ -62,14 +66,17 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=1, help="run the schedules in turn this many times (one median)")
     p.add_argument("--timeout", type=float, default=500.0)
     return p.parse_args(argv)
 
 
 def worker(args: argparse.Namespace) -> None:
-    found: dict[str, Any] = {}
-    for schedule in args.schedules:
-        many = schedule not in ("gpipe", "1f1b")
+    measured: dict[str, list[list[dict[str, Any]]]] = {}  # schedule -> per rank, the measured steps of every repeat
+    settings: dict[str, int] = {}
+    # the schedules in turn, --repeats times: drifting load on a shared machine falls on each of them alike
+    for schedule in args.schedules * args.repeats:
+        many = schedule not in ("gpipe", "1f1b", "2bw")
         strategy = MeshStrategy(
             pp=args.pp, pp_schedule=schedule, pp_microbatches=args.microbatches,
             pp_stages_per_rank=args.stages_per_rank if many else None,
@@ -80,18 +87,24 @@ def worker(args: argparse.Namespace) -> None:
         trainer = L.Trainer(strategy=strategy, **C.trainer_kwargs(args.pp, args.steps, [recorder]))
         trainer.fit(module, data)
         per_rank = C.gather(recorder.steps)
-        v = strategy._pipeline.settings.local_stages()
-        bubbles = [statistics.median(s["bubble_fraction"] for s in steps) for steps in per_rank]
-        found[schedule] = {
-            "bubble_measured": round(statistics.median(bubbles), 4),
-            "bubble_per_rank": [round(b, 4) for b in bubbles],
-            "bubble_formula": round(bubble_formula(schedule, args.pp, args.microbatches, v), 4),
-            "stages_per_rank": v,
-            "step_time_s": round(statistics.median(s["step_time_s"] for steps in per_rank for s in steps), 4),
-            "peak_activation_bytes_max_rank": max(max(s["peak_saved_activation_bytes"] for s in steps) for steps in per_rank),
-            "peak_activation_bytes_per_rank": [max(s["peak_saved_activation_bytes"] for s in steps) for steps in per_rank],
-        }
-    C.emit({"schedules": found})
+        settings[schedule] = strategy._pipeline.settings.local_stages()
+        measured[schedule] = [a + b for a, b in zip(measured.get(schedule, [[] for _ in per_rank]), per_rank)]
+    C.emit({"schedules": {name: summarise(name, per_rank, settings[name], args) for name, per_rank in measured.items()}})
+
+
+def summarise(schedule: str, per_rank: list[list[dict[str, Any]]], v: int, args: argparse.Namespace) -> dict[str, Any]:
+    bubbles = [statistics.median(s["bubble_fraction"] for s in steps) for steps in per_rank]
+    step_time = statistics.median(s["step_time_s"] for steps in per_rank for s in steps)
+    return {
+        "bubble_measured": round(statistics.median(bubbles), 4),
+        "bubble_per_rank": [round(b, 4) for b in bubbles],
+        "bubble_formula": round(bubble_formula(schedule, args.pp, args.microbatches, v), 4),
+        "stages_per_rank": v,
+        "step_time_s": round(step_time, 4),
+        "tokens_per_s": round(args.batch_size * args.seq_len / step_time, 1),
+        "peak_activation_bytes_max_rank": max(max(s["peak_saved_activation_bytes"] for s in steps) for steps in per_rank),
+        "peak_activation_bytes_per_rank": [max(s["peak_saved_activation_bytes"] for s in steps) for steps in per_rank],
+    }
 
 
 def drive(args: argparse.Namespace, argv: list[str]) -> None:
@@ -102,7 +115,7 @@ def drive(args: argparse.Namespace, argv: list[str]) -> None:
         **result,
         "config": {
             "pp": args.pp, "microbatches": args.microbatches, "preset": args.preset, "batch_size": args.batch_size,
-            "seq_len": args.seq_len, "steps": args.steps, "measured_steps": args.steps - args.warmup,
+            "seq_len": args.seq_len, "steps": args.steps, "measured_steps": args.steps - args.warmup, "repeats": args.repeats,
             "statistic": "bubble: median over ranks of the median over measured steps; memory: max over steps",
             **C.environment(), "threads_per_rank": 1,
         },

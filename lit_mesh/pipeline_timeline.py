@@ -35,7 +35,7 @@ def bubble_formula(schedule: str, p: int, m: int, v: int = 1) -> Optional[float]
     equal F / B / W block times; None for the V-shaped schedules (zbv, dualpipev), which have no such closed form.
 
     gpipe, 1f1b (p-1)/(m+p-1); interleaved_1f1b, looped_bfs (p-1)/(v m+p-1); zero_bubble (interleaved, ZB-H1
-    shape: only F + B - W of each warm-up slot stays idle) (p-1)/(3 v m+p-1).
+    shape: only F + B - W of each warm-up slot stays idle) (p-1)/(3 v m+p-1); 2bw (no flush) 0 after step 0.
     """
     if schedule in ("gpipe", "1f1b"):
         return (p - 1) / (m + p - 1)
@@ -43,6 +43,8 @@ def bubble_formula(schedule: str, p: int, m: int, v: int = 1) -> Optional[float]
         return (p - 1) / (v * m + p - 1)
     if schedule == "zero_bubble":
         return (p - 1) / (3 * v * m + p - 1)
+    if schedule == "2bw":  # no flush: after step 0's warm-up every stage alternates F and B without idling
+        return 0.0
     return None
 
 
@@ -116,6 +118,17 @@ class TimelineRecorder:
                 self.blocks.append(Block(label, stage.stage_index, chunk, start - self._t0, time.perf_counter() - self._t0))
 
         setattr(stage, method, timed)  # an instance attribute hides the method until removed
+
+    @contextmanager
+    def timed_block(self, kind: str, stage: int, microbatch: int) -> Iterator[None]:
+        """One block a runner without torch stages computes itself (2bw), inside `recording()`."""
+        self._sync()
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._sync()
+            self.blocks.append(Block(kind, stage, microbatch, start - self._t0, time.perf_counter() - self._t0))
 
     @contextmanager
     def recording(self) -> Iterator[None]:

@@ -93,6 +93,20 @@ def _pipeline_options_given(p: Any) -> bool:
     return p.schedule != "1f1b" or p.microbatches is not None or p.stages_per_rank is not None or bool(p.split)
 
 
+def _is_2bw(f: Facts) -> bool:
+    return f.options.pipeline.schedule == "2bw" and f.degree("pp") != 1
+
+
+def _beside_2bw(f: Facts) -> list[str]:
+    """What the mesh combines with pp under 2bw: its driver keeps two plain weight versions per stage and steps
+    them itself (lit_mesh/parallel/pipeline_2bw.py), with no sharded, tensor-parallel or reduced parameters."""
+    layout = f.layout
+    found = [f"{n}={getattr(layout, n)}" for n in ("tp", "cp", "ep") if getattr(layout, n) > 1]
+    if layout.data_parallel != "none":
+        found.append(f"data parallel {layout.data_parallel} (dp_replicate={layout.dp_replicate}, dp_shard={layout.dp_shard})")
+    return found
+
+
 def _node_devices(f: Facts) -> int:
     return f.topology.devices_per_node
 
@@ -199,6 +213,17 @@ RULES: tuple[Rule, ...] = (
         " applies to pp=1 only: leave it at 3 with pp, or use pp=1",
     ),
     Rule(
+        # a checkpointed block recomputes its forward in backward, one step later under 2bw, from the live weights
+        # (W_{t+1}) instead of the version its forward used; compiled blocks are traced against the parameters
+        # that functional_call swaps for each version
+        "2bw_without_block_options", "init",
+        lambda f: _is_2bw(f) and bool(_block_options(f)),
+        lambda f: f"{_block_options(f)[0]} with pp_schedule='2bw': each micro-batch's backward must use the weight"
+        " version its forward used, and a checkpointed or compiled block would recompute or trace with the"
+        " parameters' live values; turn it off, or use pp_schedule='1f1b'",
+        PipelineConfigError,
+    ),
+    Rule(
         "async_save_needs_sharded", "init",
         lambda f: f.options.checkpoint.asynchronous and not f.options.checkpoint.distributed,
         lambda f: "async_save=True writes sharded checkpoints: keep save_distributed_checkpoint=True",
@@ -233,6 +258,14 @@ RULES: tuple[Rule, ...] = (
         lambda f: f.layout.pp > 1 and f.precision == "16-mixed",
         lambda f: f"pp={f.layout.pp} with fp16 loss scaling: the pipeline schedule runs the backward itself, outside"
         " the scaler; use precision='bf16-mixed' (no scaler needed) or pp=1",
+    ),
+    Rule(
+        "2bw_pipeline_alone", "launch",
+        lambda f: _is_2bw(f) and bool(_beside_2bw(f)),
+        lambda f: f"pp_schedule='2bw' with {', '.join(_beside_2bw(f))}: PipeDream-2BW here runs pipeline parallel"
+        f" alone (every rank one stage, world size = pp={f.layout.pp}), keeping two plain weight versions per stage;"
+        " give pp = the world size with tp=1, cp=1, ep=1 and no dp, or use pp_schedule='1f1b' to combine them",
+        PipelineConfigError,
     ),
     Rule(
         "async_tp_needs_cuda_nccl", "launch",
@@ -336,6 +369,14 @@ RULES: tuple[Rule, ...] = (
         " declare pp=PipelinePlan(first=..., last=...) as zoo/moe.py does, or use pp=1 (ep, dp, tp and cp work"
         " with MoE)",
         PlanError,
+    ),
+    Rule(
+        # MoE under pp carries router statistics and expert reductions through torch's schedule steps
+        "2bw_without_moe", "setup",
+        lambda f: not f.self_parallelised and _is_2bw(f) and bool(f.owners) and f.owners[0].plan.moe is not None,
+        lambda f: f"pp_schedule='2bw' with the MoE model {type(f.owners[0].module).__name__}: the 2bw driver does not"
+        " carry MoE routing statistics or auxiliary losses across its delayed steps; use pp_schedule='1f1b' with MoE",
+        PipelineConfigError,
     ),
     Rule(
         "block_options_need_plan", "setup",

@@ -89,7 +89,9 @@ class MeshStrategy(ModelParallelStrategy):
         ep: expert-parallel degree, borrowed from dp_shard x cp (it adds no ranks): experts of the plan's MoE
             layers are split over ep, their weights FSDP-sharded over dp_shard x cp / ep.
         pp_schedule: "gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "zero_bubble" (interleaved zero bubble),
-            "zbv" or "dualpipev" (V-shaped, 2 stages per rank).
+            "zbv" or "dualpipev" (V-shaped, 2 stages per rank); or "2bw" (PipeDream-2BW: asynchronous 1F1B without
+            a flush, each batch's gradient applied one step late, two weight versions per stage; pp alone, see
+            lit_mesh/parallel/pipeline_2bw.py).
         pp_microbatches: micro-batches per step (must divide each pipeline replica's batch); default pp
             (dualpipev: 2 x pp, one per stage).
         pp_stages_per_rank: virtual stages per rank for the interleaved schedules (default 2 there, else 1).
@@ -359,6 +361,8 @@ class MeshStrategy(ModelParallelStrategy):
     def on_train_end(self) -> None:
         if self._nonfinite is not None:
             self._nonfinite.check(self.root_device)  # the steps since the last logging step
+        if self._pipeline is not None:
+            self._pipeline.end_training()  # 2bw drains its pipeline (lit_mesh/parallel/pipeline_2bw.py)
         super().on_train_end()
 
     @override
@@ -403,6 +407,8 @@ class MeshStrategy(ModelParallelStrategy):
         trainer = getattr(self.lightning_module, "_trainer", None)
         if self._nonfinite is not None and trainer is not None and trainer.state.fn == TrainerFn.FITTING:
             self._nonfinite.check(self.root_device)  # never write NaN weights over a good checkpoint
+        if self._pipeline is not None:
+            self._pipeline.before_save()  # 2bw: what a checkpoint cannot hold of its pipeline in flight
         if self.global_batch_splits > 1:  # what its loop counters count in (lit_mesh/replan.py); absent means 1
             checkpoint[SPLITS_KEY] = self.global_batch_splits
         if storage_options is not None or not self._save_distributed_checkpoint:

@@ -8,6 +8,8 @@ How it fits Lightning's automatic optimisation (see shared DESIGN, "Automatic op
   schedule made are set aside before `zero_grad` can wipe them and added back in the strategy's `backward`.
 - Losses are scaled by 1 / (micro-batches x accumulation) inside the schedule, built with `scale_grads=False`
   (its own scaling would also divide gradients accumulated by earlier micro-steps).
+- pp_schedule="2bw" (PipeDream-2BW) is not one of torch's schedules: lit_mesh/parallel/pipeline_2bw.py runs it on
+  these hooks, with batches in flight across steps and updates one step late.
 """
 
 from __future__ import annotations
@@ -27,8 +29,9 @@ from torch.distributed.pipelining import schedules as torch_schedules
 
 from lit_mesh.parallel.pipeline_split import PipelineConfigError, Placement, Stage
 
-# name -> (torch schedule class, stages per rank: "one" or "many", placement of stages on ranks)
-SCHEDULES: dict[str, tuple[type, str, Placement]] = {
+# name -> (torch schedule class, stages per rank: "one" or "many", placement of stages on ranks); None: lit-mesh's
+# own driver (2bw: PipeDream-2BW, asynchronous, lit_mesh/parallel/pipeline_2bw.py)
+SCHEDULES: dict[str, tuple[Optional[type], str, Placement]] = {
     "gpipe": (torch_schedules.ScheduleGPipe, "one", "loop"),
     "1f1b": (torch_schedules.Schedule1F1B, "one", "loop"),
     "interleaved_1f1b": (torch_schedules.ScheduleInterleaved1F1B, "many", "loop"),
@@ -36,6 +39,7 @@ SCHEDULES: dict[str, tuple[type, str, Placement]] = {
     "zero_bubble": (torch_schedules.ScheduleInterleavedZeroBubble, "many", "loop"),
     "zbv": (torch_schedules.ScheduleZBVZeroBubble, "two", "v"),
     "dualpipev": (torch_schedules.ScheduleDualPipeV, "two", "v"),
+    "2bw": (None, "one", "loop"),
 }
 
 # the zero-bubble family: each backward runs in two parts, input gradients first (autograd with retain_graph) and
@@ -72,8 +76,9 @@ class PipelineSettings:
 
 
 def fewest_microbatches(schedule: str, pp: int, stages_per_rank: int) -> int:
-    """The fewest micro-batches torch's schedule accepts: 1F1B one per stage, DualPipeV one per stage of its V."""
-    return {"1f1b": pp, "dualpipev": pp * stages_per_rank}.get(schedule, 1)
+    """The fewest micro-batches a schedule accepts: 1F1B one per stage, DualPipeV one per stage of its V; 2bw one per
+    stage (each step's first backwards then finish the previous batch: at most two weight versions)."""
+    return {"1f1b": pp, "2bw": pp, "dualpipev": pp * stages_per_rank}.get(schedule, 1)
 
 
 _FEWER_MICROBATCHES = {"1f1b": "gpipe", "dualpipev": "zbv"}  # a schedule of the same shape that takes fewer
@@ -85,10 +90,8 @@ def microbatch_problem(settings: PipelineSettings, pp: int) -> Optional[str]:
     count, schedule = settings.n_microbatches(pp), settings.schedule
     fewest = fewest_microbatches(schedule, pp, settings.local_stages())
     if count < fewest:
-        return (
-            f"needs at least {fewest} micro-batches (one per stage); set pp_microbatches >= {fewest}, or use"
-            f" pp_schedule={_FEWER_MICROBATCHES[schedule]!r}"
-        )
+        other = f", or use pp_schedule={_FEWER_MICROBATCHES[schedule]!r}" if schedule in _FEWER_MICROBATCHES else ""
+        return f"needs at least {fewest} micro-batches (one per stage); set pp_microbatches >= {fewest}{other}"
     rounds = max(1, count // pp)  # the interleaved schedules run the micro-batches in rounds of pp
     if schedule in ("interleaved_1f1b", "zero_bubble") and count % rounds:
         return (
@@ -324,6 +327,12 @@ class PipelineRunner:
         """Lightning's training_step: the losses of this step are scaled by 1 / (micro-batches x accumulation)."""
         self.accumulation = accumulation
 
+    def before_save(self) -> None:
+        """A checkpoint is about to be written (the synchronous schedules have nothing in flight between steps)."""
+
+    def end_training(self) -> None:
+        """fit() is ending (the synchronous schedules finish every batch within its step)."""
+
     def backward(self, loss: Tensor, strategy: Any, module: Any) -> Tensor:
         """Lightning's backward: the schedule ran forward and backward inside training_step (loss_of); the
         strategy's and the precision plugin's hooks still run around it, and this step's gradients are added."""
@@ -349,7 +358,12 @@ def start_pipeline(
 ) -> PipelineRunner:
     """Build this rank's schedule over its stages of `owner` (the plan owner cut into stages) and attach it, so
     that loss_of/output_of on `owner` run the pipeline."""
-    runner = PipelineRunner(stages, settings, pp_group, stage_ranks, device=device, parameters=lambda: list(owner.parameters()))
+    runner_cls = PipelineRunner
+    if settings.schedule == "2bw":
+        from lit_mesh.parallel.pipeline_2bw import TwoBWRunner  # it builds on PipelineRunner
+
+        runner_cls = TwoBWRunner
+    runner = runner_cls(stages, settings, pp_group, stage_ranks, device=device, parameters=lambda: list(owner.parameters()))
     attach_runner(owner, runner)
     return runner
 

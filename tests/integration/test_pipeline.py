@@ -142,7 +142,9 @@ def test_the_clip_in_the_accumulation_case_bites(results: dict) -> None:
 
 
 def test_every_offered_schedule_trains_here() -> None:
-    assert sorted(SCHEDULE_RUNS) == sorted(SCHEDULES), "a schedule MeshStrategy offers must train in RUNS"
+    # 2bw trains a different curve (delayed updates): tests/integration/test_pipeline_2bw.py checks it
+    offered = sorted(name for name in SCHEDULES if name != "2bw")
+    assert sorted(SCHEDULE_RUNS) == offered, "a schedule MeshStrategy offers must train in RUNS"
     for schedule, name in SCHEDULE_RUNS.items():
         assert f"{S}pp_schedule={schedule}" in RUNS[name][2], (schedule, name)
 

@@ -82,6 +82,7 @@ DP4 = MeshLayout(dp_shard=4)
 AC = replace(O, memory=MemoryOptions("full"))
 ASYNC_TP = replace(O, compile=CompileOptions("inductor", async_tp=True))
 ZERO1, ZERO2 = replace(O, data=DataParallelOptions(1)), replace(O, data=DataParallelOptions(2))
+TWO_BW = replace(O, pipeline=PipelineSettings("2bw"))
 
 # rule -> (facts that break it, the message or a part of it, facts that pass)
 CASES: dict[str, tuple[Facts, str, Facts]] = {
@@ -113,6 +114,9 @@ CASES: dict[str, tuple[Facts, str, Facts]] = {
                                              " weight-gradient pass", compiled_pipeline("interleaved_1f1b")),
     "zero_stage_with_pp": (init(ZERO2, pp=2), "zero_stage=2 with pp=2: under a pipeline each stage's parameters are"
                            " already gathered once per step", init(ZERO2)),
+    "2bw_without_block_options": (init(replace(TWO_BW, memory=MemoryOptions("full")), pp=2), "activation_checkpointing"
+                                  " with pp_schedule='2bw': each micro-batch's backward must use the weight version its"
+                                  " forward used", init(replace(AC, pipeline=PipelineSettings("1f1b")), pp=2)),
     "async_save_needs_sharded": (init(replace(O, checkpoint=CheckpointOptions(False, True))), "async_save=True writes"
                                  " sharded checkpoints: keep save_distributed_checkpoint=True",
                                  init(replace(O, checkpoint=CheckpointOptions(True, True)))),
@@ -126,6 +130,8 @@ CASES: dict[str, tuple[Facts, str, Facts]] = {
                                Facts(layout=MeshLayout(dp_shard=2, cp=2, ep=4))),
     "pp_with_fp16_scaler": (launch(PP2, precision="16-mixed"), "pp=2 with fp16 loss scaling: the pipeline schedule runs"
                             " the backward itself", launch(PP2, precision="bf16-mixed")),
+    "2bw_pipeline_alone": (launch(PP2, TWO_BW), "pp_schedule='2bw' with data parallel fsdp (dp_replicate=1, dp_shard=2):"
+                           " PipeDream-2BW here runs pipeline parallel alone", launch(MeshLayout(pp=2), TWO_BW)),
     "async_tp_needs_cuda_nccl": (launch(TP2, ASYNC_TP), "async_tp=True on device 'cpu' with process group backend"
                                  " 'gloo': async TP (torch's micro-pipeline TP) exchanges tiles through CUDA symmetric"
                                  " memory and needs accelerator='cuda' with the 'nccl' backend",
@@ -158,6 +164,9 @@ CASES: dict[str, tuple[Facts, str, Facts]] = {
                           " Net has ['model', 'model']", setup(PP2, [owner()])),
     "pp_moe_needs_stage_plan": (setup(PP2, [owner("moe", stages=())]), "pp=2 with the MoE model SimpleNamespace: its"
                                 " parallel_plan() declares no PipelinePlan", setup(PP2, [owner("moe")])),
+    "2bw_without_moe": (setup(MeshLayout(pp=2), [owner("moe")], TWO_BW), "pp_schedule='2bw' with the MoE model"
+                        " SimpleNamespace: the 2bw driver does not carry MoE routing statistics",
+                        setup(MeshLayout(pp=2), [owner("moe")])),
     "block_options_need_plan": (setup(DP4, [], AC), "activation_checkpointing acts on the blocks a parallel_plan()"
                                 " names, but no module of Net declares one", setup(DP4, [owner()], AC)),
     "tp_needs_plan": (setup(TP2, []), "tp=2 but no module of Net declares parallel_plan()", setup(TP2, [owner()])),
@@ -203,6 +212,8 @@ def test_microbatch_rule_agrees_with_torchs_schedules(pp: int) -> None:
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=pp)
     try:
         for name, (schedule_cls, _, placement) in SCHEDULES.items():
+            if schedule_cls is None:  # lit-mesh's own driver (2bw): test_2bw_needs_one_microbatch_per_stage
+                continue
             for count in [None, *range(1, 3 * pp + 2)]:
                 settings = PipelineSettings(name, count)
                 per_rank, n_stages = settings.local_stages(), pp * settings.local_stages()
@@ -230,3 +241,22 @@ def test_microbatch_refusals_name_counts_that_work() -> None:
         rule.message(pipeline(2, schedule="zero_bubble", microbatches=5))
     )
     assert not rule.broken(pipeline(2, schedule="dualpipev"))  # its default: one micro-batch per stage, 2 x pp
+
+
+def test_2bw_needs_one_microbatch_per_stage() -> None:
+    """Its continuous 1F1B finishes the previous batch's backwards within a step only with m >= pp (at most two
+    weight versions); no other schedule is offered in the refusal (each would change the training rule)."""
+    rule = RULES_BY_NAME["pp_microbatches_for_schedule"]
+    message = rule.message(pipeline(4, schedule="2bw", microbatches=3))
+    assert message.endswith("needs at least 4 micro-batches (one per stage); set pp_microbatches >= 4"), message
+    assert not rule.broken(pipeline(4, schedule="2bw")) and not rule.broken(pipeline(4, schedule="2bw", microbatches=4))
+
+
+def test_2bw_names_everything_it_runs_without() -> None:
+    rule = RULES_BY_NAME["2bw_pipeline_alone"]
+    message = rule.message(launch(MeshLayout(pp=2, tp=2, cp=2, dp_replicate=2, dp_shard=2, ep=2), TWO_BW))
+    assert "pp_schedule='2bw' with tp=2, cp=2, ep=2, data parallel hsdp (dp_replicate=2, dp_shard=2)" in message
+    assert not rule.broken(launch(PP2))  # the synchronous schedules combine with them
+    compiled = RULES_BY_NAME["2bw_without_block_options"]
+    assert compiled.broken(init(replace(TWO_BW, compile=CompileOptions("aot_eager")), pp=2))
+    assert not compiled.broken(init(replace(TWO_BW, compile=CompileOptions("aot_eager"))))  # pp=1: no pipeline
