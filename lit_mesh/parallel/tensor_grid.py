@@ -72,9 +72,15 @@ def grid_shape(tp: int, tp_mode: str, tp_depth: int | None) -> tuple[int, int] |
     return (d, q) if q else None
 
 
+def fits_grid(tp: int, tp_mode: str, tp_depth: int | None) -> bool:
+    """tp ranks form a grid of the scheme with q >= 2 (a 1 x 1 grid splits nothing)."""
+    shape = grid_shape(tp, tp_mode, tp_depth)
+    return shape is not None and shape[1] > 1
+
+
 def grid_sizes_near(tp: int, tp_mode: str, tp_depth: int | None) -> list[int]:
     """tp sizes up to max(64, 2 tp) that fit the scheme: for the error message."""
-    return [n for n in range(2, max(64, 2 * tp) + 1) if grid_shape(n, tp_mode, tp_depth) not in (None, (1, 1))]
+    return [n for n in range(2, max(64, 2 * tp) + 1) if fits_grid(n, tp_mode, tp_depth)]
 
 
 @dataclass(frozen=True)
