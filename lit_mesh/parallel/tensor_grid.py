@@ -26,6 +26,7 @@ nn.Linear (weight (out, in), bias or None) that
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from typing import Literal, Optional, Protocol
 
@@ -128,9 +129,17 @@ class TPGrid:
 
 
 def build_grid(root: DeviceMesh, tp_mode: str, depth: int, q: int) -> TPGrid:
-    """Split the root mesh's "tp" dim into GRID_DIMS; a collective: every rank calls it, in the same order."""
-    unflattened = root._unflatten("tp", (depth, q, q), GRID_DIMS)
-    return TPGrid(tp_mode, depth, q, unflattened[GRID_DIMS], root["tp"])
+    """Split the root mesh's "tp" dim into GRID_DIMS; a collective: every rank calls it, in the same order. One grid
+    per root mesh and shape (its process groups are made once; later models on the same mesh share them)."""
+    key = (tp_mode, depth, q)
+    grids = _GRIDS.setdefault(root, {})
+    if key not in grids:
+        unflattened = root._unflatten("tp", (depth, q, q), GRID_DIMS)
+        grids[key] = TPGrid(tp_mode, depth, q, unflattened[GRID_DIMS], root["tp"])
+    return grids[key]
+
+
+_GRIDS: "weakref.WeakKeyDictionary[DeviceMesh, dict[tuple, TPGrid]]" = weakref.WeakKeyDictionary()
 
 
 class GridScheme(Protocol):

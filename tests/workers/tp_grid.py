@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -38,7 +39,9 @@ def mode() -> tuple[str, int | None, int]:
     return ("2d", None, 1) if dist.get_world_size() == 4 else ("2.5d", 2, 2)
 
 
+@functools.cache
 def views():
+    """One mesh for every check (its process groups made once)."""
     return build_device_mesh(MeshLayout(tp=dist.get_world_size()), "cpu")
 
 
