@@ -21,7 +21,9 @@ backward, 2 x 2(q-1)/q b/(dq) 4, and its weight's gradient block summed over the
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Optional
 
 
 @dataclass(frozen=True)
@@ -85,3 +87,11 @@ def bytes_2_5d(s: BlockShape, p: int, d: int) -> float:
     q = round((p // d) ** 0.5)
     assert d * q * q == p, f"2.5-D needs p = d * q * q, not {p} with d = {d}"
     return bytes_summa(s, q, d)
+
+
+# Bytes per rank per block of each grid tp_mode: f(shape, tp, tp_depth); its grid sizes: tensor_grid.grid_shape.
+# The 3-D scheme's formula (bytes_3d, from its own module) joins this table when tp_mode "3d" is implemented.
+GRID_BLOCK_BYTES: dict[str, Callable[[BlockShape, int, Optional[int]], float]] = {
+    "2d": lambda s, p, d: bytes_2d(s, p),
+    "2.5d": lambda s, p, d: bytes_2_5d(s, p, d or 1),
+}
