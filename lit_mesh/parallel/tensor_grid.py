@@ -22,6 +22,8 @@ nn.Linear (weight (out, in), bias or None) that
   - leaves each weight's .grad the full gradient of its own block (reduced inside its backward over every rank
     that computed a part of it), so nothing else reduces weight gradients.
 2-D and 2.5-D: layout batch over ("tp_depth", "tp_row"), features over ("tp_col",) (lit_mesh/parallel/summa.py).
+A scheme joins by its entry in lit_mesh/parallel/tensor_nd.py's SCHEMES (tp_mode -> GridScheme; the option checks
+and rules read that table) and its bytes per block in lit_mesh/parallel/tensor_nd_bytes.py's GRID_BLOCK_BYTES.
 """
 
 from __future__ import annotations
