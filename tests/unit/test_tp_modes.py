@@ -32,6 +32,7 @@ def test_strategy_takes_tp_mode_and_turns_sequence_parallel_off() -> None:
         (dict(tp=4, tp_mode="2-d"), "tp_mode='2-d' is not one of ['1d', '2d', '2.5d', '3d']"),
         (dict(tp=4, tp_mode="2d", tp_depth=2), "tp_depth=2 is the depth of tp_mode='2.5d'"),
         (dict(tp=8, tp_mode="2.5d", tp_depth=0), "tp_depth=0 must be a positive int"),
+        (dict(tp=8, tp_mode="2.5d"), "tp_mode='2.5d' needs tp_depth=d >= 2 (tp = d * q * q), not None"),
         (dict(tp=6, tp_mode="2d"), "tp_mode='2d' needs tp = q * q (a q x q grid), but tp=6; use tp in [4, 9, 16, 25"),
         (dict(tp=4, tp_mode="2d", sequence_parallel=True), "tp_mode='2d' with sequence_parallel=True"),
         (dict(tp=4, tp_mode="2d", cp=2), "tp_mode='2d' with cp=2"),
