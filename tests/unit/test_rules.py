@@ -24,6 +24,7 @@ from lit_mesh.options import (
     DataParallelOptions,
     MemoryOptions,
     MeshOptions,
+    TensorOptions,
 )
 from lit_mesh.parallel.pipeline import SCHEDULES, PipelineSettings
 from lit_mesh.rules import RULES, RULES_BY_NAME, Facts, enforce
@@ -83,6 +84,9 @@ AC = replace(O, memory=MemoryOptions("full"))
 ASYNC_TP = replace(O, compile=CompileOptions("inductor", async_tp=True))
 ZERO1, ZERO2 = replace(O, data=DataParallelOptions(1)), replace(O, data=DataParallelOptions(2))
 TWO_BW = replace(O, pipeline=PipelineSettings("2bw"))
+NO_SP = replace(O.mesh, sequence_parallel=False)
+GRID2D = replace(O, tensor=TensorOptions("2d"), mesh=NO_SP)
+GRID25D = replace(O, tensor=TensorOptions("2.5d", 2), mesh=NO_SP)
 
 # rule -> (facts that break it, the message or a part of it, facts that pass)
 CASES: dict[str, tuple[Facts, str, Facts]] = {
@@ -117,6 +121,12 @@ CASES: dict[str, tuple[Facts, str, Facts]] = {
     "2bw_without_block_options": (init(replace(TWO_BW, memory=MemoryOptions("full")), pp=2), "activation_checkpointing"
                                   " with pp_schedule='2bw': each micro-batch's backward must use the weight version its"
                                   " forward used", init(replace(AC, pipeline=PipelineSettings("1f1b")), pp=2)),
+    "tp_mode_has_scheme": (init(replace(GRID2D, tensor=TensorOptions("4d")), tp=16), "tp_mode='4d' has no"
+                           " implementation in this version; use one of ['1d', '2.5d', '2d'", init(GRID2D, tp=4)),
+    "tp_grid_shape": (init(GRID25D, tp=12), "tp_mode='2.5d' needs tp = d * q * q with d = tp_depth = 2, but tp=12; use"
+                      " tp in [8, 18, 32, 50]", init(GRID25D, tp=8)),
+    "tp_grid_alone": (init(replace(GRID2D, mesh=O.mesh), tp=4, pp=2), "tp_mode='2d' with pp=2, sequence_parallel=True:"
+                      " the grid tensor-parallel schemes combine with dp_replicate (DDP) only", init(GRID2D, tp=4)),
     "async_save_needs_sharded": (init(replace(O, checkpoint=CheckpointOptions(False, True))), "async_save=True writes"
                                  " sharded checkpoints: keep save_distributed_checkpoint=True",
                                  init(replace(O, checkpoint=CheckpointOptions(True, True)))),
@@ -136,6 +146,10 @@ CASES: dict[str, tuple[Facts, str, Facts]] = {
                                  " 'gloo': async TP (torch's micro-pipeline TP) exchanges tiles through CUDA symmetric"
                                  " memory and needs accelerator='cuda' with the 'nccl' backend",
                                  launch(TP2, ASYNC_TP, device_type="cuda", backend="nccl")),
+    "tp_grid_shape_resolved": (launch(MeshLayout(tp=8), GRID2D), "tp_mode='2d' needs tp = q * q (a q x q grid), but"
+                               " tp=8; use tp in [4, 9, 16, 25, 36, 49]", launch(MeshLayout(tp=9), GRID2D)),
+    "tp_grid_without_sharded_dp": (launch(MeshLayout(dp_shard=2, tp=4), GRID2D), "tp_mode='2d' with sharded data"
+                                   " parallelism (pp=1 x dp_replicate=1 x dp_shard=2", launch(MeshLayout(dp_replicate=2, tp=4), GRID2D)),
     "compression_needs_data_parallel": (launch(MeshLayout(tp=2), replace(O, communication=FP16)), "grad_compression='fp16'"
                                         " but the mesh has no data-parallel dim", launch(DP4, replace(O, communication=FP16))),
     "zero_stage_needs_sharded_dp": (launch(MeshLayout(dp_replicate=2), ZERO1), "zero_stage=1 shards optimizer state"
@@ -160,6 +174,9 @@ CASES: dict[str, tuple[Facts, str, Facts]] = {
                                              " how MeshStrategy applies FSDP2", setup(DP4, [owner()], ZERO2)),
     "self_parallelised_without_cp": (setup(CP2, [], self_parallelised=True), "cp=2 but configure_model of Net"
                                      " parallelised the model itself", setup(CP2, [owner()])),
+    "self_parallelised_without_tp_grid": (setup(MeshLayout(tp=4), [], GRID2D, self_parallelised=True), "tp_mode='2d' is"
+                                          " applied by MeshStrategy from a parallel_plan(), but configure_model of Net",
+                                          setup(MeshLayout(tp=4), [owner()], GRID2D)),
     "pp_needs_one_plan": (setup(PP2, [owner(), owner()]), "pp > 1 pipelines one model that declares parallel_plan();"
                           " Net has ['model', 'model']", setup(PP2, [owner()])),
     "pp_moe_needs_stage_plan": (setup(PP2, [owner("moe", stages=())]), "pp=2 with the MoE model SimpleNamespace: its"
