@@ -19,6 +19,7 @@ from lit_mesh.parallel.compile import check_compile_backend
 from lit_mesh.parallel.context_layout import check_cp_style
 from lit_mesh.parallel.data import ZeroStage, check_zero_stage
 from lit_mesh.parallel.pipeline import PipelineSettings, check_pipeline_settings
+from lit_mesh.parallel.tensor_grid import check_tp_mode
 from lit_mesh.replan import OnWorldChange, check_on_world_change
 from lit_mesh.rules import Facts, check
 from lit_mesh.topology import Topology, as_topology
@@ -40,6 +41,12 @@ class MeshDegrees:
     def degrees(self) -> dict[str, Any]:
         return dict(dp=self.dp, dp_replicate=self.dp_replicate, dp_shard=self.dp_shard, tp=self.tp, cp=self.cp,
                     pp=self.pp, ep=self.ep)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class TensorOptions:
+    mode: str = "1d"  # "1d" (Megatron-style), "2d", "2.5d", "3d": lit_mesh/parallel/tensor_grid.py
+    depth: Optional[int] = None  # 2.5-D only: the grid's depth d (tp = d * q * q)
 
 
 @dataclass(frozen=True)
@@ -83,6 +90,7 @@ class MeshOptions:
     """Everything the user chose, by concern."""
 
     mesh: MeshDegrees = MeshDegrees()
+    tensor: TensorOptions = TensorOptions()
     data: DataParallelOptions = DataParallelOptions()
     pipeline: PipelineSettings = PipelineSettings()
     context: ContextOptions = ContextOptions()
@@ -108,7 +116,7 @@ def build_options(
     pp_microbatches: Optional[int],
     pp_stages_per_rank: Optional[int],
     pp_split: Optional[Sequence[int]],
-    sequence_parallel: bool,
+    sequence_parallel: Optional[bool],
     activation_checkpointing: str,
     ac_every_n_blocks: int,
     compile_blocks: bool,
@@ -123,8 +131,13 @@ def build_options(
     allreduce: str,
     on_world_change: str = "error",
     zero_stage: ZeroStage = 3,
+    tp_mode: str = "1d",
+    tp_depth: Optional[int] = None,
 ) -> MeshOptions:
     """MeshStrategy's flat arguments -> MeshOptions; raises what needs no world size, in the user's process."""
+    check_tp_mode(tp_mode, tp_depth)
+    if sequence_parallel is None:  # SP splits 1-D TP's sequence; the grid schemes split the batch instead
+        sequence_parallel = tp_mode == "1d"
     mesh = MeshDegrees(dp, dp_replicate, dp_shard, tp, cp, pp, ep, sequence_parallel)
     check_degrees(**mesh.degrees())
     check_zero_stage(zero_stage)
@@ -137,6 +150,7 @@ def build_options(
     check_on_world_change(on_world_change)
     options = MeshOptions(
         mesh=mesh,
+        tensor=TensorOptions(tp_mode, tp_depth),
         data=DataParallelOptions(zero_stage),
         pipeline=pipeline,
         context=ContextOptions(cp_style),

@@ -93,6 +93,34 @@ def _pipeline_options_given(p: Any) -> bool:
     return p.schedule != "1f1b" or p.microbatches is not None or p.stages_per_rank is not None or bool(p.split)
 
 
+def _grid_problem(f: Facts, tp: Any) -> Optional[str]:
+    """Why `tp` ranks do not form the grid of the chosen tp_mode (None: they do, or tp_mode is "1d")."""
+    from lit_mesh.parallel.tensor_grid import grid_shape, grid_sizes_near
+
+    mode, depth = f.options.tensor.mode, f.options.tensor.depth
+    if mode == "1d" or not isinstance(tp, int) or grid_shape(tp, mode, depth) not in (None, (1, 1)):
+        return None
+    need = {"2d": "tp = q * q (a q x q grid)", "2.5d": f"tp = d * q * q with d = tp_depth = {depth or 1}",
+            "3d": "tp = q * q * q (a q x q x q grid)"}[mode]  # fmt: skip
+    return f"tp_mode={mode!r} needs {need}, but tp={tp}; use tp in {grid_sizes_near(tp, mode, depth)[:6]}"
+
+
+def _grid_conflicts(f: Facts) -> list[str]:
+    """The options a grid tp_mode does not combine with, as given."""
+    o = f.options
+    asked = {f"pp={f.degrees.get('pp')}": f.degrees.get("pp", 1) > 1, f"cp={f.degrees.get('cp')}": f.degrees.get("cp", 1) > 1,
+             f"ep={f.degrees.get('ep')}": f.degrees.get("ep", 1) > 1, "sequence_parallel=True": o.mesh.sequence_parallel,
+             "compile_blocks=True": o.compile.backend is not None, "async_tp=True": o.compile.async_tp,
+             f"activation_checkpointing={o.memory.activation_checkpointing!r}": o.memory.activation_checkpointing != "none"}  # fmt: skip
+    return [name for name, on in asked.items() if on]
+
+
+def _grid_scheme_missing(f: Facts) -> bool:
+    from lit_mesh.parallel.tensor_nd import SCHEMES
+
+    return f.options.tensor.mode != "1d" and f.options.tensor.mode not in SCHEMES
+
+
 def _node_devices(f: Facts) -> int:
     return f.topology.devices_per_node
 
@@ -199,6 +227,26 @@ RULES: tuple[Rule, ...] = (
         " applies to pp=1 only: leave it at 3 with pp, or use pp=1",
     ),
     Rule(
+        "tp_mode_has_scheme", "init",
+        _grid_scheme_missing,
+        lambda f: f"tp_mode={f.options.tensor.mode!r} has no implementation in this version; use tp_mode='2d' or '2.5d'"
+        " (or '1d')",
+    ),
+    Rule(
+        "tp_grid_shape", "init",
+        lambda f: _grid_problem(f, f.degrees.get("tp")) is not None,
+        lambda f: _grid_problem(f, f.degrees.get("tp")),
+    ),
+    Rule(
+        # the grid schemes split the batch and the features of every activation themselves; the techniques below
+        # assume 1-D TP's layout (or split the same dims again) and are not wired to the grid
+        "tp_grid_alone", "init",
+        lambda f: f.options.tensor.mode != "1d" and bool(_grid_conflicts(f)),
+        lambda f: f"tp_mode={f.options.tensor.mode!r} with {', '.join(_grid_conflicts(f))}: the grid tensor-parallel"
+        " schemes run with tp alone here; drop those (sequence_parallel=False: the grid splits the batch, not the"
+        " sequence), or use tp_mode='1d' with them",
+    ),
+    Rule(
         "async_save_needs_sharded", "init",
         lambda f: f.options.checkpoint.asynchronous and not f.options.checkpoint.distributed,
         lambda f: "async_save=True writes sharded checkpoints: keep save_distributed_checkpoint=True",
@@ -241,6 +289,18 @@ RULES: tuple[Rule, ...] = (
         f" {f.process_group_backend!r}: async TP (torch's micro-pipeline TP) exchanges tiles through CUDA symmetric"
         " memory and needs accelerator='cuda' with the 'nccl' backend; on this machine set async_tp=False (plain TP,"
         " compiled or not, runs here)",
+    ),
+    Rule(
+        "tp_grid_shape_resolved", "launch",  # tp="auto" (the devices of a node) resolved
+        lambda f: _grid_problem(f, f.layout.tp) is not None,
+        lambda f: _grid_problem(f, f.layout.tp),
+    ),
+    Rule(
+        # data parallelism runs on FSDP2, which does not take parameters that are DTensors on the grid's mesh
+        "tp_grid_without_data_parallel", "launch",
+        lambda f: f.options.tensor.mode != "1d" and f.layout.data_parallel != "none",
+        lambda f: f"tp_mode={f.options.tensor.mode!r} with data parallelism ({f.layout.describe()}): the grid schemes"
+        f" run on tp ranks alone here; use as many devices as tp={f.layout.tp} (no dp), or tp_mode='1d' with dp",
     ),
     Rule(
         "compression_needs_data_parallel", "launch",
@@ -317,6 +377,13 @@ RULES: tuple[Rule, ...] = (
         " MeshStrategy applies no plan and cannot make its attention span the cp ranks (it would see only its"
         " shard of the sequence); use cp=1, or leave parallelisation to a parallel_plan() that declares"
         " attention and positions",
+        PlanError,
+    ),
+    Rule(
+        "self_parallelised_without_tp_grid", "setup",
+        lambda f: f.self_parallelised and f.options.tensor.mode != "1d",
+        lambda f: f"tp_mode={f.options.tensor.mode!r} is applied by MeshStrategy from a parallel_plan(), but"
+        f" configure_model of {f.model_name} parallelised the model itself; declare a plan, or use tp_mode='1d'",
         PlanError,
     ),
     Rule(

@@ -60,6 +60,7 @@ from lit_mesh.parallel.context import CPStyle, gather_batch, shard_batch
 from lit_mesh.parallel.data import ZeroStage, defer_gradient_reduction, refuse_fsdp1
 from lit_mesh.parallel.pipeline import PipelineRunner, start_pipeline
 from lit_mesh.parallel.pipeline_moe import carry_moe_statistics
+from lit_mesh.parallel.tensor_grid import TPMode
 from lit_mesh.precision import check_precision_plugin, with_global_norm_clipping
 from lit_mesh.pretrained import declared_sources, load_pretrained
 from lit_mesh.progress import count_steps_in_progress_bar
@@ -94,7 +95,14 @@ class MeshStrategy(ModelParallelStrategy):
             (dualpipev: 2 x pp, one per stage).
         pp_stages_per_rank: virtual stages per rank for the interleaved schedules (default 2 there, else 1).
         pp_split: blocks per stage, e.g. [3, 5]; default: balanced, counting embedding and head as one block each.
-        sequence_parallel: shard activations over the sequence between TP regions (needs tp to divide it).
+        tp_mode: how the tp ranks split the model: "1d" (Megatron-style column/row split, the default), "2d" (SUMMA
+            on a q x q grid, tp = q * q), "2.5d" (Tesseract: tp = d * q * q with tp_depth=d) or "3d" (tp = q^3).
+            The grid modes split weights and activations in blocks; they run with tp alone (no dp, pp, cp, ep,
+            sequence_parallel, compile or activation checkpointing: lit_mesh/rules.py). See
+            lit_mesh/parallel/tensor_grid.py.
+        tp_depth: the depth d of tp_mode="2.5d" (the weight blocks are replicated d times, the batch split d times).
+        sequence_parallel: shard activations over the sequence between TP regions (needs tp to divide it); default:
+            on with tp_mode="1d", off otherwise.
         activation_checkpointing: "none", "full" (recompute whole blocks in backward) or "selective" (keep
             matmul, attention and collective outputs, recompute the rest).
         ac_every_n_blocks: checkpoint every n-th block only (1: all blocks).
@@ -148,7 +156,9 @@ class MeshStrategy(ModelParallelStrategy):
         pp_microbatches: Optional[int] = None,
         pp_stages_per_rank: Optional[int] = None,
         pp_split: Optional[list[int]] = None,
-        sequence_parallel: bool = True,
+        tp_mode: TPMode = "1d",
+        tp_depth: Optional[int] = None,
+        sequence_parallel: Optional[bool] = None,
         activation_checkpointing: ActivationCheckpointing = "none",
         ac_every_n_blocks: int = 1,
         compile_blocks: bool = False,
@@ -183,6 +193,7 @@ class MeshStrategy(ModelParallelStrategy):
             save_distributed_checkpoint=save_distributed_checkpoint,
             async_save=async_save, grad_compression=grad_compression, topology=topology,
             strict_topology=strict_topology, allreduce=allreduce, on_world_change=on_world_change, zero_stage=zero_stage,
+            tp_mode=tp_mode, tp_depth=tp_depth,
         )  # fmt: skip
         self._lightning_sizes = lightning_sizes(self.options.mesh.degrees(), data_parallel_size, tensor_parallel_size)
         self._nonfinite = NonFiniteLossGuard() if stop_on_nonfinite_loss else None

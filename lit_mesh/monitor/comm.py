@@ -51,6 +51,7 @@ _C10D = {
     "reduce_scatter_tensor_coalesced_": ("scatter", 1, 2),
     "alltoall_base_": ("all_to_all", 1, 2),
     "broadcast_": ("broadcast", 0, 1),
+    "reduce_": ("reduce", 0, 1),  # to one rank: a broadcast run backwards (SUMMA's backward, lit_mesh/parallel/summa.py)
     "send": ("send", 0, 1),
 }
 _FUNCTIONAL = {
@@ -90,7 +91,7 @@ class CollectiveBytes(TorchDispatchMode):
             return
         if kind in _RING_FACTOR:
             self.sent[group] += size * _RING_FACTOR[kind](n)
-        elif kind in ("all_to_all", "broadcast"):  # even splits / pipelined ring: all but one share leaves
+        elif kind in ("all_to_all", "broadcast", "reduce"):  # even splits / pipelined ring: all but one share leaves
             self.sent[group] += size * (n - 1) / n
         else:  # send: the tensor once
             self.sent[group] += size

@@ -1,6 +1,6 @@
 """The one place where plans are applied, in the one order:
-MoE layer adapters -> split into pipeline stages -> TP/SP -> CP -> EP -> activation checkpointing ->
-torch.compile -> FSDP/HSDP/DDP per block (experts first) -> each stage's root -> communication hooks.
+MoE layer adapters -> split into pipeline stages -> TP/SP (1-D; a grid tp_mode: tensor_nd.py) -> CP -> EP ->
+activation checkpointing -> torch.compile -> FSDP/HSDP/DDP per block (experts first) -> each stage's root -> communication hooks.
 
 """
 
@@ -35,6 +35,7 @@ from lit_mesh.parallel.pipeline_split import (
     stage_ranks,
 )
 from lit_mesh.parallel.tensor import PlanError, apply_tensor_parallel
+from lit_mesh.parallel.tensor_nd import parallelize_grid
 from lit_mesh.plan import ParallelPlan, PlanOwner, declared_plan
 from lit_mesh.rules import Facts, check
 
@@ -133,7 +134,9 @@ def parallelize(
     for owner in owners:
         adapt_moe_layers(owner.module, owner.plan)
     done = split_pipeline(root, owners, mesh, options.pipeline) if layout.pp > 1 else Parallelized(owners)
-    if layout.tp > 1:
+    if layout.tp > 1 and options.tensor.mode != "1d":  # the grid schemes run with tp alone (lit_mesh/rules.py)
+        parallelize_grid(owners, mesh, options.tensor.mode, options.tensor.depth)
+    elif layout.tp > 1:
         for owner in owners:
             experts = expert_modules(owner.module, owner.plan)  # placed by EP below
             apply_tensor_parallel(

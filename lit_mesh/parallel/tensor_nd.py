@@ -1,0 +1,253 @@
+"""A model's TensorPlan on the multi-dimensional TP grid (tp_mode "2d", "2.5d", "3d"): the one place that applies it.
+
+The plan is the same data as for 1-D TP (lit_mesh/parallel/tensor.py), read for a grid scheme (GridScheme,
+lit_mesh/parallel/tensor_grid.py, which states the contract each scheme's linear layer keeps):
+  colwise, rowwise     the scheme's linear (both: in and out features split the same way in the grid layout)
+  norm                 GridRMSNorm: the sum of squares all-reduced over the feature dims of the grid
+  embedding            GridEmbedding: the table split over the hidden dim like the activations; each rank looks up
+                       its batch block of the tokens, so its output is already in the layout (no communication)
+  head, vocab_head     GridHead: the hidden states are gathered whole over the tp ranks, the head is replicated and
+                       every tp rank computes the same full logits (the loss then sees what one device sees)
+  gather_input, shard_*, whole_sequence   nothing: those move activations for sequence parallelism, which the grid
+                       schemes do not use
+Parameters a rank shares with others that saw other samples (norm weights, embedding, bias) get their gradients
+summed over the layout's batch dims in backward (SumGradOver). The activations between blocks stay in the layout.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+from lit_mesh.errors import PlanError
+from lit_mesh.init import tied_parameters
+from lit_mesh.mesh import MeshViews
+from lit_mesh.parallel.summa import SummaScheme, SumGradOver
+from lit_mesh.parallel.tensor_grid import GRID_DIMS, ActivationLayout, GridScheme, TPGrid, build_grid, grid_shape, local_block
+from lit_mesh.plan import ParallelPlan
+
+# tp_mode -> its scheme; "3d" joins with its own module
+SCHEMES: dict[str, GridScheme] = {"2d": SummaScheme(), "2.5d": SummaScheme()}
+# plan entries of `divides` the grid does not split: the head is replicated, the embedding split over the hidden dim
+_WHOLE = ("vocab_size",)
+_LINEAR_STYLES = ("colwise", "rowwise")
+_NO_OP_STYLES = ("gather_input", "shard_input", "shard_output", "whole_sequence")
+
+
+def _placements(grid: TPGrid, split: tuple[str, ...], tensor_dim: int) -> list[Any]:
+    """Shard(tensor_dim) over the grid dims `split` (one dim only), Replicate over the others."""
+    assert len(split) == 1, "parameters are split over one grid dim"
+    return [Shard(tensor_dim) if name in split else Replicate() for name in GRID_DIMS]
+
+
+class GridRMSNorm(nn.Module):
+    """nn.RMSNorm over a hidden dim split over the layout's feature dims."""
+
+    def __init__(self, norm: nn.RMSNorm, grid: TPGrid, layout: ActivationLayout) -> None:
+        super().__init__()
+        if len(norm.normalized_shape) != 1 or norm.weight is None:
+            raise PlanError(f"the grid tp_modes take RMSNorm over the last dim with a weight, not {norm}")
+        self.dim, self.eps = norm.normalized_shape[0], norm.eps
+        self.features, self.batch = grid.group(layout.features), grid.group(layout.batch)
+        self.weight = nn.Parameter(distribute_tensor(norm.weight.data, grid.mesh, _placements(grid, layout.features, 0), src_data_rank=None))
+
+    def forward(self, x: Tensor) -> Tensor:
+        squares = x.float().pow(2).sum(-1, keepdim=True)
+        if self.features is not None:
+            squares = _AllReduceSum.apply(squares, self.features)
+        eps = torch.finfo(x.dtype).eps if self.eps is None else self.eps
+        y = (x.float() * torch.rsqrt(squares / self.dim + eps)).type_as(x)
+        return y * SumGradOver.apply(self.weight.to_local(), self.batch)
+
+
+class _AllReduceSum(torch.autograd.Function):
+    """Every rank gets the sum; its gradient is the sum of every rank's gradient (all-reduce both ways)."""
+
+    @staticmethod
+    def forward(ctx: Any, t: Tensor, group: dist.ProcessGroup) -> Tensor:
+        ctx.group = group
+        t = t.clone()
+        dist.all_reduce(t, group=group)
+        return t
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class GridEmbedding(nn.Module):
+    """nn.Embedding whose table (vocab, dim) is split over the hidden dim like the activations; takes the whole
+    batch of tokens (every tp rank reads the same batch) and returns this rank's block of the layout."""
+
+    def __init__(self, embedding: nn.Embedding, grid: TPGrid, layout: ActivationLayout) -> None:
+        super().__init__()
+        self.grid, self.layout, self.batch = grid, layout, grid.group(layout.batch)
+        self.weight = nn.Parameter(distribute_tensor(embedding.weight.data, grid.mesh, _placements(grid, layout.features, 1), src_data_rank=None))
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        _, blocks = self.grid.index(self.layout.batch)
+        if tokens.shape[0] % blocks:
+            fits = [n * blocks for n in range(1, 5)]
+            raise PlanError(
+                f"a batch of {tokens.shape[0]} samples does not split over the {blocks} batch blocks of tp_mode="
+                f"{self.grid.mode!r} (grid depth {self.grid.depth} x {self.grid.q} x {self.grid.q}: the batch is split"
+                f" over {' x '.join(self.layout.batch)}); use a batch size that is a multiple of {blocks}, e.g. {fits}"
+            )
+        local = local_block(tokens, self.grid, 0, self.layout.batch)
+        return nn.functional.embedding(local, SumGradOver.apply(self.weight.to_local(), self.batch))
+
+
+class _GatherLayout(torch.autograd.Function):
+    """The whole (batch, ..., features) tensor on every tp rank from every rank's block. Backward keeps this
+    rank's block of the gradient: every tp rank computes the same loss from the same whole tensor, so each holds
+    the whole gradient already (a sum would count it once per rank)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, grid: TPGrid, layout: ActivationLayout) -> Tensor:
+        ctx.grid, ctx.layout = grid, layout
+        parts = [torch.empty_like(x) for _ in range(grid.tp.size())]
+        dist.all_gather(parts, x.contiguous(), group=grid.tp.get_group())
+        _, n_batch = grid.index(layout.batch)
+        _, n_features = grid.index(layout.features)
+        rows: list[list[Optional[Tensor]]] = [[None] * n_features for _ in range(n_batch)]
+        for rank, part in enumerate(parts):
+            coords = _coordinates(rank, grid)
+            b, f = _index(coords, grid, layout.batch), _index(coords, grid, layout.features)
+            if rows[b][f] is None:  # dims in neither list hold copies
+                rows[b][f] = part
+        return torch.cat([torch.cat(row, dim=-1) for row in rows], dim=0)  # type: ignore[arg-type]
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
+        block = local_block(local_block(grad, ctx.grid, 0, ctx.layout.batch), ctx.grid, -1, ctx.layout.features)
+        return block.contiguous(), None, None
+
+
+def _coordinates(tp_rank: int, grid: TPGrid) -> dict[str, int]:
+    sizes = [grid.size(name) for name in GRID_DIMS]
+    coords, rest = {}, tp_rank
+    for name, size in reversed(list(zip(GRID_DIMS, sizes))):
+        coords[name], rest = rest % size, rest // size
+    return coords
+
+
+def _index(coords: dict[str, int], grid: TPGrid, names: tuple[str, ...]) -> int:
+    index = 0
+    for name in names:
+        index = index * grid.size(name) + coords[name]
+    return index
+
+
+class GridHead(nn.Module):
+    """The output projection, replicated on every tp rank, on the gathered hidden states."""
+
+    def __init__(self, linear: nn.Linear, grid: TPGrid, layout: ActivationLayout) -> None:
+        super().__init__()
+        self.grid, self.layout = grid, layout
+        whole = [Replicate()] * len(GRID_DIMS)
+        self.weight = nn.Parameter(distribute_tensor(linear.weight.data, grid.mesh, whole, src_data_rank=None))
+        self.bias = None if linear.bias is None else nn.Parameter(distribute_tensor(linear.bias.data, grid.mesh, whole, src_data_rank=None))
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = _GatherLayout.apply(x, self.grid, self.layout)
+        bias = None if self.bias is None else self.bias.to_local()
+        return nn.functional.linear(h, self.weight.to_local(), bias)
+
+
+def _replace(owner: nn.Module, name: str, make: Any) -> None:
+    parent_name, _, child = name.rpartition(".")
+    parent = owner.get_submodule(parent_name) if parent_name else owner
+    setattr(parent, child, make(parent.get_submodule(child)))
+
+
+def _expect(module: nn.Module, kind: type, name: str, style: str, model_name: str) -> None:
+    if not isinstance(module, kind):
+        raise PlanError(
+            f"{model_name}: {name} ({type(module).__name__}) has the TP style {style!r}; the grid tp_modes take"
+            f" {kind.__name__} there; use tp_mode='1d' for this model"
+        )
+
+
+def check_grid_divides(model: nn.Module, plan: ParallelPlan, grid: TPGrid) -> None:
+    """Every size the grid splits: the plan's (heads, kv heads, ffn hidden) and every grid linear's features."""
+    q, model_name = grid.q, type(model).__name__
+    sizes = {what: size for what, size in plan.tp.divides.items() if what not in _WHOLE}
+    blocks = list(model.get_submodule(plan.blocks))
+    for block in blocks[:1]:
+        for name, style in plan.tp.block.items():
+            if style in _LINEAR_STYLES and _has(block, name):
+                linear = block.get_submodule(name)
+                sizes[f"{name} in_features"], sizes[f"{name} out_features"] = linear.in_features, linear.out_features
+    for what, size in sizes.items():
+        if size % q:
+            fits = [n * n * (grid.depth if grid.mode == "2.5d" else 1) for n in range(1, 9) if size % n == 0 and n > 1]
+            raise PlanError(
+                f"tp_mode={grid.mode!r} on a grid of depth {grid.depth} x {q} x {q} splits {what}={size} of"
+                f" {model_name} into q={q} blocks, which does not divide it; use tp in {fits} (q dividing {size})"
+            )
+
+
+def _has(module: nn.Module, name: str) -> bool:
+    try:
+        module.get_submodule(name)
+        return True
+    except AttributeError:
+        return False
+
+
+def apply_tensor_grid(model: nn.Module, plan: ParallelPlan, grid: TPGrid, scheme: GridScheme) -> None:
+    """Replace `model`'s planned modules by the grid scheme's (see the module doc)."""
+    model_name = type(model).__name__
+    if plan.tp.unavailable:
+        raise PlanError(f"tp_mode={grid.mode!r}: {plan.tp.unavailable}")
+    if tied_parameters(model):
+        raise PlanError(
+            f"tp_mode={grid.mode!r} with {model_name}'s tied parameters: the embedding is split over the hidden dim"
+            " and the head replicated, so one matrix cannot be both; untie them (zoo GPT: tie_embeddings=False)"
+        )
+    check_grid_divides(model, plan, grid)
+    layout = scheme.layout(grid)
+    targets = [(model, name, style) for name, style in plan.tp.root.items()]
+    for block in model.get_submodule(plan.blocks):
+        targets += [(block, name, style) for name, style in plan.tp.block.items() if _has(block, name)]
+    for owner, name, style in targets:
+        if style in _NO_OP_STYLES or not _has(owner, name):
+            continue
+        module = owner.get_submodule(name)
+        if style in _LINEAR_STYLES:
+            _expect(module, nn.Linear, name, style, model_name)
+            _replace(owner, name, lambda m: scheme.linear(m, grid))
+        elif style == "norm":
+            _expect(module, nn.RMSNorm, name, style, model_name)
+            _replace(owner, name, lambda m: GridRMSNorm(m, grid, layout))
+        elif style in ("embedding", "embedding_whole_output"):
+            _expect(module, nn.Embedding, name, style, model_name)
+            _replace(owner, name, lambda m: GridEmbedding(m, grid, layout))
+        elif style in ("head", "vocab_head"):
+            _expect(module, nn.Linear, name, style, model_name)
+            _replace(owner, name, lambda m: GridHead(m, grid, layout))
+        else:
+            raise PlanError(f"{model_name}: the TP style {style!r} of {name} has no grid form; use tp_mode='1d'")
+    left = [n for n, p in model.named_parameters() if not isinstance(p, DTensor)]
+    if left:
+        raise PlanError(
+            f"tp_mode={grid.mode!r}: {model_name}'s parameters {left[:4]} are outside its TensorPlan, so the grid"
+            " would run them on blocks of the activations with no rule for their gradients; name their modules in"
+            " the plan, or use tp_mode='1d'"
+        )
+
+
+def parallelize_grid(owners: list[Any], mesh: MeshViews, tp_mode: str, tp_depth: Optional[int]) -> TPGrid:
+    """Build the grid of this run's tp ranks and apply every plan owner's TensorPlan on it (from apply.py)."""
+    shape = grid_shape(mesh.layout.tp, tp_mode, tp_depth)
+    assert shape is not None, "lit_mesh/rules.py (tp_grid_shape) refuses tp sizes that do not fit the grid"
+    grid = build_grid(mesh.root, tp_mode, *shape)
+    for owner in owners:
+        apply_tensor_grid(owner.module, owner.plan, grid, SCHEMES[tp_mode])
+    return grid

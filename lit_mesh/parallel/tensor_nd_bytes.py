@@ -1,0 +1,87 @@
+"""Closed-form bytes one rank sends per transformer block (forward + backward) under each tp_mode, in the byte
+counter's model (lit_mesh/monitor/comm.py: ring all-reduce 2(n-1)/n of the tensor; all-gather, reduce-scatter,
+broadcast and reduce (n-1)/n of it). tests/workers/tp_grid.py checks them against the counter; benchmarks/tp_bytes.py
+tabulates them.
+
+Notation: b tokens in the tp group's batch (batch x sequence), a block of a zoo GPT with hidden dim `dim`, `heads`
+query and `kv_heads` key/value heads, SwiGLU width `ffn`; p = tp ranks; e bytes per activation/weight element.
+
+1-D, Megatron's count (sequence parallel): per block 2 all-gathers of the (b, dim) inputs of attention and MLP and
+2 reduce-scatters of their outputs, mirrored in backward: 8 (p-1)/p b dim e. 1-D as lit-mesh runs it (torch's
+ColwiseParallel, sequence parallel): the same forward, but in backward each column-wise projection (wq, wk, wv, w1,
+w3) all-reduces its input's gradient on its own before the 2 all-gathers' backward slices them:
+(4 + 2 + 5 x 2) (p-1)/p b dim e = 16 (p-1)/p b dim e (measured: tests/workers/tp_grid.py).
+2-D / 2.5-D (SUMMA on depth d x q x q, p = d q^2; 2-D is d = 1): per linear (in -> out), q steps of forward
+broadcasts of an X block (b/(dq) x in/q) and a W block (in/q x out/q), backward the same two broadcasts and the two
+reduces (dX, dW blocks): 3 (q-1) (b in / d + in out) / q^2 e; 2.5-D adds the depth all-reduce of dW:
+2 (d-1)/d in out / q^2 e. Per RMSNorm: the fp32 sum of squares (b/(dq) numbers) all-reduced over a row in forward and
+backward, 2 x 2(q-1)/q b/(dq) 4, and its weight's gradient block summed over the d q ranks sharing it,
+2(dq-1)/(dq) dim/q e.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class BlockShape:
+    """One transformer block's sizes and the tokens it sees (the tp group's batch x sequence)."""
+
+    tokens: int
+    dim: int
+    heads: int
+    kv_heads: int
+    ffn: int
+    element_bytes: int = 4
+
+    def linears(self) -> list[tuple[int, int]]:
+        """(in, out) of wq, wk, wv, wo, w1, w3, w2."""
+        kv = self.dim // self.heads * self.kv_heads
+        return [(self.dim, self.dim), (self.dim, kv), (self.dim, kv), (self.dim, self.dim),
+                (self.dim, self.ffn), (self.dim, self.ffn), (self.ffn, self.dim)]  # fmt: skip
+
+
+COLWISE_PER_BLOCK = 5  # wq, wk, wv, w1, w3
+
+
+def bytes_1d_megatron(s: BlockShape, p: int) -> float:
+    """1-D TP with sequence parallelism, Megatron's count, per rank per block."""
+    return 8 * (p - 1) / p * s.tokens * s.dim * s.element_bytes
+
+
+def bytes_1d(s: BlockShape, p: int) -> float:
+    """1-D TP with sequence parallelism as lit-mesh runs it (torch's styles), per rank per block."""
+    units = 4 + 2 + 2 * COLWISE_PER_BLOCK  # forward AG + RS; backward AG's; an all-reduce per column-wise input
+    return units * (p - 1) / p * s.tokens * s.dim * s.element_bytes
+
+
+def linear_bytes_summa(tokens: int, n_in: int, n_out: int, q: int, d: int, element_bytes: int) -> float:
+    """One SUMMA linear, forward + backward, per rank (2-D: d = 1)."""
+    summa = 3 * (q - 1) * (tokens * n_in / d + n_in * n_out) / q**2
+    depth = 2 * (d - 1) / d * n_in * n_out / q**2
+    return (summa + depth) * element_bytes
+
+
+def norm_bytes_summa(s: BlockShape, q: int, d: int) -> float:
+    squares = 2 * 2 * (q - 1) / q * s.tokens / (d * q) * 4  # fp32 sums of squares, forward and backward
+    weight = 2 * (d * q - 1) / (d * q) * s.dim / q * s.element_bytes
+    return squares + weight
+
+
+def bytes_summa(s: BlockShape, q: int, d: int = 1) -> float:
+    """2-D (d = 1) or 2.5-D SUMMA, per rank per block: seven linears and two RMSNorms."""
+    linears = sum(linear_bytes_summa(s.tokens, n_in, n_out, q, d, s.element_bytes) for n_in, n_out in s.linears())
+    return linears + 2 * norm_bytes_summa(s, q, d)
+
+
+def bytes_2d(s: BlockShape, p: int) -> float:
+    q = round(p**0.5)
+    assert q * q == p, f"2-D needs p = q * q, not {p}"
+    return bytes_summa(s, q)
+
+
+def bytes_2_5d(s: BlockShape, p: int, d: int) -> float:
+    q = round((p // d) ** 0.5)
+    assert d * q * q == p, f"2.5-D needs p = d * q * q, not {p} with d = {d}"
+    return bytes_summa(s, q, d)

@@ -1,0 +1,211 @@
+"""The grid tp_modes over real gloo groups (run by tests/integration/test_tp_grid.py): 4 ranks run 2-D (q = 2),
+8 ranks 2.5-D (d = 2, q = 2); one launch per world size runs every check.
+
+Usage: torchrun --nproc_per_node=4|8 tests/workers/tp_grid.py OUT_DIR CHECK[,CHECK...]
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from lit_mesh.mesh import MeshLayout, build_device_mesh
+from lit_mesh.monitor.comm import CollectiveBytes
+from lit_mesh.options import build_options
+from lit_mesh.parallel.apply import parallelize
+from lit_mesh.parallel.summa import LAYOUT, SummaScheme
+from lit_mesh.parallel.tensor import apply_tensor_parallel
+from lit_mesh.parallel.tensor_grid import local_block
+from lit_mesh.parallel.tensor_nd import parallelize_grid
+from lit_mesh.parallel.tensor_nd_bytes import BlockShape, bytes_1d, bytes_summa, linear_bytes_summa
+from tests.workers import exit_skipping_teardown
+from tests.workers.checks import Checks, arguments
+from zoo.gpt import GPT, GPTConfig, rope_cos_sin
+
+check = Checks()
+CONFIG = GPTConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=64, max_seq_len=32)
+BATCH, SEQ = 4, 16
+
+
+def mode() -> tuple[str, int | None, int]:
+    """(tp_mode, tp_depth, depth) for this world size."""
+    return ("2d", None, 1) if dist.get_world_size() == 4 else ("2.5d", 2, 2)
+
+
+def views():
+    return build_device_mesh(MeshLayout(tp=dist.get_world_size()), "cpu")
+
+
+def grid_of(model: nn.Module):
+    return next(m.grid for m in model.modules() if hasattr(m, "grid"))
+
+
+def block_of(x: torch.Tensor, grid) -> torch.Tensor:
+    """This rank's block of a (batch, ..., features) tensor in the SUMMA layout."""
+    return local_block(local_block(x, grid, 0, LAYOUT.batch), grid, -1, LAYOUT.features)
+
+
+def grid_gpt(seed: int = 0) -> tuple[nn.Module, GPT]:
+    """(a root holding the GPT with the grid plan applied through parallelize, the same GPT on one device)."""
+    torch.manual_seed(seed)
+    root = nn.Module()
+    root.model = GPT(CONFIG)
+    reference = copy.deepcopy(root.model)
+    tp_mode, tp_depth, _ = mode()
+    options = build_options(
+        dp=None, dp_replicate=None, dp_shard=None, tp=dist.get_world_size(), cp=1, cp_style="ring", pp=1, ep=1,
+        pp_schedule="1f1b", pp_microbatches=None, pp_stages_per_rank=None, pp_split=None, sequence_parallel=None,
+        activation_checkpointing="none", ac_every_n_blocks=1, compile_blocks=False, compile_backend="inductor",
+        async_tp=False, stop_on_nonfinite_loss=True, save_distributed_checkpoint=True, async_save=False,
+        grad_compression=None, topology=None, strict_topology=False, allreduce="auto", tp_mode=tp_mode, tp_depth=tp_depth,
+    )  # fmt: skip
+    parallelize(root, views(), options, precision="32-true")
+    return root, reference
+
+
+def tokens(step: int) -> torch.Tensor:
+    return torch.randint(0, CONFIG.vocab_size, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(step))
+
+
+def loss_of(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
+    logits = model(batch[:, :-1])
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+@check
+def linear_matches_nn_linear() -> None:
+    """Outputs, input gradients and weight (and bias) gradients of the SUMMA linear equal nn.Linear's."""
+    tp_mode, tp_depth, depth = mode()
+    grid = parallelize_grid([], views(), tp_mode, tp_depth)
+    for bias in (False, True):
+        torch.manual_seed(1)
+        linear = nn.Linear(16, 24, bias=bias)
+        x = torch.randn(8, 3, 16, requires_grad=True)
+        upstream = torch.randn(8, 3, 24)
+        (linear(x) * upstream).sum().backward()
+        summa = SummaScheme().linear(copy.deepcopy(linear), grid)
+        x_local = block_of(x.detach(), grid).clone().requires_grad_()
+        y_local = summa(x_local)
+        (y_local * block_of(upstream, grid)).sum().backward()
+        torch.testing.assert_close(y_local, block_of(linear(x).detach(), grid), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(x_local.grad, block_of(x.grad, grid), rtol=1e-5, atol=1e-6)
+        assert summa.weight.to_local().shape == (24 // grid.q, 16 // grid.q)
+        torch.testing.assert_close(full(summa.weight.grad), linear.weight.grad, rtol=1e-5, atol=1e-6)
+        if bias:
+            torch.testing.assert_close(full(summa.bias.grad), linear.bias.grad, rtol=1e-5, atol=1e-6)
+
+
+@check
+def gpt_loss_matches_one_device() -> None:
+    """10 AdamW steps with gradient clipping: every loss within 1e-4 relative of one device, then the parameters."""
+    root, reference = grid_gpt()
+    model = root.model
+    assert all(isinstance(p, DTensor) for p in model.parameters())
+    # lr 1e-3: Adam's normalised update turns last-bit gradient differences near zero into lr-sized ones
+    opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (model, reference))
+    for step in range(10):
+        batch = tokens(step)
+        losses = []
+        for m, o in ((model, opt), (reference, ref_opt)):
+            loss = loss_of(m, batch)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(m.parameters(), 0.5)
+            o.step()
+            o.zero_grad()
+            losses.append(loss.item())
+        assert abs(losses[0] - losses[1]) <= 1e-4 * abs(losses[1]), f"step {step}: {losses[0]} vs one device {losses[1]}"
+    for (name, p), ref in zip(model.named_parameters(), reference.parameters()):
+        diff = (full(p) - ref).abs().max().item()
+        assert diff <= 1e-4, f"{name} differs from one device by {diff}"
+
+
+@check
+def checkpoint_round_trip() -> None:
+    """DCP save of the grid parameters and optimizer state; load into a fresh grid model and into one device."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    root, reference = grid_gpt()
+    model = root.model
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    loss_of(model, tokens(0)).backward()
+    opt.step()
+    saved = {name: full(p).clone() for name, p in model.state_dict().items()}
+    model_state, opt_state = get_state_dict(model, opt)
+    path = OUT / "ckpt"
+    dcp.save({"model": model_state, "optim": opt_state}, checkpoint_id=path)
+    fresh_root, _ = grid_gpt(seed=5)
+    fresh_opt = torch.optim.AdamW(fresh_root.model.parameters(), lr=1e-2)
+    loss_of(fresh_root.model, tokens(1)).backward()
+    fresh_opt.step()  # optimizer state exists to be overwritten
+    model_state, opt_state = get_state_dict(fresh_root.model, fresh_opt)
+    state = {"model": model_state, "optim": opt_state}
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(fresh_root.model, fresh_opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    for name, p in fresh_root.model.state_dict().items():
+        torch.testing.assert_close(full(p), saved[name], rtol=0, atol=0)
+    one_device = {"model": reference.state_dict()}  # the single-device names and shapes
+    dcp.load(one_device, checkpoint_id=path)
+    for name, p in one_device["model"].items():
+        torch.testing.assert_close(p, saved[name], rtol=0, atol=0)
+    # the next step continues alike from either copy of the optimizer state
+    for o, m in ((opt, model), (fresh_opt, fresh_root.model)):
+        o.zero_grad()
+        loss_of(m, tokens(2)).backward()
+        o.step()
+    for (name, a), b in zip(model.named_parameters(), fresh_root.model.parameters()):
+        torch.testing.assert_close(full(a), full(b), rtol=0, atol=0, msg=name)
+
+
+def measured(run) -> float:
+    with CollectiveBytes() as counter:
+        run()
+    return sum(counter.sent.values())
+
+
+@check
+def bytes_match_formulas() -> None:
+    """Bytes per rank of one SUMMA linear and of one GPT block (forward + backward) equal tensor_nd_bytes's
+    formulas; and those of 1-D TP (sequence parallel) on the same ranks."""
+    p, (tp_mode, tp_depth, depth) = dist.get_world_size(), mode()
+    root, _ = grid_gpt()
+    grid = grid_of(root.model)
+    tokens_ = BATCH * SEQ
+    linear = root.model.layers[0].feed_forward.w2
+    x = torch.randn(BATCH // (depth * grid.q), SEQ, CONFIG.ffn_hidden // grid.q, requires_grad=True)
+    got = measured(lambda: linear(x).sum().backward())
+    want = linear_bytes_summa(tokens_, CONFIG.ffn_hidden, CONFIG.dim, grid.q, depth, 4)
+    assert got == want, f"SUMMA linear: counted {got} bytes, formula {want}"
+    shape = BlockShape(tokens_, CONFIG.dim, CONFIG.n_heads, CONFIG.n_kv_heads, CONFIG.ffn_hidden)
+    rope = rope_cos_sin(torch.arange(SEQ), CONFIG.head_dim, CONFIG.rope_theta)
+    h = torch.randn(BATCH // (depth * grid.q), SEQ, CONFIG.dim // grid.q, requires_grad=True)
+    got = measured(lambda: root.model.layers[0](h, rope=rope).sum().backward())
+    want = bytes_summa(shape, grid.q, depth)
+    assert abs(got - want) < 1e-6 * want, f"{tp_mode} block: counted {got} bytes, formula {want}"
+    torch.manual_seed(0)
+    one_d = GPT(dataclasses.replace(CONFIG, n_heads=p, n_kv_heads=p))  # 1-D splits heads over all p ranks
+    apply_tensor_parallel(one_d, one_d.parallel_plan(), views()["tp"], sequence_parallel=True)
+    h = torch.randn(BATCH, SEQ // p, CONFIG.dim, requires_grad=True)
+    rope = rope_cos_sin(torch.arange(SEQ), one_d.config.head_dim, CONFIG.rope_theta)
+    got = measured(lambda: one_d.layers[0](h, rope=rope).sum().backward())
+    want = bytes_1d(shape, p)
+    assert abs(got - want) < 1e-6 * want, f"1-D block: counted {got} bytes, formula {want}"
+
+
+if __name__ == "__main__":
+    OUT, selected = arguments()
+    dist.init_process_group("gloo")
+    check.run(selected)
+    check.write(OUT, dist.get_rank())
+    dist.barrier()  # no rank tears gloo down while another still talks to it
+    dist.destroy_process_group()
+    exit_skipping_teardown()
