@@ -13,6 +13,8 @@ is stored twice. The grid dims play j = "tp_depth", i = "tp_row", l = "tp_col".
   left-to-right nested Shard, so a weight is an ordinary DTensor of the full shape.
 Backward mirrors forward: each all-gather becomes a reduce-scatter over the same dim and back. The gathered
 input and weight blocks are kept for backward, so nothing is gathered twice.
+Norms, the embedding and the head are the grid's own (tensor_nd.py) in LAYOUT_A: the RMSNorm's sum of squares
+all-reduced over j, its weight's gradient summed over (i, l).
 """
 
 from __future__ import annotations
@@ -22,11 +24,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed import ProcessGroup
 from torch.distributed import _functional_collectives as funcol
-from torch.distributed.tensor import Placement, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import Placement, Shard, distribute_tensor
 
 from lit_mesh.errors import PlanError
-from lit_mesh.parallel.summa import SumGradOver
-from lit_mesh.parallel.tensor_grid import ActivationLayout, TPGrid, local_block
+from lit_mesh.parallel.tensor_grid import ActivationLayout, TPGrid
 
 J, I, L = "tp_depth", "tp_row", "tp_col"
 LAYOUT_A = ActivationLayout(batch=(I, L), features=(J,))  # between blocks
@@ -83,8 +84,9 @@ class Linear3D(nn.Module):
     """A bias-free nn.Linear on the 3-D grid: "colwise" takes LAYOUT_A to LAYOUT_B, "rowwise" B to A. `weight` is a
     DTensor of the full (out, in) shape, so state dict names and shapes are those of the nn.Linear it replaces."""
 
-    def __init__(self, linear: nn.Linear, grid: TPGrid, style: str, name: str = "linear") -> None:
+    def __init__(self, linear: nn.Linear, grid: TPGrid, style: str, name: str | None = None) -> None:
         super().__init__()
+        name = name or f"Linear(in_features={linear.in_features}, out_features={linear.out_features})"
         if style not in _CONTRACT:
             raise PlanError(f"tp_mode='3d' splits linears 'colwise' (layout A -> B) or 'rowwise' (B -> A); {name} has {style!r}")
         if linear.bias is not None:
@@ -102,45 +104,6 @@ class Linear3D(nn.Module):
     def extra_repr(self) -> str:
         out, in_ = self.weight.shape
         return f"in={in_}, out={out}, grid {self.grid.q}^3, {self.style} (layout {'A -> B' if self.style == 'colwise' else 'B -> A'})"
-
-
-class _SumBothWays(torch.autograd.Function):
-    """All-reduce forward and backward: every rank's output depends on every rank's part (a norm's sum of
-    squares), so each part's gradient is the sum of what all ranks send back."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:  # type: ignore[override]
-        ctx.group = group
-        return funcol.wait_tensor(funcol.all_reduce(x.contiguous(), "sum", group))
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
-        return funcol.wait_tensor(funcol.all_reduce(grad.contiguous(), "sum", ctx.group)), None
-
-
-class RMSNorm3D(nn.Module):
-    """RMSNorm in LAYOUT_A: the features go by j, so the sum of squares is all-reduced over j; the weight
-    (features by j, replicated over i and l) has its gradient summed over (i, l), which saw other samples."""
-
-    def __init__(self, norm: nn.RMSNorm, grid: TPGrid, name: str = "norm") -> None:
-        super().__init__()
-        (self.dim,) = norm.normalized_shape
-        if self.dim % grid.q or norm.weight is None:
-            raise PlanError(f"tp_mode='3d' needs {name} with an elementwise weight and dim={self.dim} divisible by q={grid.q}")
-        self.grid, self.eps = grid, norm.eps
-        placements = [Shard(0) if dim in LAYOUT_A.features else Replicate() for dim in (J, I, L)]
-        self.weight = nn.Parameter(distribute_tensor(norm.weight.data, grid.mesh, placements, src_data_rank=None))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        squares = _SumBothWays.apply(x.float().pow(2).sum(-1, keepdim=True), self.grid.group(LAYOUT_A.features))
-        eps = torch.finfo(x.dtype).eps if self.eps is None else self.eps
-        normed = (x.float() * torch.rsqrt(squares / self.dim + eps)).type_as(x)
-        return normed * SumGradOver.apply(self.weight.to_local(), self.grid.group(LAYOUT_A.batch))
-
-
-def piece(whole: torch.Tensor, grid: TPGrid, layout: ActivationLayout) -> torch.Tensor:
-    """This rank's block of a whole (batch, ..., features) tensor in `layout` (no communication)."""
-    return local_block(local_block(whole, grid, 0, layout.batch), grid, -1, layout.features).contiguous()
 
 
 class ThreeDScheme:

@@ -9,18 +9,31 @@ import pytest
 from torch import nn
 from torch.distributed.tensor import Shard
 
-from lit_mesh.errors import PlanError
-from lit_mesh.parallel.tensor_3d import J, L, Linear3D, weight_placements
-from lit_mesh.parallel.tensor_3d_bytes import bytes_3d
+from lit_mesh import MeshStrategy
+from lit_mesh.errors import MeshConfigError, PlanError
+from lit_mesh.parallel.tensor_3d import J, L, Linear3D, ThreeDScheme, weight_placements
+from lit_mesh.parallel.tensor_nd import SCHEMES
+from lit_mesh.parallel.tensor_nd_bytes import BlockShape, bytes_3d, linear_bytes_3d, norm_bytes_3d
 
 
-def test_bytes_3d_is_twice_each_block_over_a_q_rank_group() -> None:
+def test_3d_bytes_are_twice_each_block_over_a_q_rank_group() -> None:
     # q = 2: (q-1)/q^3 = 1/8 of (tokens in + in out + tokens out), twice, in fp32
-    assert bytes_3d(24, 8, 12, tp=8) == 2 / 8 * (24 * 8 + 8 * 12 + 24 * 12) * 4
+    assert linear_bytes_3d(24, 8, 12, q=2, element_bytes=4) == 2 / 8 * (24 * 8 + 8 * 12 + 24 * 12) * 4
     # q = 4 and bf16: 2 * 3/64 of the same sum, 2 bytes each
-    assert bytes_3d(4096, 1024, 4096, tp=64, element_size=2) == 2 * 3 / 64 * (4096 * 1024 + 1024 * 4096 + 4096 * 4096) * 2
-    with pytest.raises(ValueError, match="tp=16 is not a cube"):
-        bytes_3d(8, 8, 8, tp=16)
+    big = 2 * 3 / 64 * (4096 * 1024 + 1024 * 4096 + 4096 * 4096) * 2
+    assert linear_bytes_3d(4096, 1024, 4096, q=4, element_bytes=2) == big
+    block = BlockShape(tokens=64, dim=32, heads=4, kv_heads=2, ffn=64)
+    linears = [(32, 32), (32, 16), (32, 16), (32, 32), (32, 64), (32, 64), (64, 32)]
+    assert bytes_3d(block, 8) == sum(linear_bytes_3d(64, i, o, 2, 4) for i, o in linears) + 2 * norm_bytes_3d(block, 2)
+    with pytest.raises(AssertionError, match="3-D needs p = q \\* q \\* q, not 16"):
+        bytes_3d(block, 16)
+
+
+def test_tp_mode_3d_is_a_scheme_on_cubes() -> None:
+    assert isinstance(SCHEMES["3d"], ThreeDScheme)
+    MeshStrategy(tp=8, tp_mode="3d")
+    with pytest.raises(MeshConfigError, match=r"tp_mode='3d' needs tp = q \* q \* q .* but tp=4; use tp in \[8, 27, 64\]"):
+        MeshStrategy(tp=4, tp_mode="3d")
 
 
 def test_the_dim_split_by_j_is_split_again_by_i() -> None:

@@ -93,7 +93,7 @@ def linear_matches_nn_linear() -> None:
         x = torch.randn(8, 3, 16, requires_grad=True)
         upstream = torch.randn(8, 3, 24)
         (linear(x) * upstream).sum().backward()
-        summa = SummaScheme().linear(copy.deepcopy(linear), grid)
+        summa = SummaScheme().linear(copy.deepcopy(linear), grid, "colwise")
         x_local = block_of(x.detach(), grid).clone().requires_grad_()
         y_local = summa(x_local)
         (y_local * block_of(upstream, grid)).sum().backward()
