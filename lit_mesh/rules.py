@@ -95,10 +95,10 @@ def _pipeline_options_given(p: Any) -> bool:
 
 def _grid_problem(f: Facts, tp: Any) -> Optional[str]:
     """Why `tp` ranks do not form the grid of the chosen tp_mode (None: they do, or tp_mode is "1d")."""
-    from lit_mesh.parallel.tensor_grid import grid_shape, grid_sizes_near
+    from lit_mesh.parallel.tensor_grid import fits_grid, grid_sizes_near
 
     mode, depth = f.options.tensor.mode, f.options.tensor.depth
-    if mode == "1d" or not isinstance(tp, int) or grid_shape(tp, mode, depth) not in (None, (1, 1)):
+    if mode == "1d" or not isinstance(tp, int) or fits_grid(tp, mode, depth):
         return None
     need = {"2d": "tp = q * q (a q x q grid)", "2.5d": f"tp = d * q * q with d = tp_depth = {depth or 1}",
             "3d": "tp = q * q * q (a q x q x q grid)"}[mode]  # fmt: skip
@@ -115,10 +115,14 @@ def _grid_conflicts(f: Facts) -> list[str]:
     return [name for name, on in asked.items() if on]
 
 
-def _grid_scheme_missing(f: Facts) -> bool:
+def _grid_schemes() -> list[str]:
     from lit_mesh.parallel.tensor_nd import SCHEMES
 
-    return f.options.tensor.mode != "1d" and f.options.tensor.mode not in SCHEMES
+    return sorted(SCHEMES)
+
+
+def _grid_scheme_missing(f: Facts) -> bool:
+    return f.options.tensor.mode != "1d" and f.options.tensor.mode not in _grid_schemes()
 
 
 def _node_devices(f: Facts) -> int:
@@ -229,8 +233,8 @@ RULES: tuple[Rule, ...] = (
     Rule(
         "tp_mode_has_scheme", "init",
         _grid_scheme_missing,
-        lambda f: f"tp_mode={f.options.tensor.mode!r} has no implementation in this version; use tp_mode='2d' or '2.5d'"
-        " (or '1d')",
+        lambda f: f"tp_mode={f.options.tensor.mode!r} has no implementation in this version; use one of"
+        f" {['1d', *_grid_schemes()]}",
     ),
     Rule(
         "tp_grid_shape", "init",

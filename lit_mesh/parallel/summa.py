@@ -110,7 +110,11 @@ class SummaLinear(nn.Module):
             self.register_parameter("bias", None)
 
     def forward(self, x: Tensor) -> Tensor:
-        y = summa_matmul(x, self.weight.to_local(), self.grid)
+        w = self.weight.to_local()
+        if torch.is_autocast_enabled(x.device.type):  # as nn.Linear under autocast: the matmul in its dtype
+            dtype = torch.get_autocast_dtype(x.device.type)
+            x, w = x.to(dtype), w.to(dtype)
+        y = summa_matmul(x, w, self.grid)
         if self.bias is not None:
             y = y + SumGradOver.apply(self.bias.to_local(), self.batch_group)
         return y

@@ -24,10 +24,13 @@ nn.Linear (weight (out, in), bias or None) that
     that computed a part of it), so nothing else reduces weight gradients.
 2-D and 2.5-D: layout batch over ("tp_depth", "tp_row"), features over ("tp_col",) (lit_mesh/parallel/summa.py).
 3-D: layout batch over ("tp_row", "tp_col"), features over ("tp_depth",) (lit_mesh/parallel/tensor_3d.py).
+A scheme joins by its entry in lit_mesh/parallel/tensor_nd.py's SCHEMES (tp_mode -> GridScheme; the option checks
+and rules read that table) and its bytes per block in lit_mesh/parallel/tensor_nd_bytes.py's GRID_BLOCK_BYTES.
 """
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from typing import Literal, Optional, Protocol
 
@@ -74,9 +77,15 @@ def grid_shape(tp: int, tp_mode: str, tp_depth: int | None) -> tuple[int, int] |
     return (d, q) if q else None
 
 
+def fits_grid(tp: int, tp_mode: str, tp_depth: int | None) -> bool:
+    """tp ranks form a grid of the scheme with q >= 2 (a 1 x 1 grid splits nothing)."""
+    shape = grid_shape(tp, tp_mode, tp_depth)
+    return shape is not None and shape[1] > 1
+
+
 def grid_sizes_near(tp: int, tp_mode: str, tp_depth: int | None) -> list[int]:
     """tp sizes up to max(64, 2 tp) that fit the scheme: for the error message."""
-    return [n for n in range(2, max(64, 2 * tp) + 1) if grid_shape(n, tp_mode, tp_depth) not in (None, (1, 1))]
+    return [n for n in range(2, max(64, 2 * tp) + 1) if fits_grid(n, tp_mode, tp_depth)]
 
 
 @dataclass(frozen=True)
@@ -124,9 +133,17 @@ class TPGrid:
 
 
 def build_grid(root: DeviceMesh, tp_mode: str, depth: int, q: int) -> TPGrid:
-    """Split the root mesh's "tp" dim into GRID_DIMS; a collective: every rank calls it, in the same order."""
-    unflattened = root._unflatten("tp", (depth, q, q), GRID_DIMS)
-    return TPGrid(tp_mode, depth, q, unflattened[GRID_DIMS], root["tp"])
+    """Split the root mesh's "tp" dim into GRID_DIMS; a collective: every rank calls it, in the same order. One grid
+    per root mesh and shape (its process groups are made once; later models on the same mesh share them)."""
+    key = (tp_mode, depth, q)
+    grids = _GRIDS.setdefault(root, {})
+    if key not in grids:
+        unflattened = root._unflatten("tp", (depth, q, q), GRID_DIMS)
+        grids[key] = TPGrid(tp_mode, depth, q, unflattened[GRID_DIMS], root["tp"])
+    return grids[key]
+
+
+_GRIDS: "weakref.WeakKeyDictionary[DeviceMesh, dict[tuple, TPGrid]]" = weakref.WeakKeyDictionary()
 
 
 class GridScheme(Protocol):

@@ -26,7 +26,9 @@ summed over the q^2 ranks sharing it, 2(q^2-1)/q^2 dim/q e.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Optional
 
 
 @dataclass(frozen=True)
@@ -109,3 +111,11 @@ def bytes_3d(s: BlockShape, p: int) -> float:
     assert q**3 == p, f"3-D needs p = q * q * q, not {p}"
     linears = sum(linear_bytes_3d(s.tokens, n_in, n_out, q, s.element_bytes) for n_in, n_out in s.linears())
     return linears + 2 * norm_bytes_3d(s, q)
+
+
+# Bytes per rank per block of each grid tp_mode: f(shape, tp, tp_depth); its grid sizes: tensor_grid.grid_shape.
+GRID_BLOCK_BYTES: dict[str, Callable[[BlockShape, int, Optional[int]], float]] = {
+    "2d": lambda s, p, d: bytes_2d(s, p),
+    "2.5d": lambda s, p, d: bytes_2_5d(s, p, d or 1),
+    "3d": lambda s, p, d: bytes_3d(s, p),
+}

@@ -61,6 +61,8 @@ VARIANTS: dict[str, tuple[str, list[str]]] = {
     "fsdp2_tp2-bf16-mixed-ac-selective": (
         "fsdp2_tp2", ["--trainer.precision=bf16-mixed", f"{S}activation_checkpointing=selective"]
     ),
+    # tp_mode=2d: SUMMA on a 2 x 2 grid of the 4 ranks, no dp (fsdp4's dp=4 overridden)
+    "tp4-2d": ("fsdp4", [f"{S}dp=1", f"{S}tp=4", f"{S}tp_mode=2d", f"{S}sequence_parallel=false"]),
     # tied input/output embeddings (zoo GPT tie_embeddings): one matrix, TP shards both uses over the vocabulary
     **{f"{layout}-tied": (layout, [TIED]) for layout in ("single", "fsdp2", "tp2", "fsdp2_tp2")},
 }
@@ -128,6 +130,23 @@ def test_layout_matches_single_device(results: dict, recipe: str, layout: str) -
     for name, ref in ref_params.items():
         diff = (params[name].float() - ref.float()).abs().max().item()
         assert diff <= 1e-4, f"{layout}: parameter {name} differs by {diff}"
+
+
+def test_grid_tp_mode_matches_single_device(results: dict) -> None:
+    """MeshStrategy(tp=4, tp_mode="2d") from the CLI: meta-device build, the grid plan, Lightning's clipping by the
+    global norm and AdamW on the grid's DTensors follow the single-device curve and end on its parameters."""
+    reference, candidate = results["gpt-single"], results["gpt-tp4-2d"]
+    assert candidate["world_size"] == 4
+    _assert_same_curve(losses(reference), losses(candidate), "tp4-2d")
+    out = Path(results["_dir"]["path"])
+    ref_params = torch.load(out / "gpt-single" / "params.pt", weights_only=True)
+    params = torch.load(out / "gpt-tp4-2d" / "params.pt", weights_only=True)
+    assert ref_params.keys() == params.keys()
+    for name, ref in ref_params.items():
+        assert (params[name] - ref).abs().max().item() <= 1e-4, f"tp4-2d: parameter {name}"
+    norms = [candidate["metrics"]["grad_norm"][s] for s in sorted(candidate["metrics"]["grad_norm"], key=int)]
+    ref_norms = [reference["metrics"]["grad_norm"][s] for s in sorted(reference["metrics"]["grad_norm"], key=int)]
+    assert all(abs(a - b) <= 1e-4 * b for a, b in zip(norms, ref_norms)), (norms, ref_norms)
 
 
 @pytest.mark.parametrize("layout", [name for name in LAYOUTS if name not in ("plain", "single")])

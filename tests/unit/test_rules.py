@@ -24,6 +24,7 @@ from lit_mesh.options import (
     DataParallelOptions,
     MemoryOptions,
     MeshOptions,
+    TensorOptions,
 )
 from lit_mesh.parallel.pipeline import SCHEDULES, PipelineSettings
 from lit_mesh.rules import RULES, RULES_BY_NAME, Facts, enforce
@@ -82,6 +83,9 @@ DP4 = MeshLayout(dp_shard=4)
 AC = replace(O, memory=MemoryOptions("full"))
 ASYNC_TP = replace(O, compile=CompileOptions("inductor", async_tp=True))
 ZERO1, ZERO2 = replace(O, data=DataParallelOptions(1)), replace(O, data=DataParallelOptions(2))
+NO_SP = replace(O.mesh, sequence_parallel=False)
+GRID2D = replace(O, tensor=TensorOptions("2d"), mesh=NO_SP)
+GRID25D = replace(O, tensor=TensorOptions("2.5d", 2), mesh=NO_SP)
 
 # rule -> (facts that break it, the message or a part of it, facts that pass)
 CASES: dict[str, tuple[Facts, str, Facts]] = {
@@ -113,6 +117,12 @@ CASES: dict[str, tuple[Facts, str, Facts]] = {
                                              " weight-gradient pass", compiled_pipeline("interleaved_1f1b")),
     "zero_stage_with_pp": (init(ZERO2, pp=2), "zero_stage=2 with pp=2: under a pipeline each stage's parameters are"
                            " already gathered once per step", init(ZERO2)),
+    "tp_mode_has_scheme": (init(replace(GRID2D, tensor=TensorOptions("4d")), tp=16), "tp_mode='4d' has no"
+                           " implementation in this version; use one of ['1d', '2.5d', '2d'", init(GRID2D, tp=4)),
+    "tp_grid_shape": (init(GRID25D, tp=12), "tp_mode='2.5d' needs tp = d * q * q with d = tp_depth = 2, but tp=12; use"
+                      " tp in [8, 18, 32, 50]", init(GRID25D, tp=8)),
+    "tp_grid_alone": (init(replace(GRID2D, mesh=O.mesh), tp=4, pp=2), "tp_mode='2d' with pp=2, sequence_parallel=True:"
+                      " the grid tensor-parallel schemes run with tp alone here", init(GRID2D, tp=4)),
     "async_save_needs_sharded": (init(replace(O, checkpoint=CheckpointOptions(False, True))), "async_save=True writes"
                                  " sharded checkpoints: keep save_distributed_checkpoint=True",
                                  init(replace(O, checkpoint=CheckpointOptions(True, True)))),
@@ -130,6 +140,10 @@ CASES: dict[str, tuple[Facts, str, Facts]] = {
                                  " 'gloo': async TP (torch's micro-pipeline TP) exchanges tiles through CUDA symmetric"
                                  " memory and needs accelerator='cuda' with the 'nccl' backend",
                                  launch(TP2, ASYNC_TP, device_type="cuda", backend="nccl")),
+    "tp_grid_shape_resolved": (launch(MeshLayout(tp=8), GRID2D), "tp_mode='2d' needs tp = q * q (a q x q grid), but"
+                               " tp=8; use tp in [4, 9, 16, 25, 36, 49]", launch(MeshLayout(tp=9), GRID2D)),
+    "tp_grid_without_data_parallel": (launch(MeshLayout(dp_replicate=2, tp=4), GRID2D), "tp_mode='2d' with data"
+                                      " parallelism (pp=1 x dp_replicate=2", launch(MeshLayout(tp=4), GRID2D)),
     "compression_needs_data_parallel": (launch(MeshLayout(tp=2), replace(O, communication=FP16)), "grad_compression='fp16'"
                                         " but the mesh has no data-parallel dim", launch(DP4, replace(O, communication=FP16))),
     "zero_stage_needs_sharded_dp": (launch(MeshLayout(dp_replicate=2), ZERO1), "zero_stage=1 shards optimizer state"
@@ -154,6 +168,9 @@ CASES: dict[str, tuple[Facts, str, Facts]] = {
                                              " how MeshStrategy applies FSDP2", setup(DP4, [owner()], ZERO2)),
     "self_parallelised_without_cp": (setup(CP2, [], self_parallelised=True), "cp=2 but configure_model of Net"
                                      " parallelised the model itself", setup(CP2, [owner()])),
+    "self_parallelised_without_tp_grid": (setup(MeshLayout(tp=4), [], GRID2D, self_parallelised=True), "tp_mode='2d' is"
+                                          " applied by MeshStrategy from a parallel_plan(), but configure_model of Net",
+                                          setup(MeshLayout(tp=4), [owner()], GRID2D)),
     "pp_needs_one_plan": (setup(PP2, [owner(), owner()]), "pp > 1 pipelines one model that declares parallel_plan();"
                           " Net has ['model', 'model']", setup(PP2, [owner()])),
     "pp_moe_needs_stage_plan": (setup(PP2, [owner("moe", stages=())]), "pp=2 with the MoE model SimpleNamespace: its"

@@ -1,13 +1,14 @@
-"""The grid tp_modes over real gloo groups (run by tests/integration/test_tp_grid.py): 4 ranks run 2-D (q = 2),
-8 ranks 2.5-D (d = 2, q = 2); one launch per world size runs every check.
+"""The grid tp_modes over real gloo groups (run by tests/integration/test_tp_grid.py), all in one launch of 8
+ranks: 2-D (q = 2) on two replicas of a 4-rank grid, 2.5-D (d = 2, q = 2) on all 8.
 
-Usage: torchrun --nproc_per_node=4|8 tests/workers/tp_grid.py OUT_DIR CHECK[,CHECK...]
+Usage: torchrun --nproc_per_node=8 tests/workers/tp_grid.py OUT_DIR CHECK[,CHECK...]
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -23,6 +24,7 @@ from lit_mesh.parallel.summa import LAYOUT, SummaScheme
 from lit_mesh.parallel.tensor import apply_tensor_parallel
 from lit_mesh.parallel.tensor_grid import local_block
 from lit_mesh.parallel.tensor_nd import parallelize_grid
+from lit_mesh.plan import PlanOwner
 from lit_mesh.parallel.tensor_nd_bytes import BlockShape, bytes_1d, bytes_summa, linear_bytes_summa
 from tests.workers import exit_skipping_teardown
 from tests.workers.checks import Checks, arguments
@@ -33,13 +35,27 @@ CONFIG = GPTConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, f
 BATCH, SEQ = 4, 16
 
 
-def mode() -> tuple[str, int | None, int]:
-    """(tp_mode, tp_depth, depth) for this world size."""
-    return ("2d", None, 1) if dist.get_world_size() == 4 else ("2.5d", 2, 2)
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """A grid tp_mode on the 8 ranks: 2-D as two replicas of a 2 x 2 grid (each grid 4 ranks), 2.5-D on all 8."""
+
+    tp_mode: str
+    tp_depth: int | None
+    layout: MeshLayout
+
+    @property
+    def depth(self) -> int:
+        return self.tp_depth or 1
 
 
-def views():
-    return build_device_mesh(MeshLayout(tp=dist.get_world_size()), "cpu")
+TWO_D = Case("2d", None, MeshLayout(dp_replicate=2, tp=4))
+TWO_HALF_D = Case("2.5d", 2, MeshLayout(tp=8))
+
+
+@functools.cache
+def views(layout: MeshLayout):
+    """One mesh per layout for every check (its process groups made once)."""
+    return build_device_mesh(layout, "cpu")
 
 
 def grid_of(model: nn.Module):
@@ -51,21 +67,26 @@ def block_of(x: torch.Tensor, grid) -> torch.Tensor:
     return local_block(local_block(x, grid, 0, LAYOUT.batch), grid, -1, LAYOUT.features)
 
 
-def grid_gpt(seed: int = 0) -> tuple[nn.Module, GPT]:
-    """(a root holding the GPT with the grid plan applied through parallelize, the same GPT on one device)."""
+def grid_gpt(case: Case, seed: int = 0) -> tuple[nn.Module, GPT]:
+    """(a root holding the GPT with the grid plan applied, the same GPT on one device). 2.5-D goes through
+    parallelize with MeshStrategy's options (the tp_mode dispatch and its rules); 2-D's two replicas (no data
+    parallelism applied) through the grid's own entry."""
     torch.manual_seed(seed)
     root = nn.Module()
     root.model = GPT(CONFIG)
     reference = copy.deepcopy(root.model)
-    tp_mode, tp_depth, _ = mode()
+    if case.layout.dp > 1:
+        parallelize_grid([PlanOwner("model", root.model, root.model.parallel_plan())], views(case.layout), case.tp_mode, case.tp_depth)
+        return root, reference
     options = build_options(
-        dp=None, dp_replicate=None, dp_shard=None, tp=dist.get_world_size(), cp=1, cp_style="ring", pp=1, ep=1,
+        dp=None, dp_replicate=None, dp_shard=None, tp=case.layout.tp, cp=1, cp_style="ring", pp=1, ep=1,
         pp_schedule="1f1b", pp_microbatches=None, pp_stages_per_rank=None, pp_split=None, sequence_parallel=None,
         activation_checkpointing="none", ac_every_n_blocks=1, compile_blocks=False, compile_backend="inductor",
         async_tp=False, stop_on_nonfinite_loss=True, save_distributed_checkpoint=True, async_save=False,
-        grad_compression=None, topology=None, strict_topology=False, allreduce="auto", tp_mode=tp_mode, tp_depth=tp_depth,
+        grad_compression=None, topology=None, strict_topology=False, allreduce="auto", tp_mode=case.tp_mode,
+        tp_depth=case.tp_depth,
     )  # fmt: skip
-    parallelize(root, views(), options, precision="32-true")
+    parallelize(root, views(case.layout), options, precision="32-true")
     return root, reference
 
 
@@ -82,11 +103,9 @@ def full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-@check
-def linear_matches_nn_linear() -> None:
+def linear_matches_nn_linear(case: Case) -> None:
     """Outputs, input gradients and weight (and bias) gradients of the SUMMA linear equal nn.Linear's."""
-    tp_mode, tp_depth, depth = mode()
-    grid = parallelize_grid([], views(), tp_mode, tp_depth)
+    grid = parallelize_grid([], views(case.layout), case.tp_mode, case.tp_depth)
     for bias in (False, True):
         torch.manual_seed(1)
         linear = nn.Linear(16, 24, bias=bias)
@@ -105,10 +124,9 @@ def linear_matches_nn_linear() -> None:
             torch.testing.assert_close(full(summa.bias.grad), linear.bias.grad, rtol=1e-5, atol=1e-6)
 
 
-@check
-def gpt_loss_matches_one_device() -> None:
+def gpt_loss_matches_one_device(case: Case) -> None:
     """10 AdamW steps with gradient clipping: every loss within 1e-4 relative of one device, then the parameters."""
-    root, reference = grid_gpt()
+    root, reference = grid_gpt(case)
     model = root.model
     assert all(isinstance(p, DTensor) for p in model.parameters())
     # lr 1e-3: Adam's normalised update turns last-bit gradient differences near zero into lr-sized ones
@@ -130,11 +148,11 @@ def gpt_loss_matches_one_device() -> None:
 
 
 @check
-def checkpoint_round_trip() -> None:
+def checkpoint_round_trip_2_5d() -> None:
     """DCP save of the grid parameters and optimizer state; load into a fresh grid model and into one device."""
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-    root, reference = grid_gpt()
+    root, reference = grid_gpt(TWO_HALF_D)
     model = root.model
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     loss_of(model, tokens(0)).backward()
@@ -143,7 +161,7 @@ def checkpoint_round_trip() -> None:
     model_state, opt_state = get_state_dict(model, opt)
     path = OUT / "ckpt"
     dcp.save({"model": model_state, "optim": opt_state}, checkpoint_id=path)
-    fresh_root, _ = grid_gpt(seed=5)
+    fresh_root, _ = grid_gpt(TWO_HALF_D, seed=5)
     fresh_opt = torch.optim.AdamW(fresh_root.model.parameters(), lr=1e-2)
     loss_of(fresh_root.model, tokens(1)).backward()
     fresh_opt.step()  # optimizer state exists to be overwritten
@@ -172,12 +190,11 @@ def measured(run) -> float:
     return sum(counter.sent.values())
 
 
-@check
-def bytes_match_formulas() -> None:
+def bytes_match_formulas(case: Case) -> None:
     """Bytes per rank of one SUMMA linear and of one GPT block (forward + backward) equal tensor_nd_bytes's
-    formulas; and those of 1-D TP (sequence parallel) on the same ranks."""
-    p, (tp_mode, tp_depth, depth) = dist.get_world_size(), mode()
-    root, _ = grid_gpt()
+    formulas; and those of 1-D TP (sequence parallel) on the same tp ranks."""
+    p, tp_mode, depth = case.layout.tp, case.tp_mode, case.depth
+    root, _ = grid_gpt(case)
     grid = grid_of(root.model)
     tokens_ = BATCH * SEQ
     linear = root.model.layers[0].feed_forward.w2
@@ -193,12 +210,38 @@ def bytes_match_formulas() -> None:
     assert abs(got - want) < 1e-6 * want, f"{tp_mode} block: counted {got} bytes, formula {want}"
     torch.manual_seed(0)
     one_d = GPT(dataclasses.replace(CONFIG, n_heads=p, n_kv_heads=p))  # 1-D splits heads over all p ranks
-    apply_tensor_parallel(one_d, one_d.parallel_plan(), views()["tp"], sequence_parallel=True)
+    apply_tensor_parallel(one_d, one_d.parallel_plan(), views(case.layout)["tp"], sequence_parallel=True)
     h = torch.randn(BATCH, SEQ // p, CONFIG.dim, requires_grad=True)
     rope = rope_cos_sin(torch.arange(SEQ), one_d.config.head_dim, CONFIG.rope_theta)
     got = measured(lambda: one_d.layers[0](h, rope=rope).sum().backward())
     want = bytes_1d(shape, p)
     assert abs(got - want) < 1e-6 * want, f"1-D block: counted {got} bytes, formula {want}"
+
+
+@check
+def linear_matches_nn_linear_2d() -> None:
+    linear_matches_nn_linear(TWO_D)
+
+
+@check
+def linear_matches_nn_linear_2_5d() -> None:
+    linear_matches_nn_linear(TWO_HALF_D)
+
+
+@check
+def gpt_loss_matches_one_device_2_5d() -> None:
+    """2-D's: tests/integration/test_parity.py (tp4-2d, through MeshStrategy and the CLI, on 4 ranks)."""
+    gpt_loss_matches_one_device(TWO_HALF_D)
+
+
+@check
+def bytes_match_formulas_2d() -> None:
+    bytes_match_formulas(TWO_D)
+
+
+@check
+def bytes_match_formulas_2_5d() -> None:
+    bytes_match_formulas(TWO_HALF_D)
 
 
 if __name__ == "__main__":
