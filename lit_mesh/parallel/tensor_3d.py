@@ -99,7 +99,11 @@ class Linear3D(nn.Module):
         self.weight = nn.Parameter(distribute_tensor(linear.weight.data, grid.mesh, placements, src_data_rank=None))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _Matmul3D.apply(x, self.weight.to_local(), self.grid, self.contract)
+        w = self.weight.to_local()
+        if torch.is_autocast_enabled(x.device.type):  # as nn.Linear under autocast: the blocks move in its dtype
+            dtype = torch.get_autocast_dtype(x.device.type)
+            x, w = x.to(dtype), w.to(dtype)
+        return _Matmul3D.apply(x, w, self.grid, self.contract)
 
     def extra_repr(self) -> str:
         out, in_ = self.weight.shape

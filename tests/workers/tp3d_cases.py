@@ -61,6 +61,16 @@ def linear_matches_nn_linear(grid: TPGrid, style: str) -> None:
     assert sum(counter.sent.values()) == want, (dict(counter.sent), want)
     # the weight's group (i) moves its block twice: (q-1)/q of (in/q x out/q) fp32 each way
     assert counter.sent[names[I]] == 2 * (1 / 2) * (N_IN // 2) * (N_OUT // 2) * 4, dict(counter.sent)
+    # under bf16 autocast, as nn.Linear: bf16 output, fp32 weight gradient
+    reference.weight.grad, linear.weight.grad = None, None
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = reference(x.detach())
+        y_piece = linear(piece(x.detach(), grid, layout_in))
+    y.float().backward(grad_y)
+    y_piece.float().backward(piece(grad_y, grid, layout_out))
+    assert y_piece.dtype == torch.bfloat16 and linear.weight.grad.dtype == torch.float32
+    torch.testing.assert_close(y_piece, piece(y.detach(), grid, layout_out), rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(linear.weight.grad.to_local(), local_of(reference.weight.grad, linear.weight), rtol=2e-2, atol=5e-2)
 
 
 def norm_and_feed_forward_keep_layout_a(grid: TPGrid) -> None:
