@@ -111,7 +111,9 @@ def _grid_conflicts(f: Facts) -> list[str]:
     asked = {f"pp={f.degrees.get('pp')}": f.degrees.get("pp", 1) > 1, f"cp={f.degrees.get('cp')}": f.degrees.get("cp", 1) > 1,
              f"ep={f.degrees.get('ep')}": f.degrees.get("ep", 1) > 1, "sequence_parallel=True": o.mesh.sequence_parallel,
              "compile_blocks=True": o.compile.backend is not None, "async_tp=True": o.compile.async_tp,
-             f"activation_checkpointing={o.memory.activation_checkpointing!r}": o.memory.activation_checkpointing != "none"}  # fmt: skip
+             f"activation_checkpointing={o.memory.activation_checkpointing!r}": o.memory.activation_checkpointing != "none",
+             "grad_compression": o.communication.compression is not None,
+             "allreduce='hierarchical'": o.communication.allreduce == "hierarchical"}  # fmt: skip
     return [name for name, on in asked.items() if on]
 
 
@@ -247,8 +249,8 @@ RULES: tuple[Rule, ...] = (
         "tp_grid_alone", "init",
         lambda f: f.options.tensor.mode != "1d" and bool(_grid_conflicts(f)),
         lambda f: f"tp_mode={f.options.tensor.mode!r} with {', '.join(_grid_conflicts(f))}: the grid tensor-parallel"
-        " schemes run with tp alone here; drop those (sequence_parallel=False: the grid splits the batch, not the"
-        " sequence), or use tp_mode='1d' with them",
+        " schemes combine with dp_replicate (DDP) only here; drop those (sequence_parallel=False: the grid splits the"
+        " batch, not the sequence), or use tp_mode='1d' with them",
     ),
     Rule(
         "async_save_needs_sharded", "init",
@@ -300,11 +302,13 @@ RULES: tuple[Rule, ...] = (
         lambda f: _grid_problem(f, f.layout.tp),
     ),
     Rule(
-        # data parallelism runs on FSDP2, which does not take parameters that are DTensors on the grid's mesh
-        "tp_grid_without_data_parallel", "launch",
-        lambda f: f.options.tensor.mode != "1d" and f.layout.data_parallel != "none",
-        lambda f: f"tp_mode={f.options.tensor.mode!r} with data parallelism ({f.layout.describe()}): the grid schemes"
-        f" run on tp ranks alone here; use as many devices as tp={f.layout.tp} (no dp), or tp_mode='1d' with dp",
+        # sharded data parallelism runs on FSDP2, which does not take parameters that are DTensors on the grid's mesh;
+        # replicas (DDP) average their gradients with hooks of the grid's own (lit_mesh/parallel/tensor_nd.py)
+        "tp_grid_without_sharded_dp", "launch",
+        lambda f: f.options.tensor.mode != "1d" and f.layout.data_parallel in ("fsdp", "hsdp"),
+        lambda f: f"tp_mode={f.options.tensor.mode!r} with sharded data parallelism ({f.layout.describe()}): the grid"
+        f" schemes combine with replicas only; use dp_replicate={f.layout.dp} (DDP) instead of dp/dp_shard, or"
+        " tp_mode='1d' with FSDP",
     ),
     Rule(
         "compression_needs_data_parallel", "launch",

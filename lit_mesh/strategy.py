@@ -97,9 +97,9 @@ class MeshStrategy(ModelParallelStrategy):
         pp_split: blocks per stage, e.g. [3, 5]; default: balanced, counting embedding and head as one block each.
         tp_mode: how the tp ranks split the model: "1d" (Megatron-style column/row split, the default), "2d" (SUMMA
             on a q x q grid, tp = q * q), "2.5d" (Tesseract: tp = d * q * q with tp_depth=d) or "3d" (tp = q^3).
-            The grid modes split weights and activations in blocks; they run with tp alone (no dp, pp, cp, ep,
-            sequence_parallel, compile or activation checkpointing: lit_mesh/rules.py). See
-            lit_mesh/parallel/tensor_grid.py.
+            The grid modes split weights and activations in blocks; they combine with dp_replicate (DDP) only (no
+            FSDP, pp, cp, ep, sequence_parallel, compile, activation checkpointing or grad_compression:
+            lit_mesh/rules.py). See lit_mesh/parallel/tensor_grid.py.
         tp_depth: the depth d of tp_mode="2.5d" (the weight blocks are replicated d times, the batch split d times).
         sequence_parallel: shard activations over the sequence between TP regions (needs tp to divide it); default:
             on with tp_mode="1d", off otherwise.

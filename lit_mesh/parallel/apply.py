@@ -35,7 +35,7 @@ from lit_mesh.parallel.pipeline_split import (
     stage_ranks,
 )
 from lit_mesh.parallel.tensor import PlanError, apply_tensor_parallel
-from lit_mesh.parallel.tensor_nd import parallelize_grid
+from lit_mesh.parallel.tensor_nd import average_over_replicas, parallelize_grid
 from lit_mesh.plan import ParallelPlan, PlanOwner, declared_plan
 from lit_mesh.rules import Facts, check
 
@@ -134,8 +134,15 @@ def parallelize(
     for owner in owners:
         adapt_moe_layers(owner.module, owner.plan)
     done = split_pipeline(root, owners, mesh, options.pipeline) if layout.pp > 1 else Parallelized(owners)
-    if layout.tp > 1 and options.tensor.mode != "1d":  # the grid schemes run with tp alone (lit_mesh/rules.py)
+    grid_mode = layout.tp > 1 and options.tensor.mode != "1d"
+    if grid_mode:  # with tp and DDP alone (lit_mesh/rules.py)
         parallelize_grid(owners, mesh, options.tensor.mode, options.tensor.depth)
+        if layout.dp_replicate > 1:
+            outside = [n for n, p in root.named_parameters() if not any(p is q for o in owners for q in o.module.parameters())]
+            if outside:
+                raise PlanError(f"tp_mode={options.tensor.mode!r} with dp_replicate: parameters {outside[:4]} are"
+                                " outside the modules that declare a parallel_plan(); move them into it, or use dp=1")
+            average_over_replicas(owners, mesh.root.get_group(MeshAxis.DP_REPLICATE))
     elif layout.tp > 1:
         for owner in owners:
             experts = expert_modules(owner.module, owner.plan)  # placed by EP below
@@ -162,7 +169,7 @@ def parallelize(
         if compile_backend is not None:
             apply_compile(blocks, compile_backend)
     in_hook = compression is not None or replicate_hierarchy is not None
-    dp_mesh = data_parallel_mesh(mesh, layout, replicate_in_hook=in_hook)
+    dp_mesh = None if grid_mode else data_parallel_mesh(mesh, layout, replicate_in_hook=in_hook)
     if dp_mesh is not None:
         for owner in owners:
             shard_experts(owner.module, owner.plan, mesh, layout, precision, options.data.zero_stage)

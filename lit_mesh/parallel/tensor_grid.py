@@ -54,6 +54,11 @@ def check_tp_mode(tp_mode: str, tp_depth: int | None) -> None:
         raise MeshConfigError(f"tp_depth={tp_depth!r} must be a positive int (the 2.5-D depth d, tp = d * q * q)")
     if tp_depth is not None and tp_mode != "2.5d":
         raise MeshConfigError(f"tp_depth={tp_depth} is the depth of tp_mode='2.5d'; with tp_mode={tp_mode!r} leave it unset")
+    if tp_mode == "2.5d" and (tp_depth is None or tp_depth < 2):
+        raise MeshConfigError(
+            f"tp_mode='2.5d' needs tp_depth=d >= 2 (tp = d * q * q), not {tp_depth}; e.g. tp=8, tp_depth=2"
+            " (depth 1 is tp_mode='2d')"
+        )
 
 
 def _root(n: int, power: int) -> int | None:
@@ -72,7 +77,7 @@ def grid_shape(tp: int, tp_mode: str, tp_depth: int | None) -> tuple[int, int] |
     if tp_mode == "3d":
         q = _root(tp, 3)
         return (q, q) if q else None
-    d = tp_depth or 1
+    d = tp_depth or 1  # check_tp_mode requires it for "2.5d"
     q = _root(tp // d, 2) if tp % d == 0 else None
     return (d, q) if q else None
 

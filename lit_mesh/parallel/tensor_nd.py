@@ -245,6 +245,29 @@ def apply_tensor_grid(model: nn.Module, plan: ParallelPlan, grid: TPGrid, scheme
         )
 
 
+def average_over_replicas(owners: list[Any], group: dist.ProcessGroup) -> None:
+    """DDP next to the grid (dp_replicate > 1): each gradient, once accumulated, is averaged over the replicas (each
+    replica read other samples). FSDP2, which runs lit-mesh's other data parallelism, does not take the grid's
+    DTensors. Under gradient accumulation each micro-batch's backward averages again: the mean of a mean is itself.
+    The hooks are put on at each forward: materialising a meta model (lit_mesh/init.py) replaces the Parameters."""
+    size = dist.get_world_size(group)
+
+    def average(param: Tensor) -> None:
+        with torch.no_grad():
+            grad = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
+            dist.all_reduce(grad, group=group)
+            grad.div_(size)
+
+    def hook_parameters(module: nn.Module, _args: Any) -> None:
+        for param in module.parameters():
+            if param.requires_grad and not getattr(param, "_averaged_over_replicas", False):
+                param.register_post_accumulate_grad_hook(average)
+                param._averaged_over_replicas = True  # type: ignore[attr-defined]
+
+    for owner in owners:
+        owner.module.register_forward_pre_hook(hook_parameters)
+
+
 def parallelize_grid(owners: list[Any], mesh: MeshViews, tp_mode: str, tp_depth: Optional[int]) -> TPGrid:
     """Build the grid of this run's tp ranks and apply every plan owner's TensorPlan on it (from apply.py)."""
     shape = grid_shape(mesh.layout.tp, tp_mode, tp_depth)

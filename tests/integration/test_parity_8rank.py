@@ -30,6 +30,8 @@ LAYOUTS: dict[str, tuple[str, list[str]]] = {
     "gpt-hsdp2x2_tp2": ("gpt", [f"{S}dp_replicate=2", f"{S}dp_shard=2", f"{S}tp=2"]),
     "gpt-pp2_cp2_tp2-interleaved": ("gpt4", [f"{S}pp=2", f"{S}cp=2", f"{S}tp=2", f"{S}pp_schedule=interleaved_1f1b", f"{S}pp_stages_per_rank=2"]),
     "moe-pp2_tp2_ep2": ("moe", [f"{S}pp=2", f"{S}tp=2", f"{S}ep=2"]),
+    # 2-D tensor parallel on a 2 x 2 grid, two replicas averaging their gradients (tp_mode's DDP)
+    "gpt-ddp2_tp4-2d": ("gpt", [f"{S}dp_replicate=2", f"{S}tp=4", f"{S}tp_mode=2d", f"{S}sequence_parallel=false"]),
 }
 
 

@@ -122,7 +122,7 @@ CASES: dict[str, tuple[Facts, str, Facts]] = {
     "tp_grid_shape": (init(GRID25D, tp=12), "tp_mode='2.5d' needs tp = d * q * q with d = tp_depth = 2, but tp=12; use"
                       " tp in [8, 18, 32, 50]", init(GRID25D, tp=8)),
     "tp_grid_alone": (init(replace(GRID2D, mesh=O.mesh), tp=4, pp=2), "tp_mode='2d' with pp=2, sequence_parallel=True:"
-                      " the grid tensor-parallel schemes run with tp alone here", init(GRID2D, tp=4)),
+                      " the grid tensor-parallel schemes combine with dp_replicate (DDP) only", init(GRID2D, tp=4)),
     "async_save_needs_sharded": (init(replace(O, checkpoint=CheckpointOptions(False, True))), "async_save=True writes"
                                  " sharded checkpoints: keep save_distributed_checkpoint=True",
                                  init(replace(O, checkpoint=CheckpointOptions(True, True)))),
@@ -142,8 +142,8 @@ CASES: dict[str, tuple[Facts, str, Facts]] = {
                                  launch(TP2, ASYNC_TP, device_type="cuda", backend="nccl")),
     "tp_grid_shape_resolved": (launch(MeshLayout(tp=8), GRID2D), "tp_mode='2d' needs tp = q * q (a q x q grid), but"
                                " tp=8; use tp in [4, 9, 16, 25, 36, 49]", launch(MeshLayout(tp=9), GRID2D)),
-    "tp_grid_without_data_parallel": (launch(MeshLayout(dp_replicate=2, tp=4), GRID2D), "tp_mode='2d' with data"
-                                      " parallelism (pp=1 x dp_replicate=2", launch(MeshLayout(tp=4), GRID2D)),
+    "tp_grid_without_sharded_dp": (launch(MeshLayout(dp_shard=2, tp=4), GRID2D), "tp_mode='2d' with sharded data"
+                                   " parallelism (pp=1 x dp_replicate=1 x dp_shard=2", launch(MeshLayout(dp_replicate=2, tp=4), GRID2D)),
     "compression_needs_data_parallel": (launch(MeshLayout(tp=2), replace(O, communication=FP16)), "grad_compression='fp16'"
                                         " but the mesh has no data-parallel dim", launch(DP4, replace(O, communication=FP16))),
     "zero_stage_needs_sharded_dp": (launch(MeshLayout(dp_replicate=2), ZERO1), "zero_stage=1 shards optimizer state"

@@ -32,9 +32,11 @@ def test_strategy_takes_tp_mode_and_turns_sequence_parallel_off() -> None:
         (dict(tp=4, tp_mode="2-d"), "tp_mode='2-d' is not one of ['1d', '2d', '2.5d', '3d']"),
         (dict(tp=4, tp_mode="2d", tp_depth=2), "tp_depth=2 is the depth of tp_mode='2.5d'"),
         (dict(tp=8, tp_mode="2.5d", tp_depth=0), "tp_depth=0 must be a positive int"),
+        (dict(tp=8, tp_mode="2.5d"), "tp_mode='2.5d' needs tp_depth=d >= 2 (tp = d * q * q), not None"),
         (dict(tp=6, tp_mode="2d"), "tp_mode='2d' needs tp = q * q (a q x q grid), but tp=6; use tp in [4, 9, 16, 25"),
         (dict(tp=4, tp_mode="2d", sequence_parallel=True), "tp_mode='2d' with sequence_parallel=True"),
         (dict(tp=4, tp_mode="2d", cp=2), "tp_mode='2d' with cp=2"),
+        (dict(dp_replicate=2, tp=4, tp_mode="2d", grad_compression="fp16"), "tp_mode='2d' with grad_compression"),
     ],
 )
 def test_bad_tp_mode_is_refused_in_init(kwargs: dict, message: str) -> None:
@@ -44,13 +46,14 @@ def test_bad_tp_mode_is_refused_in_init(kwargs: dict, message: str) -> None:
         MeshStrategy(**kwargs)
 
 
-def test_grid_with_data_parallel_is_refused_before_spawning() -> None:
+def test_grid_with_sharded_data_parallel_is_refused_before_spawning() -> None:
     from lightning.pytorch import Trainer
 
     from lit_mesh import MeshStrategy
 
-    with pytest.raises(MeshConfigError, match=r"tp_mode='2d' with data parallelism .*use as many devices as tp=4"):
+    with pytest.raises(MeshConfigError, match=r"tp_mode='2d' with sharded data parallelism .*use dp_replicate=2 \(DDP\)"):
         Trainer(accelerator="cpu", devices=8, strategy=MeshStrategy(tp=4, tp_mode="2d"), logger=False)
+    Trainer(accelerator="cpu", devices=8, strategy=MeshStrategy(dp_replicate=2, tp=4, tp_mode="2d"), logger=False)
     with pytest.raises(MeshConfigError, match=r"tp_mode='2d' needs tp = q \* q .* but tp=2"):
         Trainer(accelerator="cpu", devices=2, strategy=MeshStrategy(tp="auto", tp_mode="2d"), logger=False)
 
