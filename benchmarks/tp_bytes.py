@@ -122,7 +122,8 @@ def drive(args: argparse.Namespace, argv: list[str]) -> None:
             tiny = tiny_shape()
             for mode, got in counted.items():
                 one_d = dataclasses.replace(tiny, heads=TINY.n_heads, kv_heads=TINY.n_kv_heads)
-                want = bytes_1d(one_d, p) if mode == "1d" else GRID_BLOCK_BYTES[mode](tiny, p, DEPTH if mode == "2.5d" else None)
+                depth = DEPTH if mode == "2.5d" else None
+                want = bytes_1d(one_d, p) if mode == "1d" else GRID_BLOCK_BYTES[mode](tiny, p, depth)
                 result["measured"].append({"tp": p, "scheme": mode, "counted": got, "formula": want})
     result["environment"] = environment()
     print_result(result)

@@ -1,6 +1,7 @@
 """The one place where plans are applied, in the one order:
 MoE layer adapters -> split into pipeline stages -> TP/SP (1-D; a grid tp_mode: tensor_nd.py) -> CP -> EP ->
-activation checkpointing -> torch.compile -> FSDP/HSDP/DDP per block (experts first) -> each stage's root -> communication hooks.
+activation checkpointing -> torch.compile -> FSDP/HSDP/DDP per block (experts first) -> each stage's root ->
+communication hooks.
 
 """
 

@@ -21,9 +21,9 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import Replicate, Shard
 
-from lit_mesh.parallel.tensor_grid import ActivationLayout, TPGrid
+from lit_mesh.parallel.tensor_grid import ActivationLayout, TPGrid, grid_parameter
 
 LAYOUT = ActivationLayout(batch=("tp_depth", "tp_row"), features=("tp_col",))
 WEIGHT_PLACEMENTS = (Replicate(), Shard(1), Shard(0))  # (out, in) on (depth, row, col)
@@ -103,9 +103,9 @@ class SummaLinear(nn.Module):
         super().__init__()
         self.grid, self.batch_group = grid, batch_group
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.weight = nn.Parameter(distribute_tensor(linear.weight.data, grid.mesh, WEIGHT_PLACEMENTS, src_data_rank=None))
+        self.weight = grid_parameter(linear.weight, grid, WEIGHT_PLACEMENTS)
         if linear.bias is not None:
-            self.bias = nn.Parameter(distribute_tensor(linear.bias.data, grid.mesh, BIAS_PLACEMENTS, src_data_rank=None))
+            self.bias = grid_parameter(linear.bias, grid, BIAS_PLACEMENTS)
         else:
             self.register_parameter("bias", None)
 

@@ -24,10 +24,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed import ProcessGroup
 from torch.distributed import _functional_collectives as funcol
-from torch.distributed.tensor import Placement, Shard, distribute_tensor
+from torch.distributed.tensor import Placement, Shard
 
 from lit_mesh.errors import PlanError
-from lit_mesh.parallel.tensor_grid import ActivationLayout, TPGrid
+from lit_mesh.parallel.tensor_grid import ActivationLayout, TPGrid, grid_parameter
 
 J, I, L = "tp_depth", "tp_row", "tp_col"
 LAYOUT_A = ActivationLayout(batch=(I, L), features=(J,))  # between blocks
@@ -95,8 +95,7 @@ class Linear3D(nn.Module):
             if size % grid.q**2:
                 raise PlanError(f"tp_mode='3d' with q={grid.q} needs {name}.{what}={size} divisible by q^2={grid.q**2}")
         self.grid, self.style, self.contract = grid, style, _CONTRACT[style]
-        placements = weight_placements(self.contract)
-        self.weight = nn.Parameter(distribute_tensor(linear.weight.data, grid.mesh, placements, src_data_rank=None))
+        self.weight = grid_parameter(linear.weight, grid, weight_placements(self.contract))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight.to_local()

@@ -31,6 +31,7 @@ and rules read that table) and its bytes per block in lit_mesh/parallel/tensor_n
 from __future__ import annotations
 
 import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Optional, Protocol
 
@@ -38,6 +39,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Placement, distribute_tensor
 
 from lit_mesh.errors import MeshConfigError
 
@@ -160,6 +162,11 @@ class GridScheme(Protocol):
 
     def linear(self, module: nn.Linear, grid: TPGrid, style: str) -> nn.Module:
         """`style`: the plan's "colwise" or "rowwise" (SUMMA treats both alike; 3-D turns the layout one way or back)."""
+
+
+def grid_parameter(tensor: torch.Tensor, grid: TPGrid, placements: Sequence[Placement]) -> nn.Parameter:
+    """A parameter as a DTensor on the grid; each rank keeps its slice of `tensor` (no communication; meta stays meta)."""
+    return nn.Parameter(distribute_tensor(tensor.data, grid.mesh, placements, src_data_rank=None))
 
 
 def local_block(full: torch.Tensor, grid: TPGrid, dim: int, names: tuple[str, ...]) -> torch.Tensor:

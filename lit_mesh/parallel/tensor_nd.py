@@ -21,14 +21,23 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from lit_mesh.errors import PlanError
 from lit_mesh.init import tied_parameters
 from lit_mesh.mesh import MeshViews
 from lit_mesh.parallel.summa import SummaScheme, SumGradOver
 from lit_mesh.parallel.tensor_3d import ThreeDScheme
-from lit_mesh.parallel.tensor_grid import GRID_DIMS, ActivationLayout, GridScheme, TPGrid, build_grid, grid_shape, local_block
+from lit_mesh.parallel.tensor_grid import (
+    GRID_DIMS,
+    ActivationLayout,
+    GridScheme,
+    TPGrid,
+    build_grid,
+    grid_parameter,
+    grid_shape,
+    local_block,
+)
 from lit_mesh.plan import ParallelPlan
 
 # tp_mode -> its scheme
@@ -54,7 +63,7 @@ class GridRMSNorm(nn.Module):
             raise PlanError(f"the grid tp_modes take RMSNorm over the last dim with a weight, not {norm}")
         self.dim, self.eps = norm.normalized_shape[0], norm.eps
         self.features, self.batch = grid.group(layout.features), grid.group(layout.batch)
-        self.weight = nn.Parameter(distribute_tensor(norm.weight.data, grid.mesh, _placements(grid, layout.features, 0), src_data_rank=None))
+        self.weight = grid_parameter(norm.weight, grid, _placements(grid, layout.features, 0))
 
     def forward(self, x: Tensor) -> Tensor:
         squares = x.float().pow(2).sum(-1, keepdim=True)
@@ -89,7 +98,7 @@ class GridEmbedding(nn.Module):
     def __init__(self, embedding: nn.Embedding, grid: TPGrid, layout: ActivationLayout) -> None:
         super().__init__()
         self.grid, self.layout, self.batch = grid, layout, grid.group(layout.batch)
-        self.weight = nn.Parameter(distribute_tensor(embedding.weight.data, grid.mesh, _placements(grid, layout.features, 1), src_data_rank=None))
+        self.weight = grid_parameter(embedding.weight, grid, _placements(grid, layout.features, 1))
 
     def forward(self, tokens: Tensor) -> Tensor:
         _, blocks = self.grid.index(self.layout.batch)
@@ -152,8 +161,8 @@ class GridHead(nn.Module):
         super().__init__()
         self.grid, self.layout = grid, layout
         whole = [Replicate()] * len(GRID_DIMS)
-        self.weight = nn.Parameter(distribute_tensor(linear.weight.data, grid.mesh, whole, src_data_rank=None))
-        self.bias = None if linear.bias is None else nn.Parameter(distribute_tensor(linear.bias.data, grid.mesh, whole, src_data_rank=None))
+        self.weight = grid_parameter(linear.weight, grid, whole)
+        self.bias = None if linear.bias is None else grid_parameter(linear.bias, grid, whole)
 
     def forward(self, x: Tensor) -> Tensor:
         h = _GatherLayout.apply(x, self.grid, self.layout)

@@ -79,7 +79,8 @@ def grid_gpt(case: Case, seed: int = 0) -> tuple[nn.Module, GPT]:
     root.model = GPT(CONFIG)
     reference = copy.deepcopy(root.model)
     if case.layout.dp > 1:
-        parallelize_grid([PlanOwner("model", root.model, root.model.parallel_plan())], views(case.layout), case.tp_mode, case.tp_depth)
+        owner = PlanOwner("model", root.model, root.model.parallel_plan())
+        parallelize_grid([owner], views(case.layout), case.tp_mode, case.tp_depth)
         return root, reference
     options = build_options(
         dp=None, dp_replicate=None, dp_shard=None, tp=case.layout.tp, cp=1, cp_style="ring", pp=1, ep=1,
