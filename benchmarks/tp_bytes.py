@@ -1,4 +1,4 @@
-"""Bytes per rank per transformer block (forward + backward) of 1-D, 2-D and 2.5-D tensor parallel, from the
+"""Bytes per rank per transformer block (forward + backward) of 1-D, 2-D, 2.5-D and 3-D tensor parallel, from the
 formulas of lit_mesh/parallel/tensor_nd_bytes.py, over tp sizes, with the crossover (the smallest tp at which a grid
 scheme sends fewer bytes per rank than 1-D); and the formulas against the byte counter (lit_mesh/monitor/comm.py)
 on gloo ranks for a tiny block (--measure).
@@ -74,7 +74,7 @@ def table(shape: BlockShape) -> tuple[list[dict[str, Any]], dict[str, Any]]:
 
 
 def worker(args: argparse.Namespace) -> None:
-    """Under torchrun: one tiny block's bytes per rank, counted, for 1-D and the grid scheme of this world size."""
+    """Under torchrun: one tiny block's bytes per rank, counted, for 1-D and the grid schemes of this world size."""
     from lit_mesh.mesh import MeshLayout, build_device_mesh
     from lit_mesh.monitor.comm import CollectiveBytes
     from lit_mesh.parallel.tensor import apply_tensor_parallel
@@ -84,7 +84,7 @@ def worker(args: argparse.Namespace) -> None:
 
     dist.init_process_group("gloo")
     p = dist.get_world_size()
-    mode, depth = ("2d", None) if p == 4 else ("2.5d", DEPTH)
+    modes = [("2d", None)] if p == 4 else [("2.5d", DEPTH), ("3d", None)]  # 8 ranks: 2 x 2 x 2 either way
     views = build_device_mesh(MeshLayout(tp=p), "cpu")
     def counted(model: GPT, h: torch.Tensor) -> float:
         rope = rope_cos_sin(torch.arange(TINY_SEQ), model.config.head_dim, TINY.rope_theta)
@@ -95,10 +95,12 @@ def worker(args: argparse.Namespace) -> None:
     one_d = GPT(TINY)
     apply_tensor_parallel(one_d, one_d.parallel_plan(), views["tp"], sequence_parallel=True)
     measured = {"1d": counted(one_d, torch.randn(TINY_BATCH, TINY_SEQ // p, TINY.dim, requires_grad=True))}
-    grid_model = GPT(dataclasses.replace(TINY, n_heads=4, n_kv_heads=2))
-    grid = parallelize_grid([PlanOwner("model", grid_model, grid_model.parallel_plan())], views, mode, depth)
-    h = torch.randn(TINY_BATCH // (grid.depth * grid.q), TINY_SEQ, TINY.dim // grid.q, requires_grad=True)
-    measured[mode] = counted(grid_model, h)
+    for mode, depth in modes:
+        grid_model = GPT(dataclasses.replace(TINY, n_heads=4, n_kv_heads=2))
+        grid = parallelize_grid([PlanOwner("model", grid_model, grid_model.parallel_plan())], views, mode, depth)
+        # the layout between blocks: batch / (depth q) (3-D: / q^2, depth = q), features / q
+        h = torch.randn(TINY_BATCH // (grid.depth * grid.q), TINY_SEQ, TINY.dim // grid.q, requires_grad=True)
+        measured[mode] = counted(grid_model, h)
     emit({"world_size": p, "measured": measured})
     dist.destroy_process_group()
 

@@ -132,5 +132,5 @@ class SummaScheme:
     def layout(self, grid: TPGrid) -> ActivationLayout:
         return LAYOUT
 
-    def linear(self, module: nn.Linear, grid: TPGrid) -> nn.Module:
+    def linear(self, module: nn.Linear, grid: TPGrid, style: str) -> nn.Module:
         return SummaLinear(module, grid, grid.group(LAYOUT.batch))

@@ -11,17 +11,19 @@ The grid. The tp ranks (the innermost mesh dim) are reshaped into three named di
 `build_grid` unflattens the run's root mesh's "tp" dim into these (every rank builds the same DeviceMesh, and the
 tp rank t sits at (t // q^2, (t // q) % q, t % q)); `TPGrid` holds the grid mesh and its groups.
 
-The layer contract. A scheme is a `GridScheme`: its `linear(module, grid)` returns an nn.Module replacing an
+The layer contract. A scheme is a `GridScheme`: its `linear(module, grid, style)` returns an nn.Module replacing an
 nn.Linear (weight (out, in), bias or None) that
   - keeps the parameter name(s) `weight` (and `bias`) with the full shape, as DTensors on `grid.mesh`, so state
     dicts, DCP checkpoints, clipping and optimizers see the single-device names and shapes;
   - takes and returns activations in the scheme's `layout`: a local block of (batch, ..., features) whose batch
     dim is split over the grid dims `layout.batch` and whose last dim over `layout.features` (each in the order
     given, outermost first; dims in neither replicate it); in and out features split the same way, so the
-    residual stream keeps one layout between blocks;
+    residual stream keeps one layout between blocks (3-D: a "colwise" linear returns a second layout and the
+    "rowwise" one after it brings the activations back);
   - leaves each weight's .grad the full gradient of its own block (reduced inside its backward over every rank
     that computed a part of it), so nothing else reduces weight gradients.
 2-D and 2.5-D: layout batch over ("tp_depth", "tp_row"), features over ("tp_col",) (lit_mesh/parallel/summa.py).
+3-D: layout batch over ("tp_row", "tp_col"), features over ("tp_depth",) (lit_mesh/parallel/tensor_3d.py).
 A scheme joins by its entry in lit_mesh/parallel/tensor_nd.py's SCHEMES (tp_mode -> GridScheme; the option checks
 and rules read that table) and its bytes per block in lit_mesh/parallel/tensor_nd_bytes.py's GRID_BLOCK_BYTES.
 """
@@ -158,7 +160,8 @@ class GridScheme(Protocol):
 
     def layout(self, grid: TPGrid) -> ActivationLayout: ...
 
-    def linear(self, module: nn.Linear, grid: TPGrid) -> nn.Module: ...
+    def linear(self, module: nn.Linear, grid: TPGrid, style: str) -> nn.Module:
+        """`style`: the plan's "colwise" or "rowwise" (SUMMA treats both alike; 3-D turns the layout one way or back)."""
 
 
 def grid_parameter(tensor: torch.Tensor, grid: TPGrid, placements: Sequence[Placement]) -> nn.Parameter:

@@ -27,6 +27,7 @@ from lit_mesh.errors import PlanError
 from lit_mesh.init import tied_parameters
 from lit_mesh.mesh import MeshViews
 from lit_mesh.parallel.summa import SummaScheme, SumGradOver
+from lit_mesh.parallel.tensor_3d import ThreeDScheme
 from lit_mesh.parallel.tensor_grid import (
     GRID_DIMS,
     ActivationLayout,
@@ -39,8 +40,8 @@ from lit_mesh.parallel.tensor_grid import (
 )
 from lit_mesh.plan import ParallelPlan
 
-# tp_mode -> its scheme; "3d" joins with its own module
-SCHEMES: dict[str, GridScheme] = {"2d": SummaScheme(), "2.5d": SummaScheme()}
+# tp_mode -> its scheme
+SCHEMES: dict[str, GridScheme] = {"2d": SummaScheme(), "2.5d": SummaScheme(), "3d": ThreeDScheme()}
 # plan entries of `divides` the grid does not split: the head is replicated, the embedding split over the hidden dim
 _WHOLE = ("vocab_size",)
 _LINEAR_STYLES = ("colwise", "rowwise")
@@ -195,7 +196,8 @@ def check_grid_divides(model: nn.Module, plan: ParallelPlan, grid: TPGrid) -> No
                 sizes[f"{name} in_features"], sizes[f"{name} out_features"] = linear.in_features, linear.out_features
     for what, size in sizes.items():
         if size % q:
-            fits = [n * n * (grid.depth if grid.mode == "2.5d" else 1) for n in range(1, 9) if size % n == 0 and n > 1]
+            per_q = {"2d": lambda n: n * n, "2.5d": lambda n: grid.depth * n * n, "3d": lambda n: n**3}[grid.mode]
+            fits = [per_q(n) for n in range(2, 9) if size % n == 0]
             raise PlanError(
                 f"tp_mode={grid.mode!r} on a grid of depth {grid.depth} x {q} x {q} splits {what}={size} of"
                 f" {model_name} into q={q} blocks, which does not divide it; use tp in {fits} (q dividing {size})"
@@ -231,7 +233,7 @@ def apply_tensor_grid(model: nn.Module, plan: ParallelPlan, grid: TPGrid, scheme
         module = owner.get_submodule(name)
         if style in _LINEAR_STYLES:
             _expect(module, nn.Linear, name, style, model_name)
-            _replace(owner, name, lambda m: scheme.linear(m, grid))
+            _replace(owner, name, lambda m: scheme.linear(m, grid, style))
         elif style == "norm":
             _expect(module, nn.RMSNorm, name, style, model_name)
             _replace(owner, name, lambda m: GridRMSNorm(m, grid, layout))

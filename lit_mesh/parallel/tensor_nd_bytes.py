@@ -17,6 +17,11 @@ reduces (dX, dW blocks): 3 (q-1) (b in / d + in out) / q^2 e; 2.5-D adds the dep
 2 (d-1)/d in out / q^2 e. Per RMSNorm: the fp32 sum of squares (b/(dq) numbers) all-reduced over a row in forward and
 backward, 2 x 2(q-1)/q b/(dq) 4, and its weight's gradient block summed over the d q ranks sharing it,
 2(dq-1)/(dq) dim/q e.
+3-D (q x q x q, p = q^3; lit_mesh/parallel/tensor_3d.py): per linear (in -> out), the input block (b/q x in/q), the
+weight block (in/q x out/q) and the product block (b/q x out/q) each cross a q-rank group twice (all-gathered one
+way, reduce-scattered the other): 2 (q-1)/q^3 (b in + in out + b out) e. Per RMSNorm: the fp32 sum of squares (b/q^2
+numbers) all-reduced over q ranks in forward and backward, 2 x 2(q-1)/q b/q^2 4, and its weight's gradient block
+summed over the q^2 ranks sharing it, 2(q^2-1)/q^2 dim/q e.
 """
 
 from __future__ import annotations
@@ -89,9 +94,28 @@ def bytes_2_5d(s: BlockShape, p: int, d: int) -> float:
     return bytes_summa(s, q, d)
 
 
+def linear_bytes_3d(tokens: int, n_in: int, n_out: int, q: int, element_bytes: int) -> float:
+    """One 3-D linear, forward + backward, per rank."""
+    return 2 * (q - 1) / q**3 * (tokens * n_in + n_in * n_out + tokens * n_out) * element_bytes
+
+
+def norm_bytes_3d(s: BlockShape, q: int) -> float:
+    squares = 2 * 2 * (q - 1) / q * s.tokens / q**2 * 4  # fp32 sums of squares, forward and backward
+    weight = 2 * (q * q - 1) / (q * q) * s.dim / q * s.element_bytes
+    return squares + weight
+
+
+def bytes_3d(s: BlockShape, p: int) -> float:
+    """3-D, per rank per block: seven linears and two RMSNorms."""
+    q = round(p ** (1 / 3))
+    assert q**3 == p, f"3-D needs p = q * q * q, not {p}"
+    linears = sum(linear_bytes_3d(s.tokens, n_in, n_out, q, s.element_bytes) for n_in, n_out in s.linears())
+    return linears + 2 * norm_bytes_3d(s, q)
+
+
 # Bytes per rank per block of each grid tp_mode: f(shape, tp, tp_depth); its grid sizes: tensor_grid.grid_shape.
-# The 3-D scheme's formula (bytes_3d, from its own module) joins this table when tp_mode "3d" is implemented.
 GRID_BLOCK_BYTES: dict[str, Callable[[BlockShape, int, Optional[int]], float]] = {
     "2d": lambda s, p, d: bytes_2d(s, p),
     "2.5d": lambda s, p, d: bytes_2_5d(s, p, d or 1),
+    "3d": lambda s, p, d: bytes_3d(s, p),
 }

@@ -1,5 +1,6 @@
 """The grid tp_modes over real gloo groups (run by tests/integration/test_tp_grid.py), all in one launch of 8
-ranks: 2-D (q = 2) on two replicas of a 4-rank grid, 2.5-D (d = 2, q = 2) on all 8.
+ranks: 2-D (q = 2) on two replicas of a 4-rank grid, 2.5-D (d = 2, q = 2) and 3-D (q = 2) on all 8 (3-D's own
+checks: tests/workers/tp3d_cases.py).
 
 Usage: torchrun --nproc_per_node=8 tests/workers/tp_grid.py OUT_DIR CHECK[,CHECK...]
 """
@@ -25,8 +26,9 @@ from lit_mesh.parallel.tensor import apply_tensor_parallel
 from lit_mesh.parallel.tensor_grid import local_block
 from lit_mesh.parallel.tensor_nd import parallelize_grid
 from lit_mesh.plan import PlanOwner
-from lit_mesh.parallel.tensor_nd_bytes import BlockShape, bytes_1d, bytes_summa, linear_bytes_summa
+from lit_mesh.parallel.tensor_nd_bytes import GRID_BLOCK_BYTES, BlockShape, bytes_1d, linear_bytes_3d, linear_bytes_summa
 from tests.workers import exit_skipping_teardown
+from tests.workers import tp3d_cases as three_d
 from tests.workers.checks import Checks, arguments
 from zoo.gpt import GPT, GPTConfig, rope_cos_sin
 
@@ -50,6 +52,7 @@ class Case:
 
 TWO_D = Case("2d", None, MeshLayout(dp_replicate=2, tp=4))
 TWO_HALF_D = Case("2.5d", 2, MeshLayout(tp=8))
+THREE_D = Case("3d", None, MeshLayout(tp=8))
 
 
 @functools.cache
@@ -113,7 +116,7 @@ def linear_matches_nn_linear(case: Case) -> None:
         x = torch.randn(8, 3, 16, requires_grad=True)
         upstream = torch.randn(8, 3, 24)
         (linear(x) * upstream).sum().backward()
-        summa = SummaScheme().linear(copy.deepcopy(linear), grid)
+        summa = SummaScheme().linear(copy.deepcopy(linear), grid, "colwise")
         x_local = block_of(x.detach(), grid).clone().requires_grad_()
         y_local = summa(x_local)
         (y_local * block_of(upstream, grid)).sum().backward()
@@ -194,20 +197,24 @@ def measured(run) -> float:
 def bytes_match_formulas(case: Case) -> None:
     """Bytes per rank of one SUMMA linear and of one GPT block (forward + backward) equal tensor_nd_bytes's
     formulas; and those of 1-D TP (sequence parallel) on the same tp ranks."""
-    p, tp_mode, depth = case.layout.tp, case.tp_mode, case.depth
+    p, tp_mode = case.layout.tp, case.tp_mode
     root, _ = grid_gpt(case)
     grid = grid_of(root.model)
+    depth = grid.depth  # the batch is split depth x q ways (3-D: depth = q)
     tokens_ = BATCH * SEQ
     linear = root.model.layers[0].feed_forward.w2
     x = torch.randn(BATCH // (depth * grid.q), SEQ, CONFIG.ffn_hidden // grid.q, requires_grad=True)
     got = measured(lambda: linear(x).sum().backward())
-    want = linear_bytes_summa(tokens_, CONFIG.ffn_hidden, CONFIG.dim, grid.q, depth, 4)
-    assert got == want, f"SUMMA linear: counted {got} bytes, formula {want}"
+    if tp_mode == "3d":  # w2 takes the layout inside the MLP: batch / q^2 (depth = q), features / q
+        want = linear_bytes_3d(tokens_, CONFIG.ffn_hidden, CONFIG.dim, grid.q, 4)
+    else:
+        want = linear_bytes_summa(tokens_, CONFIG.ffn_hidden, CONFIG.dim, grid.q, depth, 4)
+    assert got == want, f"{tp_mode} linear: counted {got} bytes, formula {want}"
     shape = BlockShape(tokens_, CONFIG.dim, CONFIG.n_heads, CONFIG.n_kv_heads, CONFIG.ffn_hidden)
     rope = rope_cos_sin(torch.arange(SEQ), CONFIG.head_dim, CONFIG.rope_theta)
     h = torch.randn(BATCH // (depth * grid.q), SEQ, CONFIG.dim // grid.q, requires_grad=True)
     got = measured(lambda: root.model.layers[0](h, rope=rope).sum().backward())
-    want = bytes_summa(shape, grid.q, depth)
+    want = GRID_BLOCK_BYTES[tp_mode](shape, p, case.tp_depth)
     assert abs(got - want) < 1e-6 * want, f"{tp_mode} block: counted {got} bytes, formula {want}"
     torch.manual_seed(0)
     one_d = GPT(dataclasses.replace(CONFIG, n_heads=p, n_kv_heads=p))  # 1-D splits heads over all p ranks
@@ -243,6 +250,37 @@ def bytes_match_formulas_2d() -> None:
 @check
 def bytes_match_formulas_2_5d() -> None:
     bytes_match_formulas(TWO_HALF_D)
+
+
+@check
+def colwise_linear_matches_nn_linear_3d() -> None:
+    three_d.linear_matches_nn_linear(parallelize_grid([], views(THREE_D.layout), "3d", None), "colwise")
+
+
+@check
+def rowwise_linear_matches_nn_linear_3d() -> None:
+    three_d.linear_matches_nn_linear(parallelize_grid([], views(THREE_D.layout), "3d", None), "rowwise")
+
+
+@check
+def norm_and_feed_forward_keep_layout_3d() -> None:
+    three_d.norm_and_feed_forward_keep_layout_a(parallelize_grid([], views(THREE_D.layout), "3d", None))
+
+
+@check
+def gpt_loss_matches_one_device_3d() -> None:
+    gpt_loss_matches_one_device(THREE_D)
+
+
+@check
+def checkpoint_to_one_device_3d() -> None:
+    root, reference = grid_gpt(THREE_D)
+    three_d.checkpoint_loads_into_one_device(root.model, reference, OUT / "ckpt_3d")
+
+
+@check
+def bytes_match_formulas_3d() -> None:
+    bytes_match_formulas(THREE_D)
 
 
 if __name__ == "__main__":
