@@ -139,7 +139,8 @@ def parallelize(
     if grid_mode:  # with tp and DDP alone (lit_mesh/rules.py)
         parallelize_grid(owners, mesh, options.tensor.mode, options.tensor.depth)
         if layout.dp_replicate > 1:
-            outside = [n for n, p in root.named_parameters() if not any(p is q for o in owners for q in o.module.parameters())]
+            planned = {id(p) for o in owners for p in o.module.parameters()}
+            outside = [n for n, p in root.named_parameters() if id(p) not in planned]
             if outside:
                 raise PlanError(f"tp_mode={options.tensor.mode!r} with dp_replicate: parameters {outside[:4]} are"
                                 " outside the modules that declare a parallel_plan(); move them into it, or use dp=1")

@@ -131,11 +131,20 @@ class TPGrid:
     def coordinate(self, name: str) -> int:
         return self.mesh.get_local_rank(name)
 
-    def index(self, names: tuple[str, ...]) -> tuple[int, int]:
-        """(this rank's block index, number of blocks) along the grid dims `names` (row-major, outermost first)."""
+    def coordinates_of(self, tp_rank: int) -> dict[str, int]:
+        """The grid coordinates of rank `tp_rank` of the tp group (row-major over GRID_DIMS)."""
+        coords = {}
+        for name in reversed(GRID_DIMS):
+            tp_rank, coords[name] = divmod(tp_rank, self.size(name))
+        return coords
+
+    def index(self, names: tuple[str, ...], coords: Optional[dict[str, int]] = None) -> tuple[int, int]:
+        """(block index, number of blocks) along the grid dims `names` (row-major, outermost first) of the rank at
+        `coords` (default: this rank)."""
         index, count = 0, 1
         for name in names:
-            index, count = index * self.size(name) + self.coordinate(name), count * self.size(name)
+            at = self.coordinate(name) if coords is None else coords[name]
+            index, count = index * self.size(name) + at, count * self.size(name)
         return index, count
 
 

@@ -127,8 +127,8 @@ class _GatherLayout(torch.autograd.Function):
         _, n_features = grid.index(layout.features)
         rows: list[list[Optional[Tensor]]] = [[None] * n_features for _ in range(n_batch)]
         for rank, part in enumerate(parts):
-            coords = _coordinates(rank, grid)
-            b, f = _index(coords, grid, layout.batch), _index(coords, grid, layout.features)
+            coords = grid.coordinates_of(rank)
+            (b, _), (f, _) = grid.index(layout.batch, coords), grid.index(layout.features, coords)
             if rows[b][f] is None:  # dims in neither list hold copies
                 rows[b][f] = part
         return torch.cat([torch.cat(row, dim=-1) for row in rows], dim=0)  # type: ignore[arg-type]
@@ -137,21 +137,6 @@ class _GatherLayout(torch.autograd.Function):
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
         block = local_block(local_block(grad, ctx.grid, 0, ctx.layout.batch), ctx.grid, -1, ctx.layout.features)
         return block.contiguous(), None, None
-
-
-def _coordinates(tp_rank: int, grid: TPGrid) -> dict[str, int]:
-    sizes = [grid.size(name) for name in GRID_DIMS]
-    coords, rest = {}, tp_rank
-    for name, size in reversed(list(zip(GRID_DIMS, sizes))):
-        coords[name], rest = rest % size, rest // size
-    return coords
-
-
-def _index(coords: dict[str, int], grid: TPGrid, names: tuple[str, ...]) -> int:
-    index = 0
-    for name in names:
-        index = index * grid.size(name) + coords[name]
-    return index
 
 
 class GridHead(nn.Module):
