@@ -41,6 +41,20 @@ class Checks:
     def write(self, out_dir: Path, rank: int) -> None:
         (out_dir / f"rank{rank}.json").write_text(json.dumps(self.results))
 
+    def run_on_gloo(self, out_dir: Path, selected: list[str]) -> None:
+        """A worker's whole main: the selected checks on a gloo process group, each rank's results written, then
+        exit without Python's teardown."""
+        import torch.distributed as dist
+
+        from tests.workers import exit_skipping_teardown
+
+        dist.init_process_group("gloo")
+        self.run(selected)
+        self.write(out_dir, dist.get_rank())
+        dist.barrier()  # no rank tears gloo down while another still talks to it
+        dist.destroy_process_group()
+        exit_skipping_teardown()
+
 
 def arguments() -> tuple[Path, list[str]]:
     """OUT_DIR and the selected check names from the command line."""

@@ -13,7 +13,6 @@ from lit_mesh.comm.codecs import CodecSettings, make_codec
 from lit_mesh.comm.compression import CompressionRun
 from lit_mesh.comm.powersgd import Segment
 from lit_mesh.comm.options import CompressionOptions, CompressionPhase
-from tests.workers import exit_skipping_teardown
 from tests.workers.checks import Checks, arguments
 
 check = Checks()
@@ -264,9 +263,4 @@ def onebit_reduce_scatter_formula() -> None:
 
 if __name__ == "__main__":
     out_dir, selected = arguments()
-    dist.init_process_group("gloo")
-    check.run(selected)
-    check.write(out_dir, dist.get_rank())
-    dist.barrier()  # no rank tears gloo down while another still talks to it
-    dist.destroy_process_group()
-    exit_skipping_teardown()
+    check.run_on_gloo(out_dir, selected)

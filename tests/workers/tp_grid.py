@@ -27,7 +27,6 @@ from lit_mesh.parallel.tensor_grid import local_block
 from lit_mesh.parallel.tensor_nd import parallelize_grid
 from lit_mesh.plan import PlanOwner
 from lit_mesh.parallel.tensor_nd_bytes import GRID_BLOCK_BYTES, BlockShape, bytes_1d, linear_bytes_3d, linear_bytes_summa
-from tests.workers import exit_skipping_teardown
 from tests.workers import tp3d_cases as three_d
 from tests.workers.checks import Checks, arguments
 from zoo.gpt import GPT, GPTConfig, rope_cos_sin
@@ -285,9 +284,4 @@ def bytes_match_formulas_3d() -> None:
 
 if __name__ == "__main__":
     OUT, selected = arguments()
-    dist.init_process_group("gloo")
-    check.run(selected)
-    check.write(OUT, dist.get_rank())
-    dist.barrier()  # no rank tears gloo down while another still talks to it
-    dist.destroy_process_group()
-    exit_skipping_teardown()
+    check.run_on_gloo(OUT, selected)
