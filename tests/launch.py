@@ -8,22 +8,29 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 WORKERS = REPO / "tests" / "workers"
+# what a launcher sets per rank: in-process tests can leave them in os.environ, never to reach a launch's ranks
+LAUNCHER_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK", "MASTER_ADDR",
+                      "MASTER_PORT", "TORCHELASTIC_RUN_ID")  # fmt: skip
 
 
 def run_command(cmd: list[str], timeout: float, cwd: Path | None = None) -> subprocess.CompletedProcess:
     # PYTHONPATH: workers and CLI configs may name test helpers (tests.workers.*) as class paths
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONWARNINGS": "ignore", "PYTHONPATH": str(REPO)}
+    inherited = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARIABLES}  # a rank of nothing here
+    env = {**inherited, "PYTHONUNBUFFERED": "1", "PYTHONWARNINGS": "ignore", "PYTHONPATH": str(REPO)}
     # a scratch working directory: Lightning writes logs and config.yaml there, never into the repository
     workdir = cwd or tempfile.mkdtemp(prefix="lit-mesh-test-")
     # a session of its own: on a timeout the whole process group goes (torchrun's workers too, not torchrun alone)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=workdir, env=env,
                             start_new_session=True)  # fmt: skip
+    started = time.monotonic()
     try:
         stdout, stderr = proc.communicate(timeout=timeout)
+        _log_launch(cmd, time.monotonic() - started)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         stdout, _ = proc.communicate()
@@ -31,16 +38,41 @@ def run_command(cmd: list[str], timeout: float, cwd: Path | None = None) -> subp
     return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
 
 
+def _log_launch(cmd: list[str], seconds: float) -> None:
+    """With LIT_MESH_LAUNCH_LOG=FILE, one JSON line per launch (test, command, wall seconds): where suite time goes."""
+    path = os.environ.get("LIT_MESH_LAUNCH_LOG")
+    if path:
+        test = os.environ.get("PYTEST_CURRENT_TEST", "").split(" ")[0]
+        with open(path, "a") as f:
+            f.write(json.dumps({"test": test, "cmd": [Path(c).name for c in cmd[:8]], "seconds": round(seconds, 1)}) + "\n")
+
+
 def torchrun(nproc: int, script: str, *args: str, timeout: float = 300, max_restarts: int = 0) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", f"--max-restarts={max_restarts}"]
     return run_command([*cmd, str(WORKERS / script), *args], timeout)
+
+
+def launch(nproc: int, script: str, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    """Run a worker on nproc ranks forked from one interpreter (tests/fork_launch.py: the imports paid once);
+    LIT_MESH_TEST_LAUNCHER=torchrun runs every such launch under torchrun instead."""
+    if os.environ.get("LIT_MESH_TEST_LAUNCHER") == "torchrun":
+        return torchrun(nproc, script, *args, timeout=timeout)
+    return run_command([sys.executable, str(REPO / "tests" / "fork_launch.py"), str(nproc), str(WORKERS / script), *args], timeout)
+
+
+def launch_with_environments(environments: list[dict[str, str]], script: Path, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    """Run `script` once per environment (a whole one each: e.g. what srun sets per task), the ranks forked from one
+    interpreter as in `launch`."""
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(environments, f)
+    return run_command([sys.executable, str(REPO / "tests" / "fork_launch.py"), "--rank-environments", f.name, str(script), *args], timeout)
 
 
 def cli_runs(nproc: int, out_dir: Path, runs: list[dict], timeout: float = 600) -> dict[str, dict]:
     """Run lit-mesh CLI invocations in one torchrun launch; returns {name: result} (see workers/cli_runs.py)."""
     spec = out_dir / f"runs_{nproc}.json"
     spec.write_text(json.dumps(runs))
-    proc = torchrun(nproc, "cli_runs.py", str(out_dir), str(spec), timeout=timeout)
+    proc = launch(nproc, "cli_runs.py", str(out_dir), str(spec), timeout=timeout)
     if proc.returncode != 0:
         raise AssertionError(f"cli_runs with {nproc} processes failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}")
     return {r["name"]: json.loads((out_dir / r["name"] / "result.json").read_text()) for r in runs}

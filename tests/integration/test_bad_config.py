@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from tests.launch import REPO, run_command, torchrun
+from tests.launch import REPO, launch, run_command
 from tests.worker_checks import selected_checks
 
 S = "--trainer.strategy.init_args."
@@ -69,7 +69,7 @@ def errors_after_start(request: pytest.FixtureRequest) -> dict[str, dict[str, st
     out = request.getfixturevalue("tmp_path_factory").mktemp("errors_after_start")
     spec = out / "cases.json"
     spec.write_text(json.dumps({case: ERRORS_AFTER_START[case][0] for case in selected_checks(request)}))
-    proc = torchrun(2, "expect_errors.py", str(out / "errors.json"), str(spec), timeout=240)
+    proc = launch(2, "expect_errors.py", str(out / "errors.json"), str(spec), timeout=240)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads((out / "errors.json").read_text())
 

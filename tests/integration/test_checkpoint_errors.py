@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.launch import REPO, torchrun
+from tests.launch import REPO, launch
 
 COMMON = [
     "--trainer.devices=2", "--trainer.strategy.init_args.dp=2", "--trainer.logger=CSVLogger", "--data.global_batch_size=4",
@@ -22,7 +22,7 @@ def probes(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict, object
     out = tmp_path_factory.mktemp("ckpt_errors")
     gpt = ["-c", str(REPO / "configs/gpt.yaml"), *COMMON]
     moe = ["-c", str(REPO / "configs/moe.yaml"), *COMMON]
-    proc = torchrun(2, "checkpoint_probes.py", str(out), json.dumps(gpt), json.dumps(moe), timeout=400)
+    proc = launch(2, "checkpoint_probes.py", str(out), json.dumps(gpt), json.dumps(moe), timeout=400)
     assert (out / "probes.json").is_file(), proc.stdout[-3000:] + proc.stderr[-5000:]
     return out, json.loads((out / "probes.json").read_text()), proc
 

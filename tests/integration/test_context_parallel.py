@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from tests.integration.test_parity import COMMON, STEPS, _assert_same_curve, losses
-from tests.launch import REPO, cli_runs, torchrun
+from tests.launch import REPO, cli_runs, launch
 
 S = "--trainer.strategy.init_args."
 # one validation batch at the last step: val_loss parity too (the same sharding serves validation)
@@ -71,7 +71,7 @@ def test_context_parallel_matches_single_device(results: dict, layout: str) -> N
 @pytest.fixture(scope="module")
 def attention_errors(tmp_path_factory: pytest.TempPathFactory) -> dict:
     out = tmp_path_factory.mktemp("cp_attention") / "errors.json"
-    proc = torchrun(4, "cp_attention.py", str(out), timeout=240)
+    proc = launch(4, "cp_attention.py", str(out), timeout=240)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(out.read_text())
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.launch import REPO, cli_runs, torchrun
+from tests.launch import REPO, cli_runs, launch, torchrun
 
 S = "--trainer.strategy.init_args."
 
@@ -32,7 +32,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
     import json
 
     spec.write_text(json.dumps(crashing))
-    proc = torchrun(2, "cli_runs.py", str(out), str(spec), timeout=240)
+    proc = launch(2, "cli_runs.py", str(out), str(spec), timeout=240)
     assert proc.returncode != 0, "rank 0 was killed mid-save: the launch must fail (and not hang)"
     resumed = [
         {"name": "uninterrupted", "args": [*_args(out / "ref", "ref", 10)]},

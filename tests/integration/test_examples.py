@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.launch import REPO, WORKERS, run_command, torchrun
+from tests.launch import REPO, WORKERS, launch, run_command
 
 STEPS = 10
 RTOL = 1e-4
@@ -57,7 +57,7 @@ def losses(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
     out = tmp_path_factory.mktemp("examples")
     worker = str(WORKERS / "examples_runs.py")
     _check(run_command([sys.executable, worker, str(out), str(_spec(out, "single", SINGLE))], timeout=240), "1-device runs")
-    _check(torchrun(2, "examples_runs.py", str(out), str(_spec(out, "two", TWO_RANKS)), timeout=300), "2-process runs")
+    _check(launch(2, "examples_runs.py", str(out), str(_spec(out, "two", TWO_RANKS)), timeout=300), "2-process runs")
     name, script, flags, _ = USER_PATH
     cmd = [sys.executable, str(REPO / "examples" / script), *flags, *COMMON, "--out", str(out / f"{name}.json")]
     _check(run_command(cmd, timeout=300), " ".join(cmd))

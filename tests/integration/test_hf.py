@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.launch import REPO, torchrun
+from tests.launch import REPO, launch
 
 STEPS = 10
 S = "--trainer.strategy.init_args."
@@ -147,7 +147,7 @@ def out(tmp_path_factory: pytest.TempPathFactory) -> Path:
     for nproc, runs in LAUNCHES.items():
         spec = out / f"runs_{nproc}.json"
         spec.write_text(json.dumps([*runs, *([_pretrained_ep(out, nproc)] if nproc in PRETRAINED_EP else [])]))
-        proc = torchrun(nproc, "hf_runs.py", str(out), str(spec), timeout=600)
+        proc = launch(nproc, "hf_runs.py", str(out), str(spec), timeout=600)
         if proc.returncode != 0:
             raise AssertionError(f"hf_runs with {nproc} processes failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
     return out

@@ -6,12 +6,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from tests.launch import torchrun
+from tests.launch import launch
 
 
 def test_loss_parallel_keeps_the_logits_sharded_over_the_vocabulary(tmp_path: Path) -> None:
     out = tmp_path / "loss_parallel.json"
-    proc = torchrun(2, "loss_parallel.py", str(out), timeout=240)
+    proc = launch(2, "loss_parallel.py", str(out), timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-4000:]
     result = json.loads(out.read_text())
     assert result["sharded_over_vocab"], result["placements"]

@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from tests.launch import torchrun
+from tests.launch import launch
 
 NO_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="asserts CUDA devices; needs 2 GPUs")
 SLOW_COMPILE = "inductor compiles for minutes on the shared 2-core CPU machine; run on a GPU machine"
@@ -20,7 +20,7 @@ SLOW_COMPILE = "inductor compiles for minutes on the shared 2-core CPU machine; 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     out = tmp_path_factory.mktemp("model_parallel_compat")
-    proc = torchrun(2, "model_parallel_compat.py", str(out), timeout=600)
+    proc = launch(2, "model_parallel_compat.py", str(out), timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
 

@@ -5,7 +5,6 @@ checkpoint saved at step 5."""
 
 from __future__ import annotations
 
-import csv
 import json
 from pathlib import Path
 
@@ -13,7 +12,7 @@ import pytest
 import torch
 
 from lit_mesh.parallel.pipeline import SCHEDULES
-from tests.launch import REPO, cli_runs, run_command
+from tests.launch import REPO, cli_runs
 
 STEPS = 10
 S = "--trainer.strategy.init_args."
@@ -184,28 +183,25 @@ def test_timeline_png(results: dict) -> None:
 
 
 def test_test_and_predict_run_through_the_pipeline_and_match_one_device(tmp_path: Path) -> None:
-    """The console script end to end: fit the ViT on pp=2 with a checkpoint, then `test` on pp=2 and on one
-    device from that checkpoint (a pp -> single reshard): the same test loss and accuracy; `predict` runs."""
-
-    def lit_mesh(*args: str) -> None:
-        proc = run_command(["lit-mesh", *args, "--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false"], 300)
-        assert proc.returncode == 0, f"lit-mesh {' '.join(args)}:\n{proc.stderr[-4000:]}"
-
-    common = ["-c", str(REPO / "configs/vit.yaml"), "--trainer.logger=CSVLogger", "--data.global_batch_size=8"]
+    """The CLI end to end: fit the ViT on pp=2 with a checkpoint, then `test` on pp=2 and on one device from that
+    checkpoint (a pp -> single reshard): the same test loss and accuracy; `predict` runs."""
+    quiet = ["--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false"]
+    common = ["-c", str(REPO / "configs/vit.yaml"), "--trainer.logger=CSVLogger", "--data.global_batch_size=8", *quiet]
     pp2 = ["--trainer.devices=2", f"{S}pp=2"]
-    lit_mesh(
-        "fit", *common, *pp2, "--trainer.max_steps=3", "--trainer.limit_val_batches=1", f"--trainer.logger.save_dir={tmp_path}",
-        "--trainer.callbacks+=ModelCheckpoint", f"--trainer.callbacks.dirpath={tmp_path / 'ckpt'}",
-        "--trainer.callbacks.save_last=true",
-    )  # fmt: skip
     checkpoint = f"--ckpt_path={tmp_path / 'ckpt' / 'last.ckpt'}"
-    tested = {}
-    for name, mesh in {"pp2": pp2, "single": ["--trainer.devices=1"]}.items():
-        save_dir = tmp_path / f"test_{name}"
-        lit_mesh("test", *common, *mesh, checkpoint, "--trainer.limit_test_batches=3", f"--trainer.logger.save_dir={save_dir}")
-        (metrics,) = list(save_dir.rglob("metrics.csv"))
-        tested[name] = {k: float(v) for k, v in next(csv.DictReader(metrics.open())).items() if k.startswith("test_")}
+    found = cli_runs(2, tmp_path, [
+        {"name": "fit", "args": [
+            *common, *pp2, "--trainer.max_steps=3", "--trainer.limit_val_batches=1", "--trainer.callbacks+=ModelCheckpoint",
+            f"--trainer.callbacks.dirpath={tmp_path / 'ckpt'}", "--trainer.callbacks.save_last=true",
+        ]},
+        {"name": "test_pp2", "command": "test", "args": [*common, *pp2, checkpoint, "--trainer.limit_test_batches=3"]},
+        {"name": "predict", "command": "predict", "args": [*common, *pp2, checkpoint, "--trainer.limit_predict_batches=2"]},
+    ])  # fmt: skip
+    found.update(cli_runs(1, tmp_path, [
+        {"name": "test_single", "command": "test", "args": [*common, "--trainer.devices=1", checkpoint, "--trainer.limit_test_batches=3"]},
+    ]))  # fmt: skip
+    tested = {name: {k: next(iter(v.values())) for k, v in found[f"test_{name}"]["metrics"].items()} for name in ("pp2", "single")}
     assert set(tested["pp2"]) == {"test_loss", "test_acc"}
     for key, value in tested["single"].items():
         assert tested["pp2"][key] == pytest.approx(value, rel=1e-5), (key, tested)
-    lit_mesh("predict", *common, *pp2, checkpoint, "--trainer.limit_predict_batches=2", f"--trainer.logger.save_dir={tmp_path}")
+    assert found["predict"]["world_size"] == 2

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.launch import torchrun
+from tests.launch import launch
 
 WORLD = 3
 EXACT = 1e-6  # relative; the pipeline does the same float operations in the same order (bit-equal when measured)
@@ -21,7 +21,7 @@ EXACT = 1e-6  # relative; the pipeline does the same float operations in the sam
 @pytest.fixture(scope="module")
 def result(tmp_path_factory: pytest.TempPathFactory) -> dict:
     out: Path = tmp_path_factory.mktemp("pipeline_2bw")
-    proc = torchrun(WORLD, "pipeline_2bw.py", str(out), timeout=300)
+    proc = launch(WORLD, "pipeline_2bw.py", str(out), timeout=300)
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     return json.loads((out / "result.json").read_text())
 

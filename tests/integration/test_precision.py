@@ -5,11 +5,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from tests.launch import torchrun
+from tests.launch import launch
 
 
 def test_an_overflow_on_one_rank_skips_the_step_on_every_rank(tmp_path: Path) -> None:
-    proc = torchrun(2, "scaler_agreement.py", str(tmp_path), timeout=120)
+    proc = launch(2, "scaler_agreement.py", str(tmp_path), timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rank0, rank1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
     # step 0 updates (grad 8 / scale 8 = 1, lr 0.1) and doubles the scale (growth_interval=1); step 1

@@ -1,5 +1,6 @@
-"""Every recipe runs a few steps through the `lit-mesh` console script, the way users start it: Lightning's
-launcher spawns the ranks. Then validate, test and predict run from the saved sharded checkpoint."""
+"""The quick-start recipe runs through the `lit-mesh` console script, the way users start it: Lightning's launcher
+spawns the ranks. Every recipe then fits a few steps and runs validate, test or predict from its saved sharded
+checkpoint (the CLI in ranks forked by the test launcher)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.launch import REPO, run_command
+from tests.launch import REPO, cli_runs, run_command
 
 QUIET = ["--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false"]
 
@@ -32,31 +33,44 @@ def test_quickstart_recipe(tmp_path: Path) -> None:
     assert {"train_loss", "tokens_per_s", "monitor/step_time_s", "monitor/comm_mib/tp"} <= tags, tags
 
 
-@pytest.mark.parametrize(
-    ("recipe", "mesh", "after"),
-    [
-        ("gpt", ["--trainer.strategy.init_args.tp=2"], ["validate", "predict"]),
-        ("vit", ["--trainer.strategy.init_args.dp_replicate=2"], ["test"]),
-        ("moe", ["--trainer.strategy.init_args.ep=2"], ["validate"]),  # expert weights sharded over ep in the checkpoint
-    ],
-)
-def test_recipe_fit_then_evaluate_from_checkpoint(tmp_path: Path, recipe: str, mesh: list[str], after: list[str]) -> None:
-    config = str(REPO / f"configs/{recipe}.yaml")
-    common = ["-c", config, "--trainer.devices=2", *mesh, "--trainer.logger=CSVLogger", *QUIET]
-    lit_mesh(
-        "fit", *common, "--trainer.max_steps=3", "--trainer.limit_val_batches=1", f"--trainer.logger.save_dir={tmp_path}",
-        "--trainer.callbacks+=ModelCheckpoint", f"--trainer.callbacks.dirpath={tmp_path / 'ckpt'}",
-        "--trainer.callbacks.save_last=true",
-    )  # fmt: skip
-    checkpoint = tmp_path / "ckpt" / "last.ckpt"
-    assert checkpoint.is_dir(), "MeshStrategy writes sharded checkpoints"
-    for command in after:
-        out = lit_mesh(
-            command, *common, f"--ckpt_path={checkpoint}", "--trainer.limit_val_batches=2",
-            "--trainer.limit_test_batches=2", "--trainer.limit_predict_batches=2",
-            f"--trainer.logger.save_dir={tmp_path / command}",
-        )  # fmt: skip
-        if command == "validate":
-            assert "val_loss" in out
-        if command == "test":
-            assert "test_acc" in out
+# recipe: (its mesh on 2 ranks, what runs from its checkpoint after the fit, a metric each of those logs)
+AFTER_FIT: dict[str, tuple[list[str], dict[str, str]]] = {
+    "gpt": (["--trainer.strategy.init_args.tp=2"], {"validate": "val_loss", "predict": ""}),
+    "vit": (["--trainer.strategy.init_args.dp_replicate=2"], {"test": "test_acc"}),
+    "moe": (["--trainer.strategy.init_args.ep=2"], {"validate": "val_loss"}),  # expert weights sharded over ep
+}
+
+
+@pytest.fixture(scope="module")
+def fit_then_evaluate(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
+    """Every recipe's fit with a checkpoint, then its evaluations from that checkpoint: one 2-rank launch."""
+    out = tmp_path_factory.mktemp("recipes")
+    runs = []
+    for recipe, (mesh, after) in AFTER_FIT.items():
+        common = ["-c", str(REPO / f"configs/{recipe}.yaml"), "--trainer.devices=2", *mesh, "--trainer.logger=CSVLogger", *QUIET]
+        checkpoint = out / recipe / "ckpt"
+        runs.append({"name": f"{recipe}-fit", "args": [
+            *common, "--trainer.max_steps=3", "--trainer.limit_val_batches=1", "--trainer.callbacks+=ModelCheckpoint",
+            f"--trainer.callbacks.dirpath={checkpoint}", "--trainer.callbacks.save_last=true",
+        ]})  # fmt: skip
+        runs += [
+            {"name": f"{recipe}-{command}", "command": command, "args": [
+                *common, f"--ckpt_path={checkpoint / 'last.ckpt'}", "--trainer.limit_val_batches=2",
+                "--trainer.limit_test_batches=2", "--trainer.limit_predict_batches=2",
+            ]}  # fmt: skip
+            for command in after
+        ]
+    return out, cli_runs(2, out, runs)
+
+
+@pytest.mark.parametrize("recipe", list(AFTER_FIT))
+def test_recipe_fit_then_evaluate_from_checkpoint(fit_then_evaluate: tuple[Path, dict], recipe: str) -> None:
+    out, results = fit_then_evaluate
+    assert (out / recipe / "ckpt" / "last.ckpt").is_dir(), "MeshStrategy writes sharded checkpoints"
+    assert results[f"{recipe}-fit"]["world_size"] == 2
+    for command, metric in AFTER_FIT[recipe][1].items():
+        result = results[f"{recipe}-{command}"]
+        assert result["world_size"] == 2
+        if metric:
+            values = list(result["metrics"][metric].values())
+            assert values and all(value == value for value in values), (command, metric, values)  # logged, not NaN

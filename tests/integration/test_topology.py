@@ -16,12 +16,9 @@ import pytest
 import torch
 
 from lit_mesh.comm import hierarchical
-from tests.launch import REPO, WORKERS
+from tests.launch import LAUNCHER_VARIABLES, REPO, WORKERS, launch_with_environments
 from tests.worker_checks import CheckResults, check_names, selected_checks
 
-# launcher variables of the test's own environment must not leak into the simulated ranks
-_LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT",
-                  "TORCHELASTIC_RUN_ID")  # fmt: skip
 
 
 def free_port() -> int:
@@ -31,7 +28,7 @@ def free_port() -> int:
 
 
 def clean_env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_") and k not in _LAUNCHER_VARS}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_") and k not in LAUNCHER_VARIABLES}
     return {**env, "PYTHONPATH": str(REPO), "PYTHONWARNINGS": "ignore", "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **extra}
 
 
@@ -50,20 +47,19 @@ def wait_all(procs: list[subprocess.Popen], timeout: float) -> list[str]:
 
 
 def slurm_launch(nodes: int, per_node: int, script: Path, *args: str, timeout: float = 240) -> None:
-    """One process per SLURM task on localhost, with the variables srun would set."""
+    """One rank per SLURM task on localhost, with the variables srun would set (forked from one interpreter)."""
     port, world = free_port(), nodes * per_node
-    procs = []
-    for rank in range(world):
-        env = clean_env(
+    environments = [
+        clean_env(
             SLURM_NTASKS=str(world), SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank % per_node),
             SLURM_NODEID=str(rank // per_node), SLURM_NNODES=str(nodes), SLURM_NTASKS_PER_NODE=str(per_node),
             SLURM_JOB_NAME="lit-mesh-test", SLURM_JOB_ID="4242", SLURM_NODELIST="localhost",
             MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
         )  # fmt: skip
-        cmd = [sys.executable, str(script), *args]
-        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                      cwd=tempfile.mkdtemp(prefix="lit-mesh-test-")))  # fmt: skip
-    wait_all(procs, timeout)
+        for rank in range(world)
+    ]
+    proc = launch_with_environments(environments, script, *args, timeout=timeout)
+    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
 
 
 def torchrun_nodes(nodes: int, per_node: int, script: Path, *args: str, timeout: float = 300) -> list[str]:

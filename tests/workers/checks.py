@@ -51,8 +51,6 @@ class Checks:
         dist.init_process_group("gloo")
         self.run(selected)
         self.write(out_dir, dist.get_rank())
-        dist.barrier()  # no rank tears gloo down while another still talks to it
-        dist.destroy_process_group()
         exit_skipping_teardown()
 
 

@@ -4,7 +4,7 @@ Usage (from tests): torchrun --standalone --nproc_per_node=N tests/workers/cli_r
 RUNS_JSON is a list of {"name": str, "args": [cli args], "command": "fit" (default) or another subcommand}; a
 restarted launch skips the runs already finished. For each fit, rank 0 writes OUT_DIR/NAME/result.json with the
 logged metrics per step and OUT_DIR/NAME/params.pt with the final full (unsharded) parameters; other commands write
-result.json with the world size (predictions: add the SavePredictions callback).
+result.json with the world size and logged metrics (predictions: add the SavePredictions callback).
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ from typing_extensions import override
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.tensor import DTensor
 
-from lit_mesh.cli import close_process_groups, run as run_cli
+from lit_mesh.cli import run as run_cli
+from tests.workers import exit_skipping_teardown
 
 
 def metrics_by_step(save_dir: Path) -> dict[str, dict[int, float]]:
@@ -70,7 +71,8 @@ def run(out_dir: Path, name: str, args: list[str], command: str = "fit") -> None
     assert cli is not None
     if command != "fit":
         if cli.trainer.global_rank == 0:
-            (save_dir / "result.json").write_text(json.dumps({"world_size": cli.trainer.world_size}))
+            result = {"world_size": cli.trainer.world_size, "metrics": metrics_by_step(save_dir)}
+            (save_dir / "result.json").write_text(json.dumps(result))
         return
     params = full_parameters(cli.model)
     if cli.trainer.global_rank == 0:
@@ -88,4 +90,4 @@ if __name__ == "__main__":
         if (out / spec["name"] / "result.json").is_file():
             continue  # finished in an earlier attempt of this launch (torchrun --max-restarts)
         run(out, spec["name"], spec["args"], spec.get("command", "fit"))
-    close_process_groups()
+    exit_skipping_teardown()

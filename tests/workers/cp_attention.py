@@ -85,6 +85,4 @@ if __name__ == "__main__":
         results[f"gather_{style}"] = torch.equal(back[0], whole[0]) and torch.equal(back[1]["logits"], whole[1]["logits"])
     if dist.get_rank() == 0:
         Path(sys.argv[1]).write_text(json.dumps(results))
-    dist.barrier()  # no rank tears gloo down while another still talks to it
-    dist.destroy_process_group()
     exit_skipping_teardown()

@@ -13,6 +13,7 @@ import importlib.util
 import json
 import sys
 from pathlib import Path
+from tests.workers import exit_skipping_teardown
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 sys.path.insert(0, str(EXAMPLES))  # as `python examples/x.py` does: the scripts import their shared `_common`
@@ -34,3 +35,4 @@ if __name__ == "__main__":
     out, runs = Path(sys.argv[1]), json.loads(Path(sys.argv[2]).read_text())
     for run in runs:
         load(run["script"]).main([*run["args"], "--out", str(out / f"{run['name']}.json")])
+    exit_skipping_teardown()

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from lit_mesh.cli import run
+from tests.workers import exit_skipping_teardown
 
 if __name__ == "__main__":
     out, cases = Path(sys.argv[1]), json.loads(Path(sys.argv[2]).read_text())
@@ -26,3 +27,4 @@ if __name__ == "__main__":
             errors[name] = {"type": type(error).__name__, "message": str(error)}
     if not dist.is_initialized() or dist.get_rank() == 0:
         out.write_text(json.dumps(errors))
+    exit_skipping_teardown()

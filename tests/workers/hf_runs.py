@@ -22,11 +22,11 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from lit_mesh.cli import close_process_groups
 from lit_mesh.cli import run as run_cli
 from lit_mesh.pretrained import FileTensor, _runs
 from tests.workers.cli_runs import run as run_fit
 from tests.workers.examples_runs import load
+from tests.workers import exit_skipping_teardown
 
 RECORD_LAYOUT = "--trainer.callbacks+=tests.workers.hf_runs.RecordLayout"
 
@@ -106,4 +106,4 @@ if __name__ == "__main__":
     if errors and (not dist.is_initialized() or dist.get_rank() == 0):
         world = dist.get_world_size() if dist.is_initialized() else 1
         (out / f"errors_{world}.json").write_text(json.dumps(errors))
-    close_process_groups()
+    exit_skipping_teardown()

@@ -20,6 +20,7 @@ from torch.distributed.tensor import DTensor
 from lit_mesh import MeshStrategy
 from lit_mesh.grad_norm import global_grad_norm
 from zoo import GPTModule, TextDataModule
+from tests.workers import exit_skipping_teardown
 
 
 class SyncDistProbe(GPTModule):
@@ -109,8 +110,8 @@ def callbacks_and_loops(out: Path) -> dict:
     timed = Counts()
     L.seed_everything(0)
     trainer = L.Trainer(
-        accelerator="cpu", devices=4, strategy=MeshStrategy(tp=2), max_steps=100_000, max_time={"seconds": 6},
-        limit_train_batches=7, limit_val_batches=0, callbacks=[timed], logger=False, enable_checkpointing=False,
+        accelerator="cpu", devices=4, strategy=MeshStrategy(tp=2), max_steps=100_000, max_time={"seconds": 8},
+        limit_train_batches=3, limit_val_batches=0, callbacks=[timed], logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False,
     )  # fmt: skip
     trainer.fit(GPTModule(), TextDataModule(global_batch_size=8, seq_len=32))
@@ -175,3 +176,4 @@ def main(out: Path) -> None:
 
 if __name__ == "__main__":
     main(Path(sys.argv[1]))
+    exit_skipping_teardown()

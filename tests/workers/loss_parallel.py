@@ -65,6 +65,4 @@ if __name__ == "__main__":
     result["grad_error"] = max((grads[n] - p.grad).abs().max().item() for n, p in reference.named_parameters())
     if dist.get_rank() == 0:
         Path(sys.argv[1]).write_text(json.dumps(result))
-    dist.barrier()
-    dist.destroy_process_group()
     exit_skipping_teardown()

@@ -28,6 +28,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from lit_mesh import MeshStrategy
 from lit_mesh.checkpoint import OPTIMIZER_STATE_OPTIONS
+from tests.workers import exit_skipping_teardown
 
 OUT = Path(sys.argv[1])
 QUIET = dict(logger=False, enable_progress_bar=False, enable_model_summary=False)
@@ -505,3 +506,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_skipping_teardown()

@@ -1,0 +1,30 @@
+"""Every test module starts as if it ran first in its process: no process group and no launcher variables left by
+an earlier module (in-process tests start fake or gloo groups, and Lightning's environment writes MASTER_PORT).
+The suite runs modules on two pytest-xdist workers, in an order that changes with the split."""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Iterator
+
+import pytest
+
+
+def _close_process_groups() -> None:
+    if "torch.distributed" not in sys.modules:
+        return
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _module_starts_clean() -> Iterator[None]:
+    environment = dict(os.environ)
+    _close_process_groups()
+    yield
+    _close_process_groups()
+    os.environ.clear()
+    os.environ.update(environment)
