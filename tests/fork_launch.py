@@ -8,8 +8,8 @@ Why not torchrun for every test: each torchrun rank is a fresh interpreter that 
 torchmetrics (which imports transformers, scipy and matplotlib when they are installed: our extras), ~5 s of CPU
 per rank; on a 2-core machine a 4-rank launch spends more time importing than training its tiny model. Forked ranks
 share the parent's imports. Each rank gets the variables torchrun sets (RANK, LOCAL_RANK, WORLD_SIZE, ...,
-TORCHELASTIC_RUN_ID), so Lightning and lit-mesh read them as under torchrun, and starts from the random state of a
-fresh interpreter. Tests of torchrun itself (restarts, multi-node rendezvous, the documented commands) still use it.
+TORCHELASTIC_RUN_ID), so Lightning and lit-mesh read them as under torchrun, and random generators seeded afresh as in
+a new interpreter. Tests of torchrun itself (restarts, multi-node rendezvous, the documented commands) still use it.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ def _run_rank(environment: dict[str, str], script: str, args: list[str]) -> None
         import numpy
         import torch
 
-        torch.manual_seed(torch.initial_seed())  # a fresh interpreter's generator, whatever the imports drew
+        torch.seed()  # as in a fresh interpreter (torch seeds its generator at random on start): not the parent's
         if "OMP_NUM_THREADS" in environment:  # the rank's own value (OpenMP read the parent's at torch import)
             torch.set_num_threads(int(environment["OMP_NUM_THREADS"]))
         random.seed()

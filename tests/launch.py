@@ -24,7 +24,7 @@ def run_command(cmd: list[str], timeout: float, cwd: Path | None = None) -> subp
     env = {**inherited, "PYTHONUNBUFFERED": "1", "PYTHONWARNINGS": "ignore", "PYTHONPATH": str(REPO)}
     # a scratch working directory: Lightning writes logs and config.yaml there, never into the repository
     workdir = cwd or tempfile.mkdtemp(prefix="lit-mesh-test-")
-    # a session of its own: on a timeout the whole process group goes (torchrun's workers too, not torchrun alone)
+    # a session of its own: on a timeout the whole process group goes (the ranks too, not their launcher alone)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=workdir, env=env,
                             start_new_session=True)  # fmt: skip
     started = time.monotonic()
@@ -69,7 +69,7 @@ def launch_with_environments(environments: list[dict[str, str]], script: Path, *
 
 
 def cli_runs(nproc: int, out_dir: Path, runs: list[dict], timeout: float = 600) -> dict[str, dict]:
-    """Run lit-mesh CLI invocations in one torchrun launch; returns {name: result} (see workers/cli_runs.py)."""
+    """Run lit-mesh CLI invocations in one launch of nproc ranks; returns {name: result} (see workers/cli_runs.py)."""
     spec = out_dir / f"runs_{nproc}.json"
     spec.write_text(json.dumps(runs))
     proc = launch(nproc, "cli_runs.py", str(out_dir), str(spec), timeout=timeout)

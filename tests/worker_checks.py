@@ -64,7 +64,7 @@ class CheckResults:
 
 
 def launch_checks(request: pytest.FixtureRequest, script: str, nproc: int, timeout: float) -> CheckResults:
-    """One torchrun launch of `script` on `nproc` ranks running the checks this session selected."""
+    """One launch of `script` on `nproc` ranks running the checks this session selected."""
     out = request.getfixturevalue("tmp_path_factory").mktemp(script.removesuffix(".py"))
     proc = launch(nproc, script, str(out), ",".join(selected_checks(request)), timeout=timeout)
     assert proc.returncode == 0, f"{script} on {nproc} ranks failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-4000:]}"

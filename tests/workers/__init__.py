@@ -1,4 +1,4 @@
-"""Scripts run on every rank by the tests (launched with torchrun, see tests/launch.py)."""
+"""Scripts run on every rank by the tests (ranks forked by tests/fork_launch.py, or torchrun; see tests/launch.py)."""
 
 from __future__ import annotations
 
