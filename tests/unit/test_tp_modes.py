@@ -1,5 +1,6 @@
 """tp_mode ("1d", "2d", "2.5d", "3d") as an option: checked in MeshStrategy.__init__ and before any process spawns,
-reachable from the CLI; the grid shapes and the sizes the grid must divide (no process group: pure logic)."""
+reachable from the CLI; the grid shapes and the sizes the grid must divide (pure logic); what `parallelize` refuses on
+a grid (torch's fake process group, one process)."""
 
 from __future__ import annotations
 
@@ -8,9 +9,15 @@ import re
 from types import SimpleNamespace
 
 import pytest
+import torch
+import torch.distributed as dist
 from torch import nn
+from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from lit_mesh.errors import MeshConfigError, PlanError
+from lit_mesh.mesh import MeshLayout, build_device_mesh
+from lit_mesh.options import MeshDegrees, MeshOptions, TensorOptions
+from lit_mesh.parallel.apply import parallelize
 from lit_mesh.parallel.tensor_grid import check_tp_mode, grid_shape
 from lit_mesh.parallel.tensor_nd import check_grid_divides
 from lit_mesh.parallel.tensor_nd_bytes import BlockShape, bytes_1d, bytes_1d_megatron, bytes_2_5d, bytes_2d
@@ -99,3 +106,19 @@ def test_formulas_agree_where_schemes_meet() -> None:
     s = BlockShape(tokens=4096, dim=1024, heads=16, kv_heads=8, ffn=4096)
     assert bytes_2_5d(s, 16, 1) == bytes_2d(s, 16)
     assert bytes_1d(s, 8) == 2 * bytes_1d_megatron(s, 8)
+
+
+def test_grid_with_replicas_refuses_parameters_outside_the_plan_owners() -> None:
+    """DDP beside a grid averages the gradients of the plan owners' parameters only: a parameter outside them would
+    drift apart between replicas, so it is refused by name."""
+    layout = MeshLayout(dp_replicate=2, tp=4)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=layout.world_size)
+    try:
+        root = nn.Module()
+        root.model = GPT(GPTConfig.from_preset("tiny"))
+        root.temperature = nn.Parameter(torch.ones(1))  # e.g. a learned loss scale on the LightningModule
+        options = MeshOptions(mesh=MeshDegrees(sequence_parallel=False), tensor=TensorOptions("2d"))
+        with pytest.raises(PlanError, match=r"tp_mode='2d' with dp_replicate: parameters \['temperature'\] are outside"):
+            parallelize(root, build_device_mesh(layout, "cpu"), options, precision="32-true")
+    finally:
+        dist.destroy_process_group()
