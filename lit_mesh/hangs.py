@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import signal
 import sys
 import threading
 import time
@@ -206,6 +207,7 @@ class HangWatch:
                 return
             report = self.report(message)
         self._raising = True
+        _keep_through_sigterm()
         self._wait_for("seen")  # the store may live in this process (rank 0 without torchrun): let them read it
         self.stop()
         raise CollectiveHangError(report) from error
@@ -232,6 +234,15 @@ class HangWatch:
             print(f"[rank {self.rank}] {CollectiveHangError.__name__}: {report}", file=sys.stderr, flush=True)
             self._wait_for("seen")
         os._exit(1)
+
+
+def _keep_through_sigterm() -> None:
+    """The rank is ending with the named error. The rank that did not arrive exits once it has seen the report, and
+    its launcher (torchrun) then sends SIGTERM here: Lightning's handler would broadcast on the broken group and
+    replace the report with "Application timeout caused pair closure". Ignore it; this thread's fallback exit
+    (`_end`) and the launcher's SIGKILL still bound the process's life."""
+    if threading.current_thread() is threading.main_thread():  # signal handlers belong to the main thread
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 def start_hang_watch(views: Any, timeout: Optional[timedelta]) -> Optional[HangWatch]:

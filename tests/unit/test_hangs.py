@@ -5,6 +5,7 @@ that did not arrive). Across ranks: tests/integration/test_hangs.py (a rank hung
 from __future__ import annotations
 
 import json
+import signal
 import time
 from datetime import timedelta
 from typing import Any
@@ -58,11 +59,15 @@ def test_a_rank_that_does_not_answer_is_named_too(watch: HangWatch) -> None:
     assert "ranks that did not arrive: 1 (no answer)" in (watch.diagnose() or "")
 
 
-def test_torchs_timeout_error_becomes_the_named_error_on_every_rank(watch: HangWatch) -> None:
+def test_torchs_timeout_error_becomes_the_named_error_on_every_rank(watch: HangWatch, monkeypatch: pytest.MonkeyPatch) -> None:
     watch.store.set("lit_mesh/hang/seen/1", "1")  # rank 1's thread has read the report
     gloo = RuntimeError("[gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 10000ms for recv operation to complete")
+    monkeypatch.setattr(signal, "signal", lambda signum, handler: installed.update({signum: handler}))
+    installed: dict = {}
     with pytest.raises(CollectiveHangError, match=r"all_reduce \(#3\) on mesh dim 'dp_shard'.*did not arrive: 1") as error:
         watch.on_exception(gloo)
+    # the launcher's SIGTERM (rank 1 exits once it has seen the report) must not replace the error on its way out
+    assert installed == {signal.SIGTERM: signal.SIG_IGN}
     assert error.value.__cause__ is gloo
     assert watch.store.check(["lit_mesh/hang/request", "lit_mesh/hang/started/0"]), "every rank was asked"
     assert "did not arrive: 1" in watch.store.get("lit_mesh/hang/report").decode(), "published for the other ranks"
