@@ -5,26 +5,18 @@ The suite runs modules on two pytest-xdist workers, in an order that changes wit
 from __future__ import annotations
 
 import os
-import sys
 from collections.abc import Iterator
 
 import pytest
 
-
-def _close_process_groups() -> None:
-    if "torch.distributed" not in sys.modules:
-        return
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
+from lit_mesh.cli import close_process_groups
 
 
 @pytest.fixture(autouse=True, scope="module")
 def _module_starts_clean() -> Iterator[None]:
     environment = dict(os.environ)
-    _close_process_groups()
+    close_process_groups()
     yield
-    _close_process_groups()
+    close_process_groups()
     os.environ.clear()
     os.environ.update(environment)

@@ -18,16 +18,11 @@ import json
 import os
 import runpy
 import signal
-import socket
 import sys
 import time
 import traceback
 
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+from tests.launch import free_port  # PYTHONPATH is the repository (tests/launch.py run_command)
 
 
 def _torchrun_environment(nproc: int, port: int) -> dict[str, str]:
@@ -108,7 +103,7 @@ def main() -> None:
         nproc, script, args = int(sys.argv[1]), sys.argv[2], sys.argv[3:]
         if nproc > 1:
             os.environ.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default with several workers
-        shared = {**os.environ, **_torchrun_environment(nproc, _free_port())}
+        shared = {**os.environ, **_torchrun_environment(nproc, free_port())}
         environments = [{**shared, "RANK": str(r), "LOCAL_RANK": str(r), "ROLE_RANK": str(r)} for r in range(nproc)]
     # what the workers import: loaded once here, before any thread or process group exists (safe to fork)
     import lightning.pytorch  # noqa: F401

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -16,6 +17,16 @@ WORKERS = REPO / "tests" / "workers"
 # what a launcher sets per rank: in-process tests can leave them in os.environ, never to reach a launch's ranks
 LAUNCHER_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK", "MASTER_ADDR",
                       "MASTER_PORT", "TORCHELASTIC_RUN_ID")  # fmt: skip
+
+
+FORK_LAUNCH = [sys.executable, str(REPO / "tests" / "fork_launch.py")]
+LAUNCHERS = ("fork", "torchrun")  # LIT_MESH_TEST_LAUNCHER
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def run_command(cmd: list[str], timeout: float, cwd: Path | None = None) -> subprocess.CompletedProcess:
@@ -55,17 +66,21 @@ def torchrun(nproc: int, script: str, *args: str, timeout: float = 300, max_rest
 def launch(nproc: int, script: str, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     """Run a worker on nproc ranks forked from one interpreter (tests/fork_launch.py: the imports paid once);
     LIT_MESH_TEST_LAUNCHER=torchrun runs every such launch under torchrun instead."""
-    if os.environ.get("LIT_MESH_TEST_LAUNCHER") == "torchrun":
+    launcher = os.environ.get("LIT_MESH_TEST_LAUNCHER", "fork")
+    if launcher not in LAUNCHERS:
+        raise ValueError(f"LIT_MESH_TEST_LAUNCHER={launcher!r}: choose one of {', '.join(LAUNCHERS)}")
+    if launcher == "torchrun":
         return torchrun(nproc, script, *args, timeout=timeout)
-    return run_command([sys.executable, str(REPO / "tests" / "fork_launch.py"), str(nproc), str(WORKERS / script), *args], timeout)
+    return run_command([*FORK_LAUNCH, str(nproc), str(WORKERS / script), *args], timeout)
 
 
 def launch_with_environments(environments: list[dict[str, str]], script: Path, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     """Run `script` once per environment (a whole one each: e.g. what srun sets per task), the ranks forked from one
     interpreter as in `launch`."""
-    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+    with tempfile.NamedTemporaryFile("w", suffix=".json") as f:
         json.dump(environments, f)
-    return run_command([sys.executable, str(REPO / "tests" / "fork_launch.py"), "--rank-environments", f.name, str(script), *args], timeout)
+        f.flush()
+        return run_command([*FORK_LAUNCH, "--rank-environments", f.name, str(script), *args], timeout)
 
 
 def cli_runs(nproc: int, out_dir: Path, runs: list[dict], timeout: float = 600) -> dict[str, dict]:

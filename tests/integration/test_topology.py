@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -16,15 +15,9 @@ import pytest
 import torch
 
 from lit_mesh.comm import hierarchical
-from tests.launch import LAUNCHER_VARIABLES, REPO, WORKERS, launch_with_environments
+from tests.launch import LAUNCHER_VARIABLES, REPO, WORKERS, free_port, launch_with_environments
 from tests.worker_checks import CheckResults, check_names, selected_checks
 
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def clean_env(**extra: str) -> dict[str, str]:

@@ -9,7 +9,7 @@ from typing import NoReturn
 
 def exit_skipping_teardown() -> NoReturn:
     """Leave a worker whose results are written: wait for every rank, destroy the process groups, then exit
-    without C++ teardown. Every worker's main ends here.
+    without C++ teardown. Every worker's main ends here (checkpoint_probes in the `lit-mesh` main, which does the same).
 
     Under heavy load, torch 2.13 + gloo sometimes aborts after the script has finished ("terminate called without
     an active exception", no Python frame on the stack): a native thread destroyed while joinable. The results
