@@ -1,68 +1,22 @@
 """Every cross-feature rule of MeshStrategy in one table: what may combine with what, what must divide what.
 
-A rule is data: a name, the phase that checks it, a predicate that is True when the rule is broken, and a message
-with the numbers and the fix. The phases, each checked in one place:
-  "init"    MeshStrategy.__init__ (lit_mesh.options.build_options): the arguments alone, in the user's process;
-  "layout"  lit_mesh.mesh.resolve_layout: the degrees against the world size;
-  "launch"  MeshStrategy._configure_launcher, before any process spawns: the resolved layout, the precision
-            plugin and the topology;
-  "setup"   lit_mesh.parallel.apply.parallelize: the model (its plans, or its own parallelism).
+A rule is data (lit_mesh/unit.py): a name, the phase that checks it, a predicate that is True when the rule is
+broken, and a message with the numbers and the fix.
 Single-value checks ("tp must be >= 1", "cp_style must be one of ...") stay beside the option they check.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any, Literal, Optional
-
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from typing import Any, Optional
 
 from lit_mesh.errors import (
     CompressionConfigError,
-    MeshConfigError,
     PipelineConfigError,
     PlanError,
     TopologyError,
     WorldSizeError,
 )
-
-Phase = Literal["init", "layout", "launch", "setup"]
-
-
-@dataclass
-class Facts:
-    """What a phase knows. Fields a phase does not know yet stay None (empty for `owners`)."""
-
-    degrees: dict[str, Any] = field(default_factory=dict)  # dp, dp_replicate, dp_shard, tp, cp, pp, ep as given
-    options: Any = None  # lit_mesh.options.MeshOptions (init, launch, setup)
-    world_size: Optional[int] = None  # layout, launch
-    layout: Any = None  # lit_mesh.mesh.MeshLayout, resolved (layout: once resolved; launch, setup)
-    precision: Optional[str] = None  # launch
-    device_type: Optional[str] = None  # launch: "cpu", "cuda", ...
-    process_group_backend: Optional[str] = None  # launch: "gloo", "nccl", ...
-    topology: Any = None  # lit_mesh.topology.Topology (launch)
-    model_name: str = ""  # the LightningModule's class (setup)
-    owners: list[Any] = field(default_factory=list)  # plan owners found in the model (setup)
-    self_parallelised: bool = False  # configure_model applied parallelism itself (setup)
-
-    def degree(self, name: str) -> Any:
-        """A resolved degree where the layout is known, else the given one."""
-        return getattr(self.layout, name) if self.layout is not None else self.degrees.get(name)
-
-
-@dataclass(frozen=True)
-class Rule:
-    name: str
-    phase: Phase
-    broken: Callable[[Facts], bool]
-    message: Callable[[Facts], str]
-    error: type[Exception] = MeshConfigError
-    warn_only: bool = False  # a warning, not an error (the run works, only slower or without a feature)
-
-
-def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+from lit_mesh.unit import Facts, Phase, Rule, divisors, enforce  # noqa: F401 - divisors, enforce re-exported
 
 
 def _schedule_kind(f: Facts) -> str:
@@ -504,15 +458,6 @@ def _tp_across_nodes(f: Facts) -> str:
         f" (their all-reduces per layer then run at {_gbps(f.topology.inter_node_bandwidth)} instead of"
         f" {_gbps(f.topology.intra_node_bandwidth)}); choose tp dividing {d}"
     )
-
-
-def enforce(rule: Rule, facts: Facts) -> None:
-    """Raise the rule's error (or warn, for a warning rule) where `facts` break it."""
-    if rule.broken(facts):
-        if rule.warn_only:
-            rank_zero_warn(rule.message(facts))
-        else:
-            raise rule.error(rule.message(facts))
 
 
 def check(phase: Phase, facts: Facts, only: Optional[tuple[str, ...]] = None) -> None:
