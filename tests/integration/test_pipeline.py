@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lit_mesh.parallel.pipeline import SCHEDULES
+from lit_mesh.parallel.pipeline.schedules import SCHEDULES
 from tests.launch import REPO, cli_runs
 
 STEPS = 10
