@@ -1,8 +1,8 @@
 """MeshStrategy: the Lightning lifecycle, adapted to one N-D mesh. Each hook is "Lightning asks -> a component
 answers": lit_mesh.options (arguments), lit_mesh.rules (what may combine), lit_mesh.mesh (degrees, DeviceMesh),
-lit_mesh.parallel.apply (plans), lit_mesh.parallel.pipeline (the pipeline's runner and step scope), lit_mesh.comm.reductions
-(collectives over the right groups), lit_mesh.checkpoint_writer (atomic and async saves), lit_mesh.precision
-(clipping by the global norm).
+lit_mesh.parallel.apply (plans), lit_mesh.parallel.pipeline (the pipeline's runner and step scope),
+lit_mesh.comm.reductions (collectives over the right groups), lit_mesh.checkpoint_writer (atomic and async saves),
+lit_mesh.precision (clipping by the global norm).
 
 Built on Lightning's ModelParallelStrategy (process group, distributed checkpoints, optimizer state) and
 extends it from 2D to the N-D mesh, with plans applied for the user.

@@ -15,8 +15,8 @@ from torch.distributed.pipelining import schedules as torch_schedules
 from lit_mesh.errors import PipelineConfigError
 from lit_mesh.parallel.pipeline.split import Placement
 
-# name -> (torch schedule class, stages per rank: "one", "many" or "two", placement of stages on ranks); None: lit-mesh's
-# own driver (2bw: PipeDream-2BW, asynchronous, lit_mesh/parallel/pipeline/twobw.py)
+# name -> (torch schedule class, stages per rank: "one", "many" or "two", placement of stages on ranks); None:
+# lit-mesh's own driver (2bw: PipeDream-2BW, asynchronous, lit_mesh/parallel/pipeline/twobw.py)
 SCHEDULES: dict[str, tuple[Optional[type], str, Placement]] = {
     "gpipe": (torch_schedules.ScheduleGPipe, "one", "loop"),
     "1f1b": (torch_schedules.Schedule1F1B, "one", "loop"),

@@ -14,9 +14,9 @@ How it runs inside one Lightning step t, on stage s of P (one stage per rank, wa
 - Weight versions: batch t's forwards run with `torch.func.functional_call` on leaves viewing the storage the live
   parameters hold (W_t); their backward, possibly at step t+1, differentiates with respect to those leaves, so it
   uses W_t whatever the parameters hold by then. In Lightning's backward of the step's loss (before the optimizer
-  step) the finished gradient of batch t-1 goes into `.grad`, W_t is copied into the storage batch t-1 used (its backwards
-  are done) and the parameters point at it: the in-place optimizer update writes W_{t+1} there and W_t stays
-  intact for batch t's pending backwards. Two storages per weight at most (`weight_storage_bytes`).
+  step) the finished gradient of batch t-1 goes into `.grad`, W_t is copied into the storage batch t-1 used (its
+  backwards are done) and the parameters point at it: the in-place optimizer update writes W_{t+1} there and W_t
+  stays intact for batch t's pending backwards. Two storages per weight at most (`weight_storage_bytes`).
 - Gradients accumulate on each version's leaves: at most two sets (batch t-1 finishing, batch t starting).
 - P2P: activations forward with a shape header, gradients back into a tensor shaped like the output they belong
   to; every send is non-blocking and waited one step later (a gradient for the previous stage is received there
@@ -24,8 +24,8 @@ How it runs inside one Lightning step t, on stage s of P (one stage per rank, wa
 
 Checkpoints hold the weights and optimizer state after the last applied update (W_{t+1}); the in-flight gradient
 of batch t is not saved, and a resumed run restarts the delay line: its first step applies no update, as step 0.
-Refused (lit_mesh/parallel/pipeline/rules.py): data, tensor, context and expert parallelism, MoE, several stages per rank,
-activation checkpointing and compiled blocks; gradient accumulation raises at the first step.
+Refused (lit_mesh/parallel/pipeline/rules.py): data, tensor, context and expert parallelism, MoE, several stages per
+rank, activation checkpointing and compiled blocks; gradient accumulation raises at the first step.
 """
 
 from __future__ import annotations
