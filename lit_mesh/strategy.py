@@ -370,7 +370,9 @@ class MeshStrategy(ModelParallelStrategy):
         assert self.lightning_module is not None
         trainer = self.lightning_module.trainer
         if self._pipeline is not None:
-            self._pipeline.begin_step(trainer.accumulate_grad_batches)
+            scaler = getattr(self.precision_plugin, "scaler", None)  # fp16: the schedule scales its losses as the scaler
+            loss_scale = scaler.get_scale() if scaler is not None and scaler.is_enabled() else 1.0
+            self._pipeline.begin_step(trainer.accumulate_grad_batches, loss_scale)
         if self.compression_run is not None:
             self.compression_run.begin_step(trainer.global_step)
         with pipeline_scope(self._pipeline):

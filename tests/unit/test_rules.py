@@ -111,8 +111,9 @@ CASES: dict[str, tuple[Facts, str, Facts]] = {
     "2bw_without_block_options": (init(replace(TWO_BW, memory=MemoryOptions("full")), pp=2), "activation_checkpointing"
                                   " with pp_schedule='2bw': each micro-batch's backward must use the weight version its"
                                   " forward used", init(replace(AC, pipeline=PipelineSettings("1f1b")), pp=2)),
-    "pp_with_fp16_scaler": (launch(PP2, precision="16-mixed"), "pp=2 with fp16 loss scaling: the pipeline schedule runs"
-                            " the backward itself", launch(PP2, precision="bf16-mixed")),
+    "2bw_without_fp16_scaler": (launch(MeshLayout(pp=2), TWO_BW, precision="16-mixed"), "pp_schedule='2bw' with"
+                                " fp16 loss scaling: each batch's gradient is made over two steps",
+                                launch(MeshLayout(pp=2), TWO_BW, precision="bf16-mixed")),
     "2bw_pipeline_alone": (launch(PP2, TWO_BW), "pp_schedule='2bw' with data parallel fsdp (dp_replicate=1, dp_shard=2):"
                            " PipeDream-2BW here runs pipeline parallel alone", launch(MeshLayout(pp=2), TWO_BW)),
     "self_parallelised_without_pp": (setup(PP2, [], self_parallelised=True), "pp=2: configure_model parallelised the"

@@ -123,10 +123,12 @@ RULES: list[Rule] = [
         PipelineConfigError,
     ),
     Rule(
-        "pp_with_fp16_scaler", "launch",
-        lambda f: f.layout.pp > 1 and f.precision == "16-mixed",
-        lambda f: f"pp={f.layout.pp} with fp16 loss scaling: the pipeline schedule runs the backward itself, outside"
-        " the scaler; use precision='bf16-mixed' (no scaler needed) or pp=1",
+        # each batch's gradient is made over two steps, whose loss scales may differ (the scaler updates in between)
+        "2bw_without_fp16_scaler", "launch",
+        lambda f: _is_2bw(f) and f.precision == "16-mixed",
+        lambda f: f"pp_schedule='2bw' with fp16 loss scaling: each batch's gradient is made over two steps, whose"
+        " loss scales may differ; use precision='bf16-mixed' (no scaler needed) or pp_schedule='1f1b'",
+        PipelineConfigError,
     ),
     Rule(
         "2bw_pipeline_alone", "launch",

@@ -53,8 +53,8 @@ class _HandOver(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, _grad: Tensor) -> tuple[None, None, None]:
-        # the schedule scaled its losses by 1 / (micro-batches x accumulation) already: `_grad` (1 / accumulation,
-        # Lightning's normalisation) is not applied again; an fp16 loss scale is refused under pp (rules.py)
+        # the schedule scaled its losses by fp16 loss scale / (micro-batches x accumulation) already (begin_step):
+        # `_grad`, that loss scale / accumulation as Lightning's backward and its scaler make it, is not applied again
         hand_over, ctx.hand_over = ctx.hand_over, None
         if hand_over is not None:
             hand_over()
@@ -89,6 +89,7 @@ class PipelineRunner:
         self.model: Optional[nn.Module] = None  # the plan owner the stages were cut from (api.start_pipeline)
         self._parameters = parameters
         self.accumulation = 1
+        self.fp16_loss_scale = 1.0
         self._handed_over = True  # this step's gradients reached the parameters (False from begin_step until then)
         self.n_microbatches = settings.n_microbatches(self.pp)
         self.stages: list[PipelineStage] = []  # torch's stages, where a torch schedule runs them
@@ -105,9 +106,11 @@ class PipelineRunner:
 
     # ---- what the strategy asks, hook by hook ---------------------------------------------------------------
 
-    def begin_step(self, accumulation: int) -> None:
-        """Lightning's training_step: the losses of this step are scaled by 1 / (micro-batches x accumulation)."""
+    def begin_step(self, accumulation: int, loss_scale: float = 1.0) -> None:
+        """Lightning's training_step: the losses of this step are scaled by 1 / (micro-batches x accumulation), and
+        by the fp16 scaler's `loss_scale` (Lightning's backward then sees gradients scaled as its scaler made them)."""
         self.accumulation = accumulation
+        self.fp16_loss_scale = loss_scale
         self._handed_over = False
 
     def check_handed_over(self) -> None:
@@ -281,6 +284,8 @@ class ScheduleRunner(PipelineRunner):
         the parameters when Lightning runs its backward."""
         self._loss_fn, self._raw_losses, losses = loss_fn, {}, []
         self._loss_scale = 1.0 / (self.n_microbatches * self.accumulation)
+        if self.fp16_loss_scale != 1.0:
+            self._loss_scale = self.fp16_loss_scale / (self.n_microbatches * self.accumulation)
         params = self._parameters()
         earlier = [p.grad for p in params]  # what earlier micro-steps accumulated: Lightning's zero_grad decides
         for p in params:

@@ -87,14 +87,14 @@ class TwoBWRunner(PipelineRunner):
 
     # ---- what the strategy asks ----------------------------------------------------------------------------
 
-    def begin_step(self, accumulation: int) -> None:
+    def begin_step(self, accumulation: int, loss_scale: float = 1.0) -> None:
         if accumulation != 1:
             raise PipelineConfigError(
                 f"pp_schedule='2bw' with accumulate_grad_batches={accumulation}: it applies every batch's gradient"
                 " one step later, from the pipeline's continuous 1F1B, which has no accumulation window; set"
                 " accumulate_grad_batches=1 (raise the batch size or pp_microbatches instead) or use pp_schedule='1f1b'"
             )
-        super().begin_step(1)
+        super().begin_step(1, loss_scale)  # an fp16 loss scale: refused before launch (rules.py)
 
     def train(self, loss_fn: LossFn, inputs: Tensor, targets: Tensor) -> Tensor:
         """This step's forwards, and the backwards 1F1B reaches; the loss returned hands the previous batch's
