@@ -45,7 +45,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # `python benchmarks/x.py` puts benchmarks/, not the repo, on sys.path
     sys.path.insert(0, str(REPO))
 
-from lit_mesh.parallel.pipeline import loss_of  # noqa: E402
+from lit_mesh.parallel.pipeline.api import loss_of  # noqa: E402
 from zoo.gpt import GPT, GPTConfig  # noqa: E402
 from zoo.modules import GPTModule  # noqa: E402
 

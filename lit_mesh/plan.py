@@ -120,7 +120,7 @@ class MoEPlan:
                 `experts` (stacked weights, n_experts first) and `dispatcher`, which expert parallel swaps.
     ep_divides: sizes that the ep degree must divide, by name (number of experts).
                 Under pp the layer also gives `local_load`, `mean_probs`, `aux_loss_of` and `use_load` (see
-                lit_mesh/parallel/pipeline_moe.py; zoo/moe.py's MoE has them).
+                lit_mesh/parallel/pipeline/moe.py; zoo/moe.py's MoE has them).
     adapter:    for an MoE layer without `experts`/`dispatcher` of that kind (transformers' Mixtral): a
                 function called on every MoE layer before anything else is applied, on every layout, that
                 makes it so in place (lit_mesh/hf/mixtral.py). None: the layer already is.

@@ -11,30 +11,12 @@ from typing import Any, Optional
 
 from lit_mesh.errors import (
     CompressionConfigError,
-    PipelineConfigError,
     PlanError,
     TopologyError,
     WorldSizeError,
 )
+from lit_mesh.parallel.pipeline.rules import RULES as PIPELINE_RULES
 from lit_mesh.unit import Facts, Phase, Rule, divisors, enforce  # noqa: F401 - divisors, enforce re-exported
-
-
-def _schedule_kind(f: Facts) -> str:
-    from lit_mesh.parallel.pipeline import SCHEDULES
-
-    return SCHEDULES[f.options.pipeline.schedule][1]
-
-
-def _microbatch_problem(f: Facts) -> Optional[str]:
-    from lit_mesh.parallel.pipeline import microbatch_problem
-
-    return microbatch_problem(f.options.pipeline, f.degrees["pp"])
-
-
-def _splits_backward(f: Facts) -> bool:
-    from lit_mesh.parallel.pipeline import SPLIT_BACKWARD
-
-    return f.options.pipeline.schedule in SPLIT_BACKWARD
 
 
 def _block_options(f: Facts) -> list[str]:
@@ -42,23 +24,6 @@ def _block_options(f: Facts) -> list[str]:
              "compile_blocks": f.options.compile.backend is not None}  # fmt: skip
     return [name for name, on in asked.items() if on]
 
-
-def _pipeline_options_given(p: Any) -> bool:
-    return p.schedule != "1f1b" or p.microbatches is not None or p.stages_per_rank is not None or bool(p.split)
-
-
-def _is_2bw(f: Facts) -> bool:
-    return f.options.pipeline.schedule == "2bw" and f.degree("pp") != 1
-
-
-def _beside_2bw(f: Facts) -> list[str]:
-    """What the mesh combines with pp under 2bw: its driver keeps two plain weight versions per stage and steps
-    them itself (lit_mesh/parallel/pipeline_2bw.py), with no sharded, tensor-parallel or reduced parameters."""
-    layout = f.layout
-    found = [f"{n}={getattr(layout, n)}" for n in ("tp", "cp", "ep") if getattr(layout, n) > 1]
-    if layout.data_parallel != "none":
-        found.append(f"data parallel {layout.data_parallel} (dp_replicate={layout.dp_replicate}, dp_shard={layout.dp_shard})")
-    return found
 
 def _grid_problem(f: Facts, tp: Any) -> Optional[str]:
     """Why `tp` ranks do not form the grid of the chosen tp_mode (None: they do, or tp_mode is "1d")."""
@@ -109,49 +74,7 @@ RULES: tuple[Rule, ...] = (
         lambda f: f.degrees.get("dp") == "auto" and f.degrees.get("dp_shard") == "auto",
         lambda f: "dp='auto' and dp_shard='auto': only one degree may be 'auto'; give the other a number",
     ),
-    Rule(
-        "one_stage_schedule", "init",
-        lambda f: f.options.pipeline.stages_per_rank not in (None, 1) and _schedule_kind(f) == "one",
-        lambda f: f"pp_schedule={f.options.pipeline.schedule!r} runs one stage per rank, not pp_stages_per_rank="
-        f"{f.options.pipeline.stages_per_rank}; use 'interleaved_1f1b', 'looped_bfs' or 'zero_bubble' for several",
-        PipelineConfigError,
-    ),
-    Rule(
-        "interleaved_schedule_stages", "init",
-        lambda f: (f.options.pipeline.stages_per_rank or 2) < 2 and _schedule_kind(f) == "many",
-        lambda f: f"pp_schedule={f.options.pipeline.schedule!r} interleaves several stages per rank, but pp_stages_per_rank="
-        f"{f.options.pipeline.stages_per_rank}; set pp_stages_per_rank >= 2, or use '1f1b' for one stage per rank",
-        PipelineConfigError,
-    ),
-    Rule(
-        "v_schedule_two_stages", "init",
-        lambda f: f.options.pipeline.stages_per_rank not in (None, 2) and _schedule_kind(f) == "two",
-        lambda f: f"pp_schedule={f.options.pipeline.schedule!r} runs exactly 2 stages per rank (V shape), not"
-        f" {f.options.pipeline.stages_per_rank}; set pp_stages_per_rank=2",
-        PipelineConfigError,
-    ),
-    Rule(
-        "pp_microbatches_for_schedule", "init",
-        lambda f: f.degrees["pp"] > 1 and _microbatch_problem(f) is not None,
-        lambda f: f"pp_schedule={f.options.pipeline.schedule!r} with pp={f.degrees['pp']} and"
-        f" {f.options.pipeline.n_microbatches(f.degrees['pp'])} micro-batches: it {_microbatch_problem(f)}",
-        PipelineConfigError,
-    ),
-    Rule(
-        "pp_split_per_stage", "init",
-        lambda f: f.options.pipeline.split is not None
-        and len(f.options.pipeline.split) != f.degrees["pp"] * f.options.pipeline.local_stages(),
-        lambda f: f"pp_split={list(f.options.pipeline.split)} has {len(f.options.pipeline.split)} entries but"
-        f" pp={f.degrees['pp']} x stages per rank {f.options.pipeline.local_stages()} ="
-        f" {f.degrees['pp'] * f.options.pipeline.local_stages()} stages; give one number of blocks per stage",
-        PipelineConfigError,
-    ),
-    Rule(
-        "pipeline_options_need_pp", "init",
-        lambda f: f.degrees["pp"] == 1 and _pipeline_options_given(f.options.pipeline),
-        lambda f: "pp_schedule, pp_microbatches, pp_stages_per_rank and pp_split need pp > 1",
-        PipelineConfigError,
-    ),
+    *PIPELINE_RULES,  # lit_mesh/parallel/pipeline/rules.py
     Rule(
         # measured on torch 2.13 (benchmarks/compile_tp_repro.py --backend inductor): selective checkpointing
         # around inductor-compiled TP blocks gives wrong weight gradients (wv off by 0.057); full checkpointing,
@@ -179,18 +102,6 @@ RULES: tuple[Rule, ...] = (
         " set compile_blocks=True, compile_backend='inductor', tp > 1 and sequence_parallel=True, or async_tp=False",
     ),
     Rule(
-        # measured on torch 2.13: compiled blocks fail in the input-gradient pass inside AOTAutograd ("compiled with
-        # non-empty donated buffers which requires ... retain_graph=False"); checkpointed blocks fail in the weight-
-        # gradient pass (the composable checkpoint's recompute context is entered a second time: AttributeError)
-        "split_backward_without_block_options", "init",
-        lambda f: f.degrees["pp"] > 1 and _splits_backward(f) and bool(_block_options(f)),
-        lambda f: f"{_block_options(f)[0]} with pp_schedule={f.options.pipeline.schedule!r}: this schedule splits each"
-        " backward into an input-gradient pass and a later weight-gradient pass over every block, but a compiled"
-        " block's backward is one graph that cannot be split and a checkpointed block is recomputed only once per"
-        " forward; use pp_schedule='interleaved_1f1b' (or '1f1b', 'gpipe', 'looped_bfs') with it, or turn it off",
-        PipelineConfigError,
-    ),
-    Rule(
         # torch's PipelineStage keeps FSDP units gathered over the micro-batches and reduces once at the last one
         "zero_stage_with_pp", "init",
         lambda f: f.options.data.zero_stage != 3 and f.degrees["pp"] > 1,
@@ -198,17 +109,6 @@ RULES: tuple[Rule, ...] = (
         " parameters are already gathered once per step and its gradients reduced once, at the last micro-batch"
         " (torch's PipelineStage), with parameters, gradients and optimizer state sharded between steps; zero_stage"
         " applies to pp=1 only: leave it at 3 with pp, or use pp=1",
-    ),
-    Rule(
-        # a checkpointed block recomputes its forward in backward, one step later under 2bw, from the live weights
-        # (W_{t+1}) instead of the version its forward used; compiled blocks are traced against the parameters
-        # that functional_call swaps for each version
-        "2bw_without_block_options", "init",
-        lambda f: _is_2bw(f) and bool(_block_options(f)),
-        lambda f: f"{_block_options(f)[0]} with pp_schedule='2bw': each micro-batch's backward must use the weight"
-        " version its forward used, and a checkpointed or compiled block would recompute or trace with the"
-        " parameters' live values; turn it off, or use pp_schedule='1f1b'",
-        PipelineConfigError,
     ),
     Rule(
         "tp_mode_has_scheme", "init",
@@ -260,20 +160,6 @@ RULES: tuple[Rule, ...] = (
         f" choose ep in {divisors(f.layout.dp_shard * f.layout.cp)}",
     ),
     # ---- launch: layout, precision and topology, before any process spawns ---------------------------------------
-    Rule(
-        "pp_with_fp16_scaler", "launch",
-        lambda f: f.layout.pp > 1 and f.precision == "16-mixed",
-        lambda f: f"pp={f.layout.pp} with fp16 loss scaling: the pipeline schedule runs the backward itself, outside"
-        " the scaler; use precision='bf16-mixed' (no scaler needed) or pp=1",
-    ),
-    Rule(
-        "2bw_pipeline_alone", "launch",
-        lambda f: _is_2bw(f) and bool(_beside_2bw(f)),
-        lambda f: f"pp_schedule='2bw' with {', '.join(_beside_2bw(f))}: PipeDream-2BW here runs pipeline parallel"
-        f" alone (every rank one stage, world size = pp={f.layout.pp}), keeping two plain weight versions per stage;"
-        " give pp = the world size with tp=1, cp=1, ep=1 and no dp, or use pp_schedule='1f1b' to combine them",
-        PipelineConfigError,
-    ),
     Rule(
         "async_tp_needs_cuda_nccl", "launch",
         lambda f: f.options.compile.async_tp and (f.device_type != "cuda" or f.process_group_backend != "nccl"),
@@ -344,12 +230,6 @@ RULES: tuple[Rule, ...] = (
     ),
     # ---- setup: the model ----------------------------------------------------------------------------------------
     Rule(
-        "self_parallelised_without_pp", "setup",
-        lambda f: f.self_parallelised and f.layout.pp > 1,
-        lambda f: f"pp={f.layout.pp}: configure_model parallelised the model itself, so MeshStrategy cannot cut it"
-        " into pipeline stages; declare a parallel_plan() instead, or use pp=1",
-    ),
-    Rule(
         "self_parallelised_without_compression", "setup",
         lambda f: f.self_parallelised and f.options.communication.compression is not None,
         lambda f: "grad_compression hooks into the data parallelism MeshStrategy applies, but configure_model"
@@ -381,32 +261,6 @@ RULES: tuple[Rule, ...] = (
         PlanError,
     ),
     Rule(
-        "pp_needs_one_plan", "setup",
-        lambda f: not f.self_parallelised and f.layout.pp > 1 and len(f.owners) != 1,
-        lambda f: f"pp > 1 pipelines one model that declares parallel_plan(); {f.model_name} has"
-        f" {[o.name for o in f.owners] or 'none'}. Declare a plan on the network (see examples/own_model_plan.py),"
-        " or use pp=1",
-        PlanError,
-    ),
-    Rule(
-        "pp_moe_needs_stage_plan", "setup",
-        lambda f: not f.self_parallelised and f.layout.pp > 1 and f.owners[0].plan.moe is not None
-        and not (f.owners[0].plan.pp.first or f.owners[0].plan.pp.last),
-        lambda f: f"pp={f.layout.pp} with the MoE model {type(f.owners[0].module).__name__}: its parallel_plan()"
-        " declares no PipelinePlan (the modules before and after the blocks), so it cannot be cut into stages;"
-        " declare pp=PipelinePlan(first=..., last=...) as zoo/moe.py does, or use pp=1 (ep, dp, tp and cp work"
-        " with MoE)",
-        PlanError,
-    ),
-    Rule(
-        # MoE under pp carries router statistics and expert reductions through torch's schedule steps
-        "2bw_without_moe", "setup",
-        lambda f: not f.self_parallelised and _is_2bw(f) and bool(f.owners) and f.owners[0].plan.moe is not None,
-        lambda f: f"pp_schedule='2bw' with the MoE model {type(f.owners[0].module).__name__}: the 2bw driver does not"
-        " carry MoE routing statistics or auxiliary losses across its delayed steps; use pp_schedule='1f1b' with MoE",
-        PipelineConfigError,
-    ),
-    Rule(
         "block_options_need_plan", "setup",
         lambda f: not f.self_parallelised and not f.owners and bool(_block_options(f)),
         lambda f: f"{_block_options(f)[0]} acts on the blocks a parallel_plan() names, but no module of"
@@ -427,28 +281,9 @@ RULES: tuple[Rule, ...] = (
         " declare one with cp=ContextPlan(attention=..., positions=...) (see zoo/gpt.py), or use cp=1",
         PlanError,
     ),
-    Rule(
-        # Megatron sums the two uses' gradients over an embedding group of the first and last stages; we do not yet
-        "pp_without_tied_parameters", "setup",
-        lambda f: not f.self_parallelised and f.layout.pp > 1 and bool(_tied_names(f.owners[0].module)),
-        lambda f: f"pp={f.layout.pp} with {type(f.owners[0].module).__name__}'s tied parameters"
-        f" {_tied_names(f.owners[0].module)}: the embedding runs on the first pipeline stage and the output head on"
-        " the last, and their gradients would have to be summed across stages (not supported yet); use pp=1 (fsdp,"
-        " tp and cp work with tied embeddings), or untie them (zoo GPT: tie_embeddings=False)",
-        PlanError,
-    ),
 )
 
 RULES_BY_NAME: dict[str, Rule] = {rule.name: rule for rule in RULES}
-
-
-def _tied_names(module: Any) -> list[str]:
-    """Names of the parameters one module shares with another (tied embeddings: ['tok_embeddings.weight =
-    output.weight']); empty for anything that is no nn.Module."""
-    names: dict[int, list[str]] = {}
-    for name, param in getattr(module, "named_parameters", lambda **_: ())(remove_duplicate=False):
-        names.setdefault(id(param), []).append(name)
-    return [" = ".join(group) for group in names.values() if len(group) > 1]
 
 
 def _tp_across_nodes(f: Facts) -> str:

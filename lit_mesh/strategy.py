@@ -1,8 +1,8 @@
 """MeshStrategy: the Lightning lifecycle, adapted to one N-D mesh. Each hook is "Lightning asks -> a component
 answers": lit_mesh.options (arguments), lit_mesh.rules (what may combine), lit_mesh.mesh (degrees, DeviceMesh),
-lit_mesh.parallel.apply (plans), lit_mesh.parallel.pipeline (the pipeline driver), lit_mesh.comm.reductions
-(collectives over the right groups), lit_mesh.checkpoint_writer (atomic and async saves), lit_mesh.precision
-(clipping by the global norm).
+lit_mesh.parallel.apply (plans), lit_mesh.parallel.pipeline (the pipeline's runner and step scope),
+lit_mesh.comm.reductions (collectives over the right groups), lit_mesh.checkpoint_writer (atomic and async saves),
+lit_mesh.precision (clipping by the global norm).
 
 Built on Lightning's ModelParallelStrategy (process group, distributed checkpoints, optimizer state) and
 extends it from 2D to the N-D mesh, with plans applied for the user.
@@ -58,8 +58,9 @@ from lit_mesh.parallel.apply import already_parallelized, parallelize
 from lit_mesh.parallel.checkpointing import ActivationCheckpointing
 from lit_mesh.parallel.context import CPStyle, gather_batch, shard_batch
 from lit_mesh.parallel.data import ZeroStage, defer_gradient_reduction, refuse_fsdp1
-from lit_mesh.parallel.pipeline import PipelineRunner, start_pipeline
-from lit_mesh.parallel.pipeline_moe import carry_moe_statistics
+from lit_mesh.parallel.pipeline.api import pipeline_scope, start_pipeline
+from lit_mesh.parallel.pipeline.moe import carry_moe_statistics
+from lit_mesh.parallel.pipeline.runner import PipelineRunner
 from lit_mesh.parallel.tensor_grid import TPMode
 from lit_mesh.precision import check_precision_plugin, with_global_norm_clipping
 from lit_mesh.pretrained import declared_sources, load_pretrained
@@ -92,7 +93,7 @@ class MeshStrategy(ModelParallelStrategy):
         pp_schedule: "gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "zero_bubble" (interleaved zero bubble),
             "zbv" or "dualpipev" (V-shaped, 2 stages per rank); or "2bw" (PipeDream-2BW: asynchronous 1F1B without
             a flush, each batch's gradient applied one step late, two weight versions per stage; pp alone, see
-            lit_mesh/parallel/pipeline_2bw.py).
+            lit_mesh/parallel/pipeline/twobw.py).
         pp_microbatches: micro-batches per step (must divide each pipeline replica's batch); default pp
             (dualpipev: 2 x pp, one per stage).
         pp_stages_per_rank: virtual stages per rank for the interleaved schedules (default 2 there, else 1).
@@ -347,8 +348,19 @@ class MeshStrategy(ModelParallelStrategy):
         return batch
 
     @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        with pipeline_scope(self._pipeline):
+            return super().validation_step(*args, **kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        with pipeline_scope(self._pipeline):
+            return super().test_step(*args, **kwargs)
+
+    @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        output = super().predict_step(*args, **kwargs)
+        with pipeline_scope(self._pipeline):  # loss_of / output_of reach the pipeline inside the steps only
+            output = super().predict_step(*args, **kwargs)
         if self.layout.cp > 1:  # predictions in token order, whole, as on one device
             output = gather_batch(output, self.mesh_views[MeshAxis.CP], self.options.context.style)
         return output
@@ -358,10 +370,13 @@ class MeshStrategy(ModelParallelStrategy):
         assert self.lightning_module is not None
         trainer = self.lightning_module.trainer
         if self._pipeline is not None:
-            self._pipeline.begin_step(trainer.accumulate_grad_batches)
+            scaler = getattr(self.precision_plugin, "scaler", None)  # fp16: the schedule scales its losses as the scaler
+            loss_scale = scaler.get_scale() if scaler is not None and scaler.is_enabled() else 1.0
+            self._pipeline.begin_step(trainer.accumulate_grad_batches, loss_scale)
         if self.compression_run is not None:
             self.compression_run.begin_step(trainer.global_step)
-        output = super().training_step(*args, **kwargs)
+        with pipeline_scope(self._pipeline):
+            output = super().training_step(*args, **kwargs)
         if self._nonfinite is not None:  # recorded on the device each step; checked on logging steps (see its module)
             self._nonfinite.record(output.get("loss") if isinstance(output, dict) else output, trainer.global_step)
             if is_logging_step(trainer):
@@ -373,14 +388,16 @@ class MeshStrategy(ModelParallelStrategy):
         if self._nonfinite is not None:
             self._nonfinite.check(self.root_device)  # the steps since the last logging step
         if self._pipeline is not None:
-            self._pipeline.end_training()  # 2bw drains its pipeline (lit_mesh/parallel/pipeline_2bw.py)
+            self._pipeline.end_training()  # 2bw drains its pipeline (lit_mesh/parallel/pipeline/twobw.py)
         super().on_train_end()
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optional[torch.optim.Optimizer], *args: Any, **kwargs: Any) -> Tensor:
-        if self._pipeline is None:
-            return super().backward(closure_loss, optimizer, *args, **kwargs)
-        return self._pipeline.backward(closure_loss, self, self.lightning_module)
+        # Lightning's own backward; under pp the loss from loss_of hands the schedule's gradients to the parameters
+        closure_loss = super().backward(closure_loss, optimizer, *args, **kwargs)
+        if self._pipeline is not None:
+            self._pipeline.check_handed_over()
+        return closure_loss
 
     # ---- collectives over the right groups ----------------------------------------------------------------
 

@@ -310,7 +310,7 @@ class MoE(nn.Module):
 
     def aux_loss_of(self, load: torch.Tensor, mean_probs: torch.Tensor) -> torch.Tensor:
         """The Switch balancing loss for the global tokens per expert `load` and this rank's mean router
-        probabilities: linear in `mean_probs` (pipeline stages add it per micro-batch: lit_mesh/parallel/pipeline_moe.py)."""
+        probabilities: linear in `mean_probs` (pipeline stages add it per micro-batch: lit_mesh/parallel/pipeline/moe.py)."""
         return self.aux_loss_coef * self.n_experts * ((load / load.sum()) * mean_probs).sum()
 
     @torch.no_grad()

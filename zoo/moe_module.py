@@ -65,7 +65,7 @@ class MoEModule(FromPretrained, L.LightningModule):
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         tokens, targets = batch
         # under pp the schedule runs forward and backward here, each stage adding its MoE layers' aux loss to its
-        # own backward (lit_mesh/parallel/pipeline_moe.py); the layers then hold the step's load and aux loss
+        # own backward (lit_mesh/parallel/pipeline/moe.py); the layers then hold the step's load and aux loss
         lm_loss = loss_of(self.model, self.loss_fn, tokens, targets)
         layers = self.model.moe_layers()  # this pipeline stage's (all of them without pp)
         if is_pipelined(self.model):

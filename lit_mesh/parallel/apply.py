@@ -26,8 +26,8 @@ from lit_mesh.parallel.compile import apply_compile, enable_async_tp
 from lit_mesh.parallel.context import apply_context_parallel
 from lit_mesh.parallel.data import apply_data_parallel, attach_compression, data_parallel_mesh
 from lit_mesh.parallel.expert import adapt_moe_layers, apply_expert_parallel, expert_modules, shard_experts
-from lit_mesh.parallel.pipeline import PipelineSettings
-from lit_mesh.parallel.pipeline_split import (
+from lit_mesh.parallel.pipeline.schedules import PipelineSettings
+from lit_mesh.parallel.pipeline.split import (
     Stage,
     balanced_split,
     check_split,

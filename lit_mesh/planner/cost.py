@@ -226,7 +226,7 @@ def step_time(shapes: ModelShapes, layout: MeshLayout, work: Workload, precision
             per_block += (2 + (1 if ac == "full" else 0)) * all_reduce_time(routed, layout.tp, tp_link)
         t.exposed["tp"] = n_micro * (blocks * per_block + (logits if stage > blocks * block else 0.0))
     # pp x MoE: a forward-only routing pass over the step's micro-batches measures the load the aux loss needs
-    # before the schedule runs (lit_mesh/parallel/pipeline_moe.py): one forward more, with its all-to-alls
+    # before the schedule runs (lit_mesh/parallel/pipeline/moe.py): one forward more, with its all-to-alls
     routing_pass = layout.pp > 1 and shapes.is_moe
     if routing_pass:
         t.compute_parts["routing_pass"] = n_micro * blocks * (gemm + attention + elementwise) / 3

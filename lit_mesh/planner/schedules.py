@@ -18,15 +18,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-from lit_mesh.parallel.pipeline import SCHEDULES, SPLIT_BACKWARD, PipelineSettings, microbatch_problem
-from lit_mesh.parallel.pipeline_split import balanced_split, stage_ranks
+from lit_mesh.parallel.pipeline.schedules import SCHEDULES, SPLIT_BACKWARD, PipelineSettings, microbatch_problem
+from lit_mesh.parallel.pipeline.split import balanced_split, stage_ranks
 
 MAX_STAGES_PER_RANK = 8  # more virtual stages: smaller bubble, but v times the stage-boundary sends and warm-up
 
 
 @dataclass(frozen=True)
 class Schedule:
-    """A pipeline schedule and the virtual stages each rank runs (lit_mesh.parallel.pipeline.SCHEDULES)."""
+    """A pipeline schedule and the virtual stages each rank runs (lit_mesh.parallel.pipeline.schedules.SCHEDULES)."""
 
     name: str = "1f1b"
     stages_per_rank: int = 1

@@ -20,7 +20,7 @@ from torch import nn
 from lit_mesh.mesh import MeshLayout, build_device_mesh, resolve_layout
 from lit_mesh.options import MeshDegrees, MeshOptions
 from lit_mesh.parallel.apply import parallelize
-from lit_mesh.parallel.pipeline import PipelineSettings
+from lit_mesh.parallel.pipeline.schedules import PipelineSettings
 from lit_mesh.planner.schedules import ONE_F_ONE_B, Schedule
 from lit_mesh.planner.shapes import build_model
 from zoo.gpt import GPT, GPTConfig

@@ -1,7 +1,7 @@
 """Pipeline parallel through the `lit-mesh` CLI: every schedule, and pp with FSDP, TP and CP, trains the same
-model on the same global batches as one device (fp32, relative 1e-4 per step over 10 steps; validation
-loss and final parameters too), logs the true loss on every rank, and each schedule resumes exactly from a
-checkpoint saved at step 5."""
+model on the same global batches as one device (fp32, and fp16 with its loss scaler: relative 1e-4 per step over 10
+steps; validation loss and final parameters too), logs the true loss on every rank, and each schedule resumes exactly
+from a checkpoint saved at step 5."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lit_mesh.parallel.pipeline import SCHEDULES
+from lit_mesh.parallel.pipeline.schedules import SCHEDULES
 from tests.launch import REPO, cli_runs
 
 STEPS = 10
@@ -26,14 +26,17 @@ COMMON = [
 GPT = ["-c", str(REPO / "configs/gpt.yaml"), "--model.init_args.config_overrides={n_layers: 4}", "--data.global_batch_size=8"]
 VIT = ["-c", str(REPO / "configs/vit.yaml"), "--data.global_batch_size=8"]
 ACCUM_CLIP = ["--trainer.accumulate_grad_batches=2", "--trainer.gradient_clip_val=0.05"]  # a clip that bites
+FP16 = ["--trainer.plugins=lit_mesh.FP16MixedPrecision"]  # the scaler scales the schedule's losses too
 
 # name: (world size, recipe, arguments); "<recipe>-single" runs are the references
 RUNS: dict[str, tuple[int, list[str], list[str]]] = {
     "gpt-single": (1, GPT, []),
     "gpt-single-accum2-clip": (1, GPT, ACCUM_CLIP),
+    "gpt-single-fp16": (1, GPT, FP16),
     "vit-single": (1, VIT, []),
     "gpt-pp2-gpipe": (2, GPT, [f"{S}pp=2", f"{S}pp_schedule=gpipe"]),
     "gpt-pp2-1f1b": (2, GPT, [f"{S}pp=2", f"{S}pp_schedule=1f1b"]),
+    "gpt-pp2-1f1b-fp16": (2, GPT, [f"{S}pp=2", f"{S}pp_schedule=1f1b", *FP16]),
     "gpt-pp2-interleaved": (2, GPT, [f"{S}pp=2", f"{S}pp_schedule=interleaved_1f1b", f"{S}pp_stages_per_rank=2"]),
     # what the refusal of checkpointing with the zero-bubble schedules offers instead (lit_mesh/rules.py)
     "gpt-pp2-interleaved-ac": (2, GPT, [f"{S}pp=2", f"{S}pp_schedule=interleaved_1f1b", f"{S}activation_checkpointing=full"]),
@@ -49,7 +52,11 @@ RUNS: dict[str, tuple[int, list[str], list[str]]] = {
     # each micro-batch's sequence split over cp (load-balanced ring), stage-to-stage activations (B/mb, T/cp, D)
     "gpt-pp2-cp2-1f1b": (4, GPT, [f"{S}pp=2", f"{S}cp=2", f"{S}pp_schedule=1f1b"]),
 }
-REFERENCE = {"gpt-pp2-fsdp2-accum2-clip": "gpt-single-accum2-clip"}
+REFERENCE = {"gpt-pp2-fsdp2-accum2-clip": "gpt-single-accum2-clip", "gpt-pp2-1f1b-fp16": "gpt-single-fp16"}
+# fp16: gradients summed over the micro-batches round otherwise than the whole batch's; the losses stay within 1e-4,
+# but AdamW moves the weights of near-zero gradients by up to lr (2e-3 measured) and the norm drifts by up to 1.3%
+PARAMETER_ATOL = {"gpt-pp2-1f1b-fp16": 5e-3}
+GRAD_NORM_RTOL = {"gpt-pp2-1f1b-fp16": 2e-2}
 TIMELINE = "gpt-pp2-zero_bubble"  # this run also draws the PipelineTimeline of its step 3
 # every schedule MeshStrategy offers -> the run that trains it
 SCHEDULE_RUNS = {
@@ -121,7 +128,7 @@ def test_pipeline_matches_single_device(results: dict, name: str) -> None:
     assert ref_params.keys() == params.keys(), "every stage's parameters, under the single-device names"
     for key, ref in ref_params.items():
         diff = (params[key] - ref).abs().max().item()
-        assert diff <= 1e-4, f"{name}: parameter {key} differs by {diff}"
+        assert diff <= PARAMETER_ATOL.get(name, 1e-4), f"{name}: parameter {key} differs by {diff}"
 
 
 @pytest.mark.parametrize("name", [n for n, (world, recipe, _) in RUNS.items() if world > 1 and recipe is GPT])
@@ -132,7 +139,9 @@ def test_gradient_norm_combines_every_stage(results: dict, name: str) -> None:
     assert sorted(ref) == sorted(got) and len(set(ref.values())) == len(ref), (ref, got)
     # 1e-3: a norm amplifies the last bits the losses carry (1e-4); a missing stage would be off by tens of percent
     for step, value in ref.items():
-        assert abs(got[step] - value) <= 1e-3 * value, f"{name} grad_norm at step {step}: {got[step]} vs one device {value}"
+        assert abs(got[step] - value) <= GRAD_NORM_RTOL.get(name, 1e-3) * value, (
+            f"{name} grad_norm at step {step}: {got[step]} vs one device {value}"
+        )
 
 
 def test_the_clip_in_the_accumulation_case_bites(results: dict) -> None:

@@ -2,7 +2,7 @@
 the last stage), in one launch (tests/workers/pipeline_2bw.py): the zoo GPT's losses and final weights equal, exactly,
 one process applying the same delayed rule W_{t+1} = W_t - update(grad f(W_{t-1}; batch t-1)) to the whole model;
 the curve is not the synchronous one; each stage holds two weight versions at most; a run resumed from a checkpoint
-restarts the delay line, as documented (lit_mesh/parallel/pipeline_2bw.py). 4 ranks pass the same checks (run the
+restarts the delay line, as documented (lit_mesh/parallel/pipeline/twobw.py). 4 ranks pass the same checks (run the
 worker with --nproc_per_node=4); 3 keep the suite's time down."""
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ import torch
 
 from lit_mesh import MeshStrategy
 from lit_mesh.mesh import resolve_layout
-from lit_mesh.parallel.pipeline_split import balanced_split
+from lit_mesh.parallel.pipeline.split import balanced_split
 from lit_mesh.parallel.tensor import check_tp_divides
 from lit_mesh.planner.config_yaml import fit_config
 from lit_mesh.planner.hardware import GB, Hardware

@@ -13,9 +13,9 @@ import torch.distributed as dist
 from torch import nn
 
 from lit_mesh.errors import PipelineConfigError
-from lit_mesh.parallel.pipeline import PipelineSettings
-from lit_mesh.parallel.pipeline_2bw import TwoBWRunner
-from lit_mesh.parallel.pipeline_split import Stage
+from lit_mesh.parallel.pipeline.schedules import PipelineSettings
+from lit_mesh.parallel.pipeline.split import Stage
+from lit_mesh.parallel.pipeline.twobw import TwoBWRunner
 
 STEPS, MICROBATCHES = 4, 2
 
@@ -63,9 +63,9 @@ def test_backward_after_the_update_uses_the_forwards_weights(first_stage, monkey
     for x in inputs:
         runner.begin_step(1)
         with torch.enable_grad():
-            runner.loss(lambda out, target: out.sum(), x, x)  # the first stage: its loss is the last stage's
+            loss = runner.loss(lambda out, target: out.sum(), x, x)  # the first stage: its loss is the last stage's
         optimizer.zero_grad()
-        runner.add_fresh_grads()
+        loss.backward()  # as Lightning's backward: hands the previous batch's gradient over
         handed.append([None if p.grad is None else p.grad.clone() for p in module.parameters()])
         held, one_copy = runner.weight_storage_bytes()
         assert held == 2 * one_copy, (held, one_copy)

@@ -13,7 +13,7 @@ import pytest
 
 from lit_mesh import MeshStrategy
 from lit_mesh.mesh import MeshLayout, resolve_layout
-from lit_mesh.parallel.pipeline_split import balanced_split
+from lit_mesh.parallel.pipeline.split import balanced_split
 from lit_mesh.parallel.tensor import PlanError, check_tp_divides
 from lit_mesh.planner.command import main as plan_main
 from lit_mesh.planner.config_yaml import fit_config, rehearsal_config
@@ -295,7 +295,7 @@ def test_gemm_efficiency_falls_with_tp_and_async_tp_hides_the_forward() -> None:
     ("gpipe", 1, 3 / 8), ("1f1b", 1, 3 / 8), ("interleaved_1f1b", 2, 3 / 16), ("looped_bfs", 4, 3 / 32),
     ("zero_bubble", 2, 3 / 48), ("zbv", 2, 2 / 24), ("dualpipev", 2, 2 / 24)])
 def test_bubble_of_every_schedule(schedule: str, v: int, bubble: float) -> None:
-    from lit_mesh.parallel.pipeline import SCHEDULES
+    from lit_mesh.parallel.pipeline.schedules import SCHEDULES
     from lit_mesh.planner.cost import Schedule, bubble_fraction
 
     assert schedule in SCHEDULES  # every schedule lit_mesh runs has a bubble formula
@@ -525,7 +525,7 @@ def _torch_peaks(schedule: str, pp: int, v: int, n: int) -> list[int]:
 
     from torch.distributed.pipelining.schedules import _ComputationType as Op
 
-    from lit_mesh.parallel.pipeline import SCHEDULES
+    from lit_mesh.parallel.pipeline.schedules import SCHEDULES
 
     stages = [SimpleNamespace(group_size=pp, group_rank=0, num_stages=pp * v, submod=None, stage_index=i,
                               is_first=i == 0, is_last=False) for i in range(v)]

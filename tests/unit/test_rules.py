@@ -26,7 +26,7 @@ from lit_mesh.options import (
     MeshOptions,
     TensorOptions,
 )
-from lit_mesh.parallel.pipeline import SCHEDULES, PipelineSettings
+from lit_mesh.parallel.pipeline.schedules import SCHEDULES, PipelineSettings
 from lit_mesh.rules import RULES, RULES_BY_NAME, Facts, enforce
 from lit_mesh.topology import Topology
 
@@ -105,6 +105,29 @@ CASES: dict[str, tuple[Facts, str, Facts]] = {
                            " = 2 stages", pipeline(2, split=(1, 3))),
     "pipeline_options_need_pp": (pipeline(1, schedule="gpipe"), "pp_schedule, pp_microbatches, pp_stages_per_rank and"
                                  " pp_split need pp > 1", pipeline(2, schedule="gpipe")),
+    "split_backward_without_block_options": (compiled_pipeline("zbv"), "compile_blocks with pp_schedule='zbv': this"
+                                             " schedule splits each backward into an input-gradient pass and a later"
+                                             " weight-gradient pass", compiled_pipeline("interleaved_1f1b")),
+    "2bw_without_block_options": (init(replace(TWO_BW, memory=MemoryOptions("full")), pp=2), "activation_checkpointing"
+                                  " with pp_schedule='2bw': each micro-batch's backward must use the weight version its"
+                                  " forward used", init(replace(AC, pipeline=PipelineSettings("1f1b")), pp=2)),
+    "2bw_without_fp16_scaler": (launch(MeshLayout(pp=2), TWO_BW, precision="16-mixed"), "pp_schedule='2bw' with"
+                                " fp16 loss scaling: each batch's gradient is made over two steps",
+                                launch(MeshLayout(pp=2), TWO_BW, precision="bf16-mixed")),
+    "2bw_pipeline_alone": (launch(PP2, TWO_BW), "pp_schedule='2bw' with data parallel fsdp (dp_replicate=1, dp_shard=2):"
+                           " PipeDream-2BW here runs pipeline parallel alone", launch(MeshLayout(pp=2), TWO_BW)),
+    "self_parallelised_without_pp": (setup(PP2, [], self_parallelised=True), "pp=2: configure_model parallelised the"
+                                     " model itself", setup(DP4, [], self_parallelised=True)),
+    "pp_needs_one_plan": (setup(PP2, [owner(), owner()]), "pp > 1 pipelines one model that declares parallel_plan();"
+                          " Net has ['model', 'model']", setup(PP2, [owner()])),
+    "pp_moe_needs_stage_plan": (setup(PP2, [owner("moe", stages=())]), "pp=2 with the MoE model SimpleNamespace: its"
+                                " parallel_plan() declares no PipelinePlan", setup(PP2, [owner("moe")])),
+    "2bw_without_moe": (setup(MeshLayout(pp=2), [owner("moe")], TWO_BW), "pp_schedule='2bw' with the MoE model"
+                        " SimpleNamespace: the 2bw driver does not carry MoE routing statistics",
+                        setup(MeshLayout(pp=2), [owner("moe")])),
+    "pp_without_tied_parameters": (setup(PP2, [tied_owner()]), "pp=2 with ModuleDict's tied parameters ['embed.weight ="
+                                   " head.weight']: the embedding runs on the first pipeline stage and the output head on"
+                                   " the last", setup(DP4, [tied_owner()])),
     "selective_ac_with_inductor_tp": (init(replace(O, memory=MemoryOptions("selective"), compile=CompileOptions("inductor")),
                                       tp=2), "activation_checkpointing='selective' with compile_blocks (compile_backend="
                                       "'inductor') and tp=2: on this torch the gradients come out wrong",
@@ -113,14 +136,8 @@ CASES: dict[str, tuple[Facts, str, Facts]] = {
                                    "async_tp=True with compile_blocks=True, compile_backend='aot_eager', tp=2,"
                                    " sequence_parallel=True: async TP (torch's micro-pipeline TP) fuses the",
                                    init(ASYNC_TP, tp=2)),
-    "split_backward_without_block_options": (compiled_pipeline("zbv"), "compile_blocks with pp_schedule='zbv': this"
-                                             " schedule splits each backward into an input-gradient pass and a later"
-                                             " weight-gradient pass", compiled_pipeline("interleaved_1f1b")),
     "zero_stage_with_pp": (init(ZERO2, pp=2), "zero_stage=2 with pp=2: under a pipeline each stage's parameters are"
                            " already gathered once per step", init(ZERO2)),
-    "2bw_without_block_options": (init(replace(TWO_BW, memory=MemoryOptions("full")), pp=2), "activation_checkpointing"
-                                  " with pp_schedule='2bw': each micro-batch's backward must use the weight version its"
-                                  " forward used", init(replace(AC, pipeline=PipelineSettings("1f1b")), pp=2)),
     "tp_mode_has_scheme": (init(replace(GRID2D, tensor=TensorOptions("4d")), tp=16), "tp_mode='4d' has no"
                            " implementation in this version; use one of ['1d', '2.5d', '2d'", init(GRID2D, tp=4)),
     "tp_grid_shape": (init(GRID25D, tp=12), "tp_mode='2.5d' needs tp = d * q * q with d = tp_depth = 2, but tp=12; use"
@@ -138,10 +155,6 @@ CASES: dict[str, tuple[Facts, str, Facts]] = {
     "ep_divides_dp_shard_cp": (Facts(layout=MeshLayout(dp_shard=2, cp=2, ep=3)), "ep=3 does not divide dp_shard x cp = 2 x 2"
                                " = 4 (expert parallel borrows its ranks from them, it does not add any); choose ep in [1, 2, 4]",
                                Facts(layout=MeshLayout(dp_shard=2, cp=2, ep=4))),
-    "pp_with_fp16_scaler": (launch(PP2, precision="16-mixed"), "pp=2 with fp16 loss scaling: the pipeline schedule runs"
-                            " the backward itself", launch(PP2, precision="bf16-mixed")),
-    "2bw_pipeline_alone": (launch(PP2, TWO_BW), "pp_schedule='2bw' with data parallel fsdp (dp_replicate=1, dp_shard=2):"
-                           " PipeDream-2BW here runs pipeline parallel alone", launch(MeshLayout(pp=2), TWO_BW)),
     "async_tp_needs_cuda_nccl": (launch(TP2, ASYNC_TP), "async_tp=True on device 'cpu' with process group backend"
                                  " 'gloo': async TP (torch's micro-pipeline TP) exchanges tiles through CUDA symmetric"
                                  " memory and needs accelerator='cuda' with the 'nccl' backend",
@@ -165,8 +178,6 @@ CASES: dict[str, tuple[Facts, str, Facts]] = {
                        launch(MeshLayout(dp_replicate=2, tp=2), nodes=2)),
     "cp_tp_inside_node": (launch(MeshLayout(cp=2, tp=2), nodes=2), "cp=2 x tp=2 = 4 does not divide the 2 devices of one"
                           " node: context-parallel groups cross nodes", launch(MeshLayout(dp_replicate=2, tp=2), nodes=2)),
-    "self_parallelised_without_pp": (setup(PP2, [], self_parallelised=True), "pp=2: configure_model parallelised the"
-                                     " model itself", setup(DP4, [], self_parallelised=True)),
     "self_parallelised_without_compression": (setup(DP4, [], replace(O, communication=FP16), self_parallelised=True),
                                               "grad_compression hooks into the data parallelism MeshStrategy applies",
                                               setup(DP4, [owner()], replace(O, communication=FP16))),
@@ -177,21 +188,11 @@ CASES: dict[str, tuple[Facts, str, Facts]] = {
     "self_parallelised_without_tp_grid": (setup(MeshLayout(tp=4), [], GRID2D, self_parallelised=True), "tp_mode='2d' is"
                                           " applied by MeshStrategy from a parallel_plan(), but configure_model of Net",
                                           setup(MeshLayout(tp=4), [owner()], GRID2D)),
-    "pp_needs_one_plan": (setup(PP2, [owner(), owner()]), "pp > 1 pipelines one model that declares parallel_plan();"
-                          " Net has ['model', 'model']", setup(PP2, [owner()])),
-    "pp_moe_needs_stage_plan": (setup(PP2, [owner("moe", stages=())]), "pp=2 with the MoE model SimpleNamespace: its"
-                                " parallel_plan() declares no PipelinePlan", setup(PP2, [owner("moe")])),
-    "2bw_without_moe": (setup(MeshLayout(pp=2), [owner("moe")], TWO_BW), "pp_schedule='2bw' with the MoE model"
-                        " SimpleNamespace: the 2bw driver does not carry MoE routing statistics",
-                        setup(MeshLayout(pp=2), [owner("moe")])),
     "block_options_need_plan": (setup(DP4, [], AC), "activation_checkpointing acts on the blocks a parallel_plan()"
                                 " names, but no module of Net declares one", setup(DP4, [owner()], AC)),
     "tp_needs_plan": (setup(TP2, []), "tp=2 but no module of Net declares parallel_plan()", setup(TP2, [owner()])),
     "cp_needs_plan": (setup(CP2, []), "cp=2 but no module of Net declares parallel_plan() with its attention",
                       setup(CP2, [owner()])),
-    "pp_without_tied_parameters": (setup(PP2, [tied_owner()]), "pp=2 with ModuleDict's tied parameters ['embed.weight ="
-                                   " head.weight']: the embedding runs on the first pipeline stage and the output head on"
-                                   " the last", setup(DP4, [tied_owner()])),
 }
 
 

@@ -31,7 +31,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from lit_mesh.parallel.expert import moe_layers
-from lit_mesh.parallel.pipeline import PipelineRunner
+from lit_mesh.parallel.pipeline.runner import PipelineRunner
 from lit_mesh.plan import PlanError, PlanOwner
 
 _PROVIDES = ("local_load", "mean_probs", "aux_loss_of", "use_load")

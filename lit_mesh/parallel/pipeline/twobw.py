@@ -13,10 +13,10 @@ How it runs inside one Lightning step t, on stage s of P (one stage per rank, wa
   bubble is the warm-up of step 0 and the drain at the end of training only.
 - Weight versions: batch t's forwards run with `torch.func.functional_call` on leaves viewing the storage the live
   parameters hold (W_t); their backward, possibly at step t+1, differentiates with respect to those leaves, so it
-  uses W_t whatever the parameters hold by then. In the strategy's backward (before the optimizer step) the
-  finished gradient of batch t-1 goes into `.grad`, W_t is copied into the storage batch t-1 used (its backwards
-  are done) and the parameters point at it: the in-place optimizer update writes W_{t+1} there and W_t stays
-  intact for batch t's pending backwards. Two storages per weight at most (`weight_storage_bytes`).
+  uses W_t whatever the parameters hold by then. In Lightning's backward of the step's loss (before the optimizer
+  step) the finished gradient of batch t-1 goes into `.grad`, W_t is copied into the storage batch t-1 used (its
+  backwards are done) and the parameters point at it: the in-place optimizer update writes W_{t+1} there and W_t
+  stays intact for batch t's pending backwards. Two storages per weight at most (`weight_storage_bytes`).
 - Gradients accumulate on each version's leaves: at most two sets (batch t-1 finishing, batch t starting).
 - P2P: activations forward with a shape header, gradients back into a tensor shaped like the output they belong
   to; every send is non-blocking and waited one step later (a gradient for the previous stage is received there
@@ -24,8 +24,8 @@ How it runs inside one Lightning step t, on stage s of P (one stage per rank, wa
 
 Checkpoints hold the weights and optimizer state after the last applied update (W_{t+1}); the in-flight gradient
 of batch t is not saved, and a resumed run restarts the delay line: its first step applies no update, as step 0.
-Refused (lit_mesh/rules.py): data, tensor, context and expert parallelism, MoE, several stages per rank,
-activation checkpointing and compiled blocks; gradient accumulation raises at the first step.
+Refused (lit_mesh/parallel/pipeline/rules.py): data, tensor, context and expert parallelism, MoE, several stages per
+rank, activation checkpointing and compiled blocks; gradient accumulation raises at the first step.
 """
 
 from __future__ import annotations
@@ -42,8 +42,9 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor, nn
 from torch.func import functional_call
 
-from lit_mesh.parallel.pipeline import PipelineRunner
-from lit_mesh.parallel.pipeline_split import PipelineConfigError, Stage
+from lit_mesh.errors import PipelineConfigError
+from lit_mesh.parallel.pipeline.runner import LossFn, PipelineRunner
+from lit_mesh.parallel.pipeline.split import Stage
 
 
 @dataclass
@@ -65,10 +66,11 @@ class _InFlight:
 
 
 class TwoBWRunner(PipelineRunner):
-    """One stage per rank, driven by our own continuous 1F1B loop (no torch schedule: it flushes every step)."""
+    """One stage per rank, driven by our own continuous 1F1B loop (no torch schedule: it flushes every step).
+    Evaluation uses the shared forward-only loop on the module itself (the live, newest weights)."""
 
-    def _build(self, stages: list[Stage], device: torch.device) -> tuple[list, Any]:
-        if len(stages) != 1:  # lit_mesh/rules.py refuses it before launch; this guards direct use
+    def _build(self, stages: list[Stage], device: torch.device) -> None:
+        if len(stages) != 1:  # rules.py beside this refuses it before launch; this guards direct use
             raise PipelineConfigError(f"pp_schedule='2bw' runs one stage per rank, not {len(stages)}")
         stage = stages[0]
         self._module: nn.Module = stage.module
@@ -82,24 +84,21 @@ class TwoBWRunner(PipelineRunner):
         self._in_flight: deque[_InFlight] = deque()
         self._sends: list[list[tuple[Any, Tensor]]] = [[], []]  # (work, tensor) of the previous and this step
         self._warned_save = False
-        self._stepped = False  # a training loss() ran since the last hand-over
-        return [], None  # no torch PipelineStage or schedule: _forward_only (evaluation) uses the module itself
 
     # ---- what the strategy asks ----------------------------------------------------------------------------
 
-    def begin_step(self, accumulation: int) -> None:
+    def begin_step(self, accumulation: int, loss_scale: float = 1.0) -> None:
         if accumulation != 1:
             raise PipelineConfigError(
                 f"pp_schedule='2bw' with accumulate_grad_batches={accumulation}: it applies every batch's gradient"
                 " one step later, from the pipeline's continuous 1F1B, which has no accumulation window; set"
                 " accumulate_grad_batches=1 (raise the batch size or pp_microbatches instead) or use pp_schedule='1f1b'"
             )
-        self.accumulation = 1
+        super().begin_step(1, loss_scale)  # an fp16 loss scale: refused before launch (rules.py)
 
-    def loss(self, loss_fn: Callable[[Tensor, Tensor], Tensor], inputs: Tensor, targets: Tensor) -> Tensor:
-        if not torch.is_grad_enabled():  # evaluation: the forward-only loop on the live (newest) weights
-            return super().loss(loss_fn, inputs, targets)
-        self._check_batch(inputs)
+    def train(self, loss_fn: LossFn, inputs: Tensor, targets: Tensor) -> Tensor:
+        """This step's forwards, and the backwards 1F1B reaches; the loss returned hands the previous batch's
+        finished gradient to the parameters when Lightning runs its backward."""
         m, device = self.n_microbatches, inputs.device
         version = self._open_version()
         raw: list[Tensor] = []
@@ -110,17 +109,8 @@ class TwoBWRunner(PipelineRunner):
                 if len(self._in_flight) > self._warmup:
                     self._backward(self._in_flight.popleft())
         self._settle_sends()
-        self._stepped = True
         local = torch.stack(raw).mean() if self._last else torch.zeros((), device=device)
-        return self._broadcast(local)
-
-    def add_fresh_grads(self) -> None:
-        """From Lightning's backward (after zero_grad, before clipping and the optimizer step): the finished gradient
-        of the previous batch into .grad, and the live parameters moved to the spare storage for the update."""
-        if not self._stepped:
-            super().add_fresh_grads()  # no pipelined forward this step: its error says to use loss_of
-        self._stepped = False
-        self._hand_over()
+        return self._carrying(self._broadcast(local), self._hand_over)
 
     def before_save(self) -> None:
         if self._held and not self._warned_save:  # a version whose gradient is still to be applied
@@ -156,6 +146,8 @@ class TwoBWRunner(PipelineRunner):
         return self._held[-1]
 
     def _hand_over(self) -> None:
+        """From Lightning's backward (after zero_grad, before clipping and the optimizer step): the finished gradient
+        of the previous batch into .grad, and the live parameters moved to the spare storage for the update."""
         current = self._held[-1]
         finished = self._held[0] if len(self._held) == 2 else None
         params = self._parameters_in_order()

@@ -1,6 +1,6 @@
 """Which blocks each pipeline stage holds, which rank runs each stage, and the per-stage views of a model.
 
-Pure bookkeeping, no communication: lit_mesh.parallel.pipeline builds the schedule on top of it.
+Pure bookkeeping, no communication: runner.py beside it builds the schedule on top of it.
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ from lit_mesh.errors import PipelineConfigError  # noqa: F401 - re-exported
 from lit_mesh.plan import ParallelPlan
 
 Placement = Literal["loop", "v"]
-
 
 
 def balanced_split(n_blocks: int, n_stages: int) -> list[int]:
