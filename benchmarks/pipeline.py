@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as C  # noqa: E402
 
 from lit_mesh import MeshStrategy  # noqa: E402
-from lit_mesh.pipeline_timeline import TimelineRecorder, bubble_formula  # noqa: E402
+from lit_mesh.monitor.pipeline_timeline import TimelineRecorder, bubble_formula  # noqa: E402
 
 
 class RecordSteps(L.Callback):

@@ -6,8 +6,8 @@
 
 The launcher saves a random Llama with save_pretrained (sharded safetensors, 50 MB files), then each rank runs
 the real path: MeshStrategy shards the meta-device model, materialises its shards and reads its slices
-(lit_mesh.pretrained). A thread samples the rank's anonymous resident memory (RssAnon: heap and tensors, not the
-page cache of the memory-mapped safetensors files) every millisecond from the Trainer's setup hook (the model
+(lit_mesh.checkpoint.pretrained). A thread samples the rank's anonymous resident memory (RssAnon: heap and tensors,
+not the page cache of the memory-mapped safetensors files) every millisecond from the Trainer's setup hook (the model
 still on meta) until validation starts (loaded). Goal per rank: peak growth <= 1.3 x its final shard + the
 largest single tensor. For contrast: the bytes of the whole model, which from_pretrained on every rank holds.
 The ranks run with MALLOC_MMAP_THRESHOLD_=65536: glibc otherwise raises its mmap threshold after the first large
@@ -53,8 +53,8 @@ def llama_config(args: argparse.Namespace) -> Any:
 
 class LoadMemory(L.Callback):
     """RssAnon from the setup hook (model on meta) to the start of validation (model sharded and loaded), with
-    the peak split at the call of lit_mesh.pretrained.load_pretrained: materialisation (allocation of the shards,
-    initialisation of what no pretrained source fills) before it, reading the slices from it on. The parameters'
+    the peak split at the call of lit_mesh.checkpoint.pretrained.load_pretrained: materialisation (allocation of the
+    shards, initialisation of what no pretrained source fills) before it, reading the slices from it on. The parameters'
     sizes are taken there too: every parameter is then a shard (FSDP2 keeps the root and last block gathered
     after a forward, so they would be whole at validation)."""
 

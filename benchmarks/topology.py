@@ -30,7 +30,7 @@ import torch.distributed as dist  # noqa: E402
 from lit_mesh.comm import hierarchical  # noqa: E402
 from lit_mesh.mesh import MeshAxis, MeshLayout, build_device_mesh  # noqa: E402
 from lit_mesh.monitor.comm import CollectiveBytes, _group_name  # noqa: E402
-from lit_mesh.topology import Topology  # noqa: E402
+from lit_mesh.comm.topology import Topology  # noqa: E402
 
 _STEPS = {"all_reduce": lambda k: 2 * (k - 1), "gather": lambda k: k - 1, "scatter": lambda k: k - 1}
 

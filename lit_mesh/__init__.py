@@ -13,7 +13,7 @@ except PackageNotFoundError:  # imported from a source tree that was never insta
     __version__ = "0+unknown"
 
 
-from lit_mesh.registration import register_mesh_strategy
+from lit_mesh.registration import alias_moved_modules, register_mesh_strategy
 
 # the public names, imported on first use: `import lit_mesh` (and the `lit-mesh` command, which Python imports
 # through this package) stays free of torch and Lightning until something needs them
@@ -22,13 +22,15 @@ _EXPORTS = {
     "OneBitAdam": "lit_mesh.comm.onebit_adam", "Init": "lit_mesh.init", "init_parameters": "lit_mesh.init",
     "MeshConfigError": "lit_mesh.mesh", "MeshLayout": "lit_mesh.mesh", "GradientNormMonitor": "lit_mesh.monitor",
     "MeshMonitor": "lit_mesh.monitor", "loss_of": "lit_mesh.parallel.pipeline", "output_of": "lit_mesh.parallel.pipeline",
-    "PipelineTimeline": "lit_mesh.pipeline_timeline", "PlanError": "lit_mesh.errors",
+    "PipelineTimeline": "lit_mesh.monitor.pipeline_timeline", "PlanError": "lit_mesh.errors",
     "ParallelPlan": "lit_mesh.plan", "TensorPlan": "lit_mesh.plan", "PipelinePlan": "lit_mesh.plan",
-    "ContextPlan": "lit_mesh.plan", "MoEPlan": "lit_mesh.plan", "FP16MixedPrecision": "lit_mesh.precision", "MeshStrategy": "lit_mesh.strategy",
-    "Topology": "lit_mesh.topology", "TopologyError": "lit_mesh.topology", "FaultInjector": "lit_mesh.faults",
-    "Preemption": "lit_mesh.preemption", "newest_checkpoint": "lit_mesh.resume",
+    "ContextPlan": "lit_mesh.plan", "MoEPlan": "lit_mesh.plan", "MeshStrategy": "lit_mesh.strategy",
+    "FP16MixedPrecision": "lit_mesh.training.precision", "Topology": "lit_mesh.comm.topology",
+    "TopologyError": "lit_mesh.comm.topology", "FaultInjector": "lit_mesh.reliability.faults",
+    "Preemption": "lit_mesh.reliability.preemption", "newest_checkpoint": "lit_mesh.checkpoint.resume",
 }
 register_mesh_strategy()
+alias_moved_modules()
 
 
 def __getattr__(name: str) -> Any:

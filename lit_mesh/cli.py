@@ -124,7 +124,7 @@ def lightning_cli(args: list[str] | None) -> Any:
 
     from typing_extensions import override
 
-    from lit_mesh.resume import resolve_ckpt_path
+    from lit_mesh.checkpoint.resume import resolve_ckpt_path
 
     class MeshCLI(LightningCLI):
         @override
@@ -146,7 +146,7 @@ def lightning_cli(args: list[str] | None) -> Any:
 def main() -> None:
     """The console script (its return value would become the exit status)."""
     from lit_mesh.checkpoint import CheckpointError
-    from lit_mesh.hangs import CollectiveHangError
+    from lit_mesh.reliability.hangs import CollectiveHangError
 
     try:
         run(sys.argv[1:], from_command_line=True)

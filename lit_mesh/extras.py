@@ -12,7 +12,7 @@ from types import ModuleType
 EXTRAS: dict[str, tuple[str, str]] = {
     "matplotlib": ("plots", "pictures (PipelineTimeline, `lit-mesh plan --plot`)"),
     "transformers": ("hf", "Hugging Face models, conversion and export"),
-    "safetensors": ("hf", "reading pretrained weights (lit_mesh.pretrained)"),
+    "safetensors": ("hf", "reading pretrained weights (lit_mesh.checkpoint.pretrained)"),
     "tokenizers": ("hf", "tokenising a corpus (lit-mesh prepare-data)"),
     "datasets": ("data", "parquet input of lit-mesh prepare-data"),
     "sklearn": ("vision", "the digits data set of the ViT recipe"),

@@ -117,7 +117,7 @@ def materialize(
     Plan owners with init rules get layout-independent weights (init_parameters); owners a registered
     initialiser knows get its initialisation; other modules their reset_parameters(). A module that has
     none of these is an error, never silent uninitialised memory. `filled` names the parameters (as
-    `root.named_parameters()` does) that the caller fills right after (lit_mesh.pretrained, which names any
+    `root.named_parameters()` does) that the caller fills right after (lit_mesh.checkpoint.pretrained, which names any
     parameter it has no source for): they are allocated, not initialised; everything else still is, buffers
     (RoPE tables) included.
     """

@@ -20,9 +20,9 @@ from lit_mesh.parallel.context_layout import check_cp_style
 from lit_mesh.parallel.data import ZeroStage, check_zero_stage
 from lit_mesh.parallel.pipeline.schedules import PipelineSettings, check_pipeline_settings
 from lit_mesh.parallel.tensor_grid import check_tp_mode
-from lit_mesh.replan import OnWorldChange, check_on_world_change
+from lit_mesh.reliability.replan import OnWorldChange, check_on_world_change
 from lit_mesh.rules import Facts, check
-from lit_mesh.topology import Topology, as_topology
+from lit_mesh.comm.topology import Topology, as_topology
 
 
 @dataclass(frozen=True)

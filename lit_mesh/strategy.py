@@ -34,15 +34,15 @@ from typing_extensions import override
 
 import lit_mesh.hf  # noqa: F401  registers the transformers plans and initialisation (plan sources)
 from lit_mesh.checkpoint import dcp_writable, optimizer_state_options, refuse_overwriting_other_files, remove_checkpoint
-from lit_mesh.checkpoint_writer import CheckpointWriter
+from lit_mesh.checkpoint.writer import CheckpointWriter
 from lit_mesh.comm.compression import CompressionRun
 from lit_mesh.comm.hierarchical import AllReduceMode
 from lit_mesh.comm.options import CompressionOptions
 from lit_mesh.comm.reductions import Reductions
-from lit_mesh.elastic import init_process_group_for_attempt
-from lit_mesh.hangs import HangWatch, start_hang_watch, use_watchdog_defaults
+from lit_mesh.reliability.elastic import init_process_group_for_attempt
+from lit_mesh.reliability.hangs import HangWatch, start_hang_watch, use_watchdog_defaults
 from lit_mesh.init import materialize
-from lit_mesh.log_steps import is_logging_step
+from lit_mesh.training.log_steps import is_logging_step
 from lit_mesh.mesh import (
     MeshAxis,
     MeshLayout,
@@ -52,7 +52,7 @@ from lit_mesh.mesh import (
     per_node_degrees,
 )
 from lit_mesh.meta_writes import record_meta_writes
-from lit_mesh.nonfinite import NonFiniteLossGuard
+from lit_mesh.reliability.nonfinite import NonFiniteLossGuard
 from lit_mesh.options import build_options
 from lit_mesh.parallel.apply import already_parallelized, parallelize
 from lit_mesh.parallel.checkpointing import ActivationCheckpointing
@@ -62,12 +62,12 @@ from lit_mesh.parallel.pipeline.api import pipeline_scope, start_pipeline
 from lit_mesh.parallel.pipeline.moe import carry_moe_statistics
 from lit_mesh.parallel.pipeline.runner import PipelineRunner
 from lit_mesh.parallel.tensor_grid import TPMode
-from lit_mesh.precision import check_precision_plugin, with_global_norm_clipping
-from lit_mesh.pretrained import declared_sources, load_pretrained
-from lit_mesh.progress import count_steps_in_progress_bar
-from lit_mesh.replan import SPLITS_KEY, OnWorldChange, WorldPlan, keep_global_batch, plan_for_world, rescale_batch_progress
+from lit_mesh.training.precision import check_precision_plugin, with_global_norm_clipping
+from lit_mesh.checkpoint.pretrained import declared_sources, load_pretrained
+from lit_mesh.training.progress import count_steps_in_progress_bar
+from lit_mesh.reliability.replan import SPLITS_KEY, OnWorldChange, WorldPlan, keep_global_batch, plan_for_world, rescale_batch_progress
 from lit_mesh.rules import Facts, check
-from lit_mesh.topology import Topology, topology_from_environment
+from lit_mesh.comm.topology import Topology, topology_from_environment
 
 
 class MeshStrategy(ModelParallelStrategy):

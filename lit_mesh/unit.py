@@ -35,7 +35,7 @@ class Facts:
     precision: Optional[str] = None  # launch
     device_type: Optional[str] = None  # launch: "cpu", "cuda", ...
     process_group_backend: Optional[str] = None  # launch: "gloo", "nccl", ...
-    topology: Any = None  # lit_mesh.topology.Topology (launch)
+    topology: Any = None  # lit_mesh.comm.topology.Topology (launch)
     model_name: str = ""  # the LightningModule's class (setup)
     owners: list[Any] = field(default_factory=list)  # plan owners found in the model (setup)
     self_parallelised: bool = False  # configure_model applied parallelism itself (setup)

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from typing_extensions import override
 
 from lit_mesh.kernels import adamw_implementation
-from lit_mesh.log_steps import reduced_on_logging_steps, step_mean
+from lit_mesh.training.log_steps import reduced_on_logging_steps, step_mean
 from lit_mesh.loss import cross_entropy
 from lit_mesh.parallel.pipeline import loss_of, output_of
 from zoo.flops import gpt_flops_per_token, vit_flops_per_token

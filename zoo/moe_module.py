@@ -13,7 +13,7 @@ import lightning as L
 import torch
 from typing_extensions import override
 
-from lit_mesh.log_steps import module_logs_now, reduced_on_logging_steps, step_mean
+from lit_mesh.training.log_steps import module_logs_now, reduced_on_logging_steps, step_mean
 from lit_mesh.parallel.pipeline import is_pipelined, loss_of, output_of, sum_over_stages
 from zoo.modules import GPTModule, _inputs, _optimizer
 from zoo.moe import MoEConfig, MoETransformer, moe_flops_per_token

@@ -17,7 +17,7 @@ from typing import Any
 from torch import nn
 
 from lit_mesh.extras import require
-from lit_mesh.pretrained import (
+from lit_mesh.checkpoint.pretrained import (
     Concatenated,
     FileTensor,
     PretrainedError,

@@ -31,7 +31,7 @@ from torch.distributed.fsdp import FSDPModule
 from lit_mesh.comm.compression import INTRA_SUFFIX, CompressionRun, CompressionSite
 from lit_mesh.comm.fsdp import fsdp_units, unit_segments
 from lit_mesh.errors import MeshConfigError
-from lit_mesh.topology import Topology, all_gather_time, all_reduce_time
+from lit_mesh.comm.topology import Topology, all_gather_time, all_reduce_time
 
 AllReduceMode = Literal["auto", "flat", "hierarchical"]
 ALLREDUCE_MODES = ("auto", "flat", "hierarchical")
@@ -42,7 +42,7 @@ def check_allreduce_mode(mode: str) -> None:
         raise MeshConfigError(f"allreduce={mode!r}; choose one of {ALLREDUCE_MODES}")
 
 
-# ---- the alpha-beta cost model (lit_mesh.topology's ring formulas) -----------------------------------------
+# ---- the alpha-beta cost model (lit_mesh.comm.topology's ring formulas) -----------------------------------------
 
 
 def flat_time(nbytes: float, n: int, g: int, topology: Topology) -> float:

@@ -13,7 +13,7 @@ from torch import Tensor
 from lit_mesh.comm import hierarchical
 from lit_mesh.comm.hierarchical import AllReduceMode, Hierarchy, build_hierarchy
 from lit_mesh.mesh import MeshAxis, MeshViews
-from lit_mesh.topology import Topology
+from lit_mesh.comm.topology import Topology
 
 
 @dataclass

@@ -17,7 +17,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from lit_mesh.mesh import MeshAxis as A
 from lit_mesh.monitor.comm import CollectiveBytes
 from lit_mesh.monitor.peak_flops import peak_bf16_flops
-from lit_mesh.pipeline_timeline import TimelineRecorder, bubble_formula
+from lit_mesh.monitor.pipeline_timeline import TimelineRecorder, bubble_formula
 
 # which group names count for which mesh dim: the first view that owns a group names it
 _VIEW_ORDER = (A.TP, A.CP, A.EP, A.DP_SHARD_CP, A.DP_SHARD, A.DP_REPLICATE, A.DP, A.DP_CP, A.PP)
@@ -115,7 +115,7 @@ class MeshMonitor(Callback):
     step over the groups of each mesh dim, largest over ranks; ring-algorithm model of the measured
     collective sizes). Under pp > 1 also monitor/pp_bubble (1 - busy / step time of the F/B/W blocks this rank
     ran inside the schedule, largest over ranks) and monitor/pp_bubble_formula (the schedule's textbook value,
-    `lit_mesh.pipeline_timeline.bubble_formula`; absent for zbv/dualpipev). Timing the blocks wraps the stage
+    `lit_mesh.monitor.pipeline_timeline.bubble_formula`; absent for zbv/dualpipev). Timing the blocks wraps the stage
     methods for the logged steps only (plus a device synchronisation per block on GPU); `measure_pp_bubble=False`
     turns it off. With MoE layers (modules that keep `n_experts`, the global `load` of tokens per expert and
     their `aux_loss` of the last forward, as zoo.moe.MoE does): monitor/moe_tokens_per_expert/<i> (global batch,

@@ -8,8 +8,8 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lit_mesh.grad_norm import global_grad_norm
-from lit_mesh.log_steps import is_logging_step
+from lit_mesh.training.grad_norm import global_grad_norm
+from lit_mesh.training.log_steps import is_logging_step
 
 
 class GradientNormMonitor(Callback):

@@ -27,7 +27,7 @@ from lightning.pytorch.callbacks import Callback
 from torch.distributed.tensor._dispatch import OpDispatcher
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 
-from lit_mesh.log_steps import is_logging_step
+from lit_mesh.training.log_steps import is_logging_step
 from lit_mesh.monitor.comm import _group_name, _group_size
 
 HOST_READS = ("item", "tolist", "__bool__", "cpu")

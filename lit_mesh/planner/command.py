@@ -285,7 +285,7 @@ def main(argv: list[str]) -> int:
             folder.mkdir(parents=True, exist_ok=True)
             pictures = [plot_mesh(best.layout, hw, folder / "mesh.png"),
                         plot_memory(result.ranked[: args.top], hw, folder / "memory.png")]
-            from lit_mesh.figures import write_tensorboard_images
+            from lit_mesh.monitor.figures import write_tensorboard_images
 
             write_tensorboard_images(folder, {"plan/mesh": pictures[0], "plan/memory": pictures[1]})
             print("\npictures: " + ", ".join(str(p) for p in pictures) + f" (also in TensorBoard: tensorboard --logdir {folder})")

@@ -44,7 +44,7 @@ from lit_mesh.planner.memory import (
 )
 from lit_mesh.planner.schedules import Schedule, bubble_fraction, rank_stages  # noqa: F401  (re-exported)
 from lit_mesh.planner.shapes import ModelShapes, ParamShape
-from lit_mesh.topology import all_gather_time, all_reduce_time
+from lit_mesh.comm.topology import all_gather_time, all_reduce_time
 from zoo.flops import gpt_flops_per_token
 
 CALIBRATION = Path(__file__).with_name("calibration.yaml")

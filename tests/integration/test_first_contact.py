@@ -75,7 +75,7 @@ def _without(modules: str, code: str) -> subprocess.CompletedProcess:
     ("module", "call"),
     [
         ("transformers", "from zoo.hf.configs import tiny_config; tiny_config('llama')"),
-        ("matplotlib", "from lit_mesh.pipeline_timeline import draw_timeline; draw_timeline([], 't', 'x.png')"),
+        ("matplotlib", "from lit_mesh.monitor.pipeline_timeline import draw_timeline; draw_timeline([], 't', 'x.png')"),
         ("sklearn", "from zoo.image_data import load_digit_images; load_digit_images()"),
         ("jinja2", "import runpy; runpy.run_path('benchmarks/report.py')"),
     ],

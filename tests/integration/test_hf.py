@@ -340,7 +340,7 @@ def test_exported_checkpoint_loads_with_from_pretrained(out: Path, tmp_path: Pat
 
 def test_experts_split_by_halves_over_tp_save_and_load_back(out: Path) -> None:
     """Mixtral under tp2 holds each half's slice of gate_up_proj ([gate; up]), which torch's DCP cannot write as it
-    is: saved as plain shards, and put back on resume (lit_mesh/checkpoint.py). The resumed run (at the last step:
+    is: saved as plain shards, and put back on resume (lit_mesh/checkpoint/files.py). The resumed run (at the last step:
     it loads, trains nothing) ends with exactly the saved weights."""
     saved = torch.load(out / "mixtral-tp2" / "params.pt", weights_only=True)
     resumed = torch.load(out / "mixtral-tp2-resumed" / "params.pt", weights_only=True)

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from lit_mesh.async_save import AsyncCheckpointSaver
+from lit_mesh.checkpoint.async_save import AsyncCheckpointSaver
 
 
 def test_saved_state_is_the_state_at_save_time(tmp_path: Path) -> None:

@@ -18,7 +18,7 @@ from lit_mesh.options import MeshDegrees, MeshOptions
 from lit_mesh.parallel.apply import parallelize
 from lit_mesh.parallel.expert import expert_tp_placement
 from lit_mesh.plan import MoEPlan, PlanError
-from lit_mesh.pretrained import local_index
+from lit_mesh.checkpoint.pretrained import local_index
 from zoo.moe import MoEConfig, MoETransformer
 
 

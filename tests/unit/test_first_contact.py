@@ -16,7 +16,7 @@ def test_pictures_reach_the_loggers_that_take_images(tmp_path: Path, monkeypatch
     monkeypatch.setattr(rank_zero_only, "rank", 0)  # loggers write on rank 0 only; other tests may have set it
 
     from lit_mesh.extras import pyplot
-    from lit_mesh.figures import log_image
+    from lit_mesh.monitor.figures import log_image
     from tests.tensorboard_images import image_tags
 
     plt = pyplot()
@@ -42,7 +42,7 @@ def test_progress_bar_counts_steps_in_a_step_limited_run(tmp_path: Path) -> None
     from lightning.pytorch import Trainer
     from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
 
-    from lit_mesh.progress import StepRichProgressBar, StepTQDMProgressBar, count_steps_in_progress_bar
+    from lit_mesh.training.progress import StepRichProgressBar, StepTQDMProgressBar, count_steps_in_progress_bar
 
     for bar, twin in ((RichProgressBar(), StepRichProgressBar), (TQDMProgressBar(), StepTQDMProgressBar)):
         trainer = Trainer(max_steps=7, callbacks=[bar], logger=False, default_root_dir=tmp_path)

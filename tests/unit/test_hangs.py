@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 import torch.distributed as dist
 
-from lit_mesh import hangs
-from lit_mesh.hangs import CollectiveHangError, HangWatch, watchdog_environment
+from lit_mesh.reliability import hangs
+from lit_mesh.reliability.hangs import CollectiveHangError, HangWatch, watchdog_environment
 
 
 def test_nccl_gets_the_watchdog_and_flight_recorder_defaults() -> None:

@@ -123,7 +123,7 @@ def test_adamw_is_fused_off_the_cpu_and_foreach_on_it():
 
 
 def test_clipping_scales_gradients_with_one_foreach_call_per_group(monkeypatch):
-    from lit_mesh.grad_norm import clip_grad_norm_
+    from lit_mesh.training.grad_norm import clip_grad_norm_
 
     torch.manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(5, 3)) for _ in range(3)] + [torch.nn.Parameter(torch.randn(4).double())]

@@ -257,7 +257,7 @@ def test_lightning_sizes_and_tp_auto_resolve_like_model_parallel_strategy() -> N
 def test_16_true_is_accepted_and_refusals_offer_only_valid_choices() -> None:
     from lightning.pytorch.plugins.precision import DoublePrecision
 
-    from lit_mesh.precision import check_precision_plugin
+    from lit_mesh.training.precision import check_precision_plugin
 
     trainer = Trainer(accelerator="cpu", devices=1, strategy=MeshStrategy(), precision="16-true", logger=False)
     assert str(trainer.precision_plugin.precision) == "16-true"

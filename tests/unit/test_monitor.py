@@ -12,7 +12,7 @@ from zoo.vit import ViTConfig
 
 
 def test_bubble_formulas_by_hand() -> None:
-    from lit_mesh.pipeline_timeline import bubble_formula
+    from lit_mesh.monitor.pipeline_timeline import bubble_formula
 
     assert bubble_formula("gpipe", 4, 8) == pytest.approx(3 / 11)
     assert bubble_formula("1f1b", 2, 2) == pytest.approx(1 / 3)

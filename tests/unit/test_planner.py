@@ -285,7 +285,7 @@ def test_gemm_efficiency_falls_with_tp_and_async_tp_hides_the_forward() -> None:
     # tp=8 runs 8 x the tokens through 1/8 of each weight: the same FLOPs per rank, in smaller, slower GEMMs
     assert tp.compute_parts["gemm"] > 1.2 * fsdp.compute_parts["gemm"]
     asynchronous = step_time(shapes, MeshLayout(tp=8), work, "bf16-mixed", "none", hw, Features(async_tp=True))
-    from lit_mesh.topology import all_gather_time
+    from lit_mesh.comm.topology import all_gather_time
 
     logits = 8 * all_gather_time(8192 * 128256 * 2, 8, hw.link(1, 8))  # 8 micro-batches; stays exposed
     assert asynchronous.exposed["tp"] == pytest.approx(logits + (tp.exposed["tp"] - logits) / 2)
@@ -383,7 +383,7 @@ def test_expert_tensor_parallel_in_memory_and_cost() -> None:
     over tp (two all-reduces of the routed tokens per MoE block). The same shapes with replicated experts: none of it."""
     from lit_mesh.planner.cost import _gemm_seconds, calibrated_kernels, step_time
     from lit_mesh.planner.memory import local_numel
-    from lit_mesh.topology import all_reduce_time
+    from lit_mesh.comm.topology import all_reduce_time
 
     config = MoEConfig.from_preset("tiny")
     shapes = gpt_shapes(config)

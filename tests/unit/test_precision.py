@@ -7,7 +7,7 @@ import lightning as L
 import pytest
 
 from lit_mesh import FP16MixedPrecision, MeshStrategy
-from lit_mesh.precision import MeshGradScaler
+from lit_mesh.training.precision import MeshGradScaler
 
 
 def test_fp16_plugin_carries_the_mesh_scaler() -> None:
@@ -27,7 +27,7 @@ def test_clipping_by_the_global_norm_is_mixed_into_the_chosen_plugin(precision: 
     """The strategy keeps the user's plugin (its class, state and isinstance checks) and clips by the global norm."""
     import torch
 
-    from lit_mesh.precision import GlobalNormClipping, with_global_norm_clipping
+    from lit_mesh.training.precision import GlobalNormClipping, with_global_norm_clipping
 
     given = FP16MixedPrecision(device="cpu") if precision == "fp16-plugin" else None
     trainer = L.Trainer(accelerator="cpu", devices=1, strategy=MeshStrategy(), logger=False,
@@ -51,7 +51,7 @@ def test_a_fused_optimizer_clips_without_a_loss_scale_and_is_refused_with_one(pr
     scaled at clipping time, so Lightning's refusal stands."""
     import torch
 
-    from lit_mesh.precision import with_global_norm_clipping
+    from lit_mesh.training.precision import with_global_norm_clipping
 
     given = FP16MixedPrecision(device="cpu") if precision == "fp16-plugin" else None
     trainer = L.Trainer(accelerator="cpu", devices=1, strategy=MeshStrategy(), logger=False,

@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from lit_mesh.pretrained import Concatenated, Files, FileTensor, PretrainedError, Stacked, Transposed
+from lit_mesh.checkpoint.pretrained import Concatenated, Files, FileTensor, PretrainedError, Stacked, Transposed
 from zoo import GPTModule, MoEModule
 from zoo.hf.configs import tiny_config
 from zoo.hf.modules import HFCausalLM

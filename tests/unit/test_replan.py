@@ -1,5 +1,6 @@
 """MeshStrategy(on_world_change="replan") in one process: the layout a smaller launch gets, global batches served
-as micro-batches, loop counters rescaled, and the logged loss of an accumulated step (lit_mesh/replan.py)."""
+as micro-batches, loop counters rescaled, and the logged loss of an accumulated step
+(lit_mesh/reliability/replan.py)."""
 
 from __future__ import annotations
 
@@ -10,9 +11,9 @@ import torch
 
 from lit_mesh import MeshStrategy
 from lit_mesh.errors import MeshConfigError, WorldSizeError
-from lit_mesh.log_steps import step_mean
+from lit_mesh.training.log_steps import step_mean
 from lit_mesh.mesh import MeshLayout
-from lit_mesh.replan import SPLITS_KEY, keep_global_batch, plan_for_world, rescale_batch_progress
+from lit_mesh.reliability.replan import SPLITS_KEY, keep_global_batch, plan_for_world, rescale_batch_progress
 from zoo.global_batches import GlobalBatches
 
 

@@ -28,7 +28,7 @@ from lit_mesh.options import (
 )
 from lit_mesh.parallel.pipeline.schedules import SCHEDULES, PipelineSettings
 from lit_mesh.rules import RULES, RULES_BY_NAME, Facts, enforce
-from lit_mesh.topology import Topology
+from lit_mesh.comm.topology import Topology
 
 O = MeshOptions()
 DEGREES = dict(dp=None, dp_replicate=None, dp_shard=None, tp=1, cp=1, pp=1, ep=1)

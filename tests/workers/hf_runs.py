@@ -23,7 +23,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from lit_mesh.cli import run as run_cli
-from lit_mesh.pretrained import FileTensor, _runs
+from lit_mesh.checkpoint.pretrained import FileTensor, _runs
 from tests.workers.cli_runs import run as run_fit
 from tests.workers.examples_runs import load
 from tests.workers import exit_skipping_teardown

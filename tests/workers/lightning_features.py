@@ -18,7 +18,7 @@ from lightning.pytorch.loggers import CSVLogger
 from torch.distributed.tensor import DTensor
 
 from lit_mesh import MeshStrategy
-from lit_mesh.grad_norm import global_grad_norm
+from lit_mesh.training.grad_norm import global_grad_norm
 from zoo import GPTModule, TextDataModule
 from tests.workers import exit_skipping_teardown
 

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-from lit_mesh.precision import MeshGradScaler
+from lit_mesh.training.precision import MeshGradScaler
 from tests.workers import exit_skipping_teardown
 
 

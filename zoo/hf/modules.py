@@ -22,8 +22,8 @@ from typing_extensions import override
 
 from lit_mesh.extras import require
 from lit_mesh.kernels import adamw_implementation
-from lit_mesh.log_steps import reduced_on_logging_steps, step_mean
-from lit_mesh.pretrained import fill_parameters
+from lit_mesh.training.log_steps import reduced_on_logging_steps, step_mean
+from lit_mesh.checkpoint.pretrained import fill_parameters
 from zoo.hf.configs import tiny_config
 from zoo.pretrained import CAUSAL_LMS, FromPretrained, hf_sources, read_config
 

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from lit_mesh.checkpoint import publish_checkpoint
+from lit_mesh.checkpoint.files import publish_checkpoint
 
 
 class AsyncCheckpointSaver:

@@ -15,7 +15,7 @@ from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.utilities import GradClipAlgorithmType
 from typing_extensions import override
 
-from lit_mesh.grad_norm import clip_grad_norm_
+from lit_mesh.training.grad_norm import clip_grad_norm_
 
 SUPPORTED_PRECISION = ("32-true", "bf16-mixed", "bf16-true", "16-true", "16-mixed")
 # what Trainer(precision=...) accepts with MeshStrategy ("16-mixed" only comes as the FP16MixedPrecision plugin:

@@ -42,8 +42,8 @@ def accumulates_now(trainer: Any) -> bool:
 def step_mean(module: Any, name: str, value: Any) -> Any:
     """The mean of `value` over the micro-batches of the optimizer step so far: with accumulate_grad_batches=k,
     the k-th micro-batch returns the loss of the whole step's batch. Lightning logs the last micro-batch's value
-    alone, which would make a run that accumulates (a replanned one, lit_mesh/replan.py) log another curve than
-    the same global batches in one step. Summed on the device: no host sync."""
+    alone, which would make a run that accumulates (a replanned one, lit_mesh/reliability/replan.py) log another
+    curve than the same global batches in one step. Summed on the device: no host sync."""
     value = value.detach()
     sums = module.__dict__.setdefault("_lit_mesh_step_sums", {})  # per module and name, beside its parameters
     total, count = sums.get(name, (None, 0))

@@ -24,7 +24,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
-from lit_mesh.elastic import restart_attempt
+from lit_mesh.reliability.elastic import restart_attempt
 
 Fault = Literal["kill", "nan_loss", "slow", "hang", "sigterm", "disk_full"]
 FAULTS = ("kill", "nan_loss", "slow", "hang", "sigterm", "disk_full")

@@ -2,7 +2,7 @@
 
 Saves are atomic: every rank writes into NAME.partial, and NAME appears (replacing an older NAME) only once all
 have finished, so a crash mid-save leaves the previous checkpoint (e.g. last.ckpt) untouched and loadable.
-Asynchronous saves copy the state in memory and write it in a background thread (lit_mesh/async_save.py).
+Asynchronous saves copy the state in memory and write it in a background thread (lit_mesh/checkpoint/async_save.py).
 Gradient-compression state (per-rank residuals) is written beside the shards (lit_mesh/comm/state.py).
 """
 
@@ -17,8 +17,8 @@ import torch
 from lightning.fabric.utilities.load import _METADATA_FILENAME
 from torch import nn
 
-from lit_mesh.async_save import AsyncCheckpointSaver, split_for_dcp, write_metadata
-from lit_mesh.checkpoint import failed_save_reported, load_sharded_checkpoint, publish_checkpoint
+from lit_mesh.checkpoint.async_save import AsyncCheckpointSaver, split_for_dcp, write_metadata
+from lit_mesh.checkpoint.files import failed_save_reported, load_sharded_checkpoint, publish_checkpoint
 from lit_mesh.comm.compression import CompressionRun
 from lit_mesh.comm.state import load_compression_state, save_compression_state
 

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 
 from lit_mesh.extras import pyplot
-from lit_mesh.figures import log_image
+from lit_mesh.monitor.figures import log_image
 from lit_mesh.parallel.pipeline import PipelineRunner
 
 # the stage methods torch's schedules call for each block of work, and the letter each block gets

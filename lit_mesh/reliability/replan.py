@@ -18,7 +18,7 @@ from typing import Any, Literal, Optional
 
 from lit_mesh.errors import MeshConfigError, WorldSizeError
 from lit_mesh.mesh import MeshLayout, resolve_layout
-from lit_mesh.rules import divisors
+from lit_mesh.unit import divisors
 
 OnWorldChange = Literal["error", "replan"]
 ON_WORLD_CHANGE = ("error", "replan")

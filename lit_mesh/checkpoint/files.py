@@ -1,9 +1,9 @@
-"""Checkpoints written by MeshStrategy: load a sharded directory into any mesh, export one full file."""
+"""The files of a sharded checkpoint written by MeshStrategy: load it into any mesh, check it before loading
+(damaged ones are refused by name, with the checkpoint to use instead), publish and remove it atomically."""
 
 from __future__ import annotations
 
 import shutil
-import tempfile
 from collections.abc import Generator
 from contextlib import contextmanager
 from pathlib import Path
@@ -16,7 +16,6 @@ from lightning.fabric.utilities.load import _METADATA_FILENAME
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -26,6 +25,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor, Placement, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from lit_mesh.checkpoint.resume import complete_checkpoints, newest_checkpoint
 from lit_mesh.comm.state import DIRECTORY as COMPRESSION_DIRECTORY
 
 
@@ -59,10 +59,8 @@ class NotACheckpointError(CheckpointError, FileNotFoundError):
     """A path that is no (complete) checkpoint; a ValueError too, as ModelParallelStrategy raises it."""
 
 
-def _refusal(path: Path, problem: str) -> str:
+def refusal(path: Path, problem: str) -> str:
     """The whole message: the checkpoint, what is wrong, that nothing was changed, and the previous complete one."""
-    from lit_mesh.resume import complete_checkpoints  # (resume.py needs Lightning's trainer; keep it lazy)
-
     others = [p for p in complete_checkpoints(path.parent) if p.resolve() != path.resolve() and not shard_problems(p)]
     advice = (
         f"resume from the previous complete checkpoint, {str(others[-1])!r} (--ckpt_path={others[-1]})"
@@ -140,7 +138,7 @@ def verify_checkpoint(path: Path, model: Optional[nn.Module] = None, strict: boo
         problem = model_problems(path, model, strict)
     problem = _agreed(problem) if model is not None else problem
     if problem:
-        raise CheckpointError(_refusal(path, problem))
+        raise CheckpointError(refusal(path, problem))
 
 
 def _is_checkpoint_file(relative: Path) -> bool:
@@ -183,8 +181,6 @@ def remove_checkpoint(path: Path) -> None:
     """Delete a checkpoint for retention (ModelCheckpoint's save_top_k), never the newest complete one of its
     directory (a resume after a crash needs it); a directory is renamed away first, so a crash mid-delete never
     leaves a half-deleted checkpoint that still looks complete."""
-    from lit_mesh.resume import newest_checkpoint
-
     if not path.exists():
         return
     if newest_checkpoint(path.parent) == path:
@@ -201,8 +197,6 @@ def remove_checkpoint(path: Path) -> None:
 @contextmanager
 def failed_save_reported(staging: Path, path: Path) -> Generator[None, None, None]:
     """A save that fails (disk full, ...) removes its partial copy and says which checkpoints are still intact."""
-    from lit_mesh.resume import complete_checkpoints
-
     try:
         yield
     except (OSError, CheckpointException) as error:  # DCP reports a rank's write error on every rank as the latter
@@ -273,7 +267,7 @@ def load_sharded_checkpoint(
     metadata_file = path / _METADATA_FILENAME
     if not metadata_file.is_file():
         raise NotACheckpointError(
-            _refusal(
+            refusal(
                 path,
                 f"the directory has no {_METADATA_FILENAME}: it is partial (an interrupted save?) or was not written"
                 " by MeshStrategy or ModelParallelStrategy, so it does not point to a valid checkpoint",
@@ -289,44 +283,3 @@ def load_sharded_checkpoint(
         optimizer_state = dcp_load({key: get_optimizer_state_dict(model, optimizer, options=options)}, path)
         set_optimizer_state_dict(model, optimizer, optim_state_dict=optimizer_state[key], options=options)
     return metadata
-
-
-def load_full_state_dict(checkpoint: str | Path) -> dict[str, torch.Tensor]:
-    """The model weights of a checkpoint, unsharded, on the CPU, without a process group.
-
-    Never unpickles code: sharded checkpoints are read by torch.distributed.checkpoint, single files with
-    weights_only=True.
-    """
-    path = Path(checkpoint)
-    if not path.exists():
-        raise FileNotFoundError(f"checkpoint {str(path)!r} does not exist")
-    if path.is_dir():
-        if not (path / ".metadata").is_file():
-            raise NotACheckpointError(_refusal(path, "the directory has no .metadata: it is no complete sharded checkpoint"))
-        verify_checkpoint(path)
-        with tempfile.TemporaryDirectory() as tmp:
-            merged = Path(tmp) / "full.pt"
-            dcp_to_torch_save(path, merged)
-            state = torch.load(merged, map_location="cpu", weights_only=True)
-    else:
-        try:
-            state = torch.load(path, map_location="cpu", weights_only=True)
-        except (RuntimeError, EOFError, OSError) as error:  # truncated or not a torch file
-            raise CheckpointError(_refusal(path, f"the file cannot be read ({type(error).__name__}: {error})")) from error
-    if "state_dict" not in state:
-        raise ValueError(f"{str(path)!r} holds no 'state_dict' entry: is it a Lightning checkpoint?")
-    return {name: tensor for name, tensor in state["state_dict"].items() if isinstance(tensor, torch.Tensor)}
-
-
-def export_full_state_dict(checkpoint: str | Path, output: str | Path, prefix: str = "") -> Path:
-    """Write the model weights of `checkpoint` to `output` (torch.save); keep keys under `prefix`, stripped."""
-    weights = load_full_state_dict(checkpoint)
-    if prefix:
-        start = prefix.rstrip(".") + "."
-        weights = {name[len(start):]: t for name, t in weights.items() if name.startswith(start)}
-        if not weights:
-            raise ValueError(f"no weights under prefix {prefix!r} in {str(checkpoint)!r}")
-    out = Path(output)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    torch.save(weights, out)
-    return out
