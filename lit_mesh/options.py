@@ -14,7 +14,7 @@ from typing import Any, Optional
 from lit_mesh.comm.hierarchical import AllReduceMode, check_allreduce_mode
 from lit_mesh.comm.options import CompressionOptions, GradCompression, resolve_compression
 from lit_mesh.mesh import Degree, check_degrees
-from lit_mesh.parallel.checkpointing import check_activation_checkpointing
+from lit_mesh.parallel.activation_checkpointing import check_activation_checkpointing
 from lit_mesh.parallel.compile import check_compile_backend
 from lit_mesh.parallel.context_layout import check_cp_style
 from lit_mesh.parallel.data import ZeroStage, check_zero_stage

@@ -55,7 +55,7 @@ from lit_mesh.meta_writes import record_meta_writes
 from lit_mesh.nonfinite import NonFiniteLossGuard
 from lit_mesh.options import build_options
 from lit_mesh.parallel.apply import already_parallelized, parallelize
-from lit_mesh.parallel.checkpointing import ActivationCheckpointing
+from lit_mesh.parallel.activation_checkpointing import ActivationCheckpointing
 from lit_mesh.parallel.context import CPStyle, gather_batch, shard_batch
 from lit_mesh.parallel.data import ZeroStage, defer_gradient_reduction, refuse_fsdp1
 from lit_mesh.parallel.pipeline import PipelineRunner, start_pipeline

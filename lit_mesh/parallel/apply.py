@@ -21,7 +21,7 @@ from lit_mesh.comm.compression import CompressionRun
 from lit_mesh.comm.hierarchical import Hierarchy, attach_hierarchical_all_reduce
 from lit_mesh.mesh import MeshAxis, MeshViews
 from lit_mesh.options import MeshOptions
-from lit_mesh.parallel.checkpointing import apply_activation_checkpointing
+from lit_mesh.parallel.activation_checkpointing import apply_activation_checkpointing
 from lit_mesh.parallel.compile import apply_compile, enable_async_tp
 from lit_mesh.parallel.context import apply_context_parallel
 from lit_mesh.parallel.data import apply_data_parallel, attach_compression, data_parallel_mesh
