@@ -11,7 +11,6 @@ import weakref
 
 from dataclasses import dataclass
 
-import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
