@@ -162,7 +162,7 @@ def parallelize(
     if layout.world_size > 1:
         for owner in owners:
             apply_expert_parallel(owner.module, owner.plan, mesh, layout)
-    if options.compile.async_tp:  # CUDA + NCCL, inductor, tp > 1 with SP: lit_mesh/rules.py
+    if options.compile.async_tp:  # CUDA + NCCL, inductor, tp > 1 with SP: the rules of lit_mesh/parallel/compile.py
         enable_async_tp(mesh[MeshAxis.TP])
     for owner in owners:
         blocks = list(owner.module.get_submodule(owner.plan.blocks))
