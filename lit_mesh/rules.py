@@ -295,7 +295,8 @@ _NOT_YET_IN_THEIR_UNITS: tuple[Rule, ...] = (
     ),
 )
 
-# The units in the order that keeps which error comes first as it was when one table held every rule.
+# The units in the order closest to that of the one table that held every rule before (within a phase the first
+# broken rule raises, so this order decides which error a user sees first).
 RULES: list[Rule] = [
     *mesh.RULES,
     *precision.RULES,
