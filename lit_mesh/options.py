@@ -177,7 +177,8 @@ def build_options(**given: Any) -> MeshOptions:
             values[group.name] = given.get(arguments[0].name, arguments[0].default)
         else:
             cls = type(group.default)
-            values[group.name] = _BUILDERS.get(cls, cls)(**{a.field: given.get(a.name, a.default) for a in arguments})
+            kwargs = {str(a.field): given.get(a.name, a.default) for a in arguments}
+            values[group.name] = _BUILDERS.get(cls, cls)(**kwargs)
     options = MeshOptions(**values)
     check("init", Facts(degrees=options.mesh.degrees(), options=options))
     return options
