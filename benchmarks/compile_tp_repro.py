@@ -43,7 +43,7 @@ if str(REPO) not in sys.path:
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 
-from lit_mesh.parallel.checkpointing import apply_activation_checkpointing  # noqa: E402
+from lit_mesh.parallel.activation_checkpointing import apply_activation_checkpointing  # noqa: E402
 from lit_mesh.parallel.compile import apply_compile  # noqa: E402
 from lit_mesh.parallel.tensor import apply_tensor_parallel  # noqa: E402
 from zoo.gpt import GPT, GPTConfig  # noqa: E402

@@ -304,7 +304,7 @@ def fake_activation_bytes(config: GPTConfig, mode: str, batch: int, seq: int) ->
     with the same probe as the real runs, activation checkpointing applied by lit_mesh."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from lit_mesh.parallel.checkpointing import apply_activation_checkpointing
+    from lit_mesh.parallel.activation_checkpointing import apply_activation_checkpointing
 
     with FakeTensorMode():
         gpt = GPT(config)

@@ -5,6 +5,10 @@ Named flattened views: dp = dp_replicate x dp_shard (data loading), dp_shard_cp 
 shards over it), dp_cp = dp x cp (loss and metric reduction). Expert parallel adds no dim: ep borrows the
 innermost ranks of dp_shard x cp, and expert_dp = (dp_replicate, dp_shard x cp / ep) shards the expert
 weights. Size-1 dims cost nothing.
+
+The degrees are a unit of their own (lit_mesh/unit.py): their options (MeshDegrees) and their rules (RULES: the
+degrees alone, then against the world size) live here, so this module imports nothing of lit-mesh but
+lit_mesh.errors and lit_mesh.unit.
 """
 
 from __future__ import annotations
@@ -15,9 +19,10 @@ from typing import Any, Literal, Optional, Union
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from lit_mesh.errors import MeshConfigError, WorldSizeError  # noqa: F401 - re-exported (lit_mesh.mesh.MeshConfigError)
-from lit_mesh.rules import RULES_BY_NAME, Facts, divisors, enforce
+from lit_mesh.unit import Facts, Rule, divisors, enforce, option
 
 Degree = Union[int, Literal["auto"], None]
+AUTO_DEGREES = ("dp", "dp_shard", "tp")  # the degrees that may be "auto"
 
 
 class MeshAxis:
@@ -96,8 +101,114 @@ def check_degree(name: str, value: Degree, allow_auto: bool = False) -> None:
 def check_degrees(**degrees: Degree) -> None:
     """Everything that can be checked without knowing the world size."""
     for name, value in degrees.items():
-        check_degree(name, value, allow_auto=name in ("dp", "dp_shard", "tp"))
-    enforce(RULES_BY_NAME["one_auto_degree"], Facts(degrees=degrees))
+        check_degree(name, value, allow_auto=name in AUTO_DEGREES)
+    enforce(ONE_AUTO_DEGREE, Facts(degrees=degrees))
+
+
+@dataclass(frozen=True)
+class MeshDegrees:
+    """The mesh: degrees as given (resolved against the world size by resolve_layout)."""
+
+    dp: Degree = option(None, doc='data-parallel degree; alone it means FSDP over dp ranks. "auto" fills the world size.')
+    dp_replicate: Optional[int] = option(None, doc="replicas (DDP); with dp_shard > 1 as well, HSDP.")
+    dp_shard: Degree = option(
+        None, doc='FSDP shards per replica; "auto" fills the world size (the default when no dp degree is given).'
+    )
+    tp: Union[int, Literal["auto"]] = option(
+        1, doc='tensor-parallel degree (innermost axis: keep it inside a node); "auto": the devices of a node.'
+    )
+    cp: int = option(
+        1,
+        doc="context-parallel degree: each sample's sequence is split over cp ranks (needs a plan that declares its"
+        " attention and positions); FSDP then shards over dp_shard x cp.",
+    )
+    pp: int = option(
+        1,
+        doc="pipeline-parallel degree (outermost axis: stages may span nodes). The LightningModule computes its loss"
+        " with `lit_mesh.loss_of(self.model, loss_fn, inputs, targets)` (and its outputs with `output_of`).",
+    )
+    ep: int = option(
+        1,
+        doc="expert-parallel degree, borrowed from dp_shard x cp (it adds no ranks): experts of the plan's MoE layers"
+        " are split over ep, their weights FSDP-sharded over dp_shard x cp / ep.",
+    )
+    # None: on with tp_mode="1d", off otherwise (lit_mesh.options.MeshOptions resolves it: it reads tp_mode)
+    sequence_parallel: Optional[bool] = option(
+        None,
+        doc='shard activations over the sequence between TP regions (needs tp to divide it); default: on with'
+        ' tp_mode="1d", off otherwise.',
+    )
+    data_parallel_size: Degree = option(
+        None,
+        doc="ModelParallelStrategy's name, with its meaning: 'auto' (the default when only tensor_parallel_size is"
+        " given) is the number of nodes; not together with dp or tp. The mesh answers to 'data_parallel' whichever"
+        " names are used.",
+    )
+    tensor_parallel_size: Degree = option(
+        None,
+        doc="ModelParallelStrategy's name, with its meaning: 'auto' (the default when only data_parallel_size is"
+        " given) is the devices per node; not together with dp or tp. The mesh answers to 'tensor_parallel'"
+        " whichever names are used.",
+    )
+
+    def __post_init__(self) -> None:
+        check_degrees(**self.degrees())
+        check_degree("data_parallel_size", self.data_parallel_size, allow_auto=True)
+        check_degree("tensor_parallel_size", self.tensor_parallel_size, allow_auto=True)
+
+    def degrees(self) -> dict[str, Any]:
+        return dict(dp=self.dp, dp_replicate=self.dp_replicate, dp_shard=self.dp_shard, tp=self.tp, cp=self.cp,
+                    pp=self.pp, ep=self.ep)  # fmt: skip
+
+
+def _lightning_sizes_given(f: Facts) -> bool:
+    mesh = f.options.mesh
+    return mesh.data_parallel_size is not None or mesh.tensor_parallel_size is not None
+
+
+def _own_degrees(f: Facts) -> dict[str, Any]:
+    """The degrees of MeshStrategy's own names that were given (not left at None or 1)."""
+    return {name: value for name, value in f.degrees.items() if value not in (None, 1)}
+
+
+def _model_parallel(f: Facts) -> int:
+    return f.degrees["pp"] * f.degrees["cp"] * f.degrees["tp"]
+
+
+ONE_AUTO_DEGREE = Rule(
+    "one_auto_degree", "init",
+    lambda f: f.degrees.get("dp") == "auto" and f.degrees.get("dp_shard") == "auto",
+    lambda f: "dp='auto' and dp_shard='auto': only one degree may be 'auto'; give the other a number",
+)  # fmt: skip
+
+RULES: list[Rule] = [
+    # ---- init: the degrees alone ---------------------------------------------------------------------------------
+    ONE_AUTO_DEGREE,
+    Rule(
+        "lightning_sizes_alone", "init",
+        lambda f: _lightning_sizes_given(f) and bool(_own_degrees(f)),
+        lambda f: "data_parallel_size/tensor_parallel_size (ModelParallelStrategy's names) together with"
+        f" {', '.join(f'{name}={value!r}' for name, value in _own_degrees(f).items())}: give either the two Lightning"
+        " sizes, or MeshStrategy's degrees (dp, dp_replicate, dp_shard, tp, cp, pp)",
+    ),
+    # ---- layout: the degrees against the world size --------------------------------------------------------------
+    Rule(
+        "model_parallel_divides_world", "layout",
+        lambda f: f.world_size % _model_parallel(f) != 0,
+        lambda f: f"pp={f.degrees['pp']} x cp={f.degrees['cp']} x tp={f.degrees['tp']} = {_model_parallel(f)} does"
+        f" not divide the world size {f.world_size} (devices x num_nodes); choose degrees whose product divides"
+        f" {f.world_size}, e.g. tp in {divisors(f.world_size)}",
+        WorldSizeError,
+    ),
+    Rule(
+        "ep_divides_dp_shard_cp", "layout",
+        lambda f: f.layout is not None and (f.layout.dp_shard * f.layout.cp) % f.layout.ep != 0,
+        lambda f: f"ep={f.layout.ep} does not divide dp_shard x cp = {f.layout.dp_shard} x {f.layout.cp} ="
+        f" {f.layout.dp_shard * f.layout.cp} (expert parallel borrows its ranks from them, it does not add any);"
+        f" choose ep in {divisors(f.layout.dp_shard * f.layout.cp)}",
+    ),
+]  # fmt: skip
+_BY_NAME = {rule.name: rule for rule in RULES}
 
 
 def resolve_layout(
@@ -124,7 +235,7 @@ def resolve_layout(
     if tp == "auto":
         raise MeshConfigError("tp='auto' means the devices per node: resolve it with per_node_degrees() first")
     facts = Facts(degrees=dict(dp=dp, dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp, cp=cp, pp=pp, ep=ep), world_size=world_size)
-    enforce(RULES_BY_NAME["model_parallel_divides_world"], facts)  # a WorldSizeError, as ModelParallelStrategy raises
+    enforce(_BY_NAME["model_parallel_divides_world"], facts)  # a WorldSizeError, as ModelParallelStrategy raises
     model_parallel = pp * cp * tp
     dp_total = world_size // model_parallel  # what the data-parallel dims must fill
 
@@ -171,7 +282,7 @@ def resolve_layout(
             " dp='auto' to fill it"
         )
     facts.layout = layout
-    enforce(RULES_BY_NAME["ep_divides_dp_shard_cp"], facts)
+    enforce(_BY_NAME["ep_divides_dp_shard_cp"], facts)
     return layout
 
 
@@ -197,20 +308,11 @@ class LightningSizes:
         return {"dp": dp, "tp": tp}
 
 
-def lightning_sizes(
-    degrees: dict[str, Any], data_parallel_size: Degree, tensor_parallel_size: Degree
-) -> Optional[LightningSizes]:
+def lightning_sizes(data_parallel_size: Degree, tensor_parallel_size: Degree) -> Optional[LightningSizes]:
     """The Lightning-named sizes, if given (either one given means the other defaults to "auto", as in
-    ModelParallelStrategy); refuses them together with our own dp/tp names."""
+    ModelParallelStrategy). Not together with our own dp/tp names: the rule "lightning_sizes_alone"."""
     if data_parallel_size is None and tensor_parallel_size is None:
         return None
-    ours = {name: value for name, value in degrees.items() if value not in (None, 1)}
-    if ours:
-        given = ", ".join(f"{name}={value!r}" for name, value in ours.items())
-        raise MeshConfigError(
-            f"data_parallel_size/tensor_parallel_size (ModelParallelStrategy's names) together with {given}: give"
-            " either the two Lightning sizes, or MeshStrategy's degrees (dp, dp_replicate, dp_shard, tp, cp, pp)"
-        )
     sizes = LightningSizes(
         "auto" if data_parallel_size is None else data_parallel_size,  # type: ignore[arg-type]
         "auto" if tensor_parallel_size is None else tensor_parallel_size,  # type: ignore[arg-type]

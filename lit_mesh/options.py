@@ -1,165 +1,184 @@
-"""MeshOptions: MeshStrategy's arguments, checked and grouped by concern, frozen.
+"""MeshOptions: MeshStrategy's arguments, grouped by the unit that owns them, checked, frozen.
 
-MeshStrategy.__init__ keeps flat, type-annotated arguments (LightningCLI reads them) and hands them to
-`build_options`, which checks each value beside the option it belongs to, then the "init" rules of
-lit_mesh/rules.py. Everything downstream (parallelize, the components) reads the groups.
+Each argument is defined once, as a field of its unit's options dataclass made with `lit_mesh.unit.option`: its
+name (the field's, or `arg`), type (the annotation, or `accepts`), default and help text. ARGUMENTS is the table
+read from those fields; MeshStrategy's docstring (which LightningCLI reads) is built from it, and
+tests/unit/test_options.py checks MeshStrategy.__init__'s flat, typed signature against it. `build_options` turns
+the flat arguments into the groups (each group checks its own values, e.g. in __post_init__), then checks the
+"init" rules of every unit (lit_mesh/rules.py). Everything downstream (parallelize, the components) reads the groups.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any, Optional
+import textwrap
+from collections.abc import Callable
+from dataclasses import dataclass, fields, replace
+from datetime import timedelta
+from typing import Any, Optional, get_type_hints
 
-from lit_mesh.comm.hierarchical import AllReduceMode, check_allreduce_mode
-from lit_mesh.comm.options import CompressionOptions, GradCompression, resolve_compression
-from lit_mesh.mesh import Degree, check_degrees
-from lit_mesh.parallel.checkpointing import check_activation_checkpointing
-from lit_mesh.parallel.compile import check_compile_backend
-from lit_mesh.parallel.context_layout import check_cp_style
-from lit_mesh.parallel.data import ZeroStage, check_zero_stage
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+
+from lit_mesh.checkpoint.writer import CheckpointOptions
+from lit_mesh.comm.options import CommunicationOptions
+from lit_mesh.mesh import MeshDegrees
+from lit_mesh.parallel.activation_checkpointing import MemoryOptions
+from lit_mesh.parallel.compile import CompileOptions
+from lit_mesh.parallel.context_layout import CPStyle, check_cp_style
+from lit_mesh.parallel.data import DataParallelOptions
 from lit_mesh.parallel.pipeline.schedules import PipelineSettings, check_pipeline_settings
-from lit_mesh.parallel.tensor_grid import check_tp_mode
-from lit_mesh.reliability.replan import OnWorldChange, check_on_world_change
+from lit_mesh.parallel.tensor_grid import TPMode, check_tp_mode
+from lit_mesh.reliability.replan import WorldChangeOptions
 from lit_mesh.rules import Facts, check
-from lit_mesh.comm.topology import Topology, as_topology
+from lit_mesh.unit import option
 
-
-@dataclass(frozen=True)
-class MeshDegrees:
-    """The mesh: degrees as given (resolved against the world size by lit_mesh.mesh.resolve_layout)."""
-
-    dp: Degree = None
-    dp_replicate: Optional[int] = None
-    dp_shard: Degree = None
-    tp: Degree = 1  # "auto": the devices of a node
-    cp: int = 1
-    pp: int = 1
-    ep: int = 1
-    sequence_parallel: bool = True  # shard activations over the sequence between TP regions
-
-    def degrees(self) -> dict[str, Any]:
-        return dict(dp=self.dp, dp_replicate=self.dp_replicate, dp_shard=self.dp_shard, tp=self.tp, cp=self.cp,
-                    pp=self.pp, ep=self.ep)  # fmt: skip
+__all__ = [  # the groups, importable from here as before
+    "CheckpointOptions", "CommunicationOptions", "CompileOptions", "ContextOptions", "DataParallelOptions",
+    "LaunchOptions", "MemoryOptions", "MeshDegrees", "MeshOptions", "PipelineSettings", "TensorOptions",
+    "WorldChangeOptions", "ARGUMENTS", "Argument", "args_docstring", "build_options",
+]  # fmt: skip
 
 
 @dataclass(frozen=True)
 class TensorOptions:
-    mode: str = "1d"  # "1d" (Megatron-style), "2d", "2.5d", "3d": lit_mesh/parallel/tensor_grid.py
-    depth: Optional[int] = None  # 2.5-D only: the grid's depth d (tp = d * q * q)
-
-
-@dataclass(frozen=True)
-class DataParallelOptions:
-    zero_stage: ZeroStage = 3  # what the sharded data-parallel dim shards: 3 FSDP; 2, 1 (lit_mesh/parallel/data.py)
+    mode: TPMode = option(
+        "1d",
+        doc='how the tp ranks split the model: "1d" (Megatron-style column/row split, the default), "2d" (SUMMA on a q'
+        ' x q grid, tp = q * q), "2.5d" (Tesseract: tp = d * q * q with tp_depth=d) or "3d" (tp = q^3). The grid'
+        " modes split weights and activations in blocks; they combine with dp_replicate (DDP) only (no FSDP, pp, cp,"
+        " ep, sequence_parallel, compile, activation checkpointing or grad_compression). See"
+        " lit_mesh/parallel/tensor_grid.py.",
+        arg="tp_mode",
+    )
+    depth: Optional[int] = option(
+        None,
+        doc='the depth d of tp_mode="2.5d" (the weight blocks are replicated d times, the batch split d times).',
+        arg="tp_depth",
+    )
 
 
 @dataclass(frozen=True)
 class ContextOptions:
-    style: str = "ring"  # "ring", "ulysses" or "allgather" (lit_mesh/parallel/context_attention.py)
+    style: CPStyle = option(
+        "ring",
+        doc='"ring" (K/V blocks circulate, load-balanced causal), "ulysses" (all-to-all to head shards; cp must divide'
+        ' the heads per tp rank) or "allgather" (all-gather K/V, load-balanced causal).',
+        arg="cp_style",
+    )
 
 
 @dataclass(frozen=True)
-class MemoryOptions:
-    activation_checkpointing: str = "none"  # "none", "full" or "selective"
-    ac_every_n_blocks: int = 1
+class LaunchOptions:
+    """ModelParallelStrategy's own arguments (MeshStrategy hands them on)."""
 
-
-@dataclass(frozen=True)
-class CompileOptions:
-    backend: Optional[str] = None  # None: blocks are not compiled
-    async_tp: bool = False  # torch's micro-pipeline TP in the compiled blocks (CUDA + NCCL, inductor, SP)
-
-
-@dataclass(frozen=True)
-class CommunicationOptions:
-    compression: Optional[CompressionOptions] = None  # None: exact gradient reductions
-    allreduce: AllReduceMode = "auto"
-    topology: Optional[Topology] = None  # as given; the run's is read from the cluster environment at launch
-    strict_topology: bool = False
-
-
-@dataclass(frozen=True)
-class CheckpointOptions:
-    distributed: bool = True  # sharded directories (one file per rank), else one full file
-    asynchronous: bool = False  # written in a background thread
+    process_group_backend: Optional[str] = option(None, doc='"gloo", "nccl", ...; default from the device.')
+    timeout: Optional[timedelta] = option(default_pg_timeout, doc="timeout of collectives.")
 
 
 @dataclass(frozen=True)
 class MeshOptions:
-    """Everything the user chose, by concern."""
+    """Everything the user chose, by the unit that owns it. A field is a group (a unit's options dataclass) or one
+    option of its own."""
 
     mesh: MeshDegrees = MeshDegrees()
-    tensor: TensorOptions = TensorOptions()
     data: DataParallelOptions = DataParallelOptions()
+    tensor: TensorOptions = TensorOptions()
     pipeline: PipelineSettings = PipelineSettings()
     context: ContextOptions = ContextOptions()
     memory: MemoryOptions = MemoryOptions()
     compile: CompileOptions = CompileOptions()
     communication: CommunicationOptions = CommunicationOptions()
     checkpoint: CheckpointOptions = CheckpointOptions()
-    stop_on_nonfinite_loss: bool = True
-    on_world_change: OnWorldChange = "error"  # lit_mesh/replan.py
-
-
-def build_options(
-    *,
-    dp: Degree,
-    dp_replicate: Optional[int],
-    dp_shard: Degree,
-    tp: Degree,
-    cp: int,
-    cp_style: str,
-    pp: int,
-    ep: int,
-    pp_schedule: str,
-    pp_microbatches: Optional[int],
-    pp_stages_per_rank: Optional[int],
-    pp_split: Optional[Sequence[int]],
-    sequence_parallel: Optional[bool],
-    activation_checkpointing: str,
-    ac_every_n_blocks: int,
-    compile_blocks: bool,
-    compile_backend: str,
-    async_tp: bool,
-    stop_on_nonfinite_loss: bool,
-    save_distributed_checkpoint: bool,
-    async_save: bool,
-    grad_compression: GradCompression,
-    topology: Any,
-    strict_topology: bool,
-    allreduce: str,
-    on_world_change: str = "error",
-    zero_stage: ZeroStage = 3,
-    tp_mode: str = "1d",
-    tp_depth: Optional[int] = None,
-) -> MeshOptions:
-    """MeshStrategy's flat arguments -> MeshOptions; raises what needs no world size, in the user's process."""
-    check_tp_mode(tp_mode, tp_depth)
-    if sequence_parallel is None:  # SP splits 1-D TP's sequence; the grid schemes split the batch instead
-        sequence_parallel = tp_mode == "1d"
-    mesh = MeshDegrees(dp, dp_replicate, dp_shard, tp, cp, pp, ep, sequence_parallel)
-    check_degrees(**mesh.degrees())
-    check_zero_stage(zero_stage)
-    pipeline = check_pipeline_settings(pp_schedule, pp_microbatches, pp_stages_per_rank, pp_split)
-    check_activation_checkpointing(activation_checkpointing, ac_every_n_blocks)
-    check_cp_style(cp_style)
-    if compile_blocks:
-        check_compile_backend(compile_backend)
-    check_allreduce_mode(allreduce)
-    check_on_world_change(on_world_change)
-    options = MeshOptions(
-        mesh=mesh,
-        tensor=TensorOptions(tp_mode, tp_depth),
-        data=DataParallelOptions(zero_stage),
-        pipeline=pipeline,
-        context=ContextOptions(cp_style),
-        memory=MemoryOptions(activation_checkpointing, ac_every_n_blocks),
-        compile=CompileOptions(compile_backend if compile_blocks else None, async_tp),
-        communication=CommunicationOptions(resolve_compression(grad_compression), allreduce, as_topology(topology), strict_topology),  # fmt: skip
-        checkpoint=CheckpointOptions(save_distributed_checkpoint, async_save),
-        stop_on_nonfinite_loss=stop_on_nonfinite_loss,
-        on_world_change=on_world_change,  # type: ignore[arg-type]
+    stop_on_nonfinite_loss: bool = option(
+        True,
+        doc="stop with the step and the ranks when a training loss is NaN or infinite; every rank stops together (one"
+        " tiny all-reduce on logging steps, before saves and at the end; nothing on the other steps: see"
+        " lit_mesh/nonfinite.py).",
     )
-    check("init", Facts(degrees=mesh.degrees(), options=options))
+    world: WorldChangeOptions = WorldChangeOptions()
+    launch: LaunchOptions = LaunchOptions()
+
+    def __post_init__(self) -> None:
+        if self.mesh.sequence_parallel is None:  # SP splits 1-D TP's sequence; the grid schemes split the batch
+            object.__setattr__(self, "mesh", replace(self.mesh, sequence_parallel=self.tensor.mode == "1d"))
+
+
+@dataclass(frozen=True)
+class Argument:
+    """One flat MeshStrategy argument, as its unit's field defines it."""
+
+    name: str  # MeshStrategy's argument
+    group: str  # the MeshOptions field that holds it
+    field: Optional[str]  # its field in the group's dataclass; None: the MeshOptions field is the option itself
+    annotation: Any
+    default: Any
+    doc: str
+
+
+def _tensor_options(mode: TPMode, depth: Optional[int]) -> TensorOptions:
+    check_tp_mode(mode, depth)
+    return TensorOptions(mode, depth)
+
+
+def _context_options(style: CPStyle) -> ContextOptions:
+    check_cp_style(style)
+    return ContextOptions(style)
+
+
+# the groups whose dataclass does not check its own values (yet: the pipeline, grid-TP and CP units): the function
+# that checks them and builds it
+_BUILDERS: dict[type, Callable[..., Any]] = {
+    PipelineSettings: check_pipeline_settings,
+    TensorOptions: _tensor_options,
+    ContextOptions: _context_options,
+}
+
+
+def _arguments() -> dict[str, Argument]:
+    table: dict[str, Argument] = {}
+    for group in fields(MeshOptions):
+        if "doc" in group.metadata:
+            options, hints, in_group = [group], get_type_hints(MeshOptions), False
+        else:
+            cls = get_type_hints(MeshOptions)[group.name]
+            options, hints, in_group = list(fields(cls)), get_type_hints(cls), True
+        for f in options:
+            if "doc" not in f.metadata:
+                raise TypeError(f"{group.name}.{f.name}: every field of an options group is made with option(doc=...)")
+            name = f.metadata["arg"] or f.name
+            annotation = f.metadata["accepts"] if f.metadata["accepts"] is not None else hints[f.name]
+            table[name] = Argument(name, group.name, f.name if in_group else None, annotation, f.default, f.metadata["doc"])
+    return table
+
+
+ARGUMENTS: dict[str, Argument] = _arguments()
+
+
+def args_docstring(indent: str = "    ", width: int = 120) -> str:
+    """The "Args:" section of MeshStrategy's docstring, one entry per argument, in the table's order."""
+    lines = [f"{indent}Args:"]
+    for argument in ARGUMENTS.values():
+        lines += textwrap.wrap(
+            f"{argument.name}: {argument.doc}", width, initial_indent=indent * 2, subsequent_indent=indent * 3,
+            break_long_words=False, break_on_hyphens=False,
+        )  # fmt: skip
+    return "\n".join(lines)
+
+
+def build_options(**given: Any) -> MeshOptions:
+    """MeshStrategy's flat arguments (any of ARGUMENTS; the rest take their defaults) -> MeshOptions; raises what
+    needs no world size, in the user's process."""
+    unknown = sorted(set(given) - set(ARGUMENTS))
+    if unknown:
+        raise TypeError(f"unknown MeshStrategy arguments {unknown}; the arguments are {list(ARGUMENTS)}")
+    values: dict[str, Any] = {}
+    for group in fields(MeshOptions):
+        arguments = [a for a in ARGUMENTS.values() if a.group == group.name]
+        if arguments[0].field is None:
+            values[group.name] = given.get(arguments[0].name, arguments[0].default)
+        else:
+            cls = type(group.default)
+            kwargs = {str(a.field): given.get(a.name, a.default) for a in arguments}
+            values[group.name] = _BUILDERS.get(cls, cls)(**kwargs)
+    options = MeshOptions(**values)
+    check("init", Facts(degrees=options.mesh.degrees(), options=options))
     return options

@@ -53,9 +53,9 @@ from lit_mesh.mesh import (
 )
 from lit_mesh.meta_writes import record_meta_writes
 from lit_mesh.reliability.nonfinite import NonFiniteLossGuard
-from lit_mesh.options import build_options
+from lit_mesh.options import ARGUMENTS, args_docstring, build_options
 from lit_mesh.parallel.apply import already_parallelized, parallelize
-from lit_mesh.parallel.checkpointing import ActivationCheckpointing
+from lit_mesh.parallel.activation_checkpointing import ActivationCheckpointing
 from lit_mesh.parallel.context import CPStyle, gather_batch, shard_batch
 from lit_mesh.parallel.data import ZeroStage, defer_gradient_reduction, refuse_fsdp1
 from lit_mesh.parallel.pipeline.api import pipeline_scope, start_pipeline
@@ -73,74 +73,9 @@ from lit_mesh.comm.topology import Topology, topology_from_environment
 class MeshStrategy(ModelParallelStrategy):
     """Train on one N-D DeviceMesh (pp, dp_replicate, dp_shard, cp, tp) with the model's parallel plan applied.
 
-    Args:
-        dp: data-parallel degree; alone it means FSDP over dp ranks. "auto" fills the world size.
-        dp_replicate: replicas (DDP); with dp_shard > 1 as well, HSDP.
-        dp_shard: FSDP shards per replica; "auto" fills the world size (the default when no dp degree is given).
-        zero_stage: what the sharded data-parallel dim (dp / dp_shard) shards: 3 (FSDP: parameters, gradients and
-            optimizer state), 2 (gradients and optimizer state: parameters gathered once per step, kept until
-            backward ends) or 1 (optimizer state: gradients also reduced once per step, at the last accumulated
-            micro-batch). Lower stages communicate less and hold more. See lit_mesh/parallel/data.py.
-        tp: tensor-parallel degree (innermost axis: keep it inside a node); "auto": the devices of a node.
-        cp: context-parallel degree: each sample's sequence is split over cp ranks (needs a plan that declares
-            its attention and positions); FSDP then shards over dp_shard x cp.
-        cp_style: "ring" (K/V blocks circulate, load-balanced causal), "ulysses" (all-to-all to head shards;
-            cp must divide the heads per tp rank) or "allgather" (all-gather K/V, load-balanced causal).
-        pp: pipeline-parallel degree (outermost axis: stages may span nodes). The LightningModule computes its loss
-            with `lit_mesh.loss_of(self.model, loss_fn, inputs, targets)` (and its outputs with `output_of`).
-        ep: expert-parallel degree, borrowed from dp_shard x cp (it adds no ranks): experts of the plan's MoE
-            layers are split over ep, their weights FSDP-sharded over dp_shard x cp / ep.
-        pp_schedule: "gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "zero_bubble" (interleaved zero bubble),
-            "zbv" or "dualpipev" (V-shaped, 2 stages per rank); or "2bw" (PipeDream-2BW: asynchronous 1F1B without
-            a flush, each batch's gradient applied one step late, two weight versions per stage; pp alone, see
-            lit_mesh/parallel/pipeline/twobw.py).
-        pp_microbatches: micro-batches per step (must divide each pipeline replica's batch); default pp
-            (dualpipev: 2 x pp, one per stage).
-        pp_stages_per_rank: virtual stages per rank for the interleaved schedules (default 2 there, else 1).
-        pp_split: blocks per stage, e.g. [3, 5]; default: balanced, counting embedding and head as one block each.
-        tp_mode: how the tp ranks split the model: "1d" (Megatron-style column/row split, the default), "2d" (SUMMA
-            on a q x q grid, tp = q * q), "2.5d" (Tesseract: tp = d * q * q with tp_depth=d) or "3d" (tp = q^3).
-            The grid modes split weights and activations in blocks; they combine with dp_replicate (DDP) only (no
-            FSDP, pp, cp, ep, sequence_parallel, compile, activation checkpointing or grad_compression:
-            lit_mesh/rules.py). See lit_mesh/parallel/tensor_grid.py.
-        tp_depth: the depth d of tp_mode="2.5d" (the weight blocks are replicated d times, the batch split d times).
-        sequence_parallel: shard activations over the sequence between TP regions (needs tp to divide it); default:
-            on with tp_mode="1d", off otherwise.
-        activation_checkpointing: "none", "full" (recompute whole blocks in backward) or "selective" (keep
-            matmul, attention and collective outputs, recompute the rest).
-        ac_every_n_blocks: checkpoint every n-th block only (1: all blocks).
-        compile_blocks: torch.compile each block's forward (after TP and checkpointing, before FSDP).
-        compile_backend: the torch.compile backend ("inductor"; "aot_eager" compiles fast and generates no code).
-        async_tp: torch's micro-pipeline (async) TP: inductor overlaps the sequence-parallel all-gather and
-            reduce-scatter with the matmuls of the compiled blocks. CUDA + NCCL only; needs compile_blocks with
-            "inductor", tp > 1 and sequence_parallel.
-        stop_on_nonfinite_loss: stop with the step and the ranks when a training loss is NaN or infinite; every
-            rank stops together (one tiny all-reduce on logging steps, before saves and at the end; nothing on
-            the other steps: see lit_mesh/nonfinite.py).
-        save_distributed_checkpoint: sharded checkpoints (a directory, one file per rank) or one full file.
-        async_save: write sharded checkpoints in a background thread (training goes on once the state is
-            copied in memory); the directory appears under its name only when every rank has written it.
-        grad_compression: compress every data-parallel gradient reduction: "fp16", "bf16", "int8", "int4",
-            "powersgd", "onebit", "topk", "randomk", "threshold", or a `lit_mesh.CompressionOptions` (rank, ratio,
-            warm-up, schedule, ...); None: off.
-            See lit_mesh/comm/compression.py.
-        topology: nodes, devices per node and link bandwidths/latencies (`lit_mesh.Topology`); default: read
-            from the cluster environment (SLURM, torchrun) and Trainer(num_nodes, devices). Given explicitly, it
-            must agree with them (on one machine it may split the devices into simulated nodes).
-        strict_topology: refuse a tensor-parallel group that would cross nodes (else: a warning with the numbers).
-        allreduce: replicated gradients (DDP, HSDP's replicate axis) and metric reductions: "hierarchical"
-            (reduce-scatter in the node, all-reduce of the 1/g piece between nodes, all-gather in the node; with
-            grad_compression only the inter-node all-reduce is compressed), "flat", or "auto" (the topology's
-            alpha-beta cost model decides per tensor size). See lit_mesh/comm/hierarchical.py.
-        data_parallel_size, tensor_parallel_size: ModelParallelStrategy's names, with its meaning: "auto" (the
-            default of the one not given) is the nodes / the devices per node; not together with dp or tp.
-            The mesh answers to "data_parallel" and "tensor_parallel" whichever names are used.
-        process_group_backend: "gloo", "nccl", ...; default from the device.
-        timeout: timeout of collectives.
-        on_world_change: a launch on fewer devices than the degrees plan: "error" (default), or "replan": keep
-            pp, cp, tp and ep, shrink data parallelism to the devices there are, and keep the planned global
-            batch and rows per rank by accumulating micro-batches, so a resumed run continues its loss curve
-            (data from zoo.GlobalBatchDataModule). See lit_mesh/replan.py.
+    The arguments (their help: the "Args" section below) are defined once, in the options dataclass of the unit that
+    owns each (lit_mesh/options.py collects them); this signature repeats their names, types and defaults for IDEs
+    and LightningCLI, and tests/unit/test_options.py checks that it matches.
     """
 
     strategy_name = "mesh"
@@ -181,24 +116,14 @@ class MeshStrategy(ModelParallelStrategy):
         on_world_change: OnWorldChange = "error",
         zero_stage: ZeroStage = 3,
     ) -> None:
+        given = {name: value for name, value in locals().items() if name in ARGUMENTS}
         super().__init__(
             save_distributed_checkpoint=save_distributed_checkpoint,
             process_group_backend=process_group_backend,
             timeout=timeout,
         )
-        # what needs no world size fails here, in the user's process
-        self.options = build_options(
-            dp=dp, dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp, cp=cp, cp_style=cp_style, pp=pp, ep=ep,
-            pp_schedule=pp_schedule, pp_microbatches=pp_microbatches, pp_stages_per_rank=pp_stages_per_rank,
-            pp_split=pp_split, sequence_parallel=sequence_parallel, activation_checkpointing=activation_checkpointing,
-            ac_every_n_blocks=ac_every_n_blocks, compile_blocks=compile_blocks, compile_backend=compile_backend,
-            async_tp=async_tp, stop_on_nonfinite_loss=stop_on_nonfinite_loss,
-            save_distributed_checkpoint=save_distributed_checkpoint,
-            async_save=async_save, grad_compression=grad_compression, topology=topology,
-            strict_topology=strict_topology, allreduce=allreduce, on_world_change=on_world_change, zero_stage=zero_stage,
-            tp_mode=tp_mode, tp_depth=tp_depth,
-        )  # fmt: skip
-        self._lightning_sizes = lightning_sizes(self.options.mesh.degrees(), data_parallel_size, tensor_parallel_size)
+        self.options = build_options(**given)  # what needs no world size fails here, in the user's process
+        self._lightning_sizes = lightning_sizes(data_parallel_size, tensor_parallel_size)
         self._nonfinite = NonFiniteLossGuard() if stop_on_nonfinite_loss else None
         self._world_plan: Optional[WorldPlan] = None
         self._base_accumulation: Optional[int] = None  # the Trainer's accumulate_grad_batches before a replan
@@ -217,7 +142,7 @@ class MeshStrategy(ModelParallelStrategy):
         """The resolved degrees (known once the Trainer has set devices and num_nodes)."""
         if self._world_plan is None:
             degrees = per_node_degrees(self.options.mesh.degrees(), self._lightning_sizes, self.num_nodes, self.num_processes)
-            self._world_plan = plan_for_world(self.num_processes * self.num_nodes, degrees, self.options.on_world_change)
+            self._world_plan = plan_for_world(self.num_processes * self.num_nodes, degrees, self.options.world.on_world_change)
         return self._world_plan.layout
 
     @property
@@ -241,7 +166,8 @@ class MeshStrategy(ModelParallelStrategy):
 
     @override
     def _configure_launcher(self) -> None:
-        # Called by the Trainer before any process is spawned: validate here, not after spawning.
+        # Called by the Trainer before any process is spawned: validate here, not after spawning. The precision
+        # first (its rules need no world size), then every "launch" rule once the layout and topology are known.
         check_precision_plugin(self.precision_plugin)
         layout = self.layout  # the degrees against the world size
         assert self.cluster_environment is not None
@@ -250,7 +176,8 @@ class MeshStrategy(ModelParallelStrategy):
         )
         precision = str(self.precision_plugin.precision)
         check("launch", Facts(options=self.options, layout=layout, precision=precision, topology=self.topology,
-                              device_type=self.root_device.type, process_group_backend=self._get_process_group_backend()))
+                              precision_plugin=self.precision_plugin, device_type=self.root_device.type,
+                              process_group_backend=self._get_process_group_backend()))  # fmt: skip
         # Always configure the launcher: with processes created externally (SLURM, torchrun) it spawns
         # nothing but still validates the cluster settings.
         self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
@@ -509,6 +436,8 @@ class MeshStrategy(ModelParallelStrategy):
             )
         return self._device_mesh
 
+
+MeshStrategy.__doc__ = f"{MeshStrategy.__doc__}\n{args_docstring()}\n"  # LightningCLI's help reads it
 
 StrategyRegistry.register(
     MeshStrategy.strategy_name, MeshStrategy, override=True, description="N-D mesh: DDP/FSDP/HSDP x TP/SP from the model's plan"

@@ -33,6 +33,7 @@ class Facts:
     world_size: Optional[int] = None  # layout, launch
     layout: Any = None  # lit_mesh.mesh.MeshLayout, resolved (layout: once resolved; launch, setup)
     precision: Optional[str] = None  # launch
+    precision_plugin: Any = None  # launch: the Trainer's precision plugin (its loss scaler)
     device_type: Optional[str] = None  # launch: "cpu", "cuda", ...
     process_group_backend: Optional[str] = None  # launch: "gloo", "nccl", ...
     topology: Any = None  # lit_mesh.comm.topology.Topology (launch)
@@ -68,7 +69,9 @@ def enforce(rule: Rule, facts: Facts) -> None:
             raise rule.error(rule.message(facts))
 
 
-def option(default: Any, *, doc: str, arg: Optional[str] = None) -> Any:
+def option(default: Any, *, doc: str, arg: Optional[str] = None, accepts: Any = None) -> Any:
     """A field of a unit's options dataclass. `arg`: its flat MeshStrategy argument (default: the field's name);
-    `doc`: the argument's help text (MeshStrategy's docstring, which LightningCLI reads, is built from it)."""
-    return field(default=default, metadata={"doc": doc, "arg": arg})
+    `doc`: the argument's help text (MeshStrategy's docstring, which LightningCLI reads, is built from it);
+    `accepts`: the argument's type where the dataclass converts what it is given (e.g. a mode name into
+    CompressionOptions, in its __post_init__), else the field's annotation."""
+    return field(default=default, metadata={"doc": doc, "arg": arg, "accepts": accepts})

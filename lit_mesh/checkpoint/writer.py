@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import shutil
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
@@ -21,6 +22,32 @@ from lit_mesh.checkpoint.async_save import AsyncCheckpointSaver, split_for_dcp, 
 from lit_mesh.checkpoint.files import failed_save_reported, load_sharded_checkpoint, publish_checkpoint
 from lit_mesh.comm.compression import CompressionRun
 from lit_mesh.comm.state import load_compression_state, save_compression_state
+from lit_mesh.unit import Rule, option
+
+
+@dataclass(frozen=True)
+class CheckpointOptions:
+    distributed: bool = option(
+        True,
+        doc="sharded checkpoints (a directory, one file per rank) or one full file.",
+        arg="save_distributed_checkpoint",
+    )
+    asynchronous: bool = option(
+        False,
+        doc="write sharded checkpoints in a background thread (training goes on once the state is copied in memory);"
+        " the directory appears under its name only when every rank has written it.",
+        arg="async_save",
+    )
+
+
+RULES: list[Rule] = [
+    Rule(
+        "async_save_needs_sharded", "init",
+        lambda f: f.options.checkpoint.asynchronous and not f.options.checkpoint.distributed,
+        lambda f: "async_save=True writes sharded checkpoints: keep save_distributed_checkpoint=True",
+        ValueError,
+    ),
+]  # fmt: skip
 
 
 class CheckpointWriter:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from collections.abc import Sequence
-from typing import Any, Literal, Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -30,16 +30,8 @@ from torch.distributed.fsdp import FSDPModule
 
 from lit_mesh.comm.compression import INTRA_SUFFIX, CompressionRun, CompressionSite
 from lit_mesh.comm.fsdp import fsdp_units, unit_segments
-from lit_mesh.errors import MeshConfigError
+from lit_mesh.comm.options import ALLREDUCE_MODES, AllReduceMode, check_allreduce_mode  # noqa: F401 - re-exported
 from lit_mesh.comm.topology import Topology, all_gather_time, all_reduce_time
-
-AllReduceMode = Literal["auto", "flat", "hierarchical"]
-ALLREDUCE_MODES = ("auto", "flat", "hierarchical")
-
-
-def check_allreduce_mode(mode: str) -> None:
-    if mode not in ALLREDUCE_MODES:
-        raise MeshConfigError(f"allreduce={mode!r}; choose one of {ALLREDUCE_MODES}")
 
 
 # ---- the alpha-beta cost model (lit_mesh.comm.topology's ring formulas) -----------------------------------------

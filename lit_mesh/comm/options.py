@@ -1,4 +1,5 @@
-"""What the user asks for: `MeshStrategy(grad_compression=...)` as a name or a typed options object.
+"""What the user asks for: `MeshStrategy(grad_compression=...)` as a name or a typed options object, and how the
+replicated reductions run over the nodes (`allreduce`, `topology`, `strict_topology`): CommunicationOptions.
 
 Plain dataclasses, so LightningCLI YAML can give them:
     grad_compression: {mode: powersgd, powersgd_rank: 4, warmup_steps: 10}
@@ -8,10 +9,12 @@ Every check runs in MeshStrategy.__init__, in the user's process, before any ran
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Optional, Union
+from typing import Literal, Optional, Union
 
 from lit_mesh.comm.codecs import ONEBIT_SCALES
-from lit_mesh.errors import CompressionConfigError  # noqa: F401 - re-exported
+from lit_mesh.errors import CompressionConfigError, MeshConfigError  # noqa: F401 - re-exported
+from lit_mesh.comm.topology import Topology, as_topology
+from lit_mesh.unit import option
 
 MODES = ("fp16", "bf16", "powersgd", "onebit", "topk", "int8", "int4", "randomk", "threshold")
 PHASE_MODES = ("none", *MODES)  # a phase of the schedule may also send uncompressed
@@ -177,3 +180,50 @@ def check_options(o: CompressionOptions) -> None:
             raise CompressionConfigError(f"{where}.grad_norm_change_below={phase.grad_norm_change_below} must be > 0")
         if phase.patience < 1:
             raise CompressionConfigError(f"{where}.patience={phase.patience} must be >= 1")
+
+
+AllReduceMode = Literal["auto", "flat", "hierarchical"]
+ALLREDUCE_MODES = ("auto", "flat", "hierarchical")
+
+
+def check_allreduce_mode(mode: str) -> None:
+    if mode not in ALLREDUCE_MODES:
+        raise MeshConfigError(f"allreduce={mode!r}; choose one of {ALLREDUCE_MODES}")
+
+
+@dataclass(frozen=True)
+class CommunicationOptions:
+    """The data-parallel gradient reductions: compressed or not, hierarchical or flat, on which topology."""
+
+    compression: Optional[CompressionOptions] = option(
+        None,
+        doc='compress every data-parallel gradient reduction: "fp16", "bf16", "int8", "int4", "powersgd", "onebit",'
+        ' "topk", "randomk", "threshold", or a `lit_mesh.CompressionOptions` (rank, ratio, warm-up, schedule, ...);'
+        " None: off. See lit_mesh/comm/compression.py.",
+        arg="grad_compression",
+        accepts=GradCompression,
+    )
+    allreduce: AllReduceMode = option(
+        "auto",
+        doc='replicated gradients (DDP, HSDP\'s replicate axis) and metric reductions: "hierarchical" (reduce-scatter in'
+        " the node, all-reduce of the 1/g piece between nodes, all-gather in the node; with grad_compression only the"
+        ' inter-node all-reduce is compressed), "flat", or "auto" (the topology\'s alpha-beta cost model decides per'
+        " tensor size). See lit_mesh/comm/hierarchical.py.",
+    )
+    # as given; the run's is read from the cluster environment at launch
+    topology: Optional[Topology] = option(
+        None,
+        doc="nodes, devices per node and link bandwidths/latencies (`lit_mesh.Topology`); default: read from the"
+        " cluster environment (SLURM, torchrun) and Trainer(num_nodes, devices). Given explicitly, it must agree"
+        " with them (on one machine it may split the devices into simulated nodes).",
+    )
+    strict_topology: bool = option(
+        False, doc="refuse a tensor-parallel group that would cross nodes (else: a warning with the numbers)."
+    )
+
+    def __post_init__(self) -> None:
+        check_allreduce_mode(self.allreduce)
+        # a mode name (or a mapping) -> checked CompressionOptions; a mapping of Topology fields -> Topology
+        object.__setattr__(self, "compression", resolve_compression(self.compression))
+        object.__setattr__(self, "topology", as_topology(self.topology))
+

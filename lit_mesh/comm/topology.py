@@ -5,7 +5,7 @@ all-reduce import it from here).
 Ranks are numbered node-major, as every launcher does it (SLURM, torchrun, Lightning): node = rank // devices
 per node. Read from Lightning's cluster environment and the Trainer's `num_nodes` x `devices`, or given
 explicitly (`MeshStrategy(topology=Topology(nodes=4, devices_per_node=8))`, also as LightningCLI YAML).
-MeshStrategy checks the mesh against it (tp, then cp, inside a node; pp outermost) and prints the placement.
+MeshStrategy checks the mesh against it (RULES: the mesh fills the nodes, tp inside a node) and prints the placement.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from typing import Any, Optional
 
 from lit_mesh.errors import TopologyError  # noqa: F401 - re-exported (lit_mesh.TopologyError)
 from lit_mesh.mesh import MESH_AXES, MeshLayout
+from lit_mesh.unit import Facts, Rule
 
 GB = 1e9
 
@@ -202,3 +203,44 @@ def _check_torchelastic(num_nodes: int, devices: int) -> None:
             f"num_nodes={num_nodes} x devices={devices} = {num_nodes * devices} but torchrun's world has {world}"
             f" processes; set num_nodes={int(world) // max(devices, 1)} (torchrun --nnodes) or devices to match"
         )
+
+
+def _node_devices(f: Facts) -> int:
+    return f.topology.devices_per_node
+
+
+def _gbps(bandwidth: float) -> str:
+    return f"{bandwidth / 1e9:g} GB/s"
+
+
+def _tp_across_nodes(f: Facts) -> str:
+    d = _node_devices(f)
+    return (
+        f"tp={f.layout.tp} does not divide the {d} devices of one node: tensor-parallel groups cross nodes"
+        f" (their all-reduces per layer then run at {_gbps(f.topology.inter_node_bandwidth)} instead of"
+        f" {_gbps(f.topology.intra_node_bandwidth)}); choose tp dividing {d}"
+    )
+
+
+RULES: list[Rule] = [
+    Rule(
+        "topology_holds_mesh", "launch",
+        lambda f: f.layout.world_size != f.topology.world_size,
+        lambda f: f"the mesh has {f.layout.world_size} ranks ({f.layout.describe()}) but the topology has"
+        f" {f.topology.nodes} nodes x {f.topology.devices_per_node} devices = {f.topology.world_size}; give"
+        f" nodes x devices_per_node = {f.layout.world_size}",
+        TopologyError,
+    ),
+    Rule(
+        "tp_inside_node_strict", "launch",
+        lambda f: f.options.communication.strict_topology and _node_devices(f) % f.layout.tp != 0,
+        lambda f: _tp_across_nodes(f) + " (or strict_topology=False to run anyway)",
+        TopologyError,
+    ),
+    Rule(
+        "tp_inside_node", "launch",
+        lambda f: _node_devices(f) % f.layout.tp != 0,
+        lambda f: _tp_across_nodes(f),
+        warn_only=True,
+    ),
+]  # fmt: skip

@@ -11,7 +11,6 @@ import weakref
 
 from dataclasses import dataclass
 
-import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
@@ -21,7 +20,7 @@ from lit_mesh.comm.compression import CompressionRun
 from lit_mesh.comm.hierarchical import Hierarchy, attach_hierarchical_all_reduce
 from lit_mesh.mesh import MeshAxis, MeshViews
 from lit_mesh.options import MeshOptions
-from lit_mesh.parallel.checkpointing import apply_activation_checkpointing
+from lit_mesh.parallel.activation_checkpointing import apply_activation_checkpointing
 from lit_mesh.parallel.compile import apply_compile, enable_async_tp
 from lit_mesh.parallel.context import apply_context_parallel
 from lit_mesh.parallel.data import apply_data_parallel, attach_compression, data_parallel_mesh
@@ -163,7 +162,7 @@ def parallelize(
     if layout.world_size > 1:
         for owner in owners:
             apply_expert_parallel(owner.module, owner.plan, mesh, layout)
-    if options.compile.async_tp:  # CUDA + NCCL, inductor, tp > 1 with SP: lit_mesh/rules.py
+    if options.compile.async_tp:  # CUDA + NCCL, inductor, tp > 1 with SP: the rules of lit_mesh/parallel/compile.py
         enable_async_tp(mesh[MeshAxis.TP])
     for owner in owners:
         blocks = list(owner.module.get_submodule(owner.plan.blocks))

@@ -15,10 +15,9 @@ whole parameters unevenly, cannot broadcast DTensors, and keeps a state dict DCP
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -30,6 +29,7 @@ from lit_mesh.comm.compression import CompressionRun
 from lit_mesh.comm.fsdp import attach_gradient_compression
 from lit_mesh.errors import MeshConfigError
 from lit_mesh.mesh import MeshAxis, MeshLayout, MeshViews
+from lit_mesh.unit import Rule, option
 
 
 def data_parallel_mesh(mesh: MeshViews, layout: MeshLayout, replicate_in_hook: bool = False) -> DeviceMesh | None:
@@ -75,6 +75,50 @@ def check_zero_stage(zero_stage: object) -> None:
             f"zero_stage={zero_stage!r} must be 1 (sharded optimizer state), 2 (and sharded gradients) or 3 (and"
             " sharded parameters: FSDP, the default)"
         )
+
+
+@dataclass(frozen=True)
+class DataParallelOptions:
+    zero_stage: ZeroStage = option(
+        3,
+        doc="what the sharded data-parallel dim (dp / dp_shard) shards: 3 (FSDP: parameters, gradients and optimizer"
+        " state), 2 (gradients and optimizer state: parameters gathered once per step, kept until backward ends) or 1"
+        " (optimizer state: gradients also reduced once per step, at the last accumulated micro-batch). Lower stages"
+        " communicate less and hold more. See lit_mesh/parallel/data.py.",
+    )
+
+    def __post_init__(self) -> None:
+        check_zero_stage(self.zero_stage)
+
+
+RULES: list[Rule] = [
+    Rule(
+        # torch's PipelineStage keeps FSDP units gathered over the micro-batches and reduces once at the last one
+        "zero_stage_with_pp", "init",
+        lambda f: f.options.data.zero_stage != 3 and f.degrees["pp"] > 1,
+        lambda f: f"zero_stage={f.options.data.zero_stage} with pp={f.degrees['pp']}: under a pipeline each stage's"
+        " parameters are already gathered once per step and its gradients reduced once, at the last micro-batch"
+        " (torch's PipelineStage), with parameters, gradients and optimizer state sharded between steps; zero_stage"
+        " applies to pp=1 only: leave it at 3 with pp, or use pp=1",
+    ),
+    Rule(
+        "zero_stage_needs_sharded_dp", "launch",
+        lambda f: f.options.data.zero_stage != 3 and f.layout.data_parallel in ("none", "ddp"),
+        lambda f: f"zero_stage={f.options.data.zero_stage} shards optimizer state"
+        f"{' and gradients' if f.options.data.zero_stage == 2 else ''} over the sharded data-parallel dim, but the"
+        f" mesh has none ({f.layout.describe()}): "
+        + ("dp_replicate alone keeps everything whole (DDP, ZeRO stage 0); " if f.layout.data_parallel == "ddp" else
+           "one data-parallel rank has nothing to shard; ")
+        + "give dp (or dp_shard) > 1, or leave zero_stage=3",
+    ),
+    Rule(
+        "self_parallelised_without_zero_stage", "setup",
+        lambda f: f.self_parallelised and f.options.data.zero_stage != 3,
+        lambda f: f"zero_stage={f.options.data.zero_stage} chooses how MeshStrategy applies FSDP2, but configure_model"
+        f" of {f.model_name} parallelised the model itself; pass reshard_after_forward=False to your fully_shard"
+        " calls (ZeRO-2), or let MeshStrategy apply a parallel_plan()",
+    ),
+]  # fmt: skip
 
 
 def reshards_after_forward(layout: MeshLayout, zero_stage: int) -> bool:

@@ -23,7 +23,7 @@ scaled by 1/ep inside the dispatch, the gradient of the tokens is left as it is.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -37,6 +37,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from lit_mesh.mesh import MeshAxis, MeshLayout, MeshViews
 from lit_mesh.parallel.data import mixed_precision_policy, reshards_after_forward
 from lit_mesh.plan import MoEPlan, ParallelPlan, PlanError
+from lit_mesh.unit import Facts, Rule, divisors
 
 
 def moe_layers(model: nn.Module, plan: ParallelPlan) -> Iterator[nn.Module]:
@@ -61,11 +62,44 @@ def expert_modules(model: nn.Module, plan: ParallelPlan) -> list[nn.Module]:
     return [layer.experts for layer in moe_layers(model, plan)]
 
 
-def check_ep_divides(plan: ParallelPlan, ep: int, model_name: str) -> None:
+def ep_divides_problem(plan: ParallelPlan, ep: int, model_name: str) -> Optional[str]:
+    """Which size of the MoE layers `ep` does not divide (None: it divides every size the plan names)."""
     for what, size in (plan.moe.ep_divides if plan.moe is not None else {}).items():
         if size % ep:
-            choices = [d for d in range(1, size + 1) if size % d == 0]
-            raise PlanError(f"ep={ep} does not divide {what}={size} of {model_name} (choose ep in {choices})")
+            return f"ep={ep} does not divide {what}={size} of {model_name} (choose ep in {divisors(size)})"
+    return None
+
+
+def ep_plan_problem(model: nn.Module, plan: ParallelPlan, ep: int) -> Optional[str]:
+    """Why `ep` ranks cannot split the experts of a model with this plan (None: they can)."""
+    model_name = type(model).__name__
+    if next(moe_layers(model, plan), None) is None:
+        return None if ep == 1 else (
+            f"ep={ep} but {model_name}.parallel_plan() declares no MoE layer (ParallelPlan.moe); use ep=1 for a"
+            " dense model"
+        )
+    return ep_divides_problem(plan, ep, model_name)
+
+
+def check_ep_divides(plan: ParallelPlan, ep: int, model_name: str) -> None:
+    problem = ep_divides_problem(plan, ep, model_name)
+    if problem is not None:
+        raise PlanError(problem)
+
+
+def _plan_problems(f: Facts) -> list[str]:
+    problems = (ep_plan_problem(o.module, o.plan, f.layout.ep) for o in f.owners)
+    return [problem for problem in problems if problem is not None]
+
+
+RULES: list[Rule] = [
+    Rule(
+        "ep_fits_plan", "setup",
+        lambda f: not f.self_parallelised and f.layout.ep > 1 and bool(_plan_problems(f)),
+        lambda f: _plan_problems(f)[0],
+        PlanError,
+    ),
+]  # fmt: skip
 
 
 class _ScaleGradient(torch.autograd.Function):
@@ -169,15 +203,12 @@ def expert_tp_placement(moe: MoEPlan, name: str, model_name: str) -> Placement:
 def apply_expert_parallel(model: nn.Module, plan: ParallelPlan, mesh: MeshViews, layout: MeshLayout) -> None:
     """Swap the dispatcher of every MoE layer and split the stacked expert weights over ep (dim 0), and with
     expert tensor parallel over tp (their hidden dim) too."""
+    problem = ep_plan_problem(model, plan, layout.ep)  # MeshStrategy refuses it earlier ("ep_fits_plan")
+    if problem is not None:
+        raise PlanError(problem)
     layers = list(moe_layers(model, plan))
     if not layers:
-        if layout.ep > 1:
-            raise PlanError(
-                f"ep={layout.ep} but {type(model).__name__}.parallel_plan() declares no MoE layer (ParallelPlan.moe);"
-                " use ep=1 for a dense model"
-            )
         return
-    check_ep_divides(plan, layout.ep, type(model).__name__)
     ep_group = mesh.ep.get_group() if layout.ep > 1 else None
     load_group = mesh.dp_cp.get_group()
     tp_mesh = mesh[MeshAxis.TP] if expert_tensor_parallel(plan, layout) else None

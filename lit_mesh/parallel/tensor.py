@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Collection
-from typing import Any
+from typing import Any, Optional
 
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
@@ -20,10 +20,10 @@ from torch.distributed.tensor.parallel import (
 )
 
 from lit_mesh.errors import PlanError  # noqa: F401 - re-exported (lit_mesh.PlanError)
-from lit_mesh.parallel.hidden_states import HiddenStatesLayout
 from lit_mesh.init import retie, tied_parameters
-from lit_mesh.plan import ParallelPlan, PlanError
-
+from lit_mesh.parallel.hidden_states import HiddenStatesLayout
+from lit_mesh.plan import ParallelPlan
+from lit_mesh.unit import Facts, Rule, divisors
 
 
 def torch_style(style: str, sequence_parallel: bool, check: Any = None) -> ParallelStyle | None:
@@ -65,11 +65,55 @@ def torch_style(style: str, sequence_parallel: bool, check: Any = None) -> Paral
     raise PlanError(f"unknown TP style {style!r}")
 
 
-def check_tp_divides(plan: ParallelPlan, tp: int, model_name: str) -> None:
+def tp_divides_problem(plan: ParallelPlan, tp: int, model_name: str) -> Optional[str]:
+    """Which size of the model `tp` does not divide (None: it divides every size the plan names)."""
     for what, size in plan.tp.divides.items():
         if size % tp:
-            choices = [d for d in range(1, size + 1) if size % d == 0 and d <= 64]
-            raise PlanError(f"tp={tp} does not divide {what}={size} of {model_name} (choose tp in {choices})")
+            choices = [d for d in divisors(size) if d <= 64]
+            return f"tp={tp} does not divide {what}={size} of {model_name} (choose tp in {choices})"
+    return None
+
+
+def tp_plan_problem(plan: ParallelPlan, tp: int, model_name: str) -> Optional[str]:
+    """Why `tp` ranks cannot split a model with this plan (None: they can)."""
+    if plan.tp.unavailable:
+        return f"tp={tp}: {plan.tp.unavailable}"
+    return tp_divides_problem(plan, tp, model_name)
+
+
+def check_tp_divides(plan: ParallelPlan, tp: int, model_name: str) -> None:
+    problem = tp_divides_problem(plan, tp, model_name)
+    if problem is not None:
+        raise PlanError(problem)
+
+
+def _plan_problems(f: Facts) -> list[str]:
+    problems = (tp_plan_problem(o.plan, f.layout.tp, type(o.module).__name__) for o in f.owners)
+    return [problem for problem in problems if problem is not None]
+
+
+def _one_d(f: Facts) -> bool:
+    """1-D TP applies: tp > 1 with tp_mode "1d" on a model MeshStrategy parallelises."""
+    return not f.self_parallelised and f.layout.tp > 1 and f.options.tensor.mode == "1d"
+
+
+RULES: list[Rule] = [
+    Rule(
+        "tp_needs_plan", "setup",
+        lambda f: not f.self_parallelised and f.layout.tp > 1 and not f.owners,
+        lambda f: f"tp={f.layout.tp} but no module of {f.model_name} declares parallel_plan(); declare one"
+        " (see examples/own_model_plan.py), or apply TP yourself in configure_model with self.device_mesh['tp']",
+        PlanError,
+    ),
+    Rule(
+        # the sizes a plan names (heads, hidden units, vocabulary) must split evenly; a plan may say why a model
+        # cannot be split at all (TensorPlan.unavailable)
+        "tp_fits_plan", "setup",
+        lambda f: _one_d(f) and bool(_plan_problems(f)),
+        lambda f: _plan_problems(f)[0],
+        PlanError,
+    ),
+]  # fmt: skip
 
 
 def _sequence_check(tp: int, module_name: str) -> Any:
@@ -120,9 +164,9 @@ def apply_tensor_parallel(
 
     vocab_sharded_output=False: "vocab_head" gathers its logits like "head" (pipeline stages send plain tensors)."""
     tp = tp_mesh.size()
-    if plan.tp.unavailable:
-        raise PlanError(f"tp={tp}: {plan.tp.unavailable}")
-    check_tp_divides(plan, tp, type(model).__name__)
+    problem = tp_plan_problem(plan, tp, type(model).__name__)  # MeshStrategy refuses it earlier ("tp_fits_plan")
+    if problem is not None:
+        raise PlanError(problem)
     tied = tied_parameters(model)
     targets: list[tuple[nn.Module, str, str]] = [(model, name, style) for name, style in plan.tp.root.items()]
     blocks = list(model.get_submodule(plan.blocks))
@@ -154,7 +198,6 @@ def apply_tensor_parallel(
             parallelize_module(owner, tp_mesh, {name: torch_plan})
     replicate_remaining(model, tp_mesh, skip)
     retie(tied, type(model).__name__)
-
 
 
 def _has_submodule(module: nn.Module, name: str) -> bool:

@@ -18,7 +18,7 @@ from typing import Any, Literal, Optional
 
 from lit_mesh.errors import MeshConfigError, WorldSizeError
 from lit_mesh.mesh import MeshLayout, resolve_layout
-from lit_mesh.unit import divisors
+from lit_mesh.unit import divisors, option
 
 OnWorldChange = Literal["error", "replan"]
 ON_WORLD_CHANGE = ("error", "replan")
@@ -31,6 +31,20 @@ def check_on_world_change(value: str) -> None:
             f"on_world_change={value!r} must be one of {ON_WORLD_CHANGE}: 'error' stops when the devices do not fill"
             " the layout, 'replan' shrinks data parallelism to them and keeps the global batch by accumulation"
         )
+
+
+@dataclass(frozen=True)
+class WorldChangeOptions:
+    on_world_change: OnWorldChange = option(
+        "error",
+        doc='a launch on fewer devices than the degrees plan: "error" (default), or "replan": keep pp, cp, tp and ep,'
+        " shrink data parallelism to the devices there are, and keep the planned global batch and rows per rank by"
+        " accumulating micro-batches, so a resumed run continues its loss curve (data from"
+        " zoo.GlobalBatchDataModule). See lit_mesh/replan.py.",
+    )
+
+    def __post_init__(self) -> None:
+        check_on_world_change(self.on_world_change)
 
 
 def planned_data_parallel(degrees: dict[str, Any]) -> Optional[int]:

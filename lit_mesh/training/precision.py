@@ -16,6 +16,7 @@ from lightning.pytorch.utilities import GradClipAlgorithmType
 from typing_extensions import override
 
 from lit_mesh.training.grad_norm import clip_grad_norm_
+from lit_mesh.unit import Facts, Rule, enforce
 
 SUPPORTED_PRECISION = ("32-true", "bf16-mixed", "bf16-true", "16-true", "16-mixed")
 # what Trainer(precision=...) accepts with MeshStrategy ("16-mixed" only comes as the FP16MixedPrecision plugin:
@@ -72,19 +73,30 @@ class FP16MixedPrecision(MixedPrecision):
         super().__init__("16-mixed", device, scaler=scaler)
 
 
+RULES: list[Rule] = [
+    Rule(
+        "precision_supported", "launch",
+        lambda f: f.precision not in SUPPORTED_PRECISION,
+        lambda f: f"MeshStrategy does not support precision={f.precision!r}; choose Trainer(precision=...) in"
+        f" {TRAINER_PRECISION}, or fp16 mixed precision with plugins=[lit_mesh.FP16MixedPrecision()]",
+        ValueError,
+    ),
+    Rule(
+        "fp16_needs_mesh_scaler", "launch",
+        lambda f: f.precision == "16-mixed" and not isinstance(getattr(f.precision_plugin, "scaler", None), MeshGradScaler),
+        lambda f: "precision='16-mixed' under MeshStrategy needs a loss scaler that agrees over all ranks:"
+        " pass plugins=[lit_mesh.FP16MixedPrecision()] (and leave precision unset)",
+        ValueError,
+    ),
+]  # fmt: skip
+
+
 def check_precision_plugin(plugin: Precision) -> None:
-    """Called before processes start: a precision MeshStrategy can shard, and fp16 only with its scaler."""
-    precision = str(plugin.precision)
-    if precision not in SUPPORTED_PRECISION:
-        raise ValueError(
-            f"MeshStrategy does not support precision={precision!r}; choose Trainer(precision=...) in"
-            f" {TRAINER_PRECISION}, or fp16 mixed precision with plugins=[lit_mesh.FP16MixedPrecision()]"
-        )
-    if precision == "16-mixed" and not isinstance(getattr(plugin, "scaler", None), MeshGradScaler):
-        raise ValueError(
-            "precision='16-mixed' under MeshStrategy needs a loss scaler that agrees over all ranks:"
-            " pass plugins=[lit_mesh.FP16MixedPrecision()] (and leave precision unset)"
-        )
+    """The precision alone (RULES), before processes start: a precision MeshStrategy can shard, and fp16 only with
+    its scaler."""
+    facts = Facts(precision=str(plugin.precision), precision_plugin=plugin)
+    for rule in RULES:
+        enforce(rule, facts)
 
 
 class GlobalNormClipping(Precision):

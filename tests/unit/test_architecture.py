@@ -1,5 +1,5 @@
-"""The one direction of dependencies (ARCHITECTURE.md): zoo/models -> plan -> parallel -> strategy, read from the
-import statements of lit_mesh/ and zoo/ with `ast` (nothing is imported)."""
+"""The one direction of dependencies (ARCHITECTURE.md): zoo/models -> plan -> parallel -> strategy, and no import
+cycle, read from the import statements of lit_mesh/ and zoo/ with `ast` (nothing is imported)."""
 
 from __future__ import annotations
 
@@ -20,6 +20,8 @@ RULES = [
      "initialisation rules are declared by models, below the techniques"),
     ("lit_mesh/mesh.py", ("lit_mesh.parallel", "lit_mesh.comm", "lit_mesh.hf", "lit_mesh.monitor", "lit_mesh.planner"),
      "the mesh is the vocabulary every technique uses"),
+    ("lit_mesh/unit.py", ("lit_mesh.parallel", "lit_mesh.comm", "lit_mesh.mesh", "lit_mesh.rules", "lit_mesh.options"),
+     "every unit declares its rules and options with it, so it depends on none of them"),
     ("lit_mesh/parallel/", ("lit_mesh.hf", "lit_mesh.monitor", "lit_mesh.planner"),
      "techniques apply plans; they do not know which models declare them"),
     ("lit_mesh/comm/", ("lit_mesh.parallel", "lit_mesh.hf", "lit_mesh.monitor", "lit_mesh.planner"),
@@ -104,3 +106,117 @@ def test_known_exceptions_still_occur() -> None:
 @pytest.mark.parametrize("room", sorted({room for room, _, _ in RULES}))
 def test_every_room_of_a_rule_exists(room: str) -> None:
     assert (REPO / room).exists(), f"{room} moved: update RULES (and ARCHITECTURE.md)"
+
+
+# mesh.py is pure: degrees -> layout -> DeviceMesh, with the vocabulary of rules and options (lit_mesh.unit)
+MESH_MAY_IMPORT = ("lit_mesh.errors", "lit_mesh.unit")
+
+
+def test_mesh_imports_only_errors_and_unit() -> None:
+    ours = {m for m in imports_of(REPO / "lit_mesh/mesh.py") if is_under(m, "lit_mesh")}
+    assert ours <= set(MESH_MAY_IMPORT), f"lit_mesh/mesh.py imports {sorted(ours - set(MESH_MAY_IMPORT))}"
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(REPO).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _runtime_imports(tree: ast.AST) -> list[ast.Import | ast.ImportFrom]:
+    """Every import statement, at module level or inside functions, except under `if TYPE_CHECKING:`."""
+    found: list[ast.Import | ast.ImportFrom] = []
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            for child in node.orelse:
+                visit(child)
+            return
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            found.append(node)
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(tree)
+    return found
+
+
+def import_graph() -> dict[str, set[str]]:
+    """module -> the modules of lit_mesh/ and zoo/ it imports (`from package import module` names the module)."""
+    paths = sorted([*(REPO / "lit_mesh").rglob("*.py"), *(REPO / "zoo").rglob("*.py")])
+    modules = {_module_name(path): path for path in paths}
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        edges: set[str] = set()
+        for node in _runtime_imports(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                edges.update(alias.name for alias in node.names if alias.name in modules)
+            elif node.module in modules or any(f"{node.module}.{alias.name}" in modules for alias in node.names):
+                for alias in node.names:
+                    target = f"{node.module}.{alias.name}"
+                    edges.add(target if target in modules else node.module)
+        graph[name] = edges - {name}
+    return graph
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles: list[list[str]] = []
+
+    def connect(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for target in sorted(graph.get(node, ())):
+            if target not in index:
+                connect(target)
+                low[node] = min(low[node], low[target])
+            elif target in on_stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            connect(node)
+    return sorted(cycles)
+
+
+def test_import_cycles_are_found() -> None:
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": set()}
+    assert import_cycles(graph) == [["a", "b", "c"]]
+    tree = ast.parse("import os\nif TYPE_CHECKING:\n    import lit_mesh.init\ndef f():\n    from lit_mesh import mesh\n")
+    assert [ast.unparse(node) for node in _runtime_imports(tree)] == ["import os", "from lit_mesh import mesh"]
+
+
+def test_no_import_cycles() -> None:
+    """No module of lit_mesh/ or zoo/ reaches itself through its imports (deferred imports inside functions count:
+    they hide a cycle, they do not remove it; imports only for type checkers do not)."""
+    graph = import_graph()
+
+    def path_back(cycle: list[str]) -> str:  # one loop through the component, to name in the message
+        members, start = set(cycle), cycle[0]
+        seen, frontier = {start: [start]}, [start]
+        while frontier:
+            node = frontier.pop(0)
+            for target in sorted(graph[node] & members):
+                if target == start:
+                    return " -> ".join([*seen[node], start])
+                if target not in seen:
+                    seen[target] = [*seen[node], target]
+                    frontier.append(target)
+        return ", ".join(cycle)
+
+    cycles = import_cycles(graph)
+    assert not cycles, "import cycles:\n" + "\n".join(path_back(cycle) for cycle in cycles)

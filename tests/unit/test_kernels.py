@@ -274,7 +274,7 @@ def test_experts_without_tokens_give_zero_gradients():
 
 
 def test_selective_checkpointing_keeps_token_all_to_alls_and_grouped_gemms():
-    from lit_mesh.parallel.checkpointing import _saved_ops
+    from lit_mesh.parallel.activation_checkpointing import _saved_ops
 
     saved = _saved_ops()
     assert torch.ops._c10d_functional.all_to_all_single.default in saved

@@ -57,7 +57,7 @@ def test_replan_refuses_devices_that_cannot_keep_the_global_batch() -> None:
 def test_the_option_is_checked_where_it_is_given() -> None:
     with pytest.raises(MeshConfigError, match=r"on_world_change='shrink' must be one of \('error', 'replan'\)"):
         MeshStrategy(on_world_change="shrink")  # type: ignore[arg-type]
-    assert MeshStrategy(dp=4, on_world_change="replan").options.on_world_change == "replan"
+    assert MeshStrategy(dp=4, on_world_change="replan").options.world.on_world_change == "replan"
 
 
 def test_global_batches_split_into_micro_batches_in_row_order() -> None:

@@ -1,5 +1,6 @@
-"""The rules table (lit_mesh/rules.py), enumerated: every rule has one input that breaks it (its error or warning,
-with its message) and one that passes. A rule added without a case here fails test_every_rule_has_a_case."""
+"""The rules of every unit (collected by lit_mesh/rules.py), enumerated: every rule has one input that breaks it (its
+error or warning, with its message) and one that passes. A rule added without a case here fails
+test_every_rule_has_a_case."""
 
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ from lit_mesh.options import (
     TensorOptions,
 )
 from lit_mesh.parallel.pipeline.schedules import SCHEDULES, PipelineSettings
+from lit_mesh.training.precision import FP16MixedPrecision
 from lit_mesh.rules import RULES, RULES_BY_NAME, Facts, enforce
 from lit_mesh.comm.topology import Topology
 
@@ -56,6 +58,23 @@ def owner(moe_layer: str = "", stages: tuple[str, ...] = ("embedding",)) -> Simp
     return SimpleNamespace(name="model", module=SimpleNamespace(), plan=SimpleNamespace(moe=moe, pp=pp))
 
 
+def tp_owner(**divides: int) -> SimpleNamespace:
+    """A plan owner whose plan names the sizes tp must divide."""
+    plan = SimpleNamespace(tp=SimpleNamespace(unavailable="", divides=divides))
+    return SimpleNamespace(name="model", module=nn.Linear(2, 2), plan=plan)
+
+
+def moe_owner(n_experts: int, moe: bool = True) -> SimpleNamespace:
+    """A plan owner with one block holding an MoE layer of `n_experts` (or a dense block: moe=False)."""
+    block = nn.Module()
+    if moe:
+        block.moe = nn.Linear(2, 2)
+    root = nn.Module()
+    root.blocks = nn.ModuleList([block])
+    plan = SimpleNamespace(blocks="blocks", moe=SimpleNamespace(layer="moe", ep_divides={"n_experts": n_experts}))
+    return SimpleNamespace(name="model", module=root, plan=plan)
+
+
 def tied_owner() -> SimpleNamespace:
     embed, head = nn.Embedding(8, 4), nn.Linear(4, 8, bias=False)
     head.weight = embed.weight  # tied input/output embeddings
@@ -67,7 +86,7 @@ def pipeline(pp: int, **settings: object) -> Facts:
 
 
 def compiled_pipeline(schedule: str) -> Facts:
-    return init(replace(O, pipeline=PipelineSettings(schedule), compile=CompileOptions("aot_eager")), pp=2)
+    return init(replace(O, pipeline=PipelineSettings(schedule), compile=CompileOptions(True, "aot_eager")), pp=2)
 
 
 def test_checkpointed_blocks_are_refused_with_the_split_backward_too() -> None:
@@ -81,17 +100,26 @@ def test_checkpointed_blocks_are_refused_with_the_split_backward_too() -> None:
 PP2, CP2, TP2 = MeshLayout(pp=2, dp_shard=2), MeshLayout(dp_shard=2, cp=2), MeshLayout(dp_shard=2, tp=2)
 DP4 = MeshLayout(dp_shard=4)
 AC = replace(O, memory=MemoryOptions("full"))
-ASYNC_TP = replace(O, compile=CompileOptions("inductor", async_tp=True))
+ASYNC_TP = replace(O, compile=CompileOptions(True, "inductor", async_tp=True))
 ZERO1, ZERO2 = replace(O, data=DataParallelOptions(1)), replace(O, data=DataParallelOptions(2))
 TWO_BW = replace(O, pipeline=PipelineSettings("2bw"))
 NO_SP = replace(O.mesh, sequence_parallel=False)
 GRID2D = replace(O, tensor=TensorOptions("2d"), mesh=NO_SP)
 GRID25D = replace(O, tensor=TensorOptions("2.5d", 2), mesh=NO_SP)
+LIGHTNING_SIZES = replace(O, mesh=replace(O.mesh, data_parallel_size=2))
+EP2 = MeshLayout(dp_shard=2, ep=2)
 
 # rule -> (facts that break it, the message or a part of it, facts that pass)
 CASES: dict[str, tuple[Facts, str, Facts]] = {
     "one_auto_degree": (init(dp="auto", dp_shard="auto"), "dp='auto' and dp_shard='auto': only one degree may be 'auto'",
                         init(dp="auto")),
+    "lightning_sizes_alone": (init(LIGHTNING_SIZES, tp=2), "data_parallel_size/tensor_parallel_size (ModelParallelStrategy's"
+                              " names) together with tp=2: give either the two Lightning sizes", init(LIGHTNING_SIZES)),
+    "precision_supported": (Facts(precision="64-true"), "MeshStrategy does not support precision='64-true'; choose"
+                            " Trainer(precision=...) in", Facts(precision="bf16-mixed")),
+    "fp16_needs_mesh_scaler": (Facts(precision="16-mixed", precision_plugin=SimpleNamespace(scaler=None)),
+                               "precision='16-mixed' under MeshStrategy needs a loss scaler that agrees over all ranks",
+                               Facts(precision="16-mixed", precision_plugin=FP16MixedPrecision("cpu"))),
     "one_stage_schedule": (pipeline(2, schedule="gpipe", stages_per_rank=2), "pp_schedule='gpipe' runs one stage per rank,"
                            " not pp_stages_per_rank=2", pipeline(2, schedule="gpipe", stages_per_rank=1)),
     "interleaved_schedule_stages": (pipeline(2, schedule="interleaved_1f1b", stages_per_rank=1),
@@ -128,11 +156,11 @@ CASES: dict[str, tuple[Facts, str, Facts]] = {
     "pp_without_tied_parameters": (setup(PP2, [tied_owner()]), "pp=2 with ModuleDict's tied parameters ['embed.weight ="
                                    " head.weight']: the embedding runs on the first pipeline stage and the output head on"
                                    " the last", setup(DP4, [tied_owner()])),
-    "selective_ac_with_inductor_tp": (init(replace(O, memory=MemoryOptions("selective"), compile=CompileOptions("inductor")),
+    "selective_ac_with_inductor_tp": (init(replace(O, memory=MemoryOptions("selective"), compile=CompileOptions(True, "inductor")),
                                       tp=2), "activation_checkpointing='selective' with compile_blocks (compile_backend="
                                       "'inductor') and tp=2: on this torch the gradients come out wrong",
-                                      init(replace(O, memory=MemoryOptions("full"), compile=CompileOptions("inductor")), tp=2)),
-    "async_tp_needs_compiled_sp": (init(replace(O, compile=CompileOptions("aot_eager", async_tp=True)), tp=2),
+                                      init(replace(O, memory=MemoryOptions("full"), compile=CompileOptions(True, "inductor")), tp=2)),
+    "async_tp_needs_compiled_sp": (init(replace(O, compile=CompileOptions(True, "aot_eager", async_tp=True)), tp=2),
                                    "async_tp=True with compile_blocks=True, compile_backend='aot_eager', tp=2,"
                                    " sequence_parallel=True: async TP (torch's micro-pipeline TP) fuses the",
                                    init(ASYNC_TP, tp=2)),
@@ -193,12 +221,23 @@ CASES: dict[str, tuple[Facts, str, Facts]] = {
     "tp_needs_plan": (setup(TP2, []), "tp=2 but no module of Net declares parallel_plan()", setup(TP2, [owner()])),
     "cp_needs_plan": (setup(CP2, []), "cp=2 but no module of Net declares parallel_plan() with its attention",
                       setup(CP2, [owner()])),
+    "tp_fits_plan": (setup(TP2, [tp_owner(n_heads=4, n_kv_heads=3)]), "tp=2 does not divide n_kv_heads=3 of Linear (choose"
+                     " tp in [1, 3])", setup(TP2, [tp_owner(n_heads=4, n_kv_heads=2)])),
+    "ep_fits_plan": (setup(EP2, [moe_owner(n_experts=3)]), "ep=2 does not divide n_experts=3 of Module (choose ep in"
+                     " [1, 3])", setup(EP2, [moe_owner(n_experts=4)])),
 }
 
 
 def test_every_rule_has_a_case() -> None:
-    assert [rule.name for rule in RULES] == list(CASES)  # same rules, table order
+    assert sorted(rule.name for rule in RULES) == sorted(CASES)  # same rules
     assert len(RULES_BY_NAME) == len(RULES)  # names are unique
+
+
+def test_ep_refuses_a_dense_model() -> None:
+    rule = RULES_BY_NAME["ep_fits_plan"]
+    dense = setup(EP2, [moe_owner(n_experts=4, moe=False)])
+    assert rule.message(dense) == "ep=2 but Module.parallel_plan() declares no MoE layer (ParallelPlan.moe); use ep=1 for a dense model"
+    assert not rule.broken(setup(MeshLayout(dp_shard=2), [moe_owner(n_experts=4, moe=False)]))  # ep=1: nothing to split
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -276,5 +315,5 @@ def test_2bw_names_everything_it_runs_without() -> None:
     assert "pp_schedule='2bw' with tp=2, cp=2, ep=2, data parallel hsdp (dp_replicate=2, dp_shard=2)" in message
     assert not rule.broken(launch(PP2))  # the synchronous schedules combine with them
     compiled = RULES_BY_NAME["2bw_without_block_options"]
-    assert compiled.broken(init(replace(TWO_BW, compile=CompileOptions("aot_eager")), pp=2))
-    assert not compiled.broken(init(replace(TWO_BW, compile=CompileOptions("aot_eager"))))  # pp=1: no pipeline
+    assert compiled.broken(init(replace(TWO_BW, compile=CompileOptions(True, "aot_eager")), pp=2))
+    assert not compiled.broken(init(replace(TWO_BW, compile=CompileOptions(True, "aot_eager"))))  # pp=1: no pipeline

@@ -14,6 +14,7 @@ from torch.distributed.pipelining import schedules as torch_schedules
 
 from lit_mesh.errors import PipelineConfigError
 from lit_mesh.parallel.pipeline.split import Placement
+from lit_mesh.unit import option
 
 # name -> (torch schedule class, stages per rank: "one", "many" or "two", placement of stages on ranks); None:
 # lit-mesh's own driver (2bw: PipeDream-2BW, asynchronous, lit_mesh/parallel/pipeline/twobw.py)
@@ -37,10 +38,29 @@ SPLIT_BACKWARD = frozenset({"zero_bubble", "zbv", "dualpipev"})
 class PipelineSettings:
     """What the user chose: schedule, micro-batches per step, stages per rank, optional blocks per stage."""
 
-    schedule: str = "1f1b"
-    microbatches: Optional[int] = None  # None: pp (one per stage rank)
-    stages_per_rank: Optional[int] = None  # None: 1, or 2 for the schedules that need several
-    split: Optional[tuple[int, ...]] = None
+    schedule: str = option(
+        "1f1b",
+        doc='"gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "zero_bubble" (interleaved zero bubble), "zbv" or'
+        ' "dualpipev" (V-shaped, 2 stages per rank); or "2bw" (PipeDream-2BW: asynchronous 1F1B without a flush, each'
+        " batch's gradient applied one step late, two weight versions per stage; pp alone, see"
+        " lit_mesh/parallel/pipeline/twobw.py).",
+        arg="pp_schedule",
+    )
+    microbatches: Optional[int] = option(  # None: pp (one per stage rank)
+        None,
+        doc="micro-batches per step (must divide each pipeline replica's batch); default pp (dualpipev: 2 x pp, one"
+        " per stage).",
+        arg="pp_microbatches",
+    )
+    stages_per_rank: Optional[int] = option(  # None: 1, or 2 for the schedules that need several
+        None, doc="virtual stages per rank for the interleaved schedules (default 2 there, else 1).", arg="pp_stages_per_rank"
+    )
+    split: Optional[tuple[int, ...]] = option(
+        None,
+        doc="blocks per stage, e.g. [3, 5]; default: balanced, counting embedding and head as one block each.",
+        arg="pp_split",
+        accepts=Optional[list[int]],  # a tuple once checked (check_pipeline_settings)
+    )
 
     @property
     def placement(self) -> Placement:

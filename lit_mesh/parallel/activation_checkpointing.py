@@ -7,13 +7,17 @@ keys stay those of the plain model.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from functools import partial
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from torch import nn
 from torch.distributed._composable import checkpoint
 from torch.utils.checkpoint import SAC_IGNORED_OPS, CheckpointPolicy, create_selective_checkpoint_contexts
+
+from lit_mesh.errors import PlanError
+from lit_mesh.unit import Facts, Rule, option
 
 ActivationCheckpointing = Literal["none", "full", "selective"]
 AC_MODES: tuple[str, ...] = ActivationCheckpointing.__args__  # type: ignore[attr-defined]
@@ -58,6 +62,41 @@ def check_activation_checkpointing(mode: str, every_n_blocks: int) -> None:
         raise ValueError(f"activation_checkpointing={mode!r}; choose one of {AC_MODES}")
     if isinstance(every_n_blocks, bool) or not isinstance(every_n_blocks, int) or every_n_blocks < 1:
         raise ValueError(f"ac_every_n_blocks={every_n_blocks!r} must be an int >= 1 (1: every block)")
+
+
+@dataclass(frozen=True)
+class MemoryOptions:
+    activation_checkpointing: ActivationCheckpointing = option(
+        "none",
+        doc='"none", "full" (recompute whole blocks in backward) or "selective" (keep matmul, attention and collective'
+        " outputs, recompute the rest).",
+    )
+    ac_every_n_blocks: int = option(1, doc="checkpoint every n-th block only (1: all blocks).")
+
+    def __post_init__(self) -> None:
+        check_activation_checkpointing(self.activation_checkpointing, self.ac_every_n_blocks)
+
+
+def block_options(options: Any) -> list[str]:
+    """The options given that act on the blocks a plan names (activation checkpointing, compiled blocks)."""
+    asked = {"activation_checkpointing": options.memory.activation_checkpointing != "none",
+             "compile_blocks": options.compile.backend is not None}  # fmt: skip
+    return [name for name, on in asked.items() if on]
+
+
+def _needs_plan(f: Facts) -> bool:
+    return not f.self_parallelised and not f.owners and bool(block_options(f.options))
+
+
+RULES: list[Rule] = [
+    Rule(
+        "block_options_need_plan", "setup",
+        _needs_plan,
+        lambda f: f"{block_options(f.options)[0]} acts on the blocks a parallel_plan() names, but no module of"
+        f" {f.model_name} declares one; declare one (see examples/own_model_plan.py)",
+        PlanError,
+    ),
+]  # fmt: skip
 
 
 def apply_activation_checkpointing(blocks: Sequence[nn.Module], mode: str, every_n_blocks: int = 1) -> int:

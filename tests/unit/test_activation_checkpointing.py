@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lit_mesh.parallel.checkpointing import apply_activation_checkpointing
+from lit_mesh.parallel.activation_checkpointing import apply_activation_checkpointing
 from zoo.gpt import GPT, GPTConfig
 
 
