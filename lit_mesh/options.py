@@ -16,10 +16,10 @@ from lit_mesh.comm.options import CompressionOptions, GradCompression, resolve_c
 from lit_mesh.mesh import Degree, check_degrees
 from lit_mesh.parallel.checkpointing import check_activation_checkpointing
 from lit_mesh.parallel.compile import check_compile_backend
-from lit_mesh.parallel.context_layout import check_cp_style
+from lit_mesh.parallel.context import ContextOptions, check_cp_style
 from lit_mesh.parallel.data import ZeroStage, check_zero_stage
 from lit_mesh.parallel.pipeline import PipelineSettings, check_pipeline_settings
-from lit_mesh.parallel.tensor_grid import check_tp_mode
+from lit_mesh.parallel.grid import check_tp_mode
 from lit_mesh.replan import OnWorldChange, check_on_world_change
 from lit_mesh.rules import Facts, check
 from lit_mesh.topology import Topology, as_topology
@@ -45,18 +45,13 @@ class MeshDegrees:
 
 @dataclass(frozen=True)
 class TensorOptions:
-    mode: str = "1d"  # "1d" (Megatron-style), "2d", "2.5d", "3d": lit_mesh/parallel/tensor_grid.py
+    mode: str = "1d"  # "1d" (Megatron-style), "2d", "2.5d", "3d": lit_mesh/parallel/grid/
     depth: Optional[int] = None  # 2.5-D only: the grid's depth d (tp = d * q * q)
 
 
 @dataclass(frozen=True)
 class DataParallelOptions:
     zero_stage: ZeroStage = 3  # what the sharded data-parallel dim shards: 3 FSDP; 2, 1 (lit_mesh/parallel/data.py)
-
-
-@dataclass(frozen=True)
-class ContextOptions:
-    style: str = "ring"  # "ring", "ulysses" or "allgather" (lit_mesh/parallel/context_attention.py)
 
 
 @dataclass(frozen=True)

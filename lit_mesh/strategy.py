@@ -60,7 +60,7 @@ from lit_mesh.parallel.context import CPStyle, gather_batch, shard_batch
 from lit_mesh.parallel.data import ZeroStage, defer_gradient_reduction, refuse_fsdp1
 from lit_mesh.parallel.pipeline import PipelineRunner, start_pipeline
 from lit_mesh.parallel.pipeline_moe import carry_moe_statistics
-from lit_mesh.parallel.tensor_grid import TPMode
+from lit_mesh.parallel.grid import TPMode
 from lit_mesh.precision import check_precision_plugin, with_global_norm_clipping
 from lit_mesh.pretrained import declared_sources, load_pretrained
 from lit_mesh.progress import count_steps_in_progress_bar

@@ -27,6 +27,7 @@ from lit_mesh.options import (
     TensorOptions,
 )
 from lit_mesh.parallel.pipeline import SCHEDULES, PipelineSettings
+from lit_mesh.plan import ContextPlan, ParallelPlan, PlanOwner, TensorPlan
 from lit_mesh.rules import RULES, RULES_BY_NAME, Facts, enforce
 from lit_mesh.topology import Topology
 
@@ -60,6 +61,26 @@ def tied_owner() -> SimpleNamespace:
     embed, head = nn.Embedding(8, 4), nn.Linear(4, 8, bias=False)
     head.weight = embed.weight  # tied input/output embeddings
     return SimpleNamespace(name="model", module=nn.ModuleDict({"embed": embed, "head": head}), plan=SimpleNamespace(moe=None))
+
+
+def planned(heads: int = 4, tied: bool = False, attention: str = "attention", positions: str = "positions") -> PlanOwner:
+    """A plan owner with one block: the sizes a grid splits (heads), tied embeddings, the attention CP swaps."""
+    net = nn.Module()
+    net.embed, net.layers, net.head = nn.Embedding(8, 4), nn.ModuleList([nn.Linear(4, 4)]), nn.Linear(4, 8, bias=False)
+    if tied:
+        net.head.weight = net.embed.weight
+    plan = ParallelPlan("layers", tp=TensorPlan(divides={"n_heads": heads}), cp=ContextPlan(attention, positions))
+    return PlanOwner("model", net, plan)
+
+
+def with_root(facts: Facts, *owners: PlanOwner, extra: bool = False) -> Facts:
+    """`facts` with a LightningModule holding `owners` (and a parameter outside them: a learned loss scale)."""
+    root = nn.Module()
+    for o in owners:
+        root.add_module(o.name, o.module)
+    if extra:
+        root.temperature = nn.Parameter(torch.ones(1))
+    return replace(facts, root=root, owners=list(owners))
 
 
 def pipeline(pp: int, **settings: object) -> Facts:
@@ -172,11 +193,6 @@ CASES: dict[str, tuple[Facts, str, Facts]] = {
                                               setup(DP4, [owner()], replace(O, communication=FP16))),
     "self_parallelised_without_zero_stage": (setup(DP4, [], ZERO2, self_parallelised=True), "zero_stage=2 chooses"
                                              " how MeshStrategy applies FSDP2", setup(DP4, [owner()], ZERO2)),
-    "self_parallelised_without_cp": (setup(CP2, [], self_parallelised=True), "cp=2 but configure_model of Net"
-                                     " parallelised the model itself", setup(CP2, [owner()])),
-    "self_parallelised_without_tp_grid": (setup(MeshLayout(tp=4), [], GRID2D, self_parallelised=True), "tp_mode='2d' is"
-                                          " applied by MeshStrategy from a parallel_plan(), but configure_model of Net",
-                                          setup(MeshLayout(tp=4), [owner()], GRID2D)),
     "pp_needs_one_plan": (setup(PP2, [owner(), owner()]), "pp > 1 pipelines one model that declares parallel_plan();"
                           " Net has ['model', 'model']", setup(PP2, [owner()])),
     "pp_moe_needs_stage_plan": (setup(PP2, [owner("moe", stages=())]), "pp=2 with the MoE model SimpleNamespace: its"
@@ -187,8 +203,21 @@ CASES: dict[str, tuple[Facts, str, Facts]] = {
     "block_options_need_plan": (setup(DP4, [], AC), "activation_checkpointing acts on the blocks a parallel_plan()"
                                 " names, but no module of Net declares one", setup(DP4, [owner()], AC)),
     "tp_needs_plan": (setup(TP2, []), "tp=2 but no module of Net declares parallel_plan()", setup(TP2, [owner()])),
+    "self_parallelised_without_cp": (setup(CP2, [], self_parallelised=True), "cp=2 but configure_model of Net"
+                                     " parallelised the model itself", setup(CP2, [owner()])),
     "cp_needs_plan": (setup(CP2, []), "cp=2 but no module of Net declares parallel_plan() with its attention",
                       setup(CP2, [owner()])),
+    "cp_fits_plan": (setup(CP2, [planned(attention="")]), "cp=2 but Module.parallel_plan() declares no attention module"
+                     " (ContextPlan.attention)", setup(CP2, [planned()])),
+    "self_parallelised_without_tp_grid": (setup(MeshLayout(tp=4), [], GRID2D, self_parallelised=True), "tp_mode='2d' is"
+                                          " applied by MeshStrategy from a parallel_plan(), but configure_model of Net",
+                                          setup(MeshLayout(tp=4), [owner()], GRID2D)),
+    "tp_grid_fits_plan": (setup(MeshLayout(tp=4), [planned(heads=3)], GRID2D), "tp_mode='2d' on a grid of depth 1 x 2 x 2"
+                          " splits n_heads=3 of Module into q=2 blocks", setup(MeshLayout(tp=4), [planned()], GRID2D)),
+    "tp_grid_replicas_need_planned_parameters": (with_root(setup(MeshLayout(dp_replicate=2, tp=4), [], GRID2D), planned(),
+                                                           extra=True), "tp_mode='2d' with dp_replicate: parameters"
+                                                 " ['temperature'] are outside the modules that declare a parallel_plan()",
+                                                 with_root(setup(MeshLayout(dp_replicate=2, tp=4), [], GRID2D), planned())),
     "pp_without_tied_parameters": (setup(PP2, [tied_owner()]), "pp=2 with ModuleDict's tied parameters ['embed.weight ="
                                    " head.weight']: the embedding runs on the first pipeline stage and the output head on"
                                    " the last", setup(DP4, [tied_owner()])),

@@ -18,9 +18,9 @@ from lit_mesh.errors import MeshConfigError, PlanError
 from lit_mesh.mesh import MeshLayout, build_device_mesh
 from lit_mesh.options import MeshDegrees, MeshOptions, TensorOptions
 from lit_mesh.parallel.apply import parallelize
-from lit_mesh.parallel.tensor_grid import check_tp_mode, grid_shape
-from lit_mesh.parallel.tensor_nd import check_grid_divides
-from lit_mesh.parallel.tensor_nd_bytes import BlockShape, bytes_1d, bytes_1d_megatron, bytes_2_5d, bytes_2d
+from lit_mesh.parallel.grid.apply import check_grid_divides
+from lit_mesh.parallel.grid.bytes import BlockShape, bytes_1d, bytes_1d_megatron, bytes_2_5d, bytes_2d
+from lit_mesh.parallel.grid.grid import check_tp_mode, grid_shape
 from tests.launch import REPO
 from zoo.gpt import GPT, GPTConfig
 
