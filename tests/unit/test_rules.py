@@ -63,12 +63,10 @@ def tied_owner() -> SimpleNamespace:
     return SimpleNamespace(name="model", module=nn.ModuleDict({"embed": embed, "head": head}), plan=SimpleNamespace(moe=None))
 
 
-def planned(heads: int = 4, tied: bool = False, attention: str = "attention", positions: str = "positions") -> PlanOwner:
-    """A plan owner with one block: the sizes a grid splits (heads), tied embeddings, the attention CP swaps."""
+def planned(heads: int = 4, attention: str = "attention", positions: str = "positions") -> PlanOwner:
+    """A plan owner with one block: the sizes a grid splits (heads), the attention CP swaps and its positions."""
     net = nn.Module()
     net.embed, net.layers, net.head = nn.Embedding(8, 4), nn.ModuleList([nn.Linear(4, 4)]), nn.Linear(4, 8, bias=False)
-    if tied:
-        net.head.weight = net.embed.weight
     plan = ParallelPlan("layers", tp=TensorPlan(divides={"n_heads": heads}), cp=ContextPlan(attention, positions))
     return PlanOwner("model", net, plan)
 
@@ -108,6 +106,7 @@ TWO_BW = replace(O, pipeline=PipelineSettings("2bw"))
 NO_SP = replace(O.mesh, sequence_parallel=False)
 GRID2D = replace(O, tensor=TensorOptions("2d"), mesh=NO_SP)
 GRID25D = replace(O, tensor=TensorOptions("2.5d", 2), mesh=NO_SP)
+GRID_TP4, GRID_DDP = MeshLayout(tp=4), MeshLayout(dp_replicate=2, tp=4)
 
 # rule -> (facts that break it, the message or a part of it, facts that pass)
 CASES: dict[str, tuple[Facts, str, Facts]] = {
@@ -212,12 +211,12 @@ CASES: dict[str, tuple[Facts, str, Facts]] = {
     "self_parallelised_without_tp_grid": (setup(MeshLayout(tp=4), [], GRID2D, self_parallelised=True), "tp_mode='2d' is"
                                           " applied by MeshStrategy from a parallel_plan(), but configure_model of Net",
                                           setup(MeshLayout(tp=4), [owner()], GRID2D)),
-    "tp_grid_fits_plan": (setup(MeshLayout(tp=4), [planned(heads=3)], GRID2D), "tp_mode='2d' on a grid of depth 1 x 2 x 2"
-                          " splits n_heads=3 of Module into q=2 blocks", setup(MeshLayout(tp=4), [planned()], GRID2D)),
-    "tp_grid_replicas_need_planned_parameters": (with_root(setup(MeshLayout(dp_replicate=2, tp=4), [], GRID2D), planned(),
-                                                           extra=True), "tp_mode='2d' with dp_replicate: parameters"
-                                                 " ['temperature'] are outside the modules that declare a parallel_plan()",
-                                                 with_root(setup(MeshLayout(dp_replicate=2, tp=4), [], GRID2D), planned())),
+    "tp_grid_fits_plan": (setup(GRID_TP4, [planned(heads=3)], GRID2D), "tp_mode='2d' on a grid of depth 1 x 2 x 2"
+                          " splits n_heads=3 of Module into q=2 blocks", setup(GRID_TP4, [planned()], GRID2D)),
+    "tp_grid_replicas_need_planned_parameters": (with_root(setup(GRID_DDP, [], GRID2D), planned(), extra=True),
+                                                 "tp_mode='2d' with dp_replicate: parameters ['temperature'] are"
+                                                 " outside the modules that declare a parallel_plan()",
+                                                 with_root(setup(GRID_DDP, [], GRID2D), planned())),
     "pp_without_tied_parameters": (setup(PP2, [tied_owner()]), "pp=2 with ModuleDict's tied parameters ['embed.weight ="
                                    " head.weight']: the embedding runs on the first pipeline stage and the output head on"
                                    " the last", setup(DP4, [tied_owner()])),

@@ -44,7 +44,7 @@ def _grid_scheme_missing(f: Facts) -> bool:
 
 
 def _applies(f: Facts) -> bool:
-    """A grid tp_mode applies: tp > 1 with a grid tp_mode on a model MeshStrategy parallelises (lit_mesh/parallel/apply.py)."""
+    """A grid tp_mode applies: tp > 1 with a grid tp_mode, on a model MeshStrategy parallelises."""
     return not f.self_parallelised and f.layout.tp > 1 and f.options.tensor.mode != "1d"
 
 
