@@ -1,5 +1,5 @@
 """Bytes per rank per transformer block (forward + backward) of 1-D, 2-D, 2.5-D and 3-D tensor parallel, from the
-formulas of lit_mesh/parallel/tensor_nd_bytes.py, over tp sizes, with the crossover (the smallest tp at which a grid
+formulas of lit_mesh/parallel/grid/bytes.py, over tp sizes, with the crossover (the smallest tp at which a grid
 scheme sends fewer bytes per rank than 1-D); and the formulas against the byte counter (lit_mesh/monitor/comm.py)
 on gloo ranks for a tiny block (--measure).
 
@@ -24,13 +24,13 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from benchmarks._common import emit, environment, in_worker, launch, print_result  # noqa: E402
-from lit_mesh.parallel.tensor_grid import fits_grid  # noqa: E402
-from lit_mesh.parallel.tensor_nd_bytes import (  # noqa: E402
+from lit_mesh.parallel.grid.bytes import (  # noqa: E402
     GRID_BLOCK_BYTES,
     BlockShape,
     bytes_1d,
     bytes_1d_megatron,
 )
+from lit_mesh.parallel.grid.grid import fits_grid  # noqa: E402
 from zoo.gpt import GPTConfig  # noqa: E402
 
 TP_SIZES = (2, 4, 8, 9, 16, 18, 25, 27, 32, 36, 49, 50, 64, 72, 98, 125, 128)
@@ -78,7 +78,7 @@ def worker(args: argparse.Namespace) -> None:
     from lit_mesh.mesh import MeshLayout, build_device_mesh
     from lit_mesh.monitor.comm import CollectiveBytes
     from lit_mesh.parallel.tensor import apply_tensor_parallel
-    from lit_mesh.parallel.tensor_nd import parallelize_grid
+    from lit_mesh.parallel.grid.apply import parallelize_grid
     from lit_mesh.plan import PlanOwner
     from zoo.gpt import GPT, rope_cos_sin
 

@@ -23,10 +23,10 @@ from lit_mesh.comm.options import CommunicationOptions
 from lit_mesh.mesh import MeshDegrees
 from lit_mesh.parallel.activation_checkpointing import MemoryOptions
 from lit_mesh.parallel.compile import CompileOptions
-from lit_mesh.parallel.context_layout import CPStyle, check_cp_style
+from lit_mesh.parallel.context import ContextOptions
 from lit_mesh.parallel.data import DataParallelOptions
 from lit_mesh.parallel.pipeline.schedules import PipelineSettings, check_pipeline_settings
-from lit_mesh.parallel.tensor_grid import TPMode, check_tp_mode
+from lit_mesh.parallel.grid import TPMode, check_tp_mode
 from lit_mesh.reliability.replan import WorldChangeOptions
 from lit_mesh.rules import Facts, check
 from lit_mesh.unit import option
@@ -46,23 +46,13 @@ class TensorOptions:
         ' x q grid, tp = q * q), "2.5d" (Tesseract: tp = d * q * q with tp_depth=d) or "3d" (tp = q^3). The grid'
         " modes split weights and activations in blocks; they combine with dp_replicate (DDP) only (no FSDP, pp, cp,"
         " ep, sequence_parallel, compile, activation checkpointing or grad_compression). See"
-        " lit_mesh/parallel/tensor_grid.py.",
+        " lit_mesh/parallel/grid/.",
         arg="tp_mode",
     )
     depth: Optional[int] = option(
         None,
         doc='the depth d of tp_mode="2.5d" (the weight blocks are replicated d times, the batch split d times).',
         arg="tp_depth",
-    )
-
-
-@dataclass(frozen=True)
-class ContextOptions:
-    style: CPStyle = option(
-        "ring",
-        doc='"ring" (K/V blocks circulate, load-balanced causal), "ulysses" (all-to-all to head shards; cp must divide'
-        ' the heads per tp rank) or "allgather" (all-gather K/V, load-balanced causal).',
-        arg="cp_style",
     )
 
 
@@ -119,17 +109,11 @@ def _tensor_options(mode: TPMode, depth: Optional[int]) -> TensorOptions:
     return TensorOptions(mode, depth)
 
 
-def _context_options(style: CPStyle) -> ContextOptions:
-    check_cp_style(style)
-    return ContextOptions(style)
-
-
-# the groups whose dataclass does not check its own values (yet: the pipeline, grid-TP and CP units): the function
+# the groups whose dataclass does not check its own values (yet: the pipeline and grid-TP units): the function
 # that checks them and builds it
 _BUILDERS: dict[type, Callable[..., Any]] = {
     PipelineSettings: check_pipeline_settings,
     TensorOptions: _tensor_options,
-    ContextOptions: _context_options,
 }
 
 

@@ -61,7 +61,7 @@ from lit_mesh.parallel.data import ZeroStage, defer_gradient_reduction, refuse_f
 from lit_mesh.parallel.pipeline.api import pipeline_scope, start_pipeline
 from lit_mesh.parallel.pipeline.moe import carry_moe_statistics
 from lit_mesh.parallel.pipeline.runner import PipelineRunner
-from lit_mesh.parallel.tensor_grid import TPMode
+from lit_mesh.parallel.grid import TPMode
 from lit_mesh.training.precision import check_precision_plugin, with_global_norm_clipping
 from lit_mesh.checkpoint.pretrained import declared_sources, load_pretrained
 from lit_mesh.training.progress import count_steps_in_progress_bar

@@ -38,6 +38,7 @@ class Facts:
     process_group_backend: Optional[str] = None  # launch: "gloo", "nccl", ...
     topology: Any = None  # lit_mesh.comm.topology.Topology (launch)
     model_name: str = ""  # the LightningModule's class (setup)
+    root: Any = None  # the LightningModule itself (setup)
     owners: list[Any] = field(default_factory=list)  # plan owners found in the model (setup)
     self_parallelised: bool = False  # configure_model applied parallelism itself (setup)
 

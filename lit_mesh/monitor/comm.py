@@ -51,7 +51,7 @@ _C10D = {
     "reduce_scatter_tensor_coalesced_": ("scatter", 1, 2),
     "alltoall_base_": ("all_to_all", 1, 2),
     "broadcast_": ("broadcast", 0, 1),
-    "reduce_": ("reduce", 0, 1),  # to one rank: a broadcast run backwards (SUMMA's backward, lit_mesh/parallel/summa.py)
+    "reduce_": ("reduce", 0, 1),  # to one rank: a broadcast run backwards (SUMMA's backward, lit_mesh/parallel/grid/summa.py)
     "send": ("send", 0, 1),
 }
 _FUNCTIONAL = {

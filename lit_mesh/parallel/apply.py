@@ -1,5 +1,5 @@
 """The one place where plans are applied, in the one order:
-MoE layer adapters -> split into pipeline stages -> TP/SP (1-D; a grid tp_mode: tensor_nd.py) -> CP -> EP ->
+MoE layer adapters -> split into pipeline stages -> TP/SP (1-D; a grid tp_mode: grid/apply.py) -> CP -> EP ->
 activation checkpointing -> torch.compile -> FSDP/HSDP/DDP per block (experts first) -> each stage's root ->
 communication hooks.
 
@@ -35,7 +35,7 @@ from lit_mesh.parallel.pipeline.split import (
     stage_ranks,
 )
 from lit_mesh.parallel.tensor import PlanError, apply_tensor_parallel
-from lit_mesh.parallel.tensor_nd import average_over_replicas, parallelize_grid
+from lit_mesh.parallel.grid import average_over_replicas, parallelize_grid
 from lit_mesh.plan import ParallelPlan, PlanOwner, declared_plan
 from lit_mesh.rules import Facts, check
 
@@ -123,7 +123,7 @@ def parallelize(
     layout = mesh.layout
     self_parallelised = is_user_parallelised(root)
     owners = [] if self_parallelised else find_plan_owners(root)
-    check("setup", Facts(options=options, layout=layout, model_name=type(root).__name__, owners=owners,
+    check("setup", Facts(options=options, layout=layout, model_name=type(root).__name__, root=root, owners=owners,
                          self_parallelised=self_parallelised))  # fmt: skip
     if self_parallelised:
         rank_zero_info("MeshStrategy: configure_model parallelised the model itself; no plan is applied")
@@ -135,14 +135,9 @@ def parallelize(
         adapt_moe_layers(owner.module, owner.plan)
     done = split_pipeline(root, owners, mesh, options.pipeline) if layout.pp > 1 else Parallelized(owners)
     grid_mode = layout.tp > 1 and options.tensor.mode != "1d"
-    if grid_mode:  # with tp and DDP alone (lit_mesh/rules.py)
+    if grid_mode:  # with tp and DDP alone, every parameter in a plan owner (grid/rules.py)
         parallelize_grid(owners, mesh, options.tensor.mode, options.tensor.depth)
         if layout.dp_replicate > 1:
-            planned = {id(p) for o in owners for p in o.module.parameters()}
-            outside = [n for n, p in root.named_parameters() if id(p) not in planned]
-            if outside:
-                raise PlanError(f"tp_mode={options.tensor.mode!r} with dp_replicate: parameters {outside[:4]} are"
-                                " outside the modules that declare a parallel_plan(); move them into it, or use dp=1")
             average_over_replicas(owners, mesh.root.get_group(MeshAxis.DP_REPLICATE))
     elif layout.tp > 1:
         for owner in owners:

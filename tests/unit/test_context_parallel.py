@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lit_mesh.parallel.context import (
+from lit_mesh.parallel.context.apply import (
     ContextParallelAttention,
     ContextParallelError,
     _swap_attention,
@@ -16,7 +16,7 @@ from lit_mesh.parallel.context import (
     shard_sequence,
     unshard_sequence,
 )
-from lit_mesh.parallel.context_attention import _ring_block
+from lit_mesh.parallel.context.attention import _ring_block
 
 
 # ---- the layout of the sequence (no processes) ------------------------------------------------------------

@@ -142,11 +142,11 @@ def test_clipping_scales_gradients_with_one_foreach_call_per_group(monkeypatch):
         assert torch.equal(p.grad, g)
 
 
-# ---- context-parallel block kernels (lit_mesh/parallel/context_kernels.py) ------------------------------------
+# ---- context-parallel block kernels (lit_mesh/parallel/context/kernels.py) ------------------------------------
 
 
 def test_context_parallel_kernel_is_chosen_by_device_and_dtype():
-    from lit_mesh.parallel.context_kernels import BLOCK_KERNELS, block_kernel_for, check_block_kernel
+    from lit_mesh.parallel.context.kernels import BLOCK_KERNELS, block_kernel_for, check_block_kernel
 
     assert block_kernel_for("cuda", torch.bfloat16) == "flash"
     assert block_kernel_for(torch.device("cuda", 1), torch.float16) == "flash"
@@ -159,7 +159,7 @@ def test_context_parallel_kernel_is_chosen_by_device_and_dtype():
 
 
 def _by_blocks_vs_sdpa(device, dtype, T, n_blocks, heads=8, kv_heads=2, head_dim=64, kernel=None):
-    from lit_mesh.parallel.context_kernels import causal_by_blocks
+    from lit_mesh.parallel.context.kernels import causal_by_blocks
 
     torch.manual_seed(0)
     shape = (1, heads, T, head_dim)

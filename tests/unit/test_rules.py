@@ -29,6 +29,7 @@ from lit_mesh.options import (
 )
 from lit_mesh.parallel.pipeline.schedules import SCHEDULES, PipelineSettings
 from lit_mesh.training.precision import FP16MixedPrecision
+from lit_mesh.plan import ContextPlan, ParallelPlan, PlanOwner, TensorPlan
 from lit_mesh.rules import RULES, RULES_BY_NAME, Facts, enforce
 from lit_mesh.comm.topology import Topology
 
@@ -81,6 +82,24 @@ def tied_owner() -> SimpleNamespace:
     return SimpleNamespace(name="model", module=nn.ModuleDict({"embed": embed, "head": head}), plan=SimpleNamespace(moe=None))
 
 
+def planned(heads: int = 4, attention: str = "attention", positions: str = "positions") -> PlanOwner:
+    """A plan owner with one block: the sizes a grid splits (heads), the attention CP swaps and its positions."""
+    net = nn.Module()
+    net.embed, net.layers, net.head = nn.Embedding(8, 4), nn.ModuleList([nn.Linear(4, 4)]), nn.Linear(4, 8, bias=False)
+    plan = ParallelPlan("layers", tp=TensorPlan(divides={"n_heads": heads}), cp=ContextPlan(attention, positions))
+    return PlanOwner("model", net, plan)
+
+
+def with_root(facts: Facts, *owners: PlanOwner, extra: bool = False) -> Facts:
+    """`facts` with a LightningModule holding `owners` (and a parameter outside them: a learned loss scale)."""
+    root = nn.Module()
+    for o in owners:
+        root.add_module(o.name, o.module)
+    if extra:
+        root.temperature = nn.Parameter(torch.ones(1))
+    return replace(facts, root=root, owners=list(owners))
+
+
 def pipeline(pp: int, **settings: object) -> Facts:
     return init(replace(O, pipeline=PipelineSettings(**settings)), pp=pp)
 
@@ -108,6 +127,7 @@ GRID2D = replace(O, tensor=TensorOptions("2d"), mesh=NO_SP)
 GRID25D = replace(O, tensor=TensorOptions("2.5d", 2), mesh=NO_SP)
 LIGHTNING_SIZES = replace(O, mesh=replace(O.mesh, data_parallel_size=2))
 EP2 = MeshLayout(dp_shard=2, ep=2)
+GRID_TP4, GRID_DDP = MeshLayout(tp=4), MeshLayout(dp_replicate=2, tp=4)
 
 # rule -> (facts that break it, the message or a part of it, facts that pass)
 CASES: dict[str, tuple[Facts, str, Facts]] = {
@@ -225,6 +245,14 @@ CASES: dict[str, tuple[Facts, str, Facts]] = {
                      " tp in [1, 3])", setup(TP2, [tp_owner(n_heads=4, n_kv_heads=2)])),
     "ep_fits_plan": (setup(EP2, [moe_owner(n_experts=3)]), "ep=2 does not divide n_experts=3 of Module (choose ep in"
                      " [1, 3])", setup(EP2, [moe_owner(n_experts=4)])),
+    "cp_fits_plan": (setup(CP2, [planned(attention="")]), "cp=2 but Module.parallel_plan() declares no attention module"
+                     " (ContextPlan.attention)", setup(CP2, [planned()])),
+    "tp_grid_fits_plan": (setup(GRID_TP4, [planned(heads=3)], GRID2D), "tp_mode='2d' on a grid of depth 1 x 2 x 2"
+                          " splits n_heads=3 of Module into q=2 blocks", setup(GRID_TP4, [planned()], GRID2D)),
+    "tp_grid_replicas_need_planned_parameters": (with_root(setup(GRID_DDP, [], GRID2D), planned(), extra=True),
+                                                 "tp_mode='2d' with dp_replicate: parameters ['temperature'] are"
+                                                 " outside the modules that declare a parallel_plan()",
+                                                 with_root(setup(GRID_DDP, [], GRID2D), planned())),
 }
 
 

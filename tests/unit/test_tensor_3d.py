@@ -11,9 +11,9 @@ from torch.distributed.tensor import Shard
 
 from lit_mesh import MeshStrategy
 from lit_mesh.errors import MeshConfigError, PlanError
-from lit_mesh.parallel.tensor_3d import J, L, Linear3D, ThreeDScheme, weight_placements
-from lit_mesh.parallel.tensor_nd import SCHEMES
-from lit_mesh.parallel.tensor_nd_bytes import BlockShape, bytes_3d, linear_bytes_3d, norm_bytes_3d
+from lit_mesh.parallel.grid.bytes import BlockShape, bytes_3d, linear_bytes_3d, norm_bytes_3d
+from lit_mesh.parallel.grid.cube import J, L, Linear3D, ThreeDScheme, weight_placements
+from lit_mesh.parallel.grid.schemes import SCHEMES
 
 
 def test_3d_bytes_are_twice_each_block_over_a_q_rank_group() -> None:

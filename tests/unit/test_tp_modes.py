@@ -18,9 +18,9 @@ from lit_mesh.errors import MeshConfigError, PlanError
 from lit_mesh.mesh import MeshLayout, build_device_mesh
 from lit_mesh.options import MeshDegrees, MeshOptions, TensorOptions
 from lit_mesh.parallel.apply import parallelize
-from lit_mesh.parallel.tensor_grid import check_tp_mode, grid_shape
-from lit_mesh.parallel.tensor_nd import check_grid_divides
-from lit_mesh.parallel.tensor_nd_bytes import BlockShape, bytes_1d, bytes_1d_megatron, bytes_2_5d, bytes_2d
+from lit_mesh.parallel.grid.apply import check_grid_divides, grid_plan_problem
+from lit_mesh.parallel.grid.bytes import BlockShape, bytes_1d, bytes_1d_megatron, bytes_2_5d, bytes_2d
+from lit_mesh.parallel.grid.grid import check_tp_mode, grid_shape
 from tests.launch import REPO
 from zoo.gpt import GPT, GPTConfig
 
@@ -122,3 +122,13 @@ def test_grid_with_replicas_refuses_parameters_outside_the_plan_owners() -> None
             parallelize(root, build_device_mesh(layout, "cpu"), options, precision="32-true")
     finally:
         dist.destroy_process_group()
+
+
+def test_grid_refuses_tied_embeddings_before_applying() -> None:
+    """The grid splits the embedding over the hidden dim and replicates the head: a tied pair is named (the rule
+    "tp_grid_fits_plan" refuses it at setup, before any module is replaced)."""
+    tied = GPT(dataclasses.replace(GPTConfig.from_preset("tiny"), tie_embeddings=True))
+    problem = grid_plan_problem(tied, tied.parallel_plan(), "2d", 1, 2)
+    assert problem is not None and problem.startswith("tp_mode='2d' with GPT's tied parameters")
+    untied = GPT(dataclasses.replace(GPTConfig.from_preset("tiny"), tie_embeddings=False))
+    assert grid_plan_problem(untied, untied.parallel_plan(), "2d", 1, 2) is None

@@ -12,10 +12,10 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from lit_mesh.monitor.comm import CollectiveBytes
-from lit_mesh.parallel.tensor_3d import I, J, L, LAYOUT_A, LAYOUT_B, Linear3D
-from lit_mesh.parallel.tensor_grid import ActivationLayout, TPGrid, local_block
-from lit_mesh.parallel.tensor_nd import GridRMSNorm
-from lit_mesh.parallel.tensor_nd_bytes import linear_bytes_3d
+from lit_mesh.parallel.grid.apply import GridRMSNorm
+from lit_mesh.parallel.grid.bytes import linear_bytes_3d
+from lit_mesh.parallel.grid.cube import I, J, L, LAYOUT_A, LAYOUT_B, Linear3D
+from lit_mesh.parallel.grid.grid import ActivationLayout, TPGrid, local_block
 
 BATCH, SEQ, N_IN, N_OUT = 8, 3, 8, 12  # batch split q^2 = 4 ways; features divisible by q^2
 TOL = dict(rtol=1e-4, atol=1e-5)  # fp32, the project's parity tolerance

@@ -21,12 +21,12 @@ from lit_mesh.mesh import MeshLayout, build_device_mesh
 from lit_mesh.monitor.comm import CollectiveBytes
 from lit_mesh.options import build_options
 from lit_mesh.parallel.apply import parallelize
-from lit_mesh.parallel.summa import LAYOUT, SummaScheme
+from lit_mesh.parallel.grid.summa import LAYOUT, SummaScheme
 from lit_mesh.parallel.tensor import apply_tensor_parallel
-from lit_mesh.parallel.tensor_grid import local_block
-from lit_mesh.parallel.tensor_nd import parallelize_grid
+from lit_mesh.parallel.grid.grid import local_block
+from lit_mesh.parallel.grid.apply import parallelize_grid
 from lit_mesh.plan import PlanOwner
-from lit_mesh.parallel.tensor_nd_bytes import GRID_BLOCK_BYTES, BlockShape, bytes_1d, linear_bytes_3d, linear_bytes_summa
+from lit_mesh.parallel.grid.bytes import GRID_BLOCK_BYTES, BlockShape, bytes_1d, linear_bytes_3d, linear_bytes_summa
 from tests.workers import tp3d_cases as three_d
 from tests.workers.checks import Checks, arguments
 from zoo.gpt import GPT, GPTConfig, rope_cos_sin

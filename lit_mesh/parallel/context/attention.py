@@ -1,5 +1,5 @@
 """Context parallelism, the attention: exact attention over a sequence split over the cp ranks — ring, Ulysses and
-all-gather (see lit_mesh/parallel/context.py for how they differ and how they are swapped into a model)."""
+all-gather (see lit_mesh/parallel/context/apply.py for how they differ and how they are swapped into a model)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from torch import Tensor
 from torch.distributed import _functional_collectives as funcol
 
 from lit_mesh.kernels import grouped_query_attention
-from lit_mesh.parallel.context_kernels import (
+from lit_mesh.parallel.context.kernels import (
     block_backward,
     block_forward,
     block_kernel_for,
@@ -22,9 +22,9 @@ from lit_mesh.parallel.context_kernels import (
     merge_block,
     repeat_kv,
 )
-from lit_mesh.parallel.context_layout import ContextParallelError, _check_length, check_cp_style, is_load_balanced
+from lit_mesh.parallel.context.layout import ContextParallelError, _check_length, check_cp_style, is_load_balanced
 
-# the kernels of one block, their LSE merge and the choice by device and dtype: lit_mesh/parallel/context_kernels.py
+# the kernels of one block, their LSE merge and the choice by device and dtype: lit_mesh/parallel/context/kernels.py
 
 
 def _ring_block(step_source: int, rank: int, causal: bool, length: int) -> tuple[slice, slice, bool]:
@@ -133,7 +133,7 @@ def ring_attention(
 ) -> Tensor:
     """Exact attention of this rank's queries over the whole sequence; q (B, H, T/cp, D), k/v (B, H_kv, T/cp, D)
     in the load-balanced layout (for causal; any layout without a mask). K/V circulate with their own heads.
-    kernel: the block kernel (context_kernels.BLOCK_KERNELS); None: by device and dtype."""
+    kernel: the block kernel (kernels.BLOCK_KERNELS); None: by device and dtype."""
     return _RingAttention.apply(q, k, v, group, causal, scale, kernel or block_kernel_for(q.device, q.dtype))
 
 
@@ -186,7 +186,7 @@ def allgather_attention(q: Tensor, k: Tensor, v: Tensor, group: dist.ProcessGrou
 
     Causal, by the block structure (no mask): rank r's first chunk (chunk r of 2·cp) sees chunks 0..r-1 whole and
     itself causally, its second (chunk 2·cp-1-r) chunks 0..2·cp-2-r whole and itself causally; the blocks merge by
-    log-sum-exp (context_kernels), flash-class kernels on CUDA."""
+    log-sum-exp (kernels.py), flash-class kernels on CUDA."""
     cp, rank = dist.get_world_size(group), dist.get_rank(group)
     B, H, T, D = q.shape
     kv = funcol.wait_tensor(funcol.all_gather_single_autograd(torch.stack([k, v]).contiguous(), 0, group))
@@ -225,8 +225,8 @@ def context_parallel_attention(
     ring_kernel: Optional[str] = None,
 ) -> Tensor:
     """Attention over the whole sequence when q, k, v (B, heads, T/cp, head_dim) hold this rank's part of it.
-    `ring_kernel` (a name of context_kernels.BLOCK_KERNELS) picks the ring's per-block kernel; default: by device
-    and dtype (context_kernels.KERNEL_BY_DEVICE_AND_DTYPE)."""
+    `ring_kernel` (a name of kernels.BLOCK_KERNELS) picks the ring's per-block kernel; default: by device
+    and dtype (kernels.KERNEL_BY_DEVICE_AND_DTYPE)."""
     check_cp_style(style)
     if q.shape[1] % k.shape[1] or k.shape != v.shape:
         raise ContextParallelError(f"query heads {q.shape[1]} must be a multiple of key/value heads {k.shape[1]}")

@@ -1,6 +1,6 @@
 """Context parallelism, the kernels: attention of a block of queries over a block of keys that also returns the
 log-sum-exp (LSE) of each query row, its backward from the merged result, and the choice of kernel by device and
-dtype. Ring and all-gather attention merge such blocks (lit_mesh/parallel/context_attention.py).
+dtype. Ring and all-gather attention merge such blocks (lit_mesh/parallel/context/attention.py).
 
 On CUDA these are the aten ops behind SDPA's flash, memory-efficient and cuDNN kernels, called the way torch's own
 `context_parallel` calls them (torch/distributed/tensor/experimental/_context_parallel/_attention.py): memory O(T)

@@ -1,4 +1,4 @@
-"""3-D tensor parallel (Agarwal et al. 1995; Colossal-AI's 3-D TP) on the q x q x q grid (tensor_grid.py, tp_mode "3d").
+"""3-D tensor parallel (Agarwal et al. 1995; Colossal-AI's 3-D TP) on the q x q x q grid (grid.py, tp_mode "3d").
 
 Rank (i, j, l) multiplies block A_ij of the input by block B_jl of the weight; the q ranks along j sum their
 products into C_il. Every block is held split a further 1/q by the grid dim that does not index it, so nothing
@@ -13,7 +13,7 @@ is stored twice. The grid dims play j = "tp_depth", i = "tp_row", l = "tp_col".
   left-to-right nested Shard, so a weight is an ordinary DTensor of the full shape.
 Backward mirrors forward: each all-gather becomes a reduce-scatter over the same dim and back. The gathered
 input and weight blocks are kept for backward, so nothing is gathered twice.
-Norms, the embedding and the head are the grid's own (tensor_nd.py) in LAYOUT_A: the RMSNorm's sum of squares
+Norms, the embedding and the head are the grid's own (apply.py) in LAYOUT_A: the RMSNorm's sum of squares
 all-reduced over j, its weight's gradient summed over (i, l).
 """
 
@@ -27,7 +27,7 @@ from torch.distributed import _functional_collectives as funcol
 from torch.distributed.tensor import Placement, Shard
 
 from lit_mesh.errors import PlanError
-from lit_mesh.parallel.tensor_grid import ActivationLayout, TPGrid, grid_parameter
+from lit_mesh.parallel.grid.grid import ActivationLayout, TPGrid, grid_parameter
 
 J, I, L = "tp_depth", "tp_row", "tp_col"
 LAYOUT_A = ActivationLayout(batch=(I, L), features=(J,))  # between blocks
@@ -110,7 +110,7 @@ class Linear3D(nn.Module):
 
 
 class ThreeDScheme:
-    """tp_mode "3d" as a GridScheme (tensor_grid.py): between blocks LAYOUT_A; a linear's plan style says which
+    """tp_mode "3d" as a GridScheme (grid.py): between blocks LAYOUT_A; a linear's plan style says which
     way it turns the layout (the model's colwise/rowwise pairs bring it back)."""
 
     name = "3d"

@@ -17,7 +17,7 @@ reduces (dX, dW blocks): 3 (q-1) (b in / d + in out) / q^2 e; 2.5-D adds the dep
 2 (d-1)/d in out / q^2 e. Per RMSNorm: the fp32 sum of squares (b/(dq) numbers) all-reduced over a row in forward and
 backward, 2 x 2(q-1)/q b/(dq) 4, and its weight's gradient block summed over the d q ranks sharing it,
 2(dq-1)/(dq) dim/q e.
-3-D (q x q x q, p = q^3; lit_mesh/parallel/tensor_3d.py): per linear (in -> out), the input block (b/q x in/q), the
+3-D (q x q x q, p = q^3; lit_mesh/parallel/grid/cube.py): per linear (in -> out), the input block (b/q x in/q), the
 weight block (in/q x out/q) and the product block (b/q x out/q) each cross a q-rank group twice (all-gathered one
 way, reduce-scattered the other): 2 (q-1)/q^3 (b in + in out + b out) e. Per RMSNorm: the fp32 sum of squares (b/q^2
 numbers) all-reduced over q ranks in forward and backward, 2 x 2(q-1)/q b/q^2 4, and its weight's gradient block
@@ -113,7 +113,7 @@ def bytes_3d(s: BlockShape, p: int) -> float:
     return linears + 2 * norm_bytes_3d(s, q)
 
 
-# Bytes per rank per block of each grid tp_mode: f(shape, tp, tp_depth); its grid sizes: tensor_grid.grid_shape.
+# Bytes per rank per block of each grid tp_mode: f(shape, tp, tp_depth); its grid sizes: grid.grid_shape.
 GRID_BLOCK_BYTES: dict[str, Callable[[BlockShape, int, Optional[int]], float]] = {
     "2d": lambda s, p, d: bytes_2d(s, p),
     "2.5d": lambda s, p, d: bytes_2_5d(s, p, d or 1),

@@ -20,8 +20,9 @@ keyword of the model's forward that takes token positions. A TorchFunctionMode, 
 sends the call to the style's function; a forward pre-hook passes each rank's global positions (for RoPE). The
 strategy shards every batch along the sequence with `shard_batch`, in the same order. Models keep no CP code.
 
-Files: context_layout.py (the sequence over the ranks, batches), context_attention.py (the three styles and
-their kernels), this one (swapping them into a model, applying the plan).
+Files (lit_mesh/parallel/context/): layout.py (the sequence over the ranks, batches; the cp_style option),
+attention.py (the three styles) and kernels.py (their block kernels), rules.py (what CP combines with), this one
+(swapping them into a model, applying the plan).
 """
 from __future__ import annotations
 
@@ -34,8 +35,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.overrides import TorchFunctionMode
 
-from lit_mesh.parallel.context_attention import context_parallel_attention
-from lit_mesh.parallel.context_layout import (  # noqa: F401  (the public names of context parallelism live here)
+from lit_mesh.parallel.context.attention import context_parallel_attention
+from lit_mesh.parallel.context.layout import (  # noqa: F401  (the public names of context parallelism live here)
     CP_STYLES,
     SEQUENCE_DIM,
     ContextParallelError,
@@ -115,14 +116,21 @@ def _positions_hook(keyword: str, cp: int, rank: int, load_balanced: bool, input
     return pass_positions
 
 
-def refuse_cp_without_plan(cp: int, module_name: str) -> None:
-    """The strategy shards batches over cp; without a plan applied, attention would see only its shard."""
-    if cp > 1:
-        raise PlanError(
-            f"cp={cp} but configure_model of {module_name} parallelised the model itself, so MeshStrategy applies no"
-            " plan and cannot make its attention span the cp ranks (it would see only its shard of the sequence);"
-            " use cp=1, or leave parallelisation to a parallel_plan() that declares attention and positions"
+def cp_plan_problem(plan: ParallelPlan, cp: int, name: str) -> Optional[str]:
+    """What `name`'s plan lacks for context parallel over cp ranks (None: nothing): the attention module to swap and
+    the keyword of forward() that takes the tokens' global positions."""
+    if not plan.cp.attention:
+        return (
+            f"cp={cp} but {name}.parallel_plan() declares no attention module (ContextPlan.attention);"
+            f" context parallel swaps the attention a plan names: declare it, or use cp=1"
         )
+    if not plan.cp.positions:
+        return (
+            f"cp={cp} but {name}.parallel_plan() declares no positions keyword (ContextPlan.positions):"
+            " each rank holds tokens from all over the sequence and the model must be told their global positions;"
+            " declare the keyword of forward() that takes them, or use cp=1"
+        )
+    return None
 
 
 def apply_context_parallel(
@@ -137,17 +145,9 @@ def apply_context_parallel(
     check_cp_style(style)
     name = type(model).__name__
     attention_name, positions = plan.cp.attention, plan.cp.positions
-    if not attention_name:
-        raise PlanError(
-            f"cp={cp_mesh.size()} but {name}.parallel_plan() declares no attention module (ContextPlan.attention);"
-            f" context parallel swaps the attention a plan names: declare it, or use cp=1"
-        )
-    if not positions:
-        raise PlanError(
-            f"cp={cp_mesh.size()} but {name}.parallel_plan() declares no positions keyword (ContextPlan.positions):"
-            " each rank holds tokens from all over the sequence and the model must be told their global positions;"
-            " declare the keyword of forward() that takes them, or use cp=1"
-        )
+    problem = cp_plan_problem(plan, cp_mesh.size(), name)  # MeshStrategy refuses it earlier ("cp_fits_plan", rules.py)
+    if problem is not None:
+        raise PlanError(problem)
     group, rank = cp_mesh.get_group(), cp_mesh.get_local_rank()
     for index, block in enumerate(model.get_submodule(plan.blocks)):
         where = f"{name}.{plan.blocks}.{index}.{attention_name}"

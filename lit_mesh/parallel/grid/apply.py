@@ -1,7 +1,7 @@
 """A model's TensorPlan on the multi-dimensional TP grid (tp_mode "2d", "2.5d", "3d"): the one place that applies it.
 
 The plan is the same data as for 1-D TP (lit_mesh/parallel/tensor.py), read for a grid scheme (GridScheme,
-lit_mesh/parallel/tensor_grid.py, which states the contract each scheme's linear layer keeps):
+lit_mesh/parallel/grid/grid.py, which states the contract each scheme's linear layer keeps):
   colwise, rowwise     the scheme's linear (both: in and out features split the same way in the grid layout)
   norm                 GridRMSNorm: the sum of squares all-reduced over the feature dims of the grid
   embedding            GridEmbedding: the table split over the hidden dim like the activations; each rank looks up
@@ -16,7 +16,7 @@ summed over the layout's batch dims in backward (SumGradOver). The activations b
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -25,10 +25,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from lit_mesh.errors import PlanError
 from lit_mesh.init import tied_parameters
-from lit_mesh.mesh import MeshViews
-from lit_mesh.parallel.summa import SummaScheme, SumGradOver
-from lit_mesh.parallel.tensor_3d import ThreeDScheme
-from lit_mesh.parallel.tensor_grid import (
+from lit_mesh.parallel.grid.grid import (
     GRID_DIMS,
     ActivationLayout,
     GridScheme,
@@ -38,10 +35,13 @@ from lit_mesh.parallel.tensor_grid import (
     grid_shape,
     local_block,
 )
+from lit_mesh.parallel.grid.schemes import SCHEMES
+from lit_mesh.parallel.grid.summa import SumGradOver
 from lit_mesh.plan import ParallelPlan
 
-# tp_mode -> its scheme
-SCHEMES: dict[str, GridScheme] = {"2d": SummaScheme(), "2.5d": SummaScheme(), "3d": ThreeDScheme()}
+if TYPE_CHECKING:  # an annotation only: the grid's rules, which mesh.py's checks reach, must not import the mesh
+    from lit_mesh.mesh import MeshViews
+
 # plan entries of `divides` the grid does not split: the head is replicated, the embedding split over the hidden dim
 _WHOLE = ("vocab_size",)
 _LINEAR_STYLES = ("colwise", "rowwise")
@@ -169,9 +169,10 @@ def _expect(module: nn.Module, kind: type, name: str, style: str, model_name: st
         )
 
 
-def check_grid_divides(model: nn.Module, plan: ParallelPlan, grid: TPGrid) -> None:
-    """Every size the grid splits: the plan's (heads, kv heads, ffn hidden) and every grid linear's features."""
-    q, model_name = grid.q, type(model).__name__
+def grid_divides_problem(model: nn.Module, plan: ParallelPlan, mode: str, depth: int, q: int) -> Optional[str]:
+    """Which size the grid splits into q blocks and q does not divide (None: every one): the plan's (heads, kv heads,
+    ffn hidden) and every grid linear's features."""
+    model_name = type(model).__name__
     sizes = {what: size for what, size in plan.tp.divides.items() if what not in _WHOLE}
     blocks = list(model.get_submodule(plan.blocks))
     for block in blocks[:1]:
@@ -181,12 +182,31 @@ def check_grid_divides(model: nn.Module, plan: ParallelPlan, grid: TPGrid) -> No
                 sizes[f"{name} in_features"], sizes[f"{name} out_features"] = linear.in_features, linear.out_features
     for what, size in sizes.items():
         if size % q:
-            per_q = {"2d": lambda n: n * n, "2.5d": lambda n: grid.depth * n * n, "3d": lambda n: n**3}[grid.mode]
+            per_q = {"2d": lambda n: n * n, "2.5d": lambda n: depth * n * n, "3d": lambda n: n**3}[mode]
             fits = [per_q(n) for n in range(2, 9) if size % n == 0]
-            raise PlanError(
-                f"tp_mode={grid.mode!r} on a grid of depth {grid.depth} x {q} x {q} splits {what}={size} of"
+            return (
+                f"tp_mode={mode!r} on a grid of depth {depth} x {q} x {q} splits {what}={size} of"
                 f" {model_name} into q={q} blocks, which does not divide it; use tp in {fits} (q dividing {size})"
             )
+    return None
+
+
+def check_grid_divides(model: nn.Module, plan: ParallelPlan, grid: TPGrid) -> None:
+    problem = grid_divides_problem(model, plan, grid.mode, grid.depth, grid.q)
+    if problem is not None:
+        raise PlanError(problem)
+
+
+def grid_plan_problem(model: nn.Module, plan: ParallelPlan, mode: str, depth: int, q: int) -> Optional[str]:
+    """Why the grid of (depth, q, q) ranks cannot split `model` with this plan (None: it can)."""
+    if plan.tp.unavailable:
+        return f"tp_mode={mode!r}: {plan.tp.unavailable}"
+    if tied_parameters(model):
+        return (
+            f"tp_mode={mode!r} with {type(model).__name__}'s tied parameters: the embedding is split over the hidden"
+            " dim and the head replicated, so one matrix cannot be both; untie them (zoo GPT: tie_embeddings=False)"
+        )
+    return grid_divides_problem(model, plan, mode, depth, q)
 
 
 def _has(module: nn.Module, name: str) -> bool:
@@ -200,14 +220,9 @@ def _has(module: nn.Module, name: str) -> bool:
 def apply_tensor_grid(model: nn.Module, plan: ParallelPlan, grid: TPGrid, scheme: GridScheme) -> None:
     """Replace `model`'s planned modules by the grid scheme's (see the module doc)."""
     model_name = type(model).__name__
-    if plan.tp.unavailable:
-        raise PlanError(f"tp_mode={grid.mode!r}: {plan.tp.unavailable}")
-    if tied_parameters(model):
-        raise PlanError(
-            f"tp_mode={grid.mode!r} with {model_name}'s tied parameters: the embedding is split over the hidden dim"
-            " and the head replicated, so one matrix cannot be both; untie them (zoo GPT: tie_embeddings=False)"
-        )
-    check_grid_divides(model, plan, grid)
+    problem = grid_plan_problem(model, plan, grid.mode, grid.depth, grid.q)  # MeshStrategy refuses it earlier
+    if problem is not None:  # ("tp_grid_fits_plan", grid/rules.py)
+        raise PlanError(problem)
     layout = scheme.layout(grid)
     targets = [(model, name, style) for name, style in plan.tp.root.items()]
     for block in model.get_submodule(plan.blocks):
@@ -265,7 +280,7 @@ def average_over_replicas(owners: list[Any], group: dist.ProcessGroup) -> None:
 def parallelize_grid(owners: list[Any], mesh: MeshViews, tp_mode: str, tp_depth: Optional[int]) -> TPGrid:
     """Build the grid of this run's tp ranks and apply every plan owner's TensorPlan on it (from apply.py)."""
     shape = grid_shape(mesh.layout.tp, tp_mode, tp_depth)
-    assert shape is not None, "lit_mesh/rules.py (tp_grid_shape) refuses tp sizes that do not fit the grid"
+    assert shape is not None, "grid/rules.py (tp_grid_shape) refuses tp sizes that do not fit the grid"
     grid = build_grid(mesh.root, tp_mode, *shape)
     for owner in owners:
         apply_tensor_grid(owner.module, owner.plan, grid, SCHEMES[tp_mode])

@@ -1,8 +1,9 @@
-"""Context parallelism, the layout: how a sequence is cut over the cp ranks, the positions each rank holds, and the
-sharding/gathering of whole batches (see lit_mesh/parallel/context.py)."""
+"""Context parallelism, the layout: the cp_style option, how a sequence is cut over the cp ranks, the positions each
+rank holds, and the sharding/gathering of whole batches (see lit_mesh/parallel/context/apply.py)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Literal, Optional
 
 import torch
@@ -11,16 +12,31 @@ from torch.distributed import _functional_collectives as funcol
 from torch.distributed.device_mesh import DeviceMesh
 
 from lit_mesh.errors import ContextParallelError, MeshConfigError, PlanError  # noqa: F401 - re-exported
+from lit_mesh.unit import option
 
 CPStyle = Literal["ring", "ulysses", "allgather"]
 CP_STYLES: tuple[str, ...] = CPStyle.__args__  # type: ignore[attr-defined]
 SEQUENCE_DIM = 1  # batches and activations are (batch, sequence, ...)
 
 
-
 def check_cp_style(style: str) -> None:
     if style not in CP_STYLES:
         raise MeshConfigError(f"cp_style={style!r}; choose one of {CP_STYLES}")
+
+
+@dataclass(frozen=True)
+class ContextOptions:
+    """The context-parallel unit's options (MeshStrategy's cp_style); the degree cp belongs to the mesh."""
+
+    style: CPStyle = option(
+        "ring",
+        doc='"ring" (K/V blocks circulate, load-balanced causal), "ulysses" (all-to-all to head shards; cp must divide'
+        ' the heads per tp rank) or "allgather" (all-gather K/V, load-balanced causal).',
+        arg="cp_style",
+    )
+
+    def __post_init__(self) -> None:
+        check_cp_style(self.style)
 
 
 def is_load_balanced(style: str) -> bool:

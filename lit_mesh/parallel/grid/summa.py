@@ -1,4 +1,4 @@
-"""The 2-D (SUMMA) and 2.5-D (Tesseract) linear layer on the tp grid (lit_mesh/parallel/tensor_grid.py).
+"""The 2-D (SUMMA) and 2.5-D (Tesseract) linear layer on the tp grid (lit_mesh/parallel/grid/grid.py).
 
 Rank (h, i, j) of the (depth, q, q) grid holds
   - activations X[h, i][j]: the batch block h * q + i (of depth * q), feature block j (of q);
@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import Replicate, Shard
 
-from lit_mesh.parallel.tensor_grid import ActivationLayout, TPGrid, grid_parameter
+from lit_mesh.parallel.grid.grid import ActivationLayout, TPGrid, grid_parameter
 
 LAYOUT = ActivationLayout(batch=("tp_depth", "tp_row"), features=("tp_col",))
 WEIGHT_PLACEMENTS = (Replicate(), Shard(1), Shard(0))  # (out, in) on (depth, row, col)
@@ -125,7 +125,7 @@ class SummaLinear(nn.Module):
 
 
 class SummaScheme:
-    """2-D (depth 1) and 2.5-D: one scheme, the grid's depth tells them apart (GridScheme in tensor_grid.py)."""
+    """2-D (depth 1) and 2.5-D: one scheme, the grid's depth tells them apart (GridScheme in grid.py)."""
 
     name = "summa"
 

@@ -1,5 +1,5 @@
 """Multi-dimensional tensor parallel (tp_mode "2d", "2.5d", "3d"): the grid of tp ranks, and the contract every
-scheme's layers keep. The model integration (lit_mesh/parallel/tensor_nd.py) works for any scheme that keeps it.
+scheme's layers keep. The model integration (lit_mesh/parallel/grid/apply.py) works for any scheme that keeps it.
 
 The grid. The tp ranks (the innermost mesh dim) are reshaped into three named dims, outermost first:
 
@@ -22,10 +22,10 @@ nn.Linear (weight (out, in), bias or None) that
     "rowwise" one after it brings the activations back);
   - leaves each weight's .grad the full gradient of its own block (reduced inside its backward over every rank
     that computed a part of it), so nothing else reduces weight gradients.
-2-D and 2.5-D: layout batch over ("tp_depth", "tp_row"), features over ("tp_col",) (lit_mesh/parallel/summa.py).
-3-D: layout batch over ("tp_row", "tp_col"), features over ("tp_depth",) (lit_mesh/parallel/tensor_3d.py).
-A scheme joins by its entry in lit_mesh/parallel/tensor_nd.py's SCHEMES (tp_mode -> GridScheme; the option checks
-and rules read that table) and its bytes per block in lit_mesh/parallel/tensor_nd_bytes.py's GRID_BLOCK_BYTES.
+2-D and 2.5-D: layout batch over ("tp_depth", "tp_row"), features over ("tp_col",) (lit_mesh/parallel/grid/summa.py).
+3-D: layout batch over ("tp_row", "tp_col"), features over ("tp_depth",) (lit_mesh/parallel/grid/cube.py).
+A scheme joins by its entry in lit_mesh/parallel/grid/schemes.py's SCHEMES (tp_mode -> GridScheme; the option checks
+and rules read that table) and its bytes per block in lit_mesh/parallel/grid/bytes.py's GRID_BLOCK_BYTES.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ GRID_DIMS = ("tp_depth", "tp_row", "tp_col")
 
 
 def check_tp_mode(tp_mode: str, tp_depth: int | None) -> None:
-    """The values alone (MeshStrategy.__init__); their fit with tp is the rule "tp_grid_shape" (lit_mesh/rules.py)."""
+    """The values alone (MeshStrategy.__init__); their fit with tp is the rule "tp_grid_shape" (grid/rules.py)."""
     if tp_mode not in TP_MODES:
         raise MeshConfigError(f"tp_mode={tp_mode!r} is not one of {list(TP_MODES)}")
     if tp_depth is not None and (isinstance(tp_depth, bool) or not isinstance(tp_depth, int) or tp_depth < 1):
