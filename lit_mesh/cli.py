@@ -1,7 +1,8 @@
-"""The `lit-mesh` command: LightningCLI's fit, validate, test and predict, plus our own subcommands.
+"""The `lit-mesh` command: LightningCLI's fit, validate, test and predict, our own subcommands, and those that
+installed packages declare as entry points in the group "lit_mesh.commands" (the zoo's export-hf and prepare-data).
 
-Heavy imports (Lightning, the zoo, torch.distributed) happen inside the subcommand that needs them, so that
-`lit-mesh --help`, `--version` and a subcommand's `--help` answer at once.
+Heavy imports (Lightning, the model families, torch.distributed) happen inside the subcommand that needs them, so
+that `lit-mesh --help`, `--version` and a subcommand's `--help` answer at once.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import argparse
 import os
 import sys
 from collections.abc import Callable
+from importlib.metadata import EntryPoint, entry_points
 from typing import Any
 
 LIGHTNING_COMMANDS = {
@@ -34,27 +36,6 @@ def export_main(argv: list[str]) -> None:
     print(f"wrote {out}")
 
 
-def export_hf_main(argv: list[str]) -> None:
-    parser = argparse.ArgumentParser(
-        prog="lit-mesh export-hf",
-        description="Write the model of a checkpoint as a transformers directory (config.json + model.safetensors)"
-        " that from_pretrained loads.",
-    )
-    parser.add_argument("checkpoint", help="a checkpoint written by `lit-mesh fit` (sharded directory or one file)")
-    parser.add_argument("output", help="the directory to write")
-    parser.add_argument("--prefix", default="model", help="the LightningModule attribute holding the model")
-    args = parser.parse_args(argv)
-    from zoo.convert import export_hf
-
-    print(f"wrote {export_hf(args.checkpoint, args.output, prefix=args.prefix)}")
-
-
-def prepare_data_main(argv: list[str]) -> None:
-    from zoo.prepare_data import main
-
-    main(argv)
-
-
 def plan_main(argv: list[str]) -> None:
     from lit_mesh.planner.command import main
 
@@ -64,16 +45,22 @@ def plan_main(argv: list[str]) -> None:
 
 # our subcommands: name -> (one line for --help, entry point taking the remaining arguments)
 COMMANDS: dict[str, tuple[str, Callable[[list[str]], None]]] = {
-    "plan": ("the best meshes for a zoo model on a cluster, why, and a `lit-mesh fit` config of the best", plan_main),
+    "plan": ("the best meshes for a model family (the zoo's) on a cluster, why, and a `lit-mesh fit` config of the best",
+             plan_main),
     "export": ("a checkpoint's model weights (sharded or not) as one unsharded file", export_main),
-    "export-hf": ("a checkpoint as a transformers directory that from_pretrained loads", export_hf_main),
-    "prepare-data": ("tokenise text, JSONL or parquet into memory-mapped token shards (zoo.TokenDataModule)",
-                     prepare_data_main),
 }
+COMMANDS_GROUP = "lit_mesh.commands"  # entry points: name = "package.module:main", main(argv: list[str])
+
+
+def plugin_commands() -> dict[str, EntryPoint]:
+    """The subcommands installed packages declare (read from their metadata: nothing is imported)."""
+    taken = {*LIGHTNING_COMMANDS, *COMMANDS}
+    return {ep.name: ep for ep in entry_points(group=COMMANDS_GROUP) if ep.name not in taken}
 
 
 def overview() -> str:
-    width = max(map(len, [*LIGHTNING_COMMANDS, *COMMANDS]))
+    plugins = plugin_commands()
+    width = max(map(len, [*LIGHTNING_COMMANDS, *COMMANDS, *plugins]))
     lines = [
         "usage: lit-mesh [--help] [--version] SUBCOMMAND ...",
         "",
@@ -83,6 +70,7 @@ def overview() -> str:
     ]
     lines += [f"  {name:<{width}}  {line}" for name, line in LIGHTNING_COMMANDS.items()]
     lines += [f"  {name:<{width}}  {line}" for name, (line, _) in COMMANDS.items()]
+    lines += [f"  {name:<{width}}  from {ep.value.split(':')[0]} (`lit-mesh {name} --help`)" for name, ep in plugins.items()]
     lines += ["", "`lit-mesh SUBCOMMAND --help` lists a subcommand's options."]
     return "\n".join(lines)
 
@@ -110,6 +98,10 @@ def run(argv: list[str], from_command_line: bool = False) -> Any:
     if argv[0] in COMMANDS:
         COMMANDS[argv[0]][1](argv[1:])
         return None
+    plugin = plugin_commands().get(argv[0])
+    if plugin is not None:
+        plugin.load()(argv[1:])
+        return None
     if argv[0] not in LIGHTNING_COMMANDS and not argv[0].startswith("-"):
         raise SystemExit(f"lit-mesh: unknown subcommand {argv[0]!r}\n\n{overview()}")
     return lightning_cli(None if from_command_line else argv)
@@ -120,11 +112,13 @@ def lightning_cli(args: list[str] | None) -> Any:
     from lightning.pytorch.cli import LightningCLI
 
     import lit_mesh  # noqa: F401  (registers the "mesh" strategy)
-    import zoo  # noqa: F401  (so short class paths of zoo modules resolve)
+    from lit_mesh.planner.families import import_cli_modules
 
     from typing_extensions import override
 
     from lit_mesh.checkpoint.resume import resolve_ckpt_path
+
+    import_cli_modules()  # the model families' modules (the zoo's), so that short class paths (--model=GPTModule) resolve
 
     class MeshCLI(LightningCLI):
         @override

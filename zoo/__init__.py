@@ -12,6 +12,8 @@ from zoo.token_data import TokenDataModule
 from zoo.vit import PRESETS as VIT_PRESETS
 from zoo.vit import ViT, ViTConfig
 
+import zoo.families  # noqa: F401  (registers the zoo's model families with lit-mesh's planner and command)
+
 __all__ = [
     "GPT",
     "GPT_PRESETS",

@@ -24,22 +24,19 @@ from lit_mesh.plan import ContextPlan, ParallelPlan, PipelinePlan, TensorPlan
 
 
 @dataclass
-class GPTConfig:
+class TransformerConfig:
+    """The decoder shape the zoo GPT and the zoo MoE share (zoo.moe.MoEConfig extends it with its routing):
+    attention, RoPE, norms and the dense SwiGLU feed-forward."""
+
     vocab_size: int = 256
     dim: int = 64
     n_layers: int = 2
     n_heads: int = 4
     n_kv_heads: int = 2
-    ffn_hidden: int = 128
+    ffn_hidden: int = 128  # the dense feed-forward's hidden units
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     max_seq_len: int = 256
-    # one matmul for SwiGLU's w1 and w3 (a (2 * ffn_hidden, dim) weight, w1 rows first); tp = 1 only, and its
-    # state dict still converts to transformers (the converter splits it)
-    fused_w13: bool = False
-    # the output head uses the token embedding's weight (one (vocab_size, dim) matrix, its gradient the sum of both
-    # uses; Llama 3.2 1B/3B): converts to transformers' tie_word_embeddings=True; pp = 1 only (lit_mesh/rules.py)
-    tie_embeddings: bool = False
 
     def __post_init__(self) -> None:
         if self.dim % self.n_heads:
@@ -52,6 +49,35 @@ class GPTConfig:
     @property
     def head_dim(self) -> int:
         return self.dim // self.n_heads
+
+    def attention_matmul_params(self) -> int:
+        """One layer's attention weights: wq and wo (dim x n_heads x head_dim each), wk and wv (dim x n_kv_heads x
+        head_dim each)."""
+        hd = self.head_dim
+        return self.dim * self.n_heads * hd * 2 + self.dim * self.n_kv_heads * hd * 2
+
+    def feed_forward_matmul_params(self) -> int:
+        """The feed-forward weights one token passes through, over all layers (SwiGLU: w1, w2, w3)."""
+        return self.n_layers * 3 * self.dim * self.ffn_hidden
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token (forward + backward = 3 x forward), the convention of PaLM's MFU: matmuls count 2
+        FLOPs per multiply-add, so 6 x (matmul weights a token passes through, the output head included: a tied
+        head still runs its matmul); attention scores and weighted values add 12 x layers x seq_len x (heads x
+        head_dim), counted dense (no causal halving). Norms, activations, softmax and embedding lookups are left out."""
+        matmul_params = self.n_layers * self.attention_matmul_params() + self.feed_forward_matmul_params()
+        matmul_params += self.dim * self.vocab_size  # the output head
+        return 6.0 * matmul_params + 12.0 * self.n_layers * seq_len * self.n_heads * self.head_dim
+
+
+@dataclass
+class GPTConfig(TransformerConfig):
+    # one matmul for SwiGLU's w1 and w3 (a (2 * ffn_hidden, dim) weight, w1 rows first); tp = 1 only, and its
+    # state dict still converts to transformers (the converter splits it)
+    fused_w13: bool = False
+    # the output head uses the token embedding's weight (one (vocab_size, dim) matrix, its gradient the sum of both
+    # uses; Llama 3.2 1B/3B): converts to transformers' tie_word_embeddings=True; pp = 1 only (lit_mesh/rules.py)
+    tie_embeddings: bool = False
 
     @classmethod
     def from_preset(cls, name: str, **overrides: object) -> GPTConfig:
@@ -90,7 +116,7 @@ def apply_rope(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torc
 
 
 class Attention(nn.Module):
-    def __init__(self, config: GPTConfig) -> None:
+    def __init__(self, config: TransformerConfig) -> None:
         super().__init__()
         self.head_dim = config.head_dim
         # the ratio of query heads to key/value heads survives a column-wise split of wq, wk and wv
@@ -114,16 +140,18 @@ class Attention(nn.Module):
 
 
 class FeedForward(nn.Module):
-    """SwiGLU: w2(silu(w1 x) * w3 x)."""
+    """SwiGLU: w2(silu(w1 x) * w3 x), of `hidden` units (default: the config's ffn_hidden; the MoE's shared experts
+    are one of these, n_shared_experts x expert_hidden wide)."""
 
-    def __init__(self, config: GPTConfig) -> None:
+    def __init__(self, config: TransformerConfig, hidden: int | None = None) -> None:
         super().__init__()
-        if config.fused_w13:  # one (2 * hidden, dim) matmul instead of two; w1's rows first
-            self.w13 = nn.Linear(config.dim, 2 * config.ffn_hidden, bias=False)
+        hidden = config.ffn_hidden if hidden is None else hidden
+        if isinstance(config, GPTConfig) and config.fused_w13:  # one (2 * hidden, dim) matmul; w1's rows first
+            self.w13 = nn.Linear(config.dim, 2 * hidden, bias=False)
         else:
-            self.w1 = nn.Linear(config.dim, config.ffn_hidden, bias=False)
-            self.w3 = nn.Linear(config.dim, config.ffn_hidden, bias=False)
-        self.w2 = nn.Linear(config.ffn_hidden, config.dim, bias=False)
+            self.w1 = nn.Linear(config.dim, hidden, bias=False)
+            self.w3 = nn.Linear(config.dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, config.dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if hasattr(self, "w13"):
@@ -229,8 +257,6 @@ class GPT(nn.Module):
             n -= self.tok_embeddings.weight.numel()
         return n
 
-    def flops_per_token(self, seq_len: int) -> int:
-        """Training FLOPs per token: 6N for the matmuls (forward + backward; the embedding lookup is no matmul)
-        plus 12 * layers * dim * seq_len for the attention scores and weighted sum (PaLM appendix B)."""
-        c = self.config
-        return 6 * self.num_params(exclude_embedding=True) + 12 * c.n_layers * c.dim * seq_len
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token: GPTConfig.flops_per_token (the one formula, zoo.flops)."""
+        return self.config.flops_per_token(seq_len)

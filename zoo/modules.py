@@ -17,13 +17,13 @@ from typing import Any, Callable
 import lightning as L
 import torch
 import torch.nn.functional as F
+from torch import nn
 from typing_extensions import override
 
 from lit_mesh.kernels import adamw_implementation
 from lit_mesh.training.log_steps import reduced_on_logging_steps, step_mean
 from lit_mesh.loss import cross_entropy
 from lit_mesh.parallel.pipeline import loss_of, output_of
-from zoo.flops import gpt_flops_per_token, vit_flops_per_token
 from zoo.gpt import GPT, GPTConfig
 from zoo.pretrained import FromPretrained, pretrained_zoo
 from zoo.vit import ViT, ViTConfig
@@ -73,7 +73,66 @@ def _inputs(batch: Any) -> torch.Tensor:
     return batch[0] if isinstance(batch, (tuple, list)) else batch
 
 
-class GPTModule(FromPretrained, L.LightningModule):
+class ZooModule(L.LightningModule):
+    """The skeleton of the zoo's LightningModules: `self.config` (made in the subclass's __init__ from a preset,
+    so that a bad one fails before any rank starts), the network `network(config)` built in configure_model,
+    losses through loss_of and outputs through output_of (the pipeline schedule under pp), and the config's
+    training FLOPs per token. A subclass calls save_hyperparameters() in its own __init__ (the checkpoint then
+    holds its arguments) and sets `network`, `config` and `loss_fn`."""
+
+    network: Callable[[Any], nn.Module]  # the network's class, built from the config
+    config: Any
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model: nn.Module | None = None
+
+    @override
+    def configure_model(self) -> None:
+        if self.model is None:  # the hook may run more than once (fit, then test)
+            self.model = self.network(self.config)
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        return output_of(self.model, inputs)
+
+    @staticmethod
+    def loss_fn(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        inputs, targets = batch
+        loss = loss_of(self.model, self.loss_fn, inputs, targets)
+        self.log("train_loss", reduced_on_logging_steps(self, step_mean(self, "train_loss", loss)), prog_bar=True)  # no per-step collective
+        return loss
+
+    def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self(_inputs(batch))
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token (lit_mesh.MeshMonitor reads it for MFU)."""
+        return self.config.flops_per_token(seq_len)
+
+
+class LanguageModule(ZooModule):
+    """Next-token language modelling: batches are (tokens, targets), both (B, T); losses are the mean cross
+    entropy over the local batch's tokens."""
+
+    @staticmethod
+    def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Mean cross entropy over all tokens of the local batch, in fp32: chunked over the tokens, and on the
+        vocabulary shards when tp > 1 (lit_mesh/loss.py)."""
+        return cross_entropy(logits, targets)
+
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        tokens, targets = batch
+        self.log("val_loss", loss_of(self.model, self.loss_fn, tokens, targets), prog_bar=True, sync_dist=True)
+
+    def test_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        tokens, targets = batch
+        self.log("test_loss", loss_of(self.model, self.loss_fn, tokens, targets), sync_dist=True)
+
+
+class GPTModule(FromPretrained, LanguageModule):
     """Next-token language modelling with `zoo.gpt.GPT`; batches are (tokens, targets), both (B, T).
 
     pretrained: a transformers Llama directory to start from (its config replaces the preset's)."""
@@ -101,40 +160,8 @@ class GPTModule(FromPretrained, L.LightningModule):
         self.config = GPTConfig.from_preset(preset, **(config_overrides or {}))
         if pretrained is not None:  # every tensor named and shape-checked now, before any rank starts
             self.config, self._sources = pretrained_zoo(pretrained, "llama", config_overrides)
-        self.model: GPT | None = None
 
-    @override
-    def configure_model(self) -> None:
-        created = self.model is None  # the hook may run more than once (fit, then test)
-        if created:
-            self.model = GPT(self.config)
-        self._load_if_built(created)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        return output_of(self.model, tokens)
-
-    @staticmethod
-    def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Mean cross entropy over all tokens of the local batch, in fp32: chunked over the tokens, and on the
-        vocabulary shards when tp > 1 (lit_mesh/loss.py)."""
-        return cross_entropy(logits, targets)
-
-    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        tokens, targets = batch
-        loss = loss_of(self.model, self.loss_fn, tokens, targets)
-        self.log("train_loss", reduced_on_logging_steps(self, step_mean(self, "train_loss", loss)), prog_bar=True)  # no per-step collective
-        return loss
-
-    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
-        tokens, targets = batch
-        self.log("val_loss", loss_of(self.model, self.loss_fn, tokens, targets), prog_bar=True, sync_dist=True)
-
-    def test_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
-        tokens, targets = batch
-        self.log("test_loss", loss_of(self.model, self.loss_fn, tokens, targets), sync_dist=True)
-
-    def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        return self(_inputs(batch))
+    network = GPT
 
     def configure_optimizers(self) -> Any:
         h = self.hparams
@@ -143,12 +170,8 @@ class GPTModule(FromPretrained, L.LightningModule):
             h.min_lr_ratio,
         )
 
-    def flops_per_token(self, seq_len: int) -> float:
-        """Training FLOPs per token (lit_mesh.MeshMonitor reads it for MFU)."""
-        return gpt_flops_per_token(self.config, seq_len)
 
-
-class ViTModule(L.LightningModule):
+class ViTModule(ZooModule):
     """Image classification with `zoo.vit.ViT`; batches are (images (B, C, H, W), labels (B,))."""
 
     def __init__(
@@ -162,25 +185,13 @@ class ViTModule(L.LightningModule):
         super().__init__()
         self.save_hyperparameters()
         self.config = ViTConfig.from_preset(preset, **(config_overrides or {}))
-        self.model: ViT | None = None
 
-    def configure_model(self) -> None:
-        if self.model is None:  # the hook may run more than once (fit, then test)
-            self.model = ViT(self.config)
-
-    def forward(self, images: torch.Tensor) -> torch.Tensor:
-        return output_of(self.model, images)
+    network = ViT
 
     @staticmethod
     def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Mean cross entropy over the local batch, in fp32."""
         return F.cross_entropy(logits.float(), labels)
-
-    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        images, labels = batch
-        loss = loss_of(self.model, self.loss_fn, images, labels)
-        self.log("train_loss", reduced_on_logging_steps(self, step_mean(self, "train_loss", loss)), prog_bar=True)  # no per-step collective
-        return loss
 
     def _evaluate(self, batch: tuple[torch.Tensor, torch.Tensor], stage: str) -> None:
         images, labels = batch
@@ -195,9 +206,6 @@ class ViTModule(L.LightningModule):
     def test_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
         self._evaluate(batch, "test")
 
-    def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        return self(_inputs(batch))
-
     def configure_optimizers(self) -> Any:
         h = self.hparams
         return _optimizer(self, h.lr, (0.9, 0.999), h.weight_decay, h.warmup_steps)
@@ -205,7 +213,3 @@ class ViTModule(L.LightningModule):
     def tokens_in_batch(self, batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[int, int]:
         """(tokens, tokens per image) of a batch: patches, class token and registers of every image."""
         return len(batch[0]) * self.config.seq_len, self.config.seq_len
-
-    def flops_per_token(self, seq_len: int) -> float:
-        """Training FLOPs per token (lit_mesh.MeshMonitor reads it for MFU)."""
-        return vit_flops_per_token(self.config)

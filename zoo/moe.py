@@ -34,17 +34,15 @@ from torch import nn
 
 from lit_mesh.init import Init, init_parameters
 from lit_mesh.plan import ContextPlan, MoEPlan, ParallelPlan, PipelinePlan, TensorPlan, TPStyle
-from zoo.gpt import Attention, FeedForward, GPTConfig, rope_cos_sin
+from zoo.gpt import Attention, FeedForward, TransformerConfig, rope_cos_sin
 
 
-@dataclass
-class MoEConfig:
-    vocab_size: int = 256
-    dim: int = 64
-    n_layers: int = 2
-    n_heads: int = 4
-    n_kv_heads: int = 2
-    ffn_hidden: int = 128  # the dense feed-forward layers (when moe_every > 1)
+@dataclass(kw_only=True)
+class MoEConfig(TransformerConfig):
+    """The zoo GPT's shape (TransformerConfig: vocab_size, dim, n_layers, n_heads, n_kv_heads, ffn_hidden for the
+    dense feed-forward layers when moe_every > 1, norm_eps, rope_theta, max_seq_len) and the routing of its MoE
+    layers (keyword-only)."""
+
     n_experts: int = 4
     top_k: int = 2
     expert_hidden: int = 64
@@ -55,12 +53,9 @@ class MoEConfig:
     capacity_factor: float | None = None  # None: dropless
     aux_loss_coef: float = 0.01  # 0: no auxiliary loss
     bias_update_rate: float = 0.0  # aux-loss-free balancing step (DeepSeek-V3 uses 0.001); 0: off
-    norm_eps: float = 1e-5
-    rope_theta: float = 10000.0
-    max_seq_len: int = 256
 
     def __post_init__(self) -> None:
-        self.attention_config()  # dim / heads / RoPE checks of the zoo GPT
+        super().__post_init__()  # dim / heads / RoPE checks of the zoo GPT
         if self.n_experts < 1:
             raise ValueError(f"n_experts={self.n_experts} must be >= 1")
         if not 1 <= self.top_k <= self.n_experts:
@@ -82,16 +77,12 @@ class MoEConfig:
                 f"aux_loss_coef={self.aux_loss_coef} and bias_update_rate={self.bias_update_rate} must be >= 0"
             )
 
-    def attention_config(self) -> GPTConfig:
-        """The zoo GPT's config for the shared pieces (attention, dense feed-forward)."""
-        return GPTConfig(
-            self.vocab_size, self.dim, self.n_layers, self.n_heads, self.n_kv_heads, self.ffn_hidden,
-            self.norm_eps, self.rope_theta, self.max_seq_len,
-        )  # fmt: skip
-
-    @property
-    def head_dim(self) -> int:
-        return self.dim // self.n_heads
+    def feed_forward_matmul_params(self) -> int:
+        """Only the experts a token uses (top_k routed + shared) and the router in MoE layers; the dense
+        feed-forward in the others (TransformerConfig.flops_per_token counts the rest)."""
+        n_moe = sum(self.is_moe_layer(i) for i in range(self.n_layers))
+        moe = 3 * self.dim * self.expert_hidden * (self.top_k + self.n_shared_experts) + self.dim * self.n_experts
+        return n_moe * moe + (self.n_layers - n_moe) * 3 * self.dim * self.ffn_hidden
 
     def is_moe_layer(self, index: int) -> bool:
         return (index + 1) % self.moe_every == 0
@@ -266,8 +257,7 @@ class MoE(nn.Module):
         self.experts = GroupedExperts(config.n_experts, config.dim, config.expert_hidden)
         self.shared_experts: FeedForward | None = None
         if config.n_shared_experts:
-            shared = dataclasses.replace(config, ffn_hidden=config.n_shared_experts * config.expert_hidden)
-            self.shared_experts = FeedForward(shared.attention_config())
+            self.shared_experts = FeedForward(config, hidden=config.n_shared_experts * config.expert_hidden)
         self.dispatcher = LocalDispatch()  # expert parallel swaps in an all-to-all (the plan's `moe.layer`)
         # statistics of the last forward (detached), read by the LightningModule for logging and balancing
         self.load = torch.zeros(config.n_experts)
@@ -324,13 +314,12 @@ class MoE(nn.Module):
 class MoEBlock(nn.Module):
     def __init__(self, config: MoEConfig, moe: bool) -> None:
         super().__init__()
-        gpt = config.attention_config()
         self.attention_norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
-        self.attention = Attention(gpt)
+        self.attention = Attention(config)
         self.ffn_norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
         # one of the two: blocks are MoE or dense (then exactly the zoo GPT's feed-forward)
         self.moe: MoE | None = MoE(config) if moe else None
-        self.feed_forward: FeedForward | None = None if moe else FeedForward(gpt)
+        self.feed_forward: FeedForward | None = None if moe else FeedForward(config)
 
     def forward(self, x: torch.Tensor, *, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         x = x + self.attention(self.attention_norm(x), rope=rope)
@@ -432,13 +421,6 @@ class MoETransformer(nn.Module):
 
 
 def moe_flops_per_token(config: MoEConfig, seq_len: int) -> float:
-    """Training FLOPs per token counting only the experts a token uses (top_k routed + shared) and the router."""
-    hd = config.head_dim
-    attention = config.dim * config.n_heads * hd * 2 + config.dim * config.n_kv_heads * hd * 2
-    n_moe = sum(config.is_moe_layer(i) for i in range(config.n_layers))
-    active_experts = config.top_k + config.n_shared_experts
-    moe = 3 * config.dim * config.expert_hidden * active_experts + config.dim * config.n_experts
-    dense = 3 * config.dim * config.ffn_hidden
-    matmul_params = config.n_layers * attention + n_moe * moe + (config.n_layers - n_moe) * dense
-    matmul_params += config.dim * config.vocab_size
-    return 6.0 * matmul_params + 12.0 * config.n_layers * seq_len * config.n_heads * hd
+    """Training FLOPs per token counting only the experts a token uses (top_k routed + shared) and the router
+    (MoEConfig.flops_per_token)."""
+    return config.flops_per_token(seq_len)

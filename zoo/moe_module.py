@@ -9,14 +9,12 @@ from __future__ import annotations
 
 from typing import Any
 
-import lightning as L
 import torch
-from typing_extensions import override
 
 from lit_mesh.training.log_steps import module_logs_now, reduced_on_logging_steps, step_mean
-from lit_mesh.parallel.pipeline import is_pipelined, loss_of, output_of, sum_over_stages
-from zoo.modules import GPTModule, _inputs, _optimizer
-from zoo.moe import MoEConfig, MoETransformer, moe_flops_per_token
+from lit_mesh.parallel.pipeline import is_pipelined, loss_of, sum_over_stages
+from zoo.modules import LanguageModule, _optimizer
+from zoo.moe import MoEConfig, MoETransformer
 from zoo.pretrained import FromPretrained, pretrained_zoo
 
 
@@ -26,7 +24,7 @@ def imbalance(load: torch.Tensor) -> torch.Tensor:
     return load.max(dim=-1).values / load.mean(dim=-1).clamp_min(1e-9)
 
 
-class MoEModule(FromPretrained, L.LightningModule):
+class MoEModule(FromPretrained, LanguageModule):
     """Next-token language modelling with `zoo.moe.MoETransformer`; batches are (tokens, targets), both (B, T).
 
     pretrained: a transformers Mixtral directory to start from (its config replaces the preset's)."""
@@ -47,20 +45,9 @@ class MoEModule(FromPretrained, L.LightningModule):
         self.config = MoEConfig.from_preset(preset, **(config_overrides or {}))
         if pretrained is not None:  # every tensor named and shape-checked now, before any rank starts
             self.config, self._sources = pretrained_zoo(pretrained, "mixtral", config_overrides)
-        self.model: MoETransformer | None = None
         self._load_since_step: torch.Tensor | None = None  # (MoE layers, experts), for aux-loss-free balancing
 
-    @override
-    def configure_model(self) -> None:
-        created = self.model is None  # the hook may run more than once (fit, then test)
-        if created:
-            self.model = MoETransformer(self.config)
-        self._load_if_built(created)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        return output_of(self.model, tokens)
-
-    loss_fn = staticmethod(GPTModule.loss_fn)
+    network = MoETransformer
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         tokens, targets = batch
@@ -117,21 +104,6 @@ class MoEModule(FromPretrained, L.LightningModule):
                 moe.update_expert_bias(load)
             self._load_since_step = None
 
-    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
-        tokens, targets = batch
-        self.log("val_loss", loss_of(self.model, self.loss_fn, tokens, targets), prog_bar=True, sync_dist=True)
-
-    def test_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
-        tokens, targets = batch
-        self.log("test_loss", loss_of(self.model, self.loss_fn, tokens, targets), sync_dist=True)
-
-    def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        return self(_inputs(batch))  # whole logits (under tp the loss takes them vocabulary-sharded)
-
     def configure_optimizers(self) -> Any:
         h = self.hparams
         return _optimizer(self, h.lr, tuple(h.betas), h.weight_decay, h.warmup_steps)
-
-    def flops_per_token(self, seq_len: int) -> float:
-        """Training FLOPs per token of the experts a token uses (lit_mesh.MeshMonitor reads it for MFU)."""
-        return moe_flops_per_token(self.config, seq_len)

@@ -161,13 +161,19 @@ def prefixed(sources: dict[str, TensorSource], prefix: str) -> dict[str, TensorS
 
 
 class FromPretrained:
-    """For LightningModules whose `self.model` may start from a pretrained directory: set `self._sources`
-    (parameter names of `self.model` -> sources) in __init__ and call `_load_if_built(created)` at the end of
-    configure_model. Under MeshStrategy the model is still on the meta device there; the strategy reads each
-    rank's slices once it is sharded (lit_mesh.pretrained.load_pretrained calls `pretrained_sources`)."""
+    """A mixin (first among the bases) for LightningModules whose `self.model` may start from a pretrained
+    directory: set `self._sources` (parameter names of `self.model` -> sources) in __init__; after the base's
+    configure_model has built the model, the whole model is read here when it is not on the meta device. Under
+    MeshStrategy it still is; the strategy reads each rank's slices once it is sharded
+    (lit_mesh.pretrained.load_pretrained calls `pretrained_sources`)."""
 
     _sources: dict[str, TensorSource] | None = None
     model: nn.Module | None
+
+    def configure_model(self) -> None:
+        created = self.model is None  # the hook may run more than once (fit, then test)
+        super().configure_model()  # type: ignore[misc]  # the LightningModule's, after this mixin in the MRO
+        self._load_if_built(created)
 
     def pretrained_sources(self) -> dict[str, TensorSource] | None:
         return None if self._sources is None else prefixed(self._sources, "model")

@@ -48,6 +48,18 @@ class ViTConfig:
         """Tokens per image: patches + class token + registers."""
         return self.n_patches + 1 + self.n_registers
 
+    def flops_per_token(self, seq_len: int | None = None) -> float:
+        """Training FLOPs per token, the convention of TransformerConfig.flops_per_token (6 x matmul weights, 12 x
+        depth x seq_len x dim for the attention), averaged over an image's tokens: the patch embedding runs on the
+        patch tokens only, the head once per image. `seq_len` is ignored (an image is always `self.seq_len` tokens):
+        the argument keeps the language models' signature."""
+        s, d = self.seq_len, self.dim
+        patch_embedding = self.n_patches * self.in_channels * self.patch_size**2 * d  # patch tokens only
+        blocks = s * self.depth * (4 * d * d + 2 * d * self.mlp_hidden)
+        head = d * self.n_classes  # once per image
+        per_image = 6.0 * (patch_embedding + blocks + head) + 12.0 * self.depth * s * s * d
+        return per_image / s
+
     @classmethod
     def from_preset(cls, name: str, **overrides: object) -> ViTConfig:
         if name not in PRESETS:

@@ -1,6 +1,7 @@
-"""`lit-mesh plan`: which mesh (ep too, for the zoo MoE), checkpointing and precision to train a zoo GPT or MoE
-with on a given cluster.
+"""`lit-mesh plan`: which mesh (ep too, for an MoE), checkpointing and precision to train a model of a registered
+family (the zoo GPT or MoE) with on a given cluster.
 
+families.py     the model families it plans for (the zoo's gpt and moe register themselves): configs, presets, FLOPs
 shapes.py       the model's parameters by role, from its ParallelPlan
 memory.py       per-rank bytes: exact parameter/gradient/AdamW shards, activations and FSDP buffers by formula
 options.py      the vocabularies (dims, precisions, AC modes), free of torch for a fast --help

@@ -17,6 +17,7 @@ import yaml
 
 from lit_mesh.mesh import MeshLayout
 from lit_mesh.planner.cost import CALIBRATION, Features, Kernels, Schedule, calibrated_kernels, flops_per_token, step_time
+from lit_mesh.planner.families import family
 from lit_mesh.planner.hardware import GB, GIB, Hardware
 from lit_mesh.planner.memory import Workload
 from lit_mesh.planner.shapes import ModelShapes, gpt_shapes
@@ -56,9 +57,8 @@ def hardware(name: str, devices: int) -> Hardware:
 
 @lru_cache(maxsize=None)
 def shapes_of(preset: str) -> ModelShapes:
-    from zoo.gpt import GPTConfig
-
-    return gpt_shapes(GPTConfig.from_preset(preset))
+    """The shapes of a preset of the "gpt" family (the zoo's Llama-3 presets: the published runs are Llama 3)."""
+    return gpt_shapes(family("gpt").config(preset))
 
 
 def check(run: dict[str, Any], kernels: Kernels | None = None) -> Check:

@@ -1,4 +1,5 @@
-"""`lit-mesh plan`: the best meshes for a zoo GPT on a cluster, why, and a `lit-mesh fit` config for the best.
+"""`lit-mesh plan`: the best meshes for a model family (the zoo GPT by default) on a cluster, why, and a `lit-mesh fit`
+config for the best.
 
     lit-mesh plan --preset llama3-70b --devices 256 --out plan.yaml
     lit-mesh plan --preset llama3-8b --devices 64 --simulate --plot plots/
@@ -64,9 +65,11 @@ FRACTION = _number(float, 0, True, 1.0)
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="gpt", choices=("gpt", "moe"), help="zoo model family: GPT or MoE (zoo/moe.py)")
+    p.add_argument("--model", default="gpt",
+                   help="model family: the zoo's gpt (zoo/gpt.py) or moe (zoo/moe.py), or one registered in"
+                        " lit_mesh.planner.families")
     p.add_argument("--preset", default="llama3-8b",
-                   help="zoo preset: GPT tiny, small, llama3-8b/70b/405b, ... (zoo/gpt.py); MoE see zoo/moe.py")
+                   help="a preset of the family: gpt tiny, small, llama3-8b/70b/405b, ... (zoo/gpt.py); moe see zoo/moe.py")
     p.add_argument("--config-overrides", default="", help="config fields over the preset, YAML/JSON: '{n_layers: 40}'")
     p.add_argument("--devices", type=COUNT, default=None, help="total devices (default: nodes x devices per node)")
     p.add_argument("--nodes", type=COUNT, default=None, help="nodes (default: devices / devices per node)")
@@ -155,19 +158,22 @@ def model_config(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
 
     import yaml
 
-    from lit_mesh.planner.shapes import config_class_of
+    from lit_mesh.planner.families import family
 
     try:
         overrides = yaml.safe_load(args.config_overrides) if args.config_overrides else {}
     except yaml.YAMLError as e:
         raise BadArgument(f"--config-overrides {args.config_overrides!r} is not YAML: {e}".splitlines()[0]) from None
-    config_class = config_class_of(args.model)
-    fields = [f.name for f in dataclasses.fields(config_class)]
+    try:
+        model_family = family(args.model)
+    except LookupError as e:
+        raise BadArgument(f"--model {args.model}: {e}") from None
+    fields = [f.name for f in dataclasses.fields(model_family.config_class)]
     if not isinstance(overrides or {}, dict) or set(overrides or {}) - set(fields):
-        raise BadArgument(f"--config-overrides {args.config_overrides!r} must map {config_class.__name__}"
+        raise BadArgument(f"--config-overrides {args.config_overrides!r} must map {model_family.config_class.__name__}"
                           f" fields ({', '.join(fields)}) to values, e.g. '{{n_layers: 40}}'")
     try:
-        config = config_class.from_preset(args.preset, **(overrides or {}))
+        config = model_family.config(args.preset, **(overrides or {}))
     except (ValueError, TypeError) as e:
         raise BadArgument(f"--model {args.model}: {e}") from None
     if args.seq_len > config.max_seq_len:

@@ -1,5 +1,6 @@
-"""The chosen plan as a `lit-mesh fit` config (LightningCLI YAML: MeshStrategy init_args, zoo GPT, text data),
-and its rehearsal: the same mesh shape scaled down to a CPU smoke run of the family's tiny preset."""
+"""The chosen plan as a `lit-mesh fit` config (LightningCLI YAML: MeshStrategy init_args, the model family's
+LightningModule and DataModule, e.g. the zoo GPT and text data), and its rehearsal: the same mesh shape scaled down
+to a CPU smoke run of the family's tiny preset."""
 
 from __future__ import annotations
 
@@ -14,10 +15,8 @@ from lit_mesh.planner.hardware import Hardware
 from lit_mesh.planner.memory import Workload
 from lit_mesh.planner.schedules import microbatches_refused
 from lit_mesh.planner.search import DIMS, Candidate, why_invalid
-from lit_mesh.planner.shapes import config_class_of, gpt_shapes
-
-
-MODULES = {"gpt": "zoo.GPTModule", "moe": "zoo.MoEModule"}  # the LightningModule of each model family
+from lit_mesh.planner.families import family
+from lit_mesh.planner.shapes import gpt_shapes
 
 
 def fit_config(c: Candidate, preset: str, overrides: dict[str, Any], hw: Hardware, max_steps: int, model_family: str = "gpt"
@@ -47,6 +46,7 @@ def fit_config(c: Candidate, preset: str, overrides: dict[str, Any], hw: Hardwar
         accumulate, per_batch = 1, work.global_batch
     else:  # Lightning accumulates micro-batches; each DataModule batch is one micro-batch per dp rank
         accumulate, per_batch = steps, work.global_batch // steps
+    modules = family(model_family)  # the LightningModule and DataModule it names
     model: dict[str, Any] = {"preset": preset}
     if overrides:
         model["config_overrides"] = dict(overrides)
@@ -59,8 +59,8 @@ def fit_config(c: Candidate, preset: str, overrides: dict[str, Any], hw: Hardwar
             "strategy": {"class_path": "lit_mesh.MeshStrategy", "init_args": strategy},
             "callbacks": [{"class_path": "lit_mesh.MeshMonitor"}],
         },
-        "model": {"class_path": MODULES[model_family], "init_args": model},
-        "data": {"class_path": "zoo.TextDataModule", "init_args": {"global_batch_size": per_batch, "seq_len": work.seq_len}},
+        "model": {"class_path": modules.lightning_module, "init_args": model},
+        "data": {"class_path": modules.data_module, "init_args": {"global_batch_size": per_batch, "seq_len": work.seq_len}},
     }
 
 
@@ -83,7 +83,7 @@ def rehearsal_config(c: Candidate, hw: Hardware, model_family: str = "gpt", max_
         n_micro += scaled.pp  # DualPipeV: 2 pp
     work = Workload(scaled.dp * REHEARSAL_MICRO_BATCH * n_micro, REHEARSAL_SEQ_LEN, REHEARSAL_MICRO_BATCH)
     small = dataclasses.replace(hw, nodes=1, devices_per_node=scaled.world_size)  # the planned links stay (topology:)
-    tiny_config = config_class_of(model_family).from_preset("tiny")
+    tiny_config = family(model_family).config("tiny")
     stages = scaled.pp * c.schedule.stages_per_rank
     overrides = {"n_layers": stages} if stages > tiny_config.n_layers else {}
     tiny = gpt_shapes(dataclasses.replace(tiny_config, **overrides))

@@ -32,6 +32,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from lit_mesh.mesh import MeshLayout
+from lit_mesh.planner.families import family_of
 from lit_mesh.planner.hardware import Hardware
 from lit_mesh.planner.memory import (
     PRECISION_BYTES,
@@ -45,7 +46,6 @@ from lit_mesh.planner.memory import (
 from lit_mesh.planner.schedules import Schedule, bubble_fraction, rank_stages  # noqa: F401  (re-exported)
 from lit_mesh.planner.shapes import ModelShapes, ParamShape
 from lit_mesh.comm.topology import all_gather_time, all_reduce_time
-from zoo.flops import gpt_flops_per_token
 
 CALIBRATION = Path(__file__).with_name("calibration.yaml")
 
@@ -103,11 +103,8 @@ class StepTime:
 
 
 def flops_per_token(shapes: ModelShapes, seq_len: int) -> float:
-    if shapes.is_moe:  # the experts a token uses (top_k routed + shared) and the router
-        from zoo.moe import moe_flops_per_token
-
-        return moe_flops_per_token(shapes.config, seq_len)
-    return gpt_flops_per_token(shapes.config, seq_len)
+    """The model family's training FLOPs per token (an MoE's: the experts a token uses and the router)."""
+    return family_of(shapes.config).flops_per_token(shapes.config, seq_len)
 
 
 def model_flops_per_step(shapes: ModelShapes, work: Workload) -> float:

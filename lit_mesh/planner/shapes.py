@@ -1,5 +1,6 @@
-"""The parameters of a zoo GPT or MoE by role, read from a one-block model on the meta device and its ParallelPlan
-(the TP style of each module is the plan's, so the planner shards exactly what lit_mesh.parallel shards)."""
+"""The parameters of a model family's network (the zoo GPT or MoE, or a registered one: lit_mesh.planner.families) by
+role, read from a one-block model on the meta device and its ParallelPlan (the TP style of each module is the plan's,
+so the planner shards exactly what lit_mesh.parallel shards)."""
 
 from __future__ import annotations
 
@@ -10,16 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from zoo.gpt import GPT, GPTConfig
-
-
-def config_class_of(model_family: str) -> Any:
-    """The config class of a zoo model family ("gpt" or "moe")."""
-    if model_family == "moe":
-        from zoo.moe import MoEConfig
-
-        return MoEConfig
-    return GPTConfig
+from lit_mesh.planner.families import family_of
 
 
 @dataclass(frozen=True)
@@ -34,7 +26,7 @@ class ParamShape:
 
 @dataclass(frozen=True)
 class ModelShapes:
-    config: Any  # GPTConfig or zoo.moe.MoEConfig
+    config: Any  # the family's config (the zoo's GPTConfig or MoEConfig)
     block: tuple[ParamShape, ...]  # one block's parameters; every block has the same
     first: tuple[ParamShape, ...]  # before the blocks (the first pipeline stage holds them)
     last: tuple[ParamShape, ...]  # after the blocks (the last stage)
@@ -67,12 +59,9 @@ def _numel(shape: tuple[int, ...]) -> int:
 
 
 def build_model(config: Any) -> nn.Module:
-    """The zoo network of a config: GPT for a GPTConfig, MoETransformer for an MoEConfig."""
-    if isinstance(config, GPTConfig):
-        return GPT(config)
-    from zoo.moe import MoETransformer  # the only other family
-
-    return MoETransformer(config)
+    """The network of a config, built by its model family (the zoo's: GPT for a GPTConfig, MoETransformer for an
+    MoEConfig)."""
+    return family_of(config).build(config)
 
 
 def gpt_shapes(config: Any) -> ModelShapes:

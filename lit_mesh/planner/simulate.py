@@ -21,9 +21,9 @@ from lit_mesh.mesh import MeshLayout, build_device_mesh, resolve_layout
 from lit_mesh.options import MeshDegrees, MeshOptions
 from lit_mesh.parallel.apply import parallelize
 from lit_mesh.parallel.pipeline.schedules import PipelineSettings
+from lit_mesh.planner.families import family
 from lit_mesh.planner.schedules import ONE_F_ONE_B, Schedule
 from lit_mesh.planner.shapes import build_model
-from zoo.gpt import GPT, GPTConfig
 
 
 def _local_bytes(t: torch.Tensor) -> int:
@@ -44,7 +44,7 @@ def simulate_rank(config: Any, layout: MeshLayout, rank: int = 0, precision: str
     try:
         root = nn.Module()  # stands in for the LightningModule, which holds the network as `model`
         with torch.device("meta"):
-            root.model = build_model(config)  # GPT or MoETransformer
+            root.model = build_model(config)  # e.g. the zoo's GPT or MoETransformer
         if precision == "bf16-true":  # Lightning's precision plugin casts the meta model before setup
             root.to(torch.bfloat16)
         pipeline = PipelineSettings(schedule.name, stages_per_rank=schedule.stages_per_rank)
@@ -68,12 +68,12 @@ def simulate_rank(config: Any, layout: MeshLayout, rank: int = 0, precision: str
     return out
 
 
-def fake_rank_params(preset: str, n: int) -> dict[str, Any]:
-    """Rank 0's parameter bytes for `preset` under FSDP over n fake ranks, against the ideal total / n."""
-    config = GPTConfig.from_preset(preset)
+def fake_rank_params(preset: str, n: int, model_family: str = "gpt") -> dict[str, Any]:
+    """Rank 0's parameter bytes for the family's `preset` under FSDP over n fake ranks, against the ideal total / n."""
+    config = family(model_family).config(preset)
     layout = resolve_layout(n, dp=n)
     with torch.device("meta"):
-        total = sum(p.numel() * p.element_size() for p in GPT(config).parameters())
+        total = sum(p.numel() * p.element_size() for p in build_model(config).parameters())
     rank0 = simulate_rank(config, layout, 0, precision="32-true", optimizer=False)["params"]
     ideal = total / n
     return {"preset": preset, "fsdp": n, "layout": layout.describe(), "single_device_param_bytes": total,

@@ -43,18 +43,10 @@ RULES = [
 # lit_mesh arranges (lit_mesh/registration.py)
 EXEMPT = {"lit_mesh/__init__.py": ("lit_mesh.strategy",), "lit_mesh/registration.py": ("lit_mesh.strategy",)}  # the public API: `from lit_mesh import MeshStrategy`
 
-# Today's exceptions, (file, imported package). They are being removed (issue #19: s19plans moves the HF plans into
-# the registry and gives the planner its own shapes): empty this list as they go. An entry that no longer occurs
-# fails test_known_exceptions_still_occur, so the list cannot outlive them.
-KNOWN_EXCEPTIONS = {
-    ("lit_mesh/planner/cost.py", "zoo.flops"),
-    ("lit_mesh/planner/cost.py", "zoo.moe"),
-    ("lit_mesh/planner/shapes.py", "zoo.gpt"),
-    ("lit_mesh/planner/shapes.py", "zoo.moe"),
-    ("lit_mesh/planner/simulate.py", "zoo.gpt"),
-    ("lit_mesh/planner/calibration.py", "zoo.gpt"),  # the planner's presets, as command.py had them
-    ("lit_mesh/cli.py", "zoo"),  # so that short class paths (`--model=GPTModule`) resolve in LightningCLI
-}
+# Exceptions, (file, imported package): none. The planner and the command reach the zoo's models through the model
+# family registry (lit_mesh/planner/families.py) that zoo registers into. An entry that no longer occurs fails
+# test_known_exceptions_still_occur, so the list cannot outlive an exception.
+KNOWN_EXCEPTIONS: set[tuple[str, str]] = set()
 
 
 def imports_of(path: Path) -> set[str]:

@@ -90,3 +90,74 @@ def test_every_recipe_logs_the_learning_rate_and_the_gradient_norm() -> None:
     for recipe in recipes:
         callbacks = {c["class_path"] for c in yaml.safe_load(recipe.read_text())["trainer"].get("callbacks", [])}
         assert {"lightning.pytorch.callbacks.LearningRateMonitor", "lit_mesh.GradientNormMonitor"} <= callbacks, recipe.name
+
+
+# ---- what installed packages add to the command (entry points), stood in for by monkeypatching entry_points --------
+
+PLUGIN_MODULE = """
+from lightning.pytorch import LightningModule
+
+from lit_mesh.planner.families import ModelFamily
+from zoo.gpt import GPT, GPTConfig
+
+CALLS = []
+
+
+class PluginModule(LightningModule):  # known to LightningCLI by its short name once the family's modules are imported
+    def __init__(self, width: int = 3) -> None:
+        super().__init__()
+
+
+def main(argv):
+    CALLS.append(argv)
+
+
+FAMILY = ModelFamily(name="plugin", config_class=GPTConfig, presets={}, build=GPT, flops_per_token=lambda c, t: 0.0,
+                     lightning_module="lit_mesh_plugin.PluginModule", data_module="zoo.TextDataModule",
+                     cli_modules=("lit_mesh_plugin",))
+"""
+
+
+@pytest.fixture
+def plugin(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+    from importlib.metadata import EntryPoint
+
+    import lit_mesh.cli
+    from lit_mesh.planner import families
+
+    (tmp_path / "lit_mesh_plugin.py").write_text(PLUGIN_MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "lit_mesh_plugin", raising=False)
+    installed = {
+        families.GROUP: [EntryPoint(name="plugin", value="lit_mesh_plugin:FAMILY", group=families.GROUP)],
+        lit_mesh.cli.COMMANDS_GROUP: [EntryPoint(name="hello", value="lit_mesh_plugin:main", group=lit_mesh.cli.COMMANDS_GROUP)],
+    }
+    monkeypatch.setattr(families, "entry_points", lambda group: installed.get(group, []))
+    monkeypatch.setattr(lit_mesh.cli, "entry_points", lambda group: installed.get(group, []))
+    monkeypatch.setattr(families, "_FAMILIES", dict(families._FAMILIES))
+
+
+def test_an_installed_command_is_listed_without_importing_it_and_runs(plugin: None, capsys: pytest.CaptureFixture
+                                                                       ) -> None:
+    import sys
+
+    from lit_mesh.cli import overview, run
+
+    hello = [line for line in overview().splitlines() if line.split()[:1] == ["hello"]]
+    assert hello[0].split() == ["hello", "from", "lit_mesh_plugin", "(`lit-mesh", "hello", "--help`)"], hello
+    assert "lit_mesh_plugin" not in sys.modules
+    run(["hello", "a", "--b"])
+    assert sys.modules["lit_mesh_plugin"].CALLS == [["a", "--b"]]
+
+
+def test_short_class_paths_of_a_familys_cli_modules_resolve(plugin: None, capsys: pytest.CaptureFixture) -> None:
+    """`lit-mesh fit --model=PluginModule`: the family's cli_modules are imported before LightningCLI parses (the
+    zoo's: `--model=GPTModule`)."""
+    from lit_mesh.cli import run
+    from tests.launch import REPO
+
+    with pytest.raises(SystemExit) as exit_:
+        run(["fit", "-c", str(REPO / "configs/gpt.yaml"), "--model=PluginModule", "--model.width=5", "--print_config"])
+    out = capsys.readouterr().out
+    assert exit_.value.code == 0 and "class_path: lit_mesh_plugin.PluginModule" in out and "width: 5" in out, out[-3000:]

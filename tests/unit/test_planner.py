@@ -189,13 +189,14 @@ BAD_ARGUMENTS = [
     (["--devices", "4"], "set --devices-per-node 4 for one node"),
     ([], "give --devices N (or --nodes N)"),
     (["--devices", "8", "--memory-gb", "2"], "--memory-gb 2 leaves nothing after the reserve of --reserve-gib 4"),
-    (["--devices", "8", "--preset", "llama4"], "unknown GPT preset 'llama4'"),
+    (["--devices", "8", "--preset", "llama4"], "unknown gpt preset 'llama4'; choose one of ['llama3-405b'"),
     (["--devices", "8", "--config-overrides", "{layers: 4}"], "must map GPTConfig fields (vocab_size, dim"),
     (["--devices", "8", "--config-overrides", "{n_layers: ["], "--config-overrides '{n_layers: [' is not YAML"),
     (["--devices", "8", "--model", "moe", "--preset", "tiny", "--config-overrides", "{moe_every: 2}",
       "--seq-len", "64"],
      "moe_every=2: the planner models identical blocks"),
     (["--devices", "8", "--ep", "2"], "--ep 2 needs an MoE model (--model moe)"),
+    (["--devices", "8", "--model", "llama"], "--model llama: no model family named 'llama'; the registered and installed"),
     (["--devices", "8", "--tp", "3"], "--tp 3: the fixed degrees must be >= 1 and their product must divide the 8"),
     (["--devices", "8", "--tp", "4", "--pp", "4"], "product must divide the 8 devices"),
     (["--devices", "8", "--preset", "tiny", "--seq-len", "64", "--out", "/proc/no/such/dir/x.yaml"],
@@ -643,3 +644,90 @@ def test_estimate_equals_simulation_with_v_stages_per_rank(schedule: tuple[str, 
     estimate = state_bytes(gpt_shapes(config), layout, "bf16-mixed", rank, schedule=Schedule(*schedule))
     assert {k: simulated[k] for k in COMPONENTS} == estimate
     assert estimate != state_bytes(gpt_shapes(config), layout, "bf16-mixed", rank)  # 1F1B's stage differs
+
+
+# ---- model families (lit_mesh/planner/families.py): the zoo registers its own; a user's comes by entry point -------
+
+TOY_FAMILY_MODULE = """
+import dataclasses
+from lightning.pytorch import LightningModule
+
+from lit_mesh.planner.families import ModelFamily
+from zoo.gpt import GPT, GPTConfig
+
+
+@dataclasses.dataclass
+class ToyConfig(GPTConfig):  # a user's config: the zoo GPT's shape under another family
+    pass
+
+
+class ToyModule(LightningModule):
+    pass
+
+
+PRESETS = {"tiny": ToyConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=64)}
+TOY = ModelFamily(name="toy", config_class=ToyConfig, presets=PRESETS, build=GPT, flops_per_token=lambda c, t: 1e6,
+                  lightning_module="toy_family.ToyModule", data_module="toy_family.ToyData", cli_modules=("toy_family",))
+"""
+
+
+@pytest.fixture
+def toy_entry_point(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """An installed distribution's entry point ("lit_mesh.families": toy = "toy_family:TOY"), stood in for by
+    monkeypatching importlib.metadata.entry_points as the registry calls it; the registry restored afterwards."""
+    from importlib.metadata import EntryPoint
+
+    from lit_mesh.planner import families
+
+    (tmp_path / "toy_family.py").write_text(TOY_FAMILY_MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    toy = EntryPoint(name="toy", value="toy_family:TOY", group=families.GROUP)
+    monkeypatch.setattr(families, "entry_points", lambda group: [toy] if group == families.GROUP else [])
+    monkeypatch.setattr(families, "_FAMILIES", dict(families._FAMILIES))
+    monkeypatch.delitem(__import__("sys").modules, "toy_family", raising=False)
+    return tmp_path
+
+
+def test_a_family_installed_by_entry_point_is_planned_and_written(toy_entry_point: Path, capsys: pytest.CaptureFixture
+                                                                    ) -> None:
+    from lit_mesh.planner.cost import flops_per_token
+    from lit_mesh.planner.families import family, family_names, family_of
+
+    assert "toy" in family_names() and "toy_family" not in __import__("sys").modules  # listed without importing it
+    toy = family("toy")
+    config = toy.config("tiny")
+    assert family_of(config) is toy and family_of(GPTConfig()) is family("gpt")  # the nearest config class wins
+    assert flops_per_token(gpt_shapes(config), 64) == 1e6
+    out = toy_entry_point / "toy.yaml"
+    status, result, _ = _run(capsys, "--model", "toy", "--preset", "tiny", "--devices", "2", "--devices-per-node", "2",
+                             "--seq-len", "64", "--global-batch", "4", "--precision", "32-true", "--out", str(out))
+    assert status == 0 and result["ranked"]
+    written = yaml_load(out)
+    assert written["model"]["class_path"] == "toy_family.ToyModule" and written["data"]["class_path"] == "toy_family.ToyData"
+
+
+def test_register_family_takes_the_same_family_again_and_refuses_another_under_its_name(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from lit_mesh.planner import families
+    from zoo.families import GPT_FAMILY
+
+    monkeypatch.setattr(families, "_FAMILIES", dict(families._FAMILIES))
+    assert families.register_family(GPT_FAMILY) is GPT_FAMILY
+    other = dataclasses.replace(GPT_FAMILY, lightning_module="mine.GPTModule")
+    with pytest.raises(ValueError, match="a model family named 'gpt' is registered already"):
+        families.register_family(other)
+    assert families.register_family(other, replace=True) is families.family("gpt") is other
+
+
+def test_an_entry_point_that_names_no_family_is_refused(toy_entry_point: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from lit_mesh.planner.families import family
+
+    (toy_entry_point / "toy_family.py").write_text("TOY = 'not a family'\n")
+    with pytest.raises(TypeError, match="must name a lit_mesh.planner.families.ModelFamily called 'toy'"):
+        family("toy")
+
+
+def yaml_load(path: Path) -> dict:
+    import yaml
+
+    return yaml.safe_load(path.read_text())

@@ -9,6 +9,7 @@ zoo model its zoo config (GPTConfig, MoEConfig, ViTConfig).
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 from typing import Any
 
@@ -121,3 +122,17 @@ def export_hf(checkpoint: str | Path, directory: str | Path, prefix: str = "mode
     out = Path(directory)
     model.save_pretrained(out)
     return out
+
+
+def main(argv: list[str]) -> None:
+    """`lit-mesh export-hf CHECKPOINT OUTPUT` (an entry point of the group "lit_mesh.commands", pyproject.toml)."""
+    parser = argparse.ArgumentParser(
+        prog="lit-mesh export-hf",
+        description="Write the model of a checkpoint as a transformers directory (config.json + model.safetensors)"
+        " that from_pretrained loads.",
+    )
+    parser.add_argument("checkpoint", help="a checkpoint written by `lit-mesh fit` (sharded directory or one file)")
+    parser.add_argument("output", help="the directory to write")
+    parser.add_argument("--prefix", default="model", help="the LightningModule attribute holding the model")
+    args = parser.parse_args(argv)
+    print(f"wrote {export_hf(args.checkpoint, args.output, prefix=args.prefix)}")

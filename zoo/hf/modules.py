@@ -103,12 +103,6 @@ class HFCausalLM(FromPretrained, _HFModule):
         return self.create_model_of(self.config)
 
     @override
-    def configure_model(self) -> None:
-        created = self.model is None
-        super().configure_model()
-        self._load_if_built(created)
-
-    @override
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids=tokens).logits
 
