@@ -82,7 +82,7 @@ class MeshOptions:
         True,
         doc="stop with the step and the ranks when a training loss is NaN or infinite; every rank stops together (one"
         " tiny all-reduce on logging steps, before saves and at the end; nothing on the other steps: see"
-        " lit_mesh/nonfinite.py).",
+        " lit_mesh/reliability/nonfinite.py).",
     )
     world: WorldChangeOptions = WorldChangeOptions()
     launch: LaunchOptions = LaunchOptions()

@@ -1,8 +1,8 @@
 """MeshStrategy: the Lightning lifecycle, adapted to one N-D mesh. Each hook is "Lightning asks -> a component
 answers": lit_mesh.options (arguments), lit_mesh.rules (what may combine), lit_mesh.mesh (degrees, DeviceMesh),
 lit_mesh.parallel.apply (plans), lit_mesh.parallel.pipeline (the pipeline's runner and step scope),
-lit_mesh.comm.reductions (collectives over the right groups), lit_mesh.checkpoint_writer (atomic and async saves),
-lit_mesh.precision (clipping by the global norm).
+lit_mesh.comm.reductions (collectives over the right groups), lit_mesh.checkpoint.writer (atomic and async saves),
+lit_mesh.training.precision (clipping by the global norm).
 
 Built on Lightning's ModelParallelStrategy (process group, distributed checkpoints, optimizer state) and
 extends it from 2D to the N-D mesh, with plans applied for the user.
@@ -185,7 +185,7 @@ class MeshStrategy(ModelParallelStrategy):
     @override
     def _setup_distributed(self) -> None:
         use_watchdog_defaults(self._get_process_group_backend())  # NCCL's watchdog settings, before the group starts
-        # torchrun --max-restarts: each attempt on its own rendezvous keys (lit_mesh/elastic.py says why)
+        # torchrun --max-restarts: each attempt on its own rendezvous keys (lit_mesh/reliability/elastic.py says why)
         init_process_group_for_attempt(self.cluster_environment, self._get_process_group_backend(), self._timeout, self.root_device)
         super()._setup_distributed()
 
@@ -200,7 +200,7 @@ class MeshStrategy(ModelParallelStrategy):
         if self.topology is None:  # _configure_launcher did not run (a Strategy used outside the Trainer)
             self.topology = Topology(nodes=self.num_nodes, devices_per_node=self.num_processes)
         self.reductions = Reductions.build(self.mesh_views, self.topology, self.options.communication.allreduce)
-        self._hang_watch = start_hang_watch(self.mesh_views, self._timeout)  # a hung collective is named (lit_mesh/hangs.py)
+        self._hang_watch = start_hang_watch(self.mesh_views, self._timeout)  # a hung collective is named (lit_mesh/reliability/hangs.py)
         reductions = [
             f"{h.axis} all-reduce {h.mode}: {h.nodes} nodes x {h.per_node} ranks per node"
             for h in self.reductions.hierarchies()
@@ -364,7 +364,7 @@ class MeshStrategy(ModelParallelStrategy):
             self._nonfinite.check(self.root_device)  # never write NaN weights over a good checkpoint
         if self._pipeline is not None:
             self._pipeline.before_save()  # 2bw: what a checkpoint cannot hold of its pipeline in flight
-        if self.global_batch_splits > 1:  # what its loop counters count in (lit_mesh/replan.py); absent means 1
+        if self.global_batch_splits > 1:  # what its loop counters count in (lit_mesh/reliability/replan.py); absent means 1
             checkpoint[SPLITS_KEY] = self.global_batch_splits
         if storage_options is not None or not self._save_distributed_checkpoint:
             if _is_sharded_checkpoint(Path(filepath)):  # Lightning would delete the directory for the file
@@ -373,7 +373,7 @@ class MeshStrategy(ModelParallelStrategy):
         path = Path(self.broadcast(filepath))
         refuse_overwriting_other_files(path)  # on every rank: all raise together
         self._checkpoints.save(
-            dcp_writable(checkpoint),  # experts split by halves over tp as plain shards (lit_mesh/checkpoint.py)
+            dcp_writable(checkpoint),  # experts split by halves over tp as plain shards (lit_mesh/checkpoint/files.py)
             path,
             write=lambda state, directory: super(MeshStrategy, self).save_checkpoint(state, directory, storage_options),
             compression=self.compression_run,
@@ -383,7 +383,7 @@ class MeshStrategy(ModelParallelStrategy):
 
     @override
     def remove_checkpoint(self, filepath: Any) -> None:
-        if self.is_global_zero:  # retention never deletes the newest complete checkpoint (lit_mesh/checkpoint.py)
+        if self.is_global_zero:  # retention never deletes the newest complete checkpoint (lit_mesh/checkpoint/files.py)
             remove_checkpoint(Path(filepath))
 
     @override
@@ -392,7 +392,7 @@ class MeshStrategy(ModelParallelStrategy):
             return super().optimizer_state(optimizer)
         optimizer = getattr(optimizer, "_optimizer", optimizer)  # unwrap LightningOptimizer
         assert self.model is not None
-        options = optimizer_state_options(pipeline=self.layout.pp > 1)  # why this format: lit_mesh/checkpoint.py
+        options = optimizer_state_options(pipeline=self.layout.pp > 1)  # why this format: lit_mesh/checkpoint/files.py
         return get_optimizer_state_dict(self.model, optimizer, options=options)
 
     def wait_for_checkpoint(self) -> None:

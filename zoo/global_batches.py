@@ -41,7 +41,7 @@ def check_divisible(global_batch_size: int, dp_size: int) -> None:
 
 def global_batch_splits(trainer: L.Trainer | None) -> int:
     """Micro-batches per global batch: 1, or the data-parallel ranks a replanned run lost, as a factor
-    (MeshStrategy(on_world_change="replan"), lit_mesh/replan.py); Lightning accumulates them into one step."""
+    (MeshStrategy(on_world_change="replan"), lit_mesh/reliability/replan.py); Lightning accumulates them into one step."""
     return int(getattr(getattr(trainer, "strategy", None), "global_batch_splits", 1))
 
 
@@ -144,7 +144,7 @@ class GlobalBatchDataModule(L.LightningDataModule):
     `make_train_batch` / `make_val_batch`. Validation data also serves test and predict.
     """
 
-    splits_global_batches = True  # can serve each training global batch as micro-batches (lit_mesh/replan.py)
+    splits_global_batches = True  # can serve each training global batch as micro-batches (lit_mesh/reliability/replan.py)
 
     def __init__(self, global_batch_size: int, seed: int, num_workers: int = 0) -> None:
         super().__init__()

@@ -4,7 +4,7 @@ safetensors, sharded with model.safetensors.index.json or not).
 `hf_sources` maps a transformers model's own parameter names (Llama, Qwen2, Mistral, Mixtral, GPT-2);
 `zoo_sources` maps a zoo GPT / MoE through the converters' renaming rules (zoo/convert). Mixtral directories
 hold the hub's layout, one w1/w2/w3 per expert under `block_sparse_moe`: they are stacked (and, for the zoo
-MoE, transposed) per rank, never whole. lit_mesh.pretrained then reads each rank's slices.
+MoE, transposed) per rank, never whole. lit_mesh.checkpoint.pretrained then reads each rank's slices.
 """
 
 from __future__ import annotations
@@ -165,7 +165,7 @@ class FromPretrained:
     directory: set `self._sources` (parameter names of `self.model` -> sources) in __init__; after the base's
     configure_model has built the model, the whole model is read here when it is not on the meta device. Under
     MeshStrategy it still is; the strategy reads each rank's slices once it is sharded
-    (lit_mesh.pretrained.load_pretrained calls `pretrained_sources`)."""
+    (lit_mesh.checkpoint.pretrained.load_pretrained calls `pretrained_sources`)."""
 
     _sources: dict[str, TensorSource] | None = None
     model: nn.Module | None

@@ -11,7 +11,7 @@ Compute, per rank and micro-batch, per block:
 - recompute: full AC repeats the block's forward (1/3 of the above); selective (lit_mesh keeps matmul, attention
   and collective outputs) repeats only the elementwise forward;
 - the AdamW step on the rank's shards (memory bound).
-Communication, each collective with its own overlap rule (lit_mesh.topology's ring alpha-beta for each):
+Communication, each collective with its own overlap rule (lit_mesh.comm.topology's ring alpha-beta for each):
 - FSDP/HSDP: a block's all-gather (and, on the last micro-batch, its reduce-scatter and the replicas' all-reduce)
   runs while the previous block computes (prefetch depth 1, FSDP2's default): exposed only where it exceeds that
   block's compute, plus the first block's gather of each pass; ZeRO-1/2 gather once per step (forward only) and

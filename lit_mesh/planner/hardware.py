@@ -14,7 +14,7 @@ class Hardware:
     """Devices on nodes, with per-device memory, peak FLOP/s and the two link classes of an alpha-beta model.
 
     Bandwidths are per device and per direction, in bytes/s; latencies (alpha) in seconds per ring step.
-    Defaults: an H100 SXM node (80 GB, 989 TFLOP/s dense bf16, 3.35 TB/s HBM; the links are lit_mesh.topology's defaults).
+    Defaults: an H100 SXM node (80 GB, 989 TFLOP/s dense bf16, 3.35 TB/s HBM; the links are lit_mesh.comm.topology's defaults).
     """
 
     nodes: int = 1

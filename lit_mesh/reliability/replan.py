@@ -40,7 +40,7 @@ class WorldChangeOptions:
         doc='a launch on fewer devices than the degrees plan: "error" (default), or "replan": keep pp, cp, tp and ep,'
         " shrink data parallelism to the devices there are, and keep the planned global batch and rows per rank by"
         " accumulating micro-batches, so a resumed run continues its loss curve (data from"
-        " zoo.GlobalBatchDataModule). See lit_mesh/replan.py.",
+        " zoo.GlobalBatchDataModule). See lit_mesh/reliability/replan.py.",
     )
 
     def __post_init__(self) -> None:

@@ -2,7 +2,7 @@
 replicas of a 2 x 2 grid (each grid 4 ranks), 2.5-D and 3-D on a 2 x 2 x 2 grid. SUMMA and 3-D linears against
 nn.Linear (outputs, input and weight gradients), the zoo GPT's losses against one device over 10 steps (2.5-D and
 3-D; 2-D's runs through MeshStrategy and the CLI on 4 ranks: tests/integration/test_parity.py, variant tp4-2d), DCP
-round trips, and bytes per rank against lit_mesh/parallel/tensor_nd_bytes.py (with 1-D's on the same tp ranks)."""
+round trips, and bytes per rank against lit_mesh/parallel/grid/bytes.py (with 1-D's on the same tp ranks)."""
 
 from __future__ import annotations
 

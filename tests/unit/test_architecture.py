@@ -4,6 +4,7 @@ cycle, read from the import statements of lit_mesh/ and zoo/ with `ast` (nothing
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -212,3 +213,27 @@ def test_no_import_cycles() -> None:
 
     cycles = import_cycles(graph)
     assert not cycles, "import cycles:\n" + "\n".join(path_back(cycle) for cycle in cycles)
+
+
+def _where_to_look() -> dict[str, list[str]]:
+    """ARCHITECTURE.md's "Where to look": each question -> the lit_mesh files its answer names, in order."""
+    text = (REPO / "ARCHITECTURE.md").read_text().split("## Where to look", 1)[1].split("\n## ", 1)[0]
+    answers: dict[str, list[str]] = {}
+    for item in text.split("\n- ")[1:]:
+        question, answer = item.split("?", 1)
+        answers[question.strip(" -\n")] = list(dict.fromkeys(re.findall(r"`(lit_mesh/[\w/.]+\.py)`", answer)))
+    return answers
+
+
+@pytest.mark.parametrize("question", ["Where is tensor parallel applied", "How does a batch reach the pipeline stages"])
+def test_the_map_answers_in_at_most_three_files_that_exist(question: str) -> None:
+    """The issue-#39 promise: a maintainer finds a technique in at most 3 files, and the map's answer stays true."""
+    files = _where_to_look()[question]
+    assert 1 <= len(files) <= 3, f"{question}? names {files}: at most 3 files"
+    missing = [f for f in files if not (REPO / f).is_file()]
+    assert not missing, f"ARCHITECTURE.md names files that do not exist: {missing}"
+
+
+def test_the_root_of_the_package_stays_small() -> None:
+    root = sorted(p.name for p in (REPO / "lit_mesh").glob("*.py"))
+    assert len(root) <= 15, f"{len(root)} modules at the root of lit_mesh/ (at most 15): {root}"

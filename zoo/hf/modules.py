@@ -7,7 +7,7 @@ then materialises only its shards, initialised as transformers would); `build="i
 
 `HFCausalLM(pretrained=DIR)` starts from a transformers directory instead of a tiny config: the config comes
 from DIR, and after the strategy has sharded the model each rank reads only its slices of DIR's safetensors
-(`pretrained_sources()`, read by lit_mesh.pretrained); without MeshStrategy the whole model is read in
+(`pretrained_sources()`, read by lit_mesh.checkpoint.pretrained); without MeshStrategy the whole model is read in
 configure_model.
 """
 

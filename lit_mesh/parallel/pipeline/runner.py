@@ -96,7 +96,7 @@ class PipelineRunner:
         self._build(stages, device)
         for stage in stages:
             stage.module.register_forward_pre_hook(self._refuse_direct_calls, prepend=True)
-        self.recorder: Any = None  # lit_mesh.pipeline_timeline.TimelineRecorder while one is attached
+        self.recorder: Any = None  # lit_mesh.monitor.pipeline_timeline.TimelineRecorder while one is attached
         # context managers entered around each training step over the micro-batches, called with (inputs, loss
         # scale): what a technique measures over a step (MoE statistics: lit_mesh/parallel/pipeline/moe.py)
         self.step_contexts: list[Callable[[Tensor, float], Any]] = []
