@@ -29,9 +29,6 @@ from lightning.pytorch.callbacks import Callback
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import Replicate, Shard
-from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -40,6 +37,9 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
     parallelize_module,
 )
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # `python benchmarks/x.py` puts benchmarks/, not the repo, on sys.path
@@ -65,10 +65,23 @@ def launch(script: str, argv: Sequence[str], nproc: int, timeout: float) -> dict
     """Run `script argv` on `nproc` torchrun ranks and return the result dict rank 0 wrote."""
     with tempfile.TemporaryDirectory() as tmp:
         result_path = Path(tmp) / "result.json"
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", script, *argv]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={nproc}",
+            script,
+            *argv,
+        ]
         # one thread per rank: the ranks already share the few cores; more threads only oversubscribe them
-        env = {**os.environ, _RESULT_ENV: str(result_path), "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
-               "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+        env = {
+            **os.environ,
+            _RESULT_ENV: str(result_path),
+            "OMP_NUM_THREADS": "1",
+            "PYTHONWARNINGS": "ignore",
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+        }
         # the ranks' chatter goes to stderr so that stdout ends with the one JSON line
         proc = subprocess.run(cmd, env=env, stdout=sys.stderr, stderr=sys.stderr, timeout=timeout, cwd=REPO)
         if proc.returncode != 0 or not result_path.exists():
@@ -76,8 +89,13 @@ def launch(script: str, argv: Sequence[str], nproc: int, timeout: float) -> dict
         return json.loads(result_path.read_text())
 
 
-def run(argv: list[str], parse_args: Callable[[list[str]], Namespace], worker: Callable[[Namespace], None],
-        drive: Callable[[Namespace, list[str]], None], one_thread: bool = False) -> None:
+def run(
+    argv: list[str],
+    parse_args: Callable[[list[str]], Namespace],
+    worker: Callable[[Namespace], None],
+    drive: Callable[[Namespace, list[str]], None],
+    one_thread: bool = False,
+) -> None:
     """A benchmark's `main`: inside a torchrun rank `worker(args)`, in the launching process `drive(args, argv)`."""
     args = parse_args(argv)
     if in_worker():
@@ -175,7 +193,9 @@ class StepTimer(Callback):
         self.starts: list[float] = []
         self.ends: list[float] = []
 
-    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         self.starts.append(time.perf_counter())
 
     def on_train_batch_end(
@@ -207,18 +227,35 @@ def add_timing_arguments(p: ArgumentParser, repeats: int, timeout: float) -> Non
 def timing_config(args: Namespace, **extra: Any) -> dict[str, Any]:
     """The `config` of a step-timing result: the run's shape (add_timing_arguments), then `extra`, then the machine."""
     return {
-        "world_size": args.dp * args.tp, "mesh": {"dp_shard": args.dp, "tp": args.tp}, "preset": args.preset,
-        "batch_size_per_dp_rank": args.batch_size, "seq_len": args.seq_len, "steps": args.steps,
-        "warmup": args.warmup, "repeats": args.repeats, "precision": "32-true", **extra, **environment(),
-    }  # fmt: skip
+        "world_size": args.dp * args.tp,
+        "mesh": {"dp_shard": args.dp, "tp": args.tp},
+        "preset": args.preset,
+        "batch_size_per_dp_rank": args.batch_size,
+        "seq_len": args.seq_len,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "repeats": args.repeats,
+        "precision": "32-true",
+        **extra,
+        **environment(),
+    }
 
 
 def trainer_kwargs(world_size: int, max_steps: int, callbacks: list[Callback]) -> dict[str, Any]:
     """A Trainer that only trains: no logger, progress bar, summary, checkpoint or validation."""
     return dict(
-        accelerator="cpu", devices=world_size, num_nodes=1, max_steps=max_steps, precision="32-true",
-        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        num_sanity_val_steps=0, limit_val_batches=0, callbacks=callbacks,
+        accelerator="cpu",
+        devices=world_size,
+        num_nodes=1,
+        max_steps=max_steps,
+        precision="32-true",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        callbacks=callbacks,
     )
 
 
@@ -250,14 +287,18 @@ def hand_tp_plan(sequence_parallel: bool) -> tuple[dict[str, ParallelStyle], dic
     if sequence_parallel:
         gather = PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),), use_local_output=True)
         root["norm"] = SequenceParallel()
-        block.update({"attention_norm": SequenceParallel(), "ffn_norm": SequenceParallel(),
-                      "attention": gather, "feed_forward": gather})
+        block.update(
+            {
+                "attention_norm": SequenceParallel(),
+                "ffn_norm": SequenceParallel(),
+                "attention": gather,
+                "feed_forward": gather,
+            }
+        )
     return root, block
 
 
-def hand_parallelize(
-    gpt: GPT, dp_mesh: DeviceMesh | None, tp_mesh: DeviceMesh | None, sequence_parallel: bool
-) -> None:
+def hand_parallelize(gpt: GPT, dp_mesh: DeviceMesh | None, tp_mesh: DeviceMesh | None, sequence_parallel: bool) -> None:
     """TP/SP with torch's parallelize_module, then fully_shard each block, then the root (fp32, resharding)."""
     if tp_mesh is not None and tp_mesh.size() > 1:
         root_plan, block_plan = hand_tp_plan(sequence_parallel)

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import _common as C  # noqa: N812 (benchmarks/ is on sys.path when run as a script)
+
 from lit_mesh.comm.codecs import ONEBIT_SCALES
 from lit_mesh.comm.options import CompressionOptions
 
@@ -47,18 +48,34 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--quant-block", type=int, default=DEFAULTS.quant_block, help="entries per int8/int4 scale")
     p.add_argument("--randomk-ratio", type=float, default=DEFAULTS.randomk_ratio)
     p.add_argument("--threshold", type=float, default=DEFAULTS.threshold, help="|gradient| that threshold sends")
-    p.add_argument("--threshold-capacity", type=float, default=DEFAULTS.threshold_capacity,
-                   help="the most entries threshold sends, as a fraction")
+    p.add_argument(
+        "--threshold-capacity",
+        type=float,
+        default=DEFAULTS.threshold_capacity,
+        help="the most entries threshold sends, as a fraction",
+    )
     p.add_argument("--onebit-block", type=int, default=DEFAULTS.onebit_block, help="entries per 1-bit scale")
-    p.add_argument("--onebit-scale", default=DEFAULTS.onebit_scale, choices=ONEBIT_SCALES,
-                   help="scale of a block of 1-bit codes")
-    p.add_argument("--onebit-rms-refresh", type=int, default=DEFAULTS.onebit_rms_refresh,
-                   help="1-bit codes scaled per entry by its RMS, shared every this many steps (0: block scale only)")
+    p.add_argument(
+        "--onebit-scale", default=DEFAULTS.onebit_scale, choices=ONEBIT_SCALES, help="scale of a block of 1-bit codes"
+    )
+    p.add_argument(
+        "--onebit-rms-refresh",
+        type=int,
+        default=DEFAULTS.onebit_rms_refresh,
+        help="1-bit codes scaled per entry by its RMS, shared every this many steps (0: block scale only)",
+    )
     p.add_argument("--warmup-steps", type=int, default=0, help="uncompressed steps first (every mode)")
-    p.add_argument("--optimizer", choices=("adamw", "onebit_adam"), default="adamw",
-                   help="onebit_adam: lit_mesh.OneBitAdam freezing its variance after --warmup-steps (compressed modes; fp32 stays AdamW)")
-    p.add_argument("--cosine", action="store_true",
-                   help="every mode (fp32 too): lr decays by a cosine to 10%% of 3e-3 over the run, as LLM recipes do")
+    p.add_argument(
+        "--optimizer",
+        choices=("adamw", "onebit_adam"),
+        default="adamw",
+        help="onebit_adam: lit_mesh.OneBitAdam freezing its variance after --warmup-steps (compressed modes; fp32 stays AdamW)",
+    )
+    p.add_argument(
+        "--cosine",
+        action="store_true",
+        help="every mode (fp32 too): lr decays by a cosine to 10%% of 3e-3 over the run, as LLM recipes do",
+    )
     p.add_argument("--plot", default="", help="write the loss-vs-step PNG here")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds for the whole launch")
     args = p.parse_args(argv)
@@ -84,21 +101,43 @@ def train(args: argparse.Namespace, mode: str) -> dict[str, Any]:
             self.losses.append(float(trainer.strategy.reduce(outputs["loss"].detach(), reduce_op="mean")))
 
     L.seed_everything(args.seed, verbose=False)
-    compression = None if mode == "fp32" else CompressionOptions(
-        mode=mode, powersgd_rank=args.powersgd_rank, topk_ratio=args.topk_ratio, onebit_block=args.onebit_block,
-        onebit_scale=args.onebit_scale, onebit_rms_refresh=args.onebit_rms_refresh, warmup_steps=args.warmup_steps,
-        quant_block=args.quant_block, randomk_ratio=args.randomk_ratio, threshold=args.threshold,
-        threshold_capacity=args.threshold_capacity,
+    compression = (
+        None
+        if mode == "fp32"
+        else CompressionOptions(
+            mode=mode,
+            powersgd_rank=args.powersgd_rank,
+            topk_ratio=args.topk_ratio,
+            onebit_block=args.onebit_block,
+            onebit_scale=args.onebit_scale,
+            onebit_rms_refresh=args.onebit_rms_refresh,
+            warmup_steps=args.warmup_steps,
+            quant_block=args.quant_block,
+            randomk_ratio=args.randomk_ratio,
+            threshold=args.threshold,
+            threshold_capacity=args.threshold_capacity,
+        )
     )
     degrees = {"dp_replicate": 2} if args.layout == "ddp2" else {"dp": 2}
     strategy = MeshStrategy(**degrees, grad_compression=compression, process_group_backend="gloo")
     losses = Losses()
     trainer = L.Trainer(
-        accelerator="cpu", devices=2, strategy=strategy, max_steps=args.steps, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-        limit_val_batches=8, val_check_interval=None, check_val_every_n_epoch=None, gradient_clip_val=1.0,
-        log_every_n_steps=1, callbacks=[losses],
-    )  # fmt: skip
+        accelerator="cpu",
+        devices=2,
+        strategy=strategy,
+        max_steps=args.steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=8,
+        val_check_interval=None,
+        check_val_every_n_epoch=None,
+        gradient_clip_val=1.0,
+        log_every_n_steps=1,
+        callbacks=[losses],
+    )
     freeze = max(1, args.warmup_steps) if args.optimizer == "onebit_adam" and mode != "fp32" else None
     module = GPTModule(
         preset=args.preset, lr=3e-3, variance_freeze_step=freeze, decay_steps=args.steps if args.cosine else 0
@@ -124,38 +163,81 @@ def worker(args: argparse.Namespace) -> None:
     tail = max(1, args.steps // 10)
     table = {}
     for mode, r in per_mode.items():
-        row: dict[str, Any] = {"val_loss": round(r["val_loss"], 4), "train_loss_last10pct": round(statistics.mean(r["losses"][-tail:]), 4),
-                               "fit_seconds": r["fit_seconds"]}  # fmt: skip
+        row: dict[str, Any] = {
+            "val_loss": round(r["val_loss"], 4),
+            "train_loss_last10pct": round(statistics.mean(r["losses"][-tail:]), 4),
+            "fit_seconds": r["fit_seconds"],
+        }
         if "sent_bytes_per_step" in r:
             sent, fp32 = sum(r["sent_bytes_per_step"].values()), sum(r["fp32_bytes_per_step"].values())
-            row.update(sent_bytes_per_step=round(sent), fp32_bytes_per_step=round(fp32), bytes_ratio=round(fp32 / sent, 2))
+            row.update(
+                sent_bytes_per_step=round(sent), fp32_bytes_per_step=round(fp32), bytes_ratio=round(fp32 / sent, 2)
+            )
         if reference is not None:
             row["val_loss_vs_fp32"] = round(r["val_loss"] / reference["val_loss"], 4)
-            row["train_loss_vs_fp32"] = round(statistics.mean(r["losses"][-tail:]) / statistics.mean(reference["losses"][-tail:]), 4)
+            row["train_loss_vs_fp32"] = round(
+                statistics.mean(r["losses"][-tail:]) / statistics.mean(reference["losses"][-tail:]), 4
+            )
         table[mode] = row
     goals = {
-        mode: {"bytes_ratio_goal": goal, "met": mode in table and reference is not None
-               and table[mode].get("bytes_ratio", 0) >= goal and table[mode]["val_loss_vs_fp32"] <= 1 + LOSS_TOLERANCE}
+        mode: {
+            "bytes_ratio_goal": goal,
+            "met": mode in table
+            and reference is not None
+            and table[mode].get("bytes_ratio", 0) >= goal
+            and table[mode]["val_loss_vs_fp32"] <= 1 + LOSS_TOLERANCE,
+        }
         for mode, goal in GOALS.items()
         if mode in table
-    }  # fmt: skip
+    }
     if args.plot:
         plot(Path(args.plot), {m: r["losses"] for m, r in per_mode.items()}, f"zoo GPT {args.preset}, {args.layout}")
-    C.emit({
-        "benchmark": "compression", "layout": args.layout, "preset": args.preset, "steps": args.steps, "seed": args.seed,
-        "global_batch_size": args.global_batch_size, "seq_len": args.seq_len, "powersgd_rank": args.powersgd_rank,
-        "topk_ratio": args.topk_ratio, "quant_block": args.quant_block, "randomk_ratio": args.randomk_ratio, "threshold": args.threshold, "threshold_capacity": args.threshold_capacity, "onebit_block": args.onebit_block, "onebit_scale": args.onebit_scale, "onebit_rms_refresh": args.onebit_rms_refresh, "lr_schedule": "cosine" if args.cosine else "constant", "warmup_steps": args.warmup_steps, "optimizer": args.optimizer, "table": table, "goals": goals,
-        "goal_met": all(g["met"] for g in goals.values()), "plot": args.plot or None, **C.environment(),
-    })  # fmt: skip
+    C.emit(
+        {
+            "benchmark": "compression",
+            "layout": args.layout,
+            "preset": args.preset,
+            "steps": args.steps,
+            "seed": args.seed,
+            "global_batch_size": args.global_batch_size,
+            "seq_len": args.seq_len,
+            "powersgd_rank": args.powersgd_rank,
+            "topk_ratio": args.topk_ratio,
+            "quant_block": args.quant_block,
+            "randomk_ratio": args.randomk_ratio,
+            "threshold": args.threshold,
+            "threshold_capacity": args.threshold_capacity,
+            "onebit_block": args.onebit_block,
+            "onebit_scale": args.onebit_scale,
+            "onebit_rms_refresh": args.onebit_rms_refresh,
+            "lr_schedule": "cosine" if args.cosine else "constant",
+            "warmup_steps": args.warmup_steps,
+            "optimizer": args.optimizer,
+            "table": table,
+            "goals": goals,
+            "goal_met": all(g["met"] for g in goals.values()),
+            "plot": args.plot or None,
+            **C.environment(),
+        }
+    )
 
 
 def plot(path: Path, curves: dict[str, list[float]], title: str) -> None:
     """Loss vs step, drawn with PIL; curves smoothed over 10 steps."""
     from PIL import Image, ImageDraw
 
-    colors = {"fp32": (0, 0, 0), "fp16": (31, 119, 180), "bf16": (44, 160, 44), "powersgd": (214, 39, 40),
-              "onebit": (148, 103, 189), "topk": (255, 127, 14), "int8": (23, 190, 207), "int4": (188, 189, 34),
-              "randomk": (140, 86, 75), "threshold": (227, 119, 194)}  # fmt: skip
+    colors = {
+        "fp32": (0, 0, 0),
+        "fp16": (31, 119, 180),
+        "bf16": (44, 160, 44),
+        "powersgd": (214, 39, 40),
+        "onebit": (148, 103, 189),
+        "topk": (255, 127, 14),
+        "int8": (23, 190, 207),
+        "int4": (188, 189, 34),
+        "randomk": (140, 86, 75),
+        "threshold": (227, 119, 194),
+    }
     width, height, left, right, top, bottom = 900, 560, 70, 160, 40, 50
     smooth = {m: [statistics.mean(c[max(0, i - 9) : i + 1]) for i in range(len(c))] for m, c in curves.items()}
     lo = min(min(c) for c in smooth.values())
@@ -175,7 +257,9 @@ def plot(path: Path, curves: dict[str, list[float]], title: str) -> None:
     for row, (mode, c) in enumerate(smooth.items()):
         color = colors.get(mode, (128, 128, 128))
         draw.line([(x(s), y(v)) for s, v in enumerate(c)], fill=color, width=2)
-        draw.line([(width - right + 15, top + 20 * row + 8), (width - right + 40, top + 20 * row + 8)], fill=color, width=3)
+        draw.line(
+            [(width - right + 15, top + 20 * row + 8), (width - right + 40, top + 20 * row + 8)], fill=color, width=3
+        )
         draw.text((width - right + 46, top + 20 * row + 2), mode, fill="black")
     path.parent.mkdir(parents=True, exist_ok=True)
     image.save(path)

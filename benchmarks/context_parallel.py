@@ -29,12 +29,12 @@ import math
 import sys
 from typing import Any
 
+import _common as C  # noqa: N812 (benchmarks/ is on sys.path when run as a script)
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-import _common as C  # noqa: N812 (benchmarks/ is on sys.path when run as a script)
 from lit_mesh.init import materialize  # noqa: E402
 from lit_mesh.mesh import build_device_mesh, resolve_layout  # noqa: E402
 from lit_mesh.monitor.comm import CollectiveBytes  # noqa: E402
@@ -51,7 +51,12 @@ class AttentionBytes(CollectiveBytes):
     the same process group as the cp attention (dp_shard x cp = cp), which uses P2P sends (ring) and functional
     collectives (Ulysses, all-gather). `fsdp` keeps what was left out, for the record."""
 
-    FSDP_OPS = {"_allgather_base_", "allgather_into_tensor_coalesced_", "_reduce_scatter_base_", "reduce_scatter_tensor_coalesced_"}
+    FSDP_OPS = {
+        "_allgather_base_",
+        "allgather_into_tensor_coalesced_",
+        "_reduce_scatter_base_",
+        "reduce_scatter_tensor_coalesced_",
+    }
 
     def __init__(self) -> None:
         super().__init__()
@@ -114,7 +119,9 @@ def measure(config: GPTConfig, cp: int, style: str, seq_len: int) -> dict[str, f
     return {key: max(values) for key, values in zip(found, zip(*[g.values() for g in C.gather(found)]))}
 
 
-def longest_in_budget(config: GPTConfig, cp: int, style: str, budget: float, granularity: int, start: int) -> dict[str, Any]:
+def longest_in_budget(
+    config: GPTConfig, cp: int, style: str, budget: float, granularity: int, start: int
+) -> dict[str, Any]:
     """Double the sequence while the worst rank's peak fits, then bisect to `granularity` tokens."""
     tried: dict[int, float] = {}
 
@@ -130,7 +137,11 @@ def longest_in_budget(config: GPTConfig, cp: int, style: str, budget: float, gra
         if middle <= ok:
             break
         ok, bad = (middle, bad) if fits(middle) else (ok, middle)
-    return {"longest_seq_len": ok, "first_too_long": bad, "peak_bytes_tried": {str(k): v for k, v in sorted(tried.items())}}
+    return {
+        "longest_seq_len": ok,
+        "first_too_long": bad,
+        "peak_bytes_tried": {str(k): v for k, v in sorted(tried.items())},
+    }
 
 
 def formula_bytes(style: str, cp: int, config: GPTConfig, seq_len: int, element: int = 4) -> float:
@@ -155,7 +166,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--preset", default="tiny", help="zoo GPT preset")
     p.add_argument("--cp", type=int, nargs="+", default=[1, 2, 4], help="cp degrees (one launch each)")
     p.add_argument("--seq-len", type=int, default=2048, help="sequence length of the memory and bytes figures")
-    p.add_argument("--budget-mib", type=float, default=24.0, help="per-rank budget of the longest-sequence search; 0 skips")
+    p.add_argument(
+        "--budget-mib", type=float, default=24.0, help="per-rank budget of the longest-sequence search; 0 skips"
+    )
     p.add_argument("--budget-cp", type=int, nargs="+", default=[1, 4], help="cp degrees of the longest-sequence search")
     p.add_argument("--granularity", type=int, default=512, help="tokens: resolution of the longest-sequence search")
     p.add_argument("--timeout", type=float, default=500.0, help="seconds for each launch")
@@ -188,12 +201,15 @@ def drive(args: argparse.Namespace, argv: list[str]) -> None:
             ratio = figures["peak_bytes"] / (single / cp)
             goal_met &= ratio <= GOAL or style == "allgather"  # it holds the whole K/V by design
             memory[f"cp{cp}" + (f"-{style}" if cp > 1 else "")] = {
-                "peak_bytes": figures["peak_bytes"], "ideal_bytes": single / cp, "ratio": round(ratio, 3)
+                "peak_bytes": figures["peak_bytes"],
+                "ideal_bytes": single / cp,
+                "ratio": round(ratio, 3),
             }
             if cp > 1:
                 expected = formula_bytes(style, cp, config, args.seq_len)
                 traffic[f"cp{cp}-{style}"] = {
-                    "sent_bytes": figures["sent_bytes_cp"], "formula_bytes": expected,
+                    "sent_bytes": figures["sent_bytes_cp"],
+                    "formula_bytes": expected,
                     "fsdp_sent_bytes_not_counted": figures["sent_bytes_fsdp"],
                     "ratio": round(figures["sent_bytes_cp"] / expected, 4),
                 }
@@ -205,9 +221,15 @@ def drive(args: argparse.Namespace, argv: list[str]) -> None:
         "goal": f"peak at cp=N <= {GOAL} x peak(cp=1) / N for ring and ulysses (allgather holds all K/V: reported)",
         "goal_met": goal_met,
         "config": {
-            "preset": args.preset, "batch_size": 1, "seq_len": args.seq_len, "budget_mib": args.budget_mib,
-            "granularity": args.granularity, "precision": "32-true", "step": "forward + loss + backward, no optimizer",
-            "mesh": "MeshStrategy order via parallelize(): cp=N, FSDP over dp_shard x cp = N", **C.environment(),
+            "preset": args.preset,
+            "batch_size": 1,
+            "seq_len": args.seq_len,
+            "budget_mib": args.budget_mib,
+            "granularity": args.granularity,
+            "precision": "32-true",
+            "step": "forward + loss + backward, no optimizer",
+            "mesh": "MeshStrategy order via parallelize(): cp=N, FSDP over dp_shard x cp = N",
+            **C.environment(),
             "threads_per_rank": 1,
         },
     }

@@ -21,11 +21,11 @@ import sys
 import time
 from typing import Any
 
+import _common as C  # noqa: N812 (benchmarks/ is on sys.path when run as a script)
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback
 
-import _common as C  # noqa: N812 (benchmarks/ is on sys.path when run as a script)
 from lit_mesh import MeshStrategy  # noqa: E402 (importable once _common has put the repo on sys.path)
 from lit_mesh.monitor.peak_flops import peak_bf16_flops  # noqa: E402
 from zoo.flops import gpt_flops_per_token  # noqa: E402
@@ -69,7 +69,9 @@ class WindowTimer(Callback):
         self.start: float | None = None
         self.seconds = 0.0
 
-    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         if trainer.global_step == self.warmup and self.start is None:
             synchronize()
             self.start = time.perf_counter()
@@ -101,9 +103,10 @@ def lit_mesh_run(args: argparse.Namespace, batches: list[C.Batch]) -> tuple[floa
     L.seed_everything(0, verbose=False)
     timer = WindowTimer(args.warmup)
     strategy = MeshStrategy(
-        compile_blocks=args.compile_backend != "none", compile_backend=args.compile_backend if args.compile_backend != "none" else "inductor",
+        compile_blocks=args.compile_backend != "none",
+        compile_backend=args.compile_backend if args.compile_backend != "none" else "inductor",
         activation_checkpointing=args.activation_checkpointing,
-    )  # fmt: skip
+    )
     kwargs = C.trainer_kwargs(1, args.warmup + args.steps, [timer])
     kwargs.update(accelerator="auto", precision="bf16-mixed")
     trainer = L.Trainer(strategy=strategy, **kwargs)
@@ -149,25 +152,54 @@ def main(argv: list[str]) -> None:
     tokens = args.steps * args.batch_size * args.seq_len
     rows = []
     # the hand loop has no activation checkpointing: with it, lit-mesh alone runs (compare with a run without)
-    runs = (("lit_mesh", lit_mesh_run), ("hand_loop", hand_loop_run))[: 1 if args.activation_checkpointing != "none" else 2]
+    runs = (("lit_mesh", lit_mesh_run), ("hand_loop", hand_loop_run))[
+        : 1 if args.activation_checkpointing != "none" else 2
+    ]
     for _ in range(args.rounds):
         for name, run in runs:
             seconds, memory = run(args, batches)
-            rows.append({"run": name, "seconds": seconds, "tokens_per_s": tokens / seconds, "peak_memory_gib": memory,
-                         "mfu": tokens / seconds * flops_per_token / peak if peak else None})  # fmt: skip
+            rows.append(
+                {
+                    "run": name,
+                    "seconds": seconds,
+                    "tokens_per_s": tokens / seconds,
+                    "peak_memory_gib": memory,
+                    "mfu": tokens / seconds * flops_per_token / peak if peak else None,
+                }
+            )
     median = {n: statistics.median(r["tokens_per_s"] for r in rows if r["run"] == n) for n, _ in runs}
-    C.print_result({
-        "benchmark": "gpu", "card": card, "peak_flops": peak, "flops_per_token": flops_per_token,
-        "tokens_per_s": median, "ratio_lit_mesh_over_hand_loop": median["lit_mesh"] / median["hand_loop"] if "hand_loop" in median else None,
-        "mfu": {n: median[n] * flops_per_token / peak if peak else None for n in median},
-        "peak_memory_gib": {n: max((r["peak_memory_gib"] or 0.0) for r in rows if r["run"] == n) or None for n in median},
-        "rounds": rows,
-        "goals": {"ratio": ">= 0.98", "mfu": ">= 0.45 (llama3.2-1b, one H100, bf16)"},
-        "config": {"preset": args.preset, "params": params, "tie_embeddings": config.tie_embeddings, "batch_size": args.batch_size, "seq_len": args.seq_len, "steps": args.steps,
-                   "warmup": args.warmup, "precision": "bf16-mixed", "compile_backend": args.compile_backend,
-                   "activation_checkpointing": args.activation_checkpointing, "torch": torch.__version__,
-                   "lightning": L.__version__},
-    })  # fmt: skip
+    C.print_result(
+        {
+            "benchmark": "gpu",
+            "card": card,
+            "peak_flops": peak,
+            "flops_per_token": flops_per_token,
+            "tokens_per_s": median,
+            "ratio_lit_mesh_over_hand_loop": median["lit_mesh"] / median["hand_loop"]
+            if "hand_loop" in median
+            else None,
+            "mfu": {n: median[n] * flops_per_token / peak if peak else None for n in median},
+            "peak_memory_gib": {
+                n: max((r["peak_memory_gib"] or 0.0) for r in rows if r["run"] == n) or None for n in median
+            },
+            "rounds": rows,
+            "goals": {"ratio": ">= 0.98", "mfu": ">= 0.45 (llama3.2-1b, one H100, bf16)"},
+            "config": {
+                "preset": args.preset,
+                "params": params,
+                "tie_embeddings": config.tie_embeddings,
+                "batch_size": args.batch_size,
+                "seq_len": args.seq_len,
+                "steps": args.steps,
+                "warmup": args.warmup,
+                "precision": "bf16-mixed",
+                "compile_backend": args.compile_backend,
+                "activation_checkpointing": args.activation_checkpointing,
+                "torch": torch.__version__,
+                "lightning": L.__version__,
+            },
+        }
+    )
 
 
 if __name__ == "__main__":

@@ -21,10 +21,9 @@ import statistics
 import sys
 from typing import Any
 
+import _common as C  # noqa: N812 (benchmarks/ is on sys.path when run as a script)
 import torch
 import torch.distributed as dist
-
-import _common as C  # noqa: N812 (benchmarks/ is on sys.path when run as a script)
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -92,9 +91,11 @@ def worker(args: argparse.Namespace) -> None:
         "goal": "figures only",
         "goal_met": None,
         "config": C.timing_config(
-            args, sequence_parallel=True, statistic="median over steps of the slowest rank's step time, all repeats pooled"
+            args,
+            sequence_parallel=True,
+            statistic="median over steps of the slowest rank's step time, all repeats pooled",
         ),
-    }  # fmt: skip
+    }
     C.emit(result)
     dist.destroy_process_group()
 

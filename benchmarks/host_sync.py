@@ -17,6 +17,7 @@ import tempfile
 from pathlib import Path
 
 import _common as C  # noqa: N812 (benchmarks/ is on sys.path when run as a script)
+
 from tests.workers.step_audits import LAYOUTS, run_audits  # noqa: E402 (importable once _common has put the repo on sys.path)
 
 
@@ -27,18 +28,29 @@ def main(argv: list[str]) -> None:
     for name, audit in audits.items():
         ranks = audit["ranks"]
         layouts[name] = {
-            "args": LAYOUTS[name][2], "world_size": audit["world_size"], "moe_layers": audit["moe_layers"],
+            "args": LAYOUTS[name][2],
+            "world_size": audit["world_size"],
+            "moe_layers": audit["moe_layers"],
             "host_syncs_max_over_ranks": max(r["host_syncs"] for r in ranks),
             "token_count_copies_max_over_ranks": max(r["token_count_copies"] for r in ranks),
-            "same_on_every_rank": all(r == ranks[0] for r in ranks), "rank0": ranks[0],
-        }  # fmt: skip
-    C.print_result({
-        "benchmark": "host_sync", "audited_step": 2, "log_every_n_steps": 2, "layouts": layouts,
-        "goal": "0 host syncs and 0 barriers on a step that logs nothing, every layout",
-        "goal_met": all(v["host_syncs_max_over_ranks"] == 0 and not any(op.startswith("barrier") for op in v["rank0"]["collectives"])
-                        for v in layouts.values()),
-        "config": {"presets": "tiny (gpt.yaml, moe.yaml)", **C.environment()},
-    })  # fmt: skip
+            "same_on_every_rank": all(r == ranks[0] for r in ranks),
+            "rank0": ranks[0],
+        }
+    C.print_result(
+        {
+            "benchmark": "host_sync",
+            "audited_step": 2,
+            "log_every_n_steps": 2,
+            "layouts": layouts,
+            "goal": "0 host syncs and 0 barriers on a step that logs nothing, every layout",
+            "goal_met": all(
+                v["host_syncs_max_over_ranks"] == 0
+                and not any(op.startswith("barrier") for op in v["rank0"]["collectives"])
+                for v in layouts.values()
+            ),
+            "config": {"presets": "tiny (gpt.yaml, moe.yaml)", **C.environment()},
+        }
+    )
 
 
 if __name__ == "__main__":

@@ -16,9 +16,9 @@ from pathlib import Path
 from typing import Any
 
 import _common as C  # noqa: N812 (puts the repo on sys.path)
-from tests.launch import cli_runs  # noqa: E402
 
 from lit_mesh.extras import pyplot  # noqa: E402
+from tests.launch import cli_runs  # noqa: E402
 
 S = "--trainer.strategy.init_args."
 LAYOUTS: dict[str, tuple[int, list[str]]] = {
@@ -53,7 +53,9 @@ def plot(curves: dict[str, list[float]], path: Path) -> None:
         steps = range(1, len(losses) + 1)
         ax.plot(steps, losses, marker="o", markersize=3, linewidth=1, label=name, linestyle="-" if i % 2 else "--")
         if name != "single":
-            gap.plot(steps, [abs(a - b) / abs(b) for a, b in zip(losses, reference)], marker="o", markersize=3, label=name)
+            gap.plot(
+                steps, [abs(a - b) / abs(b) for a, b in zip(losses, reference)], marker="o", markersize=3, label=name
+            )
     ax.set(xlabel="step", ylabel="train_loss", title="zoo GPT (tiny, fp32): every layout")
     gap.axhline(GOAL, color="black", linestyle="--", label="1e-4")
     gap.set(xlabel="step", ylabel="|loss - single| / single", yscale="symlog", title="gap to one device")
@@ -69,29 +71,60 @@ def plot(curves: dict[str, list[float]], path: Path) -> None:
 def main(argv: list[str]) -> None:
     args = parse_args(argv)
     names = ["single", *[n for n in args.layouts if n != "single"]]
-    common = [f"--trainer.max_steps={args.steps}", "--trainer.log_every_n_steps=1", "--trainer.logger=CSVLogger",
-              "--data.global_batch_size=8", "--seed_everything=0", "--trainer.enable_progress_bar=false",
-              "--trainer.enable_model_summary=false", "--trainer.enable_checkpointing=false",
-              "--trainer.limit_val_batches=0"]
+    common = [
+        f"--trainer.max_steps={args.steps}",
+        "--trainer.log_every_n_steps=1",
+        "--trainer.logger=CSVLogger",
+        "--data.global_batch_size=8",
+        "--seed_everything=0",
+        "--trainer.enable_progress_bar=false",
+        "--trainer.enable_model_summary=false",
+        "--trainer.enable_checkpointing=false",
+        "--trainer.limit_val_batches=0",
+    ]
     results: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for nproc in sorted({LAYOUTS[n][0] for n in names}):
-            runs = [{"name": n, "args": ["-c", str(C.REPO / "configs" / "gpt.yaml"), f"--trainer.devices={nproc}",
-                                         *common, *LAYOUTS[n][1]]} for n in names if LAYOUTS[n][0] == nproc]
+            runs = [
+                {
+                    "name": n,
+                    "args": [
+                        "-c",
+                        str(C.REPO / "configs" / "gpt.yaml"),
+                        f"--trainer.devices={nproc}",
+                        *common,
+                        *LAYOUTS[n][1],
+                    ],
+                }
+                for n in names
+                if LAYOUTS[n][0] == nproc
+            ]
             print(f"launching {nproc} rank(s): {[r['name'] for r in runs]}", file=sys.stderr, flush=True)
             results.update(cli_runs(nproc, Path(tmp), runs, timeout=args.timeout))
-    curves = {n: [v for _, v in sorted(results[n]["metrics"]["train_loss"].items(), key=lambda kv: int(kv[0]))]
-              for n in names}
+    curves = {
+        n: [v for _, v in sorted(results[n]["metrics"]["train_loss"].items(), key=lambda kv: int(kv[0]))] for n in names
+    }
     reference = curves["single"]
     gaps = {n: max(abs(a - b) / abs(b) for a, b in zip(curves[n], reference)) for n in names if n != "single"}
     plot(curves, Path(args.png))
-    C.print_result({
-        "benchmark": "loss_curves", "png": str(args.png), "losses": curves, "max_relative_gap": gaps,
-        "goal": f"every layout within {GOAL:g} of the single-device loss at every step",
-        "goal_met": all(len(curves[n]) == args.steps for n in names) and all(g <= GOAL for g in gaps.values()),
-        "config": {"recipe": "configs/gpt.yaml (tiny)", "global_batch_size": 8, "steps": args.steps,
-                   "precision": "32-true", "layouts": {n: LAYOUTS[n] for n in names}, **C.environment()},
-    })
+    C.print_result(
+        {
+            "benchmark": "loss_curves",
+            "png": str(args.png),
+            "losses": curves,
+            "max_relative_gap": gaps,
+            "goal": f"every layout within {GOAL:g} of the single-device loss at every step",
+            "goal_met": all(len(curves[n]) == args.steps for n in names) and all(g <= GOAL for g in gaps.values()),
+            "config": {
+                "recipe": "configs/gpt.yaml (tiny)",
+                "global_batch_size": 8,
+                "steps": args.steps,
+                "precision": "32-true",
+                "layouts": {n: LAYOUTS[n] for n in names},
+                **C.environment(),
+            },
+        }
+    )
 
 
 if __name__ == "__main__":

@@ -60,17 +60,16 @@ import argparse
 import sys
 from typing import Any
 
+import _common as C  # noqa: N812 (benchmarks/ is on sys.path when run as a script)
 import lightning as L
 import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
-
 from torch.distributed.fsdp import FSDPModule
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-import _common as C  # noqa: N812 (benchmarks/ is on sys.path when run as a script)
 from lit_mesh.planner.simulate import fake_rank_params  # noqa: E402 (importable once _common has put the repo on sys.path)
 from zoo.gpt import GPT, GPTConfig  # noqa: E402
 
@@ -81,8 +80,12 @@ AC_CONFIGS = (("none", 1), ("full", 1), ("full", 2), ("selective", 1))
 PRECISIONS = ("32-true", "bf16-mixed", "bf16-true")
 GIB = 1024**3
 # Llama-3-style widths for the budget fit: (name, dim, n_heads, ffn_hidden); vocab 128256, 8 kv heads
-FIT_WIDTHS = (("d2048", 2048, 32, 8192), ("d3072", 3072, 24, 8192), ("d4096", 4096, 32, 14336),
-              ("d8192", 8192, 64, 28672))
+FIT_WIDTHS = (
+    ("d2048", 2048, 32, 8192),
+    ("d3072", 3072, 24, 8192),
+    ("d4096", 4096, 32, 14336),
+    ("d8192", 8192, 64, 28672),
+)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -191,8 +194,11 @@ def gradient_bytes(module: torch.nn.Module) -> int:
         for param in group.fsdp_params:
             unsharded = getattr(param, "_unsharded_param", None)
             # the shard's .grad too: while a unit is gathered (ZeRO-1/2) the module's parameters are the gathered ones
-            pending += [getattr(param, "unsharded_accumulated_grad", None), getattr(unsharded, "grad", None),
-                        param.sharded_param.grad]
+            pending += [
+                getattr(param, "unsharded_accumulated_grad", None),
+                getattr(unsharded, "grad", None),
+                param.sharded_param.grad,
+            ]
         held.update({id(t): C.local_bytes(t) for t in pending if t is not None})
     return sum(held.values())
 
@@ -205,14 +211,18 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--fake-preset", default="llama3-8b", help='preset for the fake-rank bonus; "none" skips it')
     p.add_argument("--fake-n", type=int, default=64, help="FSDP degree of the fake-rank bonus")
-    p.add_argument("--ac-mesh", default="2x2", help='DPxTP of the activation sweep (AC modes x precisions); "none" skips')
+    p.add_argument(
+        "--ac-mesh", default="2x2", help='DPxTP of the activation sweep (AC modes x precisions); "none" skips'
+    )
     p.add_argument("--budget-gib", type=float, default=24.0, help="per-rank budget of the largest-GPT fit; 0 skips")
     p.add_argument("--fit-fsdp", type=int, nargs="+", default=[1, 2, 4], help="FSDP degrees of the largest-GPT fit")
     p.add_argument("--fit-batch", type=int, default=1, help="per-rank micro-batch of the largest-GPT fit")
     p.add_argument("--fit-seq", type=int, default=4096, help="sequence length of the largest-GPT fit")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds for each launch")
     p.add_argument("--loss-only", action="store_true", help="measure only the loss's peak bytes (no launch)")
-    p.add_argument("--zero", action="store_true", help="ZeRO stages 1, 2, 3 against the paper's formulas (memory_zero.py)")
+    p.add_argument(
+        "--zero", action="store_true", help="ZeRO stages 1, 2, 3 against the paper's formulas (memory_zero.py)"
+    )
     p.add_argument("--loss-vocab", type=int, default=128256)
     p.add_argument("--loss-tokens", type=int, default=1024)
     p.add_argument("--loss-chunks", type=int, default=8)
@@ -229,7 +239,8 @@ def worker(args: argparse.Namespace) -> None:
     probe = MemoryProbe()
     module = C.BenchGPTModule(args.preset)
     trainer = L.Trainer(
-        strategy=MeshStrategy(dp=n, process_group_backend="gloo"), accumulate_grad_batches=ACCUMULATE,
+        strategy=MeshStrategy(dp=n, process_group_backend="gloo"),
+        accumulate_grad_batches=ACCUMULATE,
         **C.trainer_kwargs(n, 1, [probe]),
     )
     trainer.fit(module, C.batch_loader(ACCUMULATE, n, args.batch_size, args.seq_len, module.config.vocab_size))
@@ -259,12 +270,12 @@ def activation_sweep(args: argparse.Namespace, dp: int, tp: int) -> list[dict[st
             print(f"activation sweep: ac={mode} every={every} precision={precision}", file=sys.stderr, flush=True)
             probe = MemoryProbe()
             module = ActivationProbeModule(args.preset)
-            strategy = MeshStrategy(dp=dp, tp=tp, activation_checkpointing=mode, ac_every_n_blocks=every,
-                                    process_group_backend="gloo")
+            strategy = MeshStrategy(
+                dp=dp, tp=tp, activation_checkpointing=mode, ac_every_n_blocks=every, process_group_backend="gloo"
+            )
             kwargs = {**C.trainer_kwargs(dp * tp, 1, [probe]), "precision": precision}
             trainer = L.Trainer(strategy=strategy, **kwargs)
-            row: dict[str, Any] = {"activation_checkpointing": mode, "ac_every_n_blocks": every,
-                                   "precision": precision}
+            row: dict[str, Any] = {"activation_checkpointing": mode, "ac_every_n_blocks": every, "precision": precision}
             try:  # every rank fails alike (same graph, same recompute), so each one records it and goes on
                 trainer.fit(module, C.batch_loader(1, dp, args.batch_size, args.seq_len, module.config.vocab_size))
             except RuntimeError as err:
@@ -288,7 +299,8 @@ def summarize_activations(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         entry.update({f"max_{k}_bytes": max(r[k] for r in ranks) for k in keys})
         # per rank: params + grads + optimizer + activations + root unsharded params; the worst rank
         entry["peak_estimate_bytes"] = max(
-            sum(r[k] for k in (*COMPONENTS, "alive_after_forward", "root_unsharded_params")) for r in ranks)
+            sum(r[k] for k in (*COMPONENTS, "alive_after_forward", "root_unsharded_params")) for r in ranks
+        )
         entry["tokens_per_rank"] = ranks[0]["tokens_per_rank"]
         out.append(entry)
     return out
@@ -325,15 +337,24 @@ def largest_fit(args: argparse.Namespace) -> dict[str, Any]:
     modes = ("none", "full", "selective")
     widths = []
     for name, dim, heads, ffn in FIT_WIDTHS:
-        shape = dict(vocab_size=128256, dim=dim, n_heads=heads, n_kv_heads=8, ffn_hidden=ffn,
-                     rope_theta=500000.0, max_seq_len=max(8192, args.fit_seq))
+        shape = dict(
+            vocab_size=128256,
+            dim=dim,
+            n_heads=heads,
+            n_kv_heads=8,
+            ffn_hidden=ffn,
+            rope_theta=500000.0,
+            max_seq_len=max(8192, args.fit_seq),
+        )
         one, two = (_meta_numel(GPTConfig(n_layers=k, **shape)) for k in (1, 2))
         p_block = two - one
         p_root = one - p_block
         acts = {}
         for mode in modes:
-            a1, a2 = (fake_activation_bytes(GPTConfig(n_layers=k, **shape), mode, args.fit_batch, args.fit_seq)
-                      for k in (1, 2))
+            a1, a2 = (
+                fake_activation_bytes(GPTConfig(n_layers=k, **shape), mode, args.fit_batch, args.fit_seq)
+                for k in (1, 2)
+            )
             acts[mode] = {"A_block": a2 - a1, "A_out": a1 - (a2 - a1)}
         widths.append({"name": name, "shape": shape, "P_block": p_block, "P_root": p_root, "activations": acts})
     fits: dict[str, Any] = {}
@@ -349,13 +370,23 @@ def largest_fit(args: argparse.Namespace) -> dict[str, Any]:
                     continue
                 params = w["P_root"] + layers * w["P_block"]
                 if best is None or params > best["params"]:
-                    best = {"width": w["name"], "n_layers": layers, "params": params,
-                            "per_rank_bytes": fixed + layers * per_layer,
-                            "state_bytes": 16 * params / n, "activation_bytes": a["A_out"] + layers * a["A_block"]}
+                    best = {
+                        "width": w["name"],
+                        "n_layers": layers,
+                        "params": params,
+                        "per_rank_bytes": fixed + layers * per_layer,
+                        "state_bytes": 16 * params / n,
+                        "activation_bytes": a["A_out"] + layers * a["A_block"],
+                    }
             fits[f"fsdp{n}/{mode}"] = best
-    return {"budget_gib": args.budget_gib, "fit_batch": args.fit_batch, "fit_seq": args.fit_seq,
-            "precision": "32-true (bf16-mixed: same fp32 state; activations would be smaller)",
-            "widths": widths, "largest": fits}
+    return {
+        "budget_gib": args.budget_gib,
+        "fit_batch": args.fit_batch,
+        "fit_seq": args.fit_seq,
+        "precision": "32-true (bf16-mixed: same fp32 state; activations would be smaller)",
+        "widths": widths,
+        "largest": fits,
+    }
 
 
 LOSS_GOAL = 0.25
@@ -394,7 +425,12 @@ def loss_peak_bytes(args: argparse.Namespace) -> dict[str, Any]:
         row["ratio"] = round(row["chunked"]["peak_bytes"] / row["plain"]["peak_bytes"], 4)
         rows[str(dtype).removeprefix("torch.")] = row
     return {
-        "benchmark": "memory_loss", "loss_device": device, "tokens": n, "vocab": v, "chunks": args.loss_chunks, "by_dtype": rows,
+        "benchmark": "memory_loss",
+        "loss_device": device,
+        "tokens": n,
+        "vocab": v,
+        "chunks": args.loss_chunks,
+        "by_dtype": rows,
         "goal": f"chunked peak <= {LOSS_GOAL} x plain peak (bf16 logits, as a GPU's bf16-mixed head gives)",
         "goal_met": rows["bfloat16"]["ratio"] <= LOSS_GOAL,
         "counted": "storages created by the loss forward and its backward to the logits (dispatch-mode probe)",
@@ -417,16 +453,23 @@ def drive(args: argparse.Namespace, argv: list[str]) -> None:
             ideal = single[comp] / n
             ratio = max(values) / ideal
             goal_met &= ratio <= GOAL
-            entry[comp] = {"per_rank_bytes": values, "max_bytes": max(values), "ideal_bytes": ideal,
-                           "ratio": round(ratio, 4)}
+            entry[comp] = {
+                "per_rank_bytes": values,
+                "max_bytes": max(values),
+                "ideal_bytes": ideal,
+                "ratio": round(ratio, 4),
+            }
         per_n[str(n)] = entry
     result: dict[str, Any] = {
         "benchmark": "memory",
         "single_device_bytes": single,
         # cross-check: fp32 parameters are 4 bytes each, AdamW keeps two moments per parameter
-        "expected_single_device_bytes": {"params": 4 * runs[1]["global_numel"], "grads": 4 * runs[1]["global_numel"],
-                                         "grads_accumulating": 4 * runs[1]["global_numel"],
-                                         "optimizer": 8 * runs[1]["global_numel"]},
+        "expected_single_device_bytes": {
+            "params": 4 * runs[1]["global_numel"],
+            "grads": 4 * runs[1]["global_numel"],
+            "grads_accumulating": 4 * runs[1]["global_numel"],
+            "optimizer": 8 * runs[1]["global_numel"],
+        },
         "fsdp": per_n,
         "max_ratio": max(per_n[k][c]["ratio"] for k in per_n for c in COMPONENTS),
         "goal": f"max over ranks / (single-device / N) <= {GOAL} for params, grads and optimizer, every N",
@@ -438,13 +481,15 @@ def drive(args: argparse.Namespace, argv: list[str]) -> None:
     if act_runs:
         dp, tp = ac_mesh(args.ac_mesh)
         result["activations"] = {
-            "mesh": f"MeshStrategy(dp={dp}, tp={tp}), sequence_parallel=True", "preset": args.preset,
-            "batch_size_per_dp_rank": args.batch_size, "seq_len": args.seq_len,
+            "mesh": f"MeshStrategy(dp={dp}, tp={tp}), sequence_parallel=True",
+            "preset": args.preset,
+            "batch_size_per_dp_rank": args.batch_size,
+            "seq_len": args.seq_len,
             "alive_after_forward": "bytes of forward+loss outputs alive when training_step returns (held for"
-                                   " backward), parameters excluded; max over ranks",
+            " backward), parameters excluded; max over ranks",
             "saved_hook": "saved_tensors_hooks outside checkpointed regions only (checkpoint hides its own)",
             "peak_estimate": "ESTIMATE = params + grads + optimizer + alive_after_forward + root unsharded params,"
-                             " worst rank; FSDP all-gather buffers and backward temporaries not included",
+            " worst rank; FSDP all-gather buffers and backward temporaries not included",
             "cuda_max_memory_allocated": None if not torch.cuda.is_available() else "not measured: this run is CPU",
             "rows": summarize_activations(act_runs[0]),
         }
@@ -453,11 +498,18 @@ def drive(args: argparse.Namespace, argv: list[str]) -> None:
     if args.budget_gib > 0:
         result["largest_fit"] = largest_fit(args)
     result["config"] = {
-        "world_sizes": sorted(runs), "mesh": "MeshStrategy(dp=N): dp_shard=N", "preset": args.preset,
-        "batch_size_per_rank": args.batch_size, "seq_len": args.seq_len, "steps": 1,
-        "accumulate_grad_batches": ACCUMULATE, "precision": "32-true",
-        "optimizer": "AdamW(foreach)", "counted": "local shards (DTensor.to_local()), unpadded",
-        **C.environment(), "threads_per_rank": 1,  # the launcher sets OMP_NUM_THREADS=1 in every rank
+        "world_sizes": sorted(runs),
+        "mesh": "MeshStrategy(dp=N): dp_shard=N",
+        "preset": args.preset,
+        "batch_size_per_rank": args.batch_size,
+        "seq_len": args.seq_len,
+        "steps": 1,
+        "accumulate_grad_batches": ACCUMULATE,
+        "precision": "32-true",
+        "optimizer": "AdamW(foreach)",
+        "counted": "local shards (DTensor.to_local()), unpadded",
+        **C.environment(),
+        "threads_per_rank": 1,  # the launcher sets OMP_NUM_THREADS=1 in every rank
     }
     C.print_result(result)
 

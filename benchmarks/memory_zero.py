@@ -25,14 +25,13 @@ import argparse
 import sys
 from typing import Any
 
+import _common as C  # noqa: N812 (benchmarks/ is on sys.path when run as a script)
 import lightning as L
 import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
-from torch.distributed.fsdp import FSDPModule
-
-import _common as C  # noqa: N812 (benchmarks/ is on sys.path when run as a script)
 from memory import ACCUMULATE, GOAL, gradient_bytes
+from torch.distributed.fsdp import FSDPModule
 
 STAGES = (1, 2, 3)
 # bytes per parameter of each component under stage s, as (numerator, sharded over N?)
@@ -81,7 +80,9 @@ class StageProbe(Callback):
             self.bytes.update(parameter_bytes(pl_module), grads=gradient_bytes(pl_module))
 
     def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
-        self.bytes["grads_before_step"] = sum(C.local_bytes(p.grad) for p in pl_module.parameters() if p.grad is not None)
+        self.bytes["grads_before_step"] = sum(
+            C.local_bytes(p.grad) for p in pl_module.parameters() if p.grad is not None
+        )
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
         state = trainer.optimizers[0].state
@@ -95,7 +96,7 @@ def worker(args: argparse.Namespace) -> None:
     n = args.worker_n
     dist.init_process_group("gloo")
     runs: dict[str, Any] = {}
-    for stage in (STAGES if n > 1 else (3,)):
+    for stage in STAGES if n > 1 else (3,):
         print(f"zero stages: N={n} stage {stage}", file=sys.stderr, flush=True)
         probe, module = StageProbe(), C.BenchGPTModule(args.preset)
         strategy = MeshStrategy(dp=n, zero_stage=stage, process_group_backend="gloo") if n > 1 else MeshStrategy()
@@ -121,24 +122,44 @@ def drive(args: argparse.Namespace, argv: list[str], script: str) -> None:
             for comp, expected in formula.items():
                 values = [r[comp] for r in run["per_rank"]]
                 ratio = max(values) / expected if expected else None
-                entry[comp] = {"per_rank_bytes": values, "max_bytes": max(values), "formula_bytes": expected,
-                               "ratio": None if ratio is None else round(ratio, 4)}
+                entry[comp] = {
+                    "per_rank_bytes": values,
+                    "max_bytes": max(values),
+                    "formula_bytes": expected,
+                    "ratio": None if ratio is None else round(ratio, 4),
+                }
                 if comp in CHECKED:
                     goal_met &= ratio <= GOAL
             measured_total = max(sum(r[c] for c in (*CHECKED, "master_shard")) for r in run["per_rank"])
-            entry["total"] = {"max_bytes": measured_total, "formula_bytes": sum(formula[c] for c in CHECKED),
-                              "ratio": round(measured_total / sum(formula[c] for c in CHECKED), 4)}
+            entry["total"] = {
+                "max_bytes": measured_total,
+                "formula_bytes": sum(formula[c] for c in CHECKED),
+                "ratio": round(measured_total / sum(formula[c] for c in CHECKED), 4),
+            }
             table[f"N={n} stage {stage}" if n > 1 else "N=1"] = entry
-    C.print_result({
-        "benchmark": "memory_zero",
-        "global_numel": numel,
-        "formulas": {str(s): {c: f"{b} Psi" + (" / N" if sh else "") for c, (b, sh) in FORMULA[s].items()} for s in STAGES},
-        "runs": table,
-        "max_ratio": max(e[c]["ratio"] for e in table.values() for c in CHECKED),
-        "goal": f"max over ranks / formula <= {GOAL} for params, grads and optimizer, every stage and N",
-        "goal_met": goal_met,
-        "config": {"preset": args.preset, "world_sizes": sorted(launched), "batch_size_per_rank": args.batch_size,
-                   "seq_len": args.seq_len, "accumulate_grad_batches": ACCUMULATE, "steps": 1, "precision": "32-true",
-                   "optimizer": "AdamW(foreach)", "counted": "local shards (DTensor.to_local()), unpadded",
-                   **C.environment(), "threads_per_rank": 1},
-    })
+    C.print_result(
+        {
+            "benchmark": "memory_zero",
+            "global_numel": numel,
+            "formulas": {
+                str(s): {c: f"{b} Psi" + (" / N" if sh else "") for c, (b, sh) in FORMULA[s].items()} for s in STAGES
+            },
+            "runs": table,
+            "max_ratio": max(e[c]["ratio"] for e in table.values() for c in CHECKED),
+            "goal": f"max over ranks / formula <= {GOAL} for params, grads and optimizer, every stage and N",
+            "goal_met": goal_met,
+            "config": {
+                "preset": args.preset,
+                "world_sizes": sorted(launched),
+                "batch_size_per_rank": args.batch_size,
+                "seq_len": args.seq_len,
+                "accumulate_grad_batches": ACCUMULATE,
+                "steps": 1,
+                "precision": "32-true",
+                "optimizer": "AdamW(foreach)",
+                "counted": "local shards (DTensor.to_local()), unpadded",
+                **C.environment(),
+                "threads_per_rank": 1,
+            },
+        }
+    )

@@ -26,12 +26,11 @@ import statistics
 import sys
 from typing import Any
 
+import _common as C  # noqa: N812 (benchmarks/ is on sys.path when run as a script)
 import lightning as L
 import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
-
-import _common as C  # noqa: N812 (benchmarks/ is on sys.path when run as a script)
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -90,14 +89,18 @@ class MeasureStep(L.Callback):
         self.routing: list[torch.Tensor] = []  # per MoE layer: this rank's assignments per expert
         self._hooks: list[Any] = []
 
-    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         if batch_idx == self.measure_step:
             for moe in pl_module.model.moe_layers():
                 self._hooks.append(moe.router.register_forward_hook(self._record))
             self.counter.__enter__()
         self.timer.on_train_batch_start(trainer, pl_module, batch, batch_idx)
 
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         self.timer.on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
         if batch_idx == self.measure_step:
             self.counter.__exit__(None, None, None)
@@ -131,20 +134,35 @@ def throughput_worker(args: argparse.Namespace) -> None:
     received = sum(int(r[:, mine].sum()) for i, r in enumerate(every_rank) if i != rank)  # R, all layers
     formula = 2 * (sent_away + received) * config.dim * 4
     per_rank = C.gather(
-        {"measured": measure.counter.token_bytes, "formula": formula, "calls": measure.counter.token_calls,
-         "count_bytes": measure.counter.count_bytes, "S": sent_away, "R": received,
-         "steps": measure.timer.step_times(args.warmup)}
-    )  # fmt: skip
+        {
+            "measured": measure.counter.token_bytes,
+            "formula": formula,
+            "calls": measure.counter.token_calls,
+            "count_bytes": measure.counter.count_bytes,
+            "S": sent_away,
+            "R": received,
+            "steps": measure.timer.step_times(args.warmup),
+        }
+    )
     step = statistics.median(max(times) for times in zip(*(r["steps"] for r in per_rank)))
     tokens = args.batch_size * args.seq_len * ep
     assignments = args.batch_size * args.seq_len * config.top_k * len(routing)
     uniform = 2 * 2 * assignments * (ep - 1) / ep * config.dim * 4  # S = R = (ep-1)/ep of them if balanced
-    C.emit({
-        "ep": ep, "world_size": ep, "tokens_per_step": tokens, "median_step_s": step, "tokens_per_s": tokens / step,
-        "a2a_bytes_per_rank": [r["measured"] for r in per_rank], "a2a_formula_bytes": [r["formula"] for r in per_rank],
-        "a2a_uniform_routing_bytes": uniform, "a2a_token_calls": per_rank[0]["calls"],
-        "count_exchange_bytes": per_rank[0]["count_bytes"], "S_R": [(r["S"], r["R"]) for r in per_rank],
-    })  # fmt: skip
+    C.emit(
+        {
+            "ep": ep,
+            "world_size": ep,
+            "tokens_per_step": tokens,
+            "median_step_s": step,
+            "tokens_per_s": tokens / step,
+            "a2a_bytes_per_rank": [r["measured"] for r in per_rank],
+            "a2a_formula_bytes": [r["formula"] for r in per_rank],
+            "a2a_uniform_routing_bytes": uniform,
+            "a2a_token_calls": per_rank[0]["calls"],
+            "count_exchange_bytes": per_rank[0]["count_bytes"],
+            "S_R": [(r["S"], r["R"]) for r in per_rank],
+        }
+    )
 
 
 # ---- balance over training -----------------------------------------------------------------------------
@@ -155,7 +173,9 @@ class Imbalance(L.Callback):
         self.per_step: list[float] = []
         self.losses: list[float] = []
 
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         self.per_step.append(float(trainer.callback_metrics["moe/imbalance"]))
         self.losses.append(float(trainer.callback_metrics["train_loss"]))
 
@@ -172,11 +192,15 @@ def balance_run(args: argparse.Namespace, bias_rate: float, aux_coef: float) -> 
     steps = record.per_step
     tail = max(1, len(steps) // 3)
     return {
-        "bias_rate": bias_rate, "aux_coef": aux_coef, "steps": len(steps),
-        "imbalance_first_20": statistics.mean(steps[:20]), "imbalance_last_third": statistics.mean(steps[-tail:]),
-        "imbalance_max_last_third": max(steps[-tail:]), "lm_loss_last_20": statistics.mean(record.losses[-20:]),
+        "bias_rate": bias_rate,
+        "aux_coef": aux_coef,
+        "steps": len(steps),
+        "imbalance_first_20": statistics.mean(steps[:20]),
+        "imbalance_last_third": statistics.mean(steps[-tail:]),
+        "imbalance_max_last_third": max(steps[-tail:]),
+        "lm_loss_last_20": statistics.mean(record.losses[-20:]),
         "imbalance_every_25_steps": [round(v, 3) for v in steps[::25]],
-    }  # fmt: skip
+    }
 
 
 def drive(args: argparse.Namespace, argv: list[str]) -> None:
@@ -188,13 +212,21 @@ def drive(args: argparse.Namespace, argv: list[str]) -> None:
             runs.append(C.launch(__file__, [*argv, "--worker-ep", str(ep)], ep, args.timeout))
         result["throughput"] = runs
         result["a2a_goal_met"] = all(r["a2a_bytes_per_rank"] == r["a2a_formula_bytes"] for r in runs)
-        result["throughput_config"] = {"batch_size_per_rank": args.batch_size, "seq_len": args.seq_len,
-                                       "steps": args.steps, "warmup": args.warmup, "mesh": "dp=ep, ep=ep (FSDP ep)"}
+        result["throughput_config"] = {
+            "batch_size_per_rank": args.batch_size,
+            "seq_len": args.seq_len,
+            "steps": args.steps,
+            "warmup": args.warmup,
+            "mesh": "dp=ep, ep=ep (FSDP ep)",
+        }
     if args.part in ("all", "balance"):
         arms = {"none": (0.0, 0.0), "aux_loss_free": (args.bias_rate, 0.0), "aux_loss": (0.0, args.aux_coef)}
         result["balance"] = {name: balance_run(args, *arm) for name, arm in arms.items()}
-        result["balance_config"] = {"global_batch": args.balance_batch, "seq_len": args.balance_seq_len,
-                                    "data": "TextDataModule (stdlib sources)"}
+        result["balance_config"] = {
+            "global_batch": args.balance_batch,
+            "seq_len": args.balance_seq_len,
+            "data": "TextDataModule (stdlib sources)",
+        }
         b = result["balance"]
         result["balance_goal_met"] = b["aux_loss_free"]["imbalance_last_third"] < b["none"]["imbalance_last_third"]
     result["environment"] = C.environment()

@@ -21,10 +21,9 @@ import sys
 import time
 from typing import Any
 
+import _common as C  # noqa: N812 (benchmarks/ is on sys.path when run as a script)
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-
-import _common as C  # noqa: N812 (benchmarks/ is on sys.path when run as a script)
 
 GOAL = 1.05
 
@@ -45,7 +44,9 @@ def mesh_run(args: argparse.Namespace, world_size: int) -> list[float]:
 
     timer = C.StepTimer()
     module = C.BenchGPTModule(args.preset, log_loss=args.log_loss)
-    strategy = MeshStrategy(dp=args.dp, tp=args.tp, sequence_parallel=args.sequence_parallel, process_group_backend="gloo")
+    strategy = MeshStrategy(
+        dp=args.dp, tp=args.tp, sequence_parallel=args.sequence_parallel, process_group_backend="gloo"
+    )
     trainer = L.Trainer(strategy=strategy, **C.trainer_kwargs(world_size, args.warmup + args.steps, [timer]))
     loader = C.batch_loader(args.warmup + args.steps, args.dp, args.batch_size, args.seq_len, module.config.vocab_size)
     trainer.fit(module, loader)
@@ -105,12 +106,17 @@ def worker(args: argparse.Namespace) -> None:
         "median_step_s_plain": round(median_plain, 6),
         "ratio": round(ratio, 4),
         "ratio_per_repeat": [round(x, 4) for x in per_repeat],
-        "rank0_median_step_s": {"mesh": round(statistics.median(mesh_steps), 6),
-                                "plain": round(statistics.median(plain_flat), 6)},
+        "rank0_median_step_s": {
+            "mesh": round(statistics.median(mesh_steps), 6),
+            "plain": round(statistics.median(plain_flat), 6),
+        },
         "goal": f"ratio <= {GOAL}",
         "goal_met": ratio <= GOAL,
         "config": C.timing_config(
-            args, sequence_parallel=args.sequence_parallel, optimizer="AdamW(foreach)", log_loss=args.log_loss,
+            args,
+            sequence_parallel=args.sequence_parallel,
+            optimizer="AdamW(foreach)",
+            log_loss=args.log_loss,
             statistic="median over steps of the slowest rank's step time, all repeats pooled",
         ),
     }

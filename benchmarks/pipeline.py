@@ -42,7 +42,9 @@ class RecordSteps(L.Callback):
         self.steps: list[dict[str, Any]] = []
         self._recorder: TimelineRecorder | None = None
 
-    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         runner = trainer.strategy._pipeline
         if trainer.global_step >= self.warmup:
             self._recorder = runner.recorder = TimelineRecorder(runner, pl_module.device)
@@ -78,9 +80,11 @@ def worker(args: argparse.Namespace) -> None:
     for schedule in args.schedules * args.repeats:
         many = schedule not in ("gpipe", "1f1b", "2bw")
         strategy = MeshStrategy(
-            pp=args.pp, pp_schedule=schedule, pp_microbatches=args.microbatches,
+            pp=args.pp,
+            pp_schedule=schedule,
+            pp_microbatches=args.microbatches,
             pp_stages_per_rank=args.stages_per_rank if many else None,
-        )  # fmt: skip
+        )
         recorder = RecordSteps(args.warmup)
         module = C.BenchGPTModule(args.preset)
         data = C.batch_loader(args.steps, 1, args.batch_size, args.seq_len, module.config.vocab_size)
@@ -89,7 +93,9 @@ def worker(args: argparse.Namespace) -> None:
         per_rank = C.gather(recorder.steps)
         settings[schedule] = strategy._pipeline.settings.local_stages()
         measured[schedule] = [a + b for a, b in zip(measured.get(schedule, [[] for _ in per_rank]), per_rank)]
-    C.emit({"schedules": {name: summarise(name, per_rank, settings[name], args) for name, per_rank in measured.items()}})
+    C.emit(
+        {"schedules": {name: summarise(name, per_rank, settings[name], args) for name, per_rank in measured.items()}}
+    )
 
 
 def summarise(schedule: str, per_rank: list[list[dict[str, Any]]], v: int, args: argparse.Namespace) -> dict[str, Any]:
@@ -102,7 +108,9 @@ def summarise(schedule: str, per_rank: list[list[dict[str, Any]]], v: int, args:
         "stages_per_rank": v,
         "step_time_s": round(step_time, 4),
         "tokens_per_s": round(args.batch_size * args.seq_len / step_time, 1),
-        "peak_activation_bytes_max_rank": max(max(s["peak_saved_activation_bytes"] for s in steps) for steps in per_rank),
+        "peak_activation_bytes_max_rank": max(
+            max(s["peak_saved_activation_bytes"] for s in steps) for steps in per_rank
+        ),
         "peak_activation_bytes_per_rank": [max(s["peak_saved_activation_bytes"] for s in steps) for steps in per_rank],
     }
 
@@ -114,12 +122,19 @@ def drive(args: argparse.Namespace, argv: list[str]) -> None:
         "benchmark": "pipeline",
         **result,
         "config": {
-            "pp": args.pp, "microbatches": args.microbatches, "preset": args.preset, "batch_size": args.batch_size,
-            "seq_len": args.seq_len, "steps": args.steps, "measured_steps": args.steps - args.warmup, "repeats": args.repeats,
+            "pp": args.pp,
+            "microbatches": args.microbatches,
+            "preset": args.preset,
+            "batch_size": args.batch_size,
+            "seq_len": args.seq_len,
+            "steps": args.steps,
+            "measured_steps": args.steps - args.warmup,
+            "repeats": args.repeats,
             "statistic": "bubble: median over ranks of the median over measured steps; memory: max over steps",
-            **C.environment(), "threads_per_rank": 1,
+            **C.environment(),
+            "threads_per_rank": 1,
         },
-    }  # fmt: skip
+    }
     C.print_result(result)
 
 

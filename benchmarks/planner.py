@@ -19,6 +19,7 @@ import time
 from typing import Any
 
 import _common as C  # noqa: N812 (puts the repo on sys.path)
+
 from lit_mesh.planner.command import simulate_best  # noqa: E402
 from lit_mesh.planner.hardware import GB, GIB, Hardware  # noqa: E402
 from lit_mesh.planner.memory import Workload  # noqa: E402
@@ -34,7 +35,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--presets", nargs="+", default=["llama3-8b", "llama3-70b", "llama3-405b"])
     p.add_argument("--devices", type=int, nargs="+", default=[8, 64, 512, 1024])
-    p.add_argument("--moe-presets", nargs="*", default=["mixtral-8x7b"], help="zoo MoE presets (expert parallel planned)")
+    p.add_argument(
+        "--moe-presets", nargs="*", default=["mixtral-8x7b"], help="zoo MoE presets (expert parallel planned)"
+    )
     p.add_argument("--moe-devices", type=int, nargs="+", default=[64, 512, 1024])
     p.add_argument("--global-batch", type=int, default=256)
     p.add_argument("--seq-len", type=int, default=8192)
@@ -53,15 +56,26 @@ def main(argv: list[str]) -> None:
             start = time.perf_counter()
             shapes = gpt_shapes(config)
             result = plan(shapes, Workload(args.global_batch, args.seq_len), hw)
-            row: dict[str, Any] = {"model": model, "preset": preset, "devices": devices, "plan_seconds": round(time.perf_counter() - start, 3),
-                                   "considered": result.considered, "fit": len(result.ranked)}
+            row: dict[str, Any] = {
+                "model": model,
+                "preset": preset,
+                "devices": devices,
+                "plan_seconds": round(time.perf_counter() - start, 3),
+                "considered": result.considered,
+                "fit": len(result.ranked),
+            }
             if result.ranked:
                 best = result.ranked[0]
-                row["best"] = {"layout": {d: getattr(best.layout, d) for d in (*DIMS, "ep")}, "ac": best.ac,
-                               "pp_schedule": best.schedule.describe() if best.layout.pp > 1 else None,
-                               "micro_batch": best.work.micro_batch, "memory_gib": round(best.memory["total"] / GIB, 2),
-                               "step_s": round(best.time.total, 3), "tokens_per_s": round(best.tokens_per_s),
-                               "mfu": round(best.mfu, 3)}
+                row["best"] = {
+                    "layout": {d: getattr(best.layout, d) for d in (*DIMS, "ep")},
+                    "ac": best.ac,
+                    "pp_schedule": best.schedule.describe() if best.layout.pp > 1 else None,
+                    "micro_batch": best.work.micro_batch,
+                    "memory_gib": round(best.memory["total"] / GIB, 2),
+                    "step_s": round(best.time.total, 3),
+                    "tokens_per_s": round(best.tokens_per_s),
+                    "mfu": round(best.mfu, 3),
+                }
                 if not args.no_simulate:
                     sims = simulate_best(best, config, shapes)
                     row["simulated"] = [{"rank": s["rank"], "equal": s["equal"], **s["simulated"]} for s in sims]
@@ -78,9 +92,14 @@ def main(argv: list[str]) -> None:
         "all_simulations_equal": all(s["equal"] for s in sims) if sims else None,
         "goal": f"every plan in < {GOAL_SECONDS:g} s; simulated params/grads/AdamW bytes == estimate for every best layout",
         "goal_met": max(r["plan_seconds"] for r in rows) < GOAL_SECONDS and all(s["equal"] for s in sims),
-        "config": {"hardware": "8 devices per node, 80 GB, 989 TFLOP/s (GEMM efficiency by shape, calibrated),"
-                   " HBM 3.35 TB/s, NVLink 450 GB/s, network 50 GB/s per device (lit-mesh plan defaults)", "global_batch": args.global_batch, "seq_len": args.seq_len,
-                   "precision": "bf16-mixed", **C.environment()},
+        "config": {
+            "hardware": "8 devices per node, 80 GB, 989 TFLOP/s (GEMM efficiency by shape, calibrated),"
+            " HBM 3.35 TB/s, NVLink 450 GB/s, network 50 GB/s per device (lit-mesh plan defaults)",
+            "global_batch": args.global_batch,
+            "seq_len": args.seq_len,
+            "precision": "bf16-mixed",
+            **C.environment(),
+        },
     }
     C.print_result(result_line)
 

@@ -19,15 +19,13 @@ from __future__ import annotations
 import argparse
 import sys
 import tempfile
-from pathlib import Path
 from typing import Any
 
+import _common as C  # noqa: N812 (benchmarks/ is on sys.path when run as a script)
 import lightning as L
 import torch
-from torch.distributed.tensor import DTensor
-
-import _common as C  # noqa: N812 (benchmarks/ is on sys.path when run as a script)
 from token_loader import PeakSampler, rss_anon_bytes
+from torch.distributed.tensor import DTensor
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -46,9 +44,16 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def llama_config(args: argparse.Namespace) -> Any:
     from transformers import LlamaConfig
 
-    return LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.hidden * 8 // 3 // 64 * 64,
-                       num_hidden_layers=args.layers, num_attention_heads=args.hidden // 64, num_key_value_heads=args.hidden // 64 // 3,
-                       max_position_embeddings=2048, tie_word_embeddings=False)  # fmt: skip
+    return LlamaConfig(
+        vocab_size=args.vocab,
+        hidden_size=args.hidden,
+        intermediate_size=args.hidden * 8 // 3 // 64 * 64,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.hidden // 64,
+        num_key_value_heads=args.hidden // 64 // 3,
+        max_position_embeddings=2048,
+        tie_word_embeddings=False,
+    )
 
 
 class LoadMemory(L.Callback):
@@ -97,21 +102,39 @@ def worker(args: argparse.Namespace) -> None:
     shard, largest, whole = memory.shard, memory.largest, memory.whole
     bound = 1.3 * shard + largest
     reading, materialising = memory.sampler.peak - memory.before, memory.materialise_peak - memory.before
-    per_rank = C.gather({"shard_mib": shard / 2**20, "bound_mib": bound / 2**20,
-                         "reading_peak_growth_mib": reading / 2**20, "materialise_peak_growth_mib": materialising / 2**20,
-                         "shards_allocated_mib": (memory.at_read - memory.before) / 2**20,
-                         "after_growth_mib": (memory.after - memory.before) / 2**20,
-                         "reading_within_bound": reading <= bound, "setup_within_bound": max(reading, materialising) <= bound})  # fmt: skip
-    C.emit({
-        "config": {"module": type(model).__name__, "ranks": args.ranks, "tp": args.tp, "dp_shard": args.ranks // args.tp, "hidden": args.hidden,
-                   "layers": args.layers, "vocab": args.vocab, "params": memory.count},
-        "whole_model_mib": round(whole / 2**20, 1), "largest_tensor_mib": round(largest / 2**20, 1),
-        "per_rank": [{k: (round(v, 1) if isinstance(v, float) else v) for k, v in r.items()} for r in per_rank],
-        "max_reading_peak_growth_mib": round(max(r["reading_peak_growth_mib"] for r in per_rank), 1),
-        "max_materialise_peak_growth_mib": round(max(r["materialise_peak_growth_mib"] for r in per_rank), 1),
-        "goal_met_reading": all(r["reading_within_bound"] for r in per_rank),
-        "goal_met_whole_setup": all(r["setup_within_bound"] for r in per_rank),
-    })  # fmt: skip
+    per_rank = C.gather(
+        {
+            "shard_mib": shard / 2**20,
+            "bound_mib": bound / 2**20,
+            "reading_peak_growth_mib": reading / 2**20,
+            "materialise_peak_growth_mib": materialising / 2**20,
+            "shards_allocated_mib": (memory.at_read - memory.before) / 2**20,
+            "after_growth_mib": (memory.after - memory.before) / 2**20,
+            "reading_within_bound": reading <= bound,
+            "setup_within_bound": max(reading, materialising) <= bound,
+        }
+    )
+    C.emit(
+        {
+            "config": {
+                "module": type(model).__name__,
+                "ranks": args.ranks,
+                "tp": args.tp,
+                "dp_shard": args.ranks // args.tp,
+                "hidden": args.hidden,
+                "layers": args.layers,
+                "vocab": args.vocab,
+                "params": memory.count,
+            },
+            "whole_model_mib": round(whole / 2**20, 1),
+            "largest_tensor_mib": round(largest / 2**20, 1),
+            "per_rank": [{k: (round(v, 1) if isinstance(v, float) else v) for k, v in r.items()} for r in per_rank],
+            "max_reading_peak_growth_mib": round(max(r["reading_peak_growth_mib"] for r in per_rank), 1),
+            "max_materialise_peak_growth_mib": round(max(r["materialise_peak_growth_mib"] for r in per_rank), 1),
+            "goal_met_reading": all(r["reading_within_bound"] for r in per_rank),
+            "goal_met_whole_setup": all(r["setup_within_bound"] for r in per_rank),
+        }
+    )
 
 
 def main(argv: list[str]) -> None:

@@ -77,7 +77,9 @@ def _about(entry: dict[str, Any]) -> str:
     """One line on where and when a result was measured: date, machine, load, wall time."""
     m = entry["machine"]
     # results run on the device machine come back as logs: no load average, sometimes no wall time of their own
-    load = "" if m["load_before"] is None else f"; load average {m['load_before']:.1f} before, {m['load_after']:.1f} after"
+    load = (
+        "" if m["load_before"] is None else f"; load average {m['load_before']:.1f} before, {m['load_after']:.1f} after"
+    )
     wall = "" if entry["wall_s"] is None else f"; {entry['wall_s']:.0f} s wall"
     return (
         f"{entry['date']}, {m['cpu_count']} CPU cores ({m['machine']}), {m['accelerator']}, torch {m['torch']},"
@@ -120,10 +122,14 @@ def machine() -> dict[str, Any]:
 
     accelerator = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
     return {
-        "machine": platform.machine(), "cpu_count": os.cpu_count(), "accelerator": accelerator,
-        "python": platform.python_version(), "torch": torch.__version__, "lightning": version("lightning"),
+        "machine": platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "accelerator": accelerator,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "lightning": version("lightning"),
         "transformers": version("transformers"),
-    }  # fmt: skip
+    }
 
 
 def run_benchmark(name: str, argv: list[str], timeout: float, results: Path = RESULTS) -> dict[str, Any]:
@@ -133,10 +139,14 @@ def run_benchmark(name: str, argv: list[str], timeout: float, results: Path = RE
     date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     # stderr (the ranks' chatter) passes through; stdout is kept for its last line
-    proc = subprocess.run([sys.executable, *argv], cwd=REPO, env=env, stdout=subprocess.PIPE, text=True, timeout=timeout)
+    proc = subprocess.run(
+        [sys.executable, *argv], cwd=REPO, env=env, stdout=subprocess.PIPE, text=True, timeout=timeout
+    )
     lines = proc.stdout.strip().splitlines()
     if proc.returncode != 0 or not lines:
-        raise RuntimeError(f"{name}: `python {shlex.join(argv)}` exited with {proc.returncode}; stdout ended:\n{proc.stdout[-2000:]}")
+        raise RuntimeError(
+            f"{name}: `python {shlex.join(argv)}` exited with {proc.returncode}; stdout ended:\n{proc.stdout[-2000:]}"
+        )
     entry = {
         "name": name,
         "command": f"python {shlex.join(argv)}",
@@ -157,7 +167,9 @@ def rerun(names: list[str], results: Path = RESULTS) -> None:
     chosen = sorted(found) if names == ["all"] else names
     unknown = [n for n in chosen if n not in found]
     if unknown:
-        raise SystemExit(f"no result file for {unknown} in {results}; known: {sorted(found)} (a new one: --new NAME -- script args)")
+        raise SystemExit(
+            f"no result file for {unknown} in {results}; known: {sorted(found)} (a new one: --new NAME -- script args)"
+        )
     for name in chosen:
         print(f"[report] running {name}: {found[name]['command']}", file=sys.stderr, flush=True)
         run_benchmark(name, found[name]["argv"], found[name]["timeout_s"], results)
@@ -184,7 +196,10 @@ def main(argv: list[str]) -> int:
         return 1
     if args.check:
         if README.read_text() != text:
-            print("benchmarks/README.md is not the rendering of report/ + results/: run python benchmarks/report.py", file=sys.stderr)
+            print(
+                "benchmarks/README.md is not the rendering of report/ + results/: run python benchmarks/report.py",
+                file=sys.stderr,
+            )
             return 1
         return 0
     README.write_text(text)

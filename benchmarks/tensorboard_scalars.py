@@ -32,7 +32,12 @@ def main(argv: list[str]) -> None:
     summary = {}
     for tag, points in sorted(found.items()):
         values = [v for _, v in points]
-        summary[tag] = {"last": values[-1], "mean": statistics.fmean(values), "count": len(values), "steps": [s for s, _ in points]}
+        summary[tag] = {
+            "last": values[-1],
+            "mean": statistics.fmean(values),
+            "count": len(values),
+            "steps": [s for s, _ in points],
+        }
         print(f"{tag:40s} last {values[-1]:.6g}  mean {statistics.fmean(values):.6g}  ({len(values)} points)")
     print(json.dumps({"benchmark": "tensorboard_scalars", "log_dir": argv[0], "scalars": summary}))
 

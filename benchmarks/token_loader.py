@@ -71,8 +71,12 @@ def train_bpe(files: list[Path], vocab: int, path: Path) -> Path:
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=["<|endoftext|>"], show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())  # fmt: skip
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab,
+        special_tokens=["<|endoftext|>"],
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tokenizer.train([str(f) for f in files], trainer)
     tokenizer.save(str(path))
     return path
@@ -110,8 +114,14 @@ def main(argv: list[str]) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         tokenizer = train_bpe(files[:: max(1, len(files) // 40)], args.vocab, Path(tmp) / "tokenizer.json")
         start = time.perf_counter()
-        meta = prepare([str(f) for f in files], str(tokenizer), f"{tmp}/shards", val_fraction=0.01,
-                       workers=args.workers, progress=False)  # fmt: skip
+        meta = prepare(
+            [str(f) for f in files],
+            str(tokenizer),
+            f"{tmp}/shards",
+            val_fraction=0.01,
+            workers=args.workers,
+            progress=False,
+        )
         prepare_s = time.perf_counter() - start
         corpus_tokens = sum(meta["splits"]["train"]["tokens"]) + sum(meta["splits"]["val"]["tokens"])
         shard_bytes = sum(f.stat().st_size for f in Path(tmp, "shards").glob("*.bin"))
@@ -123,7 +133,7 @@ def main(argv: list[str]) -> dict:
         tokens = batches = 0
         with PeakSampler() as sampler:
             start = time.perf_counter()
-            for x, y in loader:
+            for x, _y in loader:
                 tokens += x.numel()
                 batches += 1
                 if batches == args.max_batches:
@@ -138,21 +148,42 @@ def main(argv: list[str]) -> dict:
     cpu_step_s = step_tokens * flops_per_token / cpu_flops
     gpu_tokens_per_s = STATED_MFU * H100_BF16_FLOPS / flops_per_token
     return {
-        "config": {"seq_len": args.seq_len, "global_batch_size": args.global_batch_size, "vocab": args.vocab,
-                   "prepare_workers": args.workers, "files": len(files), "num_workers": 0},
-        "prepare": {"tokens": corpus_tokens, "seconds": round(prepare_s, 2), "tokens_per_s": round(corpus_tokens / prepare_s),
-                    "shard_bytes": shard_bytes, "dtype": meta["dtype"]},
-        "loader": {"batches": batches, "tokens": tokens, "seconds": round(load_s, 4),
-                   "tokens_per_s": round(loader_tokens_per_s), "rss_anon_before_mib": round(before / 2**20, 1),
-                   "rss_anon_peak_growth_mib": round((sampler.peak - before) / 2**20, 2)},
-        "one_b": {"params": sum(p.numel() for p in _meta_gpt(config).parameters()), "flops_per_token": flops_per_token,
-                  "step_tokens": step_tokens, "cpu_matmul_flops": round(cpu_flops), "cpu_step_s_derived": round(cpu_step_s, 1),
-                  "cpu_consumes_tokens_per_s": round(step_tokens / cpu_step_s, 1),
-                  "h100_consumes_tokens_per_s_stated": round(gpu_tokens_per_s)},
+        "config": {
+            "seq_len": args.seq_len,
+            "global_batch_size": args.global_batch_size,
+            "vocab": args.vocab,
+            "prepare_workers": args.workers,
+            "files": len(files),
+            "num_workers": 0,
+        },
+        "prepare": {
+            "tokens": corpus_tokens,
+            "seconds": round(prepare_s, 2),
+            "tokens_per_s": round(corpus_tokens / prepare_s),
+            "shard_bytes": shard_bytes,
+            "dtype": meta["dtype"],
+        },
+        "loader": {
+            "batches": batches,
+            "tokens": tokens,
+            "seconds": round(load_s, 4),
+            "tokens_per_s": round(loader_tokens_per_s),
+            "rss_anon_before_mib": round(before / 2**20, 1),
+            "rss_anon_peak_growth_mib": round((sampler.peak - before) / 2**20, 2),
+        },
+        "one_b": {
+            "params": sum(p.numel() for p in _meta_gpt(config).parameters()),
+            "flops_per_token": flops_per_token,
+            "step_tokens": step_tokens,
+            "cpu_matmul_flops": round(cpu_flops),
+            "cpu_step_s_derived": round(cpu_step_s, 1),
+            "cpu_consumes_tokens_per_s": round(step_tokens / cpu_step_s, 1),
+            "h100_consumes_tokens_per_s_stated": round(gpu_tokens_per_s),
+        },
         "loader_over_cpu_step": round(loader_tokens_per_s / (step_tokens / cpu_step_s)),
         "loader_over_h100_step": round(loader_tokens_per_s / gpu_tokens_per_s, 1),
         "goal_20x_met_cpu": loader_tokens_per_s >= 20 * step_tokens / cpu_step_s,
-    }  # fmt: skip
+    }
 
 
 def _meta_gpt(config):  # noqa: ANN001, ANN202

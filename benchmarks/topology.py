@@ -28,9 +28,9 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from lit_mesh.comm import hierarchical  # noqa: E402
+from lit_mesh.comm.topology import Topology  # noqa: E402
 from lit_mesh.mesh import MeshAxis, MeshLayout, build_device_mesh  # noqa: E402
 from lit_mesh.monitor.comm import CollectiveBytes, _group_name  # noqa: E402
-from lit_mesh.comm.topology import Topology  # noqa: E402
 
 _STEPS = {"all_reduce": lambda k: 2 * (k - 1), "gather": lambda k: k - 1, "scatter": lambda k: k - 1}
 
@@ -78,7 +78,9 @@ def worker(args: argparse.Namespace) -> None:
     layout = MeshLayout(dp_replicate=world)
     views = build_device_mesh(layout, "cpu")
     group = views.root.get_group(MeshAxis.DP_REPLICATE)
-    h = hierarchical.build_hierarchy(views.root, (MeshAxis.DP_REPLICATE,), group, topology, "hierarchical", "dp_replicate")
+    h = hierarchical.build_hierarchy(
+        views.root, (MeshAxis.DP_REPLICATE,), group, topology, "hierarchical", "dp_replicate"
+    )
     assert h is not None
     numel = int(args.mib * 2**20) // 4
     size = numel * 4
@@ -86,13 +88,21 @@ def worker(args: argparse.Namespace) -> None:
     torch.testing.assert_close(hier.pop("result"), flat.pop("result"), rtol=1e-5, atol=1e-5)
     n, g = nodes, per_node
     out = {
-        "nodes": n, "devices_per_node": g, "bytes_per_rank_S": size,
-        "flat": {**flat, "formula_inter_node_bytes": hierarchical.inter_node_bytes(size, n, g, False),
-                 "formula_inter_node_steps": hierarchical.inter_node_steps(n, g, False)},
-        "hierarchical": {**hier, "formula_inter_node_bytes": hierarchical.inter_node_bytes(size, n, g, True),
-                         "formula_inter_node_steps": hierarchical.inter_node_steps(n, g, True)},
+        "nodes": n,
+        "devices_per_node": g,
+        "bytes_per_rank_S": size,
+        "flat": {
+            **flat,
+            "formula_inter_node_bytes": hierarchical.inter_node_bytes(size, n, g, False),
+            "formula_inter_node_steps": hierarchical.inter_node_steps(n, g, False),
+        },
+        "hierarchical": {
+            **hier,
+            "formula_inter_node_bytes": hierarchical.inter_node_bytes(size, n, g, True),
+            "formula_inter_node_steps": hierarchical.inter_node_steps(n, g, True),
+        },
         "equal_results": True,
-    }  # fmt: skip
+    }
     everyone = C.gather(out)  # every rank sends the same in a ring: check it, report rank 0
     assert all(o == out for o in everyone), everyone
     C.emit(out)
@@ -132,14 +142,26 @@ def predicted(presets: list[str], clusters: list[tuple[int, int]]) -> list[dict[
             flat_step = t.total
             t.overlapped["dp_replicate"] = hier
             hier_step = t.total
-            rows.append({
-                "preset": preset, "nodes": n, "devices_per_node": g, "dp_shard": dp_shard,
-                "dp_replicate": layout.dp_replicate, "replicas_per_node": replicas_per_node, "seq_len": work.seq_len,
-                "gradient_bytes": nbytes, "flat_s": round(flat, 6), "hierarchical_s": round(hier, 6),
-                "saved_per_step_s": round(flat - hier, 6), "speedup": round(flat / hier, 2),
-                "compute_s": round(t.compute, 6), "step_flat_s": round(flat_step, 6),
-                "step_hierarchical_s": round(hier_step, 6), "step_speedup": round(flat_step / hier_step, 3),
-            })  # fmt: skip
+            rows.append(
+                {
+                    "preset": preset,
+                    "nodes": n,
+                    "devices_per_node": g,
+                    "dp_shard": dp_shard,
+                    "dp_replicate": layout.dp_replicate,
+                    "replicas_per_node": replicas_per_node,
+                    "seq_len": work.seq_len,
+                    "gradient_bytes": nbytes,
+                    "flat_s": round(flat, 6),
+                    "hierarchical_s": round(hier, 6),
+                    "saved_per_step_s": round(flat - hier, 6),
+                    "speedup": round(flat / hier, 2),
+                    "compute_s": round(t.compute, 6),
+                    "step_flat_s": round(flat_step, 6),
+                    "step_hierarchical_s": round(hier_step, 6),
+                    "step_speedup": round(flat_step / hier_step, 3),
+                }
+            )
     return rows
 
 
@@ -158,12 +180,16 @@ def drive(args: argparse.Namespace, argv: list[str]) -> None:
     measured = []
     for spec in args.simulate:
         nodes, per_node = map(int, spec.split("x"))
-        measured.append(C.launch(__file__, ["--layout", spec, "--mib", str(args.mib)], nproc=nodes * per_node, timeout=args.timeout))
-    C.print_result({
-        "measured": measured,
-        "predicted_gradient_all_reduce_per_step": predicted(args.presets, [(4, 8), (64, 8)]),
-        "environment": C.environment(),
-    })  # fmt: skip
+        measured.append(
+            C.launch(__file__, ["--layout", spec, "--mib", str(args.mib)], nproc=nodes * per_node, timeout=args.timeout)
+        )
+    C.print_result(
+        {
+            "measured": measured,
+            "predicted_gradient_all_reduce_per_step": predicted(args.presets, [(4, 8), (64, 8)]),
+            "environment": C.environment(),
+        }
+    )
 
 
 def main(argv: list[str]) -> None:

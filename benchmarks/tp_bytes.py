@@ -77,8 +77,8 @@ def worker(args: argparse.Namespace) -> None:
     """Under torchrun: one tiny block's bytes per rank, counted, for 1-D and the grid schemes of this world size."""
     from lit_mesh.mesh import MeshLayout, build_device_mesh
     from lit_mesh.monitor.comm import CollectiveBytes
-    from lit_mesh.parallel.tensor import apply_tensor_parallel
     from lit_mesh.parallel.grid.apply import parallelize_grid
+    from lit_mesh.parallel.tensor import apply_tensor_parallel
     from lit_mesh.plan import PlanOwner
     from zoo.gpt import GPT, rope_cos_sin
 
@@ -86,6 +86,7 @@ def worker(args: argparse.Namespace) -> None:
     p = dist.get_world_size()
     modes = [("2d", None)] if p == 4 else [("2.5d", DEPTH), ("3d", None)]  # 8 ranks: 2 x 2 x 2 either way
     views = build_device_mesh(MeshLayout(tp=p), "cpu")
+
     def counted(model: GPT, h: torch.Tensor) -> float:
         rope = rope_cos_sin(torch.arange(TINY_SEQ), model.config.head_dim, TINY.rope_theta)
         with CollectiveBytes() as counter:
@@ -113,9 +114,16 @@ def drive(args: argparse.Namespace, argv: list[str]) -> None:
     c = GPTConfig.from_preset(args.preset)
     shape = BlockShape(args.tokens, c.dim, c.n_heads, c.n_kv_heads, c.ffn_hidden, args.element_bytes)
     rows, crossover = table(shape)
-    result: dict[str, Any] = {"preset": args.preset, "tokens": args.tokens, "element_bytes": args.element_bytes,
-                              "depth_2_5d": DEPTH, "schemes": ["1d", "1d_megatron", *GRID_BLOCK_BYTES],
-                              "rows": rows, "crossover": crossover, "measured": []}  # fmt: skip
+    result: dict[str, Any] = {
+        "preset": args.preset,
+        "tokens": args.tokens,
+        "element_bytes": args.element_bytes,
+        "depth_2_5d": DEPTH,
+        "schemes": ["1d", "1d_megatron", *GRID_BLOCK_BYTES],
+        "rows": rows,
+        "crossover": crossover,
+        "measured": [],
+    }
     if args.measure:
         for p in (4, 8):
             counted = launch(__file__, argv, p, args.timeout)["measured"]

@@ -22,11 +22,11 @@ import statistics
 import sys
 from typing import Any
 
+import _common as C  # noqa: N812 (benchmarks/ is on sys.path when run as a script)
 import lightning as L
 import torch.distributed as dist
 from lightning.pytorch.strategies import ModelParallelStrategy
 
-import _common as C  # noqa: N812 (benchmarks/ is on sys.path when run as a script)
 from lit_mesh import MeshStrategy
 
 GOAL = 1.0
@@ -43,8 +43,9 @@ class HandParallelGPTModule(C.BenchGPTModule):
         if self.model is not None:
             return
         gpt = C.meta_gpt(self.hparams.preset)
-        C.hand_parallelize(gpt, self.device_mesh["data_parallel"], self.device_mesh["tensor_parallel"],
-                           self.sequence_parallel)
+        C.hand_parallelize(
+            gpt, self.device_mesh["data_parallel"], self.device_mesh["tensor_parallel"], self.sequence_parallel
+        )
         C.materialize_gpt(gpt)  # the same weights as MeshStrategy gives (lit_mesh.init, seed 0)
         self.model = gpt
 
@@ -62,16 +63,20 @@ def fit(args: argparse.Namespace, which: str) -> tuple[float, list[float]]:
     world_size = args.dp * args.tp
     if which == "mesh":
         module: C.BenchGPTModule = C.BenchGPTModule(args.preset, args.log_loss)
-        strategy: Any = MeshStrategy(dp=args.dp, tp=args.tp, sequence_parallel=args.sequence_parallel,
-                                     process_group_backend="gloo")
+        strategy: Any = MeshStrategy(
+            dp=args.dp, tp=args.tp, sequence_parallel=args.sequence_parallel, process_group_backend="gloo"
+        )
     else:
         module = HandParallelGPTModule(args.preset, args.sequence_parallel, args.log_loss)
-        strategy = ModelParallelStrategy(data_parallel_size=args.dp, tensor_parallel_size=args.tp,
-                                         process_group_backend="gloo")
+        strategy = ModelParallelStrategy(
+            data_parallel_size=args.dp, tensor_parallel_size=args.tp, process_group_backend="gloo"
+        )
     timer = C.StepTimer()
     trainer = L.Trainer(strategy=strategy, **C.trainer_kwargs(world_size, args.warmup + args.steps, [timer]))
-    trainer.fit(module, C.batch_loader(args.warmup + args.steps, args.dp, args.batch_size, args.seq_len,
-                                       module.config.vocab_size))
+    trainer.fit(
+        module,
+        C.batch_loader(args.warmup + args.steps, args.dp, args.batch_size, args.seq_len, module.config.vocab_size),
+    )
     return timer.window(args.warmup), timer.step_times(args.warmup)
 
 
@@ -101,8 +106,11 @@ def worker(args: argparse.Namespace) -> None:
         "goal": f"ratio >= {GOAL}",
         "goal_met": ratio >= GOAL,
         "config": C.timing_config(
-            args, modelparallel={"data_parallel_size": args.dp, "tensor_parallel_size": args.tp},
-            sequence_parallel=args.sequence_parallel, tokens_per_run=tokens, optimizer="AdamW(foreach)",
+            args,
+            modelparallel={"data_parallel_size": args.dp, "tensor_parallel_size": args.tp},
+            sequence_parallel=args.sequence_parallel,
+            tokens_per_run=tokens,
+            optimizer="AdamW(foreach)",
             log_loss=args.log_loss,
             statistic="median over repeats of global tokens / slowest rank's wall time of the measured steps",
         ),

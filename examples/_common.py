@@ -49,7 +49,9 @@ def trainer(args: argparse.Namespace, strategy: Strategy) -> L.Trainer:
     )
 
 
-def global_batch_slice(module: L.LightningModule, inputs: torch.Tensor, targets: torch.Tensor, global_batch: int) -> DataLoader:
+def global_batch_slice(
+    module: L.LightningModule, inputs: torch.Tensor, targets: torch.Tensor, global_batch: int
+) -> DataLoader:
     """This data-parallel rank's share of every global batch: rows rank, rank + replicas, ... of the samples, so
     local batch k holds this rank's part of global batch k, whatever the number of devices."""
     dp = module.trainer.strategy.distributed_sampler_kwargs  # the data-parallel rank and size, not the global ones

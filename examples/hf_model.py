@@ -22,12 +22,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import _common as E  # noqa: N812 (examples/ is on sys.path when run as a script)
 import lightning as L
 import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
-import _common as E  # noqa: N812 (examples/ is on sys.path when run as a script)
 from lit_mesh import MeshStrategy
 
 GLOBAL_BATCH = 8
@@ -39,15 +39,38 @@ def make_config(arch: str):  # noqa: ANN201 - a transformers config
     from transformers import GPT2Config, LlamaConfig, MixtralConfig
 
     if arch == "llama":
-        return LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ_LEN)  # fmt: skip
+        return LlamaConfig(
+            vocab_size=VOCAB,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=SEQ_LEN,
+        )
     if arch == "gpt2":  # dropout off: the losses are compared step by step across layouts
-        return GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=SEQ_LEN,
-                          resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)  # fmt: skip
+        return GPT2Config(
+            vocab_size=VOCAB,
+            n_embd=64,
+            n_layer=2,
+            n_head=4,
+            n_positions=SEQ_LEN,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+        )
     if arch == "mixtral":  # 4 experts, top-2
-        return MixtralConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
-                             num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
-                             num_experts_per_tok=2, max_position_embeddings=SEQ_LEN)  # fmt: skip
+        return MixtralConfig(
+            vocab_size=VOCAB,
+            hidden_size=64,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            max_position_embeddings=SEQ_LEN,
+        )
     raise ValueError(f"--arch {arch!r}: choose llama, gpt2 or mixtral")
 
 

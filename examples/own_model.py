@@ -19,19 +19,21 @@ Rank 0 writes the per-step losses (averaged over the data-parallel ranks) to `--
 
 from __future__ import annotations
 
+import _common as E  # noqa: N812 (examples/ is on sys.path when run as a script)
 import lightning as L
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader
 
-import _common as E  # noqa: N812 (examples/ is on sys.path when run as a script)
 from lit_mesh import MeshStrategy
 
 GLOBAL_BATCH = 16
 
 
-def make_data(n_samples: int, n_features: int = 32, n_classes: int = 4, seed: int = 1234) -> tuple[torch.Tensor, torch.Tensor]:
+def make_data(
+    n_samples: int, n_features: int = 32, n_classes: int = 4, seed: int = 1234
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Synthetic classification: labels from a fixed random linear teacher. Same on every rank."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(n_samples, n_features, generator=g)

@@ -20,6 +20,7 @@ per-step losses match a single-device run. Rank 0 writes them to `--out` as JSON
 
 from __future__ import annotations
 
+import _common as E  # noqa: N812 (examples/ is on sys.path when run as a script)
 import lightning as L
 import torch
 import torch.nn.functional as F
@@ -28,7 +29,6 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.utils.data import DataLoader
 
-import _common as E  # noqa: N812 (examples/ is on sys.path when run as a script)
 from lit_mesh import MeshStrategy
 
 GLOBAL_BATCH = 16

@@ -24,13 +24,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import _common as E  # noqa: N812 (examples/ is on sys.path when run as a script)
 import lightning as L
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader
 
-import _common as E  # noqa: N812 (examples/ is on sys.path when run as a script)
 from lit_mesh import Init, MeshStrategy, ParallelPlan, TensorPlan
 
 GLOBAL_BATCH = 8
@@ -118,7 +118,12 @@ class Tagger(nn.Module):
                     "mlp.fc1": "colwise",
                     "mlp.fc2": "rowwise",
                 },
-                divides={"n_heads": c.n_heads, "mlp_hidden": c.mlp_hidden, "n_classes": c.n_classes, "seq_len": c.seq_len},
+                divides={
+                    "n_heads": c.n_heads,
+                    "mlp_hidden": c.mlp_hidden,
+                    "n_classes": c.n_classes,
+                    "seq_len": c.seq_len,
+                },
             ),
             # first match wins; leading '*' so the rules match under the LightningModule's prefix too
             init=(

@@ -45,8 +45,10 @@ def plan_main(argv: list[str]) -> None:
 
 # our subcommands: name -> (one line for --help, entry point taking the remaining arguments)
 COMMANDS: dict[str, tuple[str, Callable[[list[str]], None]]] = {
-    "plan": ("the best meshes for a model family (the zoo's) on a cluster, why, and a `lit-mesh fit` config of the best",
-             plan_main),
+    "plan": (
+        "the best meshes for a model family (the zoo's) on a cluster, why, and a `lit-mesh fit` config of the best",
+        plan_main,
+    ),
     "export": ("a checkpoint's model weights (sharded or not) as one unsharded file", export_main),
 }
 COMMANDS_GROUP = "lit_mesh.commands"  # entry points: name = "package.module:main", main(argv: list[str])
@@ -70,7 +72,9 @@ def overview() -> str:
     ]
     lines += [f"  {name:<{width}}  {line}" for name, line in LIGHTNING_COMMANDS.items()]
     lines += [f"  {name:<{width}}  {line}" for name, (line, _) in COMMANDS.items()]
-    lines += [f"  {name:<{width}}  from {ep.value.split(':')[0]} (`lit-mesh {name} --help`)" for name, ep in plugins.items()]
+    lines += [
+        f"  {name:<{width}}  from {ep.value.split(':')[0]} (`lit-mesh {name} --help`)" for name, ep in plugins.items()
+    ]
     lines += ["", "`lit-mesh SUBCOMMAND --help` lists a subcommand's options."]
     return "\n".join(lines)
 
@@ -110,13 +114,11 @@ def run(argv: list[str], from_command_line: bool = False) -> Any:
 def lightning_cli(args: list[str] | None) -> Any:
     from lightning.pytorch import LightningDataModule, LightningModule
     from lightning.pytorch.cli import LightningCLI
-
-    import lit_mesh  # noqa: F401  (registers the "mesh" strategy)
-    from lit_mesh.planner.families import import_cli_modules
-
     from typing_extensions import override
 
+    import lit_mesh  # noqa: F401  (registers the "mesh" strategy)
     from lit_mesh.checkpoint.resume import resolve_ckpt_path
+    from lit_mesh.planner.families import import_cli_modules
 
     import_cli_modules()  # the model families' modules (the zoo's), so that short class paths (--model=GPTModule) resolve
 

@@ -36,6 +36,11 @@ class CompressionConfigError(ValueError):
 
 
 __all__ = [
-    "CompressionConfigError", "ContextParallelError", "MeshConfigError", "PipelineConfigError", "PlanError",
-    "TopologyError", "WorldSizeError",
-]  # fmt: skip
+    "CompressionConfigError",
+    "ContextParallelError",
+    "MeshConfigError",
+    "PipelineConfigError",
+    "PlanError",
+    "TopologyError",
+    "WorldSizeError",
+]

@@ -33,9 +33,14 @@ def _all_reduce(x: Tensor, op: Any, group: Optional[dist.ProcessGroup]) -> Tenso
 class _ChunkedCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(
-        ctx: Any, logits: Tensor, targets: Tensor, vocab_start: int, group: Optional[dist.ProcessGroup],
-        ignore_index: int, chunk_rows: int,
-    ) -> Tensor:  # fmt: skip
+        ctx: Any,
+        logits: Tensor,
+        targets: Tensor,
+        vocab_start: int,
+        group: Optional[dist.ProcessGroup],
+        ignore_index: int,
+        chunk_rows: int,
+    ) -> Tensor:
         """logits (N, V_local): this rank's vocabulary [vocab_start, vocab_start + V_local); targets (N,)."""
         local = targets - vocab_start
         in_shard = (local >= 0) & (local < logits.shape[1])

@@ -54,7 +54,6 @@ VIEW_AXES: dict[str, tuple[str, ...]] = {
 LIGHTNING_ALIASES = {"data_parallel": (MeshAxis.DP_REPLICATE, MeshAxis.DP_SHARD), "tensor_parallel": (MeshAxis.TP,)}
 
 
-
 @dataclass(frozen=True)
 class MeshLayout:
     """Resolved degrees of every mesh dim; their product is the world size."""
@@ -109,7 +108,9 @@ def check_degrees(**degrees: Degree) -> None:
 class MeshDegrees:
     """The mesh: degrees as given (resolved against the world size by resolve_layout)."""
 
-    dp: Degree = option(None, doc='data-parallel degree; alone it means FSDP over dp ranks. "auto" fills the world size.')
+    dp: Degree = option(
+        None, doc='data-parallel degree; alone it means FSDP over dp ranks. "auto" fills the world size.'
+    )
     dp_replicate: Optional[int] = option(None, doc="replicas (DDP); with dp_shard > 1 as well, HSDP.")
     dp_shard: Degree = option(
         None, doc='FSDP shards per replica; "auto" fills the world size (the default when no dp degree is given).'
@@ -135,7 +136,7 @@ class MeshDegrees:
     # None: on with tp_mode="1d", off otherwise (lit_mesh.options.MeshOptions resolves it: it reads tp_mode)
     sequence_parallel: Optional[bool] = option(
         None,
-        doc='shard activations over the sequence between TP regions (needs tp to divide it); default: on with'
+        doc="shard activations over the sequence between TP regions (needs tp to divide it); default: on with"
         ' tp_mode="1d", off otherwise.',
     )
     data_parallel_size: Degree = option(
@@ -157,8 +158,15 @@ class MeshDegrees:
         check_degree("tensor_parallel_size", self.tensor_parallel_size, allow_auto=True)
 
     def degrees(self) -> dict[str, Any]:
-        return dict(dp=self.dp, dp_replicate=self.dp_replicate, dp_shard=self.dp_shard, tp=self.tp, cp=self.cp,
-                    pp=self.pp, ep=self.ep)  # fmt: skip
+        return dict(
+            dp=self.dp,
+            dp_replicate=self.dp_replicate,
+            dp_shard=self.dp_shard,
+            tp=self.tp,
+            cp=self.cp,
+            pp=self.pp,
+            ep=self.ep,
+        )
 
 
 def _lightning_sizes_given(f: Facts) -> bool:
@@ -176,38 +184,48 @@ def _model_parallel(f: Facts) -> int:
 
 
 ONE_AUTO_DEGREE = Rule(
-    "one_auto_degree", "init",
+    "one_auto_degree",
+    "init",
     lambda f: f.degrees.get("dp") == "auto" and f.degrees.get("dp_shard") == "auto",
     lambda f: "dp='auto' and dp_shard='auto': only one degree may be 'auto'; give the other a number",
-)  # fmt: skip
+)
 
 RULES: list[Rule] = [
     # ---- init: the degrees alone ---------------------------------------------------------------------------------
     ONE_AUTO_DEGREE,
     Rule(
-        "lightning_sizes_alone", "init",
+        "lightning_sizes_alone",
+        "init",
         lambda f: _lightning_sizes_given(f) and bool(_own_degrees(f)),
-        lambda f: "data_parallel_size/tensor_parallel_size (ModelParallelStrategy's names) together with"
-        f" {', '.join(f'{name}={value!r}' for name, value in _own_degrees(f).items())}: give either the two Lightning"
-        " sizes, or MeshStrategy's degrees (dp, dp_replicate, dp_shard, tp, cp, pp)",
+        lambda f: (
+            "data_parallel_size/tensor_parallel_size (ModelParallelStrategy's names) together with"
+            f" {', '.join(f'{name}={value!r}' for name, value in _own_degrees(f).items())}: give either the two Lightning"
+            " sizes, or MeshStrategy's degrees (dp, dp_replicate, dp_shard, tp, cp, pp)"
+        ),
     ),
     # ---- layout: the degrees against the world size --------------------------------------------------------------
     Rule(
-        "model_parallel_divides_world", "layout",
+        "model_parallel_divides_world",
+        "layout",
         lambda f: f.world_size % _model_parallel(f) != 0,
-        lambda f: f"pp={f.degrees['pp']} x cp={f.degrees['cp']} x tp={f.degrees['tp']} = {_model_parallel(f)} does"
-        f" not divide the world size {f.world_size} (devices x num_nodes); choose degrees whose product divides"
-        f" {f.world_size}, e.g. tp in {divisors(f.world_size)}",
+        lambda f: (
+            f"pp={f.degrees['pp']} x cp={f.degrees['cp']} x tp={f.degrees['tp']} = {_model_parallel(f)} does"
+            f" not divide the world size {f.world_size} (devices x num_nodes); choose degrees whose product divides"
+            f" {f.world_size}, e.g. tp in {divisors(f.world_size)}"
+        ),
         WorldSizeError,
     ),
     Rule(
-        "ep_divides_dp_shard_cp", "layout",
+        "ep_divides_dp_shard_cp",
+        "layout",
         lambda f: f.layout is not None and (f.layout.dp_shard * f.layout.cp) % f.layout.ep != 0,
-        lambda f: f"ep={f.layout.ep} does not divide dp_shard x cp = {f.layout.dp_shard} x {f.layout.cp} ="
-        f" {f.layout.dp_shard * f.layout.cp} (expert parallel borrows its ranks from them, it does not add any);"
-        f" choose ep in {divisors(f.layout.dp_shard * f.layout.cp)}",
+        lambda f: (
+            f"ep={f.layout.ep} does not divide dp_shard x cp = {f.layout.dp_shard} x {f.layout.cp} ="
+            f" {f.layout.dp_shard * f.layout.cp} (expert parallel borrows its ranks from them, it does not add any);"
+            f" choose ep in {divisors(f.layout.dp_shard * f.layout.cp)}"
+        ),
     ),
-]  # fmt: skip
+]
 _BY_NAME = {rule.name: rule for rule in RULES}
 
 
@@ -234,7 +252,10 @@ def resolve_layout(
 
     if tp == "auto":
         raise MeshConfigError("tp='auto' means the devices per node: resolve it with per_node_degrees() first")
-    facts = Facts(degrees=dict(dp=dp, dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp, cp=cp, pp=pp, ep=ep), world_size=world_size)
+    facts = Facts(
+        degrees=dict(dp=dp, dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp, cp=cp, pp=pp, ep=ep),
+        world_size=world_size,
+    )
     enforce(_BY_NAME["model_parallel_divides_world"], facts)  # a WorldSizeError, as ModelParallelStrategy raises
     model_parallel = pp * cp * tp
     dp_total = world_size // model_parallel  # what the data-parallel dims must fill

@@ -25,17 +25,30 @@ from lit_mesh.parallel.activation_checkpointing import MemoryOptions
 from lit_mesh.parallel.compile import CompileOptions
 from lit_mesh.parallel.context import ContextOptions
 from lit_mesh.parallel.data import DataParallelOptions
-from lit_mesh.parallel.pipeline.schedules import PipelineSettings, check_pipeline_settings
 from lit_mesh.parallel.grid import TPMode, check_tp_mode
+from lit_mesh.parallel.pipeline.schedules import PipelineSettings, check_pipeline_settings
 from lit_mesh.reliability.replan import WorldChangeOptions
 from lit_mesh.rules import Facts, check
 from lit_mesh.unit import option
 
 __all__ = [  # the groups, importable from here as before
-    "CheckpointOptions", "CommunicationOptions", "CompileOptions", "ContextOptions", "DataParallelOptions",
-    "LaunchOptions", "MemoryOptions", "MeshDegrees", "MeshOptions", "PipelineSettings", "TensorOptions",
-    "WorldChangeOptions", "ARGUMENTS", "Argument", "args_docstring", "build_options",
-]  # fmt: skip
+    "CheckpointOptions",
+    "CommunicationOptions",
+    "CompileOptions",
+    "ContextOptions",
+    "DataParallelOptions",
+    "LaunchOptions",
+    "MemoryOptions",
+    "MeshDegrees",
+    "MeshOptions",
+    "PipelineSettings",
+    "TensorOptions",
+    "WorldChangeOptions",
+    "ARGUMENTS",
+    "Argument",
+    "args_docstring",
+    "build_options",
+]
 
 
 @dataclass(frozen=True)
@@ -130,7 +143,9 @@ def _arguments() -> dict[str, Argument]:
                 raise TypeError(f"{group.name}.{f.name}: every field of an options group is made with option(doc=...)")
             name = f.metadata["arg"] or f.name
             annotation = f.metadata["accepts"] if f.metadata["accepts"] is not None else hints[f.name]
-            table[name] = Argument(name, group.name, f.name if in_group else None, annotation, f.default, f.metadata["doc"])
+            table[name] = Argument(
+                name, group.name, f.name if in_group else None, annotation, f.default, f.metadata["doc"]
+            )
     return table
 
 
@@ -142,9 +157,13 @@ def args_docstring(indent: str = "    ", width: int = 120) -> str:
     lines = [f"{indent}Args:"]
     for argument in ARGUMENTS.values():
         lines += textwrap.wrap(
-            f"{argument.name}: {argument.doc}", width, initial_indent=indent * 2, subsequent_indent=indent * 3,
-            break_long_words=False, break_on_hyphens=False,
-        )  # fmt: skip
+            f"{argument.name}: {argument.doc}",
+            width,
+            initial_indent=indent * 2,
+            subsequent_indent=indent * 3,
+            break_long_words=False,
+            break_on_hyphens=False,
+        )
     return "\n".join(lines)
 
 

@@ -52,9 +52,18 @@ if TYPE_CHECKING:  # a type only: lit_mesh.init (materialisation) reads plans, s
 #   vocab_head     the output head like "head", but its logits stay a DTensor sharded over the vocabulary, for a
 #                  loss that takes them so (lit_mesh.loss.cross_entropy: loss parallel); "head" where pp > 1
 TPStyle = Literal[
-    "colwise", "rowwise", "embedding", "embedding_whole_output", "head", "vocab_head", "norm",
-    "shard_output", "shard_input", "gather_input", "whole_sequence",
-]  # fmt: skip
+    "colwise",
+    "rowwise",
+    "embedding",
+    "embedding_whole_output",
+    "head",
+    "vocab_head",
+    "norm",
+    "shard_output",
+    "shard_input",
+    "gather_input",
+    "whole_sequence",
+]
 TP_STYLES: tuple[str, ...] = TPStyle.__args__  # type: ignore[attr-defined]
 
 

@@ -43,8 +43,9 @@ def _register(strategies: ModuleType) -> None:
 class _RegisterAfterImport(importlib.abc.MetaPathFinder):
     """Finds nothing itself: wraps the real loader of lightning.pytorch.strategies to register after it runs."""
 
-    def find_spec(self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
-                  ) -> importlib.machinery.ModuleSpec | None:
+    def find_spec(
+        self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
+    ) -> importlib.machinery.ModuleSpec | None:
         if fullname != STRATEGIES_MODULE:
             return None
         sys.meta_path.remove(self)  # one shot; and the real finders answer the lookup below
@@ -154,8 +155,9 @@ class _MovedModuleLoader(importlib.abc.Loader):
 class _MovedModuleFinder(importlib.abc.MetaPathFinder):
     """Finds the old paths of MOVED_MODULES (and modules under them); nothing else."""
 
-    def find_spec(self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
-                  ) -> importlib.machinery.ModuleSpec | None:
+    def find_spec(
+        self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
+    ) -> importlib.machinery.ModuleSpec | None:
         new = moved_to(fullname)
         return None if new is None else importlib.machinery.ModuleSpec(fullname, _MovedModuleLoader(new))
 

@@ -14,16 +14,15 @@ from typing import Optional
 
 from lit_mesh import mesh
 from lit_mesh.checkpoint import writer as checkpoint_writer
-from lit_mesh.comm import topology
-from lit_mesh.training import precision
 from lit_mesh.comm import rules as compression
+from lit_mesh.comm import topology
 from lit_mesh.parallel import activation_checkpointing, data, expert, tensor
 from lit_mesh.parallel import compile as torch_compile
 from lit_mesh.parallel.context import rules as context
 from lit_mesh.parallel.grid import rules as grid
 from lit_mesh.parallel.pipeline import rules as pipeline
+from lit_mesh.training import precision
 from lit_mesh.unit import Facts, Phase, Rule, divisors, enforce  # noqa: F401 - divisors, enforce re-exported
-
 
 # The units in the order closest to that of the one table that held every rule before (within a phase the first
 # broken rule raises, so this order decides which error a user sees first).

@@ -34,15 +34,14 @@ from typing_extensions import override
 
 import lit_mesh.hf  # noqa: F401  registers the transformers plans and initialisation (plan sources)
 from lit_mesh.checkpoint import dcp_writable, optimizer_state_options, refuse_overwriting_other_files, remove_checkpoint
+from lit_mesh.checkpoint.pretrained import declared_sources, load_pretrained
 from lit_mesh.checkpoint.writer import CheckpointWriter
 from lit_mesh.comm.compression import CompressionRun
 from lit_mesh.comm.hierarchical import AllReduceMode
 from lit_mesh.comm.options import CompressionOptions
 from lit_mesh.comm.reductions import Reductions
-from lit_mesh.reliability.elastic import init_process_group_for_attempt
-from lit_mesh.reliability.hangs import HangWatch, start_hang_watch, use_watchdog_defaults
+from lit_mesh.comm.topology import Topology, topology_from_environment
 from lit_mesh.init import materialize
-from lit_mesh.training.log_steps import is_logging_step
 from lit_mesh.mesh import (
     MeshAxis,
     MeshLayout,
@@ -52,22 +51,30 @@ from lit_mesh.mesh import (
     per_node_degrees,
 )
 from lit_mesh.meta_writes import record_meta_writes
-from lit_mesh.reliability.nonfinite import NonFiniteLossGuard
 from lit_mesh.options import ARGUMENTS, args_docstring, build_options
-from lit_mesh.parallel.apply import already_parallelized, parallelize
 from lit_mesh.parallel.activation_checkpointing import ActivationCheckpointing
+from lit_mesh.parallel.apply import already_parallelized, parallelize
 from lit_mesh.parallel.context import CPStyle, gather_batch, shard_batch
 from lit_mesh.parallel.data import ZeroStage, defer_gradient_reduction, refuse_fsdp1
+from lit_mesh.parallel.grid import TPMode
 from lit_mesh.parallel.pipeline.api import pipeline_scope, start_pipeline
 from lit_mesh.parallel.pipeline.moe import carry_moe_statistics
 from lit_mesh.parallel.pipeline.runner import PipelineRunner
-from lit_mesh.parallel.grid import TPMode
-from lit_mesh.training.precision import check_precision_plugin, with_global_norm_clipping
-from lit_mesh.checkpoint.pretrained import declared_sources, load_pretrained
-from lit_mesh.training.progress import count_steps_in_progress_bar
-from lit_mesh.reliability.replan import SPLITS_KEY, OnWorldChange, WorldPlan, keep_global_batch, plan_for_world, rescale_batch_progress
+from lit_mesh.reliability.elastic import init_process_group_for_attempt
+from lit_mesh.reliability.hangs import HangWatch, start_hang_watch, use_watchdog_defaults
+from lit_mesh.reliability.nonfinite import NonFiniteLossGuard
+from lit_mesh.reliability.replan import (
+    SPLITS_KEY,
+    OnWorldChange,
+    WorldPlan,
+    keep_global_batch,
+    plan_for_world,
+    rescale_batch_progress,
+)
 from lit_mesh.rules import Facts, check
-from lit_mesh.comm.topology import Topology, topology_from_environment
+from lit_mesh.training.log_steps import is_logging_step
+from lit_mesh.training.precision import check_precision_plugin, with_global_norm_clipping
+from lit_mesh.training.progress import count_steps_in_progress_bar
 
 
 class MeshStrategy(ModelParallelStrategy):
@@ -141,8 +148,12 @@ class MeshStrategy(ModelParallelStrategy):
     def layout(self) -> MeshLayout:
         """The resolved degrees (known once the Trainer has set devices and num_nodes)."""
         if self._world_plan is None:
-            degrees = per_node_degrees(self.options.mesh.degrees(), self._lightning_sizes, self.num_nodes, self.num_processes)
-            self._world_plan = plan_for_world(self.num_processes * self.num_nodes, degrees, self.options.world.on_world_change)
+            degrees = per_node_degrees(
+                self.options.mesh.degrees(), self._lightning_sizes, self.num_nodes, self.num_processes
+            )
+            self._world_plan = plan_for_world(
+                self.num_processes * self.num_nodes, degrees, self.options.world.on_world_change
+            )
         return self._world_plan.layout
 
     @property
@@ -175,9 +186,18 @@ class MeshStrategy(ModelParallelStrategy):
             self.cluster_environment, self.num_nodes, self.num_processes, self.options.communication.topology
         )
         precision = str(self.precision_plugin.precision)
-        check("launch", Facts(options=self.options, layout=layout, precision=precision, topology=self.topology,
-                              precision_plugin=self.precision_plugin, device_type=self.root_device.type,
-                              process_group_backend=self._get_process_group_backend()))  # fmt: skip
+        check(
+            "launch",
+            Facts(
+                options=self.options,
+                layout=layout,
+                precision=precision,
+                topology=self.topology,
+                precision_plugin=self.precision_plugin,
+                device_type=self.root_device.type,
+                process_group_backend=self._get_process_group_backend(),
+            ),
+        )
         # Always configure the launcher: with processes created externally (SLURM, torchrun) it spawns
         # nothing but still validates the cluster settings.
         self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
@@ -186,7 +206,9 @@ class MeshStrategy(ModelParallelStrategy):
     def _setup_distributed(self) -> None:
         use_watchdog_defaults(self._get_process_group_backend())  # NCCL's watchdog settings, before the group starts
         # torchrun --max-restarts: each attempt on its own rendezvous keys (lit_mesh/reliability/elastic.py says why)
-        init_process_group_for_attempt(self.cluster_environment, self._get_process_group_backend(), self._timeout, self.root_device)
+        init_process_group_for_attempt(
+            self.cluster_environment, self._get_process_group_backend(), self._timeout, self.root_device
+        )
         super()._setup_distributed()
 
     @override
@@ -200,7 +222,9 @@ class MeshStrategy(ModelParallelStrategy):
         if self.topology is None:  # _configure_launcher did not run (a Strategy used outside the Trainer)
             self.topology = Topology(nodes=self.num_nodes, devices_per_node=self.num_processes)
         self.reductions = Reductions.build(self.mesh_views, self.topology, self.options.communication.allreduce)
-        self._hang_watch = start_hang_watch(self.mesh_views, self._timeout)  # a hung collective is named (lit_mesh/reliability/hangs.py)
+        self._hang_watch = start_hang_watch(
+            self.mesh_views, self._timeout
+        )  # a hung collective is named (lit_mesh/reliability/hangs.py)
         reductions = [
             f"{h.axis} all-reduce {h.mode}: {h.nodes} nodes x {h.per_node} ranks per node"
             for h in self.reductions.hierarchies()
@@ -216,7 +240,7 @@ class MeshStrategy(ModelParallelStrategy):
     @override
     def tensor_init_context(self, empty_init: Optional[bool] = None) -> Generator[None, None, None]:
         # as ModelParallelStrategy: trainer.init_module() keeps real weights unless empty_init=True
-        with (torch.device("meta") if empty_init else nullcontext()), self.precision_plugin.tensor_init_context():
+        with torch.device("meta") if empty_init else nullcontext(), self.precision_plugin.tensor_init_context():
             yield
 
     @contextmanager
@@ -243,9 +267,13 @@ class MeshStrategy(ModelParallelStrategy):
             self.compression_run = CompressionRun(compression, self.root_device)
         first_setup = not already_parallelized(self.model)  # validate/test after fit keep the trained weights
         done = parallelize(
-            self.model, self.mesh_views, self.options, precision=str(self.precision_plugin.precision),
-            compression=self.compression_run, replicate_hierarchy=self.reductions.replicate,
-        )  # fmt: skip
+            self.model,
+            self.mesh_views,
+            self.options,
+            precision=str(self.precision_plugin.precision),
+            compression=self.compression_run,
+            replicate_hierarchy=self.reductions.replicate,
+        )
         if first_setup:
             pretrained = declared_sources(self.model)  # filled from pretrained weights: allocated, not initialised
             materialize(self.model, done.owners, self.root_device, filled=pretrained)
@@ -254,7 +282,9 @@ class MeshStrategy(ModelParallelStrategy):
         if done.stages is not None and self._pipeline is None:
             pp_group = self.mesh_views[MeshAxis.PP].get_group()
             owner = done.owners[0].module
-            self._pipeline = start_pipeline(owner, done.stages, done.stage_ranks, self.options.pipeline, pp_group, self.root_device)
+            self._pipeline = start_pipeline(
+                owner, done.stages, done.stage_ranks, self.options.pipeline, pp_group, self.root_device
+            )
             carry_moe_statistics(self._pipeline, done.owners[0], self.mesh_views.dp_cp.get_group())
         self.precision_plugin = with_global_norm_clipping(self.precision_plugin)
         self.precision_plugin.stage_group = self._pipeline.clip_group if self._pipeline is not None else None
@@ -297,7 +327,9 @@ class MeshStrategy(ModelParallelStrategy):
         assert self.lightning_module is not None
         trainer = self.lightning_module.trainer
         if self._pipeline is not None:
-            scaler = getattr(self.precision_plugin, "scaler", None)  # fp16: the schedule scales its losses as the scaler
+            scaler = getattr(
+                self.precision_plugin, "scaler", None
+            )  # fp16: the schedule scales its losses as the scaler
             loss_scale = scaler.get_scale() if scaler is not None and scaler.is_enabled() else 1.0
             self._pipeline.begin_step(trainer.accumulate_grad_batches, loss_scale)
         if self.compression_run is not None:
@@ -319,7 +351,9 @@ class MeshStrategy(ModelParallelStrategy):
         super().on_train_end()
 
     @override
-    def backward(self, closure_loss: Tensor, optimizer: Optional[torch.optim.Optimizer], *args: Any, **kwargs: Any) -> Tensor:
+    def backward(
+        self, closure_loss: Tensor, optimizer: Optional[torch.optim.Optimizer], *args: Any, **kwargs: Any
+    ) -> Tensor:
         # Lightning's own backward; under pp the loss from loss_of hands the schedule's gradients to the parameters
         closure_loss = super().backward(closure_loss, optimizer, *args, **kwargs)
         if self._pipeline is not None:
@@ -339,7 +373,10 @@ class MeshStrategy(ModelParallelStrategy):
 
     @override
     def reduce(
-        self, tensor: Union[Tensor, Any], group: Optional[Any] = None, reduce_op: Optional[Union[ReduceOp, str]] = "mean"
+        self,
+        tensor: Union[Tensor, Any],
+        group: Optional[Any] = None,
+        reduce_op: Optional[Union[ReduceOp, str]] = "mean",
     ) -> Union[Tensor, Any]:
         """Reduce over dp x cp by default: tp (and pp) ranks hold copies of the same value, not more samples."""
         if self.reductions is None:
@@ -364,7 +401,9 @@ class MeshStrategy(ModelParallelStrategy):
             self._nonfinite.check(self.root_device)  # never write NaN weights over a good checkpoint
         if self._pipeline is not None:
             self._pipeline.before_save()  # 2bw: what a checkpoint cannot hold of its pipeline in flight
-        if self.global_batch_splits > 1:  # what its loop counters count in (lit_mesh/reliability/replan.py); absent means 1
+        if (
+            self.global_batch_splits > 1
+        ):  # what its loop counters count in (lit_mesh/reliability/replan.py); absent means 1
             checkpoint[SPLITS_KEY] = self.global_batch_splits
         if storage_options is not None or not self._save_distributed_checkpoint:
             if _is_sharded_checkpoint(Path(filepath)):  # Lightning would delete the directory for the file
@@ -422,7 +461,9 @@ class MeshStrategy(ModelParallelStrategy):
             assert self.model is not None and self.lightning_module is not None
             optimizers = {f"optimizer_{i}": optimizer for i, optimizer in enumerate(self.optimizers)}
             strict = self.lightning_module.strict_loading
-            checkpoint = self._checkpoints.load(path, self.model, optimizers, strict, self.compression_run, self.layout.describe())
+            checkpoint = self._checkpoints.load(
+                path, self.model, optimizers, strict, self.compression_run, self.layout.describe()
+            )
         rescale_batch_progress(checkpoint, self.global_batch_splits)
         return checkpoint
 
@@ -440,5 +481,8 @@ class MeshStrategy(ModelParallelStrategy):
 MeshStrategy.__doc__ = f"{MeshStrategy.__doc__}\n{args_docstring()}\n"  # LightningCLI's help reads it
 
 StrategyRegistry.register(
-    MeshStrategy.strategy_name, MeshStrategy, override=True, description="N-D mesh: DDP/FSDP/HSDP x TP/SP from the model's plan"
+    MeshStrategy.strategy_name,
+    MeshStrategy,
+    override=True,
+    description="N-D mesh: DDP/FSDP/HSDP x TP/SP from the model's plan",
 )

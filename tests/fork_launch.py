@@ -28,11 +28,19 @@ from tests.launch import free_port  # PYTHONPATH is the repository (tests/launch
 def _torchrun_environment(nproc: int, port: int) -> dict[str, str]:
     """What torchrun --standalone gives each worker, less the rank (see torch/distributed/elastic/agent)."""
     return {
-        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc),
-        "GROUP_RANK": "0", "GROUP_WORLD_SIZE": "1", "ROLE_NAME": "default", "ROLE_WORLD_SIZE": str(nproc),
-        "TORCHELASTIC_RUN_ID": f"fork-{os.getpid()}", "TORCHELASTIC_RESTART_COUNT": "0",
-        "TORCHELASTIC_MAX_RESTARTS": "0", "TORCHELASTIC_USE_AGENT_STORE": "False",
-    }  # fmt: skip
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "WORLD_SIZE": str(nproc),
+        "LOCAL_WORLD_SIZE": str(nproc),
+        "GROUP_RANK": "0",
+        "GROUP_WORLD_SIZE": "1",
+        "ROLE_NAME": "default",
+        "ROLE_WORLD_SIZE": str(nproc),
+        "TORCHELASTIC_RUN_ID": f"fork-{os.getpid()}",
+        "TORCHELASTIC_RESTART_COUNT": "0",
+        "TORCHELASTIC_MAX_RESTARTS": "0",
+        "TORCHELASTIC_USE_AGENT_STORE": "False",
+    }
 
 
 def _run_rank(environment: dict[str, str], script: str, args: list[str]) -> None:
@@ -76,7 +84,11 @@ def _wait(children: dict[int, int]) -> int:
             continue
         code = os.waitstatus_to_exitcode(status)
         if code != 0:
-            print(f"fork_launch: rank {rank} (pid {pid}) exited with {code}; stopping the other ranks", file=sys.stderr, flush=True)
+            print(
+                f"fork_launch: rank {rank} (pid {pid}) exited with {code}; stopping the other ranks",
+                file=sys.stderr,
+                flush=True,
+            )
             for other in children:
                 os.kill(other, signal.SIGTERM)
             deadline = time.monotonic() + 10

@@ -15,8 +15,17 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 WORKERS = REPO / "tests" / "workers"
 # what a launcher sets per rank: in-process tests can leave them in os.environ, never to reach a launch's ranks
-LAUNCHER_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK", "MASTER_ADDR",
-                      "MASTER_PORT", "TORCHELASTIC_RUN_ID")  # fmt: skip
+LAUNCHER_VARIABLES = (
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "NODE_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_RUN_ID",
+)
 
 
 FORK_LAUNCH = [sys.executable, str(REPO / "tests" / "fork_launch.py")]
@@ -36,8 +45,9 @@ def run_command(cmd: list[str], timeout: float, cwd: Path | None = None) -> subp
     # a scratch working directory: Lightning writes logs and config.yaml there, never into the repository
     workdir = cwd or tempfile.mkdtemp(prefix="lit-mesh-test-")
     # a session of its own: on a timeout the whole process group goes (the ranks too, not their launcher alone)
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=workdir, env=env,
-                            start_new_session=True)  # fmt: skip
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=workdir, env=env, start_new_session=True
+    )
     started = time.monotonic()
     try:
         stdout, stderr = proc.communicate(timeout=timeout)
@@ -55,11 +65,22 @@ def _log_launch(cmd: list[str], seconds: float) -> None:
     if path:
         test = os.environ.get("PYTEST_CURRENT_TEST", "").split(" ")[0]
         with open(path, "a") as f:
-            f.write(json.dumps({"test": test, "cmd": [Path(c).name for c in cmd[:8]], "seconds": round(seconds, 1)}) + "\n")
+            f.write(
+                json.dumps({"test": test, "cmd": [Path(c).name for c in cmd[:8]], "seconds": round(seconds, 1)}) + "\n"
+            )
 
 
-def torchrun(nproc: int, script: str, *args: str, timeout: float = 300, max_restarts: int = 0) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", f"--max-restarts={max_restarts}"]
+def torchrun(
+    nproc: int, script: str, *args: str, timeout: float = 300, max_restarts: int = 0
+) -> subprocess.CompletedProcess:
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        f"--max-restarts={max_restarts}",
+    ]
     return run_command([*cmd, str(WORKERS / script), *args], timeout)
 
 
@@ -74,7 +95,9 @@ def launch(nproc: int, script: str, *args: str, timeout: float = 300) -> subproc
     return run_command([*FORK_LAUNCH, str(nproc), str(WORKERS / script), *args], timeout)
 
 
-def launch_with_environments(environments: list[dict[str, str]], script: Path, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+def launch_with_environments(
+    environments: list[dict[str, str]], script: Path, *args: str, timeout: float = 300
+) -> subprocess.CompletedProcess:
     """Run `script` once per environment (a whole one each: e.g. what srun sets per task), the ranks forked from one
     interpreter as in `launch`."""
     with tempfile.NamedTemporaryFile("w", suffix=".json") as f:

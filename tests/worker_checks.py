@@ -25,7 +25,8 @@ def check_names(script: str) -> list[str]:
     return [
         node.name
         for node in tree.body
-        if isinstance(node, ast.FunctionDef) and any(isinstance(d, ast.Name) and d.id == "check" for d in node.decorator_list)
+        if isinstance(node, ast.FunctionDef)
+        and any(isinstance(d, ast.Name) and d.id == "check" for d in node.decorator_list)
     ]
 
 
@@ -57,7 +58,9 @@ class CheckResults:
             file = self.out_dir / f"rank{rank}.json"
             result = json.loads(file.read_text()).get(name) if file.exists() else None
             if result is None:
-                failures.append(f"rank {rank}: check {name!r} did not report (not registered, or the rank stopped before it)")
+                failures.append(
+                    f"rank {rank}: check {name!r} did not report (not registered, or the rank stopped before it)"
+                )
             elif result != "ok":
                 failures.append(f"rank {rank}:\n{result}")
         assert not failures, f"worker check {name!r} failed\n" + "\n".join(failures)

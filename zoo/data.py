@@ -5,4 +5,11 @@ from zoo.image_data import DigitsDataModule
 from zoo.text_data import TextDataModule
 from zoo.token_data import TokenDataModule
 
-__all__ = ["DigitsDataModule", "GlobalBatchDataModule", "GlobalBatches", "TextDataModule", "TokenDataModule", "dp_rank_and_size"]
+__all__ = [
+    "DigitsDataModule",
+    "GlobalBatchDataModule",
+    "GlobalBatches",
+    "TextDataModule",
+    "TokenDataModule",
+    "dp_rank_and_size",
+]

@@ -13,14 +13,25 @@ from zoo.moe import MoEConfig, MoETransformer
 CLI_MODULES = ("zoo",)
 
 GPT_FAMILY = ModelFamily(
-    name="gpt", config_class=GPTConfig, presets=GPT_PRESETS, build=GPT, flops_per_token=GPTConfig.flops_per_token,
-    lightning_module="zoo.GPTModule", data_module="zoo.TextDataModule", cli_modules=CLI_MODULES,
-)  # fmt: skip
-MOE_FAMILY = ModelFamily(
-    name="moe", config_class=MoEConfig, presets=MOE_PRESETS, build=MoETransformer,
-    flops_per_token=MoEConfig.flops_per_token, lightning_module="zoo.MoEModule", data_module="zoo.TextDataModule",
+    name="gpt",
+    config_class=GPTConfig,
+    presets=GPT_PRESETS,
+    build=GPT,
+    flops_per_token=GPTConfig.flops_per_token,
+    lightning_module="zoo.GPTModule",
+    data_module="zoo.TextDataModule",
     cli_modules=CLI_MODULES,
-)  # fmt: skip
+)
+MOE_FAMILY = ModelFamily(
+    name="moe",
+    config_class=MoEConfig,
+    presets=MOE_PRESETS,
+    build=MoETransformer,
+    flops_per_token=MoEConfig.flops_per_token,
+    lightning_module="zoo.MoEModule",
+    data_module="zoo.TextDataModule",
+    cli_modules=CLI_MODULES,
+)
 
 for _family in (GPT_FAMILY, MOE_FAMILY):
     register_family(_family)

@@ -144,7 +144,9 @@ class GlobalBatchDataModule(L.LightningDataModule):
     `make_train_batch` / `make_val_batch`. Validation data also serves test and predict.
     """
 
-    splits_global_batches = True  # can serve each training global batch as micro-batches (lit_mesh/reliability/replan.py)
+    splits_global_batches = (
+        True  # can serve each training global batch as micro-batches (lit_mesh/reliability/replan.py)
+    )
 
     def __init__(self, global_batch_size: int, seed: int, num_workers: int = 0) -> None:
         super().__init__()

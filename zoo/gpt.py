@@ -233,7 +233,9 @@ class GPT(nn.Module):
                 },
                 unavailable=(
                     "fused_w13=True keeps w1 and w3 in one weight, which a column-wise split would cut between them;"
-                    " use fused_w13=False with tp > 1" if c.fused_w13 else ""
+                    " use fused_w13=False with tp > 1"
+                    if c.fused_w13
+                    else ""
                 ),
             ),
             pp=PipelinePlan(first=("tok_embeddings",), last=("norm", "output")),

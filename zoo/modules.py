@@ -12,7 +12,8 @@ inputs)`: plain calls on one device, the pipeline schedule when MeshStrategy pip
 from __future__ import annotations
 
 import math
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import lightning as L
 import torch
@@ -21,23 +22,32 @@ from torch import nn
 from typing_extensions import override
 
 from lit_mesh.kernels import adamw_implementation
-from lit_mesh.training.log_steps import reduced_on_logging_steps, step_mean
 from lit_mesh.loss import cross_entropy
 from lit_mesh.parallel.pipeline import loss_of, output_of
+from lit_mesh.training.log_steps import reduced_on_logging_steps, step_mean
 from zoo.gpt import GPT, GPTConfig
 from zoo.pretrained import FromPretrained, pretrained_zoo
 from zoo.vit import ViT, ViTConfig
 
 
 def _optimizer(
-    module: L.LightningModule, lr: float, betas: tuple[float, float], weight_decay: float, warmup_steps: int,
-    variance_freeze_step: int | None = None, decay_steps: int = 0, min_lr_ratio: float = 0.1,
+    module: L.LightningModule,
+    lr: float,
+    betas: tuple[float, float],
+    weight_decay: float,
+    warmup_steps: int,
+    variance_freeze_step: int | None = None,
+    decay_steps: int = 0,
+    min_lr_ratio: float = 0.1,
 ) -> Any:
     if variance_freeze_step is None:
         optimizer = torch.optim.AdamW(
-            module.parameters(), lr=lr, betas=betas, weight_decay=weight_decay,
+            module.parameters(),
+            lr=lr,
+            betas=betas,
+            weight_decay=weight_decay,
             **adamw_implementation(module.parameters()),
-        )  # fmt: skip
+        )
     else:  # for 1-bit gradient compression: see lit_mesh/comm/onebit_adam.py
         from lit_mesh.comm.onebit_adam import OneBitAdam
 
@@ -102,7 +112,9 @@ class ZooModule(L.LightningModule):
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         inputs, targets = batch
         loss = loss_of(self.model, self.loss_fn, inputs, targets)
-        self.log("train_loss", reduced_on_logging_steps(self, step_mean(self, "train_loss", loss)), prog_bar=True)  # no per-step collective
+        self.log(
+            "train_loss", reduced_on_logging_steps(self, step_mean(self, "train_loss", loss)), prog_bar=True
+        )  # no per-step collective
         return loss
 
     def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
@@ -166,7 +178,13 @@ class GPTModule(FromPretrained, LanguageModule):
     def configure_optimizers(self) -> Any:
         h = self.hparams
         return _optimizer(
-            self, h.lr, tuple(h.betas), h.weight_decay, h.warmup_steps, h.variance_freeze_step, h.decay_steps,
+            self,
+            h.lr,
+            tuple(h.betas),
+            h.weight_decay,
+            h.warmup_steps,
+            h.variance_freeze_step,
+            h.decay_steps,
             h.min_lr_ratio,
         )
 

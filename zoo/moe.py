@@ -97,20 +97,49 @@ class MoEConfig(TransformerConfig):
 PRESETS: dict[str, MoEConfig] = {
     "tiny": MoEConfig(256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, n_experts=4, top_k=2, expert_hidden=64),
     "small": MoEConfig(
-        256, dim=128, n_layers=4, n_heads=4, n_kv_heads=2, ffn_hidden=384, n_experts=8, top_k=2, expert_hidden=128,
-        n_shared_experts=1, max_seq_len=512,
+        256,
+        dim=128,
+        n_layers=4,
+        n_heads=4,
+        n_kv_heads=2,
+        ffn_hidden=384,
+        n_experts=8,
+        top_k=2,
+        expert_hidden=128,
+        n_shared_experts=1,
+        max_seq_len=512,
     ),
     # Mixtral-8x7B's shapes: 8 experts, top-2 softmax, 14336-wide SwiGLU experts, every layer MoE
     "mixtral-8x7b": MoEConfig(
-        32000, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_hidden=14336, n_experts=8, top_k=2,
-        expert_hidden=14336, rope_theta=1e6, max_seq_len=32768,
+        32000,
+        dim=4096,
+        n_layers=32,
+        n_heads=32,
+        n_kv_heads=8,
+        ffn_hidden=14336,
+        n_experts=8,
+        top_k=2,
+        expert_hidden=14336,
+        rope_theta=1e6,
+        max_seq_len=32768,
     ),
     # DeepSeek-V3-style routing at a small size: sigmoid scores, 1 shared + 16 fine-grained experts, top-4
     "deepseek-small": MoEConfig(
-        256, dim=128, n_layers=4, n_heads=4, n_kv_heads=4, n_experts=16, top_k=4, expert_hidden=64,
-        n_shared_experts=1, score_func="sigmoid", aux_loss_coef=0.0, bias_update_rate=0.001, max_seq_len=512,
+        256,
+        dim=128,
+        n_layers=4,
+        n_heads=4,
+        n_kv_heads=4,
+        n_experts=16,
+        top_k=4,
+        expert_hidden=64,
+        n_shared_experts=1,
+        score_func="sigmoid",
+        aux_loss_coef=0.0,
+        bias_update_rate=0.001,
+        max_seq_len=512,
     ),
-}  # fmt: skip
+}
 
 
 class ExpertBias(nn.Module):
@@ -185,9 +214,7 @@ class GroupedExperts(nn.Module):
             offsets = torch.tensor(tokens_per_expert, device=tokens.device).cumsum(0).to(torch.int32)
             hidden = F.silu(F.grouped_mm(tokens, w1, offs=offsets)) * F.grouped_mm(tokens, w3, offs=offsets)
             return _ContiguousGradient.apply(F.grouped_mm(hidden, w2, offs=offsets))
-        outputs = [
-            (F.silu(x @ a) * (x @ c)) @ b for x, a, b, c in zip(tokens.split(tokens_per_expert), w1, w2, w3)
-        ]
+        outputs = [(F.silu(x @ a) * (x @ c)) @ b for x, a, b, c in zip(tokens.split(tokens_per_expert), w1, w2, w3)]
         return torch.cat(outputs)
 
 
@@ -230,7 +257,9 @@ class LocalDispatch:
 
 def expert_counts(expert_ids: torch.Tensor, n_experts: int) -> torch.Tensor:
     """Assignments per expert, (n_experts,) int64. torch.bincount would read the max id on the host (a sync on CUDA)."""
-    return torch.zeros(n_experts, dtype=torch.long, device=expert_ids.device).index_add_(0, expert_ids, torch.ones_like(expert_ids))
+    return torch.zeros(n_experts, dtype=torch.long, device=expert_ids.device).index_add_(
+        0, expert_ids, torch.ones_like(expert_ids)
+    )
 
 
 def capacity_mask(expert_ids: torch.Tensor, n_experts: int, capacity: int) -> torch.Tensor:
@@ -274,7 +303,10 @@ class MoE(nn.Module):
         B, T, D = x.shape
         tokens = x.reshape(B * T, D)
         routing = self.router(tokens)
-        self.local_load, self.mean_probs = expert_counts(routing.expert_ids.flatten(), self.n_experts), routing.probs.mean(dim=0)
+        self.local_load, self.mean_probs = (
+            expert_counts(routing.expert_ids.flatten(), self.n_experts),
+            routing.probs.mean(dim=0),
+        )
         if not getattr(self.dispatcher, "reduces_load_later", False):  # the local load is the global one
             self.use_load(self.local_load)
 
@@ -375,7 +407,12 @@ class MoETransformer(nn.Module):
     def parallel_plan(self) -> ParallelPlan:
         c = self.config
         # expert_hidden: expert tensor parallel splits each expert's hidden units over tp
-        divides = {"n_heads": c.n_heads, "n_kv_heads": c.n_kv_heads, "vocab_size": c.vocab_size, "expert_hidden": c.expert_hidden}
+        divides = {
+            "n_heads": c.n_heads,
+            "n_kv_heads": c.n_kv_heads,
+            "vocab_size": c.vocab_size,
+            "expert_hidden": c.expert_hidden,
+        }
         block: dict[str, TPStyle] = {
             "attention_norm": "norm",
             "attention": "gather_input",
@@ -390,16 +427,22 @@ class MoETransformer(nn.Module):
         }
         if any(layer.feed_forward is not None for layer in self.layers):  # dense blocks: the zoo GPT's plan
             divides["ffn_hidden"] = c.ffn_hidden
-            block.update({
-                "feed_forward": "gather_input",
-                "feed_forward.w1": "colwise",
-                "feed_forward.w3": "colwise",
-                "feed_forward.w2": "rowwise",
-            })  # fmt: skip
+            block.update(
+                {
+                    "feed_forward": "gather_input",
+                    "feed_forward.w1": "colwise",
+                    "feed_forward.w3": "colwise",
+                    "feed_forward.w2": "rowwise",
+                }
+            )
         residual_std = 0.02 / math.sqrt(2 * c.n_layers)
         return ParallelPlan(
             blocks="layers",
-            tp=TensorPlan(root={"tok_embeddings": "embedding", "norm": "norm", "output": "vocab_head"}, block=block, divides=divides),
+            tp=TensorPlan(
+                root={"tok_embeddings": "embedding", "norm": "norm", "output": "vocab_head"},
+                block=block,
+                divides=divides,
+            ),
             moe=MoEPlan(layer="moe", ep_divides={"n_experts": c.n_experts}, hidden_dims={"w1": 2, "w3": 2, "w2": 1}),
             pp=PipelinePlan(first=("tok_embeddings",), last=("norm", "output")),
             # context parallel swaps the attention's scaled_dot_product_attention and passes global positions

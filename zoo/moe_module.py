@@ -11,8 +11,8 @@ from typing import Any
 
 import torch
 
-from lit_mesh.training.log_steps import module_logs_now, reduced_on_logging_steps, step_mean
 from lit_mesh.parallel.pipeline import is_pipelined, loss_of, sum_over_stages
+from lit_mesh.training.log_steps import module_logs_now, reduced_on_logging_steps, step_mean
 from zoo.modules import LanguageModule, _optimizer
 from zoo.moe import MoEConfig, MoETransformer
 from zoo.pretrained import FromPretrained, pretrained_zoo
@@ -63,19 +63,27 @@ class MoEModule(FromPretrained, LanguageModule):
             load = torch.stack([moe.load for moe in layers]).float()
             self._load_since_step = load if self._load_since_step is None else self._load_since_step + load
         whole_aux, whole_load, dropped = self._whole_model(aux_loss, layers)
-        self.log("train_loss", reduced_on_logging_steps(self, step_mean(self, "train_loss", lm_loss)), prog_bar=True)  # no per-step collective
+        self.log(
+            "train_loss", reduced_on_logging_steps(self, step_mean(self, "train_loss", lm_loss)), prog_bar=True
+        )  # no per-step collective
         # each rank's aux loss uses the global load, so the mean over ranks is the global aux loss
         self.log("train_aux_loss", reduced_on_logging_steps(self, step_mean(self, "train_aux_loss", whole_aux)))
         if module_logs_now(self):
             self._log_balance(whole_load, dropped)
         return lm_loss + aux_loss
 
-    def _whole_model(self, aux_loss: torch.Tensor, layers: list) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    def _whole_model(
+        self, aux_loss: torch.Tensor, layers: list
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """The aux loss, the load (MoE layers, experts) and this rank's dropped assignments per MoE layer of the
         whole model: this rank's layers without pp; under pp each stage fills the rows of its own layers, summed
         over the stages (one small collective per step), so that rank 0 logs every layer."""
         if not is_pipelined(self.model):
-            dropped = torch.stack([moe.dropped for moe in layers]).float() if self.config.capacity_factor is not None else None
+            dropped = (
+                torch.stack([moe.dropped for moe in layers]).float()
+                if self.config.capacity_factor is not None
+                else None
+            )
             return aux_loss, torch.stack([moe.load for moe in layers]).float(), dropped
         c = self.config
         row = {block: n for n, block in enumerate(i for i in range(c.n_layers) if c.is_moe_layer(i))}

@@ -61,8 +61,10 @@ def load_tokenizer(path: str) -> Any:
 
         tokenizer = AutoTokenizer.from_pretrained(str(source), local_files_only=True)
         if not getattr(tokenizer, "is_fast", False):
-            raise PrepareDataError(f"--tokenizer {path}: {type(tokenizer).__name__} is not a fast tokenizer; save a"
-                                   " tokenizer.json (tokenizers) for it")  # fmt: skip
+            raise PrepareDataError(
+                f"--tokenizer {path}: {type(tokenizer).__name__} is not a fast tokenizer; save a"
+                " tokenizer.json (tokenizers) for it"
+            )
         return tokenizer.backend_tokenizer
     raise PrepareDataError(
         f"--tokenizer {path} does not exist; give a tokenizer.json file or a local directory that"
@@ -197,14 +199,21 @@ def _tokenize_part(task: tuple[int, str, str, Settings]) -> dict[str, Any]:
         _TOKENIZER = load_tokenizer(settings.tokenizer)
     path, out = Path(source), Path(out_dir)
     texts = [text for text in documents(path, settings.text_key) if text.strip()]  # an empty document adds no EOS
-    chunks = [np.asarray(e.ids + [settings.eos_id], dtype=DTYPES[settings.dtype])
-              for e in _TOKENIZER.encode_batch(texts, add_special_tokens=False)]  # fmt: skip
+    chunks = [
+        np.asarray(e.ids + [settings.eos_id], dtype=DTYPES[settings.dtype])
+        for e in _TOKENIZER.encode_batch(texts, add_special_tokens=False)
+    ]
     tokens = np.concatenate(chunks) if chunks else np.zeros(0, dtype=DTYPES[settings.dtype])
     n_val = int(round(len(tokens) * settings.val_fraction))
     train_name, val_name, part_name = _shard_names(index)
     _write_atomic(out / train_name, tokens[: len(tokens) - n_val].tobytes())
     _write_atomic(out / val_name, tokens[len(tokens) - n_val :].tobytes())
-    record = {**_record_of(path, settings), "train_tokens": len(tokens) - n_val, "val_tokens": n_val, "documents": len(chunks)}
+    record = {
+        **_record_of(path, settings),
+        "train_tokens": len(tokens) - n_val,
+        "val_tokens": n_val,
+        "documents": len(chunks),
+    }
     _write_atomic(out / part_name, json.dumps(record).encode())  # last: the part is complete
     return record
 
@@ -265,14 +274,21 @@ def prepare(
         raise PrepareDataError(f"the corpus {list(inputs)} holds no text: every input tokenised to nothing")
     meta = {
         "format": FORMAT_VERSION,
-        "tokenizer": info.path, "vocab_size": info.vocab_size, "eos_id": info.eos_id, "dtype": settings.dtype,
-        "text_key": text_key, "val_fraction": val_fraction, "documents": sum(r["documents"] for r in ordered),
+        "tokenizer": info.path,
+        "vocab_size": info.vocab_size,
+        "eos_id": info.eos_id,
+        "dtype": settings.dtype,
+        "text_key": text_key,
+        "val_fraction": val_fraction,
+        "documents": sum(r["documents"] for r in ordered),
         "splits": {
-            split: {"files": [_shard_names(i)[k] for i in range(len(paths))],
-                    "tokens": [r[f"{split}_tokens"] for r in ordered]}
+            split: {
+                "files": [_shard_names(i)[k] for i in range(len(paths))],
+                "tokens": [r[f"{split}_tokens"] for r in ordered],
+            }
             for k, split in enumerate(("train", "val"))
         },
-    }  # fmt: skip
+    }
     _write_atomic(out_dir / META_FILE, json.dumps(meta, indent=1).encode())
     return meta
 
@@ -303,8 +319,13 @@ def main(argv: Sequence[str]) -> None:
         description="Tokenise text, JSONL or parquet files into memory-mapped token shards for zoo.TokenDataModule."
         " Re-running the same command resumes an interrupted run.",
     )
-    parser.add_argument("inputs", nargs="+", metavar="INPUT", help="text files (one document each), .jsonl"
-                        " (one document per line) or .parquet files (one per row); directories and globs too")  # fmt: skip
+    parser.add_argument(
+        "inputs",
+        nargs="+",
+        metavar="INPUT",
+        help="text files (one document each), .jsonl"
+        " (one document per line) or .parquet files (one per row); directories and globs too",
+    )
     parser.add_argument("--tokenizer", required=True, help="a tokenizer.json, or a local transformers directory")
     parser.add_argument("--out", required=True, help="the output directory (meta.json and the .bin shards)")
     parser.add_argument("--text-key", default="text", help="the field holding the text in JSONL/parquet rows")
@@ -315,10 +336,21 @@ def main(argv: Sequence[str]) -> None:
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
     try:
-        meta = prepare(args.inputs, args.tokenizer, args.out, args.text_key, args.val_fraction, args.workers,
-                       args.dtype, args.eos_token, progress=not args.no_progress)  # fmt: skip
+        meta = prepare(
+            args.inputs,
+            args.tokenizer,
+            args.out,
+            args.text_key,
+            args.val_fraction,
+            args.workers,
+            args.dtype,
+            args.eos_token,
+            progress=not args.no_progress,
+        )
     except PrepareDataError as error:
         parser.exit(2, f"lit-mesh prepare-data: error: {error}\n")
     tokens = {split: sum(s["tokens"]) for split, s in meta["splits"].items()}
-    print(f"wrote {args.out}: {tokens['train']} train and {tokens['val']} validation tokens ({meta['dtype']},"
-          f" {meta['documents']} documents, vocabulary {meta['vocab_size']})")  # fmt: skip
+    print(
+        f"wrote {args.out}: {tokens['train']} train and {tokens['val']} validation tokens ({meta['dtype']},"
+        f" {meta['documents']} documents, vocabulary {meta['vocab_size']})"
+    )

@@ -16,7 +16,6 @@ from typing import Any
 
 from torch import nn
 
-from lit_mesh.extras import require
 from lit_mesh.checkpoint.pretrained import (
     Concatenated,
     FileTensor,
@@ -27,6 +26,7 @@ from lit_mesh.checkpoint.pretrained import (
     check_sources,
     fill_parameters,
 )
+from lit_mesh.extras import require
 from zoo.convert.rules import Converter
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -65,8 +65,9 @@ def read_config(directory: str | Path, allowed: tuple[str, ...]) -> Any:
 
     path = Path(directory).expanduser()
     if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"pretrained={str(directory)!r} has no config.json; give a directory that"
-                                " save_pretrained wrote")  # fmt: skip
+        raise FileNotFoundError(
+            f"pretrained={str(directory)!r} has no config.json; give a directory that save_pretrained wrote"
+        )
     config = AutoConfig.from_pretrained(str(path), local_files_only=True)
     architecture = (config.architectures or [type(config).__name__])[0]
     if architecture not in allowed:
@@ -92,7 +93,9 @@ def _n_experts(tensors: dict[str, FileTensor], layer: str) -> int:
     return n
 
 
-def _hub_experts(tensors: dict[str, FileTensor], layer: str, weights: tuple[str, ...], transpose: bool) -> TensorSource | None:
+def _hub_experts(
+    tensors: dict[str, FileTensor], layer: str, weights: tuple[str, ...], transpose: bool
+) -> TensorSource | None:
     """Per-expert hub tensors of `layer` stacked (each w in `weights` concatenated along dim 0 first)."""
     n = _n_experts(tensors, layer)
     per_expert = []
@@ -118,7 +121,9 @@ def _hf_source(name: str, tensors: dict[str, FileTensor]) -> TensorSource | None
     return None
 
 
-def _sources(model: nn.Module, directory: str | Path, tensors: dict[str, FileTensor], resolve: Any) -> dict[str, TensorSource]:
+def _sources(
+    model: nn.Module, directory: str | Path, tensors: dict[str, FileTensor], resolve: Any
+) -> dict[str, TensorSource]:
     sources = {}
     for name, _ in model.named_parameters():
         source = resolve(name)
@@ -184,7 +189,9 @@ class FromPretrained:
             fill_parameters(self.model, self._sources)  # no MeshStrategy: the whole model, read here
 
 
-def pretrained_zoo(directory: str, converter_name: str, overrides: dict[str, Any] | None) -> tuple[Any, dict[str, TensorSource]]:
+def pretrained_zoo(
+    directory: str, converter_name: str, overrides: dict[str, Any] | None
+) -> tuple[Any, dict[str, TensorSource]]:
     """(zoo config, sources) of a Llama (zoo GPT) or Mixtral (zoo MoE) directory, every tensor checked."""
     import dataclasses
 

@@ -65,8 +65,10 @@ def read_meta(path: str | Path) -> dict:
         )
     meta = json.loads(meta_file.read_text())
     if meta.get("format") != FORMAT_VERSION:
-        raise ValueError(f"{str(meta_file)!r} has format {meta.get('format')}, this version reads {FORMAT_VERSION};"
-                         " prepare the data again")  # fmt: skip
+        raise ValueError(
+            f"{str(meta_file)!r} has format {meta.get('format')}, this version reads {FORMAT_VERSION};"
+            " prepare the data again"
+        )
     return meta
 
 

@@ -27,8 +27,22 @@ from lit_mesh.checkpoint.files import (
 )
 
 __all__ = [
-    "NESTED_OPTIMIZER_STATE_OPTIONS", "OPTIMIZER_STATE_OPTIONS", "CheckpointError", "NotACheckpointError", "dcp_load",
-    "dcp_writable", "export_full_state_dict", "failed_save_reported", "load_full_state_dict", "load_sharded_checkpoint",
-    "model_problems", "optimizer_state_options", "publish_checkpoint", "refuse_overwriting_other_files",
-    "remove_checkpoint", "shard_problems", "stored_optimizer_state_options", "verify_checkpoint",
+    "NESTED_OPTIMIZER_STATE_OPTIONS",
+    "OPTIMIZER_STATE_OPTIONS",
+    "CheckpointError",
+    "NotACheckpointError",
+    "dcp_load",
+    "dcp_writable",
+    "export_full_state_dict",
+    "failed_save_reported",
+    "load_full_state_dict",
+    "load_sharded_checkpoint",
+    "model_problems",
+    "optimizer_state_options",
+    "publish_checkpoint",
+    "refuse_overwriting_other_files",
+    "remove_checkpoint",
+    "shard_problems",
+    "stored_optimizer_state_options",
+    "verify_checkpoint",
 ]

@@ -23,7 +23,9 @@ def load_full_state_dict(checkpoint: str | Path) -> dict[str, torch.Tensor]:
         raise FileNotFoundError(f"checkpoint {str(path)!r} does not exist")
     if path.is_dir():
         if not (path / ".metadata").is_file():
-            raise NotACheckpointError(refusal(path, "the directory has no .metadata: it is no complete sharded checkpoint"))
+            raise NotACheckpointError(
+                refusal(path, "the directory has no .metadata: it is no complete sharded checkpoint")
+            )
         verify_checkpoint(path)
         with tempfile.TemporaryDirectory() as tmp:
             merged = Path(tmp) / "full.pt"
@@ -33,7 +35,9 @@ def load_full_state_dict(checkpoint: str | Path) -> dict[str, torch.Tensor]:
         try:
             state = torch.load(path, map_location="cpu", weights_only=True)
         except (RuntimeError, EOFError, OSError) as error:  # truncated or not a torch file
-            raise CheckpointError(refusal(path, f"the file cannot be read ({type(error).__name__}: {error})")) from error
+            raise CheckpointError(
+                refusal(path, f"the file cannot be read ({type(error).__name__}: {error})")
+            ) from error
     if "state_dict" not in state:
         raise ValueError(f"{str(path)!r} holds no 'state_dict' entry: is it a Lightning checkpoint?")
     return {name: tensor for name, tensor in state["state_dict"].items() if isinstance(tensor, torch.Tensor)}
@@ -44,7 +48,7 @@ def export_full_state_dict(checkpoint: str | Path, output: str | Path, prefix: s
     weights = load_full_state_dict(checkpoint)
     if prefix:
         start = prefix.rstrip(".") + "."
-        weights = {name[len(start):]: t for name, t in weights.items() if name.startswith(start)}
+        weights = {name[len(start) :]: t for name, t in weights.items() if name.startswith(start)}
         if not weights:
             raise ValueError(f"no weights under prefix {prefix!r} in {str(checkpoint)!r}")
     out = Path(output)

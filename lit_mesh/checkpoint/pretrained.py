@@ -166,9 +166,14 @@ def local_index(param: torch.Tensor) -> Index:
             continue
         dim = placement.dim
         size, offsets = _get_shard_size_and_offsets(
-            len(sharded.get(dim, index[dim])), mesh.size(mesh_dim), coordinate[mesh_dim], placement,
-            sharded.get(dim), param.shape[dim], False,
-        )  # fmt: skip
+            len(sharded.get(dim, index[dim])),
+            mesh.size(mesh_dim),
+            coordinate[mesh_dim],
+            placement,
+            sharded.get(dim),
+            param.shape[dim],
+            False,
+        )
         sharded[dim] = offsets if size else torch.zeros(0, dtype=torch.long)
     for dim, offsets in sharded.items():
         index[dim] = offsets
@@ -190,8 +195,11 @@ def check_sources(model: nn.Module, sources: Mapping[str, TensorSource], unused:
     is left over; else a PretrainedError naming them."""
     params = dict(model.named_parameters())
     missing = sorted(set(params) - set(sources))
-    mismatched = [f"{name}: {tuple(sources[name].shape)} in {where}, {tuple(p.shape)} in the model"
-                  for name, p in params.items() if name in sources and tuple(sources[name].shape) != tuple(p.shape)]  # fmt: skip
+    mismatched = [
+        f"{name}: {tuple(sources[name].shape)} in {where}, {tuple(p.shape)} in the model"
+        for name, p in params.items()
+        if name in sources and tuple(sources[name].shape) != tuple(p.shape)
+    ]
     parts = []
     if mismatched:
         parts.append(f"{len(mismatched)} tensors of another shape, e.g. " + "; ".join(mismatched[:3]))
@@ -218,7 +226,9 @@ def fill_parameters(module: nn.Module, sources: Mapping[str, TensorSource]) -> i
             local = param.to_local() if isinstance(param, DTensor) else param
             block = _read_local(sources[name], files, param)
             if tuple(block.shape) != tuple(local.shape):
-                raise PretrainedError(f"{name}: read a block of {tuple(block.shape)} for a local part of {tuple(local.shape)}")
+                raise PretrainedError(
+                    f"{name}: read a block of {tuple(block.shape)} for a local part of {tuple(local.shape)}"
+                )
             local.copy_(block)
             read += block.numel() * block.element_size()
             del block

@@ -42,12 +42,13 @@ class CheckpointOptions:
 
 RULES: list[Rule] = [
     Rule(
-        "async_save_needs_sharded", "init",
+        "async_save_needs_sharded",
+        "init",
         lambda f: f.options.checkpoint.asynchronous and not f.options.checkpoint.distributed,
         lambda f: "async_save=True writes sharded checkpoints: keep save_distributed_checkpoint=True",
         ValueError,
     ),
-]  # fmt: skip
+]
 
 
 class CheckpointWriter:

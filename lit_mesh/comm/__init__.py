@@ -6,6 +6,10 @@ from lit_mesh.comm.logger import CompressionLogger
 from lit_mesh.comm.options import CompressionConfigError, CompressionOptions, CompressionPhase
 
 __all__ = [
-    "CompressionConfigError", "CompressionLogger", "CompressionOptions", "CompressionPhase", "CompressionRun",
+    "CompressionConfigError",
+    "CompressionLogger",
+    "CompressionOptions",
+    "CompressionPhase",
+    "CompressionRun",
     "CompressionSite",
-]  # fmt: skip
+]

@@ -47,9 +47,16 @@ class CodecReduction:
         return torch.stack([codec.decode(p, chunks.shape[1], work) for p in received]).sum(0) * mine, sent
 
     def all_reduce(
-        self, x: Tensor, n: int, group: Any, codec: Codec, scales: Optional[Tensor], meter: WireMeter, dim: str,
+        self,
+        x: Tensor,
+        n: int,
+        group: Any,
+        codec: Codec,
+        scales: Optional[Tensor],
+        meter: WireMeter,
+        dim: str,
         average: bool,
-    ) -> tuple[Tensor, Tensor]:  # fmt: skip
+    ) -> tuple[Tensor, Tensor]:
         """The sum (mean when `average`) over ranks of x, by reduce-scatter and gather half. Returns (it, what this
         rank sent of x, in x's layout)."""
         length = x.numel()
@@ -60,9 +67,16 @@ class CodecReduction:
         return result[:length], sent[:length]  # the padding is no signal
 
     def all_gather(
-        self, piece: Tensor, n: int, group: Any, codec: Codec, meter: WireMeter, dim: str,
-        unit: Optional[Tensor] = None, dtype: Optional[torch.dtype] = None,
-    ) -> Tensor:  # fmt: skip
+        self,
+        piece: Tensor,
+        n: int,
+        group: Any,
+        codec: Codec,
+        meter: WireMeter,
+        dim: str,
+        unit: Optional[Tensor] = None,
+        dtype: Optional[torch.dtype] = None,
+    ) -> Tensor:
         """The gather half: this rank's piece re-encoded (with its own residual: error feedback) and every rank's
         codes all-gathered and decoded, end to end. `unit`: 1-bit's per-entry scales as n chunk rows."""
         chunk, dtype = piece.numel(), dtype or piece.dtype

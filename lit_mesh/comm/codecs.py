@@ -224,7 +224,9 @@ class CodecSettings:
     threshold_capacity: float = 0.05
 
 
-def make_codec(mode: str, settings: CodecSettings = CodecSettings(), generator: Optional[torch.Generator] = None) -> Codec:
+def make_codec(
+    mode: str, settings: CodecSettings = CodecSettings(), generator: Optional[torch.Generator] = None
+) -> Codec:
     """The codec of `mode`; `generator` draws the random bits of int8/int4 and random-k (seed it per rank)."""
     generator = generator if generator is not None else torch.Generator().manual_seed(0)
     if mode == "fp16":

@@ -33,7 +33,6 @@ from lit_mesh.comm.options import CompressionOptions
 from lit_mesh.comm.powersgd import PowerSGD, Segment, segments_of_shapes
 from lit_mesh.comm.schedule import CompressionSchedule
 
-
 INTRA_SUFFIX = ":intra"
 
 
@@ -65,9 +64,15 @@ class CompressionSite:
 
     @torch.no_grad()
     def reduce_scatter(
-        self, output: Tensor, input: Tensor, group: Any, average: bool, dim: str,
-        segments: Optional[list[Segment]] = None, final: bool = True,
-    ) -> None:  # fmt: skip
+        self,
+        output: Tensor,
+        input: Tensor,
+        group: Any,
+        average: bool,
+        dim: str,
+        segments: Optional[list[Segment]] = None,
+        final: bool = True,
+    ) -> None:
         """output = (sum or mean over ranks of input)[chunk of this rank]; input is n chunks laid end to end.
 
         final=False: an all-reduce follows (HSDP), so the schedule's gradient statistics are taken there."""
@@ -86,7 +91,9 @@ class CompressionSite:
                 result, sent = self.powersgd.reduce(x, n, group, dim, segments, dist.get_rank(group), meter)
             else:
                 scales = self._scales(n, group, dim)
-                result, sent = self.codec_reduction.reduce_scatter(x, n, group, self.run.codec(mode), scales, meter, dim)
+                result, sent = self.codec_reduction.reduce_scatter(
+                    x, n, group, self.run.codec(mode), scales, meter, dim
+                )
             self._keep(x, sent)
         output.copy_(result / n if average else result)
         if final:
@@ -114,7 +121,9 @@ class CompressionSite:
             self._keep(x, sent)
         else:
             scales = self._scales(n, group, dim)
-            result, sent = self.codec_reduction.all_reduce(x, n, group, self.run.codec(mode), scales, meter, dim, average)
+            result, sent = self.codec_reduction.all_reduce(
+                x, n, group, self.run.codec(mode), scales, meter, dim, average
+            )
             self._keep(x, sent)
             average = False  # the codec all-reduce averages before re-encoding
         if average:
@@ -195,7 +204,15 @@ class CompressionRun:
         mode = mode or self.mode
         if mode not in self._codecs:
             o = self.options
-            settings = CodecSettings(o.onebit_block, o.topk_ratio, o.onebit_scale, o.quant_block, o.randomk_ratio, o.threshold, o.threshold_capacity)  # fmt: skip
+            settings = CodecSettings(
+                o.onebit_block,
+                o.topk_ratio,
+                o.onebit_scale,
+                o.quant_block,
+                o.randomk_ratio,
+                o.threshold,
+                o.threshold_capacity,
+            )
             self._codecs[mode] = make_codec(mode, settings, self._generator)
         return self._codecs[mode]
 
@@ -233,7 +250,8 @@ class CompressionRun:
             "generator": self._generator.get_state(),
             "compressors": {
                 name: {
-                    "residual": s.residual, "server_residual": s.codec_reduction.server_residual,
+                    "residual": s.residual,
+                    "server_residual": s.codec_reduction.server_residual,
                     "qs": dict(s.powersgd.qs),
                     "entry_scales": None if s.entry_scales is None else s.entry_scales.state_dict(),
                 }

@@ -49,14 +49,23 @@ class CompressedReduceScatter(ReduceScatter):
         return torch.empty(*size, dtype=dtype, device=device)
 
     def __call__(
-        self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup, op: Any,
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        op: Any,
         async_op: bool = False,
-    ) -> None:  # fmt: skip
+    ) -> None:
         if op not in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
             raise RuntimeError(f"compressed reduce-scatter supports SUM and AVG, FSDP asked for {op}")
         segments = unit_segments(self.module) if self.site.run.mode == "powersgd" else None
         self.site.reduce_scatter(
-            output_tensor, input_tensor, group, average=op == dist.ReduceOp.AVG, dim=self.dim, segments=segments,
+            output_tensor,
+            input_tensor,
+            group,
+            average=op == dist.ReduceOp.AVG,
+            dim=self.dim,
+            segments=segments,
             final=self.final,
         )
 
@@ -83,7 +92,11 @@ def fsdp_units(root: nn.Module, extra_roots: Sequence[tuple[str, nn.Module]] = (
     seen: set[int] = set()
     for prefix, top in [("", root), *extra_roots]:
         for name, module in top.named_modules():
-            if id(module) in seen or not isinstance(module, FSDPModule) or not module._get_fsdp_state()._fsdp_param_groups:
+            if (
+                id(module) in seen
+                or not isinstance(module, FSDPModule)
+                or not module._get_fsdp_state()._fsdp_param_groups
+            ):
                 continue
             seen.add(id(module))
             path = name or "<root>"

@@ -18,8 +18,8 @@ gloo/NCCL process groups, hence ours. The groups come from the Topology (node = 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
@@ -32,7 +32,6 @@ from lit_mesh.comm.compression import INTRA_SUFFIX, CompressionRun, CompressionS
 from lit_mesh.comm.fsdp import fsdp_units, unit_segments
 from lit_mesh.comm.options import ALLREDUCE_MODES, AllReduceMode, check_allreduce_mode  # noqa: F401 - re-exported
 from lit_mesh.comm.topology import Topology, all_gather_time, all_reduce_time
-
 
 # ---- the alpha-beta cost model (lit_mesh.comm.topology's ring formulas) -----------------------------------------
 
@@ -112,7 +111,7 @@ class Hierarchy:
         return self.nodes * self.per_node
 
     def use_hierarchical(self, nbytes: float) -> bool:
-        """"hierarchical" always; "auto" where the cost model predicts it faster for this size."""
+        """ "hierarchical" always; "auto" where the cost model predicts it faster for this size."""
         if self.mode == "hierarchical":
             return True
         return self.mode == "auto" and hierarchical_time(nbytes, self.nodes, self.per_node, self.topology) < flat_time(
@@ -121,7 +120,12 @@ class Hierarchy:
 
 
 def build_hierarchy(
-    root: DeviceMesh, axes: tuple[str, ...], group: Any, topology: Topology, mode: AllReduceMode, name: str,
+    root: DeviceMesh,
+    axes: tuple[str, ...],
+    group: Any,
+    topology: Topology,
+    mode: AllReduceMode,
+    name: str,
     skip_trivial: bool = True,
 ) -> Optional[Hierarchy]:
     """The hierarchy of the group over the mesh axes `axes` of `root` (call on every rank, in the same order: it
@@ -221,7 +225,10 @@ class HierarchicalReplicaAllReduce:
 
 
 def attach_hierarchical_all_reduce(
-    root: nn.Module, hierarchy: Hierarchy, run: Optional[CompressionRun], extra_roots: Sequence[tuple[str, nn.Module]] = ()
+    root: nn.Module,
+    hierarchy: Hierarchy,
+    run: Optional[CompressionRun],
+    extra_roots: Sequence[tuple[str, nn.Module]] = (),
 ) -> int:
     """Hook the replicate all-reduce of every FSDP2 unit under `root` and `extra_roots` (on a 1-D shard mesh, as
     compression does; the compression sites keep their names "<unit>:all_reduce", so checkpointed state finds

@@ -12,8 +12,12 @@ from collections import defaultdict
 
 from torch import Tensor
 
-_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "reduce_scatter": lambda n: (n - 1) / n,
-           "all_gather": lambda n: (n - 1) / n, "all_to_all": lambda n: (n - 1) / n}  # fmt: skip
+_FACTOR = {
+    "all_reduce": lambda n: 2 * (n - 1) / n,
+    "reduce_scatter": lambda n: (n - 1) / n,
+    "all_gather": lambda n: (n - 1) / n,
+    "all_to_all": lambda n: (n - 1) / n,
+}
 
 
 def wire_bytes(kind: str, buffer: Tensor | int, n: int) -> float:

@@ -12,13 +12,12 @@ from dataclasses import dataclass, field, replace
 from typing import Literal, Optional, Union
 
 from lit_mesh.comm.codecs import ONEBIT_SCALES
-from lit_mesh.errors import CompressionConfigError, MeshConfigError  # noqa: F401 - re-exported
 from lit_mesh.comm.topology import Topology, as_topology
+from lit_mesh.errors import CompressionConfigError, MeshConfigError  # noqa: F401 - re-exported
 from lit_mesh.unit import option
 
 MODES = ("fp16", "bf16", "powersgd", "onebit", "topk", "int8", "int4", "randomk", "threshold")
 PHASE_MODES = ("none", *MODES)  # a phase of the schedule may also send uncompressed
-
 
 
 @dataclass
@@ -131,11 +130,17 @@ def check_options(o: CompressionOptions) -> None:
         )
     for name, value in (("randomk_ratio", o.randomk_ratio), ("threshold_capacity", o.threshold_capacity)):
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
-            raise CompressionConfigError(f"{name}={value!r} must be in (0, 1] (a fraction of the gradient entries, e.g. 0.01)")
+            raise CompressionConfigError(
+                f"{name}={value!r} must be in (0, 1] (a fraction of the gradient entries, e.g. 0.01)"
+            )
     if isinstance(o.threshold, bool) or not isinstance(o.threshold, (int, float)) or not o.threshold > 0:
-        raise CompressionConfigError(f"threshold={o.threshold!r} must be > 0 (the |gradient| at or above which an entry is sent)")
+        raise CompressionConfigError(
+            f"threshold={o.threshold!r} must be > 0 (the |gradient| at or above which an entry is sent)"
+        )
     if isinstance(o.quant_block, bool) or not isinstance(o.quant_block, int) or o.quant_block < 1:
-        raise CompressionConfigError(f"quant_block={o.quant_block!r} must be an int >= 1 (entries per int8/int4 scale, e.g. 256)")
+        raise CompressionConfigError(
+            f"quant_block={o.quant_block!r} must be an int >= 1 (entries per int8/int4 scale, e.g. 256)"
+        )
     if o.intra_mode is not None:
         _check_mode(o.intra_mode, tuple(m for m in MODES if m != "powersgd"), "grad_compression intra_mode")
         if o.mode == "powersgd":
@@ -160,7 +165,9 @@ def check_options(o: CompressionOptions) -> None:
             " per-entry RMS scales of 1-bit codes, e.g. 16; 0: one scale per block only)"
         )
     if not isinstance(o.bucket_mb, (int, float)) or o.bucket_mb <= 0:
-        raise CompressionConfigError(f"bucket_mb={o.bucket_mb!r} must be > 0 (tensor-fusion bucket size in MiB, e.g. 25)")
+        raise CompressionConfigError(
+            f"bucket_mb={o.bucket_mb!r} must be > 0 (tensor-fusion bucket size in MiB, e.g. 25)"
+        )
     last_start = o.warmup_steps
     for i, phase in enumerate(o.schedule):
         where = f"grad_compression schedule[{i}]"
@@ -226,4 +233,3 @@ class CommunicationOptions:
         # a mode name (or a mapping) -> checked CompressionOptions; a mapping of Topology fields -> Topology
         object.__setattr__(self, "compression", resolve_compression(self.compression))
         object.__setattr__(self, "topology", as_topology(self.topology))
-

@@ -87,9 +87,15 @@ class PowerSGD:
         self.qs: dict[int, Tensor] = {}
 
     def reduce(
-        self, x: Tensor, n: int, group: Any, dim: str, segments: Optional[list[Segment]], keep_chunk: Optional[int],
+        self,
+        x: Tensor,
+        n: int,
+        group: Any,
+        dim: str,
+        segments: Optional[list[Segment]],
+        keep_chunk: Optional[int],
         meter: WireMeter,
-    ) -> tuple[Tensor, Tensor]:  # fmt: skip
+    ) -> tuple[Tensor, Tensor]:
         """keep_chunk None: all-reduce (x is one chunk); else reduce-scatter of x's n chunks to that chunk.
         Returns (the result, what this rank's input contributed to it in x's layout: for error feedback)."""
         chunks = 1 if keep_chunk is None else n

@@ -12,8 +12,8 @@ from torch import Tensor
 
 from lit_mesh.comm import hierarchical
 from lit_mesh.comm.hierarchical import AllReduceMode, Hierarchy, build_hierarchy
-from lit_mesh.mesh import MeshAxis, MeshViews
 from lit_mesh.comm.topology import Topology
+from lit_mesh.mesh import MeshAxis, MeshViews
 
 
 @dataclass
@@ -37,7 +37,9 @@ class Reductions:
     def hierarchies(self) -> list[Hierarchy]:
         return [h for h in (self.replicate, self.metrics) if h is not None]
 
-    def reduce(self, tensor: Union[Tensor, Any], group: Optional[Any], reduce_op: Optional[Union[ReduceOp, str]]) -> Any:
+    def reduce(
+        self, tensor: Union[Tensor, Any], group: Optional[Any], reduce_op: Optional[Union[ReduceOp, str]]
+    ) -> Any:
         """Over dp x cp by default: tp (and pp) ranks hold copies of the same value, not more samples."""
         if not isinstance(tensor, Tensor) or not _distributed_is_initialized():
             return tensor

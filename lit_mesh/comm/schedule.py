@@ -78,9 +78,12 @@ class CompressionSchedule:
     # checkpoint keys as written before phases had their own word ("stage": the phase index), so old files load
     def state_dict(self) -> dict[str, Any]:
         return {
-            "stage": self.index, "step": self.step, "sumsq": float(self._sumsq), "last_norm": self._last_norm,
+            "stage": self.index,
+            "step": self.step,
+            "sumsq": float(self._sumsq),
+            "last_norm": self._last_norm,
             "calm_steps": self._calm_steps,
-        }  # fmt: skip
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.index, self.step = state["stage"], state["step"]

@@ -23,9 +23,7 @@ def _file(checkpoint_dir: Path, rank: int) -> Path:
     return checkpoint_dir / DIRECTORY / f"rank{rank}.pt"
 
 
-def save_compression_state(
-    run: CompressionRun, checkpoint_dir: Path, rank: int, world_size: int, layout: str
-) -> None:
+def save_compression_state(run: CompressionRun, checkpoint_dir: Path, rank: int, world_size: int, layout: str) -> None:
     path = _file(checkpoint_dir, rank)
     path.parent.mkdir(parents=True, exist_ok=True)
     state = {"world_size": world_size, "layout": layout, "sites": sorted(run.sites), "state": run.state_dict()}

@@ -52,13 +52,18 @@ class Conv1DColwise(ParallelStyle):
 
         def inputs(_m: nn.Module, args: tuple, mesh: DeviceMesh) -> tuple:
             x = args[0]
-            return (x if isinstance(x, DTensor) else DTensor.from_local(x, mesh, [Replicate()], run_check=False), *args[1:])
+            return (
+                x if isinstance(x, DTensor) else DTensor.from_local(x, mesh, [Replicate()], run_check=False),
+                *args[1:],
+            )
 
         def outputs(_m: nn.Module, out: Any, _mesh: DeviceMesh) -> Any:
             # this rank's share of every part: exactly its heads of q, k and v (a local slice, no communication)
             return out.redistribute(placements=[output_share]).to_local()
 
-        return distribute_module(module, device_mesh, lambda _n, m, mesh: _distribute(m, mesh, placements), inputs, outputs)
+        return distribute_module(
+            module, device_mesh, lambda _n, m, mesh: _distribute(m, mesh, placements), inputs, outputs
+        )
 
 
 class Conv1DRowwise(ParallelStyle):
@@ -78,7 +83,9 @@ class Conv1DRowwise(ParallelStyle):
         def outputs(_m: nn.Module, out: Any, _mesh: DeviceMesh) -> Any:
             return out.redistribute(placements=[self.output_layout]).to_local()
 
-        return distribute_module(module, device_mesh, lambda _n, m, mesh: _distribute(m, mesh, placements), inputs, outputs)
+        return distribute_module(
+            module, device_mesh, lambda _n, m, mesh: _distribute(m, mesh, placements), inputs, outputs
+        )
 
 
 class LocalSplitWidth(ParallelStyle):

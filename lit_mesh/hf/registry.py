@@ -19,7 +19,7 @@ from lit_mesh.plan import ParallelPlan
 PlanBuilder = Callable[[nn.Module], ParallelPlan]
 
 _BY_CLASS: dict[str, PlanBuilder] = {}
-_BY_INSTANCE: "weakref.WeakKeyDictionary[nn.Module, PlanBuilder]" = weakref.WeakKeyDictionary()
+_BY_INSTANCE: weakref.WeakKeyDictionary[nn.Module, PlanBuilder] = weakref.WeakKeyDictionary()
 
 
 def architectures() -> dict[str, PlanBuilder]:
@@ -29,8 +29,15 @@ def architectures() -> dict[str, PlanBuilder]:
     from lit_mesh.hf.mixtral import mixtral_plan
     from lit_mesh.hf.vit import vit_plan
 
-    return {"decoder": decoder_plan, "llama": decoder_plan, "qwen2": decoder_plan, "mistral": decoder_plan,
-            "mixtral": mixtral_plan, "gpt2": gpt2_plan, "vit": vit_plan}  # fmt: skip
+    return {
+        "decoder": decoder_plan,
+        "llama": decoder_plan,
+        "qwen2": decoder_plan,
+        "mistral": decoder_plan,
+        "mixtral": mixtral_plan,
+        "gpt2": gpt2_plan,
+        "vit": vit_plan,
+    }
 
 
 # transformers classes with a plan of ours (the base models and their task heads)

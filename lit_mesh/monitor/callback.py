@@ -42,10 +42,12 @@ def peak_memory_bytes(device: torch.device) -> int:
 def moe_layers(module: torch.nn.Module) -> list[torch.nn.Module]:
     """The MoE layers under `module`: what records its routing as zoo.moe.MoE does (n_experts, load, aux_loss)."""
     return [
-        m for m in module.modules()
-        if isinstance(getattr(m, "n_experts", None), int) and isinstance(getattr(m, "load", None), torch.Tensor)
+        m
+        for m in module.modules()
+        if isinstance(getattr(m, "n_experts", None), int)
+        and isinstance(getattr(m, "load", None), torch.Tensor)
         and isinstance(getattr(m, "aux_loss", None), torch.Tensor)
-    ]  # fmt: skip
+    ]
 
 
 def moe_balance(layers: list[torch.nn.Module]) -> dict[str, Any]:
@@ -153,8 +155,10 @@ class MeshMonitor(Callback):
         self._timer = _WindowTimer(pl_module.device, self._clock)
         self._window_steps, self._window_tokens, self._window_open = 0, 0, False
         if trainer.log_every_n_steps == 1:
-            rank_zero_warn("MeshMonitor with log_every_n_steps=1: every step is timed with its bytes counted (a"
-                           " dispatch mode in the timed step); log_every_n_steps >= 2 times the steps between")
+            rank_zero_warn(
+                "MeshMonitor with log_every_n_steps=1: every step is timed with its bytes counted (a"
+                " dispatch mode in the timed step); log_every_n_steps >= 2 times the steps between"
+            )
         self._dim_of_group = {}
         views = getattr(trainer.strategy, "mesh_views", None)
         if views is not None:
@@ -180,7 +184,9 @@ class MeshMonitor(Callback):
 
     # ---- per step ------------------------------------------------------------------------------------
 
-    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         self._measuring = False
         if not trainer._logger_connector.should_update_logs:  # a step of the timed window
             if not self._window_open:
@@ -217,7 +223,9 @@ class MeshMonitor(Callback):
             self._window_steps, self._window_tokens = 1, count(batch)[0]
         window_time = self._timer.elapsed()
         step_time = window_time / self._window_steps
-        metrics = self.step_metrics(trainer, pl_module, batch, step_time, sent, bubble, self._window_tokens / self._window_steps)
+        metrics = self.step_metrics(
+            trainer, pl_module, batch, step_time, sent, bubble, self._window_tokens / self._window_steps
+        )
         for name, value in metrics.items():
             pl_module.log(name, value, on_step=True, on_epoch=False, prog_bar=name == "tokens_per_s")
         self._window_steps = self._window_tokens = 0
@@ -236,7 +244,9 @@ class MeshMonitor(Callback):
             runner.recorder = None
         if recorder.step_time <= 0:  # the schedule did not run under it (e.g. a PipelineTimeline took its place)
             return None
-        formula = bubble_formula(runner.settings.schedule, runner.pp, runner.n_microbatches, runner.settings.local_stages())
+        formula = bubble_formula(
+            runner.settings.schedule, runner.pp, runner.n_microbatches, runner.settings.local_stages()
+        )
         return recorder.summary()["bubble_fraction"], formula
 
     def _stop_counting(self) -> dict[str, float]:
@@ -307,8 +317,13 @@ class MeshMonitor(Callback):
             dist.all_reduce(aux)
             aux /= dist.get_world_size()
         metrics = {f"monitor/moe_tokens_per_expert/{i}": n for i, n in enumerate(balance["tokens_per_expert"])}
-        metrics.update({"monitor/moe_imbalance": balance["imbalance"], "monitor/moe_imbalance_max": balance["imbalance_max"],
-                        "monitor/moe_aux_loss": aux.item()})  # fmt: skip
+        metrics.update(
+            {
+                "monitor/moe_imbalance": balance["imbalance"],
+                "monitor/moe_imbalance_max": balance["imbalance_max"],
+                "monitor/moe_aux_loss": aux.item(),
+            }
+        )
         return metrics
 
     @staticmethod

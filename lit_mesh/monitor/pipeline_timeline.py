@@ -115,7 +115,9 @@ class TimelineRecorder:
                 self._sync()
                 input_grad_only = kind == "B" and not kwargs.get("full_backward", True)
                 label = "I" if input_grad_only else kind  # I: input gradient only (zero bubble)
-                self.blocks.append(Block(label, stage.stage_index, chunk, start - self._t0, time.perf_counter() - self._t0))
+                self.blocks.append(
+                    Block(label, stage.stage_index, chunk, start - self._t0, time.perf_counter() - self._t0)
+                )
 
         setattr(stage, method, timed)  # an instance attribute hides the method until removed
 
@@ -140,7 +142,11 @@ class TimelineRecorder:
         self._sync()
         self._t0 = time.perf_counter()
         try:
-            with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack) if self.count_saved else nullcontext():
+            with (
+                torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack)
+                if self.count_saved
+                else nullcontext()
+            ):
                 yield
         finally:
             self._sync()
@@ -169,9 +175,20 @@ def draw_timeline(per_rank: list[dict[str, Any]], title: str, path: Path) -> Non
     for rank, summary in enumerate(per_rank):
         for block in summary["blocks"]:
             width = block["end"] - block["start"]
-            ax.broken_barh([(block["start"], width)], (rank - 0.4, 0.8), color=colours[block["kind"]], edgecolor="black", lw=0.3)
-            ax.text(block["start"] + width / 2, rank, f"{block['kind']}{block['microbatch']}", ha="center", va="center", fontsize=6)
-    ax.set_yticks(range(len(per_rank)), [f"pp rank {r}\nbubble {s['bubble_fraction']:.0%}" for r, s in enumerate(per_rank)])
+            ax.broken_barh(
+                [(block["start"], width)], (rank - 0.4, 0.8), color=colours[block["kind"]], edgecolor="black", lw=0.3
+            )
+            ax.text(
+                block["start"] + width / 2,
+                rank,
+                f"{block['kind']}{block['microbatch']}",
+                ha="center",
+                va="center",
+                fontsize=6,
+            )
+    ax.set_yticks(
+        range(len(per_rank)), [f"pp rank {r}\nbubble {s['bubble_fraction']:.0%}" for r, s in enumerate(per_rank)]
+    )
     ax.invert_yaxis()
     ax.set_xlabel("seconds into the step")
     ax.set_title(title + "   (F forward, B backward, I input grad, W weight grad; label: micro-batch)")
@@ -196,14 +213,18 @@ class PipelineTimeline(Callback):
         self._recorder: Optional[TimelineRecorder] = None
         self.summaries: list[dict[str, Any]] = []  # per pp rank, after the recorded step (every rank)
 
-    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         runner = getattr(trainer.strategy, "_pipeline", None)
         if runner is None or trainer.global_step != self.step or self._recorder is not None:
             return
         self._recorder = TimelineRecorder(runner, pl_module.device)
         runner.recorder = self._recorder
 
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         recorder = self._recorder
         if recorder is None or recorder.runner.recorder is None:
             return

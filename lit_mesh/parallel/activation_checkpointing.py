@@ -28,13 +28,19 @@ def _saved_ops() -> set:
     collective would cost communication again)."""
     aten, c10d = torch.ops.aten, torch.ops._c10d_functional
     candidates = [
-        (aten, "mm"), (aten, "addmm"), (aten, "bmm"),
-        (aten, "_scaled_dot_product_efficient_attention"), (aten, "_scaled_dot_product_flash_attention"),
-        (aten, "_scaled_dot_product_flash_attention_for_cpu"), (aten, "_scaled_dot_product_cudnn_attention"),
+        (aten, "mm"),
+        (aten, "addmm"),
+        (aten, "bmm"),
+        (aten, "_scaled_dot_product_efficient_attention"),
+        (aten, "_scaled_dot_product_flash_attention"),
+        (aten, "_scaled_dot_product_flash_attention_for_cpu"),
+        (aten, "_scaled_dot_product_cudnn_attention"),
         (aten, "_grouped_mm"),  # the experts' GEMMs
-        (c10d, "reduce_scatter_tensor"), (c10d, "all_gather_into_tensor"), (c10d, "all_reduce"),
+        (c10d, "reduce_scatter_tensor"),
+        (c10d, "all_gather_into_tensor"),
+        (c10d, "all_reduce"),
         (c10d, "all_to_all_single"),  # expert parallel's token dispatch and return, Ulysses' head exchange
-    ]  # fmt: skip
+    ]
     return {getattr(ns, name).default for ns, name in candidates if hasattr(ns, name)}
 
 
@@ -79,8 +85,10 @@ class MemoryOptions:
 
 def block_options(options: Any) -> list[str]:
     """The options given that act on the blocks a plan names (activation checkpointing, compiled blocks)."""
-    asked = {"activation_checkpointing": options.memory.activation_checkpointing != "none",
-             "compile_blocks": options.compile.backend is not None}  # fmt: skip
+    asked = {
+        "activation_checkpointing": options.memory.activation_checkpointing != "none",
+        "compile_blocks": options.compile.backend is not None,
+    }
     return [name for name, on in asked.items() if on]
 
 
@@ -90,13 +98,16 @@ def _needs_plan(f: Facts) -> bool:
 
 RULES: list[Rule] = [
     Rule(
-        "block_options_need_plan", "setup",
+        "block_options_need_plan",
+        "setup",
         _needs_plan,
-        lambda f: f"{block_options(f.options)[0]} acts on the blocks a parallel_plan() names, but no module of"
-        f" {f.model_name} declares one; declare one (see examples/own_model_plan.py)",
+        lambda f: (
+            f"{block_options(f.options)[0]} acts on the blocks a parallel_plan() names, but no module of"
+            f" {f.model_name} declares one; declare one (see examples/own_model_plan.py)"
+        ),
         PlanError,
     ),
-]  # fmt: skip
+]
 
 
 def apply_activation_checkpointing(blocks: Sequence[nn.Module], mode: str, every_n_blocks: int = 1) -> int:

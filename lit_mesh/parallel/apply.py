@@ -8,7 +8,6 @@ communication hooks.
 from __future__ import annotations
 
 import weakref
-
 from dataclasses import dataclass
 
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
@@ -25,6 +24,7 @@ from lit_mesh.parallel.compile import apply_compile, enable_async_tp
 from lit_mesh.parallel.context import apply_context_parallel
 from lit_mesh.parallel.data import apply_data_parallel, attach_compression, data_parallel_mesh
 from lit_mesh.parallel.expert import adapt_moe_layers, apply_expert_parallel, expert_modules, shard_experts
+from lit_mesh.parallel.grid import average_over_replicas, parallelize_grid
 from lit_mesh.parallel.pipeline.schedules import PipelineSettings
 from lit_mesh.parallel.pipeline.split import (
     Stage,
@@ -35,7 +35,6 @@ from lit_mesh.parallel.pipeline.split import (
     stage_ranks,
 )
 from lit_mesh.parallel.tensor import PlanError, apply_tensor_parallel
-from lit_mesh.parallel.grid import average_over_replicas, parallelize_grid
 from lit_mesh.plan import ParallelPlan, PlanOwner, declared_plan
 from lit_mesh.rules import Facts, check
 
@@ -51,7 +50,9 @@ def find_plan_owners(root: nn.Module) -> list[PlanOwner]:
         if declare is not None:
             plan = declare()
             if not isinstance(plan, ParallelPlan):
-                raise PlanError(f"{type(module).__name__}.parallel_plan() returned {type(plan).__name__}, not a ParallelPlan")
+                raise PlanError(
+                    f"{type(module).__name__}.parallel_plan() returned {type(plan).__name__}, not a ParallelPlan"
+                )
             owners.append(PlanOwner(name, module, plan))
     return owners
 
@@ -94,7 +95,9 @@ class Parallelized:
     stage_ranks: list[int] | None = None
 
 
-def split_pipeline(root: nn.Module, owners: list[PlanOwner], mesh: MeshViews, pipeline: PipelineSettings) -> Parallelized:
+def split_pipeline(
+    root: nn.Module, owners: list[PlanOwner], mesh: MeshViews, pipeline: PipelineSettings
+) -> Parallelized:
     """Cut the one plan owner into stages and keep this pp rank's (the first step of the order)."""
     owner = owners[0]  # one: lit_mesh/rules.py ("pp_needs_one_plan")
     n_blocks = len(owner.module.get_submodule(owner.plan.blocks))
@@ -123,8 +126,17 @@ def parallelize(
     layout = mesh.layout
     self_parallelised = is_user_parallelised(root)
     owners = [] if self_parallelised else find_plan_owners(root)
-    check("setup", Facts(options=options, layout=layout, model_name=type(root).__name__, root=root, owners=owners,
-                         self_parallelised=self_parallelised))  # fmt: skip
+    check(
+        "setup",
+        Facts(
+            options=options,
+            layout=layout,
+            model_name=type(root).__name__,
+            root=root,
+            owners=owners,
+            self_parallelised=self_parallelised,
+        ),
+    )
     if self_parallelised:
         rank_zero_info("MeshStrategy: configure_model parallelised the model itself; no plan is applied")
         _APPLIED[root] = Parallelized([])
@@ -143,7 +155,12 @@ def parallelize(
         for owner in owners:
             experts = expert_modules(owner.module, owner.plan)  # placed by EP below
             apply_tensor_parallel(
-                owner.module, owner.plan, mesh[MeshAxis.TP], sequence_parallel, skip=experts, vocab_sharded_output=layout.pp == 1
+                owner.module,
+                owner.plan,
+                mesh[MeshAxis.TP],
+                sequence_parallel,
+                skip=experts,
+                vocab_sharded_output=layout.pp == 1,
             )
         if done.stages and sequence_parallel and owners[0].plan.cp.positions and layout.cp == 1:  # cp: below
             for stage in (s for s in done.stages if s.index != 0):  # the first stage counts them itself
@@ -190,5 +207,4 @@ def already_parallelized(root: nn.Module) -> bool:
     return root in _APPLIED
 
 
-_APPLIED: "weakref.WeakKeyDictionary[nn.Module, Parallelized]" = weakref.WeakKeyDictionary()
-
+_APPLIED: weakref.WeakKeyDictionary[nn.Module, Parallelized] = weakref.WeakKeyDictionary()

@@ -9,8 +9,8 @@ from typing import Any, Optional
 
 import torch
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
+from torch.distributed.device_mesh import DeviceMesh
 
 from lit_mesh.errors import MeshConfigError
 from lit_mesh.unit import Rule, option
@@ -58,35 +58,50 @@ RULES: list[Rule] = [
         # aot_eager, selective + inductor without TP, and the same policy without the collectives in its saved set
         # all match one device to 1e-7: the saved outputs of the collectives inductor's code calls are not the
         # values recompute needs
-        "selective_ac_with_inductor_tp", "init",
-        lambda f: f.options.memory.activation_checkpointing == "selective" and f.options.compile.backend == "inductor"
-        and f.degrees["tp"] != 1,
-        lambda f: f"activation_checkpointing='selective' with compile_blocks (compile_backend='inductor') and"
-        f" tp={f.degrees['tp']}: on this torch the gradients come out wrong (benchmarks/compile_tp_repro.py --backend"
-        " inductor, case lit-mesh-ac-selective-sp: the collective outputs it saves); use activation_checkpointing="
-        "'full', or compile_backend='aot_eager', or tp=1",
+        "selective_ac_with_inductor_tp",
+        "init",
+        lambda f: (
+            f.options.memory.activation_checkpointing == "selective"
+            and f.options.compile.backend == "inductor"
+            and f.degrees["tp"] != 1
+        ),
+        lambda f: (
+            f"activation_checkpointing='selective' with compile_blocks (compile_backend='inductor') and"
+            f" tp={f.degrees['tp']}: on this torch the gradients come out wrong (benchmarks/compile_tp_repro.py --backend"
+            " inductor, case lit-mesh-ac-selective-sp: the collective outputs it saves); use activation_checkpointing="
+            "'full', or compile_backend='aot_eager', or tp=1"
+        ),
     ),
     Rule(
         # torch's micro-pipeline TP is an inductor pass that fuses the SP all-gather/reduce-scatter with the
         # matmuls next to them; it needs a compiled, sequence-parallel TP region to find them
-        "async_tp_needs_compiled_sp", "init",
-        lambda f: f.options.compile.async_tp and (
-            f.options.compile.backend != "inductor" or f.degrees["tp"] == 1 or not f.options.mesh.sequence_parallel
+        "async_tp_needs_compiled_sp",
+        "init",
+        lambda f: (
+            f.options.compile.async_tp
+            and (
+                f.options.compile.backend != "inductor" or f.degrees["tp"] == 1 or not f.options.mesh.sequence_parallel
+            )
         ),
-        lambda f: f"async_tp=True with compile_blocks={f.options.compile.backend is not None}, compile_backend="
-        f"{f.options.compile.backend!r}, tp={f.degrees['tp']}, sequence_parallel={f.options.mesh.sequence_parallel}:"
-        " async TP (torch's micro-pipeline TP) fuses the sequence-parallel collectives into the matmuls in inductor;"
-        " set compile_blocks=True, compile_backend='inductor', tp > 1 and sequence_parallel=True, or async_tp=False",
+        lambda f: (
+            f"async_tp=True with compile_blocks={f.options.compile.backend is not None}, compile_backend="
+            f"{f.options.compile.backend!r}, tp={f.degrees['tp']}, sequence_parallel={f.options.mesh.sequence_parallel}:"
+            " async TP (torch's micro-pipeline TP) fuses the sequence-parallel collectives into the matmuls in inductor;"
+            " set compile_blocks=True, compile_backend='inductor', tp > 1 and sequence_parallel=True, or async_tp=False"
+        ),
     ),
     Rule(
-        "async_tp_needs_cuda_nccl", "launch",
+        "async_tp_needs_cuda_nccl",
+        "launch",
         lambda f: f.options.compile.async_tp and (f.device_type != "cuda" or f.process_group_backend != "nccl"),
-        lambda f: f"async_tp=True on device {f.device_type!r} with process group backend"
-        f" {f.process_group_backend!r}: async TP (torch's micro-pipeline TP) exchanges tiles through CUDA symmetric"
-        " memory and needs accelerator='cuda' with the 'nccl' backend; on this machine set async_tp=False (plain TP,"
-        " compiled or not, runs here)",
+        lambda f: (
+            f"async_tp=True on device {f.device_type!r} with process group backend"
+            f" {f.process_group_backend!r}: async TP (torch's micro-pipeline TP) exchanges tiles through CUDA symmetric"
+            " memory and needs accelerator='cuda' with the 'nccl' backend; on this machine set async_tp=False (plain TP,"
+            " compiled or not, runs here)"
+        ),
     ),
-]  # fmt: skip
+]
 
 
 def _settle_async_collectives(_module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:

@@ -46,9 +46,12 @@ def data_parallel_mesh(mesh: MeshViews, layout: MeshLayout, replicate_in_hook: b
 
 
 def attach_compression(
-    root: nn.Module, run: CompressionRun, mesh: MeshViews, layout: MeshLayout,
+    root: nn.Module,
+    run: CompressionRun,
+    mesh: MeshViews,
+    layout: MeshLayout,
     extra_roots: Sequence[tuple[str, nn.Module]] = (),
-) -> None:  # fmt: skip
+) -> None:
     """Gradient compression in every FSDP2 unit's reductions (call after fully_shard; see lit_mesh/comm);
     `extra_roots`: the views of this rank's pipeline stages, FSDP roots outside the model's tree."""
     replicate = mesh.root.get_group(MeshAxis.DP_REPLICATE) if layout.dp_replicate > 1 else None
@@ -94,31 +97,43 @@ class DataParallelOptions:
 RULES: list[Rule] = [
     Rule(
         # torch's PipelineStage keeps FSDP units gathered over the micro-batches and reduces once at the last one
-        "zero_stage_with_pp", "init",
+        "zero_stage_with_pp",
+        "init",
         lambda f: f.options.data.zero_stage != 3 and f.degrees["pp"] > 1,
-        lambda f: f"zero_stage={f.options.data.zero_stage} with pp={f.degrees['pp']}: under a pipeline each stage's"
-        " parameters are already gathered once per step and its gradients reduced once, at the last micro-batch"
-        " (torch's PipelineStage), with parameters, gradients and optimizer state sharded between steps; zero_stage"
-        " applies to pp=1 only: leave it at 3 with pp, or use pp=1",
+        lambda f: (
+            f"zero_stage={f.options.data.zero_stage} with pp={f.degrees['pp']}: under a pipeline each stage's"
+            " parameters are already gathered once per step and its gradients reduced once, at the last micro-batch"
+            " (torch's PipelineStage), with parameters, gradients and optimizer state sharded between steps; zero_stage"
+            " applies to pp=1 only: leave it at 3 with pp, or use pp=1"
+        ),
     ),
     Rule(
-        "zero_stage_needs_sharded_dp", "launch",
+        "zero_stage_needs_sharded_dp",
+        "launch",
         lambda f: f.options.data.zero_stage != 3 and f.layout.data_parallel in ("none", "ddp"),
-        lambda f: f"zero_stage={f.options.data.zero_stage} shards optimizer state"
-        f"{' and gradients' if f.options.data.zero_stage == 2 else ''} over the sharded data-parallel dim, but the"
-        f" mesh has none ({f.layout.describe()}): "
-        + ("dp_replicate alone keeps everything whole (DDP, ZeRO stage 0); " if f.layout.data_parallel == "ddp" else
-           "one data-parallel rank has nothing to shard; ")
-        + "give dp (or dp_shard) > 1, or leave zero_stage=3",
+        lambda f: (
+            f"zero_stage={f.options.data.zero_stage} shards optimizer state"
+            f"{' and gradients' if f.options.data.zero_stage == 2 else ''} over the sharded data-parallel dim, but the"
+            f" mesh has none ({f.layout.describe()}): "
+            + (
+                "dp_replicate alone keeps everything whole (DDP, ZeRO stage 0); "
+                if f.layout.data_parallel == "ddp"
+                else "one data-parallel rank has nothing to shard; "
+            )
+            + "give dp (or dp_shard) > 1, or leave zero_stage=3"
+        ),
     ),
     Rule(
-        "self_parallelised_without_zero_stage", "setup",
+        "self_parallelised_without_zero_stage",
+        "setup",
         lambda f: f.self_parallelised and f.options.data.zero_stage != 3,
-        lambda f: f"zero_stage={f.options.data.zero_stage} chooses how MeshStrategy applies FSDP2, but configure_model"
-        f" of {f.model_name} parallelised the model itself; pass reshard_after_forward=False to your fully_shard"
-        " calls (ZeRO-2), or let MeshStrategy apply a parallel_plan()",
+        lambda f: (
+            f"zero_stage={f.options.data.zero_stage} chooses how MeshStrategy applies FSDP2, but configure_model"
+            f" of {f.model_name} parallelised the model itself; pass reshard_after_forward=False to your fully_shard"
+            " calls (ZeRO-2), or let MeshStrategy apply a parallel_plan()"
+        ),
     ),
-]  # fmt: skip
+]
 
 
 def reshards_after_forward(layout: MeshLayout, zero_stage: int) -> bool:
@@ -128,7 +143,11 @@ def reshards_after_forward(layout: MeshLayout, zero_stage: int) -> bool:
 
 
 def apply_data_parallel(
-    roots: Iterable[nn.Module], blocks: Iterable[nn.Module], dp_mesh: DeviceMesh, layout: MeshLayout, precision: str,
+    roots: Iterable[nn.Module],
+    blocks: Iterable[nn.Module],
+    dp_mesh: DeviceMesh,
+    layout: MeshLayout,
+    precision: str,
     zero_stage: int = 3,
 ) -> None:
     """fully_shard each block (the communication units), then each root for what is left (one root, or one per
@@ -149,7 +168,9 @@ def apply_data_parallel(
 
 
 @contextmanager
-def defer_gradient_reduction(module: nn.Module | None, keep_sharded: bool = True, keep_gathered: bool = False) -> Iterator[None]:
+def defer_gradient_reduction(
+    module: nn.Module | None, keep_sharded: bool = True, keep_gathered: bool = False
+) -> Iterator[None]:
     """Accumulating micro-batches: reduce once, at the last one.
 
     keep_sharded (FSDP, HSDP: dp_shard x cp > 1): gradients are reduce-scattered every micro-batch and stay sharded (1/N of the

@@ -7,7 +7,8 @@ positionally or as a keyword. Hugging Face layers get their hidden states both w
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn

@@ -51,13 +51,15 @@ def torch_style(style: str, sequence_parallel: bool, check: Any = None) -> Paral
         return SequenceParallel()
     if style == "whole_sequence":
         return PrepareModuleInputOutput(
-            input_layouts=(sequence,), desired_input_layouts=(Replicate(),), use_local_input=True,
-            output_layouts=(Replicate(),), desired_output_layouts=(sequence,), use_local_output=True,
+            input_layouts=(sequence,),
+            desired_input_layouts=(Replicate(),),
+            use_local_input=True,
+            output_layouts=(Replicate(),),
+            desired_output_layouts=(sequence,),
+            use_local_output=True,
         )
     if style == "shard_output":
-        return PrepareModuleOutput(
-            output_layouts=Replicate(), desired_output_layouts=sequence, use_local_output=True
-        )
+        return PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=sequence, use_local_output=True)
     if style == "shard_input":
         return HiddenStatesLayout(Replicate(), sequence, check)
     if style == "gather_input":
@@ -99,21 +101,25 @@ def _one_d(f: Facts) -> bool:
 
 RULES: list[Rule] = [
     Rule(
-        "tp_needs_plan", "setup",
+        "tp_needs_plan",
+        "setup",
         lambda f: not f.self_parallelised and f.layout.tp > 1 and not f.owners,
-        lambda f: f"tp={f.layout.tp} but no module of {f.model_name} declares parallel_plan(); declare one"
-        " (see examples/own_model_plan.py), or apply TP yourself in configure_model with self.device_mesh['tp']",
+        lambda f: (
+            f"tp={f.layout.tp} but no module of {f.model_name} declares parallel_plan(); declare one"
+            " (see examples/own_model_plan.py), or apply TP yourself in configure_model with self.device_mesh['tp']"
+        ),
         PlanError,
     ),
     Rule(
         # the sizes a plan names (heads, hidden units, vocabulary) must split evenly; a plan may say why a model
         # cannot be split at all (TensorPlan.unavailable)
-        "tp_fits_plan", "setup",
+        "tp_fits_plan",
+        "setup",
         lambda f: _one_d(f) and bool(_plan_problems(f)),
         lambda f: _plan_problems(f)[0],
         PlanError,
     ),
-]  # fmt: skip
+]
 
 
 def _sequence_check(tp: int, module_name: str) -> Any:
@@ -157,7 +163,11 @@ def replicate_remaining(model: nn.Module, tp_mesh: DeviceMesh, skip: Collection[
 
 
 def apply_tensor_parallel(
-    model: nn.Module, plan: ParallelPlan, tp_mesh: DeviceMesh, sequence_parallel: bool, skip: Collection[nn.Module] = (),
+    model: nn.Module,
+    plan: ParallelPlan,
+    tp_mesh: DeviceMesh,
+    sequence_parallel: bool,
+    skip: Collection[nn.Module] = (),
     vocab_sharded_output: bool = True,
 ) -> None:
     """Shard `model` over `tp_mesh` as its plan says (modules inside blocks, then the rest).
@@ -181,7 +191,9 @@ def apply_tensor_parallel(
         try:
             module = owner.get_submodule(name)
         except AttributeError:
-            raise PlanError(f"{type(model).__name__}.parallel_plan() names {name!r}, which the model does not have")
+            raise PlanError(
+                f"{type(model).__name__}.parallel_plan() names {name!r}, which the model does not have"
+            ) from None
         if sequence_parallel and style == "embedding":
             check = _sequence_check(tp, name)
             module.register_forward_pre_hook(lambda _m, args, check=check: check(args[0].shape[1]))

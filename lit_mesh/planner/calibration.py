@@ -1,7 +1,7 @@
 """The published runs of calibration.yaml, evaluated with the planner's one time model.
 
-    python -m lit_mesh.planner.calibration         # a table: published vs estimated tokens/s per device
-    python -m lit_mesh.planner.calibration --fit   # the kernel constants that fit the calibration runs best
+python -m lit_mesh.planner.calibration         # a table: published vs estimated tokens/s per device
+python -m lit_mesh.planner.calibration --fit   # the kernel constants that fit the calibration runs best
 """
 
 from __future__ import annotations
@@ -10,13 +10,21 @@ import dataclasses
 import itertools
 import sys
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache, lru_cache
 from typing import Any
 
 import yaml
 
 from lit_mesh.mesh import MeshLayout
-from lit_mesh.planner.cost import CALIBRATION, Features, Kernels, Schedule, calibrated_kernels, flops_per_token, step_time
+from lit_mesh.planner.cost import (
+    CALIBRATION,
+    Features,
+    Kernels,
+    Schedule,
+    calibrated_kernels,
+    flops_per_token,
+    step_time,
+)
 from lit_mesh.planner.families import family
 from lit_mesh.planner.hardware import GB, GIB, Hardware
 from lit_mesh.planner.memory import Workload
@@ -49,13 +57,19 @@ def runs() -> list[dict[str, Any]]:
 
 def hardware(name: str, devices: int) -> Hardware:
     h = _data()["hardware"][name]
-    return Hardware(nodes=max(1, devices // h["devices_per_node"]), devices_per_node=min(devices, h["devices_per_node"]),
-                    memory_bytes=h["memory_gb"] * GB, peak_flops=h["peak_tflops"] * 1e12,
-                    memory_bandwidth=h["memory_tbps"] * 1e12, intra_node_bandwidth=h["intra_node_gbps"] * GB,
-                    inter_node_bandwidth=h["inter_node_gbps"] * GB, reserve_bytes=0 * GIB)
+    return Hardware(
+        nodes=max(1, devices // h["devices_per_node"]),
+        devices_per_node=min(devices, h["devices_per_node"]),
+        memory_bytes=h["memory_gb"] * GB,
+        peak_flops=h["peak_tflops"] * 1e12,
+        memory_bandwidth=h["memory_tbps"] * 1e12,
+        intra_node_bandwidth=h["intra_node_gbps"] * GB,
+        inter_node_bandwidth=h["inter_node_gbps"] * GB,
+        reserve_bytes=0 * GIB,
+    )
 
 
-@lru_cache(maxsize=None)
+@cache
 def shapes_of(preset: str) -> ModelShapes:
     """The shapes of a preset of the "gpt" family (the zoo's Llama-3 presets: the published runs are Llama 3)."""
     return gpt_shapes(family("gpt").config(preset))
@@ -64,8 +78,12 @@ def shapes_of(preset: str) -> ModelShapes:
 def check(run: dict[str, Any], kernels: Kernels | None = None) -> Check:
     shapes, layout = shapes_of(run["preset"]), MeshLayout(**run["layout"])
     work = Workload(run["global_batch"], run["seq_len"], run["micro_batch"])
-    features = Features(compile=run["compile"], async_tp=run["async_tp"], schedule=Schedule(**run.get("schedule", {})),
-                        reshard_after_forward=run.get("reshard_after_forward", True))
+    features = Features(
+        compile=run["compile"],
+        async_tp=run["async_tp"],
+        schedule=Schedule(**run.get("schedule", {})),
+        reshard_after_forward=run.get("reshard_after_forward", True),
+    )
     hw = hardware(run["hardware"], layout.world_size)
     t = step_time(shapes, layout, work, "bf16-mixed", run["ac"], hw, features, kernels)
     estimated = work.global_batch * work.seq_len / t.total / layout.world_size
@@ -73,11 +91,13 @@ def check(run: dict[str, Any], kernels: Kernels | None = None) -> Check:
     return Check(run["name"], run["role"], published, estimated, run["source"])
 
 
-
-
-GRID = {"gemm_peak_fraction": (0.7, 0.75, 0.8, 0.85, 0.9), "gemm_half_size": (256, 384, 512, 768),
-        "attention_peak_fraction": (0.3, 0.35, 0.4, 0.45), "elementwise_accesses": (60, 90, 120, 150),
-        "elementwise_accesses_compiled": (20, 30, 45, 60)}
+GRID = {
+    "gemm_peak_fraction": (0.7, 0.75, 0.8, 0.85, 0.9),
+    "gemm_half_size": (256, 384, 512, 768),
+    "attention_peak_fraction": (0.3, 0.35, 0.4, 0.45),
+    "elementwise_accesses": (60, 90, 120, 150),
+    "elementwise_accesses_compiled": (20, 30, 45, 60),
+}
 
 
 def fit_kernels() -> Kernels:
@@ -97,4 +117,6 @@ if __name__ == "__main__":
     if "--fit" in sys.argv:
         print(fit_kernels())
     for c in map(check, runs()):
-        print(f"{c.name:40s} {c.role:12s} published {c.published:8.1f}  estimated {c.estimated:8.1f}  {100 * (c.ratio - 1):+5.0f}%")
+        print(
+            f"{c.name:40s} {c.role:12s} published {c.published:8.1f}  estimated {c.estimated:8.1f}  {100 * (c.ratio - 1):+5.0f}%"
+        )

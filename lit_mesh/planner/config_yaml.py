@@ -11,22 +11,28 @@ from typing import Any
 import yaml
 
 from lit_mesh.mesh import MeshLayout
+from lit_mesh.planner.families import family
 from lit_mesh.planner.hardware import Hardware
 from lit_mesh.planner.memory import Workload
 from lit_mesh.planner.schedules import microbatches_refused
 from lit_mesh.planner.search import DIMS, Candidate, why_invalid
-from lit_mesh.planner.families import family
 from lit_mesh.planner.shapes import gpt_shapes
 
 
-def fit_config(c: Candidate, preset: str, overrides: dict[str, Any], hw: Hardware, max_steps: int, model_family: str = "gpt"
-               ) -> dict[str, Any]:
+def fit_config(
+    c: Candidate, preset: str, overrides: dict[str, Any], hw: Hardware, max_steps: int, model_family: str = "gpt"
+) -> dict[str, Any]:
     """MeshStrategy's arguments for the plan (pp: its schedule, stages per rank and micro-batches), the model and
     the data; a dict of what `lit-mesh fit -c` reads."""
     layout, work = c.layout, c.work
     strategy: dict[str, Any] = {
-        "dp_replicate": layout.dp_replicate, "dp_shard": layout.dp_shard, "tp": layout.tp, "cp": layout.cp,
-        "pp": layout.pp, "sequence_parallel": layout.tp > 1, "activation_checkpointing": c.ac,
+        "dp_replicate": layout.dp_replicate,
+        "dp_shard": layout.dp_shard,
+        "tp": layout.tp,
+        "cp": layout.cp,
+        "pp": layout.pp,
+        "sequence_parallel": layout.tp > 1,
+        "activation_checkpointing": c.ac,
     }
     if layout.ep > 1:
         strategy["ep"] = layout.ep
@@ -35,9 +41,11 @@ def fit_config(c: Candidate, preset: str, overrides: dict[str, Any], hw: Hardwar
     # the links the plan was costed with, so that the run chooses its all-reduce on them too (nodes and devices
     # per node come from the cluster environment and the Trainer)
     strategy["topology"] = {
-        "intra_node_bandwidth": hw.intra_node_bandwidth, "inter_node_bandwidth": hw.inter_node_bandwidth,
-        "intra_node_latency": hw.intra_node_latency, "inter_node_latency": hw.inter_node_latency,
-    }  # fmt: skip
+        "intra_node_bandwidth": hw.intra_node_bandwidth,
+        "inter_node_bandwidth": hw.inter_node_bandwidth,
+        "intra_node_latency": hw.intra_node_latency,
+        "inter_node_latency": hw.inter_node_latency,
+    }
     steps = work.microbatches(layout)
     if layout.pp > 1:  # the schedule runs every micro-batch of the step
         strategy.update(pp_schedule=c.schedule.name, pp_microbatches=steps)
@@ -53,14 +61,22 @@ def fit_config(c: Candidate, preset: str, overrides: dict[str, Any], hw: Hardwar
     return {
         "seed_everything": 0,
         "trainer": {
-            "accelerator": "auto", "devices": hw.devices_per_node, "num_nodes": hw.nodes,
-            "precision": c.precision, "max_steps": max_steps, "accumulate_grad_batches": accumulate,
-            "gradient_clip_val": 1.0, "log_every_n_steps": 10,
+            "accelerator": "auto",
+            "devices": hw.devices_per_node,
+            "num_nodes": hw.nodes,
+            "precision": c.precision,
+            "max_steps": max_steps,
+            "accumulate_grad_batches": accumulate,
+            "gradient_clip_val": 1.0,
+            "log_every_n_steps": 10,
             "strategy": {"class_path": "lit_mesh.MeshStrategy", "init_args": strategy},
             "callbacks": [{"class_path": "lit_mesh.MeshMonitor"}],
         },
         "model": {"class_path": modules.lightning_module, "init_args": model},
-        "data": {"class_path": modules.data_module, "init_args": {"global_batch_size": per_batch, "seq_len": work.seq_len}},
+        "data": {
+            "class_path": modules.data_module,
+            "init_args": {"global_batch_size": per_batch, "seq_len": work.seq_len},
+        },
     }
 
 
@@ -89,8 +105,10 @@ def rehearsal_config(c: Candidate, hw: Hardware, model_family: str = "gpt", max_
     tiny = gpt_shapes(dataclasses.replace(tiny_config, **overrides))
     reason = why_invalid(scaled, tiny, work, small)  # the checks every plan passes
     if reason:
-        raise ValueError(f"the rehearsal of {c.name()} scales to {scaled.describe()}, which the tiny {model_family}"
-                         f" preset cannot run: {reason}")
+        raise ValueError(
+            f"the rehearsal of {c.name()} scales to {scaled.describe()}, which the tiny {model_family}"
+            f" preset cannot run: {reason}"
+        )
     rehearsal = dataclasses.replace(c, layout=scaled, work=work, precision="32-true")
     config = fit_config(rehearsal, "tiny", overrides, small, max_steps, model_family)
     config["trainer"].update(accelerator="cpu", log_every_n_steps=1)
@@ -104,6 +122,14 @@ def write_yaml(path: str | Path, config: dict[str, Any], header: list[str]) -> P
     return path
 
 
-def write_fit_config(path: str | Path, c: Candidate, preset: str, overrides: dict[str, Any], hw: Hardware,
-                     max_steps: int, header: list[str], model_family: str = "gpt") -> Path:
+def write_fit_config(
+    path: str | Path,
+    c: Candidate,
+    preset: str,
+    overrides: dict[str, Any],
+    hw: Hardware,
+    max_steps: int,
+    header: list[str],
+    model_family: str = "gpt",
+) -> Path:
     return write_yaml(path, fit_config(c, preset, overrides, hw, max_steps, model_family), header)

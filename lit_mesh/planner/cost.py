@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 
+from lit_mesh.comm.topology import all_gather_time, all_reduce_time
 from lit_mesh.mesh import MeshLayout
 from lit_mesh.planner.families import family_of
 from lit_mesh.planner.hardware import Hardware
@@ -45,7 +46,6 @@ from lit_mesh.planner.memory import (
 )
 from lit_mesh.planner.schedules import Schedule, bubble_fraction, rank_stages  # noqa: F401  (re-exported)
 from lit_mesh.planner.shapes import ModelShapes, ParamShape
-from lit_mesh.comm.topology import all_gather_time, all_reduce_time
 
 CALIBRATION = Path(__file__).with_name("calibration.yaml")
 
@@ -113,8 +113,14 @@ def model_flops_per_step(shapes: ModelShapes, work: Workload) -> float:
 
 def dim_strides(layout: MeshLayout) -> dict[str, int]:
     """Distance between neighbouring ranks of each dim's groups (tp innermost, on consecutive ranks)."""
-    return {"tp": 1, "cp": layout.tp, "ep": layout.tp, "dp_shard": layout.tp * layout.cp,
-            "dp_replicate": layout.tp * layout.cp * layout.dp_shard, "pp": layout.world_size // layout.pp}
+    return {
+        "tp": 1,
+        "cp": layout.tp,
+        "ep": layout.tp,
+        "dp_shard": layout.tp * layout.cp,
+        "dp_replicate": layout.tp * layout.cp * layout.dp_shard,
+        "pp": layout.world_size // layout.pp,
+    }
 
 
 def _local_matrix(p: ParamShape, tp: int) -> tuple[int, int] | None:
@@ -129,8 +135,9 @@ def _local_matrix(p: ParamShape, tp: int) -> tuple[int, int] | None:
     return n, k
 
 
-def _gemm_seconds(params: tuple[ParamShape, ...], tokens: float, tp: int, ep: int, top_k: int, kern: Kernels,
-                  peak: float) -> float:
+def _gemm_seconds(
+    params: tuple[ParamShape, ...], tokens: float, tp: int, ep: int, top_k: int, kern: Kernels, peak: float
+) -> float:
     """Forward + backward GEMM time of `tokens` tokens through these weights on one rank."""
     seconds = 0.0
     for p in params:
@@ -152,8 +159,16 @@ def _ffn_width(config: object) -> int:
     return config.ffn_hidden  # type: ignore[attr-defined]
 
 
-def step_time(shapes: ModelShapes, layout: MeshLayout, work: Workload, precision: str, ac: str, hw: Hardware,
-              features: Features = Features(), kernels: Kernels | None = None) -> StepTime:
+def step_time(
+    shapes: ModelShapes,
+    layout: MeshLayout,
+    work: Workload,
+    precision: str,
+    ac: str,
+    hw: Hardware,
+    features: Features = Features(),
+    kernels: Kernels | None = None,
+) -> StepTime:
     c, kern = shapes.config, kernels or calibrated_kernels()
     if hw.compute_efficiency is not None:  # the user's own figure for the largest GEMMs
         kern = Kernels(**{**kern.__dict__, "gemm_peak_fraction": hw.compute_efficiency})
@@ -166,7 +181,9 @@ def step_time(shapes: ModelShapes, layout: MeshLayout, work: Workload, precision
 
     # one block, one micro-batch, on one rank: forward + backward
     gemm = _gemm_seconds(shapes.block, tokens, layout.tp, layout.ep, top_k, kern, peak)
-    attention = 0.5 * 12 * tokens * work.seq_len * c.n_heads * c.head_dim / layout.tp / (peak * kern.attention_peak_fraction)
+    attention = (
+        0.5 * 12 * tokens * work.seq_len * c.n_heads * c.head_dim / layout.tp / (peak * kern.attention_peak_fraction)
+    )
     accesses = kern.elementwise_accesses_compiled if features.compile else kern.elementwise_accesses
     elementwise = tokens * (c.dim + _ffn_width(c)) / layout.tp * accesses * act / hw.memory_bandwidth
     recompute = {"none": 0.0, "selective": elementwise / 3, "full": (gemm + attention + elementwise) / 3}[ac]
@@ -176,12 +193,18 @@ def step_time(shapes: ModelShapes, layout: MeshLayout, work: Workload, precision
     # rank, its v stages' blocks
     blocks = max(r.total_blocks for r in ranks)
     stage = max(blocks * block, next(r.total_blocks for r in ranks if r.last) * block + head)
-    t = StepTime(compute_parts={
-        "gemm": n_micro * blocks * gemm + (n_micro * head if stage > blocks * block else 0.0),
-        "attention": n_micro * blocks * attention, "elementwise": n_micro * blocks * elementwise,
-        "recompute": n_micro * blocks * recompute})
-    stage_numel = max(state_numel(shapes, layout, first_rank_of_stage(layout, r), schedule=features.schedule)  # the fullest
-                      for r in stages_to_check(shapes, layout.pp, schedule=features.schedule))
+    t = StepTime(
+        compute_parts={
+            "gemm": n_micro * blocks * gemm + (n_micro * head if stage > blocks * block else 0.0),
+            "attention": n_micro * blocks * attention,
+            "elementwise": n_micro * blocks * elementwise,
+            "recompute": n_micro * blocks * recompute,
+        }
+    )
+    stage_numel = max(
+        state_numel(shapes, layout, first_rank_of_stage(layout, r), schedule=features.schedule)  # the fullest
+        for r in stages_to_check(shapes, layout.pp, schedule=features.schedule)
+    )
     t.optimizer = stage_numel * kern.adamw_bytes_per_parameter / hw.memory_bandwidth
 
     # FSDP / HSDP: per block, gathered forward and backward each micro-batch, reduce-scattered (fp32) and
@@ -196,8 +219,11 @@ def step_time(shapes: ModelShapes, layout: MeshLayout, work: Workload, precision
             gather += all_gather_time(numel * bytes_of["gather"], group, shard_link)
             reduce += all_gather_time(numel * 4, group, shard_link)
     if layout.dp_replicate > 1:
-        reduce += all_reduce_time((dense / k + experts / max(k_experts, 1)) * 4, layout.dp_replicate,
-                                  hw.link(stride["dp_replicate"], layout.dp_replicate))
+        reduce += all_reduce_time(
+            (dense / k + experts / max(k_experts, 1)) * 4,
+            layout.dp_replicate,
+            hw.link(stride["dp_replicate"], layout.dp_replicate),
+        )
     if gather or reduce:
         forward, backward = block / 3, 2 * block / 3
         per_micro = gather + max(0.0, gather - forward) * (blocks - 1) + max(0.0, gather - backward) * blocks
@@ -208,7 +234,9 @@ def step_time(shapes: ModelShapes, layout: MeshLayout, work: Workload, precision
         t.overlapped["fsdp"] = blocks * (2 * gathers * gather + reduce)
         if features.zero_stage < 3:  # one forward gather per step; each reduction behind the backward's compute
             reductions = n_micro if features.zero_stage == 2 else 1
-            t.exposed["fsdp"] = gather + max(0.0, gather - forward) * (blocks - 1) + reductions * max(0.0, reduce - backward) * blocks
+            t.exposed["fsdp"] = (
+                gather + max(0.0, gather - forward) * (blocks - 1) + reductions * max(0.0, reduce - backward) * blocks
+            )
             t.overlapped["fsdp"] = blocks * (gather + reductions * reduce)
 
     tp_link = hw.link(1, layout.tp)
@@ -230,7 +258,9 @@ def step_time(shapes: ModelShapes, layout: MeshLayout, work: Workload, precision
     if layout.ep > 1:  # the whole sequence of the micro-batch is routed on every tp rank: top_k copies per token
         routed = work.micro_batch * work.seq_len // layout.cp * top_k * c.dim * act
         passes = 4 + (2 if ac == "full" else 0) + (2 if routing_pass else 0)
-        t.exposed["ep"] = n_micro * blocks * passes * all_gather_time(routed, layout.ep, hw.link(stride["ep"], layout.ep))
+        t.exposed["ep"] = (
+            n_micro * blocks * passes * all_gather_time(routed, layout.ep, hw.link(stride["ep"], layout.ep))
+        )
     if layout.cp > 1:  # ring: cp - 1 K/V blocks forward, K/V and their gradients backward, each behind one step
         bandwidth, alpha = hw.link(stride["cp"], layout.cp)
         kv = tokens * 2 * c.n_kv_heads * c.head_dim // layout.tp * act

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from lit_mesh.comm.topology import GB, INTER_NODE_BANDWIDTH, INTER_NODE_LATENCY, INTRA_NODE_BANDWIDTH, INTRA_NODE_LATENCY, Link
+from lit_mesh.comm.topology import (
+    GB,
+    INTER_NODE_BANDWIDTH,
+    INTER_NODE_LATENCY,
+    INTRA_NODE_BANDWIDTH,
+    INTRA_NODE_LATENCY,
+    Link,
+)
 
 GIB = 1024**3
 

@@ -28,13 +28,16 @@ def plot_mesh(layout: MeshLayout, hw: Hardware, path: str | Path) -> Path:
     plt = pyplot()
     dims = [d for d in DIMS if getattr(layout, d) > 1] or ["dp_shard"]
     nodes = min(hw.nodes, MAX_NODES_DRAWN)
-    fig, axes = plt.subplots(1, len(dims), figsize=(1.2 + 0.45 * hw.devices_per_node * len(dims), 1 + 0.3 * nodes),
-                             squeeze=False)
+    fig, axes = plt.subplots(
+        1, len(dims), figsize=(1.2 + 0.45 * hw.devices_per_node * len(dims), 1 + 0.3 * nodes), squeeze=False
+    )
     for ax, dim in zip(axes[0], dims):
         groups = layout.world_size // getattr(layout, dim)
         # one of tab20's 20 colours per group (neighbouring groups always differ; more than 20 groups repeat them)
-        grid = [[group_of(n * hw.devices_per_node + d, layout, dim) % 20 for d in range(hw.devices_per_node)]
-                for n in range(nodes)]
+        grid = [
+            [group_of(n * hw.devices_per_node + d, layout, dim) % 20 for d in range(hw.devices_per_node)]
+            for n in range(nodes)
+        ]
         ax.imshow(grid, cmap="tab20", vmin=-0.5, vmax=19.5, aspect="auto", interpolation="nearest")
         repeat = ", colours repeat" if groups > 20 else ""
         ax.set_title(f"{dim}={getattr(layout, dim)}: {groups} groups\n(same colour: one group{repeat})", fontsize=9)

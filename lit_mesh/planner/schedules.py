@@ -59,8 +59,10 @@ def bubble_fraction(schedule: Schedule, pp: int, microbatches: int) -> float:
         return (pp - 1) / (3 * v * n)
     if schedule.name in ("zbv", "dualpipev"):
         return max(pp - 2, 0) / (3 * n)
-    raise ValueError(f"schedule {schedule.name!r}: the planner knows gpipe, 1f1b, interleaved_1f1b, looped_bfs,"
-                     " zero_bubble, zbv, dualpipev")
+    raise ValueError(
+        f"schedule {schedule.name!r}: the planner knows gpipe, 1f1b, interleaved_1f1b, looped_bfs,"
+        " zero_bubble, zbv, dualpipev"
+    )
 
 
 def in_flight(schedule: Schedule, pp: int, microbatches: int, rank: int) -> int:
@@ -103,8 +105,10 @@ def rank_stages(n_blocks: int, pp: int, schedule: Schedule = ONE_F_ONE_B) -> tup
     n_stages = pp * schedule.stages_per_rank
     split = balanced_split(n_blocks, n_stages)
     owner = stage_ranks(n_stages, pp, SCHEDULES[schedule.name][2])
-    return tuple(RankStages(tuple(split[s] for s in range(n_stages) if owner[s] == r), owner[0] == r,
-                            owner[-1] == r) for r in range(pp))
+    return tuple(
+        RankStages(tuple(split[s] for s in range(n_stages) if owner[s] == r), owner[0] == r, owner[-1] == r)
+        for r in range(pp)
+    )
 
 
 def schedules_for(pp: int, n_blocks: int, ac: str) -> list[Schedule]:

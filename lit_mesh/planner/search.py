@@ -22,7 +22,6 @@ from lit_mesh.planner.schedules import ONE_F_ONE_B, Schedule, microbatches_refus
 from lit_mesh.planner.shapes import ModelShapes
 
 
-
 @dataclass
 class Candidate:
     layout: MeshLayout
@@ -41,7 +40,9 @@ class Candidate:
         return self.memory["total"] <= hw.usable_bytes
 
     def name(self) -> str:
-        degrees = " x ".join(f"{d}={getattr(self.layout, d)}" for d in DIMS if getattr(self.layout, d) > 1) or "one device"
+        degrees = (
+            " x ".join(f"{d}={getattr(self.layout, d)}" for d in DIMS if getattr(self.layout, d) > 1) or "one device"
+        )
         if self.layout.ep > 1:
             degrees += f" (ep={self.layout.ep} of dp_shard x cp)"
         zero = f", ZeRO-{self.zero_stage}" if self.zero_stage < 3 else ""
@@ -85,8 +86,10 @@ def why_invalid(layout: MeshLayout, shapes: ModelShapes, work: Workload, hw: Har
     for p in shapes.block:
         dim = expert_fsdp_dim(p, layout.tp)
         if p.expert and expert_dp > 1 and p.shape[dim] % expert_dp:  # FSDP2 refuses uneven shards off dim 0
-            return (f"dp_shard x cp / ep must divide the expert weights' dim {dim} ({p.name}: {p.shape[dim]}): FSDP2"
-                    f" shards them on dim {dim}, evenly only")
+            return (
+                f"dp_shard x cp / ep must divide the expert weights' dim {dim} ({p.name}: {p.shape[dim]}): FSDP2"
+                f" shards them on dim {dim}, evenly only"
+            )
     if layout.pp > 1 and getattr(shapes.config, "tie_embeddings", False):
         return "pp with tied embeddings is refused by MeshStrategy (the first and last stages would share the matrix)"
     if layout.pp > shapes.n_blocks:
@@ -105,8 +108,10 @@ def why_invalid(layout: MeshLayout, shapes: ModelShapes, work: Workload, hw: Har
 def why_wasteful(layout: MeshLayout, shapes: ModelShapes, work: Workload, hw: Hardware) -> str | None:
     """The first reason a runnable layout is not worth proposing, or None."""
     if layout.cp > 1 and work.seq_len // layout.cp < (need := cp_min_tokens(shapes, layout, hw)):
-        return (f"cp would leave fewer than {need} tokens per rank: the ring's K/V exchange would outlast the"
-                " attention it hides behind (the sequence is too short to need cp)")
+        return (
+            f"cp would leave fewer than {need} tokens per rank: the ring's K/V exchange would outlast the"
+            " attention it hides behind (the sequence is too short to need cp)"
+        )
     return None
 
 
@@ -119,7 +124,9 @@ def cp_min_tokens(shapes: ModelShapes, layout: MeshLayout, hw: Hardware) -> int:
     At least 512 tokens per rank anyway (four 128-token flash-attention tiles in each load-balanced half)."""
     c, act = shapes.config, 2  # bf16 K/V
     bandwidth = hw.link(layout.tp, layout.cp)[0]
-    overlap = c.n_kv_heads * act * hw.peak_flops * calibrated_kernels().attention_peak_fraction / (2 * c.n_heads * bandwidth)
+    overlap = (
+        c.n_kv_heads * act * hw.peak_flops * calibrated_kernels().attention_peak_fraction / (2 * c.n_heads * bandwidth)
+    )
     return max(512, math.ceil(overlap))
 
 
@@ -132,14 +139,24 @@ def why_not_zero_stage(layout: MeshLayout, zero_stage: int) -> str | None:
     return None
 
 
-def evaluate(layout: MeshLayout, shapes: ModelShapes, work: Workload, hw: Hardware, precision: str, ac: str,
-             zero_stage: int = 3, *, schedule: Schedule = ONE_F_ONE_B) -> Candidate:
+def evaluate(
+    layout: MeshLayout,
+    shapes: ModelShapes,
+    work: Workload,
+    hw: Hardware,
+    precision: str,
+    ac: str,
+    zero_stage: int = 3,
+    *,
+    schedule: Schedule = ONE_F_ONE_B,
+) -> Candidate:
     memory = rank_memory(shapes, layout, work, precision, ac, zero_stage, schedule=schedule)
     time = step_time(shapes, layout, work, precision, ac, hw, Features(zero_stage=zero_stage, schedule=schedule))
     tokens = work.global_batch * work.seq_len
     mfu = model_flops_per_step(shapes, work) / (time.total * layout.world_size * hw.peak_flops)
-    return Candidate(layout, precision, ac, work, memory, time, tokens / time.total, mfu, zero_stage=zero_stage,
-                     schedule=schedule)
+    return Candidate(
+        layout, precision, ac, work, memory, time, tokens / time.total, mfu, zero_stage=zero_stage, schedule=schedule
+    )
 
 
 MAX_MICRO_BATCH = 32
@@ -149,13 +166,19 @@ def micro_batches(layout: MeshLayout, work: Workload, *, schedule: Schedule = ON
     """Sequences per micro-batch to try, largest first: divisors of the local batch (pp > 1: leaving at least pp
     micro-batches, and a count the schedule accepts: MeshStrategy's own rule, pp_microbatches_for_schedule)."""
     local = work.local_batch(layout)
-    sizes = [m for m in divisors(local) if m <= MAX_MICRO_BATCH and (layout.pp == 1 or local // m >= layout.pp)
-             and microbatches_refused(schedule, layout.pp, local // m) is None]
+    sizes = [
+        m
+        for m in divisors(local)
+        if m <= MAX_MICRO_BATCH
+        and (layout.pp == 1 or local // m >= layout.pp)
+        and microbatches_refused(schedule, layout.pp, local // m) is None
+    ]
     return sorted(sizes, reverse=True)
 
 
-def best_option(layout: MeshLayout, shapes: ModelShapes, work: Workload, hw: Hardware, precision: str, ac: str,
-                zero_stage: int = 3) -> tuple[Candidate | None, Candidate]:
+def best_option(
+    layout: MeshLayout, shapes: ModelShapes, work: Workload, hw: Hardware, precision: str, ac: str, zero_stage: int = 3
+) -> tuple[Candidate | None, Candidate]:
     """(the fastest fitting (schedule, micro-batch size) or None, the least-memory one)."""
     fitting: list[Candidate] = []
     smallest = None
@@ -182,9 +205,15 @@ class PlanResult:
     considered: int
 
 
-def plan(shapes: ModelShapes, work: Workload, hw: Hardware, precisions: Iterable[str] = ("bf16-mixed",),
-         ac_modes: Iterable[str] = AC_MODES, fixed: Mapping[str, int] | None = None,
-         zero_stages: Iterable[int] = (3,)) -> PlanResult:
+def plan(
+    shapes: ModelShapes,
+    work: Workload,
+    hw: Hardware,
+    precisions: Iterable[str] = ("bf16-mixed",),
+    ac_modes: Iterable[str] = AC_MODES,
+    fixed: Mapping[str, int] | None = None,
+    zero_stages: Iterable[int] = (3,),
+) -> PlanResult:
     """zero_stages: the ZeRO stages to search (3: FSDP, the default; 1 and 2 gather less, hold more)."""
     precisions, ac_modes, fixed, zero_stages = tuple(precisions), tuple(ac_modes), dict(fixed or {}), tuple(zero_stages)
     for p in precisions:
@@ -243,10 +272,11 @@ def rank(candidates: list[Candidate]) -> list[Candidate]:
     while by_time:
         lead = by_time[0].time.total
         tied = [c for c in by_time if c.time.total <= lead * (1 + TIE)]
-        by_time = by_time[len(tied):]
+        by_time = by_time[len(tied) :]
         # exposed communication in steps of 1% of the step: smaller differences are noise of the model too
-        ranked += sorted(tied, key=lambda c: (round(100 * sum(c.time.exposed.values()) / lead), parallel_dims(c),
-                                              c.memory["total"]))
+        ranked += sorted(
+            tied, key=lambda c: (round(100 * sum(c.time.exposed.values()) / lead), parallel_dims(c), c.memory["total"])
+        )
     return ranked
 
 
@@ -267,7 +297,8 @@ def explain(c: Candidate, shapes: ModelShapes, work: Workload, hw: Hardware) -> 
         f" {_gib(m['params'])}, grads {_gib(m['grads'])}, AdamW {_gib(m['optimizer'])}, activations"
         f" {_gib(m['activations'])}, FSDP buffers {_gib(m['buffers'])}",
         f"step {_s(t.total)}: compute {_s(t.compute)} ("
-        + ", ".join(f"{k} {_s(v)}" for k, v in t.compute_parts.items() if v) + ")"
+        + ", ".join(f"{k} {_s(v)}" for k, v in t.compute_parts.items() if v)
+        + ")"
         + "".join(f", {k} {_s(v)} exposed" for k, v in t.exposed.items())
         + (f", pipeline bubble +{100 * t.bubble:.0f}%" if t.bubble else "")
         + f", AdamW {_s(t.optimizer)}; {c.tokens_per_s:,.0f} tokens/s, MFU {100 * c.mfu:.0f}%",
@@ -275,31 +306,46 @@ def explain(c: Candidate, shapes: ModelShapes, work: Workload, hw: Hardware) -> 
     for k, v in t.overlapped.items():
         out.append(f"{k} traffic {_s(v)}, {_s(t.exposed.get(k, 0.0))} of it exposed (the rest overlaps compute)")
     if layout.ep > 1:
-        out.append(f"ep={layout.ep}: {shapes.config.n_experts // layout.ep} of {shapes.config.n_experts} experts per rank,"
-                   f" tokens to their experts by all-to-all ({_s(t.exposed['ep'])} exposed)")
+        out.append(
+            f"ep={layout.ep}: {shapes.config.n_experts // layout.ep} of {shapes.config.n_experts} experts per rank,"
+            f" tokens to their experts by all-to-all ({_s(t.exposed['ep'])} exposed)"
+        )
     if layout.tp > 1:
-        out.append(f"tp={layout.tp} inside a node: weights and activations / {layout.tp}, collectives on NVLink"
-                   + (", each expert's hidden units split over tp" if shapes.expert_tp else ""))
+        out.append(
+            f"tp={layout.tp} inside a node: weights and activations / {layout.tp}, collectives on NVLink"
+            + (", each expert's hidden units split over tp" if shapes.expert_tp else "")
+        )
     if c.zero_stage < 3:
-        out.append(f"ZeRO-{c.zero_stage}: parameters gathered once per step and kept until backward ends (buffers),"
-                   + (" gradients reduced once per step" if c.zero_stage == 1 else " gradients reduce-scattered"))
+        out.append(
+            f"ZeRO-{c.zero_stage}: parameters gathered once per step and kept until backward ends (buffers),"
+            + (" gradients reduced once per step" if c.zero_stage == 1 else " gradients reduce-scattered")
+        )
     if layout.dp_replicate > 1:
-        out.append(f"HSDP: shards over {layout.dp_shard * layout.cp} ranks, replicas all-reduce across"
-                   f" {layout.dp_replicate} groups (less inter-node traffic than sharding over all)")
+        out.append(
+            f"HSDP: shards over {layout.dp_shard * layout.cp} ranks, replicas all-reduce across"
+            f" {layout.dp_replicate} groups (less inter-node traffic than sharding over all)"
+        )
     if layout.cp > 1:
         out.append(f"cp={layout.cp}: each rank holds {work.seq_len // layout.cp} of {work.seq_len} tokens per sequence")
     if layout.pp > 1:
         v = c.schedule.stages_per_rank
         stages = f", {v} stages per rank ({layout.pp * v} in all)" if v > 1 else ""
-        out.append(f"pp={layout.pp}, schedule {c.schedule.name}{stages}: {c.work.microbatches(layout)} micro-batches"
-                   f" of {c.work.micro_batch} per step, bubble {100 * t.bubble:.1f}%; stages exchange activations of"
-                   f" ({c.work.micro_batch}, {work.seq_len // (layout.cp * layout.tp)}, {shapes.config.dim}) per rank"
-                   " (micro-batch, T / cp / tp under sequence parallelism, dim)"
-                   + (f", MoE routing pass {_s(t.compute_parts['routing_pass'])} (the step's expert load before the"
-                      " schedule)" if "routing_pass" in t.compute_parts else ""))
+        out.append(
+            f"pp={layout.pp}, schedule {c.schedule.name}{stages}: {c.work.microbatches(layout)} micro-batches"
+            f" of {c.work.micro_batch} per step, bubble {100 * t.bubble:.1f}%; stages exchange activations of"
+            f" ({c.work.micro_batch}, {work.seq_len // (layout.cp * layout.tp)}, {shapes.config.dim}) per rank"
+            " (micro-batch, T / cp / tp under sequence parallelism, dim)"
+            + (
+                f", MoE routing pass {_s(t.compute_parts['routing_pass'])} (the step's expert load before the schedule)"
+                if "routing_pass" in t.compute_parts
+                else ""
+            )
+        )
     elif c.work.microbatches(layout) > 1:
-        out.append(f"gradient accumulation: {c.work.microbatches(layout)} micro-batches of {c.work.micro_batch}"
-                   " sequences per step (the whole local batch would not fit)")
+        out.append(
+            f"gradient accumulation: {c.work.microbatches(layout)} micro-batches of {c.work.micro_batch}"
+            " sequences per step (the whole local batch would not fit)"
+        )
     if c.ac != "none":
         extra = "+33% compute" if c.ac == "full" else "no extra matmuls"
         out.append(f"AC {c.ac}: activations {_gib(m['activations'])} ({extra})")

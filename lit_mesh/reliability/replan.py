@@ -93,7 +93,9 @@ def plan_for_world(world_size: int, degrees: dict[str, Any], on_world_change: On
     dp = world_size // model_parallel
     # keep the planned shard degree where it still fits (HSDP loses replicas first), else shard over what is left
     shard = planned.dp_shard if dp % planned.dp_shard == 0 else dp
-    layout = MeshLayout(pp=planned.pp, dp_replicate=dp // shard, dp_shard=shard, cp=planned.cp, tp=planned.tp, ep=planned.ep)
+    layout = MeshLayout(
+        pp=planned.pp, dp_replicate=dp // shard, dp_shard=shard, cp=planned.cp, tp=planned.tp, ep=planned.ep
+    )
     if (layout.dp_shard * layout.cp) % layout.ep:
         raise WorldSizeError(
             f"on_world_change='replan': ep={layout.ep} does not divide dp_shard x cp = {layout.dp_shard} x"

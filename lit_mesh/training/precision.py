@@ -75,20 +75,28 @@ class FP16MixedPrecision(MixedPrecision):
 
 RULES: list[Rule] = [
     Rule(
-        "precision_supported", "launch",
+        "precision_supported",
+        "launch",
         lambda f: f.precision not in SUPPORTED_PRECISION,
-        lambda f: f"MeshStrategy does not support precision={f.precision!r}; choose Trainer(precision=...) in"
-        f" {TRAINER_PRECISION}, or fp16 mixed precision with plugins=[lit_mesh.FP16MixedPrecision()]",
+        lambda f: (
+            f"MeshStrategy does not support precision={f.precision!r}; choose Trainer(precision=...) in"
+            f" {TRAINER_PRECISION}, or fp16 mixed precision with plugins=[lit_mesh.FP16MixedPrecision()]"
+        ),
         ValueError,
     ),
     Rule(
-        "fp16_needs_mesh_scaler", "launch",
-        lambda f: f.precision == "16-mixed" and not isinstance(getattr(f.precision_plugin, "scaler", None), MeshGradScaler),
-        lambda f: "precision='16-mixed' under MeshStrategy needs a loss scaler that agrees over all ranks:"
-        " pass plugins=[lit_mesh.FP16MixedPrecision()] (and leave precision unset)",
+        "fp16_needs_mesh_scaler",
+        "launch",
+        lambda f: (
+            f.precision == "16-mixed" and not isinstance(getattr(f.precision_plugin, "scaler", None), MeshGradScaler)
+        ),
+        lambda f: (
+            "precision='16-mixed' under MeshStrategy needs a loss scaler that agrees over all ranks:"
+            " pass plugins=[lit_mesh.FP16MixedPrecision()] (and leave precision unset)"
+        ),
         ValueError,
     ),
-]  # fmt: skip
+]
 
 
 def check_precision_plugin(plugin: Precision) -> None:
@@ -108,7 +116,9 @@ class GlobalNormClipping(Precision):
 
     @override
     def clip_gradients(
-        self, optimizer: torch.optim.Optimizer, clip_val: Union[int, float] = 0.0,
+        self,
+        optimizer: torch.optim.Optimizer,
+        clip_val: Union[int, float] = 0.0,
         gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM,
     ) -> None:
         if getattr(self, "scaler", None) is None:

@@ -11,10 +11,15 @@ import pytest
 from tests.launch import REPO, launch
 
 COMMON = [
-    "--trainer.devices=2", "--trainer.strategy.init_args.dp=2", "--trainer.logger=CSVLogger", "--data.global_batch_size=4",
-    "--seed_everything=0", "--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false",
+    "--trainer.devices=2",
+    "--trainer.strategy.init_args.dp=2",
+    "--trainer.logger=CSVLogger",
+    "--data.global_batch_size=4",
+    "--seed_everything=0",
+    "--trainer.enable_progress_bar=false",
+    "--trainer.enable_model_summary=false",
     "--trainer.limit_val_batches=0",
-]  # fmt: skip
+]
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +67,10 @@ def test_a_failed_save_leaves_the_previous_checkpoints_and_says_so(probes: tuple
     out, results, _ = probes
     result = results["disk_full"]
     assert result["save"].startswith(f"OSError: saving checkpoint '{out / 'full_disk' / 'step=4.ckpt'}' failed"), result
-    assert "No space left on device" in result["save"] and "the previous checkpoints are intact: step=2.ckpt" in result["save"]
+    assert (
+        "No space left on device" in result["save"]
+        and "the previous checkpoints are intact: step=2.ckpt" in result["save"]
+    )
     assert result["left"] == ["step=2.ckpt"], "no partial directory, the earlier checkpoint untouched"
 
 

@@ -20,15 +20,28 @@ CODEC_RUNS = {
     "fsdp2-randomk": ("fsdp2", "{mode: randomk, randomk_ratio: 0.25}"),
     "ddp2-threshold": ("ddp2", "{mode: threshold, threshold: 0.001, threshold_capacity: 0.05}"),
     # a schedule by step through the quantisers: fp16, int8 from step 3, int4 from step 6
-    "fsdp2-quant-schedule": ("fsdp2", "{mode: fp16, schedule: [{mode: int8, start_step: 3}, {mode: int4, start_step: 6}]}"),
+    "fsdp2-quant-schedule": (
+        "fsdp2",
+        "{mode: fp16, schedule: [{mode: int8, start_step: 3}, {mode: int4, start_step: 6}]}",
+    ),
 }
 S = "--trainer.strategy.init_args."
 COMMON = [
-    f"--trainer.max_steps={STEPS}", "--trainer.log_every_n_steps=1", "--trainer.logger=CSVLogger",
-    "--data.global_batch_size=8", "--seed_everything=0", "--trainer.enable_progress_bar=false",
-    "--trainer.enable_model_summary=false", "--trainer.num_sanity_val_steps=0", "--trainer.limit_val_batches=0",
-]  # fmt: skip
-LAYOUTS = {"ddp2": (2, [f"{S}dp_replicate=2"]), "fsdp2": (2, [f"{S}dp=2"]), "hsdp2x2": (4, [f"{S}dp_replicate=2", f"{S}dp_shard=2"])}
+    f"--trainer.max_steps={STEPS}",
+    "--trainer.log_every_n_steps=1",
+    "--trainer.logger=CSVLogger",
+    "--data.global_batch_size=8",
+    "--seed_everything=0",
+    "--trainer.enable_progress_bar=false",
+    "--trainer.enable_model_summary=false",
+    "--trainer.num_sanity_val_steps=0",
+    "--trainer.limit_val_batches=0",
+]
+LAYOUTS = {
+    "ddp2": (2, [f"{S}dp_replicate=2"]),
+    "fsdp2": (2, [f"{S}dp=2"]),
+    "hsdp2x2": (4, [f"{S}dp_replicate=2", f"{S}dp_shard=2"]),
+}
 TP_LAYOUT = {
     "fsdp2_tp2": (4, [f"{S}tp=2"]),  # dp_shard fills the rest: 2
     "pp2_fsdp2": (4, [f"{S}pp=2", f"{S}pp_schedule=interleaved_1f1b", f"{S}pp_stages_per_rank=2"]),
@@ -48,10 +61,12 @@ def _run(name: str, layout: str, extra: list[str], ckpt_dir: Path | None = None)
         args += ["--trainer.enable_checkpointing=false"]
     else:
         args += [
-            "--trainer.callbacks+=ModelCheckpoint", f"--trainer.callbacks.dirpath={ckpt_dir}",
-            "--trainer.callbacks.every_n_train_steps=5", "--trainer.callbacks.save_top_k=-1",
+            "--trainer.callbacks+=ModelCheckpoint",
+            f"--trainer.callbacks.dirpath={ckpt_dir}",
+            "--trainer.callbacks.every_n_train_steps=5",
+            "--trainer.callbacks.save_top_k=-1",
             "--trainer.callbacks.filename={step}",
-        ]  # fmt: skip
+        ]
     return {"name": name, "args": args}
 
 
@@ -70,12 +85,23 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict:
                 monitor = ["--trainer.callbacks+=lit_mesh.MeshMonitor"] if f"{layout}-{mode}" == "ddp2-onebit" else []
                 runs.append(_run(f"{layout}-{mode}", layout, [f"{S}grad_compression={mode}", *monitor], ckpt))
             # the seams alone: warm-up longer than the run, so every step goes uncompressed through our hooks
-            runs.append(_run(f"{layout}-hooks-uncompressed", layout, [f"{S}grad_compression={{mode: onebit, warmup_steps: 100}}"]))
+            runs.append(
+                _run(
+                    f"{layout}-hooks-uncompressed", layout, [f"{S}grad_compression={{mode: onebit, warmup_steps: 100}}"]
+                )
+            )
         if nproc == 4:  # with tensor parallel: FSDP2 reduces the local TP shards
             runs.append(_run("fsdp2_tp2-powersgd", "fsdp2_tp2", [f"{S}grad_compression=powersgd"]))
             # two pipeline stages per rank: the stages' own FSDP roots (embedding, final norm, head) compressed too
             four_blocks = "--model.init_args.config_overrides={n_layers: 4}"  # 2 stages per rank x pp 2
-            runs.append(_run("pp2_fsdp2-interleaved-fp16", "pp2_fsdp2", [f"{S}grad_compression=fp16", four_blocks], out / "ckpt-pp2-interleaved"))
+            runs.append(
+                _run(
+                    "pp2_fsdp2-interleaved-fp16",
+                    "pp2_fsdp2",
+                    [f"{S}grad_compression=fp16", four_blocks],
+                    out / "ckpt-pp2-interleaved",
+                )
+            )
             warm = f"{S}grad_compression={{mode: onebit, warmup_steps: 100}}"
             runs.append(_run("fsdp2_tp2-hooks-uncompressed", "fsdp2_tp2", [warm]))
         if nproc == 2:
@@ -87,7 +113,13 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict:
             runs.append(_run("fsdp2-onebitrms", "fsdp2", ONEBIT_RMS, out / "ckpt-fsdp2-onebitrms"))
             resume = f"--ckpt_path={out / 'ckpt-fsdp2-onebitrms' / 'step=5.ckpt'}"
             runs.append(_run("fsdp2-onebitrms-resumed", "fsdp2", [*ONEBIT_RMS, resume]))
-            runs.append(_run("fsdp2-onebit-accum2", "fsdp2", [f"{S}grad_compression=onebit", "--trainer.accumulate_grad_batches=2"]))
+            runs.append(
+                _run(
+                    "fsdp2-onebit-accum2",
+                    "fsdp2",
+                    [f"{S}grad_compression=onebit", "--trainer.accumulate_grad_batches=2"],
+                )
+            )
         for name, (layout, mode) in CODEC_RUNS.items():
             if LAYOUTS[layout][0] == nproc:
                 runs.append(_run(name, layout, [f"{S}grad_compression={mode}"]))
@@ -130,7 +162,13 @@ def test_quantised_and_sparse_codecs_train(results: dict, name: str) -> None:
     assert got[-1] < 0.95 * got[0], f"{name} does not learn: {got}"
     ratio = {int(s): v for s, v in results[name]["metrics"]["grad_compression/ratio"].items()}
     # bytes against each codec's formula on the tiny GPT (blocks of 256 fp32 scales; sparse: 8 bytes an entry)
-    low = {"ddp2-int8": 3.0, "hsdp2x2-int4": 5.0, "fsdp2-randomk": 1.5, "ddp2-threshold": 6.0, "fsdp2-quant-schedule": 1.9}
+    low = {
+        "ddp2-int8": 3.0,
+        "hsdp2x2-int4": 5.0,
+        "fsdp2-randomk": 1.5,
+        "ddp2-threshold": 6.0,
+        "fsdp2-quant-schedule": 1.9,
+    }
     assert all(r > low[name] for r in ratio.values()), ratio
     if name == "fsdp2-quant-schedule":
         phase = {int(s): v for s, v in results[name]["metrics"]["grad_compression/phase"].items()}
@@ -162,22 +200,34 @@ def test_uncompressed_steps_through_the_hooks_keep_layout_parity(results: dict, 
 
 
 def test_bytes_on_the_wire_per_mesh_dim(results: dict) -> None:
-    metrics = {name: results[name]["metrics"] for name in ("ddp2-onebit", "fsdp2-onebit", "hsdp2x2-onebit", "ddp2-powersgd")}
-    assert set(metrics["ddp2-onebit"]) >= {"grad_compression/sent_bytes/dp_replicate", "grad_compression/uncompressed_bytes/dp_replicate"}
+    metrics = {
+        name: results[name]["metrics"] for name in ("ddp2-onebit", "fsdp2-onebit", "hsdp2x2-onebit", "ddp2-powersgd")
+    }
+    assert set(metrics["ddp2-onebit"]) >= {
+        "grad_compression/sent_bytes/dp_replicate",
+        "grad_compression/uncompressed_bytes/dp_replicate",
+    }
     assert "grad_compression/sent_bytes/dp_shard_cp" in metrics["fsdp2-onebit"]
-    assert {"grad_compression/sent_bytes/dp_shard_cp", "grad_compression/sent_bytes/dp_replicate"} <= set(metrics["hsdp2x2-onebit"])
+    assert {"grad_compression/sent_bytes/dp_shard_cp", "grad_compression/sent_bytes/dp_replicate"} <= set(
+        metrics["hsdp2x2-onebit"]
+    )
     ratio = {int(step): v for step, v in metrics["ddp2-onebit"]["grad_compression/ratio"].items()}
     # 1 bit + a 32-bit scale per 256 entries per stage; at step 0 also the 8-bit per-entry scale codes (refresh 32)
     assert min(v for step, v in ratio.items() if step > 0) > 20 > ratio[0], ratio
     # an independent count (MeshMonitor sees every collective's tensors): the same bytes, plus the few bytes of
     # the per-step loss and non-finite checks
-    sent, seen = metrics["ddp2-onebit"]["grad_compression/sent_bytes/dp_replicate"], metrics["ddp2-onebit"]["monitor/comm_mib/dp_replicate"]
+    sent, seen = (
+        metrics["ddp2-onebit"]["grad_compression/sent_bytes/dp_replicate"],
+        metrics["ddp2-onebit"]["monitor/comm_mib/dp_replicate"],
+    )
     for step, value in sent.items():
         assert 0 <= seen[step] * 2**20 - value < 64, (step, seen[step] * 2**20, value)
     assert min(metrics["ddp2-powersgd"]["grad_compression/ratio"].values()) > 3  # tiny preset: 64-wide matrices, rank 4
 
 
-@pytest.mark.parametrize(("layout", "mode"), [*sorted(RESUMED.items()), ("fsdp2", "onebitadam"), ("fsdp2", "onebitrms")])
+@pytest.mark.parametrize(
+    ("layout", "mode"), [*sorted(RESUMED.items()), ("fsdp2", "onebitadam"), ("fsdp2", "onebitrms")]
+)
 def test_resume_with_compression_equals_the_uninterrupted_run(results: dict, layout: str, mode: str) -> None:
     full, resumed = losses(results[f"{layout}-{mode}"]), losses(results[f"{layout}-{mode}-resumed"])
     assert sorted(resumed) == list(range(5, STEPS))
@@ -190,14 +240,18 @@ def test_resume_with_compression_equals_the_uninterrupted_run(results: dict, lay
         torch.testing.assert_close(final_resumed[name], tensor, rtol=0, atol=1e-6)
     # what made it exact: every rank's residuals (and PowerSGD's factors) were in the checkpoint, not zero
     for rank in (0, 1):
-        saved = torch.load(out / f"ckpt-{layout}-{mode}" / "step=5.ckpt" / "grad_compression" / f"rank{rank}.pt", weights_only=True)
+        saved = torch.load(
+            out / f"ckpt-{layout}-{mode}" / "step=5.ckpt" / "grad_compression" / f"rank{rank}.pt", weights_only=True
+        )
         sites = saved["state"]["compressors"]
         assert sites and all(s["residual"] is not None and s["residual"].abs().sum() > 0 for s in sites.values())
         assert mode != "powersgd" or all(s["qs"] for s in sites.values())
         # per-entry scales: each rank's second moment and the codes shared at step 4, in the checkpoint
         assert mode != "onebitrms" or all(
-            s["entry_scales"]["shared_at"] == 4 and s["entry_scales"]["codes"].dtype == torch.uint8
-            and s["entry_scales"]["local_sq"].abs().sum() > 0 for s in sites.values()
+            s["entry_scales"]["shared_at"] == 4
+            and s["entry_scales"]["codes"].dtype == torch.uint8
+            and s["entry_scales"]["local_sq"].abs().sum() > 0
+            for s in sites.values()
         )
 
 
@@ -210,7 +264,11 @@ def test_onebit_with_entry_rms_trains_and_counts_its_scale_codes(results: dict) 
     # than the default 1-bit, the others the same
     for step in range(STEPS - 1):  # the last step's ratio is logged before it is complete
         shared = step % 4 == 0 and step > 0
-        assert (ratio[step] < 0.5 * plain[step]) if shared else math.isclose(ratio[step], plain[step], rel_tol=1e-6), (step, ratio[step], plain[step])
+        assert (ratio[step] < 0.5 * plain[step]) if shared else math.isclose(ratio[step], plain[step], rel_tol=1e-6), (
+            step,
+            ratio[step],
+            plain[step],
+        )
 
 
 def test_onebit_adam_trains_with_its_variance_frozen_across_the_resume(results: dict) -> None:
@@ -267,8 +325,13 @@ def test_every_pipeline_stage_root_is_compressed(results: dict) -> None:
     got = curve(results["pp2_fsdp2-interleaved-fp16"])
     assert len(got) == STEPS and got[-1] < 0.95 * got[0], got
     for rank in range(4):
-        saved = torch.load(results["_dir"] / "ckpt-pp2-interleaved" / "step=5.ckpt" / "grad_compression" / f"rank{rank}.pt", weights_only=True)
+        saved = torch.load(
+            results["_dir"] / "ckpt-pp2-interleaved" / "step=5.ckpt" / "grad_compression" / f"rank{rank}.pt",
+            weights_only=True,
+        )
         stage_roots = [name for name in saved["sites"] if name.startswith("stage") and "<root>" in name]
         # 4 stages, looped over 2 pp ranks: stage 0 (embedding) on pp rank 0, stage 3 (norm, head) on pp rank 1; the
         # middle stages' roots hold only blocks (their own units) and reduce nothing themselves
-        assert stage_roots == ["stage0/<root>:reduce_scatter" if rank < 2 else "stage3/<root>:reduce_scatter"], saved["sites"]
+        assert stage_roots == ["stage0/<root>:reduce_scatter" if rank < 2 else "stage3/<root>:reduce_scatter"], saved[
+            "sites"
+        ]

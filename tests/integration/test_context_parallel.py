@@ -40,7 +40,10 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
     found: dict[str, dict] = {}
     for nproc in (1, 2, 4):
         runs = [
-            {"name": name, "args": ["-c", str(REPO / "configs/gpt.yaml"), f"--trainer.devices={n}", *COMMON, *VALIDATE, *extra]}
+            {
+                "name": name,
+                "args": ["-c", str(REPO / "configs/gpt.yaml"), f"--trainer.devices={n}", *COMMON, *VALIDATE, *extra],
+            }
             for name, (n, extra) in LAYOUTS.items()
             if n == nproc
         ]
@@ -84,7 +87,9 @@ STYLES = ["ring", "ring-math", "ulysses", "allgather"]
 @pytest.mark.parametrize("style", STYLES)
 @pytest.mark.parametrize("mask", ["causal", "full"])
 @pytest.mark.parametrize("kv_heads", [8, 2])  # 8 query heads: multi-head, and grouped-query (4 per kv head)
-def test_attention_matches_full_attention(attention_errors: dict, cp: int, style: str, mask: str, kv_heads: int) -> None:
+def test_attention_matches_full_attention(
+    attention_errors: dict, cp: int, style: str, mask: str, kv_heads: int
+) -> None:
     style, _, kernel = style.partition("-")
     errors = attention_errors[f"cp{cp}-{style}-{mask}-kv{kv_heads}" + (f"-{kernel}" if kernel else "")]
     for what, error in zip(("output", "dq", "dk", "dv"), errors):
@@ -92,7 +97,10 @@ def test_attention_matches_full_attention(attention_errors: dict, cp: int, style
 
 
 def test_attention_refuses_what_it_cannot_split(attention_errors: dict) -> None:
-    assert "6 query heads on this rank (after tp) are not divisible by cp=4; choose cp in [1, 2, 3, 6]" in attention_errors["ulysses_heads"]
+    assert (
+        "6 query heads on this rank (after tp) are not divisible by cp=4; choose cp in [1, 2, 3, 6]"
+        in attention_errors["ulysses_heads"]
+    )
     assert "sequence length is 12; use a sequence length that is a multiple of 8" in attention_errors["ring_length"]
 
 

@@ -14,21 +14,45 @@ S = "--trainer.strategy.init_args."
 
 def _args(out: Path, name: str, max_steps: int, *extra: str) -> list[str]:
     return [
-        "-c", str(REPO / "configs/gpt.yaml"), "--trainer.devices=2", f"{S}dp=2",
-        f"--trainer.max_steps={max_steps}", "--trainer.log_every_n_steps=1", "--trainer.logger=CSVLogger",
-        "--data.global_batch_size=8", "--seed_everything=0", "--trainer.enable_progress_bar=false",
-        "--trainer.enable_model_summary=false", "--trainer.limit_val_batches=0",
-        "--trainer.callbacks+=ModelCheckpoint", f"--trainer.callbacks.dirpath={out / 'ckpt'}",
-        "--trainer.callbacks.every_n_train_steps=5", "--trainer.callbacks.filename={step}",
-        "--trainer.callbacks.save_top_k=-1", "--trainer.callbacks.save_last=true", *extra,
-    ]  # fmt: skip
+        "-c",
+        str(REPO / "configs/gpt.yaml"),
+        "--trainer.devices=2",
+        f"{S}dp=2",
+        f"--trainer.max_steps={max_steps}",
+        "--trainer.log_every_n_steps=1",
+        "--trainer.logger=CSVLogger",
+        "--data.global_batch_size=8",
+        "--seed_everything=0",
+        "--trainer.enable_progress_bar=false",
+        "--trainer.enable_model_summary=false",
+        "--trainer.limit_val_batches=0",
+        "--trainer.callbacks+=ModelCheckpoint",
+        f"--trainer.callbacks.dirpath={out / 'ckpt'}",
+        "--trainer.callbacks.every_n_train_steps=5",
+        "--trainer.callbacks.filename={step}",
+        "--trainer.callbacks.save_top_k=-1",
+        "--trainer.callbacks.save_last=true",
+        *extra,
+    ]
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
     out = tmp_path_factory.mktemp("crash")
     spec = out / "crashing.json"
-    crashing = [{"name": "crashing", "args": _args(out, "crashing", 12, "--trainer.callbacks+=tests.workers.crash.DieDuringSave", "--trainer.callbacks.step=10", "--trainer.callbacks.skip=1")}]
+    crashing = [
+        {
+            "name": "crashing",
+            "args": _args(
+                out,
+                "crashing",
+                12,
+                "--trainer.callbacks+=tests.workers.crash.DieDuringSave",
+                "--trainer.callbacks.step=10",
+                "--trainer.callbacks.skip=1",
+            ),
+        }
+    ]
     import json
 
     spec.write_text(json.dumps(crashing))
@@ -67,11 +91,22 @@ def rank_death(tmp_path_factory: pytest.TempPathFactory) -> tuple[object, dict]:
     import json
 
     out = tmp_path_factory.mktemp("rank_death")
-    kill = ["--trainer.callbacks+=lit_mesh.FaultInjector", "--trainer.callbacks.fault=kill", "--trainer.callbacks.step=7", "--trainer.callbacks.rank=1"]
+    kill = [
+        "--trainer.callbacks+=lit_mesh.FaultInjector",
+        "--trainer.callbacks.fault=kill",
+        "--trainer.callbacks.step=7",
+        "--trainer.callbacks.rank=1",
+    ]
     flush = "--trainer.logger.init_args.flush_logs_every_n_steps=1"  # the killed attempt's steps reach metrics.csv
     # pre-emption: rank 1 gets SIGTERM during step 6; every rank saves at the step's end and stops; a relaunch resumes
-    preempt = ["--trainer.callbacks+=lit_mesh.Preemption", "--trainer.callbacks+=lit_mesh.FaultInjector", "--trainer.callbacks.fault=sigterm",
-               "--trainer.callbacks.step=6", "--trainer.callbacks.rank=1", "--trainer.callbacks.attempts=always"]  # fmt: skip
+    preempt = [
+        "--trainer.callbacks+=lit_mesh.Preemption",
+        "--trainer.callbacks+=lit_mesh.FaultInjector",
+        "--trainer.callbacks.fault=sigterm",
+        "--trainer.callbacks.step=6",
+        "--trainer.callbacks.rank=1",
+        "--trainer.callbacks.attempts=always",
+    ]
     runs = [
         {"name": "uninterrupted", "args": _args(out / "ref", "ref", 10)},
         {"name": "restarted", "args": [*_args(out, "restarted", 10, *kill), flush, "--ckpt_path=last"]},

@@ -56,7 +56,9 @@ def _check(proc, what: str) -> None:
 def losses(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
     out = tmp_path_factory.mktemp("examples")
     worker = str(WORKERS / "examples_runs.py")
-    _check(run_command([sys.executable, worker, str(out), str(_spec(out, "single", SINGLE))], timeout=240), "1-device runs")
+    _check(
+        run_command([sys.executable, worker, str(out), str(_spec(out, "single", SINGLE))], timeout=240), "1-device runs"
+    )
     _check(launch(2, "examples_runs.py", str(out), str(_spec(out, "two", TWO_RANKS)), timeout=300), "2-process runs")
     name, script, flags, _ = USER_PATH
     cmd = [sys.executable, str(REPO / "examples" / script), *flags, *COMMON, "--out", str(out / f"{name}.json")]
@@ -67,7 +69,9 @@ def losses(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
 def assert_same_losses(expected: list[float], got: list[float], what: str) -> None:
     assert len(got) == len(expected) == STEPS, f"{what}: {len(got)} steps vs {len(expected)}, want {STEPS}"
     for step, (e, g) in enumerate(zip(expected, got)):
-        assert abs(g - e) <= RTOL * abs(e), f"{what}: step {step} loss {g!r} vs single device {e!r} (rel {abs(g - e) / abs(e):.2e})"
+        assert abs(g - e) <= RTOL * abs(e), (
+            f"{what}: step {step} loss {g!r} vs single device {e!r} (rel {abs(g - e) / abs(e):.2e})"
+        )
 
 
 @pytest.mark.parametrize("name", SINGLE)
@@ -107,11 +111,18 @@ for a in "$@"; do printf '%s\\n' "$a"; done > "$ARGV_OUT"
 @pytest.mark.parametrize(
     ("script", "launcher", "env", "cli_after"),
     [
-        ("examples/slurm/train_gpt.sbatch", "srun", {"SLURM_JOB_NUM_NODES": "2", "SLURM_NTASKS_PER_NODE": "4(x2)"}, "lit-mesh"),
+        (
+            "examples/slurm/train_gpt.sbatch",
+            "srun",
+            {"SLURM_JOB_NUM_NODES": "2", "SLURM_NTASKS_PER_NODE": "4(x2)"},
+            "lit-mesh",
+        ),
         ("examples/torchrun.sh", "torchrun", {"NNODES": "2", "NPROC_PER_NODE": "4"}, "lit_mesh.cli"),
     ],
 )
-def test_multinode_launch_scripts_parse(script: str, launcher: str, env: dict, cli_after: str, tmp_path: Path, monkeypatch, capsys) -> None:
+def test_multinode_launch_scripts_parse(
+    script: str, launcher: str, env: dict, cli_after: str, tmp_path: Path, monkeypatch, capsys
+) -> None:
     """The scripts run with a stand-in launcher that records its arguments (no cluster here): the launcher gets
     the node count and processes per node, and LightningCLI accepts the lit-mesh arguments with the same numbers."""
     import os
@@ -125,13 +136,17 @@ def test_multinode_launch_scripts_parse(script: str, launcher: str, env: dict, c
     fake.chmod(0o755)
     argv_out = tmp_path / "argv.txt"
     run_env = {**os.environ, **env, "PATH": f"{fake.parent}{os.pathsep}{os.environ['PATH']}", "ARGV_OUT": str(argv_out)}
-    proc = subprocess.run(["bash", str(REPO / script)], env=run_env, cwd=REPO, capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        ["bash", str(REPO / script)], env=run_env, cwd=REPO, capture_output=True, text=True, timeout=60
+    )
     assert proc.returncode == 0, proc.stderr
     argv = argv_out.read_text().splitlines()
     if launcher == "torchrun":
         assert {"--nnodes=2", "--node-rank=0", "--nproc-per-node=4"} <= set(argv), argv
     cli_args = argv[argv.index(cli_after) + 1 :]
-    assert {"--trainer.num_nodes=2", "--trainer.devices=4", "--trainer.strategy.init_args.dp_replicate=8"} <= set(cli_args)
+    assert {"--trainer.num_nodes=2", "--trainer.devices=4", "--trainer.strategy.init_args.dp_replicate=8"} <= set(
+        cli_args
+    )
     monkeypatch.chdir(REPO)
     with pytest.raises(SystemExit):
         run([*cli_args, "--print_config"])

@@ -22,19 +22,43 @@ SEQ, BATCH = 32, 8
 
 
 def _finetune_args(llama: Path, shards: Path) -> list[str]:
-    return ["-c", str(REPO / "configs/finetune.yaml"), f"--model.init_args.pretrained={llama}",
-            f"--data.init_args.path={shards}", f"--data.init_args.seq_len={SEQ}", f"--data.init_args.global_batch_size={BATCH}",
-            "--trainer.devices=4", f"{S}tp=2", *QUIET]  # fmt: skip
+    return [
+        "-c",
+        str(REPO / "configs/finetune.yaml"),
+        f"--model.init_args.pretrained={llama}",
+        f"--data.init_args.path={shards}",
+        f"--data.init_args.seq_len={SEQ}",
+        f"--data.init_args.global_batch_size={BATCH}",
+        "--trainer.devices=4",
+        f"{S}tp=2",
+        *QUIET,
+    ]
 
 
 def _token_gpt(shards: Path, ckpt: Path, steps: int, layout: list[str], *extra: str) -> list[str]:
-    return ["-c", str(REPO / "configs/gpt.yaml"), "--data=zoo.TokenDataModule", f"--data.path={shards}",
-            f"--data.seq_len={SEQ}", f"--data.global_batch_size={BATCH}", f"--model.init_args.config_overrides={{vocab_size: {VOCAB}}}",
-            "--trainer.devices=4", *layout, f"--trainer.max_steps={steps}", "--trainer.log_every_n_steps=1",
-            "--trainer.logger=CSVLogger", "--trainer.limit_val_batches=0", "--seed_everything=0",
-            "--trainer.callbacks+=ModelCheckpoint", f"--trainer.callbacks.dirpath={ckpt}",
-            "--trainer.callbacks.every_n_train_steps=3", "--trainer.callbacks.save_top_k=-1",
-            "--trainer.callbacks.filename={step}", *QUIET, *extra]  # fmt: skip
+    return [
+        "-c",
+        str(REPO / "configs/gpt.yaml"),
+        "--data=zoo.TokenDataModule",
+        f"--data.path={shards}",
+        f"--data.seq_len={SEQ}",
+        f"--data.global_batch_size={BATCH}",
+        f"--model.init_args.config_overrides={{vocab_size: {VOCAB}}}",
+        "--trainer.devices=4",
+        *layout,
+        f"--trainer.max_steps={steps}",
+        "--trainer.log_every_n_steps=1",
+        "--trainer.logger=CSVLogger",
+        "--trainer.limit_val_batches=0",
+        "--seed_everything=0",
+        "--trainer.callbacks+=ModelCheckpoint",
+        f"--trainer.callbacks.dirpath={ckpt}",
+        "--trainer.callbacks.every_n_train_steps=3",
+        "--trainer.callbacks.save_top_k=-1",
+        "--trainer.callbacks.filename={step}",
+        *QUIET,
+        *extra,
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -44,17 +68,41 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
     shards = prepare_shards(tokenizer, out / "shards")
     llama = save_tiny_llama(out / "llama")
     finetune = _finetune_args(llama, shards)
-    results = cli_runs(4, out, [
-        {"name": "finetune", "args": [*finetune, "--trainer.max_steps=4", "--trainer.log_every_n_steps=1",
-                                      "--trainer.val_check_interval=2", "--trainer.limit_val_batches=1", "--trainer.logger=CSVLogger"]},
-        {"name": "predict", "command": "predict", "args": [*finetune, "--trainer.limit_predict_batches=1",
-                                                           "--trainer.callbacks+=tests.workers.cli_runs.SavePredictions",
-                                                           f"--trainer.callbacks.output_dir={out / 'predictions'}"]},
-        {"name": "token-fsdp4", "args": _token_gpt(shards, out / "ckpt-fsdp4", 6, [f"{S}dp=4"])},
-        {"name": "token-fsdp2-tp2", "args": _token_gpt(shards, out / "ckpt-first", 3, [f"{S}tp=2"])},
-        {"name": "token-resumed-fsdp4", "args": _token_gpt(shards, out / "ckpt-resumed", 6, [f"{S}dp=4"],
-                                                           f"--ckpt_path={out / 'ckpt-first' / 'step=3.ckpt'}")},
-    ])  # fmt: skip
+    results = cli_runs(
+        4,
+        out,
+        [
+            {
+                "name": "finetune",
+                "args": [
+                    *finetune,
+                    "--trainer.max_steps=4",
+                    "--trainer.log_every_n_steps=1",
+                    "--trainer.val_check_interval=2",
+                    "--trainer.limit_val_batches=1",
+                    "--trainer.logger=CSVLogger",
+                ],
+            },
+            {
+                "name": "predict",
+                "command": "predict",
+                "args": [
+                    *finetune,
+                    "--trainer.limit_predict_batches=1",
+                    "--trainer.callbacks+=tests.workers.cli_runs.SavePredictions",
+                    f"--trainer.callbacks.output_dir={out / 'predictions'}",
+                ],
+            },
+            {"name": "token-fsdp4", "args": _token_gpt(shards, out / "ckpt-fsdp4", 6, [f"{S}dp=4"])},
+            {"name": "token-fsdp2-tp2", "args": _token_gpt(shards, out / "ckpt-first", 3, [f"{S}tp=2"])},
+            {
+                "name": "token-resumed-fsdp4",
+                "args": _token_gpt(
+                    shards, out / "ckpt-resumed", 6, [f"{S}dp=4"], f"--ckpt_path={out / 'ckpt-first' / 'step=3.ckpt'}"
+                ),
+            },
+        ],
+    )
     return out, results
 
 
@@ -112,8 +160,10 @@ def test_export_hf_of_the_finetuned_checkpoint_loads_in_transformers(runs: tuple
 
 def test_token_data_resumes_exactly_on_another_layout(runs: tuple[Path, dict]) -> None:
     _, results = runs
-    full, first, resumed = (_by_step(results[name]["metrics"]["train_loss"])
-                            for name in ("token-fsdp4", "token-fsdp2-tp2", "token-resumed-fsdp4"))  # fmt: skip
+    full, first, resumed = (
+        _by_step(results[name]["metrics"]["train_loss"])
+        for name in ("token-fsdp4", "token-fsdp2-tp2", "token-resumed-fsdp4")
+    )
     assert sorted(first) == [0, 1, 2] and sorted(resumed) == [3, 4, 5]
     for step in range(6):
         got = (first if step < 3 else resumed)[step]

@@ -11,8 +11,24 @@ from tests.launch import REPO, run_command
 
 
 def test_gpu_benchmark_smoke_prints_tokens_per_s_mfu_and_the_ratio() -> None:
-    args = ["--preset", "tiny", "--steps", "2", "--warmup", "1", "--rounds", "1", "--batch-size", "2", "--seq-len", "16",
-            "--compile-backend", "none", "--peak-flops", "1e9"]  # fmt: skip
+    args = [
+        "--preset",
+        "tiny",
+        "--steps",
+        "2",
+        "--warmup",
+        "1",
+        "--rounds",
+        "1",
+        "--batch-size",
+        "2",
+        "--seq-len",
+        "16",
+        "--compile-backend",
+        "none",
+        "--peak-flops",
+        "1e9",
+    ]
     proc = run_command([sys.executable, str(REPO / "benchmarks/gpu.py"), *args], timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -29,7 +45,9 @@ def test_gpu_benchmark_smoke_prints_tokens_per_s_mfu_and_the_ratio() -> None:
 
 
 def test_gpu_recipe_is_bf16_mixed_compiled_1b_with_the_monitor() -> None:
-    proc = run_command([sys.executable, "-m", "lit_mesh.cli", "fit", "-c", str(REPO / "configs/gpu.yaml"), "--print_config"], 120)
+    proc = run_command(
+        [sys.executable, "-m", "lit_mesh.cli", "fit", "-c", str(REPO / "configs/gpu.yaml"), "--print_config"], 120
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     import yaml
 
@@ -38,7 +56,11 @@ def test_gpu_recipe_is_bf16_mixed_compiled_1b_with_the_monitor() -> None:
     assert (trainer["accelerator"], trainer["precision"]) == ("gpu", "bf16-mixed")
     assert trainer["strategy"]["init_args"]["compile_blocks"] is True
     callbacks = [c["class_path"] for c in trainer["callbacks"]]
-    assert {"lit_mesh.MeshMonitor", "lit_mesh.GradientNormMonitor", "lightning.pytorch.callbacks.LearningRateMonitor"} <= set(callbacks)
+    assert {
+        "lit_mesh.MeshMonitor",
+        "lit_mesh.GradientNormMonitor",
+        "lightning.pytorch.callbacks.LearningRateMonitor",
+    } <= set(callbacks)
     assert config["model"]["init_args"]["preset"] == "llama3.2-1b"
 
 

@@ -19,15 +19,38 @@ S = "--trainer.strategy.init_args."
 
 def test_a_rank_hung_before_a_collective_is_named_on_every_rank() -> None:
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "lit_mesh.cli",
-        "fit", "-c", str(REPO / "configs/gpt.yaml"), "--trainer.devices=2", "--trainer.max_steps=4", f"{S}dp=2",
-        f"{S}timeout=0:00:{TIMEOUT_S}", "--trainer.logger=false", "--trainer.enable_progress_bar=false",
-        "--trainer.enable_checkpointing=false", "--trainer.limit_val_batches=0", "--trainer.callbacks=lit_mesh.FaultInjector",
-        "--trainer.callbacks.fault=hang", "--trainer.callbacks.step=2", "--trainer.callbacks.rank=1",
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        "-m",
+        "lit_mesh.cli",
+        "fit",
+        "-c",
+        str(REPO / "configs/gpt.yaml"),
+        "--trainer.devices=2",
+        "--trainer.max_steps=4",
+        f"{S}dp=2",
+        f"{S}timeout=0:00:{TIMEOUT_S}",
+        "--trainer.logger=false",
+        "--trainer.enable_progress_bar=false",
+        "--trainer.enable_checkpointing=false",
+        "--trainer.limit_val_batches=0",
+        "--trainer.callbacks=lit_mesh.FaultInjector",
+        "--trainer.callbacks.fault=hang",
+        "--trainer.callbacks.step=2",
+        "--trainer.callbacks.rank=1",
+    ]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONWARNINGS": "ignore", "PYTHONPATH": str(REPO)}
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                            cwd=tempfile.mkdtemp(prefix="lit-mesh-test-"))  # fmt: skip
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+        cwd=tempfile.mkdtemp(prefix="lit-mesh-test-"),
+    )
     lines, hung_at = [], None
     deadline = time.monotonic() + 600
     assert proc.stdout is not None

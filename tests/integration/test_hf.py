@@ -25,9 +25,13 @@ from tests.launch import REPO, launch
 STEPS = 10
 S = "--trainer.strategy.init_args."
 QUIET = [
-    f"--trainer.max_steps={STEPS}", "--trainer.log_every_n_steps=1", "--trainer.logger=CSVLogger",
-    "--seed_everything=0", "--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false",
-]  # fmt: skip
+    f"--trainer.max_steps={STEPS}",
+    "--trainer.log_every_n_steps=1",
+    "--trainer.logger=CSVLogger",
+    "--seed_everything=0",
+    "--trainer.enable_progress_bar=false",
+    "--trainer.enable_model_summary=false",
+]
 NO_CKPT = ["--trainer.enable_checkpointing=false"]
 TEXT = ["-c", str(REPO / "configs/gpt.yaml"), "--data.global_batch_size=8", "--model=zoo.hf.HFCausalLM"]
 IMAGES = ["-c", str(REPO / "configs/vit.yaml"), "--model=zoo.hf.HFImageClassifier"]
@@ -90,15 +94,29 @@ LAUNCHES: dict[int, list[dict]] = {
         _fit("qwen2-tp2", 2, TEXT, "--model.init_args.architecture=qwen2", f"{S}tp=2"),
         _fit("mistral-tp2", 2, TEXT, "--model.init_args.architecture=mistral", f"{S}tp=2"),
         # a zoo GPT trained sharded, exported to a transformers Llama directory
-        _fit("zoo-gpt-fsdp2", 2, ["-c", str(REPO / "configs/gpt.yaml"), "--data.global_batch_size=8"], f"{S}dp=2",
-             "--trainer.max_steps=2", "--trainer.limit_val_batches=0", checkpoint=True),  # fmt: skip
+        _fit(
+            "zoo-gpt-fsdp2",
+            2,
+            ["-c", str(REPO / "configs/gpt.yaml"), "--data.global_batch_size=8"],
+            f"{S}dp=2",
+            "--trainer.max_steps=2",
+            "--trainer.limit_val_batches=0",
+            checkpoint=True,
+        ),
         _fit("mixtral-fsdp2", 2, TEXT, MIXTRAL, f"{S}dp=2"),
         _fit("mixtral-tp2", 2, TEXT, MIXTRAL, f"{S}tp=2", checkpoint=True),  # experts split over tp: saved, resumed
         _fit("mixtral-tp2-resumed", 2, TEXT, MIXTRAL, f"{S}tp=2", "--ckpt_path=@mixtral-tp2"),  # at step 10: loads only
         _fit("mixtral-ep2", 2, TEXT, MIXTRAL, f"{S}ep=2", checkpoint=True),  # exported below
         # a zoo MoE trained with experts split over ep=2, exported to a transformers Mixtral directory
-        _fit("zoo-moe-ep2", 2, ZOO_MOE, f"{S}ep=2", "--trainer.max_steps=2", "--trainer.limit_val_batches=0",
-             checkpoint=True),  # fmt: skip
+        _fit(
+            "zoo-moe-ep2",
+            2,
+            ZOO_MOE,
+            f"{S}ep=2",
+            "--trainer.max_steps=2",
+            "--trainer.limit_val_batches=0",
+            checkpoint=True,
+        ),
         {"kind": "example", "name": "example-tp2", "args": ["hf_model.py", "--devices", "2", "--tp", "2"]},
         _error("no_plan", f"{S}tp=2", "--model.init_args.architecture=opt"),
         _error("tp_vs_kv_heads", f"{S}tp=2", "--model.init_args.config_overrides={num_key_value_heads: 1}"),
@@ -126,17 +144,29 @@ def _save_mixtral(directory: Path) -> Path:
     from zoo.hf.configs import tiny_config
 
     torch.manual_seed(0)
-    MixtralForCausalLM(tiny_config("mixtral", tie_word_embeddings=False)).save_pretrained(directory, max_shard_size="60KB")
+    MixtralForCausalLM(tiny_config("mixtral", tie_word_embeddings=False)).save_pretrained(
+        directory, max_shard_size="60KB"
+    )
     return directory
 
 
 def _pretrained_ep(out: Path, nproc: int) -> dict:
     predictions = out / PRETRAINED_EP[nproc] / "predictions"
-    args = ["-c", str(REPO / "configs/moe.yaml"), f"--model.init_args.pretrained={out / 'mixtral-pretrained'}",
-            f"--trainer.devices={nproc}", f"{S}ep=2", "--trainer.limit_predict_batches=1", "--seed_everything=0",
-            "--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false",
-            "--trainer.callbacks+=tests.workers.cli_runs.SavePredictions", f"--trainer.callbacks.output_dir={predictions}",
-            "--trainer.callbacks+=tests.workers.hf_runs.RecordReads", f"--trainer.callbacks.output_dir={predictions}"]  # fmt: skip
+    args = [
+        "-c",
+        str(REPO / "configs/moe.yaml"),
+        f"--model.init_args.pretrained={out / 'mixtral-pretrained'}",
+        f"--trainer.devices={nproc}",
+        f"{S}ep=2",
+        "--trainer.limit_predict_batches=1",
+        "--seed_everything=0",
+        "--trainer.enable_progress_bar=false",
+        "--trainer.enable_model_summary=false",
+        "--trainer.callbacks+=tests.workers.cli_runs.SavePredictions",
+        f"--trainer.callbacks.output_dir={predictions}",
+        "--trainer.callbacks+=tests.workers.hf_runs.RecordReads",
+        f"--trainer.callbacks.output_dir={predictions}",
+    ]
     return {"kind": "predict", "name": PRETRAINED_EP[nproc], "args": args}
 
 
@@ -149,7 +179,9 @@ def out(tmp_path_factory: pytest.TempPathFactory) -> Path:
         spec.write_text(json.dumps([*runs, *([_pretrained_ep(out, nproc)] if nproc in PRETRAINED_EP else [])]))
         proc = launch(nproc, "hf_runs.py", str(out), str(spec), timeout=600)
         if proc.returncode != 0:
-            raise AssertionError(f"hf_runs with {nproc} processes failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+            raise AssertionError(
+                f"hf_runs with {nproc} processes failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+            )
     return out
 
 
@@ -199,15 +231,29 @@ class Applied:
     ep: int = 0  # MoE layers: all-to-all dispatch over ep ranks, experts split by id (0: no MoE)
 
 
-LLAMA_TP = {"self_attn.q_proj.weight": "S(0)", "self_attn.o_proj.weight": "S(1)", "mlp.up_proj.weight": "S(0)",
-            "mlp.down_proj.weight": "S(1)", "input_layernorm.weight": "R"}  # fmt: skip
+LLAMA_TP = {
+    "self_attn.q_proj.weight": "S(0)",
+    "self_attn.o_proj.weight": "S(1)",
+    "mlp.up_proj.weight": "S(0)",
+    "mlp.down_proj.weight": "S(1)",
+    "input_layernorm.weight": "R",
+}
 # the fused c_attn stays replicated over tp (lit_mesh/hf/conv1d.py); Conv1D weights are (in, out)
-GPT2_TP = {"attn.c_attn.weight": "R", "attn.c_proj.weight": "S(0)", "mlp.c_fc.weight": "S(1)",
-           "mlp.c_proj.weight": "S(0)"}  # fmt: skip
+GPT2_TP = {
+    "attn.c_attn.weight": "R",
+    "attn.c_proj.weight": "S(0)",
+    "mlp.c_fc.weight": "S(1)",
+    "mlp.c_proj.weight": "S(0)",
+}
 # the MoE block runs whole over tp; its experts' width is split over tp (gate_up_proj (E, 2I, D) stacks [gate; up]:
 # each tp rank holds its slice of both halves, a strided shard; down_proj (E, D, I))
-MIXTRAL_TP = {"self_attn.q_proj.weight": "S(0)", "self_attn.o_proj.weight": "S(1)", "mlp.gate.weight": "R",
-              "mlp.experts.gate_up_proj": "_S(1, 2)", "mlp.experts.down_proj": "S(2)"}  # fmt: skip
+MIXTRAL_TP = {
+    "self_attn.q_proj.weight": "S(0)",
+    "self_attn.o_proj.weight": "S(1)",
+    "mlp.gate.weight": "R",
+    "mlp.experts.gate_up_proj": "_S(1, 2)",
+    "mlp.experts.down_proj": "S(2)",
+}
 # the blocks: Llama-style decoder layers (Llama, Qwen2, Mistral, Mixtral), GPT-2 blocks, ViT layers
 DECODER, GPT2, VIT = "model.model.layers", "model.transformer.h", "model.vit.layers"
 APPLIED = {
@@ -318,9 +364,12 @@ def _checkpoint(out: Path, name: str) -> Path:
 
 
 @pytest.mark.parametrize(
-    ("name", "architecture"), [("llama-tp2", "llama"), ("gpt2-tp2", "gpt2"), ("mixtral-ep2", "mixtral"), ("mixtral-tp2", "mixtral")]
+    ("name", "architecture"),
+    [("llama-tp2", "llama"), ("gpt2-tp2", "gpt2"), ("mixtral-ep2", "mixtral"), ("mixtral-tp2", "mixtral")],
 )
-def test_exported_checkpoint_loads_with_from_pretrained(out: Path, tmp_path: Path, name: str, architecture: str) -> None:
+def test_exported_checkpoint_loads_with_from_pretrained(
+    out: Path, tmp_path: Path, name: str, architecture: str
+) -> None:
     """A tp2-sharded checkpoint -> transformers directory -> from_pretrained: the trained model's logits."""
     from transformers import AutoModelForCausalLM
 
@@ -361,8 +410,13 @@ def test_exported_vit_checkpoint_loads_with_from_pretrained(out: Path, tmp_path:
     trained = ViTForImageClassification(tiny_config("vit")).eval()
     weights = torch.load(out / "vit-fsdp2" / "params.pt", weights_only=True)
     trained.load_state_dict({k.removeprefix("model."): v for k, v in weights.items()})
-    images = torch.rand(3, trained.config.num_channels, trained.config.image_size, trained.config.image_size,
-                        generator=torch.Generator().manual_seed(0))  # fmt: skip
+    images = torch.rand(
+        3,
+        trained.config.num_channels,
+        trained.config.image_size,
+        trained.config.image_size,
+        generator=torch.Generator().manual_seed(0),
+    )
     with torch.no_grad():
         assert _max_diff(loaded(pixel_values=images).logits, trained(pixel_values=images).logits) <= 1e-5
 
@@ -427,7 +481,9 @@ def test_pretrained_ep_ranks_read_only_their_own_slices(out: Path, nproc: int) -
     none a whole dense tensor), and each rank reads the per-expert tensors of its own 2 experts of 4 only."""
     from zoo.pretrained import directory_tensors
 
-    reads = [json.loads(f.read_text()) for f in sorted((out / PRETRAINED_EP[nproc] / "predictions").glob("reads-rank*.json"))]
+    reads = [
+        json.loads(f.read_text()) for f in sorted((out / PRETRAINED_EP[nproc] / "predictions").glob("reads-rank*.json"))
+    ]
     assert len(reads) == nproc
     tensors = directory_tensors(out / "mixtral-pretrained")
     assert set().union(*reads) == set(tensors), "every tensor of the directory is read by some rank"

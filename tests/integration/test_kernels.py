@@ -18,4 +18,3 @@ def test_loss_parallel_keeps_the_logits_sharded_over_the_vocabulary(tmp_path: Pa
     assert result["local_shape"] == [2, 16, 128]  # vocab 256 over tp=2
     assert set(result["collectives_in_loss"]) == {"allreduce_.default"}, result["collectives_in_loss"]
     assert result["loss_error"] <= 1e-6 and result["grad_error"] <= 1e-6, result
-

@@ -25,7 +25,11 @@ def test_forked_ranks_see_what_torchrun_ranks_see(tmp_path: Path) -> None:
     for fork, run in zip(_seen(tmp_path / "fork", 2), _seen(tmp_path / "torchrun", 2)):
         assert fork["variables"] == run["variables"]
         assert fork["has_master"] and run["has_master"]
-        assert (fork["threads"], fork["environment"]) == (run["threads"], run["environment"]) == (1, "TorchElasticEnvironment")
+        assert (
+            (fork["threads"], fork["environment"])
+            == (run["threads"], run["environment"])
+            == (1, "TorchElasticEnvironment")
+        )
     for launcher in ("fork", "torchrun"):  # torch seeds its generator at random on start: every rank its own seed
         ranks = _seen(tmp_path / launcher, 2)
         assert ranks[0]["torch_rand"] != ranks[1]["torch_rand"], launcher

@@ -7,7 +7,6 @@ from pathlib import Path
 
 import pytest
 
-from lit_mesh import MeshStrategy
 from tests.launch import launch
 
 

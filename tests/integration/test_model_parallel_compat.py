@@ -31,7 +31,9 @@ def _value(ranks: list[dict], name: str) -> object:
     return ranks[0][name]["value"]
 
 
-@pytest.mark.skip(reason="intended difference: the mesh is N-D, 'data_parallel'/'tensor_parallel' are views (test_mesh_answers_to_lightning_names); 4 ranks")
+@pytest.mark.skip(
+    reason="intended difference: the mesh is N-D, 'data_parallel'/'tensor_parallel' are views (test_mesh_answers_to_lightning_names); 4 ranks"
+)
 def test_setup_device_mesh() -> None:
     pass
 
@@ -46,7 +48,9 @@ def test_model_parallel_single_file_checkpoint_with_compile() -> None:
     pass
 
 
-@pytest.mark.skip(reason="needs 4 ranks (dp=2 x tp=2); FSDP2 x TP under MeshStrategy runs in tests/test_lightning_features.py")
+@pytest.mark.skip(
+    reason="needs 4 ranks (dp=2 x tp=2); FSDP2 x TP under MeshStrategy runs in tests/test_lightning_features.py"
+)
 def test_fsdp2_tensor_parallel() -> None:
     pass
 

@@ -34,8 +34,10 @@ LAYOUTS: dict[str, tuple[int, list[str]]] = {
 PIPELINE_ONLY = {"pp2": (2, [f"{S}pp=2"])}
 # shared experts, sigmoid scores, a dense block beside the MoE block (the TP plan of both kinds of blocks) and
 # capacity-factor dropping (counted per sequence, so it drops the same assignments on every layout)
-VARIANT = ["--model.init_args.config_overrides={n_layers: 3, moe_every: 2, n_shared_experts: 1, score_func: sigmoid,"
-           " aux_loss_coef: 0.01, bias_update_rate: 0.001, capacity_factor: 1.0}"]  # fmt: skip
+VARIANT = [
+    "--model.init_args.config_overrides={n_layers: 3, moe_every: 2, n_shared_experts: 1, score_func: sigmoid,"
+    " aux_loss_coef: 0.01, bias_update_rate: 0.001, capacity_factor: 1.0}"
+]
 # pp2 cuts it into a dense-only stage and a stage with the MoE block (a stage without MoE layers)
 VARIANT_LAYOUTS = {"single": 1, "pp2": 2, "tp2_ep2": 4}
 
@@ -51,7 +53,17 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
             if n == nproc
         ]
         runs += [
-            {"name": f"variant-{layout}", "args": ["-c", CONFIG, f"--trainer.devices={n}", *COMMON, *{**LAYOUTS, **PIPELINE_ONLY}[layout][1], *VARIANT]}
+            {
+                "name": f"variant-{layout}",
+                "args": [
+                    "-c",
+                    CONFIG,
+                    f"--trainer.devices={n}",
+                    *COMMON,
+                    *{**LAYOUTS, **PIPELINE_ONLY}[layout][1],
+                    *VARIANT,
+                ],
+            }
             for layout, n in VARIANT_LAYOUTS.items()
             if n == nproc
         ]
@@ -65,8 +77,17 @@ def _load(results: dict, name: str, file: str) -> dict[str, torch.Tensor]:
 
 
 # layout -> (ep, tp, ranks the expert weights are split over in all: ep x tp x the FSDP shards beside them)
-EXPERT_SPLIT = {"single": (1, 1, 1), "ep2": (2, 1, 2), "ep4": (4, 1, 4), "fsdp4_ep2": (2, 1, 4), "tp2": (1, 2, 2),
-                "tp2_ep2": (2, 2, 4), "hsdp2x2_ep2": (2, 1, 2), "cp2_ep2": (2, 1, 4), "pp2_ep2": (2, 1, 2)}  # fmt: skip
+EXPERT_SPLIT = {
+    "single": (1, 1, 1),
+    "ep2": (2, 1, 2),
+    "ep4": (4, 1, 4),
+    "fsdp4_ep2": (2, 1, 4),
+    "tp2": (1, 2, 2),
+    "tp2_ep2": (2, 2, 4),
+    "hsdp2x2_ep2": (2, 1, 2),
+    "cp2_ep2": (2, 1, 4),
+    "pp2_ep2": (2, 1, 2),
+}
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
@@ -107,7 +128,11 @@ def test_expert_parallel_matches_single_device(results: dict, layout: str) -> No
         assert diff <= 1e-4, f"{layout}: {name} differs by {diff}"
 
     ref_grads, grads = _load(results, "single", "grads.pt"), _load(results, layout, "grads.pt")
-    assert ref_grads.keys() == grads.keys() and any("experts.w1" in n for n in grads) and any("router.gate" in n for n in grads)
+    assert (
+        ref_grads.keys() == grads.keys()
+        and any("experts.w1" in n for n in grads)
+        and any("router.gate" in n for n in grads)
+    )
     for name, ref in ref_grads.items():
         assert ref.abs().max() > 0, name
         diff = (grads[name] - ref).abs().max().item()

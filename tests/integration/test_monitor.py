@@ -4,7 +4,6 @@ hand-computed values, on two ranks (DDP, TP, PP and MoE with expert parallel) th
 from __future__ import annotations
 
 import pytest
-import torch
 
 from tests.launch import REPO, cli_runs
 from tests.workers.monitor_clock import STEP_SECONDS
@@ -18,10 +17,18 @@ PEAK = 1e9
 WINDOW = 2  # ddp2-window: steps timed between two logging steps
 MICRO = 4  # pp2 run: 1F1B (the default schedule) over 4 micro-batches
 COMMON = [
-    "-c", str(REPO / "configs/gpt.yaml"), "--trainer.devices=2", f"--trainer.max_steps={STEPS}",
-    "--trainer.log_every_n_steps=1", "--trainer.logger=CSVLogger", f"--data.global_batch_size={BATCH}",
-    "--seed_everything=0", "--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false",
-    "--trainer.enable_checkpointing=false", "--trainer.callbacks+=tests.workers.monitor_clock.SteppingClockMonitor",
+    "-c",
+    str(REPO / "configs/gpt.yaml"),
+    "--trainer.devices=2",
+    f"--trainer.max_steps={STEPS}",
+    "--trainer.log_every_n_steps=1",
+    "--trainer.logger=CSVLogger",
+    f"--data.global_batch_size={BATCH}",
+    "--seed_everything=0",
+    "--trainer.enable_progress_bar=false",
+    "--trainer.enable_model_summary=false",
+    "--trainer.enable_checkpointing=false",
+    "--trainer.callbacks+=tests.workers.monitor_clock.SteppingClockMonitor",
 ]
 
 MOE = ["-c", str(REPO / "configs/moe.yaml"), *COMMON[2:]]  # the same run options on the zoo MoE (tiny preset)
@@ -30,16 +37,27 @@ MOE = ["-c", str(REPO / "configs/moe.yaml"), *COMMON[2:]]  # the same run option
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
     out = tmp_path_factory.mktemp("monitor")
-    return cli_runs(2, out, [
-        {"name": "ddp2", "args": [*COMMON, f"{S}dp_replicate=2"]},
-        {"name": "tp2", "args": [*COMMON, f"{S}tp=2", f"--trainer.callbacks.init_args.peak_flops={PEAK}"]},
-        {"name": "pp2", "args": [*COMMON, f"{S}pp=2", f"{S}pp_microbatches={MICRO}"]},
-        {"name": "cp2", "args": [*COMMON, f"{S}cp=2"]},
-        {"name": "moe-ep2", "args": [*MOE, f"{S}dp=2", f"{S}ep=2"]},
-        # a window of 2 timed steps before each logging step (steps 2 and 5 log)
-        {"name": "ddp2-window", "args": [*COMMON, f"{S}dp_replicate=2", f"--trainer.max_steps={2 * WINDOW + 2}",
-                                         f"--trainer.log_every_n_steps={WINDOW + 1}"]},
-    ])
+    return cli_runs(
+        2,
+        out,
+        [
+            {"name": "ddp2", "args": [*COMMON, f"{S}dp_replicate=2"]},
+            {"name": "tp2", "args": [*COMMON, f"{S}tp=2", f"--trainer.callbacks.init_args.peak_flops={PEAK}"]},
+            {"name": "pp2", "args": [*COMMON, f"{S}pp=2", f"{S}pp_microbatches={MICRO}"]},
+            {"name": "cp2", "args": [*COMMON, f"{S}cp=2"]},
+            {"name": "moe-ep2", "args": [*MOE, f"{S}dp=2", f"{S}ep=2"]},
+            # a window of 2 timed steps before each logging step (steps 2 and 5 log)
+            {
+                "name": "ddp2-window",
+                "args": [
+                    *COMMON,
+                    f"{S}dp_replicate=2",
+                    f"--trainer.max_steps={2 * WINDOW + 2}",
+                    f"--trainer.log_every_n_steps={WINDOW + 1}",
+                ],
+            },
+        ],
+    )
 
 
 def _at_each_step(result: dict, key: str) -> list[float]:
@@ -59,8 +77,12 @@ def test_throughput_and_flops_equal_the_hand_computed_values(runs: dict, layout:
     assert _at_each_step(result, "tokens_per_s") == [pytest.approx(tokens / STEP_SECONDS)] * STEPS
     assert result["progress_bar"]["tokens_per_s"] == pytest.approx(tokens / STEP_SECONDS)  # shown in the bar
     assert "monitor/step_time_s" not in result["progress_bar"]  # the rest stays in the logger
-    assert _at_each_step(result, "monitor/tokens_per_s_per_device") == [pytest.approx(tokens / STEP_SECONDS / 2)] * STEPS
-    assert _at_each_step(result, "monitor/tflops_per_device") == [pytest.approx(flops / STEP_SECONDS / 2 / 1e12)] * STEPS
+    assert (
+        _at_each_step(result, "monitor/tokens_per_s_per_device") == [pytest.approx(tokens / STEP_SECONDS / 2)] * STEPS
+    )
+    assert (
+        _at_each_step(result, "monitor/tflops_per_device") == [pytest.approx(flops / STEP_SECONDS / 2 / 1e12)] * STEPS
+    )
     for peak in _at_each_step(result, "monitor/peak_memory_gib"):
         assert 0.05 < peak < 24  # a Python process with torch loaded, within this machine
 
@@ -138,9 +160,12 @@ def test_moe_balance_is_logged_from_the_routing(runs: dict) -> None:
     # the MoE module logs the same routing its own way: the monitor agrees with it
     for e in range(c.n_experts):
         assert per_expert[e] == _at_each_step(runs["moe-ep2"], f"moe/tokens_expert_{e}")
-    assert _at_each_step(runs["moe-ep2"], "monitor/moe_imbalance") == pytest.approx(_at_each_step(runs["moe-ep2"], "moe/imbalance"))
+    assert _at_each_step(runs["moe-ep2"], "monitor/moe_imbalance") == pytest.approx(
+        _at_each_step(runs["moe-ep2"], "moe/imbalance")
+    )
     assert _at_each_step(runs["moe-ep2"], "monitor/moe_aux_loss") == pytest.approx(
-        _at_each_step(runs["moe-ep2"], "train_aux_loss"), rel=1e-5)
+        _at_each_step(runs["moe-ep2"], "train_aux_loss"), rel=1e-5
+    )
     assert "monitor/comm_mib/ep" in metrics  # the token all-to-alls go over the ep group
     for layout in ("ddp2", "tp2", "pp2"):  # dense models: no MoE keys
         assert not any(k.startswith("monitor/moe") for k in runs[layout]["metrics"])

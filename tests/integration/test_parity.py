@@ -50,7 +50,8 @@ VARIANTS: dict[str, tuple[str, list[str]]] = {
     "fsdp2_tp2-fp16-mixed": ("fsdp2_tp2", ["--trainer.plugins=lit_mesh.FP16MixedPrecision"]),
     "fsdp2_tp2-ac-full": ("fsdp2_tp2", [f"{S}activation_checkpointing=full"]),
     "fsdp2_tp2-ac-selective-every2": (
-        "fsdp2_tp2", [f"{S}activation_checkpointing=selective", f"{S}ac_every_n_blocks=2"]
+        "fsdp2_tp2",
+        [f"{S}activation_checkpointing=selective", f"{S}ac_every_n_blocks=2"],
     ),
     "fsdp2-compile": ("fsdp2", [f"{S}compile_blocks=true", f"{S}compile_backend=aot_eager"]),
     "fsdp2_tp2-compile": ("fsdp2_tp2", [f"{S}compile_blocks=true", f"{S}compile_backend=aot_eager"]),
@@ -59,7 +60,8 @@ VARIANTS: dict[str, tuple[str, list[str]]] = {
     "fsdp2-zero2": ("fsdp2", [f"{S}zero_stage=2"]),
     "fsdp2_tp2-zero2": ("fsdp2_tp2", [f"{S}zero_stage=2"]),
     "fsdp2_tp2-bf16-mixed-ac-selective": (
-        "fsdp2_tp2", ["--trainer.precision=bf16-mixed", f"{S}activation_checkpointing=selective"]
+        "fsdp2_tp2",
+        ["--trainer.precision=bf16-mixed", f"{S}activation_checkpointing=selective"],
     ),
     # tp_mode=2d: SUMMA on a 2 x 2 grid of the 4 ranks, no dp (fsdp4's dp=4 overridden)
     "tp4-2d": ("fsdp4", [f"{S}dp=1", f"{S}tp=4", f"{S}tp_mode=2d", f"{S}sequence_parallel=false"]),
@@ -73,8 +75,12 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
     """Every (recipe, layout) run, grouped into one torchrun launch per world size."""
     out = tmp_path_factory.mktemp("parity")
     shards = prepare_shards(train_tokenizer(out / "tokenizer"), out / "shards")
-    token_data = ["--data=zoo.TokenDataModule", f"--data.path={shards}", "--data.seq_len=64",
-                  f"--model.init_args.config_overrides={{vocab_size: {VOCAB}}}"]  # fmt: skip
+    token_data = [
+        "--data=zoo.TokenDataModule",
+        f"--data.path={shards}",
+        "--data.seq_len=64",
+        f"--model.init_args.config_overrides={{vocab_size: {VOCAB}}}",
+    ]
     found: dict[str, dict] = {}
     for nproc in (1, 2, 4):
         runs = [
@@ -84,12 +90,25 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
             if n == nproc
         ]
         runs += [
-            {"name": f"gpt-{variant}", "args": ["-c", str(REPO / RECIPES["gpt"]), f"--trainer.devices={nproc}", *COMMON, *LAYOUTS[layout][1], *extra]}
+            {
+                "name": f"gpt-{variant}",
+                "args": [
+                    "-c",
+                    str(REPO / RECIPES["gpt"]),
+                    f"--trainer.devices={nproc}",
+                    *COMMON,
+                    *LAYOUTS[layout][1],
+                    *extra,
+                ],
+            }
             for variant, (layout, extra) in VARIANTS.items()
             if LAYOUTS[layout][0] == nproc
         ]
         runs += [
-            {"name": f"token-{layout}", "args": ["-c", str(REPO / RECIPES["gpt"]), f"--trainer.devices={n}", *COMMON, *extra, *token_data]}
+            {
+                "name": f"token-{layout}",
+                "args": ["-c", str(REPO / RECIPES["gpt"]), f"--trainer.devices={n}", *COMMON, *extra, *token_data],
+            }
             for layout, (n, extra) in TOKEN_LAYOUTS.items()
             if n == nproc
         ]
@@ -160,6 +179,8 @@ def test_gradient_norm_and_learning_rate_are_logged_as_on_one_device(results: di
         for step, (a, b) in enumerate(zip(ref, got), start=1):  # 1e-3: a norm amplifies the losses' last bits
             assert abs(a - b) <= 1e-3 * abs(a), f"step {step}: {layout} {key} {b} vs single-device {a}"
     assert len(set(reference["grad_norm"].values())) == STEPS
+
+
 @pytest.mark.parametrize("layout", [name for name in TOKEN_LAYOUTS if name != "single"])
 def test_token_data_layout_matches_single_device(results: dict, layout: str) -> None:
     reference = losses(results["token-single"])
@@ -175,10 +196,12 @@ def test_gradient_accumulation_matches_single_device(results: dict) -> None:
 @pytest.mark.parametrize(
     ("variant", "param_dtype"),
     [
-        ("fsdp2_tp2-bf16-mixed", torch.float32), ("fsdp2_tp2-bf16-true", torch.bfloat16),
-        ("tp2-bf16-mixed", torch.float32), ("fsdp2_tp2-fp16-mixed", torch.float32),
+        ("fsdp2_tp2-bf16-mixed", torch.float32),
+        ("fsdp2_tp2-bf16-true", torch.bfloat16),
+        ("tp2-bf16-mixed", torch.float32),
+        ("fsdp2_tp2-fp16-mixed", torch.float32),
     ],
-)  # fmt: skip
+)
 def test_half_precision_trains_near_fp32(results: dict, variant: str, param_dtype: torch.dtype) -> None:
     fp32, bf16 = losses(results["gpt-single"]), losses(results[f"gpt-{variant}"])
     assert len(bf16) == STEPS
@@ -202,9 +225,14 @@ def test_selective_checkpointing_under_bf16_mixed_changes_no_number(results: dic
     assert losses(results["gpt-fsdp2_tp2-bf16-mixed-ac-selective"]) == losses(results["gpt-fsdp2_tp2-bf16-mixed"])
 
 
-@pytest.mark.parametrize(("variant", "reference"), [
-    ("fsdp2-zero1-accum2", "single-accum2"), ("fsdp2-zero2", "single"), ("fsdp2_tp2-zero2", "single"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("variant", "reference"),
+    [
+        ("fsdp2-zero1-accum2", "single-accum2"),
+        ("fsdp2-zero2", "single"),
+        ("fsdp2_tp2-zero2", "single"),
+    ],
+)
 def test_zero_stages_keep_the_loss_curve(results: dict, variant: str, reference: str) -> None:
     _assert_same_curve(losses(results[f"gpt-{reference}"]), losses(results[f"gpt-{variant}"]), variant)
     out = Path(results["_dir"]["path"])

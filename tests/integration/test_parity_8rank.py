@@ -28,7 +28,10 @@ LAYOUTS: dict[str, tuple[str, list[str]]] = {
     "gpt-pp2_fsdp2_tp2": ("gpt", [f"{S}pp=2", f"{S}tp=2"]),  # dp_shard fills the rest: 2
     "gpt-fsdp2_cp2_tp2": ("gpt", [f"{S}cp=2", f"{S}tp=2"]),
     "gpt-hsdp2x2_tp2": ("gpt", [f"{S}dp_replicate=2", f"{S}dp_shard=2", f"{S}tp=2"]),
-    "gpt-pp2_cp2_tp2-interleaved": ("gpt4", [f"{S}pp=2", f"{S}cp=2", f"{S}tp=2", f"{S}pp_schedule=interleaved_1f1b", f"{S}pp_stages_per_rank=2"]),
+    "gpt-pp2_cp2_tp2-interleaved": (
+        "gpt4",
+        [f"{S}pp=2", f"{S}cp=2", f"{S}tp=2", f"{S}pp_schedule=interleaved_1f1b", f"{S}pp_stages_per_rank=2"],
+    ),
     "moe-pp2_tp2_ep2": ("moe", [f"{S}pp=2", f"{S}tp=2", f"{S}ep=2"]),
     # 2-D tensor parallel on a 2 x 2 grid, two replicas averaging their gradients (tp_mode's DDP)
     "gpt-ddp2_tp4-2d": ("gpt", [f"{S}dp_replicate=2", f"{S}tp=4", f"{S}tp_mode=2d", f"{S}sequence_parallel=false"]),
@@ -45,7 +48,11 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict:
     references = sorted({recipe for recipe, _ in LAYOUTS.values()})
     found: dict = {"_dir": out}
     found.update(cli_runs(1, out, [_run(f"{recipe}-single", recipe, 1, []) for recipe in references]))
-    found.update(cli_runs(WORLD, out, [_run(name, recipe, WORLD, extra) for name, (recipe, extra) in LAYOUTS.items()], timeout=540))
+    found.update(
+        cli_runs(
+            WORLD, out, [_run(name, recipe, WORLD, extra) for name, (recipe, extra) in LAYOUTS.items()], timeout=540
+        )
+    )
     return found
 
 

@@ -17,13 +17,24 @@ from tests.launch import REPO, cli_runs
 STEPS = 10
 S = "--trainer.strategy.init_args."
 COMMON = [
-    f"--trainer.max_steps={STEPS}", "--trainer.log_every_n_steps=1", "--trainer.logger=CSVLogger",
-    "--seed_everything=0", "--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false",
-    "--trainer.enable_checkpointing=false", "--trainer.num_sanity_val_steps=0",
+    f"--trainer.max_steps={STEPS}",
+    "--trainer.log_every_n_steps=1",
+    "--trainer.logger=CSVLogger",
+    "--seed_everything=0",
+    "--trainer.enable_progress_bar=false",
+    "--trainer.enable_model_summary=false",
+    "--trainer.enable_checkpointing=false",
+    "--trainer.num_sanity_val_steps=0",
     # validation through the pipeline twice during training (batch 5 is inside an accumulation window)
-    "--trainer.val_check_interval=5", "--trainer.limit_val_batches=2",
-]  # fmt: skip
-GPT = ["-c", str(REPO / "configs/gpt.yaml"), "--model.init_args.config_overrides={n_layers: 4}", "--data.global_batch_size=8"]
+    "--trainer.val_check_interval=5",
+    "--trainer.limit_val_batches=2",
+]
+GPT = [
+    "-c",
+    str(REPO / "configs/gpt.yaml"),
+    "--model.init_args.config_overrides={n_layers: 4}",
+    "--data.global_batch_size=8",
+]
 VIT = ["-c", str(REPO / "configs/vit.yaml"), "--data.global_batch_size=8"]
 ACCUM_CLIP = ["--trainer.accumulate_grad_batches=2", "--trainer.gradient_clip_val=0.05"]  # a clip that bites
 FP16 = ["--trainer.plugins=lit_mesh.FP16MixedPrecision"]  # the scaler scales the schedule's losses too
@@ -39,7 +50,11 @@ RUNS: dict[str, tuple[int, list[str], list[str]]] = {
     "gpt-pp2-1f1b-fp16": (2, GPT, [f"{S}pp=2", f"{S}pp_schedule=1f1b", *FP16]),
     "gpt-pp2-interleaved": (2, GPT, [f"{S}pp=2", f"{S}pp_schedule=interleaved_1f1b", f"{S}pp_stages_per_rank=2"]),
     # what the refusal of checkpointing with the zero-bubble schedules offers instead (lit_mesh/rules.py)
-    "gpt-pp2-interleaved-ac": (2, GPT, [f"{S}pp=2", f"{S}pp_schedule=interleaved_1f1b", f"{S}activation_checkpointing=full"]),
+    "gpt-pp2-interleaved-ac": (
+        2,
+        GPT,
+        [f"{S}pp=2", f"{S}pp_schedule=interleaved_1f1b", f"{S}activation_checkpointing=full"],
+    ),
     "gpt-pp2-zero_bubble": (2, GPT, [f"{S}pp=2", f"{S}pp_schedule=zero_bubble"]),
     "gpt-pp2-looped_bfs": (2, GPT, [f"{S}pp=2", f"{S}pp_schedule=looped_bfs"]),
     "gpt-pp2-zbv": (2, GPT, [f"{S}pp=2", f"{S}pp_schedule=zbv", f"{S}pp_microbatches=4"]),
@@ -60,10 +75,14 @@ GRAD_NORM_RTOL = {"gpt-pp2-1f1b-fp16": 2e-2}
 TIMELINE = "gpt-pp2-zero_bubble"  # this run also draws the PipelineTimeline of its step 3
 # every schedule MeshStrategy offers -> the run that trains it
 SCHEDULE_RUNS = {
-    "gpipe": "gpt-pp2-gpipe", "1f1b": "gpt-pp2-1f1b", "interleaved_1f1b": "gpt-pp2-interleaved",
-    "looped_bfs": "gpt-pp2-looped_bfs", "zero_bubble": "gpt-pp2-zero_bubble", "zbv": "gpt-pp2-zbv",
+    "gpipe": "gpt-pp2-gpipe",
+    "1f1b": "gpt-pp2-1f1b",
+    "interleaved_1f1b": "gpt-pp2-interleaved",
+    "looped_bfs": "gpt-pp2-looped_bfs",
+    "zero_bubble": "gpt-pp2-zero_bubble",
+    "zbv": "gpt-pp2-zbv",
     "dualpipev": "gpt-pp2-dualpipev",
-}  # fmt: skip
+}
 # these runs save a checkpoint at step 5; "<name>-resumed" (same launch) continues from it to step 10
 RESUMED = [*SCHEDULE_RUNS.values(), "gpt-pp2-fsdp2"]
 RESUME_STEP = 5
@@ -76,10 +95,13 @@ def reference_name(name: str) -> str:
 
 def _checkpointing(directory: Path) -> list[str]:
     return [
-        "--trainer.enable_checkpointing=true", "--trainer.callbacks+=ModelCheckpoint",
-        f"--trainer.callbacks.dirpath={directory}", f"--trainer.callbacks.every_n_train_steps={RESUME_STEP}",
-        "--trainer.callbacks.save_top_k=-1", "--trainer.callbacks.filename={step}",
-    ]  # fmt: skip
+        "--trainer.enable_checkpointing=true",
+        "--trainer.callbacks+=ModelCheckpoint",
+        f"--trainer.callbacks.dirpath={directory}",
+        f"--trainer.callbacks.every_n_train_steps={RESUME_STEP}",
+        "--trainer.callbacks.save_top_k=-1",
+        "--trainer.callbacks.filename={step}",
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -97,7 +119,12 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict:
             runs.append({"name": name, "args": [*args, *(timeline if name == TIMELINE else []), *saves]})
             if name in RESUMED:
                 resume_from = f"--ckpt_path={out / 'ckpt' / name / f'step={RESUME_STEP}.ckpt'}"
-                runs.append({"name": f"{name}-resumed", "args": [*args, *_checkpointing(out / "ckpt" / f"{name}-resumed"), resume_from]})
+                runs.append(
+                    {
+                        "name": f"{name}-resumed",
+                        "args": [*args, *_checkpointing(out / "ckpt" / f"{name}-resumed"), resume_from],
+                    }
+                )
         found.update(cli_runs(nproc, out, runs))
     return found
 
@@ -145,7 +172,10 @@ def test_gradient_norm_combines_every_stage(results: dict, name: str) -> None:
 
 
 def test_the_clip_in_the_accumulation_case_bites(results: dict) -> None:
-    plain, clipped = _per_step(results["gpt-single"], "train_loss"), _per_step(results["gpt-single-accum2-clip"], "train_loss")
+    plain, clipped = (
+        _per_step(results["gpt-single"], "train_loss"),
+        _per_step(results["gpt-single-accum2-clip"], "train_loss"),
+    )
     assert plain[STEPS - 1] != pytest.approx(clipped[STEPS - 1], rel=1e-3)
 
 
@@ -198,18 +228,51 @@ def test_test_and_predict_run_through_the_pipeline_and_match_one_device(tmp_path
     common = ["-c", str(REPO / "configs/vit.yaml"), "--trainer.logger=CSVLogger", "--data.global_batch_size=8", *quiet]
     pp2 = ["--trainer.devices=2", f"{S}pp=2"]
     checkpoint = f"--ckpt_path={tmp_path / 'ckpt' / 'last.ckpt'}"
-    found = cli_runs(2, tmp_path, [
-        {"name": "fit", "args": [
-            *common, *pp2, "--trainer.max_steps=3", "--trainer.limit_val_batches=1", "--trainer.callbacks+=ModelCheckpoint",
-            f"--trainer.callbacks.dirpath={tmp_path / 'ckpt'}", "--trainer.callbacks.save_last=true",
-        ]},
-        {"name": "test_pp2", "command": "test", "args": [*common, *pp2, checkpoint, "--trainer.limit_test_batches=3"]},
-        {"name": "predict", "command": "predict", "args": [*common, *pp2, checkpoint, "--trainer.limit_predict_batches=2"]},
-    ])  # fmt: skip
-    found.update(cli_runs(1, tmp_path, [
-        {"name": "test_single", "command": "test", "args": [*common, "--trainer.devices=1", checkpoint, "--trainer.limit_test_batches=3"]},
-    ]))  # fmt: skip
-    tested = {name: {k: next(iter(v.values())) for k, v in found[f"test_{name}"]["metrics"].items()} for name in ("pp2", "single")}
+    found = cli_runs(
+        2,
+        tmp_path,
+        [
+            {
+                "name": "fit",
+                "args": [
+                    *common,
+                    *pp2,
+                    "--trainer.max_steps=3",
+                    "--trainer.limit_val_batches=1",
+                    "--trainer.callbacks+=ModelCheckpoint",
+                    f"--trainer.callbacks.dirpath={tmp_path / 'ckpt'}",
+                    "--trainer.callbacks.save_last=true",
+                ],
+            },
+            {
+                "name": "test_pp2",
+                "command": "test",
+                "args": [*common, *pp2, checkpoint, "--trainer.limit_test_batches=3"],
+            },
+            {
+                "name": "predict",
+                "command": "predict",
+                "args": [*common, *pp2, checkpoint, "--trainer.limit_predict_batches=2"],
+            },
+        ],
+    )
+    found.update(
+        cli_runs(
+            1,
+            tmp_path,
+            [
+                {
+                    "name": "test_single",
+                    "command": "test",
+                    "args": [*common, "--trainer.devices=1", checkpoint, "--trainer.limit_test_batches=3"],
+                },
+            ],
+        )
+    )
+    tested = {
+        name: {k: next(iter(v.values())) for k, v in found[f"test_{name}"]["metrics"].items()}
+        for name in ("pp2", "single")
+    }
     assert set(tested["pp2"]) == {"test_loss", "test_acc"}
     for key, value in tested["single"].items():
         assert tested["pp2"][key] == pytest.approx(value, rel=1e-5), (key, tested)

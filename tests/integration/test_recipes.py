@@ -21,9 +21,16 @@ def lit_mesh(*args: str, timeout: float = 300) -> str:
 
 def test_quickstart_recipe(tmp_path: Path) -> None:
     out = lit_mesh(
-        "fit", "-c", str(REPO / "configs/quickstart.yaml"), "--trainer.max_steps=4", "--trainer.log_every_n_steps=2", "--trainer.val_check_interval=2",
-        "--trainer.limit_val_batches=1", f"--trainer.logger.init_args.save_dir={tmp_path}", *QUIET,
-    )  # fmt: skip
+        "fit",
+        "-c",
+        str(REPO / "configs/quickstart.yaml"),
+        "--trainer.max_steps=4",
+        "--trainer.log_every_n_steps=2",
+        "--trainer.val_check_interval=2",
+        "--trainer.limit_val_batches=1",
+        f"--trainer.logger.init_args.save_dir={tmp_path}",
+        *QUIET,
+    )
     assert "dp_shard=2 x cp=1 x tp=2 (world size 4" in out  # the mesh the README promises
     events = list(tmp_path.rglob("events.out.tfevents*"))
     assert events, "TensorBoard logs are written"
@@ -47,17 +54,40 @@ def fit_then_evaluate(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, d
     out = tmp_path_factory.mktemp("recipes")
     runs = []
     for recipe, (mesh, after) in AFTER_FIT.items():
-        common = ["-c", str(REPO / f"configs/{recipe}.yaml"), "--trainer.devices=2", *mesh, "--trainer.logger=CSVLogger", *QUIET]
+        common = [
+            "-c",
+            str(REPO / f"configs/{recipe}.yaml"),
+            "--trainer.devices=2",
+            *mesh,
+            "--trainer.logger=CSVLogger",
+            *QUIET,
+        ]
         checkpoint = out / recipe / "ckpt"
-        runs.append({"name": f"{recipe}-fit", "args": [
-            *common, "--trainer.max_steps=3", "--trainer.limit_val_batches=1", "--trainer.callbacks+=ModelCheckpoint",
-            f"--trainer.callbacks.dirpath={checkpoint}", "--trainer.callbacks.save_last=true",
-        ]})  # fmt: skip
+        runs.append(
+            {
+                "name": f"{recipe}-fit",
+                "args": [
+                    *common,
+                    "--trainer.max_steps=3",
+                    "--trainer.limit_val_batches=1",
+                    "--trainer.callbacks+=ModelCheckpoint",
+                    f"--trainer.callbacks.dirpath={checkpoint}",
+                    "--trainer.callbacks.save_last=true",
+                ],
+            }
+        )
         runs += [
-            {"name": f"{recipe}-{command}", "command": command, "args": [
-                *common, f"--ckpt_path={checkpoint / 'last.ckpt'}", "--trainer.limit_val_batches=2",
-                "--trainer.limit_test_batches=2", "--trainer.limit_predict_batches=2",
-            ]}  # fmt: skip
+            {
+                "name": f"{recipe}-{command}",
+                "command": command,
+                "args": [
+                    *common,
+                    f"--ckpt_path={checkpoint / 'last.ckpt'}",
+                    "--trainer.limit_val_batches=2",
+                    "--trainer.limit_test_batches=2",
+                    "--trainer.limit_predict_batches=2",
+                ],
+            }
             for command in after
         ]
     return out, cli_runs(2, out, runs)

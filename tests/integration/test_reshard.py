@@ -24,15 +24,27 @@ MOVES = [("fsdp4", "fsdp2_tp2"), ("tp2", "single"), ("hsdp2x2", "fsdp4")]
 def _args(mesh: str, max_steps: int, out: Path, name: str, dump: str, *extra: str) -> list[str]:
     devices, degrees = MESHES[mesh]
     return [
-        "-c", str(REPO / "configs/gpt.yaml"), f"--trainer.devices={devices}", *degrees,
-        f"--trainer.max_steps={max_steps}", "--trainer.log_every_n_steps=1", "--trainer.logger=CSVLogger",
-        "--data.global_batch_size=8", "--seed_everything=0", "--trainer.enable_progress_bar=false",
-        "--trainer.enable_model_summary=false", "--trainer.limit_val_batches=0",
-        "--trainer.callbacks+=ModelCheckpoint", f"--trainer.callbacks.dirpath={out / name / 'ckpt'}",
-        "--trainer.callbacks.every_n_train_steps=5", "--trainer.callbacks.filename={step}",
+        "-c",
+        str(REPO / "configs/gpt.yaml"),
+        f"--trainer.devices={devices}",
+        *degrees,
+        f"--trainer.max_steps={max_steps}",
+        "--trainer.log_every_n_steps=1",
+        "--trainer.logger=CSVLogger",
+        "--data.global_batch_size=8",
+        "--seed_everything=0",
+        "--trainer.enable_progress_bar=false",
+        "--trainer.enable_model_summary=false",
+        "--trainer.limit_val_batches=0",
+        "--trainer.callbacks+=ModelCheckpoint",
+        f"--trainer.callbacks.dirpath={out / name / 'ckpt'}",
+        "--trainer.callbacks.every_n_train_steps=5",
+        "--trainer.callbacks.filename={step}",
         "--trainer.callbacks+=tests.workers.state_dump.DumpFullState",
-        f"--trainer.callbacks.path={out / f'{name}-{dump}.pt'}", f"--trainer.callbacks.when={dump}", *extra,
-    ]  # fmt: skip
+        f"--trainer.callbacks.path={out / f'{name}-{dump}.pt'}",
+        f"--trainer.callbacks.when={dump}",
+        *extra,
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -40,12 +52,16 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
     out = tmp_path_factory.mktemp("reshard")
     plan: dict[int, list[dict]] = {1: [], 2: [], 4: []}
     plan[1].append({"name": "reference", "args": _args("single", 10, out, "reference", "end")})
-    for source, target in MOVES:
-        plan[MESHES[source][0]].append({"name": f"{source}-first5", "args": _args(source, 5, out, f"{source}-first5", "end")})
+    for source, _target in MOVES:
+        plan[MESHES[source][0]].append(
+            {"name": f"{source}-first5", "args": _args(source, 5, out, f"{source}-first5", "end")}
+        )
     for source, target in MOVES:
         ckpt = out / f"{source}-first5" / "ckpt" / "step=5.ckpt"
         name = f"{target}-from-{source}"
-        plan[MESHES[target][0]].append({"name": name, "args": _args(target, 10, out, name, "start", f"--ckpt_path={ckpt}")})
+        plan[MESHES[target][0]].append(
+            {"name": name, "args": _args(target, 10, out, name, "start", f"--ckpt_path={ckpt}")}
+        )
     results: dict = {}
     for nproc in (4, 2, 1):  # sources first: the 4-process launch also resumes hsdp -> fsdp4 after saving
         results.update(cli_runs(nproc, out, sorted(plan[nproc], key=lambda r: "-from-" in r["name"])))

@@ -19,14 +19,24 @@ FSDP4 = ("--trainer.devices=4", f"{S}dp=4")
 
 def _args(ckpt_dir: Path, max_steps: int, *extra: str, layout: tuple[str, ...] = FSDP2_TP2) -> list[str]:
     return [
-        "-c", str(REPO / "configs/gpt.yaml"), *layout,
-        f"--trainer.max_steps={max_steps}", "--trainer.log_every_n_steps=1", "--trainer.logger=CSVLogger",
-        "--data.global_batch_size=8", "--seed_everything=0", "--trainer.enable_progress_bar=false",
-        "--trainer.limit_val_batches=0", "--trainer.enable_checkpointing=true",
-        "--trainer.callbacks+=ModelCheckpoint", f"--trainer.callbacks.dirpath={ckpt_dir}",
-        "--trainer.callbacks.every_n_train_steps=5", "--trainer.callbacks.save_top_k=-1",
-        "--trainer.callbacks.filename={step}", *extra,
-    ]  # fmt: skip
+        "-c",
+        str(REPO / "configs/gpt.yaml"),
+        *layout,
+        f"--trainer.max_steps={max_steps}",
+        "--trainer.log_every_n_steps=1",
+        "--trainer.logger=CSVLogger",
+        "--data.global_batch_size=8",
+        "--seed_everything=0",
+        "--trainer.enable_progress_bar=false",
+        "--trainer.limit_val_batches=0",
+        "--trainer.enable_checkpointing=true",
+        "--trainer.callbacks+=ModelCheckpoint",
+        f"--trainer.callbacks.dirpath={ckpt_dir}",
+        "--trainer.callbacks.every_n_train_steps=5",
+        "--trainer.callbacks.save_top_k=-1",
+        "--trainer.callbacks.filename={step}",
+        *extra,
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -38,14 +48,26 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
         [
             {"name": "full", "args": _args(out / "ckpt_full", 10)},
             {"name": "first", "args": _args(out / "ckpt_first", 5)},
-            {"name": "resumed", "args": [*_args(out / "ckpt_resumed", 10), f"--ckpt_path={out / 'ckpt_first' / 'step=5.ckpt'}"]},
+            {
+                "name": "resumed",
+                "args": [*_args(out / "ckpt_resumed", 10), f"--ckpt_path={out / 'ckpt_first' / 'step=5.ckpt'}"],
+            },
             # asynchronous saves: training goes on while step 5 is written; then resume from what was written
             {"name": "full_async", "args": _args(out / "ckpt_async", 10, f"{S}async_save=true")},
-            {"name": "resumed_from_async", "args": [*_args(out / "ckpt_resumed_async", 10), f"--ckpt_path={out / 'ckpt_async' / 'step=5.ckpt'}"]},
+            {
+                "name": "resumed_from_async",
+                "args": [*_args(out / "ckpt_resumed_async", 10), f"--ckpt_path={out / 'ckpt_async' / 'step=5.ckpt'}"],
+            },
             {"name": "fsdp4", "args": _args(out / "ckpt_fsdp4", 10, layout=FSDP4)},  # saves step 5 for the replan
             # ZeRO-1 saves and resumes its own checkpoint (the DCP format of FSDP's: stage 3 reads it too)
             {"name": "first_zero1", "args": _args(out / "ckpt_zero1", 5, f"{S}zero_stage=1")},
-            {"name": "resumed_zero1", "args": [*_args(out / "ckpt_resumed_zero1", 10, f"{S}zero_stage=1"), f"--ckpt_path={out / 'ckpt_zero1' / 'step=5.ckpt'}"]},
+            {
+                "name": "resumed_zero1",
+                "args": [
+                    *_args(out / "ckpt_resumed_zero1", 10, f"{S}zero_stage=1"),
+                    f"--ckpt_path={out / 'ckpt_zero1' / 'step=5.ckpt'}",
+                ],
+            },
         ],
     )
     return out, results

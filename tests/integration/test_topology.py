@@ -14,15 +14,20 @@ from pathlib import Path
 import pytest
 import torch
 
-from lit_mesh.comm import hierarchical
 from tests.launch import LAUNCHER_VARIABLES, REPO, WORKERS, free_port, launch_with_environments
 from tests.worker_checks import CheckResults, check_names, selected_checks
 
 
-
 def clean_env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_") and k not in LAUNCHER_VARIABLES}
-    return {**env, "PYTHONPATH": str(REPO), "PYTHONWARNINGS": "ignore", "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **extra}
+    return {
+        **env,
+        "PYTHONPATH": str(REPO),
+        "PYTHONWARNINGS": "ignore",
+        "PYTHONUNBUFFERED": "1",
+        "OMP_NUM_THREADS": "1",
+        **extra,
+    }
 
 
 def wait_all(procs: list[subprocess.Popen], timeout: float) -> list[str]:
@@ -44,11 +49,18 @@ def slurm_launch(nodes: int, per_node: int, script: Path, *args: str, timeout: f
     port, world = free_port(), nodes * per_node
     environments = [
         clean_env(
-            SLURM_NTASKS=str(world), SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank % per_node),
-            SLURM_NODEID=str(rank // per_node), SLURM_NNODES=str(nodes), SLURM_NTASKS_PER_NODE=str(per_node),
-            SLURM_JOB_NAME="lit-mesh-test", SLURM_JOB_ID="4242", SLURM_NODELIST="localhost",
-            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-        )  # fmt: skip
+            SLURM_NTASKS=str(world),
+            SLURM_PROCID=str(rank),
+            SLURM_LOCALID=str(rank % per_node),
+            SLURM_NODEID=str(rank // per_node),
+            SLURM_NNODES=str(nodes),
+            SLURM_NTASKS_PER_NODE=str(per_node),
+            SLURM_JOB_NAME="lit-mesh-test",
+            SLURM_JOB_ID="4242",
+            SLURM_NODELIST="localhost",
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+        )
         for rank in range(world)
     ]
     proc = launch_with_environments(environments, script, *args, timeout=timeout)
@@ -61,11 +73,27 @@ def torchrun_nodes(nodes: int, per_node: int, script: Path, *args: str, timeout:
     procs = []
     for node in range(nodes):
         cmd = [
-            sys.executable, "-m", "torch.distributed.run", f"--nnodes={nodes}", f"--node-rank={node}",
-            f"--nproc-per-node={per_node}", "--master-addr=127.0.0.1", f"--master-port={port}", str(script), *args,
-        ]  # fmt: skip
-        procs.append(subprocess.Popen(cmd, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                      cwd=tempfile.mkdtemp(prefix="lit-mesh-test-")))  # fmt: skip
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            f"--nnodes={nodes}",
+            f"--node-rank={node}",
+            f"--nproc-per-node={per_node}",
+            "--master-addr=127.0.0.1",
+            f"--master-port={port}",
+            str(script),
+            *args,
+        ]
+        procs.append(
+            subprocess.Popen(
+                cmd,
+                env=clean_env(),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                cwd=tempfile.mkdtemp(prefix="lit-mesh-test-"),
+            )
+        )
     return wait_all(procs, timeout)
 
 
@@ -89,11 +117,22 @@ def test_slurm_two_nodes(slurm_two_nodes: CheckResults, check: str) -> None:
 S = "--trainer.strategy.init_args."
 STEPS = 5
 GPT = [
-    "-c", str(REPO / "configs/gpt.yaml"), "--trainer.num_nodes=2", "--trainer.devices=2", f"--trainer.max_steps={STEPS}",
-    "--trainer.log_every_n_steps=1", "--trainer.logger=CSVLogger", "--data.global_batch_size=8", "--seed_everything=0",
-    "--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false", "--trainer.enable_checkpointing=false",
-    "--trainer.limit_val_batches=0", f"{S}dp_replicate=4", "--trainer.callbacks+=lit_mesh.MeshMonitor",
-]  # fmt: skip
+    "-c",
+    str(REPO / "configs/gpt.yaml"),
+    "--trainer.num_nodes=2",
+    "--trainer.devices=2",
+    f"--trainer.max_steps={STEPS}",
+    "--trainer.log_every_n_steps=1",
+    "--trainer.logger=CSVLogger",
+    "--data.global_batch_size=8",
+    "--seed_everything=0",
+    "--trainer.enable_progress_bar=false",
+    "--trainer.enable_model_summary=false",
+    "--trainer.enable_checkpointing=false",
+    "--trainer.limit_val_batches=0",
+    f"{S}dp_replicate=4",
+    "--trainer.callbacks+=lit_mesh.MeshMonitor",
+]
 
 
 def test_torchrun_two_nodes_gpt_hierarchical_equals_flat(tmp_path: Path) -> None:
@@ -111,7 +150,9 @@ def test_torchrun_two_nodes_gpt_hierarchical_equals_flat(tmp_path: Path) -> None
     spec.write_text(json.dumps(runs))
     outputs = torchrun_nodes(2, 2, WORKERS / "topology_runs.py", str(tmp_path), str(spec))
     # rank 0 (node 0's torchrun) prints where every rank sits
-    assert "rank    3 -> node 1, local rank 1: pp=0, dp_replicate=3, dp_shard=0, cp=0, tp=0" in outputs[0], outputs[0][-3000:]
+    assert "rank    3 -> node 1, local rank 1: pp=0, dp_replicate=3, dp_shard=0, cp=0, tp=0" in outputs[0], outputs[0][
+        -3000:
+    ]
     assert "dp_replicate all-reduce hierarchical: 2 nodes x 2 ranks per node" in outputs[0]
     assert outputs[0].count("(world size 4;") == 4, "the layout is printed once per run (one block), not twice"
     results = {r["name"]: json.loads((tmp_path / r["name"] / "result.json").read_text()) for r in runs}

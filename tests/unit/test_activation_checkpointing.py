@@ -27,7 +27,9 @@ def _forward_calls(mode: str, every_n: int) -> tuple[list[int], float, torch.Ten
     ("mode", "every_n", "expected"),
     [("none", 1, [1, 1, 1, 1]), ("full", 1, [2, 2, 2, 2]), ("full", 2, [1, 2, 1, 2]), ("selective", 1, [2, 2, 2, 2])],
 )
-def test_checkpointed_blocks_recompute_in_backward_with_the_same_numbers(mode: str, every_n: int, expected: list[int]) -> None:
+def test_checkpointed_blocks_recompute_in_backward_with_the_same_numbers(
+    mode: str, every_n: int, expected: list[int]
+) -> None:
     calls, loss, grad = _forward_calls(mode, every_n)
     assert calls == expected  # a checkpointed block runs its forward again in backward
     _, ref_loss, ref_grad = _forward_calls("none", 1)
@@ -35,7 +37,9 @@ def test_checkpointed_blocks_recompute_in_backward_with_the_same_numbers(mode: s
     torch.testing.assert_close(grad, ref_grad, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize(("mode", "every_n", "message"), [("some", 1, "choose one of"), ("full", 0, "must be an int >= 1")])
+@pytest.mark.parametrize(
+    ("mode", "every_n", "message"), [("some", 1, "choose one of"), ("full", 0, "must be an int >= 1")]
+)
 def test_bad_activation_checkpointing_arguments(mode: str, every_n: int, message: str) -> None:
     from lit_mesh import MeshStrategy
 

@@ -15,34 +15,96 @@ from tests.launch import REPO
 RULES = [
     ("lit_mesh/", ("zoo",), "the library never depends on the example models"),
     ("lit_mesh/", ("lit_mesh.strategy", "lit_mesh.cli"), "only the package's front door re-exports the adapter"),
-    ("lit_mesh/plan.py", ("lit_mesh.parallel", "lit_mesh.comm", "lit_mesh.hf", "lit_mesh.monitor", "lit_mesh.planner"),
-     "a plan is data: it names what to parallelise, never how"),
-    ("lit_mesh/init.py", ("lit_mesh.parallel", "lit_mesh.comm", "lit_mesh.hf", "lit_mesh.monitor", "lit_mesh.planner"),
-     "initialisation rules are declared by models, below the techniques"),
-    ("lit_mesh/mesh.py", ("lit_mesh.parallel", "lit_mesh.comm", "lit_mesh.hf", "lit_mesh.monitor", "lit_mesh.planner"),
-     "the mesh is the vocabulary every technique uses"),
-    ("lit_mesh/unit.py", ("lit_mesh.parallel", "lit_mesh.comm", "lit_mesh.mesh", "lit_mesh.rules", "lit_mesh.options"),
-     "every unit declares its rules and options with it, so it depends on none of them"),
-    ("lit_mesh/parallel/", ("lit_mesh.hf", "lit_mesh.monitor", "lit_mesh.planner"),
-     "techniques apply plans; they do not know which models declare them"),
-    ("lit_mesh/comm/", ("lit_mesh.parallel", "lit_mesh.hf", "lit_mesh.monitor", "lit_mesh.planner"),
-     "communication is below the techniques that call it"),
-    ("lit_mesh/checkpoint/", ("lit_mesh.parallel", "lit_mesh.reliability", "lit_mesh.training", "lit_mesh.hf",
-                              "lit_mesh.monitor", "lit_mesh.planner"),
-     "checkpoints store and load state; they do not know the techniques that sharded it"),
-    ("lit_mesh/reliability/", ("lit_mesh.parallel", "lit_mesh.comm", "lit_mesh.checkpoint", "lit_mesh.training",
-                               "lit_mesh.hf", "lit_mesh.monitor", "lit_mesh.planner"),
-     "a run's safety nets watch processes and steps, not the techniques"),
-    ("lit_mesh/training/", ("lit_mesh.parallel", "lit_mesh.comm", "lit_mesh.checkpoint", "lit_mesh.reliability",
-                            "lit_mesh.hf", "lit_mesh.monitor", "lit_mesh.planner"),
-     "helpers of Lightning's loop work on any sharded model"),
-    ("zoo/gpt.py", ("lit_mesh.parallel", "lit_mesh.comm", "lit_mesh.mesh", "lit_mesh.hf"), "models know nothing of meshes"),
-    ("zoo/moe.py", ("lit_mesh.parallel", "lit_mesh.comm", "lit_mesh.mesh", "lit_mesh.hf"), "models know nothing of meshes"),
-    ("zoo/vit.py", ("lit_mesh.parallel", "lit_mesh.comm", "lit_mesh.mesh", "lit_mesh.hf"), "models know nothing of meshes"),
-]  # fmt: skip
+    (
+        "lit_mesh/plan.py",
+        ("lit_mesh.parallel", "lit_mesh.comm", "lit_mesh.hf", "lit_mesh.monitor", "lit_mesh.planner"),
+        "a plan is data: it names what to parallelise, never how",
+    ),
+    (
+        "lit_mesh/init.py",
+        ("lit_mesh.parallel", "lit_mesh.comm", "lit_mesh.hf", "lit_mesh.monitor", "lit_mesh.planner"),
+        "initialisation rules are declared by models, below the techniques",
+    ),
+    (
+        "lit_mesh/mesh.py",
+        ("lit_mesh.parallel", "lit_mesh.comm", "lit_mesh.hf", "lit_mesh.monitor", "lit_mesh.planner"),
+        "the mesh is the vocabulary every technique uses",
+    ),
+    (
+        "lit_mesh/unit.py",
+        ("lit_mesh.parallel", "lit_mesh.comm", "lit_mesh.mesh", "lit_mesh.rules", "lit_mesh.options"),
+        "every unit declares its rules and options with it, so it depends on none of them",
+    ),
+    (
+        "lit_mesh/parallel/",
+        ("lit_mesh.hf", "lit_mesh.monitor", "lit_mesh.planner"),
+        "techniques apply plans; they do not know which models declare them",
+    ),
+    (
+        "lit_mesh/comm/",
+        ("lit_mesh.parallel", "lit_mesh.hf", "lit_mesh.monitor", "lit_mesh.planner"),
+        "communication is below the techniques that call it",
+    ),
+    (
+        "lit_mesh/checkpoint/",
+        (
+            "lit_mesh.parallel",
+            "lit_mesh.reliability",
+            "lit_mesh.training",
+            "lit_mesh.hf",
+            "lit_mesh.monitor",
+            "lit_mesh.planner",
+        ),
+        "checkpoints store and load state; they do not know the techniques that sharded it",
+    ),
+    (
+        "lit_mesh/reliability/",
+        (
+            "lit_mesh.parallel",
+            "lit_mesh.comm",
+            "lit_mesh.checkpoint",
+            "lit_mesh.training",
+            "lit_mesh.hf",
+            "lit_mesh.monitor",
+            "lit_mesh.planner",
+        ),
+        "a run's safety nets watch processes and steps, not the techniques",
+    ),
+    (
+        "lit_mesh/training/",
+        (
+            "lit_mesh.parallel",
+            "lit_mesh.comm",
+            "lit_mesh.checkpoint",
+            "lit_mesh.reliability",
+            "lit_mesh.hf",
+            "lit_mesh.monitor",
+            "lit_mesh.planner",
+        ),
+        "helpers of Lightning's loop work on any sharded model",
+    ),
+    (
+        "zoo/gpt.py",
+        ("lit_mesh.parallel", "lit_mesh.comm", "lit_mesh.mesh", "lit_mesh.hf"),
+        "models know nothing of meshes",
+    ),
+    (
+        "zoo/moe.py",
+        ("lit_mesh.parallel", "lit_mesh.comm", "lit_mesh.mesh", "lit_mesh.hf"),
+        "models know nothing of meshes",
+    ),
+    (
+        "zoo/vit.py",
+        ("lit_mesh.parallel", "lit_mesh.comm", "lit_mesh.mesh", "lit_mesh.hf"),
+        "models know nothing of meshes",
+    ),
+]
 # the public API (`from lit_mesh import MeshStrategy`), and the registration of strategy="mesh" that import
 # lit_mesh arranges (lit_mesh/registration.py)
-EXEMPT = {"lit_mesh/__init__.py": ("lit_mesh.strategy",), "lit_mesh/registration.py": ("lit_mesh.strategy",)}  # the public API: `from lit_mesh import MeshStrategy`
+EXEMPT = {
+    "lit_mesh/__init__.py": ("lit_mesh.strategy",),
+    "lit_mesh/registration.py": ("lit_mesh.strategy",),
+}  # the public API: `from lit_mesh import MeshStrategy`
 
 # Exceptions, (file, imported package): none. The planner and the command reach the zoo's models through the model
 # family registry (lit_mesh/planner/families.py) that zoo registers into. An entry that no longer occurs fails
@@ -92,7 +154,9 @@ def test_dependencies_point_one_way() -> None:
 
 def test_known_exceptions_still_occur() -> None:
     found = violations()
-    gone = {(f, package) for f, package in KNOWN_EXCEPTIONS if not any(f == g and is_under(m, package) for g, m, _ in found)}
+    gone = {
+        (f, package) for f, package in KNOWN_EXCEPTIONS if not any(f == g and is_under(m, package) for g, m, _ in found)
+    }
     assert not gone, f"no longer imported, remove from KNOWN_EXCEPTIONS: {sorted(gone)}"
 
 
@@ -189,7 +253,9 @@ def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 def test_import_cycles_are_found() -> None:
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": set()}
     assert import_cycles(graph) == [["a", "b", "c"]]
-    tree = ast.parse("import os\nif TYPE_CHECKING:\n    import lit_mesh.init\ndef f():\n    from lit_mesh import mesh\n")
+    tree = ast.parse(
+        "import os\nif TYPE_CHECKING:\n    import lit_mesh.init\ndef f():\n    from lit_mesh import mesh\n"
+    )
     assert [ast.unparse(node) for node in _runtime_imports(tree)] == ["import os", "from lit_mesh import mesh"]
 
 

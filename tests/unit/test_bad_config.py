@@ -9,7 +9,6 @@ import pytest
 from lightning.pytorch import Trainer
 
 from lit_mesh import MeshConfigError, MeshStrategy, Topology
-from tests.launch import torchrun
 
 
 @pytest.mark.parametrize(
@@ -68,43 +67,106 @@ def test_tp_across_nodes_warns() -> None:
 
 
 def _slurm(nodes: int, per_node: int, ntasks: int) -> dict[str, str]:
-    return {"SLURM_NTASKS_PER_NODE": str(per_node), "SLURM_NTASKS": str(ntasks), "SLURM_NNODES": str(nodes), "SLURM_PROCID": "0", "SLURM_LOCALID": "0",
-           "SLURM_NODEID": "0", "SLURM_JOB_NAME": "train", "SLURM_JOB_ID": "1", "SLURM_NODELIST": "localhost"}  # fmt: skip
+    return {
+        "SLURM_NTASKS_PER_NODE": str(per_node),
+        "SLURM_NTASKS": str(ntasks),
+        "SLURM_NNODES": str(nodes),
+        "SLURM_PROCID": "0",
+        "SLURM_LOCALID": "0",
+        "SLURM_NODEID": "0",
+        "SLURM_JOB_NAME": "train",
+        "SLURM_JOB_ID": "1",
+        "SLURM_NODELIST": "localhost",
+    }
 
 
-_TORCHRUN = {"TORCHELASTIC_RUN_ID": "x", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0",
-             "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29999"}  # fmt: skip
+_TORCHRUN = {
+    "TORCHELASTIC_RUN_ID": "x",
+    "WORLD_SIZE": "4",
+    "LOCAL_WORLD_SIZE": "2",
+    "RANK": "0",
+    "LOCAL_RANK": "0",
+    "GROUP_RANK": "0",
+    "MASTER_ADDR": "127.0.0.1",
+    "MASTER_PORT": "29999",
+}
 
 
 @pytest.mark.parametrize(
     ("trainer", "kwargs", "env", "message"),
     [
-        ({"devices": 4}, {"topology": Topology(nodes=2, devices_per_node=3)}, {},
-         "topology devices_per_node=3 does not divide the world size 4 (num_nodes=1 x devices=4); choose"),
-        ({"devices": 2, "num_nodes": 2}, {"tp": 4, "strict_topology": True}, {},
-         "tp=4 does not divide the 2 devices of one node: tensor-parallel groups cross nodes"),
-        ({"devices": 4}, {"tp": 4, "strict_topology": True, "topology": Topology(nodes=2, devices_per_node=2)}, {},
-         "choose tp dividing 2 (or strict_topology=False to run anyway)"),
-        ({"devices": 2, "num_nodes": 2}, {"topology": Topology(nodes=4, devices_per_node=1)}, {},
-         "topology=Topology(nodes=4, devices_per_node=1) contradicts the run: LightningEnvironment and the Trainer"
-         " give num_nodes=2 x devices=2; set Trainer(num_nodes=4, devices=1)"),
-        ({"devices": 2, "num_nodes": 1}, {}, _slurm(2, 2, 4),
-         "Trainer(num_nodes=1) but the SLURM allocation has 2 nodes (SLURM_NNODES); set num_nodes=2"),
-        ({"devices": 4, "num_nodes": 2}, {}, _slurm(2, 2, 4),
-         "Trainer(devices=4) but SLURM runs 2 tasks per node (SLURM_NTASKS_PER_NODE); set devices=2"),
-        ({"devices": 4, "num_nodes": 2}, {}, _slurm(2, 4, 6),
-         "num_nodes=2 x devices=4 = 8 processes but SLURM runs 6 tasks (SLURM_NTASKS); the devices per node must divide"),
-        ({"devices": 2, "num_nodes": 2}, {"topology": Topology(nodes=1, devices_per_node=4)}, _slurm(2, 2, 4),
-         "contradicts the run: SLURMEnvironment and the Trainer give num_nodes=2 x devices=2"),
-        ({"devices": 4}, {"topology": {"nodes": 3}}, {}, "topology nodes=3 does not divide the world size 4 (num_nodes=1"
-         " x devices=4); choose nodes in [1, 2, 4]"),
-        ({"devices": 2}, {"topology": {"inter_node_gbps": 25}}, {},
-         "topology keys ['inter_node_gbps'] are not Topology fields; use some of ['nodes', 'devices_per_node'"),
-        ({"devices": 2, "num_nodes": 1}, {}, _TORCHRUN,
-         "num_nodes=1 x devices=2 = 2 but torchrun's world has 4 processes; set num_nodes=2"),
+        (
+            {"devices": 4},
+            {"topology": Topology(nodes=2, devices_per_node=3)},
+            {},
+            "topology devices_per_node=3 does not divide the world size 4 (num_nodes=1 x devices=4); choose",
+        ),
+        (
+            {"devices": 2, "num_nodes": 2},
+            {"tp": 4, "strict_topology": True},
+            {},
+            "tp=4 does not divide the 2 devices of one node: tensor-parallel groups cross nodes",
+        ),
+        (
+            {"devices": 4},
+            {"tp": 4, "strict_topology": True, "topology": Topology(nodes=2, devices_per_node=2)},
+            {},
+            "choose tp dividing 2 (or strict_topology=False to run anyway)",
+        ),
+        (
+            {"devices": 2, "num_nodes": 2},
+            {"topology": Topology(nodes=4, devices_per_node=1)},
+            {},
+            "topology=Topology(nodes=4, devices_per_node=1) contradicts the run: LightningEnvironment and the Trainer"
+            " give num_nodes=2 x devices=2; set Trainer(num_nodes=4, devices=1)",
+        ),
+        (
+            {"devices": 2, "num_nodes": 1},
+            {},
+            _slurm(2, 2, 4),
+            "Trainer(num_nodes=1) but the SLURM allocation has 2 nodes (SLURM_NNODES); set num_nodes=2",
+        ),
+        (
+            {"devices": 4, "num_nodes": 2},
+            {},
+            _slurm(2, 2, 4),
+            "Trainer(devices=4) but SLURM runs 2 tasks per node (SLURM_NTASKS_PER_NODE); set devices=2",
+        ),
+        (
+            {"devices": 4, "num_nodes": 2},
+            {},
+            _slurm(2, 4, 6),
+            "num_nodes=2 x devices=4 = 8 processes but SLURM runs 6 tasks (SLURM_NTASKS); the devices per node must divide",
+        ),
+        (
+            {"devices": 2, "num_nodes": 2},
+            {"topology": Topology(nodes=1, devices_per_node=4)},
+            _slurm(2, 2, 4),
+            "contradicts the run: SLURMEnvironment and the Trainer give num_nodes=2 x devices=2",
+        ),
+        (
+            {"devices": 4},
+            {"topology": {"nodes": 3}},
+            {},
+            "topology nodes=3 does not divide the world size 4 (num_nodes=1 x devices=4); choose nodes in [1, 2, 4]",
+        ),
+        (
+            {"devices": 2},
+            {"topology": {"inter_node_gbps": 25}},
+            {},
+            "topology keys ['inter_node_gbps'] are not Topology fields; use some of ['nodes', 'devices_per_node'",
+        ),
+        (
+            {"devices": 2, "num_nodes": 1},
+            {},
+            _TORCHRUN,
+            "num_nodes=1 x devices=2 = 2 but torchrun's world has 4 processes; set num_nodes=2",
+        ),
     ],
 )
-def test_topology_errors_before_any_process_starts(trainer: dict, kwargs: dict, env: dict, message: str, monkeypatch) -> None:
+def test_topology_errors_before_any_process_starts(
+    trainer: dict, kwargs: dict, env: dict, message: str, monkeypatch
+) -> None:
     """Devices per node that do not divide the world, TP larger than a node (strict), num_nodes against the
     SLURM allocation or torchrun, a topology that contradicts the environment: each named, with the fix."""
     for name, value in env.items():

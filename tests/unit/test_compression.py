@@ -19,10 +19,15 @@ from lit_mesh.comm.powersgd import initial_q, low_rank_sum
 
 GENERATOR = torch.Generator().manual_seed(0)
 CODECS = {
-    "fp16": CastCodec(torch.float16), "bf16": CastCodec(torch.bfloat16), "onebit": SignCodec(64), "topk": TopKCodec(0.05),
-    "int8": QuantCodec(8, 64, GENERATOR), "int4": QuantCodec(4, 64, GENERATOR), "randomk": RandomKCodec(0.05, GENERATOR),
+    "fp16": CastCodec(torch.float16),
+    "bf16": CastCodec(torch.bfloat16),
+    "onebit": SignCodec(64),
+    "topk": TopKCodec(0.05),
+    "int8": QuantCodec(8, 64, GENERATOR),
+    "int4": QuantCodec(4, 64, GENERATOR),
+    "randomk": RandomKCodec(0.05, GENERATOR),
     "threshold": ThresholdCodec(1.0, 0.2),
-}  # fmt: skip
+}
 
 
 @pytest.mark.parametrize("name", sorted(CODECS))
@@ -43,7 +48,9 @@ def test_error_feedback_conserves_the_signal_exactly(name: str) -> None:
 def test_powersgd_reconstructs_a_rank_r_matrix_exactly_at_rank_r() -> None:
     gen = torch.Generator().manual_seed(1)
     for rank in (1, 4):
-        m = torch.randn(48, rank, generator=gen, dtype=torch.float64) @ torch.randn(rank, 32, generator=gen, dtype=torch.float64)
+        m = torch.randn(48, rank, generator=gen, dtype=torch.float64) @ torch.randn(
+            rank, 32, generator=gen, dtype=torch.float64
+        )
         q = initial_q(32, rank, "site", 0, torch.device("cpu")).double()
         (approx,) = low_rank_sum([m], [q], lambda tensors: None)  # one rank: the sum is the matrix
         torch.testing.assert_close(approx, m, rtol=1e-10, atol=1e-10)
@@ -99,8 +106,14 @@ def test_fusion_packs_small_tensors_into_buckets() -> None:
         (CompressionOptions(warmup_steps=-1), "warmup_steps=-1 must be an int >= 0"),
         (CompressionOptions(onebit_rms_refresh=-2), "onebit_rms_refresh=-2 must be an int >= 0"),
         (CompressionOptions(onebit_scale="max"), "onebit_scale='max' must be one of 'rms', 'mean_abs'"),
-        (CompressionOptions(schedule=[CompressionPhase("onebit")]), "has neither start_step nor grad_norm_change_below"),
-        (CompressionOptions(warmup_steps=5, schedule=[CompressionPhase("fp16", start_step=2)]), "start_step=2 comes before"),
+        (
+            CompressionOptions(schedule=[CompressionPhase("onebit")]),
+            "has neither start_step nor grad_norm_change_below",
+        ),
+        (
+            CompressionOptions(warmup_steps=5, schedule=[CompressionPhase("fp16", start_step=2)]),
+            "start_step=2 comes before",
+        ),
     ],
 )
 def test_bad_compression_settings_fail_at_construction(value: object, message: str) -> None:
@@ -136,7 +149,9 @@ def test_checkpoint_state_restores_on_the_same_layout_and_resets_with_a_warning_
 
     other = CompressionRun(saved.options)
     other.site("model.layers.0:reduce_scatter")
-    with pytest.warns(UserWarning, match="gradient compression starts afresh .* saved on 'dp_replicate=2', this run is 'dp=4'"):
+    with pytest.warns(
+        UserWarning, match="gradient compression starts afresh .* saved on 'dp_replicate=2', this run is 'dp=4'"
+    ):
         why = load_compression_state(other, tmp_path, rank=1, world_size=4, layout="dp=4")
     assert why is not None
     assert other.sites["model.layers.0:reduce_scatter"].residual is None  # reset
@@ -153,7 +168,9 @@ def test_quantised_codes_are_unbiased_levels_within_their_block_scale(bits: int)
     draws = torch.stack([codec.decode(codec.encode(x), 1000, torch.float64) for _ in range(400)])
     step = (scales.double() / levels).repeat_interleave(100)
     codes = draws / step
-    assert torch.allclose(codes, codes.round(), atol=1e-4) and codes.abs().max() <= levels + 1e-4  # whole levels in [-L, L]
+    assert (
+        torch.allclose(codes, codes.round(), atol=1e-4) and codes.abs().max() <= levels + 1e-4
+    )  # whole levels in [-L, L]
     assert ((draws - x.double()).abs() <= step + 1e-6).all(), "rounding goes to a neighbouring level only"
     # unbiased: the mean of 400 draws is within 4 standard errors of x, everywhere
     assert ((draws.mean(0) - x.double()).abs() <= 4 * step / 2 / 400**0.5 + 1e-6).all()

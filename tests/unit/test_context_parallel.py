@@ -18,7 +18,6 @@ from lit_mesh.parallel.context.apply import (
 )
 from lit_mesh.parallel.context.attention import _ring_block
 
-
 # ---- the layout of the sequence (no processes) ------------------------------------------------------------
 
 
@@ -46,7 +45,9 @@ def test_load_balanced_ring_gives_every_rank_the_same_work() -> None:
 
 
 def test_sequence_not_divisible_is_refused_with_the_fix() -> None:
-    with pytest.raises(ContextParallelError, match="sequence length is 66; use a sequence length that is a multiple of 8"):
+    with pytest.raises(
+        ContextParallelError, match="sequence length is 66; use a sequence length that is a multiple of 8"
+    ):
         shard_sequence(torch.zeros(2, 66), 4, 0, load_balanced=True)
     with pytest.raises(ContextParallelError, match="cp = 4 shards, but the sequence length is 66"):
         shard_sequence(torch.zeros(2, 66), 4, 0, load_balanced=False)
@@ -77,6 +78,8 @@ class _Attention(torch.nn.Module):
 )
 def test_attention_it_cannot_split_is_refused(how: str, message: str) -> None:
     module = _Attention(how)
-    _swap_attention(module, ContextParallelAttention(group=None, style="ring", where="M.attention"))  # refused before any collective
+    _swap_attention(
+        module, ContextParallelAttention(group=None, style="ring", where="M.attention")
+    )  # refused before any collective
     with pytest.raises(ContextParallelError, match=message):
         module(torch.randn(1, 2, 4, 8))

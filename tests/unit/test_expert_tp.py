@@ -13,12 +13,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from lit_mesh.checkpoint.pretrained import local_index
 from lit_mesh.mesh import MeshLayout, build_device_mesh
 from lit_mesh.options import MeshDegrees, MeshOptions
 from lit_mesh.parallel.apply import parallelize
 from lit_mesh.parallel.expert import expert_tp_placement
 from lit_mesh.plan import MoEPlan, PlanError
-from lit_mesh.checkpoint.pretrained import local_index
 from zoo.moe import MoEConfig, MoETransformer
 
 
@@ -46,18 +46,27 @@ def _experts_after_parallelize(layout: MeshLayout, rank: int) -> dict[str, DTens
 
 # layout -> weight -> ({mesh dim: placement}, local shape); w1/w3 (E, dim, hidden), w2 (E, hidden, dim)
 EXPECTED = {
-    "tp2": (MeshLayout(tp=2), {
-        "w1": ({"ep": "S(0)", "tp": "S(2)"}, (4, 64, 32)),
-        "w2": ({"ep": "S(0)", "tp": "S(1)"}, (4, 32, 64)),
-    }),
+    "tp2": (
+        MeshLayout(tp=2),
+        {
+            "w1": ({"ep": "S(0)", "tp": "S(2)"}, (4, 64, 32)),
+            "w2": ({"ep": "S(0)", "tp": "S(1)"}, (4, 32, 64)),
+        },
+    ),
     # ep 2 x tp 2 x FSDP 2 beside ep: FSDP takes the dim tp leaves (dim 1 of w1/w3, dim 2 of w2)
-    "fsdp4_tp2_ep2": (MeshLayout(dp_shard=4, tp=2, ep=2), {
-        "w1": ({"efsdp": "S(1)", "ep": "S(0)", "tp": "S(2)"}, (2, 32, 32)),
-        "w3": ({"efsdp": "S(1)", "ep": "S(0)", "tp": "S(2)"}, (2, 32, 32)),
-        "w2": ({"efsdp": "S(2)", "ep": "S(0)", "tp": "S(1)"}, (2, 32, 32)),
-    }),
-    "ep2_without_tp": (MeshLayout(dp_shard=2, ep=2), {"w1": ({"efsdp": "S(1)", "ep": "S(0)"}, (2, 64, 64))}),  # efsdp: 1 rank
-}  # fmt: skip
+    "fsdp4_tp2_ep2": (
+        MeshLayout(dp_shard=4, tp=2, ep=2),
+        {
+            "w1": ({"efsdp": "S(1)", "ep": "S(0)", "tp": "S(2)"}, (2, 32, 32)),
+            "w3": ({"efsdp": "S(1)", "ep": "S(0)", "tp": "S(2)"}, (2, 32, 32)),
+            "w2": ({"efsdp": "S(2)", "ep": "S(0)", "tp": "S(1)"}, (2, 32, 32)),
+        },
+    ),
+    "ep2_without_tp": (
+        MeshLayout(dp_shard=2, ep=2),
+        {"w1": ({"efsdp": "S(1)", "ep": "S(0)"}, (2, 64, 64))},
+    ),  # efsdp: 1 rank
+}
 
 
 @pytest.mark.parametrize("name", list(EXPECTED))
@@ -68,7 +77,11 @@ def test_expert_weights_are_split_over_tp_by_hidden_unit(name: str) -> None:
         for weight, (placements, local_shape) in expected.items():
             param = params[weight]
             assert isinstance(param, DTensor) and tuple(param.shape) == (4, 64, 64), (name, weight)
-            assert dict(zip(param.device_mesh.mesh_dim_names, map(str, param.placements))) == placements, (name, weight, param.placements)
+            assert dict(zip(param.device_mesh.mesh_dim_names, map(str, param.placements))) == placements, (
+                name,
+                weight,
+                param.placements,
+            )
             assert tuple(param.to_local().shape) == local_shape, (name, weight, rank)
 
 
@@ -80,7 +93,9 @@ def test_packed_gate_up_gives_each_tp_rank_its_slice_of_both_halves() -> None:
         with fake_ranks(2, rank):
             mesh = build_device_mesh(MeshLayout(tp=2), "cpu")["tp"]
             gate_up = distribute_tensor(full, mesh, [expert_tp_placement(moe, "gate_up_proj", "M")], src_data_rank=None)
-            down = distribute_tensor(full.transpose(1, 2), mesh, [expert_tp_placement(moe, "down_proj", "M")], src_data_rank=None)
+            down = distribute_tensor(
+                full.transpose(1, 2), mesh, [expert_tp_placement(moe, "down_proj", "M")], src_data_rank=None
+            )
             read = local_index(gate_up)  # the rows a pretrained load reads for this rank
         rows = [2 * rank, 2 * rank + 1, 4 + 2 * rank, 5 + 2 * rank]
         assert torch.equal(gate_up.to_local(), full[:, rows]) and read[1].tolist() == rows, (rank, read)
@@ -89,5 +104,7 @@ def test_packed_gate_up_gives_each_tp_rank_its_slice_of_both_halves() -> None:
 
 def test_an_expert_weight_without_a_hidden_dim_is_refused_by_name() -> None:
     moe = MoEPlan(layer="moe", hidden_dims={"w1": 2})
-    with pytest.raises(PlanError, match=r"Net.parallel_plan\(\): expert weight 'w2' has no hidden dim in MoEPlan.hidden_dims"):
+    with pytest.raises(
+        PlanError, match=r"Net.parallel_plan\(\): expert weight 'w2' has no hidden dim in MoEPlan.hidden_dims"
+    ):
         expert_tp_placement(moe, "w2", "Net")

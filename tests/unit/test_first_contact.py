@@ -70,8 +70,17 @@ def test_a_step_limited_fit_shows_step_n_of_max_steps(tmp_path: Path) -> None:
     from zoo import GPTModule, TextDataModule
 
     bar = RichProgressBar(leave=True)
-    trainer = Trainer(accelerator="cpu", devices=1, strategy=MeshStrategy(), max_steps=3, limit_val_batches=0,
-                      callbacks=[bar], logger=False, enable_checkpointing=False, default_root_dir=tmp_path)  # fmt: skip
+    trainer = Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=MeshStrategy(),
+        max_steps=3,
+        limit_val_batches=0,
+        callbacks=[bar],
+        logger=False,
+        enable_checkpointing=False,
+        default_root_dir=tmp_path,
+    )
     try:
         trainer.fit(GPTModule(preset="tiny"), TextDataModule(global_batch_size=4, seq_len=32))
     finally:
@@ -89,7 +98,9 @@ def test_every_recipe_logs_the_learning_rate_and_the_gradient_norm() -> None:
     assert len(recipes) >= 6
     for recipe in recipes:
         callbacks = {c["class_path"] for c in yaml.safe_load(recipe.read_text())["trainer"].get("callbacks", [])}
-        assert {"lightning.pytorch.callbacks.LearningRateMonitor", "lit_mesh.GradientNormMonitor"} <= callbacks, recipe.name
+        assert {"lightning.pytorch.callbacks.LearningRateMonitor", "lit_mesh.GradientNormMonitor"} <= callbacks, (
+            recipe.name
+        )
 
 
 # ---- what installed packages add to the command (entry points), stood in for by monkeypatching entry_points --------
@@ -131,15 +142,18 @@ def plugin(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delitem(sys.modules, "lit_mesh_plugin", raising=False)
     installed = {
         families.GROUP: [EntryPoint(name="plugin", value="lit_mesh_plugin:FAMILY", group=families.GROUP)],
-        lit_mesh.cli.COMMANDS_GROUP: [EntryPoint(name="hello", value="lit_mesh_plugin:main", group=lit_mesh.cli.COMMANDS_GROUP)],
+        lit_mesh.cli.COMMANDS_GROUP: [
+            EntryPoint(name="hello", value="lit_mesh_plugin:main", group=lit_mesh.cli.COMMANDS_GROUP)
+        ],
     }
     monkeypatch.setattr(families, "entry_points", lambda group: installed.get(group, []))
     monkeypatch.setattr(lit_mesh.cli, "entry_points", lambda group: installed.get(group, []))
     monkeypatch.setattr(families, "_FAMILIES", dict(families._FAMILIES))
 
 
-def test_an_installed_command_is_listed_without_importing_it_and_runs(plugin: None, capsys: pytest.CaptureFixture
-                                                                       ) -> None:
+def test_an_installed_command_is_listed_without_importing_it_and_runs(
+    plugin: None, capsys: pytest.CaptureFixture
+) -> None:
     import sys
 
     from lit_mesh.cli import overview, run
@@ -160,4 +174,6 @@ def test_short_class_paths_of_a_familys_cli_modules_resolve(plugin: None, capsys
     with pytest.raises(SystemExit) as exit_:
         run(["fit", "-c", str(REPO / "configs/gpt.yaml"), "--model=PluginModule", "--model.width=5", "--print_config"])
     out = capsys.readouterr().out
-    assert exit_.value.code == 0 and "class_path: lit_mesh_plugin.PluginModule" in out and "width: 5" in out, out[-3000:]
+    assert exit_.value.code == 0 and "class_path: lit_mesh_plugin.PluginModule" in out and "width: 5" in out, out[
+        -3000:
+    ]

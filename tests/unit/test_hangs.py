@@ -29,15 +29,26 @@ def test_what_the_user_set_is_kept_under_either_name() -> None:
 
 
 def _entry(group: str, seq: int, op: str, age_s: float, done: bool) -> dict[str, Any]:
-    return {"process_group": (group, f"mesh_{group}"), "collective_seq_id": seq, "profiling_name": f"gloo:{op}",
-            "time_created_ns": time.time_ns() - int(age_s * 1e9), "retired": done, "state": "scheduled", "is_p2p": False}  # fmt: skip
+    return {
+        "process_group": (group, f"mesh_{group}"),
+        "collective_seq_id": seq,
+        "profiling_name": f"gloo:{op}",
+        "time_created_ns": time.time_ns() - int(age_s * 1e9),
+        "retired": done,
+        "state": "scheduled",
+        "is_p2p": False,
+    }
 
 
 @pytest.fixture
 def watch(monkeypatch: pytest.MonkeyPatch) -> HangWatch:
     """Rank 0 of 2: it started all_reduce #3 on group "g1" (dp_shard); rank 1 started only 2 there."""
-    entries = [_entry("g1", 1, "all_reduce", 30, True), _entry("g1", 2, "all_gather", 25, True),
-               _entry("g1", 3, "all_reduce", 20, False), _entry("g2", 1, "broadcast", 40, True)]  # fmt: skip
+    entries = [
+        _entry("g1", 1, "all_reduce", 30, True),
+        _entry("g1", 2, "all_gather", 25, True),
+        _entry("g1", 3, "all_reduce", 20, False),
+        _entry("g2", 1, "broadcast", 40, True),
+    ]
     monkeypatch.setattr(hangs, "_flight_recorder", lambda: entries)
     store = dist.HashStore()
     store.set("lit_mesh/hang/started/1", json.dumps({"g1": 2, "g2": 1}))
@@ -59,12 +70,18 @@ def test_a_rank_that_does_not_answer_is_named_too(watch: HangWatch) -> None:
     assert "ranks that did not arrive: 1 (no answer)" in (watch.diagnose() or "")
 
 
-def test_torchs_timeout_error_becomes_the_named_error_on_every_rank(watch: HangWatch, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_torchs_timeout_error_becomes_the_named_error_on_every_rank(
+    watch: HangWatch, monkeypatch: pytest.MonkeyPatch
+) -> None:
     watch.store.set("lit_mesh/hang/seen/1", "1")  # rank 1's thread has read the report
-    gloo = RuntimeError("[gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 10000ms for recv operation to complete")
+    gloo = RuntimeError(
+        "[gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 10000ms for recv operation to complete"
+    )
     monkeypatch.setattr(signal, "signal", lambda signum, handler: installed.update({signum: handler}))
     installed: dict = {}
-    with pytest.raises(CollectiveHangError, match=r"all_reduce \(#3\) on mesh dim 'dp_shard'.*did not arrive: 1") as error:
+    with pytest.raises(
+        CollectiveHangError, match=r"all_reduce \(#3\) on mesh dim 'dp_shard'.*did not arrive: 1"
+    ) as error:
         watch.on_exception(gloo)
     # the launcher's SIGTERM (rank 1 exits once it has seen the report) must not replace the error on its way out
     assert installed == {signal.SIGTERM: signal.SIG_IGN}

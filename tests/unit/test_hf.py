@@ -5,13 +5,11 @@ tests/integration/test_hf.py."""
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.launch import torchrun
 MIXTRAL = "--model.init_args.architecture=mixtral"
 
 
@@ -33,12 +31,23 @@ def test_zoo_gpt_and_llama_give_the_same_logits_both_ways(tmp_path: Path) -> Non
     gpt = GPT(GPTConfig.from_preset("tiny")).eval()
     with torch.no_grad():
         assert _max_diff(zoo_to_hf(gpt)(input_ids=tokens).logits, gpt(tokens)) <= 1e-5
-        llama = LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
-                                             num_attention_heads=8, num_key_value_heads=2)).eval()  # fmt: skip
+        llama = LlamaForCausalLM(
+            LlamaConfig(
+                vocab_size=256,
+                hidden_size=64,
+                intermediate_size=96,
+                num_hidden_layers=3,
+                num_attention_heads=8,
+                num_key_value_heads=2,
+            )
+        ).eval()
         assert _max_diff(hf_to_zoo(llama)(tokens), llama(input_ids=tokens).logits) <= 1e-5
         # through a transformers directory (config.json + safetensors), both ways
         save_hf(gpt, tmp_path / "llama")
-        assert _max_diff(LlamaForCausalLM.from_pretrained(tmp_path / "llama")(input_ids=tokens).logits, gpt(tokens)) <= 1e-5
+        assert (
+            _max_diff(LlamaForCausalLM.from_pretrained(tmp_path / "llama")(input_ids=tokens).logits, gpt(tokens))
+            <= 1e-5
+        )
         assert _max_diff(load_hf_as_zoo(tmp_path / "llama")(tokens), gpt(tokens)) <= 1e-5
         # the check can fail: another weight gives other logits
         other = zoo_to_hf(gpt)
@@ -66,15 +75,27 @@ def test_tied_zoo_gpt_and_tied_llama_convert_both_ways(tmp_path: Path) -> None:
         for back in (hf_to_zoo(LlamaForCausalLM.from_pretrained(tmp_path / "tied")), load_hf_as_zoo(tmp_path / "tied")):
             assert back.config.tie_embeddings and back.output.weight is back.tok_embeddings.weight
             assert _max_diff(back(tokens), gpt(tokens)) <= 1e-5
-        hf = LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                          num_attention_heads=8, num_key_value_heads=2, tie_word_embeddings=True)).eval()
+        hf = LlamaForCausalLM(
+            LlamaConfig(
+                vocab_size=256,
+                hidden_size=64,
+                intermediate_size=96,
+                num_hidden_layers=2,
+                num_attention_heads=8,
+                num_key_value_heads=2,
+                tie_word_embeddings=True,
+            )
+        ).eval()
         zoo = hf_to_zoo(hf)
         assert zoo.config.tie_embeddings and _max_diff(zoo(tokens), hf(input_ids=tokens).logits) <= 1e-5
         # an untied head cannot go into a tied model silently
         untied = GPT(GPTConfig.from_preset("tiny")).state_dict()
         from zoo.convert.api import CONVERTERS, zoo_state_to_hf
 
-        with pytest.raises(ConversionError, match="model.embed_tokens.weight and lm_head.weight hold different values, but the model ties them"):
+        with pytest.raises(
+            ConversionError,
+            match="model.embed_tokens.weight and lm_head.weight hold different values, but the model ties them",
+        ):
             zoo_state_to_hf(CONVERTERS["llama"], untied, GPTConfig.from_preset("tiny", tie_embeddings=True))
 
 
@@ -117,10 +138,18 @@ def test_zoo_moe_and_mixtral_give_the_same_logits_both_ways(tmp_path: Path) -> N
         # the config maps back, but for the dense width (no dense layer uses it): the expert width comes back
         assert to_moe_config(hf.config) == dataclasses.replace(moe.config, ffn_hidden=moe.config.expert_hidden)
         assert _max_diff(hf(input_ids=tokens).logits, moe(tokens)) <= 1e-5
-        mixtral = MixtralForCausalLM(MixtralConfig(
-            vocab_size=256, hidden_size=64, intermediate_size=48, num_hidden_layers=3, num_attention_heads=8,
-            num_key_value_heads=2, num_local_experts=6, num_experts_per_tok=3,
-        )).eval()  # fmt: skip
+        mixtral = MixtralForCausalLM(
+            MixtralConfig(
+                vocab_size=256,
+                hidden_size=64,
+                intermediate_size=48,
+                num_hidden_layers=3,
+                num_attention_heads=8,
+                num_key_value_heads=2,
+                num_local_experts=6,
+                num_experts_per_tok=3,
+            )
+        ).eval()
         assert _max_diff(hf_to_zoo(mixtral)(tokens), mixtral(input_ids=tokens).logits) <= 1e-5
         # through a directory: transformers writes the hub's per-expert layout, read back here
         save_hf(moe, tmp_path / "mixtral")
@@ -157,7 +186,9 @@ def test_zoo_weights_of_a_module_without_a_preset_need_their_config(tmp_path: Pa
     config = GPTConfig.from_preset("tiny", n_layers=3)
     gpt = GPT(config).eval()
     checkpoint = tmp_path / "own.ckpt"
-    torch.save({"state_dict": {f"model.{k}": v for k, v in gpt.state_dict().items()}, "hyper_parameters": {}}, checkpoint)
+    torch.save(
+        {"state_dict": {f"model.{k}": v for k, v in gpt.state_dict().items()}, "hyper_parameters": {}}, checkpoint
+    )
     with pytest.raises(ConversionError, match=r"zoo GPT weights but no 'preset'.*config=GPTConfig.from_preset"):
         export_hf(checkpoint, tmp_path / "guessed")
     llama = LlamaForCausalLM.from_pretrained(export_hf(checkpoint, tmp_path / "hf", config=config)).eval()
@@ -226,7 +257,12 @@ def test_plans_are_selected_by_class_and_can_be_named() -> None:
     assert plan.tp.block["self_attn"] == "gather_input" and plan.tp.block["input_layernorm"] == "norm"
     assert plan.tp.root["lm_head"] == "head" and plan.tp.root["model.embed_tokens"] == "embedding_whole_output"
     assert plan.tp.root["model.layers.0"] == "shard_input"
-    assert plan.tp.divides == {"num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 128, "vocab_size": 256}
+    assert plan.tp.divides == {
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "intermediate_size": 128,
+        "vocab_size": 256,
+    }
     # found inside a LightningModule-like root, only the outermost transformers model
     root = torch.nn.Module()
     root.model = llama
@@ -267,7 +303,12 @@ def test_mixtral_plan_and_its_expert_adapter() -> None:
     assert plan.tp.block["self_attn.q_proj"] == "colwise" and plan.tp.block["self_attn.o_proj"] == "rowwise"
     assert plan.tp.block["mlp"] == "whole_sequence" and not any(k.startswith("mlp.") for k in plan.tp.block)
     # intermediate_size: expert tensor parallel splits each expert's width over tp, gate_up_proj by halves
-    assert plan.tp.divides == {"num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 64, "vocab_size": 256}
+    assert plan.tp.divides == {
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "intermediate_size": 64,
+        "vocab_size": 256,
+    }
     assert plan.moe.hidden_dims == {"gate_up_proj": 1, "down_proj": 2} and plan.moe.packed == ("gate_up_proj",)
     adapted = copy.deepcopy(mixtral)
     adapt_moe_layers(adapted, plan)

@@ -12,10 +12,16 @@ from lit_mesh import MeshStrategy
 
 def test_launcher_is_configured_and_validates_slurm(monkeypatch: pytest.MonkeyPatch) -> None:
     slurm = {
-        "SLURM_NTASKS": "4", "SLURM_NTASKS_PER_NODE": "4", "SLURM_PROCID": "0", "SLURM_LOCALID": "0",
-        "SLURM_NODEID": "0", "SLURM_NNODES": "1", "SLURM_JOB_NAME": "train", "SLURM_JOB_ID": "1234",
+        "SLURM_NTASKS": "4",
+        "SLURM_NTASKS_PER_NODE": "4",
+        "SLURM_PROCID": "0",
+        "SLURM_LOCALID": "0",
+        "SLURM_NODEID": "0",
+        "SLURM_NNODES": "1",
+        "SLURM_JOB_NAME": "train",
+        "SLURM_JOB_ID": "1234",
         "SLURM_NODELIST": "localhost",
-    }  # fmt: skip
+    }
     for key, value in slurm.items():
         monkeypatch.setenv(key, value)
     trainer = Trainer(accelerator="cpu", devices=4, strategy=MeshStrategy(), logger=False)

@@ -26,7 +26,6 @@ that assert CUDA devices (test_modules_without_parameters, test_module_init_cont
 
 from __future__ import annotations
 
-import json
 from datetime import timedelta
 from pathlib import Path
 from re import escape
@@ -41,8 +40,8 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.plugins.environments import LightningEnvironment
 
 from lit_mesh import MeshStrategy
-from lit_mesh.mesh import MeshConfigError
 from lit_mesh.init import materialize
+from lit_mesh.mesh import MeshConfigError
 from lit_mesh.parallel.tensor import PlanError
 
 NO_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="asserts CUDA devices; needs 2 GPUs")
@@ -67,11 +66,15 @@ def test_device_mesh_access() -> None:
     ("num_nodes", "devices", "invalid_dp_size", "invalid_tp_size"),
     [(1, 4, 1, 1), (1, 4, 2, 3), (1, 4, 4, 2), (2, 4, 1, 4), (2, 4, 2, 1)],
 )
-def test_validate_device_mesh_dimensions(num_nodes: int, devices: int, invalid_dp_size: int, invalid_tp_size: int) -> None:
+def test_validate_device_mesh_dimensions(
+    num_nodes: int, devices: int, invalid_dp_size: int, invalid_tp_size: int
+) -> None:
     strategy = MeshStrategy(data_parallel_size=invalid_dp_size, tensor_parallel_size=invalid_tp_size)
     strategy._setup_distributed = Mock()
     strategy._accelerator = Mock()
-    strategy.cluster_environment = Mock(world_size=Mock(return_value=(num_nodes * devices)), local_rank=Mock(return_value=1))
+    strategy.cluster_environment = Mock(
+        world_size=Mock(return_value=(num_nodes * devices)), local_rank=Mock(return_value=1)
+    )
     strategy.parallel_devices = [torch.device("cpu")] * devices
     strategy.num_nodes = num_nodes
     with pytest.raises(RuntimeError, match="multiplied should equal the world size"):
@@ -95,7 +98,9 @@ def test_fsdp_v1_modules_unsupported() -> None:
         strategy.setup(Mock())
 
 
-@pytest.mark.skip(reason="intended difference: MeshStrategy applies the model's parallel_plan(), configure_model is optional")
+@pytest.mark.skip(
+    reason="intended difference: MeshStrategy applies the model's parallel_plan(), configure_model is optional"
+)
 def test_configure_model_required() -> None:
     pass
 
@@ -141,7 +146,9 @@ def test_save_checkpoint_path_exists(shutil_mock: Mock, torch_save_mock: Mock, t
     assert path.is_dir()
 
 
-@pytest.mark.skip(reason="intended difference: a sharded save over a directory with other files is refused, naming them")
+@pytest.mark.skip(
+    reason="intended difference: a sharded save over a directory with other files is refused, naming them"
+)
 def test_save_checkpoint_path_exists_not_empty_2() -> None:
     pass
 
@@ -157,12 +164,16 @@ def test_load_unknown_checkpoint_type(_: Mock, tmp_path: Path) -> None:
         strategy.load_checkpoint(checkpoint_path=path)
 
 
-@pytest.mark.skip(reason="intended difference: MeshStrategy builds its N-D mesh itself (see test_timeout_reaches_init_process_group)")
+@pytest.mark.skip(
+    reason="intended difference: MeshStrategy builds its N-D mesh itself (see test_timeout_reaches_init_process_group)"
+)
 def test_set_timeout() -> None:
     pass
 
 
-@pytest.mark.skip(reason="intended difference: a meta module without reset_parameters() is refused (see test_meta_module_without_reset_is_named)")
+@pytest.mark.skip(
+    reason="intended difference: a meta module without reset_parameters() is refused (see test_meta_module_without_reset_is_named)"
+)
 def test_meta_device_materialization() -> None:
     pass
 

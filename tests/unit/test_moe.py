@@ -75,7 +75,9 @@ def test_dropless_grouped_experts_equal_token_by_token() -> None:
     x = torch.randn(3, 5, 8)
     tokens = x.view(15, 8)
     routing = moe.router(tokens)
-    torch.testing.assert_close(moe(x).view(15, 8), _reference(moe, tokens, routing, torch.ones(15, 2, dtype=torch.bool)))
+    torch.testing.assert_close(
+        moe(x).view(15, 8), _reference(moe, tokens, routing, torch.ones(15, 2, dtype=torch.bool))
+    )
 
 
 @pytest.mark.parametrize("score_func", ["softmax", "sigmoid"])

@@ -25,8 +25,15 @@ def test_bubble_formulas_by_hand() -> None:
 def test_vit_flops_per_token_from_the_formula() -> None:
     c = ViTConfig.from_preset("tiny")
     s, d = c.seq_len, c.dim
-    per_image = 6 * (c.n_patches * c.in_channels * c.patch_size**2 * d + s * c.depth * (4 * d * d + 2 * d * c.mlp_hidden)
-                     + d * c.n_classes) + 12 * c.depth * s * s * d
+    per_image = (
+        6
+        * (
+            c.n_patches * c.in_channels * c.patch_size**2 * d
+            + s * c.depth * (4 * d * d + 2 * d * c.mlp_hidden)
+            + d * c.n_classes
+        )
+        + 12 * c.depth * s * s * d
+    )
     assert vit_flops_per_token(c) == pytest.approx(per_image / s)
 
 

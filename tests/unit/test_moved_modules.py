@@ -109,12 +109,15 @@ def test_the_checkpoint_package_keeps_the_old_module_names_without_a_warning(rec
     from lit_mesh.checkpoint import export, files
 
     exported = ["export_full_state_dict", "load_full_state_dict"]
-    old_names = exported + (
-        "NESTED_OPTIMIZER_STATE_OPTIONS OPTIMIZER_STATE_OPTIONS CheckpointError NotACheckpointError dcp_load"
-        " dcp_writable failed_save_reported load_sharded_checkpoint model_problems optimizer_state_options"
-        " publish_checkpoint refuse_overwriting_other_files remove_checkpoint shard_problems"
-        " stored_optimizer_state_options verify_checkpoint"
-    ).split()
+    old_names = (
+        exported
+        + (
+            "NESTED_OPTIMIZER_STATE_OPTIONS OPTIMIZER_STATE_OPTIONS CheckpointError NotACheckpointError dcp_load"
+            " dcp_writable failed_save_reported load_sharded_checkpoint model_problems optimizer_state_options"
+            " publish_checkpoint refuse_overwriting_other_files remove_checkpoint shard_problems"
+            " stored_optimizer_state_options verify_checkpoint"
+        ).split()
+    )
     for name in old_names:
         home: ModuleType = export if name in exported else files
         assert getattr(package, name) is getattr(home, name), name

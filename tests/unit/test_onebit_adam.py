@@ -19,7 +19,9 @@ def _grads(steps: int, seed: int) -> list[torch.Tensor]:
     return [torch.randn(6, 5, generator=gen, dtype=torch.float64) * (1 + s) for s in range(steps)]
 
 
-def _run(optimizer_cls, p0: torch.Tensor, grads: list[torch.Tensor], **kw) -> tuple[torch.Tensor, torch.optim.Optimizer]:
+def _run(
+    optimizer_cls, p0: torch.Tensor, grads: list[torch.Tensor], **kw
+) -> tuple[torch.Tensor, torch.optim.Optimizer]:
     p = torch.nn.Parameter(p0.clone())
     opt = optimizer_cls([p], **kw)
     for g in grads:

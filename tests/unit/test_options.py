@@ -13,8 +13,8 @@ import pytest
 
 from lit_mesh import MeshStrategy
 from lit_mesh.comm.options import CompressionOptions
-from lit_mesh.options import ARGUMENTS, MeshOptions, build_options
 from lit_mesh.comm.topology import Topology
+from lit_mesh.options import ARGUMENTS, MeshOptions, build_options
 
 
 def _parameters() -> dict[str, inspect.Parameter]:
@@ -28,11 +28,16 @@ def _where() -> str:
 def test_signature_names_every_option_once() -> None:
     names = set(_parameters())
     missing = [a for name, a in ARGUMENTS.items() if name not in names]
-    assert not missing, "add to the signature at " + _where() + ":\n" + "\n".join(
-        f"    {a.name}: {a.annotation} = {a.default!r}," for a in missing
+    assert not missing, (
+        "add to the signature at "
+        + _where()
+        + ":\n"
+        + "\n".join(f"    {a.name}: {a.annotation} = {a.default!r}," for a in missing)
     )
     extra = sorted(names - set(ARGUMENTS))
-    assert not extra, f"{extra} in the signature at {_where()}: define them as option() fields of their unit's dataclass"
+    assert not extra, (
+        f"{extra} in the signature at {_where()}: define them as option() fields of their unit's dataclass"
+    )
 
 
 @pytest.mark.parametrize("name", list(ARGUMENTS))
@@ -40,7 +45,9 @@ def test_signature_annotation_and_default_equal_the_option(name: str) -> None:
     argument, parameter = ARGUMENTS[name], _parameters()[name]
     annotation = get_type_hints(MeshStrategy.__init__)[name]
     where = f"{_where()}, argument {name!r}; its option: {argument.group}.{argument.field or name}"
-    assert annotation == argument.annotation, f"{where}: the signature says {annotation}, the option {argument.annotation}"
+    assert annotation == argument.annotation, (
+        f"{where}: the signature says {annotation}, the option {argument.annotation}"
+    )
     assert parameter.default == argument.default, f"{where}: default {parameter.default!r} != {argument.default!r}"
 
 
@@ -70,11 +77,15 @@ def test_lightning_cli_help_shows_every_argument_with_its_doc(capsys: pytest.Cap
         start = shown.find(f"--trainer.strategy.{argument.name} ")
         assert start >= 0, f"--trainer.strategy.{argument.name} is not in LightningCLI's help"
         # the flag, its metavar (and an append alias for lists), then the help text
-        assert doc in shown[start : start + len(doc) + 160], f"--trainer.strategy.{argument.name}: its help is not {doc!r}"
+        assert doc in shown[start : start + len(doc) + 160], (
+            f"--trainer.strategy.{argument.name}: its help is not {doc!r}"
+        )
 
 
 def test_build_options_converts_in_the_groups() -> None:
-    options = build_options(grad_compression="fp16", topology={"nodes": 1}, compile_blocks=True, compile_backend="aot_eager")
+    options = build_options(
+        grad_compression="fp16", topology={"nodes": 1}, compile_blocks=True, compile_backend="aot_eager"
+    )
     assert options.communication.compression == CompressionOptions(mode="fp16")
     assert options.communication.topology == Topology(nodes=1)
     assert options.compile.backend == "aot_eager"

@@ -41,8 +41,14 @@ def first_stage() -> Iterator[tuple[TwoBWRunner, nn.Module]]:
         torch.manual_seed(0)
         module = network()
         settings = PipelineSettings("2bw", microbatches=MICROBATCHES)
-        runner = TwoBWRunner([Stage(0, module)], settings, dist.group.WORLD, [0, 1], torch.device("cpu"),
-                             parameters=lambda: list(module.parameters()))  # fmt: skip
+        runner = TwoBWRunner(
+            [Stage(0, module)],
+            settings,
+            dist.group.WORLD,
+            [0, 1],
+            torch.device("cpu"),
+            parameters=lambda: list(module.parameters()),
+        )
         yield runner, module
     finally:
         dist.destroy_process_group()
@@ -87,5 +93,7 @@ def test_backward_after_the_update_uses_the_forwards_weights(first_stage, monkey
 
 def test_gradient_accumulation_is_refused(first_stage) -> None:
     runner, _ = first_stage
-    with pytest.raises(PipelineConfigError, match="pp_schedule='2bw' with accumulate_grad_batches=2: .* set accumulate_grad_batches=1"):
+    with pytest.raises(
+        PipelineConfigError, match="pp_schedule='2bw' with accumulate_grad_batches=2: .* set accumulate_grad_batches=1"
+    ):
         runner.begin_step(2)

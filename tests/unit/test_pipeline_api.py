@@ -44,10 +44,19 @@ def test_a_stage_called_outside_a_step_names_the_fix() -> None:
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
     try:
         module = nn.Linear(4, 4)
-        TwoBWRunner([Stage(0, module)], PipelineSettings("2bw", microbatches=2), dist.group.WORLD, [0, 1],
-                    torch.device("cpu"), parameters=lambda: list(module.parameters()))  # fmt: skip
-        with pytest.raises(RuntimeError, match=r"one pipeline stage under MeshStrategy\(pp=2\): call it through"
-                           r" lit_mesh.loss_of\(self.model, loss_fn, inputs, targets\)"):
+        TwoBWRunner(
+            [Stage(0, module)],
+            PipelineSettings("2bw", microbatches=2),
+            dist.group.WORLD,
+            [0, 1],
+            torch.device("cpu"),
+            parameters=lambda: list(module.parameters()),
+        )
+        with pytest.raises(
+            RuntimeError,
+            match=r"one pipeline stage under MeshStrategy\(pp=2\): call it through"
+            r" lit_mesh.loss_of\(self.model, loss_fn, inputs, targets\)",
+        ):
             loss_of(module, nn.functional.mse_loss, torch.zeros(2, 4), torch.zeros(2, 4))
     finally:
         dist.destroy_process_group()

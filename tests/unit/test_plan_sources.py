@@ -30,10 +30,14 @@ def _imports(path: Path) -> set[str]:
     return names
 
 
-@pytest.mark.parametrize("path", [ROOT / "plan.py", ROOT / "init.py", *sorted((ROOT / "parallel").glob("*.py"))], ids=str)
+@pytest.mark.parametrize(
+    "path", [ROOT / "plan.py", ROOT / "init.py", *sorted((ROOT / "parallel").glob("*.py"))], ids=str
+)
 def test_lower_layers_import_neither_hf_nor_zoo(path: Path) -> None:
     upward = {name for name in _imports(path) if name.startswith(("lit_mesh.hf", "zoo"))}
-    assert not upward, f"{path.relative_to(ROOT.parent)} imports {upward}; register through lit_mesh.plan / lit_mesh.init"
+    assert not upward, (
+        f"{path.relative_to(ROOT.parent)} imports {upward}; register through lit_mesh.plan / lit_mesh.init"
+    )
 
 
 class Tower(nn.Module):
@@ -93,7 +97,10 @@ def test_modules_without_any_initialisation_are_refused() -> None:
 
     with torch.device("meta"):
         model = Bare()
-    with pytest.raises(PlanError, match=r"modules \[\"Bare \(built on the meta device.*hold meta-device weights but have no reset_parameters"):
+    with pytest.raises(
+        PlanError,
+        match=r"modules \[\"Bare \(built on the meta device.*hold meta-device weights but have no reset_parameters",
+    ):
         materialize(model, [], torch.device("cpu"))
 
 

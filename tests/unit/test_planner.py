@@ -58,8 +58,9 @@ SIMULATED = [
 ]
 
 
-@pytest.mark.parametrize(("preset", "layout", "rank", "precision"), SIMULATED,
-                         ids=[f"{p}-{l.world_size}-r{r}" for p, l, r, _ in SIMULATED])
+@pytest.mark.parametrize(
+    ("preset", "layout", "rank", "precision"), SIMULATED, ids=[f"{p}-{l.world_size}-r{r}" for p, l, r, _ in SIMULATED]
+)
 def test_estimate_equals_simulation(preset: str, layout: MeshLayout, rank: int, precision: str) -> None:
     config = GPTConfig.from_preset(preset)
     simulated = simulate_rank(config, layout, rank, precision)
@@ -78,7 +79,9 @@ def test_tied_embeddings_count_once_and_rule_out_pp() -> None:
 
 
 def test_plan_simulates_its_best_layout_at_1024_ranks(capsys: pytest.CaptureFixture, tmp_path: Path) -> None:
-    status, out, text = _run(capsys, "--preset", "llama3-405b", "--devices", "1024", "--simulate", "--plot", str(tmp_path))
+    status, out, text = _run(
+        capsys, "--preset", "llama3-405b", "--devices", "1024", "--simulate", "--plot", str(tmp_path)
+    )
     assert status == 0 and out["simulation"] and all(r["equal"] for r in out["simulation"]), text
     assert "estimate equal" in text
     for png in ("mesh.png", "memory.png"):
@@ -103,7 +106,9 @@ def test_plan_answers_for_llama3_on_8_to_1024_gpus(capsys: pytest.CaptureFixture
         if out["ranked"]:
             best = out["ranked"][0]
             assert math.prod(best["layout"].values()) == devices
-            assert any(r.startswith("memory ") for r in best["reasons"]) and any(r.startswith("step ") for r in best["reasons"])
+            assert any(r.startswith("memory ") for r in best["reasons"]) and any(
+                r.startswith("step ") for r in best["reasons"]
+            )
             assert "#1 " in text
         else:
             assert "nothing fits" in text and "devices of this size" in text, text
@@ -140,11 +145,24 @@ def test_rehearsal_scales_the_70b_plan_to_8_cpu_ranks() -> None:
     assert (best.schedule.name, best.schedule.stages_per_rank) == ("interleaved_1f1b", 2)
     rehearsal = rehearsal_config(best, hw)
     trainer, strategy = rehearsal["trainer"], rehearsal["trainer"]["strategy"]["init_args"]
-    assert {d: strategy[d] for d in ("pp", "dp_replicate", "dp_shard", "cp", "tp")} == \
-        {"pp": 2, "dp_replicate": 1, "dp_shard": 2, "cp": 1, "tp": 2}
+    assert {d: strategy[d] for d in ("pp", "dp_replicate", "dp_shard", "cp", "tp")} == {
+        "pp": 2,
+        "dp_replicate": 1,
+        "dp_shard": 2,
+        "cp": 1,
+        "tp": 2,
+    }
     assert "ep" not in strategy and strategy["sequence_parallel"] and strategy["activation_checkpointing"] == best.ac
-    assert (trainer["accelerator"], trainer["devices"], trainer["num_nodes"], trainer["precision"]) == ("cpu", 8, 1, "32-true")
-    assert rehearsal["model"] == {"class_path": "zoo.GPTModule", "init_args": {"preset": "tiny", "config_overrides": {"n_layers": 4}}}
+    assert (trainer["accelerator"], trainer["devices"], trainer["num_nodes"], trainer["precision"]) == (
+        "cpu",
+        8,
+        1,
+        "32-true",
+    )
+    assert rehearsal["model"] == {
+        "class_path": "zoo.GPTModule",
+        "init_args": {"preset": "tiny", "config_overrides": {"n_layers": 4}},
+    }
     batch, seq_len = rehearsal["data"]["init_args"]["global_batch_size"], rehearsal["data"]["init_args"]["seq_len"]
     local = batch // 2  # per dp rank
     assert batch % 2 == 0 and strategy["pp_schedule"] == "interleaved_1f1b" and strategy["pp_stages_per_rank"] == 2
@@ -164,49 +182,97 @@ def test_rehearsal_scales_the_70b_plan_to_8_cpu_ranks() -> None:
 
 
 BAD_ARGUMENTS = [
-    *[([flag, value, "--devices", "8"][: 2 if flag in ("--devices", "--nodes") else 4], f"argument {flag}: {value} is not")
-      for flag in ("--seq-len", "--global-batch", "--devices", "--nodes", "--devices-per-node", "--tp", "--pp", "--top",
-                   "--max-steps", "--ep")
-      for value in ("0", "-3")],
+    *[
+        (
+            [flag, value, "--devices", "8"][: 2 if flag in ("--devices", "--nodes") else 4],
+            f"argument {flag}: {value} is not",
+        )
+        for flag in (
+            "--seq-len",
+            "--global-batch",
+            "--devices",
+            "--nodes",
+            "--devices-per-node",
+            "--tp",
+            "--pp",
+            "--top",
+            "--max-steps",
+            "--ep",
+        )
+        for value in ("0", "-3")
+    ],
     (["--devices", "8", "--seq-len", "1.5"], "argument --seq-len: '1.5' is not an integer >= 1"),
     (["--devices", "eight"], "argument --devices: 'eight' is not an integer >= 1"),
-    *[(["--devices", "8", flag, value], f"argument {flag}: {value} is not a number > 0")
-      for flag in ("--peak-tflops", "--memory-gb", "--memory-tbps", "--intra-node-gbps", "--inter-node-gbps")
-      for value in ("0", "-1", "nan")],
-    *[(["--devices", "8", flag, "-1"], f"argument {flag}: -1 is not a number >= 0")
-      for flag in ("--reserve-gib", "--intra-node-latency-us", "--inter-node-latency-us")],
+    *[
+        (["--devices", "8", flag, value], f"argument {flag}: {value} is not a number > 0")
+        for flag in ("--peak-tflops", "--memory-gb", "--memory-tbps", "--intra-node-gbps", "--inter-node-gbps")
+        for value in ("0", "-1", "nan")
+    ],
+    *[
+        (["--devices", "8", flag, "-1"], f"argument {flag}: -1 is not a number >= 0")
+        for flag in ("--reserve-gib", "--intra-node-latency-us", "--inter-node-latency-us")
+    ],
     (["--devices", "8", "--efficiency", "1.5"], "argument --efficiency: 1.5 is not a number > 0 and <= 1"),
     (["--devices", "8", "--efficiency", "0"], "argument --efficiency: 0 is not a number > 0 and <= 1"),
-    (["--devices", "8", "--seq-len", "16384"],
-     "--seq-len 16384 exceeds the model's max_seq_len=8192 (llama3-8b): give --seq-len <= 8192, or raise it with"
-     " --config-overrides '{max_seq_len: 16384}'"),
-    (["--devices", "8", "--config-overrides", "{max_seq_len: 1024}", "--seq-len", "2048"],
-     "exceeds the model's max_seq_len=1024 (llama3-8b with the overrides)"),
-    (["--devices", "8", "--nodes", "2", "--devices-per-node", "8"],
-     "--devices 8 disagrees with --nodes 2 x --devices-per-node 8 = 16: give two of the three, or make them agree"),
+    (
+        ["--devices", "8", "--seq-len", "16384"],
+        "--seq-len 16384 exceeds the model's max_seq_len=8192 (llama3-8b): give --seq-len <= 8192, or raise it with"
+        " --config-overrides '{max_seq_len: 16384}'",
+    ),
+    (
+        ["--devices", "8", "--config-overrides", "{max_seq_len: 1024}", "--seq-len", "2048"],
+        "exceeds the model's max_seq_len=1024 (llama3-8b with the overrides)",
+    ),
+    (
+        ["--devices", "8", "--nodes", "2", "--devices-per-node", "8"],
+        "--devices 8 disagrees with --nodes 2 x --devices-per-node 8 = 16: give two of the three, or make them agree",
+    ),
     (["--devices", "8", "--nodes", "3"], "--devices 8 do not spread evenly over --nodes 3"),
-    (["--devices", "12"], "--devices 12 is not --nodes x --devices-per-node (8): give a multiple of 8, or set --nodes N"),
+    (
+        ["--devices", "12"],
+        "--devices 12 is not --nodes x --devices-per-node (8): give a multiple of 8, or set --nodes N",
+    ),
     (["--devices", "4"], "set --devices-per-node 4 for one node"),
     ([], "give --devices N (or --nodes N)"),
     (["--devices", "8", "--memory-gb", "2"], "--memory-gb 2 leaves nothing after the reserve of --reserve-gib 4"),
     (["--devices", "8", "--preset", "llama4"], "unknown gpt preset 'llama4'; choose one of ['llama3-405b'"),
     (["--devices", "8", "--config-overrides", "{layers: 4}"], "must map GPTConfig fields (vocab_size, dim"),
     (["--devices", "8", "--config-overrides", "{n_layers: ["], "--config-overrides '{n_layers: [' is not YAML"),
-    (["--devices", "8", "--model", "moe", "--preset", "tiny", "--config-overrides", "{moe_every: 2}",
-      "--seq-len", "64"],
-     "moe_every=2: the planner models identical blocks"),
+    (
+        [
+            "--devices",
+            "8",
+            "--model",
+            "moe",
+            "--preset",
+            "tiny",
+            "--config-overrides",
+            "{moe_every: 2}",
+            "--seq-len",
+            "64",
+        ],
+        "moe_every=2: the planner models identical blocks",
+    ),
     (["--devices", "8", "--ep", "2"], "--ep 2 needs an MoE model (--model moe)"),
-    (["--devices", "8", "--model", "llama"], "--model llama: no model family named 'llama'; the registered and installed"),
+    (
+        ["--devices", "8", "--model", "llama"],
+        "--model llama: no model family named 'llama'; the registered and installed",
+    ),
     (["--devices", "8", "--tp", "3"], "--tp 3: the fixed degrees must be >= 1 and their product must divide the 8"),
     (["--devices", "8", "--tp", "4", "--pp", "4"], "product must divide the 8 devices"),
-    (["--devices", "8", "--preset", "tiny", "--seq-len", "64", "--out", "/proc/no/such/dir/x.yaml"],
-     "--out /proc/no/such/dir/x.yaml: cannot write it"),
+    (
+        ["--devices", "8", "--preset", "tiny", "--seq-len", "64", "--out", "/proc/no/such/dir/x.yaml"],
+        "--out /proc/no/such/dir/x.yaml: cannot write it",
+    ),
 ]
 
 
-@pytest.mark.parametrize(("argv", "message"), BAD_ARGUMENTS, ids=[" ".join(a) or "no-devices" for a, _ in BAD_ARGUMENTS])
-def test_bad_plan_arguments_exit_2_naming_the_value_and_the_fix(capsys: pytest.CaptureFixture, argv: list[str],
-                                                                message: str) -> None:
+@pytest.mark.parametrize(
+    ("argv", "message"), BAD_ARGUMENTS, ids=[" ".join(a) or "no-devices" for a, _ in BAD_ARGUMENTS]
+)
+def test_bad_plan_arguments_exit_2_naming_the_value_and_the_fix(
+    capsys: pytest.CaptureFixture, argv: list[str], message: str
+) -> None:
     with pytest.raises(SystemExit) as exit_:
         plan_main(argv)
     err = capsys.readouterr().err
@@ -228,8 +294,14 @@ def test_nothing_fits_exits_1(capsys: pytest.CaptureFixture) -> None:
     assert exit_.value.code == 1 and "nothing fits" in capsys.readouterr().out
 
 
-KERNELS = dict(gemm_peak_fraction=0.5, gemm_half_size=64, attention_peak_fraction=0.25, elementwise_accesses=10,
-               elementwise_accesses_compiled=4, adamw_bytes_per_parameter=32)
+KERNELS = dict(
+    gemm_peak_fraction=0.5,
+    gemm_half_size=64,
+    attention_peak_fraction=0.25,
+    elementwise_accesses=10,
+    elementwise_accesses_compiled=4,
+    adamw_bytes_per_parameter=32,
+)
 
 
 def test_step_time_parts_by_hand() -> None:
@@ -239,13 +311,24 @@ def test_step_time_parts_by_hand() -> None:
 
     config, kernels = GPTConfig.from_preset("tiny"), Kernels(**KERNELS)
     shapes, work = gpt_shapes(config), Workload(global_batch=16, seq_len=64, micro_batch=2)
-    hw = Hardware(nodes=1, devices_per_node=8, memory_bytes=80 * GB, peak_flops=1e12, memory_bandwidth=1e11,
-                  intra_node_bandwidth=100e9, intra_node_latency=1e-6, inter_node_bandwidth=10e9, inter_node_latency=1e-5)
+    hw = Hardware(
+        nodes=1,
+        devices_per_node=8,
+        memory_bytes=80 * GB,
+        peak_flops=1e12,
+        memory_bandwidth=1e11,
+        intra_node_bandwidth=100e9,
+        intra_node_latency=1e-6,
+        inter_node_bandwidth=10e9,
+        inter_node_latency=1e-5,
+    )
     t = step_time(shapes, MeshLayout(dp_shard=8), work, "32-true", "full", hw, kernels=kernels)
     eff = lambda n, k: 0.5 * n / (n + 64) * k / (k + 64)  # noqa: E731
     tokens = 2 * 64  # one micro-batch of 2 sequences per rank
-    gemm = sum(6 * tokens * n * k / (1e12 * eff(n, k)) for n, k in [(64, 64), (32, 64), (32, 64), (64, 64),
-                                                                     (128, 64), (64, 128), (128, 64)])
+    gemm = sum(
+        6 * tokens * n * k / (1e12 * eff(n, k))
+        for n, k in [(64, 64), (32, 64), (32, 64), (64, 64), (128, 64), (64, 128), (128, 64)]
+    )
     attention = 0.5 * 12 * tokens * 64 * 64 / (1e12 * 0.25)
     elementwise = tokens * (64 + 128) * 10 * 4 / 1e11
     block = (gemm + attention + elementwise) * 4 / 3  # full AC: the forward again
@@ -263,9 +346,17 @@ def test_step_time_parts_by_hand() -> None:
     assert t.total == pytest.approx(t.compute + exposed + t.optimizer)
     # two nodes of one device: the FSDP group crosses nodes; 8 sequences per rank in 4 micro-batches of 2, the
     # gathers slow enough to show: each outlasts its block
-    two_nodes = Hardware(nodes=2, devices_per_node=1, memory_bytes=80 * GB, peak_flops=1e12, memory_bandwidth=1e11,
-                         intra_node_bandwidth=100e9, intra_node_latency=1e-6, inter_node_bandwidth=1e8,
-                         inter_node_latency=1e-5)
+    two_nodes = Hardware(
+        nodes=2,
+        devices_per_node=1,
+        memory_bytes=80 * GB,
+        peak_flops=1e12,
+        memory_bandwidth=1e11,
+        intra_node_bandwidth=100e9,
+        intra_node_latency=1e-6,
+        inter_node_bandwidth=1e8,
+        inter_node_latency=1e-5,
+    )
     t2 = step_time(shapes, MeshLayout(dp_shard=2), work, "32-true", "none", two_nodes, kernels=kernels)
     block2 = gemm + attention + elementwise
     g2 = ring(4 * block_params, 2, 1e8, 1e-5)
@@ -292,9 +383,18 @@ def test_gemm_efficiency_falls_with_tp_and_async_tp_hides_the_forward() -> None:
     assert asynchronous.exposed["tp"] == pytest.approx(logits + (tp.exposed["tp"] - logits) / 2)
 
 
-@pytest.mark.parametrize(("schedule", "v", "bubble"), [
-    ("gpipe", 1, 3 / 8), ("1f1b", 1, 3 / 8), ("interleaved_1f1b", 2, 3 / 16), ("looped_bfs", 4, 3 / 32),
-    ("zero_bubble", 2, 3 / 48), ("zbv", 2, 2 / 24), ("dualpipev", 2, 2 / 24)])
+@pytest.mark.parametrize(
+    ("schedule", "v", "bubble"),
+    [
+        ("gpipe", 1, 3 / 8),
+        ("1f1b", 1, 3 / 8),
+        ("interleaved_1f1b", 2, 3 / 16),
+        ("looped_bfs", 4, 3 / 32),
+        ("zero_bubble", 2, 3 / 48),
+        ("zbv", 2, 2 / 24),
+        ("dualpipev", 2, 2 / 24),
+    ],
+)
 def test_bubble_of_every_schedule(schedule: str, v: int, bubble: float) -> None:
     from lit_mesh.parallel.pipeline.schedules import SCHEDULES
     from lit_mesh.planner.cost import Schedule, bubble_fraction
@@ -325,8 +425,11 @@ SIMULATED_MOE = [
 ]
 
 
-@pytest.mark.parametrize(("layout", "rank", "precision"), SIMULATED_MOE,
-                         ids=[f"mixtral-{l.world_size}-ep{l.ep}-r{r}" for l, r, _ in SIMULATED_MOE])
+@pytest.mark.parametrize(
+    ("layout", "rank", "precision"),
+    SIMULATED_MOE,
+    ids=[f"mixtral-{l.world_size}-ep{l.ep}-r{r}" for l, r, _ in SIMULATED_MOE],
+)
 def test_moe_estimate_equals_simulation(layout: MeshLayout, rank: int, precision: str) -> None:
     config = MoEConfig.from_preset("mixtral-8x7b")
     simulated = simulate_rank(config, layout, rank, precision)
@@ -341,15 +444,34 @@ def test_moe_layouts_that_fsdp_cannot_shard_evenly_are_refused() -> None:
     reason = why_invalid(layout, gpt_shapes(config), Workload(global_batch=1000, seq_len=8192), hw)
     assert reason is not None and "dim 1" in reason
     # the real sharding refuses it too, before FSDP2 would (NotImplementedError: uneven sharding on dim 1)
-    with pytest.raises(PlanError, match=r"by its dim 1 \(4096\) over dp_shard x cp / ep = 1000 x 1 / 8 = 125 ranks.*choose expert sizes divisible by 125"):
+    with pytest.raises(
+        PlanError,
+        match=r"by its dim 1 \(4096\) over dp_shard x cp / ep = 1000 x 1 / 8 = 125 ranks.*choose expert sizes divisible by 125",
+    ):
         simulate_rank(config, layout, 999, "32-true", optimizer=False)
 
 
 def test_moe_pipeline_layouts_are_proposed_and_simulated(capsys: pytest.CaptureFixture) -> None:
     """pp x MoE at Megatron's Mixtral mapping (tp1 x ep8 x pp4) on 32 devices: proposed where it fits, with the
     routing pass in its step time, and `--simulate` finds the estimate equal to the real sharding of each stage."""
-    status, out, text = _run(capsys, "--model", "moe", "--preset", "mixtral-8x7b", "--devices", "32", "--pp", "4",
-                             "--tp", "1", "--global-batch", "64", "--seq-len", "4096", "--simulate")
+    status, out, text = _run(
+        capsys,
+        "--model",
+        "moe",
+        "--preset",
+        "mixtral-8x7b",
+        "--devices",
+        "32",
+        "--pp",
+        "4",
+        "--tp",
+        "1",
+        "--global-batch",
+        "64",
+        "--seq-len",
+        "4096",
+        "--simulate",
+    )
     best = out["ranked"][0]["layout"]
     assert status == 0 and best["pp"] == 4 and best["tp"] == 1 and best["ep"] > 1, text
     assert "MoE routing pass" in text
@@ -369,8 +491,17 @@ def test_moe_all_to_all_in_the_step_time_by_hand() -> None:
 
     config = MoEConfig.from_preset("tiny")
     shapes, work = gpt_shapes(config), Workload(global_batch=16, seq_len=64, micro_batch=2)
-    hw = Hardware(nodes=1, devices_per_node=4, memory_bytes=80 * GB, peak_flops=1e12, compute_efficiency=0.5,
-                  intra_node_bandwidth=100e9, intra_node_latency=1e-6, inter_node_bandwidth=10e9, inter_node_latency=1e-5)
+    hw = Hardware(
+        nodes=1,
+        devices_per_node=4,
+        memory_bytes=80 * GB,
+        peak_flops=1e12,
+        compute_efficiency=0.5,
+        intra_node_bandwidth=100e9,
+        intra_node_latency=1e-6,
+        inter_node_bandwidth=10e9,
+        inter_node_latency=1e-5,
+    )
     t = step_time(shapes, MeshLayout(dp_shard=4, ep=4), work, "32-true", "none", hw)
     routed = 2 * 64 * config.top_k * config.dim * 4  # bytes of one micro-batch's routed tokens, fp32
     microbatches = 16 // 4 // 2
@@ -382,9 +513,9 @@ def test_expert_tensor_parallel_in_memory_and_cost() -> None:
     """tp splits each expert's hidden units (expert tensor parallel): a rank holds 1/tp of every expert weight (FSDP
     then shards w2 by dim 2, tp holding its dim 1), does 1/tp of the expert GEMMs, and sums the partial outputs
     over tp (two all-reduces of the routed tokens per MoE block). The same shapes with replicated experts: none of it."""
+    from lit_mesh.comm.topology import all_reduce_time
     from lit_mesh.planner.cost import _gemm_seconds, calibrated_kernels, step_time
     from lit_mesh.planner.memory import local_numel
-    from lit_mesh.comm.topology import all_reduce_time
 
     config = MoEConfig.from_preset("tiny")
     shapes = gpt_shapes(config)
@@ -394,9 +525,15 @@ def test_expert_tensor_parallel_in_memory_and_cost() -> None:
     for p in experts:  # (4, 64, 64): ep 2 -> 2 experts; tp 2 -> 32 hidden units; 2 FSDP shards of the dim of 64
         assert local_numel(p, 2, 1, 4, 3, ep=2) == 2 * 64 * 32 // 2 == local_numel(p, 1, 0, 4, 3, ep=2) // 2, p
     e = {"w1": 0, "w3": 1, "w2": 2}
-    assert [local_numel(p, 2, 0, 4, 0, ep=2) for p in sorted(experts, key=lambda p: e[p.name.rsplit(".", 1)[1]])] == [2048] * 3
-    flat = dataclasses.replace(calibrated_kernels(), gemm_half_size=0)  # the same efficiency at any GEMM size: FLOPs alone
-    assert _gemm_seconds(tuple(experts), 128, 2, 1, 2, flat, 1e12) == pytest.approx(_gemm_seconds(tuple(experts), 128, 1, 1, 2, flat, 1e12) / 2)
+    assert [local_numel(p, 2, 0, 4, 0, ep=2) for p in sorted(experts, key=lambda p: e[p.name.rsplit(".", 1)[1]])] == [
+        2048
+    ] * 3
+    flat = dataclasses.replace(
+        calibrated_kernels(), gemm_half_size=0
+    )  # the same efficiency at any GEMM size: FLOPs alone
+    assert _gemm_seconds(tuple(experts), 128, 2, 1, 2, flat, 1e12) == pytest.approx(
+        _gemm_seconds(tuple(experts), 128, 1, 1, 2, flat, 1e12) / 2
+    )
     layout, work = MeshLayout(dp_shard=2, tp=2), Workload(global_batch=8, seq_len=64, micro_batch=2)
     hw = Hardware(nodes=1, devices_per_node=4, memory_bytes=80 * GB, peak_flops=1e12, compute_efficiency=0.5)
     with_etp, without = (step_time(s, layout, work, "32-true", "none", hw) for s in (shapes, replicated))
@@ -406,6 +543,8 @@ def test_expert_tensor_parallel_in_memory_and_cost() -> None:
     assert with_etp.exposed["tp"] - without.exposed["tp"] == pytest.approx(extra)
     assert with_etp.compute_parts["gemm"] < without.compute_parts["gemm"]
     assert state_bytes(shapes, layout, "32-true")["params"] < state_bytes(replicated, layout, "32-true")["params"]
+
+
 def test_pp_x_cp_is_proposed_with_per_stage_terms_and_simulated(capsys: pytest.CaptureFixture) -> None:
     """Long sequences: pp x cp layouts are proposed where they fit, MeshStrategy takes them; each stage keeps the
     activations of T/cp tokens per micro-batch (as pp alone on sequences of T/cp) and runs the CP ring over its own
@@ -415,7 +554,11 @@ def test_pp_x_cp_is_proposed_with_per_stage_terms_and_simulated(capsys: pytest.C
 
     seq_len = 131072
     config = dataclasses.replace(GPTConfig.from_preset("llama3-8b"), max_seq_len=seq_len)
-    shapes, work, hw = gpt_shapes(config), Workload(global_batch=8, seq_len=seq_len), Hardware(nodes=2, memory_bytes=80 * GB)
+    shapes, work, hw = (
+        gpt_shapes(config),
+        Workload(global_batch=8, seq_len=seq_len),
+        Hardware(nodes=2, memory_bytes=80 * GB),
+    )
     both = [c for c in plan(shapes, work, hw).ranked if c.layout.pp > 1 and c.layout.cp > 1]
     assert both and all(c.fits(hw) for c in both)
     c = both[0]
@@ -424,16 +567,34 @@ def test_pp_x_cp_is_proposed_with_per_stage_terms_and_simulated(capsys: pytest.C
     shorter = dataclasses.replace(c.work, seq_len=seq_len // layout.cp)
     for stage in range(layout.pp):
         assert activation_bytes(shapes, layout, c.work, precision, ac, stage) == activation_bytes(
-            shapes, dataclasses.replace(layout, cp=1), shorter, precision, ac, stage)
+            shapes, dataclasses.replace(layout, cp=1), shorter, precision, ac, stage
+        )
     ring = step_time(shapes, layout, c.work, precision, ac, hw).overlapped["cp"]
     whole_model_ring = step_time(shapes, dataclasses.replace(layout, pp=1), c.work, precision, ac, hw).overlapped["cp"]
     assert ring == pytest.approx(whole_model_ring * max(balanced_split(config.n_layers, layout.pp)) / config.n_layers)
     exchanged = f"({c.work.micro_batch}, {seq_len // (layout.cp * layout.tp)}, {config.dim})"
     assert any(f"stages exchange activations of {exchanged}" in r for r in c.reasons), c.reasons
 
-    status, out, text = _run(capsys, "--preset", "llama3-8b", "--devices", "16", "--seq-len", str(seq_len),
-                             "--global-batch", "8", "--config-overrides", f"{{max_seq_len: {seq_len}}}", "--pp", "2",
-                             "--cp", "8", "--simulate", "--top", "1")
+    status, out, text = _run(
+        capsys,
+        "--preset",
+        "llama3-8b",
+        "--devices",
+        "16",
+        "--seq-len",
+        str(seq_len),
+        "--global-batch",
+        "8",
+        "--config-overrides",
+        f"{{max_seq_len: {seq_len}}}",
+        "--pp",
+        "2",
+        "--cp",
+        "8",
+        "--simulate",
+        "--top",
+        "1",
+    )
     assert status == 0, text
     assert out["ranked"][0]["layout"] == {"pp": 2, "dp_replicate": 1, "dp_shard": 1, "cp": 8, "tp": 1, "ep": 1}
     assert [r["stage"] for r in out["simulation"]] == [0, 1] and all(r["equal"] for r in out["simulation"]), text
@@ -489,10 +650,21 @@ def test_zero_stages_in_memory_step_time_search_and_config(tmp_path: Path) -> No
     assert mem[2]["buffers"] == mem[1]["buffers"] == 4 * numel + 4 * block  # everything gathered + one block's grad
     assert mem[3]["buffers"] < mem[2]["buffers"]  # stage 3: two blocks and the root at a time
     one_micro = Workload(global_batch=4, seq_len=64, micro_batch=2)
-    assert rank_memory(shapes, layout, one_micro, "32-true", "none", 1)["grads"] == 4 * numel // 2  # nothing to accumulate
+    assert (
+        rank_memory(shapes, layout, one_micro, "32-true", "none", 1)["grads"] == 4 * numel // 2
+    )  # nothing to accumulate
 
-    hw = Hardware(nodes=2, devices_per_node=1, memory_bytes=80 * GB, peak_flops=1e12, memory_bandwidth=1e11,
-                  intra_node_bandwidth=100e9, intra_node_latency=1e-6, inter_node_bandwidth=1e8, inter_node_latency=1e-5)
+    hw = Hardware(
+        nodes=2,
+        devices_per_node=1,
+        memory_bytes=80 * GB,
+        peak_flops=1e12,
+        memory_bandwidth=1e11,
+        intra_node_bandwidth=100e9,
+        intra_node_latency=1e-6,
+        inter_node_bandwidth=1e8,
+        inter_node_latency=1e-5,
+    )
     kernels = Kernels(**KERNELS)
     t = {z: step_time(shapes, layout, work, "32-true", "none", hw, Features(zero_stage=z), kernels) for z in (1, 2, 3)}
     assert t[1].compute == t[2].compute == t[3].compute
@@ -516,8 +688,14 @@ def test_zero_stages_in_memory_step_time_search_and_config(tmp_path: Path) -> No
     assert all(c.zero_stage == 3 for c in plan(shapes, work, hw, ["32-true"], ["none"]).ranked)  # default: FSDP only
     strategy = fit_config(best, "tiny", {}, hw, 10)["trainer"]["strategy"]["init_args"]
     assert strategy["zero_stage"] == best.zero_stage
-    assert MeshStrategy(**{k: v for k, v in strategy.items() if k != "topology"}).options.data.zero_stage == best.zero_stage
+    assert (
+        MeshStrategy(**{k: v for k, v in strategy.items() if k != "topology"}).options.data.zero_stage
+        == best.zero_stage
+    )
+
+
 # ---- pipeline schedules with v stages per rank (#26 item 4) ----------------------------------------------------
+
 
 def _torch_peaks(schedule: str, pp: int, v: int, n: int) -> list[int]:
     """Stage forwards each pp rank holds at its peak in torch's own schedule (its `pipeline_order`, built from stub
@@ -528,8 +706,12 @@ def _torch_peaks(schedule: str, pp: int, v: int, n: int) -> list[int]:
 
     from lit_mesh.parallel.pipeline.schedules import SCHEDULES
 
-    stages = [SimpleNamespace(group_size=pp, group_rank=0, num_stages=pp * v, submod=None, stage_index=i,
-                              is_first=i == 0, is_last=False) for i in range(v)]
+    stages = [
+        SimpleNamespace(
+            group_size=pp, group_rank=0, num_stages=pp * v, submod=None, stage_index=i, is_first=i == 0, is_last=False
+        )
+        for i in range(v)
+    ]
     cls, kind, _ = SCHEDULES[schedule]
     built = cls(stages[0] if kind == "one" else stages, n_microbatches=n, loss_fn=lambda *a: a[0])
     order = built._get_pipeline_order() if kind == "one" else built.pipeline_order
@@ -549,9 +731,20 @@ def _torch_peaks(schedule: str, pp: int, v: int, n: int) -> list[int]:
     return peaks
 
 
-@pytest.mark.parametrize(("schedule", "v"), [("1f1b", 1), ("gpipe", 1), ("interleaved_1f1b", 2), ("interleaved_1f1b", 3),
-                                             ("looped_bfs", 2), ("zero_bubble", 2), ("zero_bubble", 3), ("zbv", 2),
-                                             ("dualpipev", 2)])
+@pytest.mark.parametrize(
+    ("schedule", "v"),
+    [
+        ("1f1b", 1),
+        ("gpipe", 1),
+        ("interleaved_1f1b", 2),
+        ("interleaved_1f1b", 3),
+        ("looped_bfs", 2),
+        ("zero_bubble", 2),
+        ("zero_bubble", 3),
+        ("zbv", 2),
+        ("dualpipev", 2),
+    ],
+)
 def test_in_flight_stage_forwards_match_torchs_schedules(schedule: str, v: int) -> None:
     from lit_mesh.planner.schedules import Schedule, in_flight, microbatches_refused
 
@@ -560,7 +753,9 @@ def test_in_flight_stage_forwards_match_torchs_schedules(schedule: str, v: int) 
         for n in (1, pp - 1, pp, pp + 2, 2 * pp, 3 * pp):
             if n < 1 or microbatches_refused(Schedule(schedule, v), pp, n):
                 continue  # MeshStrategy refuses it (and the planner never proposes it)
-            assert [in_flight(Schedule(schedule, v), pp, n, r) for r in range(pp)] == _torch_peaks(schedule, pp, v, n), (pp, n)
+            assert [in_flight(Schedule(schedule, v), pp, n, r) for r in range(pp)] == _torch_peaks(
+                schedule, pp, v, n
+            ), (pp, n)
             checked += 1
     assert checked >= 6
 
@@ -572,8 +767,10 @@ def test_interleaved_ranks_hold_the_same_parameters_and_more_activations() -> No
     from lit_mesh.planner.schedules import ONE_F_ONE_B, Schedule, rank_stages
 
     shapes, layout = gpt_shapes(GPTConfig.from_preset("llama3-70b")), MeshLayout(pp=4, dp_shard=2, tp=8)
-    total = {s: sum(state_numel(shapes, layout, r * 16, schedule=s) for r in range(4))
-             for s in (ONE_F_ONE_B, Schedule("interleaved_1f1b", 2), Schedule("zbv", 2))}
+    total = {
+        s: sum(state_numel(shapes, layout, r * 16, schedule=s) for r in range(4))
+        for s in (ONE_F_ONE_B, Schedule("interleaved_1f1b", 2), Schedule("zbv", 2))
+    }
     assert len(set(total.values())) == 1  # every block, the embedding and the head once
     looped, v_shape = rank_stages(80, 4, Schedule("interleaved_1f1b", 2)), rank_stages(80, 4, Schedule("zbv", 2))
     # lit_mesh's balanced split of 8 stages fills from the front: 10, 11 x 6, 4 blocks
@@ -632,8 +829,11 @@ def test_interleaved_plan_for_llama3_405b_at_metas_layout_writes_its_schedule(tm
     MeshStrategy(**scaled["trainer"]["strategy"]["init_args"])
 
 
-@pytest.mark.parametrize(("schedule", "rank"), [(("interleaved_1f1b", 2), 32), (("zbv", 2), 0)],
-                         ids=["interleaved-v2-pp-rank-2", "zbv-embedding-and-head-rank"])
+@pytest.mark.parametrize(
+    ("schedule", "rank"),
+    [(("interleaved_1f1b", 2), 32), (("zbv", 2), 0)],
+    ids=["interleaved-v2-pp-rank-2", "zbv-embedding-and-head-rank"],
+)
 def test_estimate_equals_simulation_with_v_stages_per_rank(schedule: tuple[str, int], rank: int) -> None:
     """The stages lit_mesh builds for v stages per rank (looped: pp rank 2 runs stages 2 and 6 of 8; V: embedding
     and head both on pp rank 0) hold the bytes the planner counts."""
@@ -688,8 +888,9 @@ def toy_entry_point(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return tmp_path
 
 
-def test_a_family_installed_by_entry_point_is_planned_and_written(toy_entry_point: Path, capsys: pytest.CaptureFixture
-                                                                    ) -> None:
+def test_a_family_installed_by_entry_point_is_planned_and_written(
+    toy_entry_point: Path, capsys: pytest.CaptureFixture
+) -> None:
     from lit_mesh.planner.cost import flops_per_token
     from lit_mesh.planner.families import family, family_names, family_of
 
@@ -699,15 +900,36 @@ def test_a_family_installed_by_entry_point_is_planned_and_written(toy_entry_poin
     assert family_of(config) is toy and family_of(GPTConfig()) is family("gpt")  # the nearest config class wins
     assert flops_per_token(gpt_shapes(config), 64) == 1e6
     out = toy_entry_point / "toy.yaml"
-    status, result, _ = _run(capsys, "--model", "toy", "--preset", "tiny", "--devices", "2", "--devices-per-node", "2",
-                             "--seq-len", "64", "--global-batch", "4", "--precision", "32-true", "--out", str(out))
+    status, result, _ = _run(
+        capsys,
+        "--model",
+        "toy",
+        "--preset",
+        "tiny",
+        "--devices",
+        "2",
+        "--devices-per-node",
+        "2",
+        "--seq-len",
+        "64",
+        "--global-batch",
+        "4",
+        "--precision",
+        "32-true",
+        "--out",
+        str(out),
+    )
     assert status == 0 and result["ranked"]
     written = yaml_load(out)
-    assert written["model"]["class_path"] == "toy_family.ToyModule" and written["data"]["class_path"] == "toy_family.ToyData"
+    assert (
+        written["model"]["class_path"] == "toy_family.ToyModule"
+        and written["data"]["class_path"] == "toy_family.ToyData"
+    )
 
 
 def test_register_family_takes_the_same_family_again_and_refuses_another_under_its_name(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     from lit_mesh.planner import families
     from zoo.families import GPT_FAMILY
 

@@ -30,8 +30,13 @@ def test_clipping_by_the_global_norm_is_mixed_into_the_chosen_plugin(precision: 
     from lit_mesh.training.precision import GlobalNormClipping, with_global_norm_clipping
 
     given = FP16MixedPrecision(device="cpu") if precision == "fp16-plugin" else None
-    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=MeshStrategy(), logger=False,
-                        **({"plugins": [given]} if given else {"precision": precision}))  # fmt: skip
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=MeshStrategy(),
+        logger=False,
+        **({"plugins": [given]} if given else {"precision": precision}),
+    )
     plugin = trainer.strategy.precision_plugin
     chosen = type(plugin)
     mixed = with_global_norm_clipping(plugin)
@@ -54,8 +59,13 @@ def test_a_fused_optimizer_clips_without_a_loss_scale_and_is_refused_with_one(pr
     from lit_mesh.training.precision import with_global_norm_clipping
 
     given = FP16MixedPrecision(device="cpu") if precision == "fp16-plugin" else None
-    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=MeshStrategy(), logger=False,
-                        **({"plugins": [given]} if given else {"precision": precision}))  # fmt: skip
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=MeshStrategy(),
+        logger=False,
+        **({"plugins": [given]} if given else {"precision": precision}),
+    )
     plugin = with_global_norm_clipping(trainer.strategy.precision_plugin)
     weight = torch.nn.Parameter(torch.ones(4))
     weight.grad = torch.full((4,), 3.0)  # norm 6

@@ -22,7 +22,9 @@ def _save(directory: Path, architecture: str, **overrides: object) -> Path:
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(tiny_config(architecture, **overrides)).save_pretrained(directory, max_shard_size="60KB")
+    AutoModelForCausalLM.from_config(tiny_config(architecture, **overrides)).save_pretrained(
+        directory, max_shard_size="60KB"
+    )
     return directory
 
 
@@ -84,7 +86,10 @@ def test_missing_and_mismatched_tensors_are_named(tmp_path: Path) -> None:
 
 def test_another_architecture_is_refused_by_name(tmp_path: Path) -> None:
     _save(tmp_path / "qwen2", "qwen2")
-    with pytest.raises(PretrainedError, match=r"holds a Qwen2ForCausalLM \(model_type 'qwen2'\); this module loads \['LlamaForCausalLM'\]"):
+    with pytest.raises(
+        PretrainedError,
+        match=r"holds a Qwen2ForCausalLM \(model_type 'qwen2'\); this module loads \['LlamaForCausalLM'\]",
+    ):
         GPTModule(pretrained=str(tmp_path / "qwen2"))
     _save(tmp_path / "opt", "opt")
     with pytest.raises(PretrainedError, match="holds a OPTForCausalLM"):
@@ -96,7 +101,10 @@ def test_another_architecture_is_refused_by_name(tmp_path: Path) -> None:
 def test_slices_read_from_the_file_equal_indexing(tmp_path: Path) -> None:
     a, b = torch.randn(6, 10), torch.randn(4, 10)
     save_file({"a": a, "b": b, "c": torch.randn(6, 10)}, tmp_path / "w.safetensors")
-    t = {k: FileTensor(tmp_path / "w.safetensors", k, tuple(v.shape)) for k, v in load_file(tmp_path / "w.safetensors").items()}
+    t = {
+        k: FileTensor(tmp_path / "w.safetensors", k, tuple(v.shape))
+        for k, v in load_file(tmp_path / "w.safetensors").items()
+    }
     rows, cols = torch.tensor([0, 1, 4, 5]), torch.tensor([2, 3, 4, 8, 9])  # strided: two runs each
     from contextlib import ExitStack
 
@@ -156,7 +164,9 @@ def test_materialize_allocates_pretrained_parameters_without_initialising_them(k
     with _Writes() as writes:
         materialize(module, owners, torch.device("cpu"), filled=filled)
     params, expected = dict(module.named_parameters()), dict(reference.named_parameters())
-    assert not {params[n].untyped_storage().data_ptr() for n in filled} & writes.storages, "a filled parameter was written"
+    assert not {params[n].untyped_storage().data_ptr() for n in filled} & writes.storages, (
+        "a filled parameter was written"
+    )
     for name in set(names) - filled:
         assert torch.equal(params[name], expected[name]), name
     buffers, expected_buffers = dict(module.named_buffers()), dict(reference.named_buffers())

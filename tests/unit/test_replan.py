@@ -11,9 +11,9 @@ import torch
 
 from lit_mesh import MeshStrategy
 from lit_mesh.errors import MeshConfigError, WorldSizeError
-from lit_mesh.training.log_steps import step_mean
 from lit_mesh.mesh import MeshLayout
 from lit_mesh.reliability.replan import SPLITS_KEY, keep_global_batch, plan_for_world, rescale_batch_progress
+from lit_mesh.training.log_steps import step_mean
 from zoo.global_batches import GlobalBatches
 
 
@@ -36,7 +36,9 @@ def degrees(**given: object) -> dict:
         (dict(tp=2), 2, MeshLayout(tp=2), 1),  # dp fills the world: nothing planned to keep
     ],
 )
-def test_replan_keeps_model_parallel_and_shrinks_data_parallel(given: dict, world: int, layout: MeshLayout, splits: int) -> None:
+def test_replan_keeps_model_parallel_and_shrinks_data_parallel(
+    given: dict, world: int, layout: MeshLayout, splits: int
+) -> None:
     plan = plan_for_world(world, degrees(**given), "replan")
     assert plan.layout == layout and plan.splits == splits
     if splits > 1:
@@ -70,8 +72,9 @@ def test_global_batches_split_into_micro_batches_in_row_order() -> None:
     halves = [batch for batch, _ in split]
     assert all(len(h) == 2 for h in halves)
     assert [torch.cat(halves[i : i + 2]).tolist() for i in range(0, 10, 2)] == [b.tolist() for b, _ in whole]
-    resumed = GlobalBatches(40, rows, global_batch_size=8, dp_size=2, dp_rank=1, shuffle=True, seed=3, splits=2,
-                            start=lambda: (0, 3))  # fmt: skip
+    resumed = GlobalBatches(
+        40, rows, global_batch_size=8, dp_size=2, dp_rank=1, shuffle=True, seed=3, splits=2, start=lambda: (0, 3)
+    )
     assert [b.tolist() for b, _ in resumed] == [h.tolist() for h in halves[6:]], "skips are counted in global batches"
     with pytest.raises(ValueError, match="data-parallel size 8"):
         GlobalBatches(40, rows, global_batch_size=4, dp_size=2, splits=4)

@@ -15,13 +15,30 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 import report  # noqa: E402
 
 ENTRY = {
-    "name": "toy", "command": "python benchmarks/toy.py --n 2", "argv": ["benchmarks/toy.py", "--n", "2"],
-    "timeout_s": 60, "date": "2026-11-23 14:00 UTC", "wall_s": 12.3,
-    "machine": {"machine": "x86_64", "cpu_count": 2, "accelerator": "no GPU", "python": "3.11.7", "torch": "2.13.0+cpu",
-                "lightning": "2.6.6", "load_before": 1.25, "load_after": 2.5},
-    "result": {"rows": [{"mesh": {"dp_shard": 2, "tp": 1}, "bytes": 1234567, "ratio": 1.00049},
-                        {"mesh": {"dp_shard": 1, "tp": 2}, "bytes": 89, "ratio": 0.5}], "goal_met": False},
-}  # fmt: skip
+    "name": "toy",
+    "command": "python benchmarks/toy.py --n 2",
+    "argv": ["benchmarks/toy.py", "--n", "2"],
+    "timeout_s": 60,
+    "date": "2026-11-23 14:00 UTC",
+    "wall_s": 12.3,
+    "machine": {
+        "machine": "x86_64",
+        "cpu_count": 2,
+        "accelerator": "no GPU",
+        "python": "3.11.7",
+        "torch": "2.13.0+cpu",
+        "lightning": "2.6.6",
+        "load_before": 1.25,
+        "load_after": 2.5,
+    },
+    "result": {
+        "rows": [
+            {"mesh": {"dp_shard": 2, "tp": 1}, "bytes": 1234567, "ratio": 1.00049},
+            {"mesh": {"dp_shard": 1, "tp": 2}, "bytes": 89, "ratio": 0.5},
+        ],
+        "goal_met": False,
+    },
+}
 TEMPLATE = """{% set e = results.toy %}
 ## Toy
 
@@ -89,9 +106,8 @@ def test_a_run_keeps_the_last_json_line_and_the_exact_command(tmp_path: Path) ->
 
 def test_tensorboard_scalars_reads_back_every_logged_value(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     """benchmarks/tensorboard_scalars.py: how the GPU recipe's MeshMonitor figures come back from a bare host."""
-    from torch.utils.tensorboard import SummaryWriter
-
     import tensorboard_scalars
+    from torch.utils.tensorboard import SummaryWriter
 
     writer = SummaryWriter(str(tmp_path / "version_0"))
     for step, value in [(9, 0.5), (19, 0.25)]:

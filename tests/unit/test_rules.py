@@ -12,11 +12,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.pipelining import PipelineStage
 
-from torch import nn
-
 from lit_mesh.comm.options import CompressionOptions
+from lit_mesh.comm.topology import Topology
 from lit_mesh.mesh import MeshLayout
 from lit_mesh.options import (
     CheckpointOptions,
@@ -28,10 +28,9 @@ from lit_mesh.options import (
     TensorOptions,
 )
 from lit_mesh.parallel.pipeline.schedules import SCHEDULES, PipelineSettings
-from lit_mesh.training.precision import FP16MixedPrecision
 from lit_mesh.plan import ContextPlan, ParallelPlan, PlanOwner, TensorPlan
 from lit_mesh.rules import RULES, RULES_BY_NAME, Facts, enforce
-from lit_mesh.comm.topology import Topology
+from lit_mesh.training.precision import FP16MixedPrecision
 
 O = MeshOptions()
 DEGREES = dict(dp=None, dp_replicate=None, dp_shard=None, tp=1, cp=1, pp=1, ep=1)
@@ -42,11 +41,23 @@ def init(options: MeshOptions = O, **degrees: object) -> Facts:
     return Facts(degrees={**DEGREES, **degrees}, options=options)
 
 
-def launch(layout: MeshLayout, options: MeshOptions = O, precision: str = "32-true", nodes: int = 1,
-           device_type: str = "cpu", backend: str = "gloo") -> Facts:
+def launch(
+    layout: MeshLayout,
+    options: MeshOptions = O,
+    precision: str = "32-true",
+    nodes: int = 1,
+    device_type: str = "cpu",
+    backend: str = "gloo",
+) -> Facts:
     topology = Topology(nodes=nodes, devices_per_node=layout.world_size // nodes)
-    return Facts(options=options, layout=layout, precision=precision, topology=topology, device_type=device_type,
-                 process_group_backend=backend)
+    return Facts(
+        options=options,
+        layout=layout,
+        precision=precision,
+        topology=topology,
+        device_type=device_type,
+        process_group_backend=backend,
+    )
 
 
 def setup(layout: MeshLayout, owners: list, options: MeshOptions = O, self_parallelised: bool = False) -> Facts:
@@ -79,7 +90,9 @@ def moe_owner(n_experts: int, moe: bool = True) -> SimpleNamespace:
 def tied_owner() -> SimpleNamespace:
     embed, head = nn.Embedding(8, 4), nn.Linear(4, 8, bias=False)
     head.weight = embed.weight  # tied input/output embeddings
-    return SimpleNamespace(name="model", module=nn.ModuleDict({"embed": embed, "head": head}), plan=SimpleNamespace(moe=None))
+    return SimpleNamespace(
+        name="model", module=nn.ModuleDict({"embed": embed, "head": head}), plan=SimpleNamespace(moe=None)
+    )
 
 
 def planned(heads: int = 4, attention: str = "attention", positions: str = "positions") -> PlanOwner:
@@ -112,8 +125,12 @@ def test_checkpointed_blocks_are_refused_with_the_split_backward_too() -> None:
     rule = RULES_BY_NAME["split_backward_without_block_options"]
     for schedule in ("zero_bubble", "zbv", "dualpipev"):
         facts = init(replace(O, pipeline=PipelineSettings(schedule), memory=MemoryOptions("selective")), pp=2)
-        assert rule.broken(facts) and rule.message(facts).startswith(f"activation_checkpointing with pp_schedule={schedule!r}")
-    assert not rule.broken(init(replace(O, pipeline=PipelineSettings("looped_bfs"), memory=MemoryOptions("full")), pp=2))
+        assert rule.broken(facts) and rule.message(facts).startswith(
+            f"activation_checkpointing with pp_schedule={schedule!r}"
+        )
+    assert not rule.broken(
+        init(replace(O, pipeline=PipelineSettings("looped_bfs"), memory=MemoryOptions("full")), pp=2)
+    )
 
 
 PP2, CP2, TP2 = MeshLayout(pp=2, dp_shard=2), MeshLayout(dp_shard=2, cp=2), MeshLayout(dp_shard=2, tp=2)
@@ -131,128 +148,274 @@ GRID_TP4, GRID_DDP = MeshLayout(tp=4), MeshLayout(dp_replicate=2, tp=4)
 
 # rule -> (facts that break it, the message or a part of it, facts that pass)
 CASES: dict[str, tuple[Facts, str, Facts]] = {
-    "one_auto_degree": (init(dp="auto", dp_shard="auto"), "dp='auto' and dp_shard='auto': only one degree may be 'auto'",
-                        init(dp="auto")),
-    "lightning_sizes_alone": (init(LIGHTNING_SIZES, tp=2), "data_parallel_size/tensor_parallel_size (ModelParallelStrategy's"
-                              " names) together with tp=2: give either the two Lightning sizes", init(LIGHTNING_SIZES)),
-    "precision_supported": (Facts(precision="64-true"), "MeshStrategy does not support precision='64-true'; choose"
-                            " Trainer(precision=...) in", Facts(precision="bf16-mixed")),
-    "fp16_needs_mesh_scaler": (Facts(precision="16-mixed", precision_plugin=SimpleNamespace(scaler=None)),
-                               "precision='16-mixed' under MeshStrategy needs a loss scaler that agrees over all ranks",
-                               Facts(precision="16-mixed", precision_plugin=FP16MixedPrecision("cpu"))),
-    "one_stage_schedule": (pipeline(2, schedule="gpipe", stages_per_rank=2), "pp_schedule='gpipe' runs one stage per rank,"
-                           " not pp_stages_per_rank=2", pipeline(2, schedule="gpipe", stages_per_rank=1)),
-    "interleaved_schedule_stages": (pipeline(2, schedule="interleaved_1f1b", stages_per_rank=1),
-                                    "set pp_stages_per_rank >= 2", pipeline(2, schedule="interleaved_1f1b")),
-    "v_schedule_two_stages": (pipeline(2, schedule="zbv", stages_per_rank=3), "runs exactly 2 stages per rank (V shape),"
-                              " not 3; set pp_stages_per_rank=2", pipeline(2, schedule="zbv", stages_per_rank=2)),
-    "pp_microbatches_for_schedule": (pipeline(4, schedule="1f1b", microbatches=2), "pp_schedule='1f1b' with pp=4 and 2"
-                                     " micro-batches: it needs at least 4 micro-batches (one per stage); set pp_microbatches"
-                                     " >= 4, or use pp_schedule='gpipe'", pipeline(4, schedule="1f1b")),
-    "pp_split_per_stage": (pipeline(2, split=(1, 1, 2)), "pp_split=[1, 1, 2] has 3 entries but pp=2 x stages per rank 1"
-                           " = 2 stages", pipeline(2, split=(1, 3))),
-    "pipeline_options_need_pp": (pipeline(1, schedule="gpipe"), "pp_schedule, pp_microbatches, pp_stages_per_rank and"
-                                 " pp_split need pp > 1", pipeline(2, schedule="gpipe")),
-    "split_backward_without_block_options": (compiled_pipeline("zbv"), "compile_blocks with pp_schedule='zbv': this"
-                                             " schedule splits each backward into an input-gradient pass and a later"
-                                             " weight-gradient pass", compiled_pipeline("interleaved_1f1b")),
-    "2bw_without_block_options": (init(replace(TWO_BW, memory=MemoryOptions("full")), pp=2), "activation_checkpointing"
-                                  " with pp_schedule='2bw': each micro-batch's backward must use the weight version its"
-                                  " forward used", init(replace(AC, pipeline=PipelineSettings("1f1b")), pp=2)),
-    "2bw_without_fp16_scaler": (launch(MeshLayout(pp=2), TWO_BW, precision="16-mixed"), "pp_schedule='2bw' with"
-                                " fp16 loss scaling: each batch's gradient is made over two steps",
-                                launch(MeshLayout(pp=2), TWO_BW, precision="bf16-mixed")),
-    "2bw_pipeline_alone": (launch(PP2, TWO_BW), "pp_schedule='2bw' with data parallel fsdp (dp_replicate=1, dp_shard=2):"
-                           " PipeDream-2BW here runs pipeline parallel alone", launch(MeshLayout(pp=2), TWO_BW)),
-    "self_parallelised_without_pp": (setup(PP2, [], self_parallelised=True), "pp=2: configure_model parallelised the"
-                                     " model itself", setup(DP4, [], self_parallelised=True)),
-    "pp_needs_one_plan": (setup(PP2, [owner(), owner()]), "pp > 1 pipelines one model that declares parallel_plan();"
-                          " Net has ['model', 'model']", setup(PP2, [owner()])),
-    "pp_moe_needs_stage_plan": (setup(PP2, [owner("moe", stages=())]), "pp=2 with the MoE model SimpleNamespace: its"
-                                " parallel_plan() declares no PipelinePlan", setup(PP2, [owner("moe")])),
-    "2bw_without_moe": (setup(MeshLayout(pp=2), [owner("moe")], TWO_BW), "pp_schedule='2bw' with the MoE model"
-                        " SimpleNamespace: the 2bw driver does not carry MoE routing statistics",
-                        setup(MeshLayout(pp=2), [owner("moe")])),
-    "pp_without_tied_parameters": (setup(PP2, [tied_owner()]), "pp=2 with ModuleDict's tied parameters ['embed.weight ="
-                                   " head.weight']: the embedding runs on the first pipeline stage and the output head on"
-                                   " the last", setup(DP4, [tied_owner()])),
-    "selective_ac_with_inductor_tp": (init(replace(O, memory=MemoryOptions("selective"), compile=CompileOptions(True, "inductor")),
-                                      tp=2), "activation_checkpointing='selective' with compile_blocks (compile_backend="
-                                      "'inductor') and tp=2: on this torch the gradients come out wrong",
-                                      init(replace(O, memory=MemoryOptions("full"), compile=CompileOptions(True, "inductor")), tp=2)),
-    "async_tp_needs_compiled_sp": (init(replace(O, compile=CompileOptions(True, "aot_eager", async_tp=True)), tp=2),
-                                   "async_tp=True with compile_blocks=True, compile_backend='aot_eager', tp=2,"
-                                   " sequence_parallel=True: async TP (torch's micro-pipeline TP) fuses the",
-                                   init(ASYNC_TP, tp=2)),
-    "zero_stage_with_pp": (init(ZERO2, pp=2), "zero_stage=2 with pp=2: under a pipeline each stage's parameters are"
-                           " already gathered once per step", init(ZERO2)),
-    "tp_mode_has_scheme": (init(replace(GRID2D, tensor=TensorOptions("4d")), tp=16), "tp_mode='4d' has no"
-                           " implementation in this version; use one of ['1d', '2.5d', '2d'", init(GRID2D, tp=4)),
-    "tp_grid_shape": (init(GRID25D, tp=12), "tp_mode='2.5d' needs tp = d * q * q with d = tp_depth = 2, but tp=12; use"
-                      " tp in [8, 18, 32, 50]", init(GRID25D, tp=8)),
-    "tp_grid_alone": (init(replace(GRID2D, mesh=O.mesh), tp=4, pp=2), "tp_mode='2d' with pp=2, sequence_parallel=True:"
-                      " the grid tensor-parallel schemes combine with dp_replicate (DDP) only", init(GRID2D, tp=4)),
-    "async_save_needs_sharded": (init(replace(O, checkpoint=CheckpointOptions(False, True))), "async_save=True writes"
-                                 " sharded checkpoints: keep save_distributed_checkpoint=True",
-                                 init(replace(O, checkpoint=CheckpointOptions(True, True)))),
-    "compression_state_needs_sharded": (init(replace(O, communication=FP16, checkpoint=CheckpointOptions(False))),
-                                        "single-file checkpoints do not hold its per-rank state", init(replace(O, communication=FP16))),
-    "model_parallel_divides_world": (Facts(degrees={**DEGREES, "tp": 3}, world_size=4), "pp=1 x cp=1 x tp=3 = 3 does not"
-                                     " divide the world size 4 (devices x num_nodes); choose degrees whose product divides 4,"
-                                     " e.g. tp in [1, 2, 4]", Facts(degrees={**DEGREES, "tp": 2}, world_size=4)),
-    "ep_divides_dp_shard_cp": (Facts(layout=MeshLayout(dp_shard=2, cp=2, ep=3)), "ep=3 does not divide dp_shard x cp = 2 x 2"
-                               " = 4 (expert parallel borrows its ranks from them, it does not add any); choose ep in [1, 2, 4]",
-                               Facts(layout=MeshLayout(dp_shard=2, cp=2, ep=4))),
-    "async_tp_needs_cuda_nccl": (launch(TP2, ASYNC_TP), "async_tp=True on device 'cpu' with process group backend"
-                                 " 'gloo': async TP (torch's micro-pipeline TP) exchanges tiles through CUDA symmetric"
-                                 " memory and needs accelerator='cuda' with the 'nccl' backend",
-                                 launch(TP2, ASYNC_TP, device_type="cuda", backend="nccl")),
-    "tp_grid_shape_resolved": (launch(MeshLayout(tp=8), GRID2D), "tp_mode='2d' needs tp = q * q (a q x q grid), but"
-                               " tp=8; use tp in [4, 9, 16, 25, 36, 49]", launch(MeshLayout(tp=9), GRID2D)),
-    "tp_grid_without_sharded_dp": (launch(MeshLayout(dp_shard=2, tp=4), GRID2D), "tp_mode='2d' with sharded data"
-                                   " parallelism (pp=1 x dp_replicate=1 x dp_shard=2", launch(MeshLayout(dp_replicate=2, tp=4), GRID2D)),
-    "compression_needs_data_parallel": (launch(MeshLayout(tp=2), replace(O, communication=FP16)), "grad_compression='fp16'"
-                                        " but the mesh has no data-parallel dim", launch(DP4, replace(O, communication=FP16))),
-    "zero_stage_needs_sharded_dp": (launch(MeshLayout(dp_replicate=2), ZERO1), "zero_stage=1 shards optimizer state"
-                                    " over the sharded data-parallel dim, but the mesh has none (pp=1 x dp_replicate=2",
-                                    launch(MeshLayout(dp_replicate=2, dp_shard=2), ZERO1)),
-    "topology_holds_mesh": (replace(launch(DP4), topology=Topology(nodes=1, devices_per_node=2)), "the mesh has 4 ranks",
-                            launch(DP4)),
-    "tp_inside_node_strict": (launch(MeshLayout(tp=4), replace(O, communication=CommunicationOptions(strict_topology=True)), nodes=2),
-                              "tp=4 does not divide the 2 devices of one node: tensor-parallel groups cross nodes (their"
-                              " all-reduces per layer then run at 50 GB/s instead of 450 GB/s); choose tp dividing 2 (or"
-                              " strict_topology=False to run anyway)", launch(MeshLayout(tp=4), nodes=2)),
-    "tp_inside_node": (launch(MeshLayout(tp=4), nodes=2), "tp=4 does not divide the 2 devices of one node",
-                       launch(MeshLayout(dp_replicate=2, tp=2), nodes=2)),
-    "cp_tp_inside_node": (launch(MeshLayout(cp=2, tp=2), nodes=2), "cp=2 x tp=2 = 4 does not divide the 2 devices of one"
-                          " node: context-parallel groups cross nodes", launch(MeshLayout(dp_replicate=2, tp=2), nodes=2)),
-    "self_parallelised_without_compression": (setup(DP4, [], replace(O, communication=FP16), self_parallelised=True),
-                                              "grad_compression hooks into the data parallelism MeshStrategy applies",
-                                              setup(DP4, [owner()], replace(O, communication=FP16))),
-    "self_parallelised_without_zero_stage": (setup(DP4, [], ZERO2, self_parallelised=True), "zero_stage=2 chooses"
-                                             " how MeshStrategy applies FSDP2", setup(DP4, [owner()], ZERO2)),
-    "self_parallelised_without_cp": (setup(CP2, [], self_parallelised=True), "cp=2 but configure_model of Net"
-                                     " parallelised the model itself", setup(CP2, [owner()])),
-    "self_parallelised_without_tp_grid": (setup(MeshLayout(tp=4), [], GRID2D, self_parallelised=True), "tp_mode='2d' is"
-                                          " applied by MeshStrategy from a parallel_plan(), but configure_model of Net",
-                                          setup(MeshLayout(tp=4), [owner()], GRID2D)),
-    "block_options_need_plan": (setup(DP4, [], AC), "activation_checkpointing acts on the blocks a parallel_plan()"
-                                " names, but no module of Net declares one", setup(DP4, [owner()], AC)),
+    "one_auto_degree": (
+        init(dp="auto", dp_shard="auto"),
+        "dp='auto' and dp_shard='auto': only one degree may be 'auto'",
+        init(dp="auto"),
+    ),
+    "lightning_sizes_alone": (
+        init(LIGHTNING_SIZES, tp=2),
+        "data_parallel_size/tensor_parallel_size (ModelParallelStrategy's"
+        " names) together with tp=2: give either the two Lightning sizes",
+        init(LIGHTNING_SIZES),
+    ),
+    "precision_supported": (
+        Facts(precision="64-true"),
+        "MeshStrategy does not support precision='64-true'; choose Trainer(precision=...) in",
+        Facts(precision="bf16-mixed"),
+    ),
+    "fp16_needs_mesh_scaler": (
+        Facts(precision="16-mixed", precision_plugin=SimpleNamespace(scaler=None)),
+        "precision='16-mixed' under MeshStrategy needs a loss scaler that agrees over all ranks",
+        Facts(precision="16-mixed", precision_plugin=FP16MixedPrecision("cpu")),
+    ),
+    "one_stage_schedule": (
+        pipeline(2, schedule="gpipe", stages_per_rank=2),
+        "pp_schedule='gpipe' runs one stage per rank, not pp_stages_per_rank=2",
+        pipeline(2, schedule="gpipe", stages_per_rank=1),
+    ),
+    "interleaved_schedule_stages": (
+        pipeline(2, schedule="interleaved_1f1b", stages_per_rank=1),
+        "set pp_stages_per_rank >= 2",
+        pipeline(2, schedule="interleaved_1f1b"),
+    ),
+    "v_schedule_two_stages": (
+        pipeline(2, schedule="zbv", stages_per_rank=3),
+        "runs exactly 2 stages per rank (V shape), not 3; set pp_stages_per_rank=2",
+        pipeline(2, schedule="zbv", stages_per_rank=2),
+    ),
+    "pp_microbatches_for_schedule": (
+        pipeline(4, schedule="1f1b", microbatches=2),
+        "pp_schedule='1f1b' with pp=4 and 2"
+        " micro-batches: it needs at least 4 micro-batches (one per stage); set pp_microbatches"
+        " >= 4, or use pp_schedule='gpipe'",
+        pipeline(4, schedule="1f1b"),
+    ),
+    "pp_split_per_stage": (
+        pipeline(2, split=(1, 1, 2)),
+        "pp_split=[1, 1, 2] has 3 entries but pp=2 x stages per rank 1 = 2 stages",
+        pipeline(2, split=(1, 3)),
+    ),
+    "pipeline_options_need_pp": (
+        pipeline(1, schedule="gpipe"),
+        "pp_schedule, pp_microbatches, pp_stages_per_rank and pp_split need pp > 1",
+        pipeline(2, schedule="gpipe"),
+    ),
+    "split_backward_without_block_options": (
+        compiled_pipeline("zbv"),
+        "compile_blocks with pp_schedule='zbv': this"
+        " schedule splits each backward into an input-gradient pass and a later"
+        " weight-gradient pass",
+        compiled_pipeline("interleaved_1f1b"),
+    ),
+    "2bw_without_block_options": (
+        init(replace(TWO_BW, memory=MemoryOptions("full")), pp=2),
+        "activation_checkpointing"
+        " with pp_schedule='2bw': each micro-batch's backward must use the weight version its"
+        " forward used",
+        init(replace(AC, pipeline=PipelineSettings("1f1b")), pp=2),
+    ),
+    "2bw_without_fp16_scaler": (
+        launch(MeshLayout(pp=2), TWO_BW, precision="16-mixed"),
+        "pp_schedule='2bw' with fp16 loss scaling: each batch's gradient is made over two steps",
+        launch(MeshLayout(pp=2), TWO_BW, precision="bf16-mixed"),
+    ),
+    "2bw_pipeline_alone": (
+        launch(PP2, TWO_BW),
+        "pp_schedule='2bw' with data parallel fsdp (dp_replicate=1, dp_shard=2):"
+        " PipeDream-2BW here runs pipeline parallel alone",
+        launch(MeshLayout(pp=2), TWO_BW),
+    ),
+    "self_parallelised_without_pp": (
+        setup(PP2, [], self_parallelised=True),
+        "pp=2: configure_model parallelised the model itself",
+        setup(DP4, [], self_parallelised=True),
+    ),
+    "pp_needs_one_plan": (
+        setup(PP2, [owner(), owner()]),
+        "pp > 1 pipelines one model that declares parallel_plan(); Net has ['model', 'model']",
+        setup(PP2, [owner()]),
+    ),
+    "pp_moe_needs_stage_plan": (
+        setup(PP2, [owner("moe", stages=())]),
+        "pp=2 with the MoE model SimpleNamespace: its parallel_plan() declares no PipelinePlan",
+        setup(PP2, [owner("moe")]),
+    ),
+    "2bw_without_moe": (
+        setup(MeshLayout(pp=2), [owner("moe")], TWO_BW),
+        "pp_schedule='2bw' with the MoE model SimpleNamespace: the 2bw driver does not carry MoE routing statistics",
+        setup(MeshLayout(pp=2), [owner("moe")]),
+    ),
+    "pp_without_tied_parameters": (
+        setup(PP2, [tied_owner()]),
+        "pp=2 with ModuleDict's tied parameters ['embed.weight ="
+        " head.weight']: the embedding runs on the first pipeline stage and the output head on"
+        " the last",
+        setup(DP4, [tied_owner()]),
+    ),
+    "selective_ac_with_inductor_tp": (
+        init(replace(O, memory=MemoryOptions("selective"), compile=CompileOptions(True, "inductor")), tp=2),
+        "activation_checkpointing='selective' with compile_blocks (compile_backend="
+        "'inductor') and tp=2: on this torch the gradients come out wrong",
+        init(replace(O, memory=MemoryOptions("full"), compile=CompileOptions(True, "inductor")), tp=2),
+    ),
+    "async_tp_needs_compiled_sp": (
+        init(replace(O, compile=CompileOptions(True, "aot_eager", async_tp=True)), tp=2),
+        "async_tp=True with compile_blocks=True, compile_backend='aot_eager', tp=2,"
+        " sequence_parallel=True: async TP (torch's micro-pipeline TP) fuses the",
+        init(ASYNC_TP, tp=2),
+    ),
+    "zero_stage_with_pp": (
+        init(ZERO2, pp=2),
+        "zero_stage=2 with pp=2: under a pipeline each stage's parameters are already gathered once per step",
+        init(ZERO2),
+    ),
+    "tp_mode_has_scheme": (
+        init(replace(GRID2D, tensor=TensorOptions("4d")), tp=16),
+        "tp_mode='4d' has no implementation in this version; use one of ['1d', '2.5d', '2d'",
+        init(GRID2D, tp=4),
+    ),
+    "tp_grid_shape": (
+        init(GRID25D, tp=12),
+        "tp_mode='2.5d' needs tp = d * q * q with d = tp_depth = 2, but tp=12; use tp in [8, 18, 32, 50]",
+        init(GRID25D, tp=8),
+    ),
+    "tp_grid_alone": (
+        init(replace(GRID2D, mesh=O.mesh), tp=4, pp=2),
+        "tp_mode='2d' with pp=2, sequence_parallel=True:"
+        " the grid tensor-parallel schemes combine with dp_replicate (DDP) only",
+        init(GRID2D, tp=4),
+    ),
+    "async_save_needs_sharded": (
+        init(replace(O, checkpoint=CheckpointOptions(False, True))),
+        "async_save=True writes sharded checkpoints: keep save_distributed_checkpoint=True",
+        init(replace(O, checkpoint=CheckpointOptions(True, True))),
+    ),
+    "compression_state_needs_sharded": (
+        init(replace(O, communication=FP16, checkpoint=CheckpointOptions(False))),
+        "single-file checkpoints do not hold its per-rank state",
+        init(replace(O, communication=FP16)),
+    ),
+    "model_parallel_divides_world": (
+        Facts(degrees={**DEGREES, "tp": 3}, world_size=4),
+        "pp=1 x cp=1 x tp=3 = 3 does not"
+        " divide the world size 4 (devices x num_nodes); choose degrees whose product divides 4,"
+        " e.g. tp in [1, 2, 4]",
+        Facts(degrees={**DEGREES, "tp": 2}, world_size=4),
+    ),
+    "ep_divides_dp_shard_cp": (
+        Facts(layout=MeshLayout(dp_shard=2, cp=2, ep=3)),
+        "ep=3 does not divide dp_shard x cp = 2 x 2"
+        " = 4 (expert parallel borrows its ranks from them, it does not add any); choose ep in [1, 2, 4]",
+        Facts(layout=MeshLayout(dp_shard=2, cp=2, ep=4)),
+    ),
+    "async_tp_needs_cuda_nccl": (
+        launch(TP2, ASYNC_TP),
+        "async_tp=True on device 'cpu' with process group backend"
+        " 'gloo': async TP (torch's micro-pipeline TP) exchanges tiles through CUDA symmetric"
+        " memory and needs accelerator='cuda' with the 'nccl' backend",
+        launch(TP2, ASYNC_TP, device_type="cuda", backend="nccl"),
+    ),
+    "tp_grid_shape_resolved": (
+        launch(MeshLayout(tp=8), GRID2D),
+        "tp_mode='2d' needs tp = q * q (a q x q grid), but tp=8; use tp in [4, 9, 16, 25, 36, 49]",
+        launch(MeshLayout(tp=9), GRID2D),
+    ),
+    "tp_grid_without_sharded_dp": (
+        launch(MeshLayout(dp_shard=2, tp=4), GRID2D),
+        "tp_mode='2d' with sharded data parallelism (pp=1 x dp_replicate=1 x dp_shard=2",
+        launch(MeshLayout(dp_replicate=2, tp=4), GRID2D),
+    ),
+    "compression_needs_data_parallel": (
+        launch(MeshLayout(tp=2), replace(O, communication=FP16)),
+        "grad_compression='fp16' but the mesh has no data-parallel dim",
+        launch(DP4, replace(O, communication=FP16)),
+    ),
+    "zero_stage_needs_sharded_dp": (
+        launch(MeshLayout(dp_replicate=2), ZERO1),
+        "zero_stage=1 shards optimizer state"
+        " over the sharded data-parallel dim, but the mesh has none (pp=1 x dp_replicate=2",
+        launch(MeshLayout(dp_replicate=2, dp_shard=2), ZERO1),
+    ),
+    "topology_holds_mesh": (
+        replace(launch(DP4), topology=Topology(nodes=1, devices_per_node=2)),
+        "the mesh has 4 ranks",
+        launch(DP4),
+    ),
+    "tp_inside_node_strict": (
+        launch(MeshLayout(tp=4), replace(O, communication=CommunicationOptions(strict_topology=True)), nodes=2),
+        "tp=4 does not divide the 2 devices of one node: tensor-parallel groups cross nodes (their"
+        " all-reduces per layer then run at 50 GB/s instead of 450 GB/s); choose tp dividing 2 (or"
+        " strict_topology=False to run anyway)",
+        launch(MeshLayout(tp=4), nodes=2),
+    ),
+    "tp_inside_node": (
+        launch(MeshLayout(tp=4), nodes=2),
+        "tp=4 does not divide the 2 devices of one node",
+        launch(MeshLayout(dp_replicate=2, tp=2), nodes=2),
+    ),
+    "cp_tp_inside_node": (
+        launch(MeshLayout(cp=2, tp=2), nodes=2),
+        "cp=2 x tp=2 = 4 does not divide the 2 devices of one node: context-parallel groups cross nodes",
+        launch(MeshLayout(dp_replicate=2, tp=2), nodes=2),
+    ),
+    "self_parallelised_without_compression": (
+        setup(DP4, [], replace(O, communication=FP16), self_parallelised=True),
+        "grad_compression hooks into the data parallelism MeshStrategy applies",
+        setup(DP4, [owner()], replace(O, communication=FP16)),
+    ),
+    "self_parallelised_without_zero_stage": (
+        setup(DP4, [], ZERO2, self_parallelised=True),
+        "zero_stage=2 chooses how MeshStrategy applies FSDP2",
+        setup(DP4, [owner()], ZERO2),
+    ),
+    "self_parallelised_without_cp": (
+        setup(CP2, [], self_parallelised=True),
+        "cp=2 but configure_model of Net parallelised the model itself",
+        setup(CP2, [owner()]),
+    ),
+    "self_parallelised_without_tp_grid": (
+        setup(MeshLayout(tp=4), [], GRID2D, self_parallelised=True),
+        "tp_mode='2d' is applied by MeshStrategy from a parallel_plan(), but configure_model of Net",
+        setup(MeshLayout(tp=4), [owner()], GRID2D),
+    ),
+    "block_options_need_plan": (
+        setup(DP4, [], AC),
+        "activation_checkpointing acts on the blocks a parallel_plan() names, but no module of Net declares one",
+        setup(DP4, [owner()], AC),
+    ),
     "tp_needs_plan": (setup(TP2, []), "tp=2 but no module of Net declares parallel_plan()", setup(TP2, [owner()])),
-    "cp_needs_plan": (setup(CP2, []), "cp=2 but no module of Net declares parallel_plan() with its attention",
-                      setup(CP2, [owner()])),
-    "tp_fits_plan": (setup(TP2, [tp_owner(n_heads=4, n_kv_heads=3)]), "tp=2 does not divide n_kv_heads=3 of Linear (choose"
-                     " tp in [1, 3])", setup(TP2, [tp_owner(n_heads=4, n_kv_heads=2)])),
-    "ep_fits_plan": (setup(EP2, [moe_owner(n_experts=3)]), "ep=2 does not divide n_experts=3 of Module (choose ep in"
-                     " [1, 3])", setup(EP2, [moe_owner(n_experts=4)])),
-    "cp_fits_plan": (setup(CP2, [planned(attention="")]), "cp=2 but Module.parallel_plan() declares no attention module"
-                     " (ContextPlan.attention)", setup(CP2, [planned()])),
-    "tp_grid_fits_plan": (setup(GRID_TP4, [planned(heads=3)], GRID2D), "tp_mode='2d' on a grid of depth 1 x 2 x 2"
-                          " splits n_heads=3 of Module into q=2 blocks", setup(GRID_TP4, [planned()], GRID2D)),
-    "tp_grid_replicas_need_planned_parameters": (with_root(setup(GRID_DDP, [], GRID2D), planned(), extra=True),
-                                                 "tp_mode='2d' with dp_replicate: parameters ['temperature'] are"
-                                                 " outside the modules that declare a parallel_plan()",
-                                                 with_root(setup(GRID_DDP, [], GRID2D), planned())),
+    "cp_needs_plan": (
+        setup(CP2, []),
+        "cp=2 but no module of Net declares parallel_plan() with its attention",
+        setup(CP2, [owner()]),
+    ),
+    "tp_fits_plan": (
+        setup(TP2, [tp_owner(n_heads=4, n_kv_heads=3)]),
+        "tp=2 does not divide n_kv_heads=3 of Linear (choose tp in [1, 3])",
+        setup(TP2, [tp_owner(n_heads=4, n_kv_heads=2)]),
+    ),
+    "ep_fits_plan": (
+        setup(EP2, [moe_owner(n_experts=3)]),
+        "ep=2 does not divide n_experts=3 of Module (choose ep in [1, 3])",
+        setup(EP2, [moe_owner(n_experts=4)]),
+    ),
+    "cp_fits_plan": (
+        setup(CP2, [planned(attention="")]),
+        "cp=2 but Module.parallel_plan() declares no attention module (ContextPlan.attention)",
+        setup(CP2, [planned()]),
+    ),
+    "tp_grid_fits_plan": (
+        setup(GRID_TP4, [planned(heads=3)], GRID2D),
+        "tp_mode='2d' on a grid of depth 1 x 2 x 2 splits n_heads=3 of Module into q=2 blocks",
+        setup(GRID_TP4, [planned()], GRID2D),
+    ),
+    "tp_grid_replicas_need_planned_parameters": (
+        with_root(setup(GRID_DDP, [], GRID2D), planned(), extra=True),
+        "tp_mode='2d' with dp_replicate: parameters ['temperature'] are"
+        " outside the modules that declare a parallel_plan()",
+        with_root(setup(GRID_DDP, [], GRID2D), planned()),
+    ),
 }
 
 
@@ -264,7 +427,10 @@ def test_every_rule_has_a_case() -> None:
 def test_ep_refuses_a_dense_model() -> None:
     rule = RULES_BY_NAME["ep_fits_plan"]
     dense = setup(EP2, [moe_owner(n_experts=4, moe=False)])
-    assert rule.message(dense) == "ep=2 but Module.parallel_plan() declares no MoE layer (ParallelPlan.moe); use ep=1 for a dense model"
+    assert (
+        rule.message(dense)
+        == "ep=2 but Module.parallel_plan() declares no MoE layer (ParallelPlan.moe); use ep=1 for a dense model"
+    )
     assert not rule.broken(setup(MeshLayout(dp_shard=2), [moe_owner(n_experts=4, moe=False)]))  # ep=1: nothing to split
 
 
@@ -286,7 +452,6 @@ def test_rule(name: str) -> None:
             enforce(rule, broken)
 
 
-
 @pytest.mark.parametrize("pp", [2, 4])
 def test_microbatch_rule_agrees_with_torchs_schedules(pp: int) -> None:
     """pp_microbatches_for_schedule refuses, before processes start, exactly the counts torch's schedule constructors
@@ -306,12 +471,18 @@ def test_microbatch_rule_agrees_with_torchs_schedules(pp: int) -> None:
                 indices = [0, n_stages - 1] if placement == "v" else list(range(0, n_stages, pp))
                 stages = [PipelineStage(torch.nn.Linear(2, 2), i, n_stages, torch.device("cpu")) for i in indices]
                 try:
-                    schedule_cls(stages if per_rank > 1 else stages[0], n_microbatches=settings.n_microbatches(pp),
-                                 loss_fn=torch.nn.functional.mse_loss, scale_grads=False)  # fmt: skip
+                    schedule_cls(
+                        stages if per_rank > 1 else stages[0],
+                        n_microbatches=settings.n_microbatches(pp),
+                        loss_fn=torch.nn.functional.mse_loss,
+                        scale_grads=False,
+                    )
                     accepted = True
                 except ValueError:
                     accepted = False
-                refused = RULES_BY_NAME["pp_microbatches_for_schedule"].broken(pipeline(pp, schedule=name, microbatches=count))
+                refused = RULES_BY_NAME["pp_microbatches_for_schedule"].broken(
+                    pipeline(pp, schedule=name, microbatches=count)
+                )
                 assert accepted != refused, (name, pp, count, accepted)
     finally:
         dist.destroy_process_group()
@@ -322,8 +493,9 @@ def test_microbatch_refusals_name_counts_that_work() -> None:
     assert "needs at least 4 micro-batches (one per stage); set pp_microbatches >= 4, or use pp_schedule='zbv'" in (
         rule.message(pipeline(2, schedule="dualpipev", microbatches=3))
     )
-    assert "runs micro-batches in 2 rounds of pp=2 and 5 is not a multiple of 2; set pp_microbatches to a multiple of 2" in (
-        rule.message(pipeline(2, schedule="zero_bubble", microbatches=5))
+    assert (
+        "runs micro-batches in 2 rounds of pp=2 and 5 is not a multiple of 2; set pp_microbatches to a multiple of 2"
+        in (rule.message(pipeline(2, schedule="zero_bubble", microbatches=5)))
     )
     assert not rule.broken(pipeline(2, schedule="dualpipev"))  # its default: one micro-batch per stage, 2 x pp
 

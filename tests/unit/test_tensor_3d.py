@@ -32,7 +32,9 @@ def test_3d_bytes_are_twice_each_block_over_a_q_rank_group() -> None:
 def test_tp_mode_3d_is_a_scheme_on_cubes() -> None:
     assert isinstance(SCHEMES["3d"], ThreeDScheme)
     MeshStrategy(tp=8, tp_mode="3d")
-    with pytest.raises(MeshConfigError, match=r"tp_mode='3d' needs tp = q \* q \* q .* but tp=4; use tp in \[8, 27, 64\]"):
+    with pytest.raises(
+        MeshConfigError, match=r"tp_mode='3d' needs tp = q \* q \* q .* but tp=4; use tp in \[8, 27, 64\]"
+    ):
         MeshStrategy(tp=4, tp_mode="3d")
 
 
@@ -47,7 +49,11 @@ def test_the_dim_split_by_j_is_split_again_by_i() -> None:
     [
         (nn.Linear(8, 8, bias=True), "colwise", r"wq has a bias, which tp_mode='3d' does not split; use bias=False"),
         (nn.Linear(8, 6, bias=False), "colwise", r"wq.out_features=6 divisible by q\^2=4"),
-        (nn.Linear(8, 8, bias=False), "embedding", r"'colwise' \(layout A -> B\) or 'rowwise' \(B -> A\); wq has 'embedding'"),
+        (
+            nn.Linear(8, 8, bias=False),
+            "embedding",
+            r"'colwise' \(layout A -> B\) or 'rowwise' \(B -> A\); wq has 'embedding'",
+        ),
     ],
 )
 def test_a_linear_the_grid_cannot_split_is_refused(linear: nn.Linear, style: str, message: str) -> None:

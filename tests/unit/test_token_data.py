@@ -60,14 +60,18 @@ def test_jsonl_and_parquet_rows_are_documents(tokenizer_dir: Path, tmp_path: Pat
     pq.write_table(pyarrow.table({"body": [r["body"] for r in rows]}), tmp_path / "docs.parquet")
     for name in ("docs.jsonl", "docs.parquet"):
         out = tmp_path / f"out-{name}"
-        meta = prepare([str(tmp_path / name)], str(tokenizer_dir), str(out), text_key="body", val_fraction=0.0, progress=False)
+        meta = prepare(
+            [str(tmp_path / name)], str(tokenizer_dir), str(out), text_key="body", val_fraction=0.0, progress=False
+        )
         expected = [t for r in rows for t in (*_encode(tokenizer_dir, r["body"]), meta["eos_id"])]
         assert _tokens(out, "train-00000.bin").tolist() == expected, name
     with pytest.raises(PrepareDataError, match=r"docs.jsonl:1 has no key 'text' \(keys: \['body'\]\); pass --text-key"):
         prepare([str(tmp_path / "docs.jsonl")], str(tokenizer_dir), str(tmp_path / "x"), progress=False)
 
 
-def test_an_interrupted_run_resumes_and_parallel_workers_write_the_same(tokenizer_dir: Path, shards: Path, tmp_path: Path) -> None:
+def test_an_interrupted_run_resumes_and_parallel_workers_write_the_same(
+    tokenizer_dir: Path, shards: Path, tmp_path: Path
+) -> None:
     out = tmp_path / "resumed"
     files = [str(f) for f in CORPUS_FILES]
     prepare(files, str(tokenizer_dir), str(out), val_fraction=0.1, workers=2, progress=False)
@@ -91,17 +95,37 @@ def test_bad_input_is_named(tokenizer_dir: Path, tmp_path: Path) -> None:
         prepare([str(tmp_path / "empty.txt")], str(tmp_path / "no-tokenizer"), str(tmp_path / "o"), progress=False)
     with pytest.raises(PrepareDataError, match="holds no text"):
         prepare([str(tmp_path / "empty.txt")], str(tokenizer_dir), str(tmp_path / "o"), progress=False)
-    with pytest.raises(PrepareDataError, match="--dtype uint16 holds ids below 65536, but the tokenizer's vocabulary has 128256"):
+    with pytest.raises(
+        PrepareDataError, match="--dtype uint16 holds ids below 65536, but the tokenizer's vocabulary has 128256"
+    ):
         token_dtype(128256, "uint16")
     assert token_dtype(65536) == "uint16" and token_dtype(65537) == "uint32"
 
 
 def test_prepare_data_command(tokenizer_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    lit_mesh(["prepare-data", "--tokenizer", str(tokenizer_dir), "--out", str(tmp_path / "o"), "--no-progress",
-              str(CORPUS_FILES[0])])  # fmt: skip
+    lit_mesh(
+        [
+            "prepare-data",
+            "--tokenizer",
+            str(tokenizer_dir),
+            "--out",
+            str(tmp_path / "o"),
+            "--no-progress",
+            str(CORPUS_FILES[0]),
+        ]
+    )
     assert "wrote" in capsys.readouterr().out and (tmp_path / "o" / "meta.json").is_file()
     with pytest.raises(SystemExit) as exit_code:
-        lit_mesh(["prepare-data", "--tokenizer", str(tmp_path / "nope.json"), "--out", str(tmp_path / "p"), str(CORPUS_FILES[0])])
+        lit_mesh(
+            [
+                "prepare-data",
+                "--tokenizer",
+                str(tmp_path / "nope.json"),
+                "--out",
+                str(tmp_path / "p"),
+                str(CORPUS_FILES[0]),
+            ]
+        )
     assert exit_code.value.code == 2 and "nope.json does not exist" in capsys.readouterr().err
 
 

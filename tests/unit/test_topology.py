@@ -58,11 +58,18 @@ def test_topology_given_as_a_mapping_or_in_yaml(tmp_path) -> None:
     Trainer(accelerator="cpu", devices=2, strategy=strategy, logger=False)
     assert strategy.topology == expected
     config = tmp_path / "links.yaml"
-    config.write_text("trainer:\n  strategy:\n    class_path: lit_mesh.MeshStrategy\n    init_args:\n      topology:\n"
-                      "        inter_node_bandwidth: 25.0e+9\n        intra_node_latency: 2.0e-6\n")
-    cli = LightningCLI(LightningModule, LightningDataModule, subclass_mode_model=True, subclass_mode_data=True, run=False,
-                       args=["-c", str(REPO / "configs/gpt.yaml"), "-c", str(config), "--trainer.devices=2",
-                             "--trainer.logger=false"])  # fmt: skip
+    config.write_text(
+        "trainer:\n  strategy:\n    class_path: lit_mesh.MeshStrategy\n    init_args:\n      topology:\n"
+        "        inter_node_bandwidth: 25.0e+9\n        intra_node_latency: 2.0e-6\n"
+    )
+    cli = LightningCLI(
+        LightningModule,
+        LightningDataModule,
+        subclass_mode_model=True,
+        subclass_mode_data=True,
+        run=False,
+        args=["-c", str(REPO / "configs/gpt.yaml"), "-c", str(config), "--trainer.devices=2", "--trainer.logger=false"],
+    )
     assert cli.trainer.strategy.topology == expected
 
 

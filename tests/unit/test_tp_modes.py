@@ -58,7 +58,9 @@ def test_grid_with_sharded_data_parallel_is_refused_before_spawning() -> None:
 
     from lit_mesh import MeshStrategy
 
-    with pytest.raises(MeshConfigError, match=r"tp_mode='2d' with sharded data parallelism .*use dp_replicate=2 \(DDP\)"):
+    with pytest.raises(
+        MeshConfigError, match=r"tp_mode='2d' with sharded data parallelism .*use dp_replicate=2 \(DDP\)"
+    ):
         Trainer(accelerator="cpu", devices=8, strategy=MeshStrategy(tp=4, tp_mode="2d"), logger=False)
     Trainer(accelerator="cpu", devices=8, strategy=MeshStrategy(dp_replicate=2, tp=4, tp_mode="2d"), logger=False)
     with pytest.raises(MeshConfigError, match=r"tp_mode='2d' needs tp = q \* q .* but tp=2"):
@@ -70,9 +72,22 @@ def test_tp_mode_from_the_cli() -> None:
     from lightning.pytorch.cli import LightningCLI
 
     s = "--trainer.strategy.init_args."
-    cli = LightningCLI(LightningModule, LightningDataModule, subclass_mode_model=True, subclass_mode_data=True, run=False,
-                       args=["-c", str(REPO / "configs/gpt.yaml"), "--trainer.devices=4", "--trainer.logger=false",
-                             f"{s}tp=4", f"{s}tp_mode=2d", f"{s}sequence_parallel=false"])  # fmt: skip
+    cli = LightningCLI(
+        LightningModule,
+        LightningDataModule,
+        subclass_mode_model=True,
+        subclass_mode_data=True,
+        run=False,
+        args=[
+            "-c",
+            str(REPO / "configs/gpt.yaml"),
+            "--trainer.devices=4",
+            "--trainer.logger=false",
+            f"{s}tp=4",
+            f"{s}tp_mode=2d",
+            f"{s}sequence_parallel=false",
+        ],
+    )
     assert cli.trainer.strategy.options.tensor.mode == "2d"
     assert cli.trainer.strategy.layout.tp == 4
 
@@ -88,8 +103,11 @@ def test_grid_shapes() -> None:
 def test_grid_must_divide_heads_and_widths() -> None:
     model = GPT(GPTConfig(vocab_size=64, dim=48, n_layers=1, n_heads=6, n_kv_heads=3, ffn_hidden=96))
     grid = SimpleNamespace(q=2, depth=1, mode="2d")
-    with pytest.raises(PlanError, match=r"splits n_kv_heads=3 of GPT into q=2 blocks, which does not divide it; use tp in"
-                       r" \[9\]"):
+    with pytest.raises(
+        PlanError,
+        match=r"splits n_kv_heads=3 of GPT into q=2 blocks, which does not divide it; use tp in"
+        r" \[9\]",
+    ):
         check_grid_divides(model, model.parallel_plan(), grid)
     check_grid_divides(model, model.parallel_plan(), SimpleNamespace(q=3, depth=1, mode="2d"))
     # a plan without `divides`: the linear layers' own widths are checked
@@ -118,7 +136,9 @@ def test_grid_with_replicas_refuses_parameters_outside_the_plan_owners() -> None
         root.model = GPT(GPTConfig.from_preset("tiny"))
         root.temperature = nn.Parameter(torch.ones(1))  # e.g. a learned loss scale on the LightningModule
         options = MeshOptions(mesh=MeshDegrees(sequence_parallel=False), tensor=TensorOptions("2d"))
-        with pytest.raises(PlanError, match=r"tp_mode='2d' with dp_replicate: parameters \['temperature'\] are outside"):
+        with pytest.raises(
+            PlanError, match=r"tp_mode='2d' with dp_replicate: parameters \['temperature'\] are outside"
+        ):
             parallelize(root, build_device_mesh(layout, "cpu"), options, precision="32-true")
     finally:
         dist.destroy_process_group()

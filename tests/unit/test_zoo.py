@@ -13,9 +13,8 @@ from torch import nn
 
 from lit_mesh.init import init_parameters, rule_for
 from zoo.flops import gpt_flops_per_token
-from zoo.gpt import GPT, PRESETS, GPTConfig, apply_rope, rope_cos_sin
+from zoo.gpt import GPT, PRESETS, FeedForward, GPTConfig, apply_rope, rope_cos_sin
 from zoo.gpt import Attention as GPTAttention
-from zoo.gpt import FeedForward
 from zoo.image_data import DigitsDataModule
 from zoo.modules import GPTModule, ViTModule
 from zoo.text_data import TextDataModule
@@ -112,8 +111,6 @@ def test_tied_gpt_stays_tied_through_mesh_strategy_on_one_device(tmp_path):
     assert not torch.equal(model.output.weight, check.start)  # trained
     optimizer = trainer.optimizers[0]
     assert sum(1 for group in optimizer.param_groups for p in group["params"] if p is model.output.weight) == 1
-
-
 
 
 def test_gpt_forward_shape():

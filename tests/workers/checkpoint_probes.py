@@ -21,7 +21,11 @@ from lit_mesh.cli import main, run
 
 
 def fingerprint(directory: Path) -> dict[str, str]:
-    return {str(f.relative_to(directory)): hashlib.sha1(f.read_bytes()).hexdigest() for f in sorted(directory.rglob("*")) if f.is_file()}
+    return {
+        str(f.relative_to(directory)): hashlib.sha1(f.read_bytes()).hexdigest()
+        for f in sorted(directory.rglob("*"))
+        if f.is_file()
+    }
 
 
 def damage(source: Path, out: Path) -> dict[str, Path]:
@@ -39,9 +43,19 @@ def damage(source: Path, out: Path) -> dict[str, Path]:
 
 if __name__ == "__main__":
     out, gpt_args, moe_args = Path(sys.argv[1]), json.loads(sys.argv[2]), json.loads(sys.argv[3])
-    run(["fit", *gpt_args, "--trainer.max_steps=4", f"--trainer.logger.save_dir={out / 'train'}",
-         "--trainer.callbacks+=ModelCheckpoint", f"--trainer.callbacks.dirpath={out / 'ckpt'}",
-         "--trainer.callbacks.every_n_train_steps=2", "--trainer.callbacks.save_top_k=-1", "--trainer.callbacks.filename={step}"])  # fmt: skip
+    run(
+        [
+            "fit",
+            *gpt_args,
+            "--trainer.max_steps=4",
+            f"--trainer.logger.save_dir={out / 'train'}",
+            "--trainer.callbacks+=ModelCheckpoint",
+            f"--trainer.callbacks.dirpath={out / 'ckpt'}",
+            "--trainer.callbacks.every_n_train_steps=2",
+            "--trainer.callbacks.save_top_k=-1",
+            "--trainer.callbacks.filename={step}",
+        ]
+    )
     if dist.get_rank() == 0:
         probes = damage(out / "ckpt", out)
     dist.barrier()
@@ -54,7 +68,14 @@ if __name__ == "__main__":
         before = fingerprint(directory)
         dist.barrier()
         try:
-            run([*args, "--trainer.max_steps=6", "--trainer.enable_checkpointing=false", f"--trainer.logger.save_dir={out / 'logs' / name}"])
+            run(
+                [
+                    *args,
+                    "--trainer.max_steps=6",
+                    "--trainer.enable_checkpointing=false",
+                    f"--trainer.logger.save_dir={out / 'logs' / name}",
+                ]
+            )
             results[name] = {"resume": "no error"}
         except Exception as error:  # noqa: BLE001 - recorded for the test to judge
             results[name] = {"resume": f"{type(error).__name__}: {error}"}
@@ -68,11 +89,23 @@ if __name__ == "__main__":
         results[name]["unchanged"] = fingerprint(directory) == before
     # disk full while writing step=4.ckpt on rank 1: the save fails on every rank, step=2.ckpt stays as it was
     try:
-        run(["fit", *gpt_args, "--trainer.max_steps=4", f"--trainer.logger.save_dir={out / 'logs' / 'disk_full'}",
-             "--trainer.callbacks+=ModelCheckpoint", f"--trainer.callbacks.dirpath={out / 'full_disk'}",
-             "--trainer.callbacks.every_n_train_steps=2", "--trainer.callbacks.save_top_k=-1", "--trainer.callbacks.filename={step}",
-             "--trainer.callbacks+=lit_mesh.FaultInjector", "--trainer.callbacks.fault=disk_full", "--trainer.callbacks.step=3",
-             "--trainer.callbacks.rank=1"])  # fmt: skip
+        run(
+            [
+                "fit",
+                *gpt_args,
+                "--trainer.max_steps=4",
+                f"--trainer.logger.save_dir={out / 'logs' / 'disk_full'}",
+                "--trainer.callbacks+=ModelCheckpoint",
+                f"--trainer.callbacks.dirpath={out / 'full_disk'}",
+                "--trainer.callbacks.every_n_train_steps=2",
+                "--trainer.callbacks.save_top_k=-1",
+                "--trainer.callbacks.filename={step}",
+                "--trainer.callbacks+=lit_mesh.FaultInjector",
+                "--trainer.callbacks.fault=disk_full",
+                "--trainer.callbacks.step=3",
+                "--trainer.callbacks.rank=1",
+            ]
+        )
         results["disk_full"] = {"save": "no error"}
     except Exception as error:  # noqa: BLE001
         results["disk_full"] = {"save": f"{type(error).__name__}: {error}"}
@@ -81,6 +114,13 @@ if __name__ == "__main__":
     if dist.get_rank() == 0:
         (out / "probes.json").write_text(json.dumps(results))
     dist.barrier()
-    sys.argv = ["lit-mesh", "fit", *gpt_args, f"--ckpt_path={probes['missing_shard']}", "--trainer.max_steps=6",
-                "--trainer.enable_checkpointing=false", f"--trainer.logger.save_dir={out / 'logs' / 'console'}"]  # fmt: skip
+    sys.argv = [
+        "lit-mesh",
+        "fit",
+        *gpt_args,
+        f"--ckpt_path={probes['missing_shard']}",
+        "--trainer.max_steps=6",
+        "--trainer.enable_checkpointing=false",
+        f"--trainer.logger.save_dir={out / 'logs' / 'console'}",
+    ]
     main()

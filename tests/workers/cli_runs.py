@@ -17,9 +17,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import BasePredictionWriter
-from typing_extensions import override
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.tensor import DTensor
+from typing_extensions import override
 
 from lit_mesh.cli import run as run_cli
 from tests.workers import exit_skipping_teardown
@@ -78,9 +78,10 @@ def run(out_dir: Path, name: str, args: list[str], command: str = "fit") -> None
     if cli.trainer.global_rank == 0:
         torch.save(params, save_dir / "params.pt")
         result = {
-            "metrics": metrics_by_step(save_dir), "world_size": cli.trainer.world_size,
+            "metrics": metrics_by_step(save_dir),
+            "world_size": cli.trainer.world_size,
             "progress_bar": {k: float(v) for k, v in cli.trainer.progress_bar_metrics.items()},  # the last step's
-        }  # fmt: skip
+        }
         (save_dir / "result.json").write_text(json.dumps(result))
 
 

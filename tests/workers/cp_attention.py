@@ -17,14 +17,23 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 
-from lit_mesh.parallel.context import CP_STYLES, context_parallel_attention, gather_batch, is_load_balanced, shard_batch, shard_sequence
+from lit_mesh.parallel.context import (
+    CP_STYLES,
+    context_parallel_attention,
+    gather_batch,
+    is_load_balanced,
+    shard_batch,
+    shard_sequence,
+)
 from tests.workers import exit_skipping_teardown
 
 B, HEADS, D = 2, 8, 8
 SEQ_DIM = 2  # (B, heads, T, D)
 
 
-def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad: torch.Tensor, causal: bool) -> list[torch.Tensor]:
+def reference(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad: torch.Tensor, causal: bool
+) -> list[torch.Tensor]:
     q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
     rep = q.shape[1] // k.shape[1]
     out = F.scaled_dot_product_attention(q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1), is_causal=causal)
@@ -32,7 +41,9 @@ def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad: torch.Ten
     return [out.detach(), q.grad, k.grad, v.grad]
 
 
-def compare(cp_mesh, style: str, causal: bool, kv_heads: int, length: int, ring_kernel: str | None = None) -> list[float]:
+def compare(
+    cp_mesh, style: str, causal: bool, kv_heads: int, length: int, ring_kernel: str | None = None
+) -> list[float]:
     gen = torch.Generator().manual_seed(length * 100 + kv_heads)
     q = torch.randn(B, HEADS, length, D, generator=gen)
     k, v = (torch.randn(B, kv_heads, length, D, generator=gen) for _ in range(2))
@@ -46,7 +57,12 @@ def compare(cp_mesh, style: str, causal: bool, kv_heads: int, length: int, ring_
     ql, kl, vl = (shard(t).requires_grad_() for t in (q, k, v))
     out = context_parallel_attention(ql, kl, vl, cp_mesh.get_group(), style, causal, ring_kernel=ring_kernel)
     out.backward(shard(grad))
-    errors = torch.tensor([(got - shard(want)).abs().max().item() for got, want in zip([out.detach(), ql.grad, kl.grad, vl.grad], expected)])
+    errors = torch.tensor(
+        [
+            (got - shard(want)).abs().max().item()
+            for got, want in zip([out.detach(), ql.grad, kl.grad, vl.grad], expected)
+        ]
+    )
     dist.all_reduce(errors, op=dist.ReduceOp.MAX)
     return errors.tolist()
 
@@ -80,9 +96,14 @@ if __name__ == "__main__":
     y = torch.zeros(1, 8, 3, 4)  # 3 tokens per rank: 12 in all, not a multiple of 2 x 4 = 8
     results["ring_length"] = refused(lambda: context_parallel_attention(y, y, y, group4, "ring", True))
     for style in CP_STYLES:  # predictions: every cp rank gets the whole sequence back, in token order
-        whole = (torch.arange(2 * 16).view(2, 16), {"logits": torch.randn(2, 16, 3, generator=torch.Generator().manual_seed(1))})
+        whole = (
+            torch.arange(2 * 16).view(2, 16),
+            {"logits": torch.randn(2, 16, 3, generator=torch.Generator().manual_seed(1))},
+        )
         back = gather_batch(shard_batch(whole, meshes[4], style), meshes[4], style)
-        results[f"gather_{style}"] = torch.equal(back[0], whole[0]) and torch.equal(back[1]["logits"], whole[1]["logits"])
+        results[f"gather_{style}"] = torch.equal(back[0], whole[0]) and torch.equal(
+            back[1]["logits"], whole[1]["logits"]
+        )
     if dist.get_rank() == 0:
         Path(sys.argv[1]).write_text(json.dumps(results))
     exit_skipping_teardown()

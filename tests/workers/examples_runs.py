@@ -13,6 +13,7 @@ import importlib.util
 import json
 import sys
 from pathlib import Path
+
 from tests.workers import exit_skipping_teardown
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"

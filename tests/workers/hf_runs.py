@@ -22,11 +22,11 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from lit_mesh.cli import run as run_cli
 from lit_mesh.checkpoint.pretrained import FileTensor, _runs
+from lit_mesh.cli import run as run_cli
+from tests.workers import exit_skipping_teardown
 from tests.workers.cli_runs import run as run_fit
 from tests.workers.examples_runs import load
-from tests.workers import exit_skipping_teardown
 
 RECORD_LAYOUT = "--trainer.callbacks+=tests.workers.hf_runs.RecordLayout"
 
@@ -71,14 +71,16 @@ def layout(module: torch.nn.Module) -> dict[str, Any]:
         sharded = isinstance(param, DTensor)
         params[name] = {
             "placements": dict(zip(param.device_mesh.mesh_dim_names, map(str, param.placements))) if sharded else {},
-            "shape": list(param.shape), "local_shape": list((param.to_local() if sharded else param).shape),
-        }  # fmt: skip
+            "shape": list(param.shape),
+            "local_shape": list((param.to_local() if sharded else param).shape),
+        }
     return {
         "params": params,
         "fsdp": [name for name, sub in module.named_modules() if isinstance(sub, FSDPModule)],
         "moe": {
             name: {"dispatcher": type(sub.dispatcher).__name__, "ep": getattr(sub.dispatcher, "ep", 1)}
-            for name, sub in module.named_modules() if hasattr(sub, "dispatcher")
+            for name, sub in module.named_modules()
+            if hasattr(sub, "dispatcher")
         },
     }
 
@@ -89,8 +91,10 @@ if __name__ == "__main__":
     for spec in runs:
         if spec["kind"] == "fit":
             # --ckpt_path=@NAME: the checkpoint an earlier run of this launch wrote last
-            args = [f"--ckpt_path={sorted((out / a[13:]).rglob('*.ckpt'))[-1]}" if a.startswith("--ckpt_path=@") else a
-                    for a in spec["args"]]  # fmt: skip
+            args = [
+                f"--ckpt_path={sorted((out / a[13:]).rglob('*.ckpt'))[-1]}" if a.startswith("--ckpt_path=@") else a
+                for a in spec["args"]
+            ]
             run_fit(out, spec["name"], [*args, RECORD_LAYOUT])
         elif spec["kind"] == "example":
             script, *args = spec["args"]

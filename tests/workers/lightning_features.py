@@ -19,8 +19,8 @@ from torch.distributed.tensor import DTensor
 
 from lit_mesh import MeshStrategy
 from lit_mesh.training.grad_norm import global_grad_norm
-from zoo import GPTModule, TextDataModule
 from tests.workers import exit_skipping_teardown
+from zoo import GPTModule, TextDataModule
 
 
 class SyncDistProbe(GPTModule):
@@ -97,31 +97,59 @@ def callbacks_and_loops(out: Path) -> dict:
     early = EarlyStopping(monitor="val_loss", patience=1, min_delta=100.0)  # no val_loss can improve by 100
     L.seed_everything(0)
     trainer = L.Trainer(
-        accelerator="cpu", devices=4, strategy=MeshStrategy(tp=2), max_steps=20, val_check_interval=2,
-        limit_val_batches=2, num_sanity_val_steps=0, gradient_clip_val=1e-3, gradient_clip_algorithm="value",
+        accelerator="cpu",
+        devices=4,
+        strategy=MeshStrategy(tp=2),
+        max_steps=20,
+        val_check_interval=2,
+        limit_val_batches=2,
+        num_sanity_val_steps=0,
+        gradient_clip_val=1e-3,
+        gradient_clip_algorithm="value",
         log_every_n_steps=1,
-        logger=CSVLogger(out.parent / "logs"), callbacks=[counts, early, LearningRateMonitor("step")],
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-    )  # fmt: skip
+        logger=CSVLogger(out.parent / "logs"),
+        callbacks=[counts, early, LearningRateMonitor("step")],
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     trainer.fit(GPTModule(warmup_steps=4), TextDataModule(global_batch_size=8, seq_len=32))
-    early_stop = {"global_step": trainer.global_step, "validations": counts.validations, "val_batches": counts.val_batches,
-                  "max_clipped": counts.max_clipped, "log_dir": trainer.logger.log_dir}  # fmt: skip
+    early_stop = {
+        "global_step": trainer.global_step,
+        "validations": counts.validations,
+        "val_batches": counts.val_batches,
+        "max_clipped": counts.max_clipped,
+        "log_dir": trainer.logger.log_dir,
+    }
 
     timed = Counts()
     L.seed_everything(0)
     trainer = L.Trainer(
-        accelerator="cpu", devices=4, strategy=MeshStrategy(tp=2), max_steps=100_000, max_time={"seconds": 8},
-        limit_train_batches=3, limit_val_batches=0, callbacks=[timed], logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False,
-    )  # fmt: skip
+        accelerator="cpu",
+        devices=4,
+        strategy=MeshStrategy(tp=2),
+        max_steps=100_000,
+        max_time={"seconds": 8},
+        limit_train_batches=3,
+        limit_val_batches=0,
+        callbacks=[timed],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     trainer.fit(GPTModule(), TextDataModule(global_batch_size=8, seq_len=32))
     steps = torch.tensor([float(trainer.global_step)])
     dist.all_reduce(steps, op=dist.ReduceOp.MAX)
     return {
         "early_stop": early_stop,
-        "max_time": {"global_step": trainer.global_step, "max_over_ranks": steps.item(),
-                     "max_batch_idx": timed.max_batch_idx, "train_batches": timed.train_batches},
-    }  # fmt: skip
+        "max_time": {
+            "global_step": trainer.global_step,
+            "max_over_ranks": steps.item(),
+            "max_batch_idx": timed.max_batch_idx,
+            "train_batches": timed.train_batches,
+        },
+    }
 
 
 def validate_after_fit() -> dict:
@@ -130,10 +158,17 @@ def validate_after_fit() -> dict:
     weights are neither re-initialised nor re-loaded."""
     L.seed_everything(0)
     trainer = L.Trainer(
-        accelerator="cpu", devices=4, strategy=MeshStrategy(tp=2, grad_compression="fp16"), max_steps=2,
-        limit_val_batches=2, num_sanity_val_steps=0, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False,
-    )  # fmt: skip
+        accelerator="cpu",
+        devices=4,
+        strategy=MeshStrategy(tp=2, grad_compression="fp16"),
+        max_steps=2,
+        limit_val_batches=2,
+        num_sanity_val_steps=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     module, data = GPTModule(), TextDataModule(global_batch_size=8, seq_len=32)
     trainer.fit(module, data)
     trained = {name: p.full_tensor().clone() for name, p in module.named_parameters()}
@@ -148,10 +183,18 @@ def main(out: Path) -> None:
     best = ModelCheckpoint(dirpath=out.parent / "best", monitor="train_loss", save_top_k=1, every_n_train_steps=1)
     L.seed_everything(0)
     trainer = L.Trainer(
-        accelerator="cpu", devices=4, strategy=MeshStrategy(tp=2), max_steps=3, accumulate_grad_batches=2,
-        logger=False, enable_progress_bar=False, enable_model_summary=False,
-        callbacks=[probe, init, best], num_sanity_val_steps=0, limit_val_batches=0,
-    )  # fmt: skip
+        accelerator="cpu",
+        devices=4,
+        strategy=MeshStrategy(tp=2),
+        max_steps=3,
+        accumulate_grad_batches=2,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[probe, init, best],
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+    )
     trainer.fit(SyncDistProbe(), TextDataModule(global_batch_size=8, seq_len=32))
     observed = {
         "reduced_after_backward": probe.reduced_after_backward,

@@ -61,7 +61,9 @@ if __name__ == "__main__":
     result["collectives_in_loss"] = seen.names
     loss.backward()
     result["loss_error"] = abs(loss.item() - want.item())
-    grads = {name: p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad for name, p in model.named_parameters()}
+    grads = {
+        name: p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad for name, p in model.named_parameters()
+    }
     result["grad_error"] = max((grads[n] - p.grad).abs().max().item() for n, p in reference.named_parameters())
     if dist.get_rank() == 0:
         Path(sys.argv[1]).write_text(json.dumps(result))

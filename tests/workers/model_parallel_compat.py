@@ -14,8 +14,9 @@ import json
 import os
 import sys
 import traceback
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -117,7 +118,9 @@ def test_tensor_parallel(tmp: Path) -> None:
             assert all(torch.equal(batches[0], batches[i]) for i in range(1, len(batches)))
             return super().training_step(batch)
 
-    trainer = Trainer(accelerator="cpu", devices=2, strategy=lightning_default(), max_steps=2, enable_checkpointing=False, **QUIET)
+    trainer = Trainer(
+        accelerator="cpu", devices=2, strategy=lightning_default(), max_steps=2, enable_checkpointing=False, **QUIET
+    )
     seed_everything(0)
     with trainer.init_module(empty_init=True):
         model = Model()
@@ -127,8 +130,12 @@ def test_tensor_parallel(tmp: Path) -> None:
 def _strategy_state_dict(tmp: Path, save_distributed_checkpoint: bool) -> None:
     model = FSDP2Model()
     expected = model.state_dict()
-    strategy = MeshStrategy(data_parallel_size="auto", tensor_parallel_size="auto", save_distributed_checkpoint=save_distributed_checkpoint)
-    trainer = Trainer(default_root_dir=tmp, accelerator="cpu", devices=2, strategy=strategy, max_epochs=1, barebones=True)
+    strategy = MeshStrategy(
+        data_parallel_size="auto", tensor_parallel_size="auto", save_distributed_checkpoint=save_distributed_checkpoint
+    )
+    trainer = Trainer(
+        default_root_dir=tmp, accelerator="cpu", devices=2, strategy=strategy, max_epochs=1, barebones=True
+    )
     trainer.fit(model)
     state = trainer.strategy.lightning_module_state_dict()
     if save_distributed_checkpoint:
@@ -151,7 +158,9 @@ def test_strategy_state_dict_full(tmp: Path) -> None:
 def test_load_full_state_checkpoint_into_regular_model(tmp: Path) -> None:
     model = FSDP2Model()
     strategy = MeshStrategy(data_parallel_size="auto", tensor_parallel_size="auto", save_distributed_checkpoint=False)
-    trainer = Trainer(default_root_dir=tmp, accelerator="cpu", devices=2, strategy=strategy, max_epochs=1, barebones=True)
+    trainer = Trainer(
+        default_root_dir=tmp, accelerator="cpu", devices=2, strategy=strategy, max_epochs=1, barebones=True
+    )
     trainer.fit(model)
     path = trainer.strategy.broadcast(tmp / "last.ckpt")
     trainer.save_checkpoint(path)
@@ -183,7 +192,9 @@ def test_load_standard_checkpoint_into_distributed_model(tmp: Path) -> None:
 
     model = FSDP2Model()
     strategy = MeshStrategy(data_parallel_size="auto", tensor_parallel_size="auto", save_distributed_checkpoint=False)
-    trainer = Trainer(default_root_dir=tmp, accelerator="cpu", devices=2, strategy=strategy, max_epochs=1, barebones=True)
+    trainer = Trainer(
+        default_root_dir=tmp, accelerator="cpu", devices=2, strategy=strategy, max_epochs=1, barebones=True
+    )
     trainer.fit(model, ckpt_path=path)
     restored_model = trainer.strategy.lightning_module_state_dict()
     restored_optimizer = trainer.strategy.optimizer_state(model.optimizers())
@@ -209,7 +220,15 @@ def test_save_load_sharded_state_dict(tmp: Path) -> None:
                 assert torch.equal(p0, p1.full_tensor())
 
     seed_everything(0)
-    kwargs = dict(default_root_dir=tmp, accelerator="cpu", devices=2, max_epochs=1, enable_progress_bar=False, enable_model_summary=False, logger=False)
+    kwargs = dict(
+        default_root_dir=tmp,
+        accelerator="cpu",
+        devices=2,
+        max_epochs=1,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        logger=False,
+    )
     model = CheckpointModel()
     trainer = Trainer(**kwargs, strategy=lightning_default())
     trainer.fit(model)
@@ -232,7 +251,9 @@ def test_save_load_sharded_state_dict(tmp: Path) -> None:
 
 def _data() -> DataLoader:
     g = torch.Generator().manual_seed(0)  # the same batches in every run, resumed or not
-    return DataLoader(torch.utils.data.TensorDataset(torch.randn(16, 32, generator=g), torch.randn(16, 32, generator=g)), batch_size=4)
+    return DataLoader(
+        torch.utils.data.TensorDataset(torch.randn(16, 32, generator=g), torch.randn(16, 32, generator=g)), batch_size=4
+    )
 
 
 class UserFSDP(LightningModule):
@@ -270,7 +291,9 @@ class FlattenedMesh(MeshStrategy):
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-        return get_optimizer_state_dict(self.model, getattr(optimizer, "_optimizer", optimizer), options=OPTIMIZER_STATE_OPTIONS)
+        return get_optimizer_state_dict(
+            self.model, getattr(optimizer, "_optimizer", optimizer), options=OPTIMIZER_STATE_OPTIONS
+        )
 
 
 STRATEGIES: dict[str, Callable[[], Any]] = {
@@ -285,11 +308,21 @@ def _fit(strategy: str, tmp: Path, ckpt_path: Any = None, save_every: int = 0) -
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     model = UserFSDP()
-    callbacks = [ModelCheckpoint(dirpath=tmp / strategy, filename="{step}", every_n_train_steps=save_every, save_top_k=-1)] if save_every else []
+    callbacks = (
+        [ModelCheckpoint(dirpath=tmp / strategy, filename="{step}", every_n_train_steps=save_every, save_top_k=-1)]
+        if save_every
+        else []
+    )
     trainer = Trainer(
-        accelerator="cpu", devices=2, strategy=STRATEGIES[strategy](), max_steps=4, default_root_dir=tmp,
-        enable_checkpointing=bool(save_every), callbacks=callbacks, **QUIET,
-    )  # fmt: skip
+        accelerator="cpu",
+        devices=2,
+        strategy=STRATEGIES[strategy](),
+        max_steps=4,
+        default_root_dir=tmp,
+        enable_checkpointing=bool(save_every),
+        callbacks=callbacks,
+        **QUIET,
+    )
     trainer.fit(model, _data(), ckpt_path=ckpt_path)
     return model.losses
 
@@ -301,7 +334,9 @@ def scenario_checkpoints_cross(tmp: Path) -> dict[str, Any]:
         result[writer] = _fit(writer, tmp, save_every=2)
     for writer, reader in (("mps", "mesh"), ("mesh", "mps"), ("mesh", "mesh"), ("mesh_flat", "mesh"), ("mps", "mps")):
         result[f"{writer}->{reader}"] = _fit(reader, tmp, ckpt_path=tmp / writer / "step=2.ckpt")
-    stored = torch.distributed.checkpoint.FileSystemReader(tmp / "mesh" / "step=2.ckpt").read_metadata().state_dict_metadata
+    stored = (
+        torch.distributed.checkpoint.FileSystemReader(tmp / "mesh" / "step=2.ckpt").read_metadata().state_dict_metadata
+    )
     result["mesh_writes_nested"] = "optimizer_0.param_groups.0.params" in stored
     return result
 
@@ -351,7 +386,10 @@ class UserModel(LightningModule):
 
 
 def _full(module: nn.Module) -> dict[str, torch.Tensor]:
-    return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu().clone() for k, v in module.state_dict().items()}
+    return {
+        k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu().clone()
+        for k, v in module.state_dict().items()
+    }
 
 
 def _gpt_data() -> DataLoader:
@@ -390,10 +428,22 @@ def scenario_weights_kept(tmp: Path) -> dict[str, Any]:
     zoo_values = _values(lambda: GPT(GPTConfig.from_preset("tiny", n_layers=1)))
 
     def train(kind: str, pattern: str, strategy: Any) -> LightningModule:
-        trainer = Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=3, enable_checkpointing=False, default_root_dir=tmp, **QUIET)
+        trainer = Trainer(
+            accelerator="cpu",
+            devices=2,
+            strategy=strategy,
+            max_steps=3,
+            enable_checkpointing=False,
+            default_root_dir=tmp,
+            **QUIET,
+        )
         load_in_configure = pattern == "configure_model"
         with trainer.init_module() if pattern == "init_module" else _nothing():
-            module = UserModel(user_values, load_in_configure) if kind == "user" else _zoo_module(zoo_values, load_in_configure)
+            module = (
+                UserModel(user_values, load_in_configure)
+                if kind == "user"
+                else _zoo_module(zoo_values, load_in_configure)
+            )
         trainer.fit(module, _data() if kind == "user" else _gpt_data())
         return module
 
@@ -442,7 +492,15 @@ def scenario_mesh_names(tmp: Path) -> dict[str, Any]:
         ("dp_replicate2", MeshStrategy(dp_replicate=2)),
     ):
         strategy._probe = name
-        trainer = Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=1, enable_checkpointing=False, default_root_dir=tmp, **QUIET)
+        trainer = Trainer(
+            accelerator="cpu",
+            devices=2,
+            strategy=strategy,
+            max_steps=1,
+            enable_checkpointing=False,
+            default_root_dir=tmp,
+            **QUIET,
+        )
         trainer.fit(Probe())
     return seen
 
@@ -466,7 +524,16 @@ def scenario_16_true(tmp: Path) -> dict[str, Any]:
         def configure_optimizers(self) -> torch.optim.Optimizer:  # AdamW's eps=1e-8 is 0 in fp16
             return torch.optim.SGD(self.parameters(), lr=0.1)
 
-    trainer = Trainer(accelerator="cpu", devices=2, strategy=MeshStrategy(), precision="16-true", max_steps=2, enable_checkpointing=False, default_root_dir=tmp, **QUIET)
+    trainer = Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=MeshStrategy(),
+        precision="16-true",
+        max_steps=2,
+        enable_checkpointing=False,
+        default_root_dir=tmp,
+        **QUIET,
+    )
     trainer.fit(Half(), _data())
     return seen
 

@@ -51,8 +51,11 @@ def expert_layout(module: torch.nn.Module) -> dict[str, dict[str, Any]]:
     out = {}
     for name, sub in module.named_modules():
         if hasattr(sub, "dispatcher") and hasattr(sub, "experts"):
-            out[name] = {"dispatcher": type(sub.dispatcher).__name__, "ep": getattr(sub.dispatcher, "ep", 1),
-                         "tp": getattr(sub.dispatcher, "tp", 1)}  # fmt: skip
+            out[name] = {
+                "dispatcher": type(sub.dispatcher).__name__,
+                "ep": getattr(sub.dispatcher, "ep", 1),
+                "tp": getattr(sub.dispatcher, "tp", 1),
+            }
             for weight, param in sub.experts.named_parameters():
                 local = param.to_local() if isinstance(param, DTensor) else param
                 out[name].update({weight: list(param.shape), f"{weight}_local": list(local.shape)})

@@ -21,8 +21,8 @@ import torch
 import torch.distributed as dist
 
 from lit_mesh import MeshStrategy
-from zoo.modules import GPTModule
 from tests.workers import exit_skipping_teardown
+from zoo.modules import GPTModule
 
 STEPS, BATCH, SEQ, MICROBATCHES, RESUME_STEP = 10, 8, 16, 4, 5
 CONFIG = {"n_layers": 4, "dim": 32, "n_heads": 4, "n_kv_heads": 2, "ffn_hidden": 64}
@@ -58,7 +58,9 @@ def merged(local: dict) -> dict:
     return {k: v for part in parts for k, v in part.items()}
 
 
-def replay(initial: dict[str, torch.Tensor], batches: list, delayed: bool, restart_at: int = -1) -> tuple[list[float], dict]:
+def replay(
+    initial: dict[str, torch.Tensor], batches: list, delayed: bool, restart_at: int = -1
+) -> tuple[list[float], dict]:
     """One process, the whole model, the same micro-batches in the same order, the module's own optimizer.
     restart_at: the step a resumed run starts from (the gradient in flight there is dropped, as 2bw documents)."""
     module = GPTModule(preset="tiny", config_overrides=CONFIG)
@@ -89,11 +91,19 @@ def fit(record: Record, world: int, checkpoints: Path, resume: bool) -> GPTModul
     data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(*samples()), batch_size=BATCH)
     saves = L.pytorch.callbacks.ModelCheckpoint(checkpoints, "{step}", every_n_train_steps=RESUME_STEP, save_top_k=-1)
     trainer = L.Trainer(
-        accelerator="cpu", devices=world, max_steps=STEPS, precision="32-true", logger=False,
-        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
-        enable_checkpointing=not resume, callbacks=[record, saves] if not resume else [record],
+        accelerator="cpu",
+        devices=world,
+        max_steps=STEPS,
+        precision="32-true",
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        enable_checkpointing=not resume,
+        callbacks=[record, saves] if not resume else [record],
         strategy=MeshStrategy(pp=world, pp_schedule="2bw", pp_microbatches=MICROBATCHES),
-    )  # fmt: skip
+    )
     trainer.fit(module, data, ckpt_path=checkpoints / f"step={RESUME_STEP}.ckpt" if resume else None)
     return module
 
@@ -112,18 +122,24 @@ def main(out: Path) -> None:
         write_result(out, world, record, resumed, initial, final, storage)
 
 
-def write_result(out: Path, world: int, record: Record, resumed: Record, initial: dict, final: dict, storage: dict) -> None:
+def write_result(
+    out: Path, world: int, record: Record, resumed: Record, initial: dict, final: dict, storage: dict
+) -> None:
     delayed_losses, delayed_params = replay(initial, record.batches, delayed=True)
     sync_losses, _ = replay(initial, record.batches, delayed=False)
     restarted, _ = replay(initial, record.batches[:RESUME_STEP] + resumed.batches, delayed=True, restart_at=RESUME_STEP)
     result = {
-        "world": world, "losses": record.losses, "delayed_losses": delayed_losses, "sync_losses": sync_losses,
+        "world": world,
+        "losses": record.losses,
+        "delayed_losses": delayed_losses,
+        "sync_losses": sync_losses,
         "param_max_abs_diff": max((final[n] - p).abs().max().item() for n, p in delayed_params.items()),
         "param_max_abs": max(p.abs().max().item() for p in delayed_params.values()),
         "param_names_match": sorted(final) == sorted(delayed_params),
         "storage": storage,
-        "resumed_losses": resumed.losses, "restarted_losses": restarted[RESUME_STEP:],
-    }  # fmt: skip
+        "resumed_losses": resumed.losses,
+        "restarted_losses": restarted[RESUME_STEP:],
+    }
     (out / "result.json").write_text(json.dumps(result))
 
 

@@ -38,11 +38,13 @@ def main(out: Path) -> None:
         scaler.unscale_(optimizer)
         scaler.step(optimizer)
         scaler.update()
-        record.append({
-            "sharded": sharded._local_tensor.sum().item(),
-            "replicated": replicated._local_tensor.sum().item(),
-            "scale": scaler.get_scale(),
-        })  # fmt: skip
+        record.append(
+            {
+                "sharded": sharded._local_tensor.sum().item(),
+                "replicated": replicated._local_tensor.sum().item(),
+                "scale": scaler.get_scale(),
+            }
+        )
     (out / f"rank{rank}.json").write_text(json.dumps(record))
     exit_skipping_teardown()
 

@@ -28,13 +28,22 @@ LAYOUTS = {
 def audit_args(config: str, out: Path, name: str, extra: list[str], devices: int) -> list[str]:
     """CLI args of a 4-step run whose step 2 is audited into out/NAME/audit.json."""
     return [
-        "-c", str(REPO / "configs" / config), f"--trainer.devices={devices}", "--trainer.max_steps=4",
-        "--trainer.log_every_n_steps=2", "--trainer.logger=CSVLogger", "--trainer.limit_val_batches=0",
-        "--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false",
-        "--trainer.enable_checkpointing=false", "--seed_everything=0",
-        "--trainer.callbacks+=lit_mesh.monitor.step_audit.StepAudit", f"--trainer.callbacks.init_args.step={AUDITED_STEP}",
-        f"--trainer.callbacks.init_args.out={out / name / 'audit.json'}", *extra,
-    ]  # fmt: skip
+        "-c",
+        str(REPO / "configs" / config),
+        f"--trainer.devices={devices}",
+        "--trainer.max_steps=4",
+        "--trainer.log_every_n_steps=2",
+        "--trainer.logger=CSVLogger",
+        "--trainer.limit_val_batches=0",
+        "--trainer.enable_progress_bar=false",
+        "--trainer.enable_model_summary=false",
+        "--trainer.enable_checkpointing=false",
+        "--seed_everything=0",
+        "--trainer.callbacks+=lit_mesh.monitor.step_audit.StepAudit",
+        f"--trainer.callbacks.init_args.step={AUDITED_STEP}",
+        f"--trainer.callbacks.init_args.out={out / name / 'audit.json'}",
+        *extra,
+    ]
 
 
 def run_audits(out: Path) -> dict[str, dict]:

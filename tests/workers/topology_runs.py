@@ -14,8 +14,8 @@ from pathlib import Path
 import torch.distributed as dist
 
 from lit_mesh.cli import run as run_cli
-from tests.workers.cli_runs import full_parameters, metrics_by_step
 from tests.workers import exit_skipping_teardown
+from tests.workers.cli_runs import full_parameters, metrics_by_step
 
 
 def node_sets(group, topology) -> list[int]:

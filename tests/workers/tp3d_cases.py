@@ -14,7 +14,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from lit_mesh.monitor.comm import CollectiveBytes
 from lit_mesh.parallel.grid.apply import GridRMSNorm
 from lit_mesh.parallel.grid.bytes import linear_bytes_3d
-from lit_mesh.parallel.grid.cube import I, J, L, LAYOUT_A, LAYOUT_B, Linear3D
+from lit_mesh.parallel.grid.cube import LAYOUT_A, LAYOUT_B, I, J, L, Linear3D
 from lit_mesh.parallel.grid.grid import ActivationLayout, TPGrid, local_block
 
 BATCH, SEQ, N_IN, N_OUT = 8, 3, 8, 12  # batch split q^2 = 4 ways; features divisible by q^2
@@ -70,7 +70,9 @@ def linear_matches_nn_linear(grid: TPGrid, style: str) -> None:
     y_piece.float().backward(piece(grad_y, grid, layout_out))
     assert y_piece.dtype == torch.bfloat16 and linear.weight.grad.dtype == torch.float32
     torch.testing.assert_close(y_piece, piece(y.detach(), grid, layout_out), rtol=2e-2, atol=2e-2)
-    torch.testing.assert_close(linear.weight.grad.to_local(), local_of(reference.weight.grad, linear.weight), rtol=2e-2, atol=5e-2)
+    torch.testing.assert_close(
+        linear.weight.grad.to_local(), local_of(reference.weight.grad, linear.weight), rtol=2e-2, atol=5e-2
+    )
 
 
 def norm_and_feed_forward_keep_layout_a(grid: TPGrid) -> None:

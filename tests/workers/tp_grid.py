@@ -10,8 +10,8 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
+
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from torch import nn
@@ -21,12 +21,12 @@ from lit_mesh.mesh import MeshLayout, build_device_mesh
 from lit_mesh.monitor.comm import CollectiveBytes
 from lit_mesh.options import build_options
 from lit_mesh.parallel.apply import parallelize
+from lit_mesh.parallel.grid.apply import parallelize_grid
+from lit_mesh.parallel.grid.bytes import GRID_BLOCK_BYTES, BlockShape, bytes_1d, linear_bytes_3d, linear_bytes_summa
+from lit_mesh.parallel.grid.grid import local_block
 from lit_mesh.parallel.grid.summa import LAYOUT, SummaScheme
 from lit_mesh.parallel.tensor import apply_tensor_parallel
-from lit_mesh.parallel.grid.grid import local_block
-from lit_mesh.parallel.grid.apply import parallelize_grid
 from lit_mesh.plan import PlanOwner
-from lit_mesh.parallel.grid.bytes import GRID_BLOCK_BYTES, BlockShape, bytes_1d, linear_bytes_3d, linear_bytes_summa
 from tests.workers import tp3d_cases as three_d
 from tests.workers.checks import Checks, arguments
 from zoo.gpt import GPT, GPTConfig, rope_cos_sin
@@ -82,13 +82,34 @@ def grid_gpt(case: Case, seed: int = 0) -> tuple[nn.Module, GPT]:
         parallelize_grid([owner], views(case.layout), case.tp_mode, case.tp_depth)
         return root, reference
     options = build_options(
-        dp=None, dp_replicate=None, dp_shard=None, tp=case.layout.tp, cp=1, cp_style="ring", pp=1, ep=1,
-        pp_schedule="1f1b", pp_microbatches=None, pp_stages_per_rank=None, pp_split=None, sequence_parallel=None,
-        activation_checkpointing="none", ac_every_n_blocks=1, compile_blocks=False, compile_backend="inductor",
-        async_tp=False, stop_on_nonfinite_loss=True, save_distributed_checkpoint=True, async_save=False,
-        grad_compression=None, topology=None, strict_topology=False, allreduce="auto", tp_mode=case.tp_mode,
+        dp=None,
+        dp_replicate=None,
+        dp_shard=None,
+        tp=case.layout.tp,
+        cp=1,
+        cp_style="ring",
+        pp=1,
+        ep=1,
+        pp_schedule="1f1b",
+        pp_microbatches=None,
+        pp_stages_per_rank=None,
+        pp_split=None,
+        sequence_parallel=None,
+        activation_checkpointing="none",
+        ac_every_n_blocks=1,
+        compile_blocks=False,
+        compile_backend="inductor",
+        async_tp=False,
+        stop_on_nonfinite_loss=True,
+        save_distributed_checkpoint=True,
+        async_save=False,
+        grad_compression=None,
+        topology=None,
+        strict_topology=False,
+        allreduce="auto",
+        tp_mode=case.tp_mode,
         tp_depth=case.tp_depth,
-    )  # fmt: skip
+    )
     parallelize(root, views(case.layout), options, precision="32-true")
     return root, reference
 
@@ -144,7 +165,9 @@ def gpt_loss_matches_one_device(case: Case) -> None:
             o.step()
             o.zero_grad()
             losses.append(loss.item())
-        assert abs(losses[0] - losses[1]) <= 1e-4 * abs(losses[1]), f"step {step}: {losses[0]} vs one device {losses[1]}"
+        assert abs(losses[0] - losses[1]) <= 1e-4 * abs(losses[1]), (
+            f"step {step}: {losses[0]} vs one device {losses[1]}"
+        )
     for (name, p), ref in zip(model.named_parameters(), reference.parameters()):
         diff = (full(p) - ref).abs().max().item()
         assert diff <= 1e-4, f"{name} differs from one device by {diff}"

@@ -10,18 +10,22 @@ import torch
 from torch import nn
 
 from lit_mesh.extras import require
+from lit_mesh.init import retie, tied_parameters
 from zoo.convert.llama import LLAMA
 from zoo.convert.mixtral import MIXTRAL
-from lit_mesh.init import retie, tied_parameters
 from zoo.convert.rules import ConversionError, Converter, build_on_meta, check_against, complete_tied, rename
 from zoo.convert.vit import VIT
 
 CONVERTERS: dict[str, Converter] = {c.name: c for c in (LLAMA, MIXTRAL, VIT)}
 # which converter a class takes: zoo class name or transformers class name
 _BY_CLASS = {
-    "GPT": "llama", "LlamaForCausalLM": "llama", "MoETransformer": "mixtral", "MixtralForCausalLM": "mixtral",
-    "ViT": "vit", "ViTForImageClassification": "vit",
-}  # fmt: skip
+    "GPT": "llama",
+    "LlamaForCausalLM": "llama",
+    "MoETransformer": "mixtral",
+    "MixtralForCausalLM": "mixtral",
+    "ViT": "vit",
+    "ViTForImageClassification": "vit",
+}
 
 
 def converter_for(model: nn.Module) -> Converter:
@@ -31,7 +35,9 @@ def converter_for(model: nn.Module) -> Converter:
     return CONVERTERS[name]
 
 
-def zoo_state_to_hf(converter: Converter, state: dict[str, torch.Tensor], zoo_config: Any) -> tuple[Any, dict[str, torch.Tensor]]:
+def zoo_state_to_hf(
+    converter: Converter, state: dict[str, torch.Tensor], zoo_config: Any
+) -> tuple[Any, dict[str, torch.Tensor]]:
     """(transformers config, state dict) of a zoo model's weights; shapes checked against that config."""
     hf_config = converter.to_hf_config(zoo_config)
     extra = converter.zoo_only(zoo_config)
@@ -51,7 +57,9 @@ def zoo_state_to_hf(converter: Converter, state: dict[str, torch.Tensor], zoo_co
     return hf_config, hf_state
 
 
-def hf_state_to_zoo(converter: Converter, state: dict[str, torch.Tensor], hf_config: Any) -> tuple[Any, dict[str, torch.Tensor]]:
+def hf_state_to_zoo(
+    converter: Converter, state: dict[str, torch.Tensor], hf_config: Any
+) -> tuple[Any, dict[str, torch.Tensor]]:
     """(zoo config, state dict) of a transformers model's weights; shapes checked against that config."""
     zoo_config = converter.to_zoo_config(hf_config)
     renamed = rename(converter.from_checkpoint(state), converter.rules, "hf", hf_config)

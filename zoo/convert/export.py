@@ -87,8 +87,12 @@ def _pretrained_config(hparams: dict[str, Any], checkpoint: Any, convert: Any = 
 def _hf_model(config: Any, weights: dict[str, torch.Tensor]) -> Any:
     transformers = require("transformers")
 
-    auto = transformers.AutoModelForCausalLM if "lm_head.weight" in weights else (
-        transformers.AutoModelForImageClassification if "classifier.weight" in weights else transformers.AutoModel
+    auto = (
+        transformers.AutoModelForCausalLM
+        if "lm_head.weight" in weights
+        else (
+            transformers.AutoModelForImageClassification if "classifier.weight" in weights else transformers.AutoModel
+        )
     )
     return _load(auto.from_config, config, weights)
 
@@ -97,7 +101,7 @@ def export_hf(checkpoint: str | Path, directory: str | Path, prefix: str = "mode
     """Write the model under `prefix` of `checkpoint` as a transformers directory; returns the directory."""
     weights = load_full_state_dict(checkpoint)
     start = prefix.rstrip(".") + "." if prefix else ""
-    weights = {k[len(start):]: v for k, v in weights.items() if k.startswith(start)}
+    weights = {k[len(start) :]: v for k, v in weights.items() if k.startswith(start)}
     if not weights:
         raise ConversionError(f"no weights under prefix {prefix!r} in {str(checkpoint)!r}")
     hparams = checkpoint_hyperparameters(checkpoint)

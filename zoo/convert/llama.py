@@ -16,11 +16,21 @@ def to_llama_config(c: GPTConfig) -> Any:
     LlamaConfig = require("transformers").LlamaConfig
 
     return LlamaConfig(
-        vocab_size=c.vocab_size, hidden_size=c.dim, intermediate_size=c.ffn_hidden, num_hidden_layers=c.n_layers,
-        num_attention_heads=c.n_heads, num_key_value_heads=c.n_kv_heads, head_dim=c.head_dim, rms_norm_eps=c.norm_eps,
-        rope_parameters={"rope_type": "default", "rope_theta": c.rope_theta}, max_position_embeddings=c.max_seq_len,
-        hidden_act="silu", tie_word_embeddings=c.tie_embeddings, attention_bias=False, mlp_bias=False,
-    )  # fmt: skip
+        vocab_size=c.vocab_size,
+        hidden_size=c.dim,
+        intermediate_size=c.ffn_hidden,
+        num_hidden_layers=c.n_layers,
+        num_attention_heads=c.n_heads,
+        num_key_value_heads=c.n_kv_heads,
+        head_dim=c.head_dim,
+        rms_norm_eps=c.norm_eps,
+        rope_parameters={"rope_type": "default", "rope_theta": c.rope_theta},
+        max_position_embeddings=c.max_seq_len,
+        hidden_act="silu",
+        tie_word_embeddings=c.tie_embeddings,
+        attention_bias=False,
+        mlp_bias=False,
+    )
 
 
 def to_gpt_config(c: Any) -> GPTConfig:
@@ -32,13 +42,21 @@ def to_gpt_config(c: Any) -> GPTConfig:
             " biases; convert a Llama config with those"
         )
     if c.head_dim * c.num_attention_heads != c.hidden_size:
-        raise ValueError(f"head_dim={c.head_dim} x num_attention_heads={c.num_attention_heads} != hidden_size={c.hidden_size}")
+        raise ValueError(
+            f"head_dim={c.head_dim} x num_attention_heads={c.num_attention_heads} != hidden_size={c.hidden_size}"
+        )
     return GPTConfig(
-        vocab_size=c.vocab_size, dim=c.hidden_size, n_layers=c.num_hidden_layers, n_heads=c.num_attention_heads,
-        n_kv_heads=c.num_key_value_heads, ffn_hidden=c.intermediate_size, norm_eps=c.rms_norm_eps,
-        rope_theta=rope.get("rope_theta", 10000.0), max_seq_len=c.max_position_embeddings,
+        vocab_size=c.vocab_size,
+        dim=c.hidden_size,
+        n_layers=c.num_hidden_layers,
+        n_heads=c.num_attention_heads,
+        n_kv_heads=c.num_key_value_heads,
+        ffn_hidden=c.intermediate_size,
+        norm_eps=c.rms_norm_eps,
+        rope_theta=rope.get("rope_theta", 10000.0),
+        max_seq_len=c.max_position_embeddings,
         tie_embeddings=bool(c.tie_word_embeddings),
-    )  # fmt: skip
+    )
 
 
 def _llama(config: Any) -> Any:
@@ -62,6 +80,7 @@ _LAYER = [
     ("feed_forward.w3.weight", "mlp.up_proj.weight"),
     ("feed_forward.w2.weight", "mlp.down_proj.weight"),
 ]
+
 
 def _split_fused_w13(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A GPT with fused_w13=True: its (2 * hidden, dim) w13 -> w1 (first half of the rows) and w3."""

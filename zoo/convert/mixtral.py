@@ -28,42 +28,61 @@ def to_mixtral_config(c: MoEConfig) -> Any:
     MixtralConfig = require("transformers").MixtralConfig
 
     differs = {
-        "score_func": (c.score_func, "softmax"), "normalize_top_k": (c.normalize_top_k, True),
-        "n_shared_experts": (c.n_shared_experts, 0), "moe_every": (c.moe_every, 1),
-        "capacity_factor": (c.capacity_factor, None), "bias_update_rate": (c.bias_update_rate, 0.0),
-    }  # fmt: skip
+        "score_func": (c.score_func, "softmax"),
+        "normalize_top_k": (c.normalize_top_k, True),
+        "n_shared_experts": (c.n_shared_experts, 0),
+        "moe_every": (c.moe_every, 1),
+        "capacity_factor": (c.capacity_factor, None),
+        "bias_update_rate": (c.bias_update_rate, 0.0),
+    }
     unlike = {name: given for name, (given, mixtral) in differs.items() if given != mixtral}
     _check_more_than_one_expert_per_token(c.top_k, "top_k")
     if unlike:
         raise ValueError(
             f"MoEConfig with {unlike}: Mixtral routes every layer's tokens by softmax over all experts, top-k"
             f" renormalised, dropless, without shared experts or a balancing bias; convert a zoo MoE built with"
-            f" {({name: differs[name][1] for name in unlike})}"
+            f" { ({name: differs[name][1] for name in unlike}) }"
         )
     return MixtralConfig(
-        vocab_size=c.vocab_size, hidden_size=c.dim, intermediate_size=c.expert_hidden, num_hidden_layers=c.n_layers,
-        num_attention_heads=c.n_heads, num_key_value_heads=c.n_kv_heads, head_dim=c.head_dim, hidden_act="silu",
-        max_position_embeddings=c.max_seq_len, rms_norm_eps=c.norm_eps,
-        rope_parameters={"rope_type": "default", "rope_theta": c.rope_theta}, sliding_window=None,
-        num_local_experts=c.n_experts, num_experts_per_tok=c.top_k, router_aux_loss_coef=c.aux_loss_coef,
-        router_jitter_noise=0.0, tie_word_embeddings=False, attention_dropout=0.0,
-    )  # fmt: skip
+        vocab_size=c.vocab_size,
+        hidden_size=c.dim,
+        intermediate_size=c.expert_hidden,
+        num_hidden_layers=c.n_layers,
+        num_attention_heads=c.n_heads,
+        num_key_value_heads=c.n_kv_heads,
+        head_dim=c.head_dim,
+        hidden_act="silu",
+        max_position_embeddings=c.max_seq_len,
+        rms_norm_eps=c.norm_eps,
+        rope_parameters={"rope_type": "default", "rope_theta": c.rope_theta},
+        sliding_window=None,
+        num_local_experts=c.n_experts,
+        num_experts_per_tok=c.top_k,
+        router_aux_loss_coef=c.aux_loss_coef,
+        router_jitter_noise=0.0,
+        tie_word_embeddings=False,
+        attention_dropout=0.0,
+    )
 
 
 def _check_more_than_one_expert_per_token(top_k: int, name: str) -> None:
     if top_k == 1:  # Mixtral renormalises one chosen probability to 1; the zoo MoE keeps it (Switch)
-        raise ValueError(f"{name}=1: a single routed expert is gated by 1 in Mixtral and by its probability in the"
-                         f" zoo MoE, so their outputs differ; convert a model with {name} >= 2")
+        raise ValueError(
+            f"{name}=1: a single routed expert is gated by 1 in Mixtral and by its probability in the"
+            f" zoo MoE, so their outputs differ; convert a model with {name} >= 2"
+        )
 
 
 def to_moe_config(c: Any) -> MoEConfig:
     rope = c.rope_parameters or {}
     _check_more_than_one_expert_per_token(c.num_experts_per_tok, "num_experts_per_tok")
     unlike = {
-        "rope_type": rope.get("rope_type", "default") != "default", "hidden_act": c.hidden_act != "silu",
-        "sliding_window": c.sliding_window is not None, "router_jitter_noise": bool(c.router_jitter_noise),
+        "rope_type": rope.get("rope_type", "default") != "default",
+        "hidden_act": c.hidden_act != "silu",
+        "sliding_window": c.sliding_window is not None,
+        "router_jitter_noise": bool(c.router_jitter_noise),
         "tie_word_embeddings": bool(c.tie_word_embeddings),
-    }  # fmt: skip
+    }
     if any(unlike.values()):
         values = {**vars(c), "rope_type": rope.get("rope_type")}
         given = {name: values.get(name) for name, bad in unlike.items() if bad}
@@ -79,11 +98,20 @@ def to_moe_config(c: Any) -> MoEConfig:
             f"head_dim={head_dim} x num_attention_heads={c.num_attention_heads} != hidden_size={c.hidden_size}"
         )
     return MoEConfig(
-        vocab_size=c.vocab_size, dim=c.hidden_size, n_layers=c.num_hidden_layers, n_heads=c.num_attention_heads,
-        n_kv_heads=c.num_key_value_heads, ffn_hidden=c.intermediate_size, n_experts=c.num_local_experts,
-        top_k=c.num_experts_per_tok, expert_hidden=c.intermediate_size, aux_loss_coef=c.router_aux_loss_coef,
-        norm_eps=c.rms_norm_eps, rope_theta=rope.get("rope_theta", 1e6), max_seq_len=c.max_position_embeddings,
-    )  # fmt: skip
+        vocab_size=c.vocab_size,
+        dim=c.hidden_size,
+        n_layers=c.num_hidden_layers,
+        n_heads=c.num_attention_heads,
+        n_kv_heads=c.num_key_value_heads,
+        ffn_hidden=c.intermediate_size,
+        n_experts=c.num_local_experts,
+        top_k=c.num_experts_per_tok,
+        expert_hidden=c.intermediate_size,
+        aux_loss_coef=c.router_aux_loss_coef,
+        norm_eps=c.rms_norm_eps,
+        rope_theta=rope.get("rope_theta", 1e6),
+        max_seq_len=c.max_position_embeddings,
+    )
 
 
 def _mixtral(config: Any) -> Any:

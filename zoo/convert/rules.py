@@ -55,7 +55,9 @@ class Converter:
     from_checkpoint: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] = lambda state: state
 
 
-def rename(state: dict[str, torch.Tensor], rules: Sequence[Rule], source: str, target_config: Any) -> dict[str, torch.Tensor]:
+def rename(
+    state: dict[str, torch.Tensor], rules: Sequence[Rule], source: str, target_config: Any
+) -> dict[str, torch.Tensor]:
     """Rename (and reshape) every tensor of `state` from `source` ('zoo' or 'hf') naming to the other."""
     target = "hf" if source == "zoo" else "zoo"
     compiled = [(rule, rule.pattern(source)) for rule in rules]
@@ -65,7 +67,9 @@ def rename(state: dict[str, torch.Tensor], rules: Sequence[Rule], source: str, t
         for rule, pattern in compiled:
             match = pattern.match(key)
             if match:
-                new_key = getattr(rule, target).replace("{i}", match.group(1)) if match.groups() else getattr(rule, target)
+                new_key = (
+                    getattr(rule, target).replace("{i}", match.group(1)) if match.groups() else getattr(rule, target)
+                )
                 reshape = rule.to_hf if target == "hf" else rule.to_zoo
                 out[new_key] = reshape(tensor, target_config) if reshape else tensor
                 break
@@ -79,8 +83,11 @@ def rename(state: dict[str, torch.Tensor], rules: Sequence[Rule], source: str, t
 def check_against(state: dict[str, torch.Tensor], model: nn.Module, what: str, ignore: Sequence[str] = ()) -> None:
     """Every tensor the model expects is there with its shape, and nothing else; else a ConversionError."""
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items() if k not in ignore}
-    mismatched = [f"{k}: {tuple(state[k].shape)} given, {shape} expected" for k, shape in expected.items()
-                  if k in state and tuple(state[k].shape) != shape]  # fmt: skip
+    mismatched = [
+        f"{k}: {tuple(state[k].shape)} given, {shape} expected"
+        for k, shape in expected.items()
+        if k in state and tuple(state[k].shape) != shape
+    ]
     missing = sorted(set(expected) - set(state))
     extra = sorted(set(state) - set(expected) - set(ignore))
     if mismatched or missing or extra:
@@ -92,7 +99,9 @@ def check_against(state: dict[str, torch.Tensor], model: nn.Module, what: str, i
         if extra:
             parts.append(f"unexpected {extra[:3]}")
         raise ConversionError(
-            f"the weights do not fit {what} {type(model).__name__} (" + "; ".join(parts) + "): convert with the configuration the"
+            f"the weights do not fit {what} {type(model).__name__} ("
+            + "; ".join(parts)
+            + "): convert with the configuration the"
             " weights were trained with (the converters derive it: to_hf_config / to_zoo_config)"
         )
 

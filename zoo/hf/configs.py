@@ -8,23 +8,97 @@ from typing import Any
 from lit_mesh.extras import require
 
 _TINY: dict[str, tuple[str, dict[str, Any]]] = {
-    "llama": ("LlamaConfig", dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)),
-    "qwen2": ("Qwen2Config", dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)),
-    "mistral": ("MistralConfig", dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)),
-    "mixtral": ("MixtralConfig", dict(vocab_size=256, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
-                                      num_experts_per_tok=2, max_position_embeddings=256)),
-    "gpt2": ("GPT2Config", dict(vocab_size=256, n_embd=64, n_layer=2, n_head=4, n_positions=256,
-                                resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)),
+    "llama": (
+        "LlamaConfig",
+        dict(
+            vocab_size=256,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=256,
+        ),
+    ),
+    "qwen2": (
+        "Qwen2Config",
+        dict(
+            vocab_size=256,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=256,
+        ),
+    ),
+    "mistral": (
+        "MistralConfig",
+        dict(
+            vocab_size=256,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=256,
+        ),
+    ),
+    "mixtral": (
+        "MixtralConfig",
+        dict(
+            vocab_size=256,
+            hidden_size=64,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            max_position_embeddings=256,
+        ),
+    ),
+    "gpt2": (
+        "GPT2Config",
+        dict(
+            vocab_size=256,
+            n_embd=64,
+            n_layer=2,
+            n_head=4,
+            n_positions=256,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+        ),
+    ),
     # no tensor-parallel plan known (transformers ships none): FSDP only, tp > 1 is refused by name
-    "opt": ("OPTConfig", dict(vocab_size=256, hidden_size=64, ffn_dim=128, num_hidden_layers=2, num_attention_heads=4,
-                              word_embed_proj_dim=64, max_position_embeddings=256, dropout=0.0)),
-    "vit": ("ViTConfig", dict(image_size=8, patch_size=2, num_channels=1, num_labels=10, hidden_size=64,
-                              num_hidden_layers=2, num_attention_heads=4, intermediate_size=128)),
-}  # fmt: skip
+    "opt": (
+        "OPTConfig",
+        dict(
+            vocab_size=256,
+            hidden_size=64,
+            ffn_dim=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            word_embed_proj_dim=64,
+            max_position_embeddings=256,
+            dropout=0.0,
+        ),
+    ),
+    "vit": (
+        "ViTConfig",
+        dict(
+            image_size=8,
+            patch_size=2,
+            num_channels=1,
+            num_labels=10,
+            hidden_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            intermediate_size=128,
+        ),
+    ),
+}
 ARCHITECTURES = tuple(_TINY)
 
 

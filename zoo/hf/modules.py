@@ -20,10 +20,10 @@ import torch
 import torch.nn.functional as F
 from typing_extensions import override
 
+from lit_mesh.checkpoint.pretrained import fill_parameters
 from lit_mesh.extras import require
 from lit_mesh.kernels import adamw_implementation
 from lit_mesh.training.log_steps import reduced_on_logging_steps, step_mean
-from lit_mesh.checkpoint.pretrained import fill_parameters
 from zoo.hf.configs import tiny_config
 from zoo.pretrained import CAUSAL_LMS, FromPretrained, hf_sources, read_config
 
@@ -85,7 +85,9 @@ class HFCausalLM(FromPretrained, _HFModule):
             config = read_config(pretrained, CAUSAL_LMS)
             config.update(config_overrides or {})
         if decay_steps and decay_steps <= warmup_steps:
-            raise ValueError(f"decay_steps={decay_steps} must be 0 (no schedule) or more than warmup_steps={warmup_steps}")
+            raise ValueError(
+                f"decay_steps={decay_steps} must be 0 (no schedule) or more than warmup_steps={warmup_steps}"
+            )
         super().__init__(architecture, lr, build, config_overrides, config)
         if pretrained is not None:  # every tensor named and shape-checked now, before any rank starts
             from zoo.convert.rules import build_on_meta
@@ -110,7 +112,9 @@ class HFCausalLM(FromPretrained, _HFModule):
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         tokens, targets = batch
         loss = F.cross_entropy(self(tokens).float().flatten(0, 1), targets.flatten())
-        self.log("train_loss", reduced_on_logging_steps(self, step_mean(self, "train_loss", loss)), prog_bar=True)  # no per-step collective
+        self.log(
+            "train_loss", reduced_on_logging_steps(self, step_mean(self, "train_loss", loss)), prog_bar=True
+        )  # no per-step collective
         return loss
 
     @override
@@ -136,11 +140,18 @@ class HFCausalLM(FromPretrained, _HFModule):
     @override
     def configure_optimizers(self) -> Any:
         h = self.hparams
-        optimizer = torch.optim.AdamW(self.parameters(), lr=h.lr, betas=(0.9, 0.95), weight_decay=h.weight_decay,
-                                      **adamw_implementation(self.parameters()))  # fmt: skip
+        optimizer = torch.optim.AdamW(
+            self.parameters(),
+            lr=h.lr,
+            betas=(0.9, 0.95),
+            weight_decay=h.weight_decay,
+            **adamw_implementation(self.parameters()),
+        )
         if not h.decay_steps:
             return optimizer
-        get_cosine_with_min_lr_schedule_with_warmup = require("transformers").get_cosine_with_min_lr_schedule_with_warmup
+        get_cosine_with_min_lr_schedule_with_warmup = require(
+            "transformers"
+        ).get_cosine_with_min_lr_schedule_with_warmup
         scheduler = get_cosine_with_min_lr_schedule_with_warmup(
             optimizer, num_warmup_steps=h.warmup_steps, num_training_steps=h.decay_steps, min_lr_rate=h.min_lr_ratio
         )
@@ -165,5 +176,7 @@ class HFImageClassifier(_HFModule):
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         images, labels = batch
         loss = F.cross_entropy(self.model(pixel_values=images).logits.float(), labels)
-        self.log("train_loss", reduced_on_logging_steps(self, step_mean(self, "train_loss", loss)), prog_bar=True)  # no per-step collective
+        self.log(
+            "train_loss", reduced_on_logging_steps(self, step_mean(self, "train_loss", loss)), prog_bar=True
+        )  # no per-step collective
         return loss

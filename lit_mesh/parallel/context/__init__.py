@@ -22,7 +22,21 @@ from lit_mesh.parallel.context.layout import (
 )
 
 __all__ = [
-    "CP_STYLES", "SEQUENCE_DIM", "ContextOptions", "ContextParallelAttention", "ContextParallelError", "CPStyle",
-    "apply_context_parallel", "check_cp_style", "context_parallel_attention", "cp_plan_problem", "gather_batch",
-    "is_load_balanced", "local_chunks", "local_positions", "shard_batch", "shard_sequence", "unshard_sequence",
-]  # fmt: skip
+    "CP_STYLES",
+    "SEQUENCE_DIM",
+    "ContextOptions",
+    "ContextParallelAttention",
+    "ContextParallelError",
+    "CPStyle",
+    "apply_context_parallel",
+    "check_cp_style",
+    "context_parallel_attention",
+    "cp_plan_problem",
+    "gather_batch",
+    "is_load_balanced",
+    "local_chunks",
+    "local_positions",
+    "shard_batch",
+    "shard_sequence",
+    "unshard_sequence",
+]

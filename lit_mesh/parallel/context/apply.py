@@ -24,6 +24,7 @@ Files (lit_mesh/parallel/context/): layout.py (the sequence over the ranks, batc
 attention.py (the three styles) and kernels.py (their block kernels), rules.py (what CP combines with), this one
 (swapping them into a model, applying the plan).
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
@@ -51,7 +52,6 @@ from lit_mesh.parallel.context.layout import (  # noqa: F401  (the public names 
     unshard_sequence,
 )
 from lit_mesh.plan import ParallelPlan, PlanError
-
 
 # ---- swapping it into a model ----------------------------------------------------------------------------
 
@@ -83,7 +83,9 @@ class ContextParallelAttention(TorchFunctionMode):
                 " is_causal=True or no mask; express the mask with is_causal, or use cp=1"
             )
         if a["dropout_p"]:
-            raise ContextParallelError(f"{self.where} uses attention dropout_p={a['dropout_p']}; context parallel needs 0")
+            raise ContextParallelError(
+                f"{self.where} uses attention dropout_p={a['dropout_p']}; context parallel needs 0"
+            )
         q, k, v = a["query"], a["key"], a["value"]
         self.calls += 1
         return context_parallel_attention(q, k, v, self.group, self.style, a["is_causal"], a["scale"])
@@ -154,7 +156,9 @@ def apply_context_parallel(
         try:
             attention = block.get_submodule(attention_name)
         except AttributeError:
-            raise PlanError(f"{name}.parallel_plan() names attention {attention_name!r}, which {where} does not have")
+            raise PlanError(
+                f"{name}.parallel_plan() names attention {attention_name!r}, which {where} does not have"
+            ) from None
         _swap_attention(attention, ContextParallelAttention(group, style, where))
     for entry, input_shards in entries or [(model, 1)]:
         entry.register_forward_pre_hook(

@@ -86,7 +86,9 @@ class _RingAttention(torch.autograd.Function):
         for step in range(cp):
             pending = ring.start(kv) if step + 1 < cp else None  # the next block travels during this one's math
             rows, cols, masked = _ring_block((rank - step) % cp, rank, causal, T)
-            block_out, block_lse, aux = block_forward(block_kernel, q[:, :, rows], kv[0, :, :, cols], kv[1, :, :, cols], scale, masked)
+            block_out, block_lse, aux = block_forward(
+                block_kernel, q[:, :, rows], kv[0, :, :, cols], kv[1, :, :, cols], scale, masked
+            )
             out[:, :, rows], lse[..., rows] = merge_block(out[:, :, rows], lse[..., rows], block_out, block_lse)
             auxes.append(aux)
             if pending is not None:
@@ -110,9 +112,17 @@ class _RingAttention(torch.autograd.Function):
             kv_pending = ring.start(kv) if step + 1 < cp else None
             rows, cols, masked = _ring_block((rank - step) % cp, rank, causal, T)
             dq_block, dk, dv = block_backward(
-                ctx.kernel, grad_out[:, :, rows], q[:, :, rows], kv[0, :, :, cols], kv[1, :, :, cols], out[:, :, rows],
-                lse[..., rows], ctx.auxes[step], scale, masked,
-            )  # fmt: skip
+                ctx.kernel,
+                grad_out[:, :, rows],
+                q[:, :, rows],
+                kv[0, :, :, cols],
+                kv[1, :, :, cols],
+                out[:, :, rows],
+                lse[..., rows],
+                ctx.auxes[step],
+                scale,
+                masked,
+            )
             dq[:, :, rows] += dq_block.float()
             if dkv_pending is None:
                 dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)
@@ -181,7 +191,9 @@ def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, group: dist.ProcessGroup,
     return _heads_to_sequence(grouped_query_attention(q, k, v, is_causal=causal, scale=scale), group)
 
 
-def allgather_attention(q: Tensor, k: Tensor, v: Tensor, group: dist.ProcessGroup, causal: bool, scale: float) -> Tensor:
+def allgather_attention(
+    q: Tensor, k: Tensor, v: Tensor, group: dist.ProcessGroup, causal: bool, scale: float
+) -> Tensor:
     """All-gather K/V (load-balanced layout); the local queries attend to all keys whose position is not later.
 
     Causal, by the block structure (no mask): rank r's first chunk (chunk r of 2·cp) sees chunks 0..r-1 whole and
@@ -230,7 +242,9 @@ def context_parallel_attention(
     check_cp_style(style)
     if q.shape[1] % k.shape[1] or k.shape != v.shape:
         raise ContextParallelError(f"query heads {q.shape[1]} must be a multiple of key/value heads {k.shape[1]}")
-    _check_length(q.shape[2] * dist.get_world_size(group), dist.get_world_size(group), is_load_balanced(style) and causal)
+    _check_length(
+        q.shape[2] * dist.get_world_size(group), dist.get_world_size(group), is_load_balanced(style) and causal
+    )
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     if style == "ring":
         return ring_attention(q, k, v, group, causal, scale, ring_kernel)

@@ -81,9 +81,22 @@ def _flash_backward(
 ) -> tuple[Tensor, Tensor, Tensor]:
     cum_q, cum_k, max_q, max_k, seed, offset = aux
     return aten._scaled_dot_product_flash_attention_backward(
-        dout.to(q.dtype).contiguous(), q, k, v, out.to(q.dtype).contiguous(), lse.contiguous(), cum_q, cum_k,
-        max_q, max_k, 0.0, causal, seed, offset, scale=scale,
-    )  # fmt: skip
+        dout.to(q.dtype).contiguous(),
+        q,
+        k,
+        v,
+        out.to(q.dtype).contiguous(),
+        lse.contiguous(),
+        cum_q,
+        cum_k,
+        max_q,
+        max_k,
+        0.0,
+        causal,
+        seed,
+        offset,
+        scale=scale,
+    )
 
 
 def _efficient_forward(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool) -> tuple[Tensor, Tensor, Any]:
@@ -96,9 +109,20 @@ def _efficient_backward(
 ) -> tuple[Tensor, Tensor, Tensor]:
     seed, offset = aux
     dq, dk, dv, _ = aten._scaled_dot_product_efficient_attention_backward(
-        dout.to(q.dtype).contiguous(), q, k, v, None, out.to(q.dtype).contiguous(), lse.contiguous(), seed, offset,
-        0.0, [True, True, True, False], causal, scale=scale,
-    )  # fmt: skip
+        dout.to(q.dtype).contiguous(),
+        q,
+        k,
+        v,
+        None,
+        out.to(q.dtype).contiguous(),
+        lse.contiguous(),
+        seed,
+        offset,
+        0.0,
+        [True, True, True, False],
+        causal,
+        scale=scale,
+    )
     return dq, dk, dv
 
 
@@ -114,9 +138,23 @@ def _cudnn_backward(
 ) -> tuple[Tensor, Tensor, Tensor]:
     cum_q, cum_k, max_q, max_k, seed, offset, lse_shape = aux
     return aten._scaled_dot_product_cudnn_attention_backward(
-        dout.to(q.dtype).contiguous(), q, k, v, out.to(q.dtype).contiguous(), lse.reshape(lse_shape).contiguous(),
-        seed, offset, None, cum_q, cum_k, max_q, max_k, 0.0, causal, scale=scale,
-    )  # fmt: skip
+        dout.to(q.dtype).contiguous(),
+        q,
+        k,
+        v,
+        out.to(q.dtype).contiguous(),
+        lse.reshape(lse_shape).contiguous(),
+        seed,
+        offset,
+        None,
+        cum_q,
+        cum_k,
+        max_q,
+        max_k,
+        0.0,
+        causal,
+        scale=scale,
+    )
 
 
 BLOCK_KERNELS: dict[str, BlockKernel] = {
@@ -158,15 +196,25 @@ def sum_groups(grad: Tensor, kv_heads: int) -> Tensor:
     return grad.reshape(B, kv_heads, H // kv_heads, T, D).sum(2)
 
 
-def block_forward(kernel: BlockKernel, q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool) -> tuple[Tensor, Tensor, Any]:
+def block_forward(
+    kernel: BlockKernel, q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool
+) -> tuple[Tensor, Tensor, Any]:
     if not kernel.grouped_heads:
         k, v = repeat_kv(k, q.shape[1]), repeat_kv(v, q.shape[1])
     return kernel.forward(q, k, v, scale, causal)
 
 
 def block_backward(
-    kernel: BlockKernel, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, aux: Any,
-    scale: float, causal: bool,
+    kernel: BlockKernel,
+    dout: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    aux: Any,
+    scale: float,
+    causal: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv) of one block; dk/dv with K/V's own heads."""
     kv_heads = k.shape[1]
@@ -220,7 +268,12 @@ class _KeyBlocksAttention(torch.autograd.Function):
 
 
 def key_blocks_attention(
-    q: Tensor, k: Tensor, v: Tensor, blocks: tuple[tuple[int, int, bool], ...], scale: float, kernel: Optional[str] = None
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    blocks: tuple[tuple[int, int, bool], ...],
+    scale: float,
+    kernel: Optional[str] = None,
 ) -> Tensor:
     """Attention of q (B, H, Tq, D) over the key blocks ((start, end, causal), ...) of k, v (B, H_kv, Tk, D); a
     causal block must be Tq long. Kernel: by device and dtype unless named."""

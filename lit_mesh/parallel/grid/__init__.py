@@ -23,6 +23,18 @@ from lit_mesh.parallel.grid.grid import (
 from lit_mesh.parallel.grid.schemes import SCHEMES
 
 __all__ = [
-    "GRID_DIMS", "SCHEMES", "TP_MODES", "TPGrid", "TPMode", "average_over_replicas", "build_grid", "check_grid_divides",
-    "check_tp_mode", "fits_grid", "grid_plan_problem", "grid_shape", "grid_sizes_near", "parallelize_grid",
-]  # fmt: skip
+    "GRID_DIMS",
+    "SCHEMES",
+    "TP_MODES",
+    "TPGrid",
+    "TPMode",
+    "average_over_replicas",
+    "build_grid",
+    "check_grid_divides",
+    "check_tp_mode",
+    "fits_grid",
+    "grid_plan_problem",
+    "grid_shape",
+    "grid_sizes_near",
+    "parallelize_grid",
+]

@@ -233,7 +233,7 @@ def apply_tensor_grid(model: nn.Module, plan: ParallelPlan, grid: TPGrid, scheme
         module = owner.get_submodule(name)
         if style in _LINEAR_STYLES:
             _expect(module, nn.Linear, name, style, model_name)
-            _replace(owner, name, lambda m: scheme.linear(m, grid, style))
+            _replace(owner, name, lambda m: scheme.linear(m, grid, style))  # noqa: B023 - called at once
         elif style == "norm":
             _expect(module, nn.RMSNorm, name, style, model_name)
             _replace(owner, name, lambda m: GridRMSNorm(m, grid, layout))

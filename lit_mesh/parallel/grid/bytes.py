@@ -45,8 +45,15 @@ class BlockShape:
     def linears(self) -> list[tuple[int, int]]:
         """(in, out) of wq, wk, wv, wo, w1, w3, w2."""
         kv = self.dim // self.heads * self.kv_heads
-        return [(self.dim, self.dim), (self.dim, kv), (self.dim, kv), (self.dim, self.dim),
-                (self.dim, self.ffn), (self.dim, self.ffn), (self.ffn, self.dim)]  # fmt: skip
+        return [
+            (self.dim, self.dim),
+            (self.dim, kv),
+            (self.dim, kv),
+            (self.dim, self.dim),
+            (self.dim, self.ffn),
+            (self.dim, self.ffn),
+            (self.ffn, self.dim),
+        ]
 
 
 COLWISE_PER_BLOCK = 5  # wq, wk, wv, w1, w3

@@ -88,7 +88,9 @@ class Linear3D(nn.Module):
         super().__init__()
         name = name or f"Linear(in_features={linear.in_features}, out_features={linear.out_features})"
         if style not in _CONTRACT:
-            raise PlanError(f"tp_mode='3d' splits linears 'colwise' (layout A -> B) or 'rowwise' (B -> A); {name} has {style!r}")
+            raise PlanError(
+                f"tp_mode='3d' splits linears 'colwise' (layout A -> B) or 'rowwise' (B -> A); {name} has {style!r}"
+            )
         if linear.bias is not None:
             raise PlanError(f"{name} has a bias, which tp_mode='3d' does not split; use bias=False")
         for what, size in (("in_features", linear.in_features), ("out_features", linear.out_features)):

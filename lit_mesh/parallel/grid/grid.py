@@ -55,7 +55,9 @@ def check_tp_mode(tp_mode: str, tp_depth: int | None) -> None:
     if tp_depth is not None and (isinstance(tp_depth, bool) or not isinstance(tp_depth, int) or tp_depth < 1):
         raise MeshConfigError(f"tp_depth={tp_depth!r} must be a positive int (the 2.5-D depth d, tp = d * q * q)")
     if tp_depth is not None and tp_mode != "2.5d":
-        raise MeshConfigError(f"tp_depth={tp_depth} is the depth of tp_mode='2.5d'; with tp_mode={tp_mode!r} leave it unset")
+        raise MeshConfigError(
+            f"tp_depth={tp_depth} is the depth of tp_mode='2.5d'; with tp_mode={tp_mode!r} leave it unset"
+        )
     if tp_mode == "2.5d" and (tp_depth is None or tp_depth < 2):
         raise MeshConfigError(
             f"tp_mode='2.5d' needs tp_depth=d >= 2 (tp = d * q * q), not {tp_depth}; e.g. tp=8, tp_depth=2"
@@ -159,7 +161,7 @@ def build_grid(root: DeviceMesh, tp_mode: str, depth: int, q: int) -> TPGrid:
     return grids[key]
 
 
-_GRIDS: "weakref.WeakKeyDictionary[DeviceMesh, dict[tuple, TPGrid]]" = weakref.WeakKeyDictionary()
+_GRIDS: weakref.WeakKeyDictionary[DeviceMesh, dict[tuple, TPGrid]] = weakref.WeakKeyDictionary()
 
 
 class GridScheme(Protocol):

@@ -18,20 +18,28 @@ def _grid_problem(f: Facts, tp: Any) -> Optional[str]:
     mode, depth = f.options.tensor.mode, f.options.tensor.depth
     if mode == "1d" or not isinstance(tp, int) or fits_grid(tp, mode, depth):
         return None
-    need = {"2d": "tp = q * q (a q x q grid)", "2.5d": f"tp = d * q * q with d = tp_depth = {depth or 1}",
-            "3d": "tp = q * q * q (a q x q x q grid)"}[mode]  # fmt: skip
+    need = {
+        "2d": "tp = q * q (a q x q grid)",
+        "2.5d": f"tp = d * q * q with d = tp_depth = {depth or 1}",
+        "3d": "tp = q * q * q (a q x q x q grid)",
+    }[mode]
     return f"tp_mode={mode!r} needs {need}, but tp={tp}; use tp in {grid_sizes_near(tp, mode, depth)[:6]}"
 
 
 def _grid_conflicts(f: Facts) -> list[str]:
     """The options a grid tp_mode does not combine with, as given."""
     o = f.options
-    asked = {f"pp={f.degrees.get('pp')}": f.degrees.get("pp", 1) > 1, f"cp={f.degrees.get('cp')}": f.degrees.get("cp", 1) > 1,
-             f"ep={f.degrees.get('ep')}": f.degrees.get("ep", 1) > 1, "sequence_parallel=True": o.mesh.sequence_parallel,
-             "compile_blocks=True": o.compile.backend is not None, "async_tp=True": o.compile.async_tp,
-             f"activation_checkpointing={o.memory.activation_checkpointing!r}": o.memory.activation_checkpointing != "none",
-             "grad_compression": o.communication.compression is not None,
-             "allreduce='hierarchical'": o.communication.allreduce == "hierarchical"}  # fmt: skip
+    asked = {
+        f"pp={f.degrees.get('pp')}": f.degrees.get("pp", 1) > 1,
+        f"cp={f.degrees.get('cp')}": f.degrees.get("cp", 1) > 1,
+        f"ep={f.degrees.get('ep')}": f.degrees.get("ep", 1) > 1,
+        "sequence_parallel=True": o.mesh.sequence_parallel,
+        "compile_blocks=True": o.compile.backend is not None,
+        "async_tp=True": o.compile.async_tp,
+        f"activation_checkpointing={o.memory.activation_checkpointing!r}": o.memory.activation_checkpointing != "none",
+        "grad_compression": o.communication.compression is not None,
+        "allreduce='hierarchical'": o.communication.allreduce == "hierarchical",
+    }
     return [name for name, on in asked.items() if on]
 
 
@@ -66,62 +74,80 @@ def _outside_owners(f: Facts) -> list[str]:
 RULES: list[Rule] = [
     # ---- init: the arguments alone -------------------------------------------------------------------------------
     Rule(
-        "tp_mode_has_scheme", "init",
+        "tp_mode_has_scheme",
+        "init",
         _grid_scheme_missing,
-        lambda f: f"tp_mode={f.options.tensor.mode!r} has no implementation in this version; use one of"
-        f" {['1d', *_grid_schemes()]}",
+        lambda f: (
+            f"tp_mode={f.options.tensor.mode!r} has no implementation in this version; use one of"
+            f" {['1d', *_grid_schemes()]}"
+        ),
     ),
     Rule(
-        "tp_grid_shape", "init",
+        "tp_grid_shape",
+        "init",
         lambda f: _grid_problem(f, f.degrees.get("tp")) is not None,
         lambda f: _grid_problem(f, f.degrees.get("tp")),
     ),
     Rule(
         # the grid schemes split the batch and the features of every activation themselves; the techniques below
         # assume 1-D TP's layout (or split the same dims again) and are not wired to the grid
-        "tp_grid_alone", "init",
+        "tp_grid_alone",
+        "init",
         lambda f: f.options.tensor.mode != "1d" and bool(_grid_conflicts(f)),
-        lambda f: f"tp_mode={f.options.tensor.mode!r} with {', '.join(_grid_conflicts(f))}: the grid tensor-parallel"
-        " schemes combine with dp_replicate (DDP) only here; drop those (sequence_parallel=False: the grid splits the"
-        " batch, not the sequence), or use tp_mode='1d' with them",
+        lambda f: (
+            f"tp_mode={f.options.tensor.mode!r} with {', '.join(_grid_conflicts(f))}: the grid tensor-parallel"
+            " schemes combine with dp_replicate (DDP) only here; drop those (sequence_parallel=False: the grid splits the"
+            " batch, not the sequence), or use tp_mode='1d' with them"
+        ),
     ),
     # ---- launch: the resolved layout -----------------------------------------------------------------------------
     Rule(
-        "tp_grid_shape_resolved", "launch",  # tp="auto" (the devices of a node) resolved
+        "tp_grid_shape_resolved",
+        "launch",  # tp="auto" (the devices of a node) resolved
         lambda f: _grid_problem(f, f.layout.tp) is not None,
         lambda f: _grid_problem(f, f.layout.tp),
     ),
     Rule(
         # sharded data parallelism runs on FSDP2, which does not take parameters that are DTensors on the grid's mesh;
         # replicas (DDP) average their gradients with hooks of the grid's own (apply.py, average_over_replicas)
-        "tp_grid_without_sharded_dp", "launch",
+        "tp_grid_without_sharded_dp",
+        "launch",
         lambda f: f.options.tensor.mode != "1d" and f.layout.data_parallel in ("fsdp", "hsdp"),
-        lambda f: f"tp_mode={f.options.tensor.mode!r} with sharded data parallelism ({f.layout.describe()}): the grid"
-        f" schemes combine with replicas only; use dp_replicate={f.layout.dp} (DDP) instead of dp/dp_shard, or"
-        " tp_mode='1d' with FSDP",
+        lambda f: (
+            f"tp_mode={f.options.tensor.mode!r} with sharded data parallelism ({f.layout.describe()}): the grid"
+            f" schemes combine with replicas only; use dp_replicate={f.layout.dp} (DDP) instead of dp/dp_shard, or"
+            " tp_mode='1d' with FSDP"
+        ),
     ),
     # ---- setup: the model ----------------------------------------------------------------------------------------
     Rule(
-        "self_parallelised_without_tp_grid", "setup",
+        "self_parallelised_without_tp_grid",
+        "setup",
         lambda f: f.self_parallelised and f.options.tensor.mode != "1d",
-        lambda f: f"tp_mode={f.options.tensor.mode!r} is applied by MeshStrategy from a parallel_plan(), but"
-        f" configure_model of {f.model_name} parallelised the model itself; declare a plan, or use tp_mode='1d'",
+        lambda f: (
+            f"tp_mode={f.options.tensor.mode!r} is applied by MeshStrategy from a parallel_plan(), but"
+            f" configure_model of {f.model_name} parallelised the model itself; declare a plan, or use tp_mode='1d'"
+        ),
         PlanError,
     ),
     Rule(
         # the grid splits the sizes a plan names and every grid linear's features into q blocks; it splits the
         # embedding over the hidden dim and replicates the head, so they cannot share one matrix
-        "tp_grid_fits_plan", "setup",
+        "tp_grid_fits_plan",
+        "setup",
         lambda f: _applies(f) and bool(_plan_problems(f)),
         lambda f: _plan_problems(f)[0],
         PlanError,
     ),
     Rule(
         # a parameter outside the plan owners gets no average over the replicas and would drift apart between them
-        "tp_grid_replicas_need_planned_parameters", "setup",
+        "tp_grid_replicas_need_planned_parameters",
+        "setup",
         lambda f: _applies(f) and f.layout.dp_replicate > 1 and bool(_outside_owners(f)),
-        lambda f: f"tp_mode={f.options.tensor.mode!r} with dp_replicate: parameters {_outside_owners(f)[:4]} are"
-        " outside the modules that declare a parallel_plan(); move them into it, or use dp=1",
+        lambda f: (
+            f"tp_mode={f.options.tensor.mode!r} with dp_replicate: parameters {_outside_owners(f)[:4]} are"
+            " outside the modules that declare a parallel_plan(); move them into it, or use dp=1"
+        ),
         PlanError,
     ),
-]  # fmt: skip
+]

@@ -15,15 +15,30 @@ from importlib import import_module
 from typing import Any
 
 _EXPORTS = {
-    "loss_of": "api", "output_of": "api", "is_pipelined": "api", "sum_over_stages": "api",
-    "start_pipeline": "api", "pipeline_scope": "api",
-    "PipelineRunner": "runner", "ScheduleRunner": "runner", "TwoBWRunner": "twobw",
-    "SCHEDULES": "schedules", "SPLIT_BACKWARD": "schedules", "PipelineSettings": "schedules",
-    "check_pipeline_settings": "schedules", "fewest_microbatches": "schedules", "microbatch_problem": "schedules",
-    "Stage": "split", "Placement": "split", "PipelineConfigError": "split", "balanced_split": "split",
-    "check_split": "split", "stage_ranks": "split", "split_into_stages": "split",
+    "loss_of": "api",
+    "output_of": "api",
+    "is_pipelined": "api",
+    "sum_over_stages": "api",
+    "start_pipeline": "api",
+    "pipeline_scope": "api",
+    "PipelineRunner": "runner",
+    "ScheduleRunner": "runner",
+    "TwoBWRunner": "twobw",
+    "SCHEDULES": "schedules",
+    "SPLIT_BACKWARD": "schedules",
+    "PipelineSettings": "schedules",
+    "check_pipeline_settings": "schedules",
+    "fewest_microbatches": "schedules",
+    "microbatch_problem": "schedules",
+    "Stage": "split",
+    "Placement": "split",
+    "PipelineConfigError": "split",
+    "balanced_split": "split",
+    "check_split": "split",
+    "stage_ranks": "split",
+    "split_into_stages": "split",
     "carry_moe_statistics": "moe",
-}  # fmt: skip
+}
 
 
 def __getattr__(name: str) -> Any:

@@ -29,13 +29,19 @@ _SCOPE: ContextVar[tuple[tuple[nn.Module, PipelineRunner], ...]] = ContextVar("l
 
 
 def start_pipeline(
-    owner: nn.Module, stages: list[Stage], stage_ranks: list[int], settings: PipelineSettings, pp_group: dist.ProcessGroup,
+    owner: nn.Module,
+    stages: list[Stage],
+    stage_ranks: list[int],
+    settings: PipelineSettings,
+    pp_group: dist.ProcessGroup,
     device: torch.device,
 ) -> PipelineRunner:
     """This rank's runner over its stages of `owner` (the plan owner cut into stages): 2bw's own driver, or torch's
     schedule for every other name."""
     runner_cls = TwoBWRunner if settings.schedule == "2bw" else ScheduleRunner
-    runner = runner_cls(stages, settings, pp_group, stage_ranks, device=device, parameters=lambda: list(owner.parameters()))
+    runner = runner_cls(
+        stages, settings, pp_group, stage_ranks, device=device, parameters=lambda: list(owner.parameters())
+    )
     runner.model = owner
     if all(stage.module is not owner for stage in stages):  # several stages per rank: views, and the owner beside
         owner.register_forward_pre_hook(runner._refuse_direct_calls, prepend=True)

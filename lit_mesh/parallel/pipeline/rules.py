@@ -23,8 +23,10 @@ def _splits_backward(f: Facts) -> bool:
 
 
 def _block_options(f: Facts) -> list[str]:
-    asked = {"activation_checkpointing": f.options.memory.activation_checkpointing != "none",
-             "compile_blocks": f.options.compile.backend is not None}  # fmt: skip
+    asked = {
+        "activation_checkpointing": f.options.memory.activation_checkpointing != "none",
+        "compile_blocks": f.options.compile.backend is not None,
+    }
     return [name for name, on in asked.items() if on]
 
 
@@ -42,7 +44,9 @@ def _beside_2bw(f: Facts) -> list[str]:
     layout = f.layout
     found = [f"{n}={getattr(layout, n)}" for n in ("tp", "cp", "ep") if getattr(layout, n) > 1]
     if layout.data_parallel != "none":
-        found.append(f"data parallel {layout.data_parallel} (dp_replicate={layout.dp_replicate}, dp_shard={layout.dp_shard})")
+        found.append(
+            f"data parallel {layout.data_parallel} (dp_replicate={layout.dp_replicate}, dp_shard={layout.dp_shard})"
+        )
     return found
 
 
@@ -57,44 +61,62 @@ def _tied_names(module: Any) -> list[str]:
 
 RULES: list[Rule] = [
     Rule(
-        "one_stage_schedule", "init",
+        "one_stage_schedule",
+        "init",
         lambda f: f.options.pipeline.stages_per_rank not in (None, 1) and _schedule_kind(f) == "one",
-        lambda f: f"pp_schedule={f.options.pipeline.schedule!r} runs one stage per rank, not pp_stages_per_rank="
-        f"{f.options.pipeline.stages_per_rank}; use 'interleaved_1f1b', 'looped_bfs' or 'zero_bubble' for several",
+        lambda f: (
+            f"pp_schedule={f.options.pipeline.schedule!r} runs one stage per rank, not pp_stages_per_rank="
+            f"{f.options.pipeline.stages_per_rank}; use 'interleaved_1f1b', 'looped_bfs' or 'zero_bubble' for several"
+        ),
         PipelineConfigError,
     ),
     Rule(
-        "interleaved_schedule_stages", "init",
+        "interleaved_schedule_stages",
+        "init",
         lambda f: (f.options.pipeline.stages_per_rank or 2) < 2 and _schedule_kind(f) == "many",
-        lambda f: f"pp_schedule={f.options.pipeline.schedule!r} interleaves several stages per rank, but pp_stages_per_rank="
-        f"{f.options.pipeline.stages_per_rank}; set pp_stages_per_rank >= 2, or use '1f1b' for one stage per rank",
+        lambda f: (
+            f"pp_schedule={f.options.pipeline.schedule!r} interleaves several stages per rank, but pp_stages_per_rank="
+            f"{f.options.pipeline.stages_per_rank}; set pp_stages_per_rank >= 2, or use '1f1b' for one stage per rank"
+        ),
         PipelineConfigError,
     ),
     Rule(
-        "v_schedule_two_stages", "init",
+        "v_schedule_two_stages",
+        "init",
         lambda f: f.options.pipeline.stages_per_rank not in (None, 2) and _schedule_kind(f) == "two",
-        lambda f: f"pp_schedule={f.options.pipeline.schedule!r} runs exactly 2 stages per rank (V shape), not"
-        f" {f.options.pipeline.stages_per_rank}; set pp_stages_per_rank=2",
+        lambda f: (
+            f"pp_schedule={f.options.pipeline.schedule!r} runs exactly 2 stages per rank (V shape), not"
+            f" {f.options.pipeline.stages_per_rank}; set pp_stages_per_rank=2"
+        ),
         PipelineConfigError,
     ),
     Rule(
-        "pp_microbatches_for_schedule", "init",
+        "pp_microbatches_for_schedule",
+        "init",
         lambda f: f.degrees["pp"] > 1 and _microbatch_problem(f) is not None,
-        lambda f: f"pp_schedule={f.options.pipeline.schedule!r} with pp={f.degrees['pp']} and"
-        f" {f.options.pipeline.n_microbatches(f.degrees['pp'])} micro-batches: it {_microbatch_problem(f)}",
+        lambda f: (
+            f"pp_schedule={f.options.pipeline.schedule!r} with pp={f.degrees['pp']} and"
+            f" {f.options.pipeline.n_microbatches(f.degrees['pp'])} micro-batches: it {_microbatch_problem(f)}"
+        ),
         PipelineConfigError,
     ),
     Rule(
-        "pp_split_per_stage", "init",
-        lambda f: f.options.pipeline.split is not None
-        and len(f.options.pipeline.split) != f.degrees["pp"] * f.options.pipeline.local_stages(),
-        lambda f: f"pp_split={list(f.options.pipeline.split)} has {len(f.options.pipeline.split)} entries but"
-        f" pp={f.degrees['pp']} x stages per rank {f.options.pipeline.local_stages()} ="
-        f" {f.degrees['pp'] * f.options.pipeline.local_stages()} stages; give one number of blocks per stage",
+        "pp_split_per_stage",
+        "init",
+        lambda f: (
+            f.options.pipeline.split is not None
+            and len(f.options.pipeline.split) != f.degrees["pp"] * f.options.pipeline.local_stages()
+        ),
+        lambda f: (
+            f"pp_split={list(f.options.pipeline.split)} has {len(f.options.pipeline.split)} entries but"
+            f" pp={f.degrees['pp']} x stages per rank {f.options.pipeline.local_stages()} ="
+            f" {f.degrees['pp'] * f.options.pipeline.local_stages()} stages; give one number of blocks per stage"
+        ),
         PipelineConfigError,
     ),
     Rule(
-        "pipeline_options_need_pp", "init",
+        "pipeline_options_need_pp",
+        "init",
         lambda f: f.degrees["pp"] == 1 and _pipeline_options_given(f.options.pipeline),
         lambda f: "pp_schedule, pp_microbatches, pp_stages_per_rank and pp_split need pp > 1",
         PipelineConfigError,
@@ -103,81 +125,112 @@ RULES: list[Rule] = [
         # measured on torch 2.13: compiled blocks fail in the input-gradient pass inside AOTAutograd ("compiled with
         # non-empty donated buffers which requires ... retain_graph=False"); checkpointed blocks fail in the weight-
         # gradient pass (the composable checkpoint's recompute context is entered a second time: AttributeError)
-        "split_backward_without_block_options", "init",
+        "split_backward_without_block_options",
+        "init",
         lambda f: f.degrees["pp"] > 1 and _splits_backward(f) and bool(_block_options(f)),
-        lambda f: f"{_block_options(f)[0]} with pp_schedule={f.options.pipeline.schedule!r}: this schedule splits each"
-        " backward into an input-gradient pass and a later weight-gradient pass over every block, but a compiled"
-        " block's backward is one graph that cannot be split and a checkpointed block is recomputed only once per"
-        " forward; use pp_schedule='interleaved_1f1b' (or '1f1b', 'gpipe', 'looped_bfs') with it, or turn it off",
+        lambda f: (
+            f"{_block_options(f)[0]} with pp_schedule={f.options.pipeline.schedule!r}: this schedule splits each"
+            " backward into an input-gradient pass and a later weight-gradient pass over every block, but a compiled"
+            " block's backward is one graph that cannot be split and a checkpointed block is recomputed only once per"
+            " forward; use pp_schedule='interleaved_1f1b' (or '1f1b', 'gpipe', 'looped_bfs') with it, or turn it off"
+        ),
         PipelineConfigError,
     ),
     Rule(
         # a checkpointed block recomputes its forward in backward, one step later under 2bw, from the live weights
         # (W_{t+1}) instead of the version its forward used; compiled blocks are traced against the parameters
         # that functional_call swaps for each version
-        "2bw_without_block_options", "init",
+        "2bw_without_block_options",
+        "init",
         lambda f: _is_2bw(f) and bool(_block_options(f)),
-        lambda f: f"{_block_options(f)[0]} with pp_schedule='2bw': each micro-batch's backward must use the weight"
-        " version its forward used, and a checkpointed or compiled block would recompute or trace with the"
-        " parameters' live values; turn it off, or use pp_schedule='1f1b'",
+        lambda f: (
+            f"{_block_options(f)[0]} with pp_schedule='2bw': each micro-batch's backward must use the weight"
+            " version its forward used, and a checkpointed or compiled block would recompute or trace with the"
+            " parameters' live values; turn it off, or use pp_schedule='1f1b'"
+        ),
         PipelineConfigError,
     ),
     Rule(
         # each batch's gradient is made over two steps, whose loss scales may differ (the scaler updates in between)
-        "2bw_without_fp16_scaler", "launch",
+        "2bw_without_fp16_scaler",
+        "launch",
         lambda f: _is_2bw(f) and f.precision == "16-mixed",
-        lambda f: f"pp_schedule='2bw' with fp16 loss scaling: each batch's gradient is made over two steps, whose"
-        " loss scales may differ; use precision='bf16-mixed' (no scaler needed) or pp_schedule='1f1b'",
+        lambda f: (
+            "pp_schedule='2bw' with fp16 loss scaling: each batch's gradient is made over two steps, whose"
+            " loss scales may differ; use precision='bf16-mixed' (no scaler needed) or pp_schedule='1f1b'"
+        ),
         PipelineConfigError,
     ),
     Rule(
-        "2bw_pipeline_alone", "launch",
+        "2bw_pipeline_alone",
+        "launch",
         lambda f: _is_2bw(f) and bool(_beside_2bw(f)),
-        lambda f: f"pp_schedule='2bw' with {', '.join(_beside_2bw(f))}: PipeDream-2BW here runs pipeline parallel"
-        f" alone (every rank one stage, world size = pp={f.layout.pp}), keeping two plain weight versions per stage;"
-        " give pp = the world size with tp=1, cp=1, ep=1 and no dp, or use pp_schedule='1f1b' to combine them",
+        lambda f: (
+            f"pp_schedule='2bw' with {', '.join(_beside_2bw(f))}: PipeDream-2BW here runs pipeline parallel"
+            f" alone (every rank one stage, world size = pp={f.layout.pp}), keeping two plain weight versions per stage;"
+            " give pp = the world size with tp=1, cp=1, ep=1 and no dp, or use pp_schedule='1f1b' to combine them"
+        ),
         PipelineConfigError,
     ),
     Rule(
-        "self_parallelised_without_pp", "setup",
+        "self_parallelised_without_pp",
+        "setup",
         lambda f: f.self_parallelised and f.layout.pp > 1,
-        lambda f: f"pp={f.layout.pp}: configure_model parallelised the model itself, so MeshStrategy cannot cut it"
-        " into pipeline stages; declare a parallel_plan() instead, or use pp=1",
+        lambda f: (
+            f"pp={f.layout.pp}: configure_model parallelised the model itself, so MeshStrategy cannot cut it"
+            " into pipeline stages; declare a parallel_plan() instead, or use pp=1"
+        ),
     ),
     Rule(
-        "pp_needs_one_plan", "setup",
+        "pp_needs_one_plan",
+        "setup",
         lambda f: not f.self_parallelised and f.layout.pp > 1 and len(f.owners) != 1,
-        lambda f: f"pp > 1 pipelines one model that declares parallel_plan(); {f.model_name} has"
-        f" {[o.name for o in f.owners] or 'none'}. Declare a plan on the network (see examples/own_model_plan.py),"
-        " or use pp=1",
+        lambda f: (
+            f"pp > 1 pipelines one model that declares parallel_plan(); {f.model_name} has"
+            f" {[o.name for o in f.owners] or 'none'}. Declare a plan on the network (see examples/own_model_plan.py),"
+            " or use pp=1"
+        ),
         PlanError,
     ),
     Rule(
-        "pp_moe_needs_stage_plan", "setup",
-        lambda f: not f.self_parallelised and f.layout.pp > 1 and f.owners[0].plan.moe is not None
-        and not (f.owners[0].plan.pp.first or f.owners[0].plan.pp.last),
-        lambda f: f"pp={f.layout.pp} with the MoE model {type(f.owners[0].module).__name__}: its parallel_plan()"
-        " declares no PipelinePlan (the modules before and after the blocks), so it cannot be cut into stages;"
-        " declare pp=PipelinePlan(first=..., last=...) as zoo/moe.py does, or use pp=1 (ep, dp, tp and cp work"
-        " with MoE)",
+        "pp_moe_needs_stage_plan",
+        "setup",
+        lambda f: (
+            not f.self_parallelised
+            and f.layout.pp > 1
+            and f.owners[0].plan.moe is not None
+            and not (f.owners[0].plan.pp.first or f.owners[0].plan.pp.last)
+        ),
+        lambda f: (
+            f"pp={f.layout.pp} with the MoE model {type(f.owners[0].module).__name__}: its parallel_plan()"
+            " declares no PipelinePlan (the modules before and after the blocks), so it cannot be cut into stages;"
+            " declare pp=PipelinePlan(first=..., last=...) as zoo/moe.py does, or use pp=1 (ep, dp, tp and cp work"
+            " with MoE)"
+        ),
         PlanError,
     ),
     Rule(
         # MoE under pp carries router statistics and expert reductions through torch's schedule steps
-        "2bw_without_moe", "setup",
+        "2bw_without_moe",
+        "setup",
         lambda f: not f.self_parallelised and _is_2bw(f) and bool(f.owners) and f.owners[0].plan.moe is not None,
-        lambda f: f"pp_schedule='2bw' with the MoE model {type(f.owners[0].module).__name__}: the 2bw driver does not"
-        " carry MoE routing statistics or auxiliary losses across its delayed steps; use pp_schedule='1f1b' with MoE",
+        lambda f: (
+            f"pp_schedule='2bw' with the MoE model {type(f.owners[0].module).__name__}: the 2bw driver does not"
+            " carry MoE routing statistics or auxiliary losses across its delayed steps; use pp_schedule='1f1b' with MoE"
+        ),
         PipelineConfigError,
     ),
     Rule(
         # Megatron sums the two uses' gradients over an embedding group of the first and last stages; we do not yet
-        "pp_without_tied_parameters", "setup",
+        "pp_without_tied_parameters",
+        "setup",
         lambda f: not f.self_parallelised and f.layout.pp > 1 and bool(_tied_names(f.owners[0].module)),
-        lambda f: f"pp={f.layout.pp} with {type(f.owners[0].module).__name__}'s tied parameters"
-        f" {_tied_names(f.owners[0].module)}: the embedding runs on the first pipeline stage and the output head on"
-        " the last, and their gradients would have to be summed across stages (not supported yet); use pp=1 (fsdp,"
-        " tp and cp work with tied embeddings), or untie them (zoo GPT: tie_embeddings=False)",
+        lambda f: (
+            f"pp={f.layout.pp} with {type(f.owners[0].module).__name__}'s tied parameters"
+            f" {_tied_names(f.owners[0].module)}: the embedding runs on the first pipeline stage and the output head on"
+            " the last, and their gradients would have to be summed across stages (not supported yet); use pp=1 (fsdp,"
+            " tp and cp work with tied embeddings), or untie them (zoo GPT: tie_embeddings=False)"
+        ),
         PlanError,
     ),
 ]

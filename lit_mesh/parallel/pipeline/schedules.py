@@ -53,7 +53,9 @@ class PipelineSettings:
         arg="pp_microbatches",
     )
     stages_per_rank: Optional[int] = option(  # None: 1, or 2 for the schedules that need several
-        None, doc="virtual stages per rank for the interleaved schedules (default 2 there, else 1).", arg="pp_stages_per_rank"
+        None,
+        doc="virtual stages per rank for the interleaved schedules (default 2 there, else 1).",
+        arg="pp_stages_per_rank",
     )
     split: Optional[tuple[int, ...]] = option(
         None,
