@@ -98,6 +98,8 @@ MOVED_MODULES: dict[str, str] = {
     "lit_mesh.parallel.context_kernels": "lit_mesh.parallel.context.kernels",
     "lit_mesh.parallel.context_layout": "lit_mesh.parallel.context.layout",
     "lit_mesh.parallel.checkpointing": "lit_mesh.parallel.activation_checkpointing",
+    "lit_mesh.planner.schedules": "lit_mesh.planner.pipeline_model",
+    "lit_mesh.planner.options": "lit_mesh.planner.vocabulary",
     "lit_mesh.figures": "lit_mesh.monitor.figures",
     "lit_mesh.topology": "lit_mesh.comm.topology",
 }

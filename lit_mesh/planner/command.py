@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from lit_mesh.planner.options import AC_MODES, DIMS, PRECISION_BYTES
+from lit_mesh.planner.vocabulary import AC_MODES, DIMS, PRECISION_BYTES
 
 if TYPE_CHECKING:  # the model, memory and time modules import torch: only once the arguments are good
     from lit_mesh.planner.hardware import Hardware

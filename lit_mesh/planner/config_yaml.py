@@ -14,7 +14,7 @@ from lit_mesh.mesh import MeshLayout
 from lit_mesh.planner.families import family
 from lit_mesh.planner.hardware import Hardware
 from lit_mesh.planner.memory import Workload
-from lit_mesh.planner.schedules import microbatches_refused
+from lit_mesh.planner.pipeline_model import microbatches_refused
 from lit_mesh.planner.search import DIMS, Candidate, why_invalid
 from lit_mesh.planner.shapes import gpt_shapes
 

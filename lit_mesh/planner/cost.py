@@ -21,7 +21,7 @@ Communication, each collective with its own overlap rule (lit_mesh.comm.topology
 - CP ring: each K/V block's send overlaps the attention on the previous one: exposed where the send is longer;
   under pp each stage runs the ring over its own blocks, on micro-batches of T/cp tokens per rank;
 - EP: the all-to-alls of dispatch and combine, exposed; PP: the stage-boundary send/receive, exposed.
-Pipeline: the bubble of the schedule (lit_mesh.planner.schedules) stretches the stage's time; the slowest stage sets the pace.
+Pipeline: the bubble of the schedule (lit_mesh.planner.pipeline_model) stretches the stage's time; the slowest stage sets the pace.
 The kernel constants are calibrated once against published runs: lit_mesh/planner/calibration.yaml.
 """
 
@@ -44,7 +44,7 @@ from lit_mesh.planner.memory import (
     state_numel,
     unsharded_numel,
 )
-from lit_mesh.planner.schedules import Schedule, bubble_fraction, rank_stages  # noqa: F401  (re-exported)
+from lit_mesh.planner.pipeline_model import Schedule, bubble_fraction, rank_stages  # noqa: F401  (re-exported)
 from lit_mesh.planner.shapes import ModelShapes, ParamShape
 
 CALIBRATION = Path(__file__).with_name("calibration.yaml")

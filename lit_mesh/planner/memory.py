@@ -6,7 +6,7 @@ Exact sharding rules, the ones torch applies under lit_mesh.parallel:
   is replicated; a split gives rank t `torch.chunk`'s t-th piece (pieces of ceil(n / tp), the last ones short).
 - FSDP2 then splits dim 0 of each rank's tp piece over dp_shard x cp the same way (DDP: no split).
 - A pipeline rank holds the blocks of its stages (lit_mesh's balanced split of pp x v stages, placed by the
-  schedule: lit_mesh.planner.schedules.rank_stages), plus the embedding (first stage) and the final norm and
+  schedule: lit_mesh.planner.pipeline_model.rank_stages), plus the embedding (first stage) and the final norm and
   head (last stage: rank pp - 1 when looped, rank 0 in a V).
 - ZeRO stages 1 and 2 (zero_stage < 3) shard the same way, and keep every unit's gathered copy from the first
   forward to the last backward of a step (buffers); stage 1 accumulates whole gradients over micro-batches.
@@ -21,9 +21,9 @@ from dataclasses import dataclass
 
 from lit_mesh.loss import CHUNK_ROWS
 from lit_mesh.mesh import MeshLayout
-from lit_mesh.planner.options import AC_MODES, PRECISION_BYTES  # noqa: F401  (re-exported)
-from lit_mesh.planner.schedules import ONE_F_ONE_B, Schedule, in_flight, rank_stages
+from lit_mesh.planner.pipeline_model import ONE_F_ONE_B, Schedule, in_flight, rank_stages
 from lit_mesh.planner.shapes import ModelShapes, ParamShape
+from lit_mesh.planner.vocabulary import AC_MODES, PRECISION_BYTES  # noqa: F401  (re-exported)
 
 
 def chunk(n: int, parts: int, index: int) -> int:
@@ -193,7 +193,7 @@ def activation_bytes(
     schedule: Schedule = ONE_F_ONE_B,
 ) -> int:
     """Activations pp rank `stage` holds at its peak: the schedule's stage forwards in flight (1F1B: up to
-    pp - stage micro-batches; lit_mesh.planner.schedules.in_flight), each through the rank's largest stage, each
+    pp - stage micro-batches; lit_mesh.planner.pipeline_model.in_flight), each through the rank's largest stage, each
     micro-batch of T/cp tokens per rank (cp shards every micro-batch's sequence, with pp too)."""
     b = PRECISION_BYTES[precision]["activation"]
     tokens = work.tokens_per_microbatch(layout)

@@ -1,6 +1,6 @@
 """Enumerate every mesh (pp, dp_replicate, dp_shard, cp, tp) x activation checkpointing x precision for a world
 size, keep the ones lit_mesh can run and whose per-rank memory fits, and rank them by estimated step time.
-With pp > 1 each option takes its fastest fitting pipeline schedule (lit_mesh.planner.schedules.schedules_for:
+With pp > 1 each option takes its fastest fitting pipeline schedule (lit_mesh.planner.pipeline_model.schedules_for:
 1F1B, interleaved and zero-bubble with v stages per rank, ZBV, DualPipeV) and micro-batch count.
 
 For an MoE model every ep that divides dp_shard x cp (ep borrows those ranks) is tried as well.
@@ -17,9 +17,9 @@ from lit_mesh.mesh import MeshLayout
 from lit_mesh.planner.cost import Features, StepTime, calibrated_kernels, model_flops_per_step, step_time
 from lit_mesh.planner.hardware import GIB, Hardware
 from lit_mesh.planner.memory import Workload, expert_fsdp_dim, rank_memory
-from lit_mesh.planner.options import AC_MODES, DIMS, PRECISION_BYTES
-from lit_mesh.planner.schedules import ONE_F_ONE_B, Schedule, microbatches_refused, schedules_for
+from lit_mesh.planner.pipeline_model import ONE_F_ONE_B, Schedule, microbatches_refused, schedules_for
 from lit_mesh.planner.shapes import ModelShapes
+from lit_mesh.planner.vocabulary import AC_MODES, DIMS, PRECISION_BYTES
 
 
 @dataclass

@@ -22,7 +22,7 @@ from lit_mesh.options import MeshDegrees, MeshOptions
 from lit_mesh.parallel.apply import parallelize
 from lit_mesh.parallel.pipeline.schedules import PipelineSettings
 from lit_mesh.planner.families import family
-from lit_mesh.planner.schedules import ONE_F_ONE_B, Schedule
+from lit_mesh.planner.pipeline_model import ONE_F_ONE_B, Schedule
 from lit_mesh.planner.shapes import build_model
 
 

@@ -92,7 +92,7 @@ def test_moe_plan_proposes_only_runnable_layouts_and_simulates_its_best(capsys: 
 def test_every_pipeline_option_the_search_can_propose_passes_meshstrategys_init_rules() -> None:
     """Every (schedule, micro-batch) the search may rank for pp layouts of three presets builds MeshOptions through
     lit_mesh.options.build_options (MeshStrategy.__init__, every "init" rule); the ranked ones use v > 1 too."""
-    from lit_mesh.planner.schedules import schedules_for
+    from lit_mesh.planner.pipeline_model import schedules_for
     from lit_mesh.planner.search import Candidate, micro_batches
 
     seen: set[str] = set()

@@ -746,7 +746,7 @@ def _torch_peaks(schedule: str, pp: int, v: int, n: int) -> list[int]:
     ],
 )
 def test_in_flight_stage_forwards_match_torchs_schedules(schedule: str, v: int) -> None:
-    from lit_mesh.planner.schedules import Schedule, in_flight, microbatches_refused
+    from lit_mesh.planner.pipeline_model import Schedule, in_flight, microbatches_refused
 
     checked = 0
     for pp in (2, 4, 8):
@@ -764,7 +764,7 @@ def test_interleaved_ranks_hold_the_same_parameters_and_more_activations() -> No
     """v stages per rank: a rank's blocks add up to about the 1F1B stage's (the same parameters in total), the V
     puts the head on rank 0, and the interleaved warm-up holds more micro-batches' activations on rank 0."""
     from lit_mesh.planner.memory import activation_bytes, rank_memory, state_numel
-    from lit_mesh.planner.schedules import ONE_F_ONE_B, Schedule, rank_stages
+    from lit_mesh.planner.pipeline_model import ONE_F_ONE_B, Schedule, rank_stages
 
     shapes, layout = gpt_shapes(GPTConfig.from_preset("llama3-70b")), MeshLayout(pp=4, dp_shard=2, tp=8)
     total = {
@@ -786,7 +786,7 @@ def test_interleaved_ranks_hold_the_same_parameters_and_more_activations() -> No
 
 
 def test_schedules_the_search_tries() -> None:
-    from lit_mesh.planner.schedules import Schedule, schedules_for
+    from lit_mesh.planner.pipeline_model import Schedule, schedules_for
 
     tried = schedules_for(4, 80, "none")
     assert Schedule("interleaved_1f1b", 2) in tried and Schedule("interleaved_1f1b", 4) in tried
@@ -806,7 +806,7 @@ def _init_args(c, preset: str, hw: Hardware) -> dict:  # noqa: ANN001
 def test_interleaved_plan_for_llama3_405b_at_metas_layout_writes_its_schedule(tmp_path: Path) -> None:
     """Meta's TP 8 x PP 16 x DP 64: interleaving halves the 1F1B bubble; the plan names the schedule and v, prints
     both bubbles' terms, and writes pp_schedule, pp_stages_per_rank and pp_microbatches for `lit-mesh fit`."""
-    from lit_mesh.planner.schedules import Schedule
+    from lit_mesh.planner.pipeline_model import Schedule
     from lit_mesh.planner.search import evaluate
 
     shapes, work = gpt_shapes(GPTConfig.from_preset("llama3-405b")), Workload(2048, 8192, 1)
@@ -837,7 +837,7 @@ def test_interleaved_plan_for_llama3_405b_at_metas_layout_writes_its_schedule(tm
 def test_estimate_equals_simulation_with_v_stages_per_rank(schedule: tuple[str, int], rank: int) -> None:
     """The stages lit_mesh builds for v stages per rank (looped: pp rank 2 runs stages 2 and 6 of 8; V: embedding
     and head both on pp rank 0) hold the bytes the planner counts."""
-    from lit_mesh.planner.schedules import Schedule
+    from lit_mesh.planner.pipeline_model import Schedule
 
     config, layout = GPTConfig.from_preset("llama3-8b"), MeshLayout(pp=4, dp_shard=2, tp=8)
     simulated = simulate_rank(config, layout, rank, "bf16-mixed", schedule=Schedule(*schedule))
