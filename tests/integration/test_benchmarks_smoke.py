@@ -15,7 +15,7 @@ import os
 import runpy
 import subprocess
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -38,14 +38,16 @@ class Smoke:
     launches_ranks: str | None = None  # why the run is a multi-rank launch (skipped unless LIT_MESH_BENCH_SMOKE=all)
     needs: str | None = None  # a reason it cannot run here at all
     setup: str | None = None  # the name of a function below that prepares {tmp}
-    extra: dict = field(default_factory=dict)
 
 
 RANKS = "launches torchrun ranks (tens of seconds on the suite's CPUs)"
+TINY_STEPS = ("--preset", "tiny", "--steps", "1", "--warmup", "1", "--repeats", "1")
 SMOKES: dict[str, Smoke] = {
     "planner.py": Smoke(("--presets", "small", "--devices", "8", "--moe-presets", "--no-simulate"), "planner"),
     "tp_bytes.py": Smoke(("--preset", "small", "--tokens", "64"), "tp_bytes"),
-    "memory.py": Smoke(("--loss-only", "--loss-vocab", "256", "--loss-tokens", "32", "--loss-chunks", "2"), "memory_loss"),
+    "memory.py": Smoke(
+        ("--loss-only", "--loss-vocab", "256", "--loss-tokens", "32", "--loss-chunks", "2"), "memory_loss"
+    ),
     "moe.py": Smoke(
         ("--part", "balance", "--balance-steps", "3", "--balance-batch", "2", "--balance-seq-len", "16"), "moe_balance"
     ),
@@ -55,26 +57,35 @@ SMOKES: dict[str, Smoke] = {
         "gpu_h100",
     ),  # fmt: skip
     "tensorboard_scalars.py": Smoke(("{tmp}/logs",), keys=("benchmark", "log_dir", "scalars"), setup="event_file"),
-    "compile_tp_repro.py": Smoke(("--backend", "eager", "--cases", "eager-sp"), "compile_tp_inductor", launches_ranks=RANKS),
-    "compression.py": Smoke(("--modes", "fp32", "--preset", "tiny", "--steps", "2"), "compression", launches_ranks=RANKS),
-    "context_parallel.py": Smoke(("--cp", "2", "--seq-len", "64", "--budget-mib", "0"), "context_parallel", launches_ranks=RANKS),
-    "hf.py": Smoke(("--dp", "2", "--tp", "1", "--preset", "tiny", "--steps", "1", "--warmup", "1", "--repeats", "1"), "hf",
-                   launches_ranks=RANKS),  # fmt: skip
+    "compile_tp_repro.py": Smoke(
+        ("--backend", "eager", "--cases", "eager-sp"), "compile_tp_inductor", launches_ranks=RANKS
+    ),
+    "compression.py": Smoke(
+        ("--modes", "fp32", "--preset", "tiny", "--steps", "2"), "compression", launches_ranks=RANKS
+    ),
+    "context_parallel.py": Smoke(
+        ("--cp", "1", "2", "--seq-len", "64", "--budget-mib", "0"), "context_parallel", launches_ranks=RANKS
+    ),
+    "hf.py": Smoke(("--dp", "2", "--tp", "1", *TINY_STEPS), "hf", launches_ranks=RANKS),
     "host_sync.py": Smoke((), "host_sync", launches_ranks=RANKS),
     "loss_curves.py": Smoke(("--steps", "2", "--png", "{tmp}/loss.png"), "loss_curves", launches_ranks=RANKS),
     "memory_zero.py": Smoke(needs="a module of benchmarks/memory.py --zero (covered by memory.py's launch)"),
-    "overhead.py": Smoke(("--dp", "1", "--tp", "2", "--preset", "tiny", "--steps", "1", "--warmup", "1", "--repeats", "1"),
-                         "overhead", launches_ranks=RANKS),  # fmt: skip
-    "pipeline.py": Smoke(("--schedules", "1f1b", "--preset", "tiny", "--steps", "1", "--warmup", "1"), "pipeline",
-                         launches_ranks=RANKS),  # fmt: skip
-    "pretrained_load.py": Smoke(("--ranks", "2", "--hidden", "64", "--layers", "1", "--vocab", "128"), "pretrained_load",
-                                launches_ranks=RANKS),  # fmt: skip
-    "token_loader.py": Smoke(("--seq-len", "64", "--global-batch-size", "2", "--vocab", "300", "--workers", "1",
-                              "--max-batches", "2"), "token_loader", launches_ranks="prepare-data processes over the "
-                             "whole standard library (minutes)"),  # fmt: skip
-    "topology.py": Smoke(("--simulate", "2x2", "--mib", "0.01", "--presets", "small"), "topology", launches_ranks=RANKS),
-    "vs_modelparallel.py": Smoke(("--dp", "1", "--tp", "2", "--preset", "tiny", "--steps", "1", "--warmup", "1",
-                                  "--repeats", "1"), "vs_modelparallel", launches_ranks=RANKS),  # fmt: skip
+    "overhead.py": Smoke(("--dp", "1", "--tp", "2", *TINY_STEPS), "overhead", launches_ranks=RANKS),
+    "pipeline.py": Smoke(
+        ("--schedules", "1f1b", "--preset", "tiny", "--steps", "2", "--warmup", "1"), "pipeline", launches_ranks=RANKS
+    ),
+    "pretrained_load.py": Smoke(
+        ("--ranks", "2", "--hidden", "384", "--layers", "1", "--vocab", "128"), "pretrained_load", launches_ranks=RANKS
+    ),
+    "token_loader.py": Smoke(
+        ("--seq-len", "64", "--global-batch-size", "2", "--vocab", "300", "--workers", "1", "--max-batches", "2"),
+        "token_loader",
+        launches_ranks="prepare-data processes over the whole standard library (minutes)",
+    ),
+    "topology.py": Smoke(
+        ("--simulate", "2x2", "--mib", "0.01", "--presets", "small"), "topology", launches_ranks=RANKS
+    ),
+    "vs_modelparallel.py": Smoke(("--dp", "1", "--tp", "2", *TINY_STEPS), "vs_modelparallel", launches_ranks=RANKS),
     "report.py": Smoke(("--check",), needs="renders benchmarks/README.md (tests/unit/test_report.py covers it)"),
 }
 
