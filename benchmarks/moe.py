@@ -26,12 +26,11 @@ import statistics
 import sys
 from typing import Any
 
+import _common as C  # noqa: N812 (benchmarks/ is on sys.path when run as a script)
 import lightning as L
 import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
-
-import _common as C  # noqa: N812 (benchmarks/ is on sys.path when run as a script)
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -90,14 +89,18 @@ class MeasureStep(L.Callback):
         self.routing: list[torch.Tensor] = []  # per MoE layer: this rank's assignments per expert
         self._hooks: list[Any] = []
 
-    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         if batch_idx == self.measure_step:
             for moe in pl_module.model.moe_layers():
                 self._hooks.append(moe.router.register_forward_hook(self._record))
             self.counter.__enter__()
         self.timer.on_train_batch_start(trainer, pl_module, batch, batch_idx)
 
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         self.timer.on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
         if batch_idx == self.measure_step:
             self.counter.__exit__(None, None, None)
@@ -155,7 +158,9 @@ class Imbalance(L.Callback):
         self.per_step: list[float] = []
         self.losses: list[float] = []
 
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         self.per_step.append(float(trainer.callback_metrics["moe/imbalance"]))
         self.losses.append(float(trainer.callback_metrics["train_loss"]))
 
@@ -189,13 +194,21 @@ def drive(args: argparse.Namespace, argv: list[str]) -> None:
             runs.append(C.launch(__file__, [*argv, "--worker-ep", str(ep)], ep, args.timeout))
         result["throughput"] = runs
         result["a2a_goal_met"] = all(r["a2a_bytes_per_rank"] == r["a2a_formula_bytes"] for r in runs)
-        result["throughput_config"] = {"batch_size_per_rank": args.batch_size, "seq_len": args.seq_len,
-                                       "steps": args.steps, "warmup": args.warmup, "mesh": "dp=ep, ep=ep (FSDP ep)"}
+        result["throughput_config"] = {
+            "batch_size_per_rank": args.batch_size,
+            "seq_len": args.seq_len,
+            "steps": args.steps,
+            "warmup": args.warmup,
+            "mesh": "dp=ep, ep=ep (FSDP ep)",
+        }
     if args.part in ("all", "balance"):
         arms = {"none": (0.0, 0.0), "aux_loss_free": (args.bias_rate, 0.0), "aux_loss": (0.0, args.aux_coef)}
         result["balance"] = {name: balance_run(args, *arm) for name, arm in arms.items()}
-        result["balance_config"] = {"global_batch": args.balance_batch, "seq_len": args.balance_seq_len,
-                                    "data": "TextDataModule (stdlib sources)"}
+        result["balance_config"] = {
+            "global_batch": args.balance_batch,
+            "seq_len": args.balance_seq_len,
+            "data": "TextDataModule (stdlib sources)",
+        }
         b = result["balance"]
         result["balance_goal_met"] = b["aux_loss_free"]["imbalance_last_third"] < b["none"]["imbalance_last_third"]
     result["environment"] = C.environment()

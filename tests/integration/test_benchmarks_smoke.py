@@ -54,8 +54,22 @@ SMOKES: dict[str, Smoke] = {
         ("--part", "balance", "--balance-steps", "3", "--balance-batch", "2", "--balance-seq-len", "16"), "moe_balance"
     ),
     "gpu.py": Smoke(  # its CPU path: the tiny preset, no compile
-        ("--preset", "tiny", "--batch-size", "1", "--seq-len", "16", "--steps", "1", "--warmup", "1", "--rounds", "1",
-         "--compile-backend", "none"),
+        (
+            "--preset",
+            "tiny",
+            "--batch-size",
+            "1",
+            "--seq-len",
+            "16",
+            "--steps",
+            "1",
+            "--warmup",
+            "1",
+            "--rounds",
+            "1",
+            "--compile-backend",
+            "none",
+        ),
         "gpu_h100",
     ),  # fmt: skip
     "tensorboard_scalars.py": Smoke(("{tmp}/logs",), keys=("benchmark", "log_dir", "scalars"), setup="event_file"),

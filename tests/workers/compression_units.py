@@ -11,8 +11,8 @@ import torch.distributed as dist
 
 from lit_mesh.comm.codecs import CodecSettings, make_codec
 from lit_mesh.comm.compression import CompressionRun
-from lit_mesh.comm.powersgd import Segment
 from lit_mesh.comm.options import CompressionOptions, CompressionPhase
+from lit_mesh.comm.powersgd import Segment
 from tests.workers.checks import Checks, arguments, assert_close_reduced
 
 check = Checks()
@@ -26,7 +26,10 @@ def gathered(x: torch.Tensor) -> list[torch.Tensor]:
 
 def inputs(length: int, step: int = 0) -> list[torch.Tensor]:
     """Every rank's input (each rank draws all of them: the formulas need them all)."""
-    return [torch.randn(length, generator=torch.Generator().manual_seed(100 * step + r)) for r in range(dist.get_world_size())]
+    return [
+        torch.randn(length, generator=torch.Generator().manual_seed(100 * step + r))
+        for r in range(dist.get_world_size())
+    ]
 
 
 def roundtrip(codec, x: torch.Tensor) -> torch.Tensor:
@@ -47,7 +50,9 @@ def onebit_all_reduce_formula() -> None:
     expected = torch.cat([roundtrip(codec, m) for m in means])
     torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-7)
     torch.testing.assert_close(site.residual, xs[me] - sent[me], rtol=0, atol=0)
-    torch.testing.assert_close(site.codec_reduction.server_residual, means[me] - roundtrip(codec, means[me]), rtol=0, atol=0)
+    torch.testing.assert_close(
+        site.codec_reduction.server_residual, means[me] - roundtrip(codec, means[me]), rtol=0, atol=0
+    )
     # bytes: n-1 of the n 1-bit payloads out in each half, against a ring all-reduce of fp32
     payload = codec.payload_bytes(1000 // n)
     got = run.meter.current["dp_replicate"]
@@ -150,7 +155,11 @@ def nothing_lost_across_steps_and_switches() -> None:
         total = worker.clone()
         dist.all_reduce(total)
         total /= n
-        server = site.codec_reduction.server_residual if site.codec_reduction.server_residual is not None else torch.zeros(length // n)
+        server = (
+            site.codec_reduction.server_residual
+            if site.codec_reduction.server_residual is not None
+            else torch.zeros(length // n)
+        )
         return total + torch.cat(gathered(server))
 
     for step, mode in enumerate(modes):
@@ -169,7 +178,9 @@ def nothing_lost_across_steps_and_switches() -> None:
         site.all_reduce(out, dist.group.WORLD, True, "dp_replicate", [Segment(0, 64, 48)])
         after = held_back().double()
         torch.testing.assert_close(out + after, mean_x + before.double(), rtol=0, atol=1e-9, msg=f"step {step} {mode}")
-    assert site.residual is None and site.codec_reduction.server_residual is None, "uncompressed sends flush every residual"
+    assert site.residual is None and site.codec_reduction.server_residual is None, (
+        "uncompressed sends flush every residual"
+    )
 
 
 @check

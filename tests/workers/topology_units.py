@@ -42,7 +42,9 @@ def every_rank(length: int, integer: bool, step: int = 0) -> list[torch.Tensor]:
     out = []
     for r in range(WORLD):
         gen = torch.Generator().manual_seed(1000 * step + r)
-        out.append(torch.randint(-8, 9, (length,), generator=gen).float() if integer else torch.randn(length, generator=gen))
+        out.append(
+            torch.randint(-8, 9, (length,), generator=gen).float() if integer else torch.randn(length, generator=gen)
+        )
     return out
 
 
@@ -161,12 +163,18 @@ def layered_compression() -> None:
     assert bytes_["dp_replicate:intra"]["sent"] * 2 == bytes_["dp_replicate:intra"]["uncompressed"] > 0, dict(bytes_)
     assert bytes_["dp_replicate:inter"]["sent"] * 2 == bytes_["dp_replicate:inter"]["uncompressed"] > 0, dict(bytes_)
     # int8 inside, 1-bit between: bytes against each codec's formula, per level
-    run = CompressionRun(CompressionOptions(mode="onebit", intra_mode="int8", quant_block=32, onebit_block=32, onebit_rms_refresh=0))
+    run = CompressionRun(
+        CompressionOptions(mode="onebit", intra_mode="int8", quant_block=32, onebit_block=32, onebit_rms_refresh=0)
+    )
     piece = xs[RANK].numel() // g  # each rank's share of the node's sum
-    hierarchical.all_reduce(every_rank(g * n * 64 * 2, integer=False)[RANK].clone(), h, average=True, site=run.site("site"))
+    hierarchical.all_reduce(
+        every_rank(g * n * 64 * 2, integer=False)[RANK].clone(), h, average=True, site=run.site("site")
+    )
     bytes_ = run.meter.current
     int8, onebit = run.codec("int8"), run.codec("onebit")
-    assert bytes_["dp_replicate:intra"]["sent"] == 2 * (g - 1) * int8.payload_bytes(piece), dict(bytes_)  # scatter + gather
+    assert bytes_["dp_replicate:intra"]["sent"] == 2 * (g - 1) * int8.payload_bytes(piece), dict(
+        bytes_
+    )  # scatter + gather
     assert bytes_["dp_replicate:inter"]["sent"] == 2 * (n - 1) * onebit.payload_bytes(piece // n), dict(bytes_)
     assert bytes_["dp_replicate:intra"]["uncompressed"] == 2 * (g - 1) / g * 4 * xs[RANK].numel()
     assert run.sites["site:intra"].residual is not None, "error feedback inside the node too"
@@ -242,7 +250,12 @@ def ddp_and_hsdp_gradients() -> None:
     for layout in (MeshLayout(dp_replicate=WORLD), MeshLayout(dp_replicate=WORLD // 2, dp_shard=2)):
         views = build_device_mesh(layout, "cpu")
         h = hierarchical.build_hierarchy(
-            views.root, ("dp_replicate",), views.root.get_group("dp_replicate"), TOPOLOGY, "hierarchical", "dp_replicate",
+            views.root,
+            ("dp_replicate",),
+            views.root.get_group("dp_replicate"),
+            TOPOLOGY,
+            "hierarchical",
+            "dp_replicate",
             skip_trivial=False,
         )
         assert h is not None and h.nodes == NODES, layout

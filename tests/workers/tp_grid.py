@@ -10,8 +10,8 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
+
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from torch import nn
@@ -25,8 +25,14 @@ from lit_mesh.parallel.summa import LAYOUT, SummaScheme
 from lit_mesh.parallel.tensor import apply_tensor_parallel
 from lit_mesh.parallel.tensor_grid import local_block
 from lit_mesh.parallel.tensor_nd import parallelize_grid
+from lit_mesh.parallel.tensor_nd_bytes import (
+    GRID_BLOCK_BYTES,
+    BlockShape,
+    bytes_1d,
+    linear_bytes_3d,
+    linear_bytes_summa,
+)
 from lit_mesh.plan import PlanOwner
-from lit_mesh.parallel.tensor_nd_bytes import GRID_BLOCK_BYTES, BlockShape, bytes_1d, linear_bytes_3d, linear_bytes_summa
 from tests.workers import tp3d_cases as three_d
 from tests.workers.checks import Checks, arguments, assert_close_reduced
 from zoo.gpt import GPT, GPTConfig, rope_cos_sin
@@ -148,7 +154,9 @@ def gpt_loss_matches_one_device(case: Case) -> None:
             o.step()
             o.zero_grad()
             losses.append(loss.item())
-        assert abs(losses[0] - losses[1]) <= 1e-4 * abs(losses[1]), f"step {step}: {losses[0]} vs one device {losses[1]}"
+        assert abs(losses[0] - losses[1]) <= 1e-4 * abs(losses[1]), (
+            f"step {step}: {losses[0]} vs one device {losses[1]}"
+        )
     for (name, p), ref in zip(model.named_parameters(), reference.parameters()):
         diff = (full(p) - ref).abs().max().item()
         assert diff <= 1e-4, f"{name} differs from one device by {diff}"
