@@ -188,7 +188,8 @@ def balance_run(args: argparse.Namespace, bias_rate: float, aux_coef: float) -> 
     data = TextDataModule(global_batch_size=args.balance_batch, seq_len=args.balance_seq_len)
     record = Imbalance()
     kwargs = C.trainer_kwargs(1, args.balance_steps, [record])
-    L.Trainer(**{**kwargs, "strategy": "auto"}).fit(module, data)
+    # the module logs the balance on logging steps only: every step is one here (the curve is per step)
+    L.Trainer(**{**kwargs, "strategy": "auto", "log_every_n_steps": 1}).fit(module, data)
     steps = record.per_step
     tail = max(1, len(steps) // 3)
     return {

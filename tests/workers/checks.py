@@ -11,10 +11,13 @@ Every rank runs the same checks in the same order (registration order), so their
 from __future__ import annotations
 
 import json
+import math
 import sys
 import traceback
 from collections.abc import Callable
 from pathlib import Path
+
+import torch
 
 
 class Checks:
@@ -52,6 +55,30 @@ class Checks:
         self.run(selected)
         self.write(out_dir, dist.get_rank())
         exit_skipping_teardown()
+
+
+def reduction_atol(reference: torch.Tensor, reduced: int, c: float = 8.0) -> float:
+    """The absolute tolerance for a tensor computed as sums of `reduced` terms, each sum in another order than the
+    reference's (split over ranks, or another kernel's blocking), in the reference's floating dtype.
+
+    atol = c * eps(dtype) * sqrt(reduced) * max|reference|: rounding errors of a sum of K terms grow like
+    sqrt(K) * eps times the terms' size (a random walk of last-bit errors), and max|reference| is that size's scale.
+    Scaled by the largest element, not each element's own value, because a near-zero element of a sum (the terms
+    cancelling) carries the rounding error of its large terms: a fixed tiny atol with an rtol flakes on exactly
+    those. c = 8 leaves room for the worst draw; a real bug (a missing or doubled partial sum, a wrong block) is
+    off by the values' own scale, orders of magnitude above (tests/unit/test_worker_checks.py shows a 1e-4 relative
+    change of one element fails)."""
+    dtype = reference.dtype if reference.is_floating_point() else torch.float32
+    return c * torch.finfo(dtype).eps * math.sqrt(max(reduced, 1)) * reference.detach().abs().max().item()
+
+
+def assert_close_reduced(
+    actual: torch.Tensor, reference: torch.Tensor, reduced: int, *, c: float = 8.0, msg: str | None = None
+) -> None:
+    """assert_close with reduction_atol (and no rtol: the atol is already scaled to the values); `msg` prefixes
+    torch's own message."""
+    atol = reduction_atol(reference, reduced, c)
+    torch.testing.assert_close(actual, reference, rtol=0, atol=atol, msg=lambda text: f"{msg or 'tensors'}: {text}")
 
 
 def arguments() -> tuple[Path, list[str]]:
