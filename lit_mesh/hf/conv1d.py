@@ -44,6 +44,7 @@ class Conv1DColwise(ParallelStyle):
         self.parts = parts
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        placements: dict[str, Placement]
         if self.parts == 1:
             placements = {"weight": Shard(1), "bias": Shard(0)}
         else:
@@ -58,7 +59,13 @@ class Conv1DColwise(ParallelStyle):
             # this rank's share of every part: exactly its heads of q, k and v (a local slice, no communication)
             return out.redistribute(placements=[output_share]).to_local()
 
-        return distribute_module(module, device_mesh, lambda _n, m, mesh: _distribute(m, mesh, placements), inputs, outputs)
+        return distribute_module(
+            module,
+            device_mesh,
+            lambda _n, m, mesh: _distribute(m, mesh, placements),
+            inputs,  # type: ignore[arg-type]  # torch types input_fn -> None; its pre-hook's result replaces the inputs
+            outputs,
+        )
 
 
 class Conv1DRowwise(ParallelStyle):
@@ -70,7 +77,7 @@ class Conv1DRowwise(ParallelStyle):
         self.output_layout = output_layout
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        placements = {"weight": Shard(0), "bias": Replicate()}
+        placements: dict[str, Placement] = {"weight": Shard(0), "bias": Replicate()}
 
         def inputs(_m: nn.Module, args: tuple, mesh: DeviceMesh) -> tuple:
             return (DTensor.from_local(args[0], mesh, [Shard(-1)], run_check=False), *args[1:])
@@ -78,7 +85,13 @@ class Conv1DRowwise(ParallelStyle):
         def outputs(_m: nn.Module, out: Any, _mesh: DeviceMesh) -> Any:
             return out.redistribute(placements=[self.output_layout]).to_local()
 
-        return distribute_module(module, device_mesh, lambda _n, m, mesh: _distribute(m, mesh, placements), inputs, outputs)
+        return distribute_module(
+            module,
+            device_mesh,
+            lambda _n, m, mesh: _distribute(m, mesh, placements),
+            inputs,  # type: ignore[arg-type]  # torch types input_fn -> None; its pre-hook's result replaces the inputs
+            outputs,
+        )
 
 
 class LocalSplitWidth(ParallelStyle):
