@@ -23,7 +23,7 @@ scaled by 1/ep inside the dispatch, the gradient of the tokens is left as it is.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -39,14 +39,22 @@ from lit_mesh.parallel.data import mixed_precision_policy, reshards_after_forwar
 from lit_mesh.plan import MoEPlan, ParallelPlan, PlanError
 
 
-def moe_layers(model: nn.Module, plan: ParallelPlan) -> Iterator[nn.Module]:
+class MoELayer(nn.Module):
+    """A plan's MoE layer as expert parallel uses it (see MoEPlan.layer): a type only, the layers are the
+    model's own classes (`moe_layers` casts to it)."""
+
+    experts: nn.Module  # stacked weights, experts first
+    dispatcher: Any  # LocalDispatch-like: swapped for AllToAllDispatch
+
+
+def moe_layers(model: nn.Module, plan: ParallelPlan) -> Iterator[MoELayer]:
     """The MoE layers of the plan's blocks (blocks without `plan.moe.layer` are dense)."""
     if plan.moe is None:
         return
-    for block in model.get_submodule(plan.blocks):
+    for block in cast(nn.ModuleList, model.get_submodule(plan.blocks)):
         layer = getattr(block, plan.moe.layer, None)
         if isinstance(layer, nn.Module):
-            yield layer
+            yield cast(MoELayer, layer)
 
 
 def adapt_moe_layers(model: nn.Module, plan: ParallelPlan) -> None:
@@ -177,6 +185,7 @@ def apply_expert_parallel(model: nn.Module, plan: ParallelPlan, mesh: MeshViews,
                 " use ep=1 for a dense model"
             )
         return
+    assert plan.moe is not None  # the layers are plan.moe's
     check_ep_divides(plan, layout.ep, type(model).__name__)
     ep_group = mesh.ep.get_group() if layout.ep > 1 else None
     load_group = mesh.dp_cp.get_group()
