@@ -49,9 +49,9 @@ def _whole_parameters(module: nn.Module, recurse: bool, skip: Collection[int]) -
     finally:
         for owner, name, param in places:
             owner._parameters[name] = param
-    for sharded, whole in swapped.values():
-        local = distribute_tensor(whole.detach(), sharded.device_mesh, sharded.placements, src_data_rank=None).to_local()
-        sharded.to_local().copy_(local)
+    for dparam, whole in swapped.values():
+        local = distribute_tensor(whole.detach(), dparam.device_mesh, dparam.placements, src_data_rank=None).to_local()
+        dparam.to_local().copy_(local)
 
 
 @contextmanager

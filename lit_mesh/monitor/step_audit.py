@@ -27,7 +27,7 @@ from lightning.pytorch.callbacks import Callback
 from torch.distributed.tensor._dispatch import OpDispatcher
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 
-from lit_mesh.training.log_steps import is_logging_step
+from lit_mesh.training.log_steps import is_logging_step, log_every_n_steps
 from lit_mesh.monitor.comm import _group_name, _group_size
 
 HOST_READS = ("item", "tolist", "__bool__", "cpu")
@@ -73,7 +73,7 @@ class _CollectiveCounter(TorchDispatchMode):
 
 def _size_of_group(args: tuple) -> int | str:
     # c10d ops carry their ProcessGroup; functional collectives its name, their last str argument
-    groups = [a for a in args if isinstance(a, (torch.ScriptObject, dist.ProcessGroup))]
+    groups: list[Any] = [a for a in args if isinstance(a, (torch.ScriptObject, dist.ProcessGroup))]
     groups = groups or [a for a in args if isinstance(a, str)][-1:]
     try:
         return _group_size(_group_name(groups[0]))
@@ -102,7 +102,7 @@ class StepAudit(Callback):
             return
         if is_logging_step(trainer):
             raise ValueError(
-                f"StepAudit(step={self.step}) is a logging step (log_every_n_steps={trainer.log_every_n_steps});"
+                f"StepAudit(step={self.step}) is a logging step (log_every_n_steps={log_every_n_steps(trainer)});"
                 " audit a step that logs nothing"
             )
         self._optimizer_counters = {
