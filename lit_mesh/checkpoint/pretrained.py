@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import torch
 from torch import nn
@@ -169,7 +169,7 @@ def local_index(param: torch.Tensor) -> Index:
             len(sharded.get(dim, index[dim])), mesh.size(mesh_dim), coordinate[mesh_dim], placement,
             sharded.get(dim), param.shape[dim], False,
         )  # fmt: skip
-        sharded[dim] = offsets if size else torch.zeros(0, dtype=torch.long)
+        sharded[dim] = cast(torch.Tensor, offsets) if size else torch.zeros(0, dtype=torch.long)  # skip_offset=False
     for dim, offsets in sharded.items():
         index[dim] = offsets
     return index
