@@ -272,10 +272,10 @@ def main(argv: list[str]) -> int:
             rows = simulate_best(best, config, shapes)
             print(f"\nsimulated on {hw.world_size} fake ranks (meta tensors, lit_mesh's parallelize):")
             for r in rows:
-                e, s = r["estimate"], r["simulated"]
+                est, s = r["estimate"], r["simulated"]
                 print(f"  rank {r['rank']} (stage {r['stage']}): params {s['params']:,} B, grads {s['grads']:,} B,"
                       f" AdamW {s['optimizer']:,} B in {s['seconds']:.1f} s; estimate"
-                      f" {'equal' if r['equal'] else 'DIFFERS: ' + str(e)}")
+                      f" {'equal' if r['equal'] else 'DIFFERS: ' + str(est)}")
             out["simulation"] = rows
             status = 0 if all(r["equal"] for r in rows) else 1
         if args.plot:
