@@ -185,12 +185,12 @@ def apply_expert_parallel(model: nn.Module, plan: ParallelPlan, mesh: MeshViews,
                 " use ep=1 for a dense model"
             )
         return
-    assert plan.moe is not None  # the layers are plan.moe's
     check_ep_divides(plan, layout.ep, type(model).__name__)
     ep_group = mesh.ep.get_group() if layout.ep > 1 else None
     load_group = mesh.dp_cp.get_group()
     tp_mesh = mesh[MeshAxis.TP] if expert_tensor_parallel(plan, layout) else None
     weights_mesh = mesh.ep if tp_mesh is None else DeviceMesh._concatenate([mesh.ep, tp_mesh])  # (ep, tp), as FSDP2 does
+    assert plan.moe is not None  # the layers are plan.moe's
     for layer in layers:
         n_experts = next(layer.experts.parameters()).shape[0]  # stacked weights: experts first
         layer.dispatcher = AllToAllDispatch(n_experts, load_group, ep_group, tp_mesh)
