@@ -21,7 +21,7 @@ follows from the step.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional, overload
 
 import torch
 
@@ -53,6 +53,13 @@ class OneBitAdam(torch.optim.Optimizer):
                 " give it grad_compression's warmup_steps)"
             )
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, freeze_step=freeze_step))
+
+    # torch.optim.Optimizer.step's overloads: the closure's loss back when one is given
+    @overload
+    def step(self, closure: None = None) -> None: ...
+
+    @overload
+    def step(self, closure: Callable[[], float]) -> float: ...
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:
