@@ -122,13 +122,10 @@ def lightning_cli(args: list[str] | None) -> Any:
     import lit_mesh  # noqa: F401  (registers the "mesh" strategy)
     import zoo  # noqa: F401  (so short class paths of zoo modules resolve)
 
-    from typing_extensions import override
-
     from lit_mesh.checkpoint.resume import resolve_ckpt_path
 
     class MeshCLI(LightningCLI):
-        @override
-        def before_fit(self) -> None:
+        def before_fit(self) -> None:  # LightningCLI calls before_<subcommand> when a subclass defines it
             # after a restart (torchrun --max-restarts, SLURM requeue): the newest complete checkpoint
             config = self.config_init[self.subcommand]
             config["ckpt_path"] = resolve_ckpt_path(self.trainer, config.get("ckpt_path"))
