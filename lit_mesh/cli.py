@@ -67,8 +67,10 @@ COMMANDS: dict[str, tuple[str, Callable[[list[str]], None]]] = {
     "plan": ("the best meshes for a zoo model on a cluster, why, and a `lit-mesh fit` config of the best", plan_main),
     "export": ("a checkpoint's model weights (sharded or not) as one unsharded file", export_main),
     "export-hf": ("a checkpoint as a transformers directory that from_pretrained loads", export_hf_main),
-    "prepare-data": ("tokenise text, JSONL or parquet into memory-mapped token shards (zoo.TokenDataModule)",
-                     prepare_data_main),
+    "prepare-data": (
+        "tokenise text, JSONL or parquet into memory-mapped token shards (zoo.TokenDataModule)",
+        prepare_data_main,
+    ),
 }
 
 
@@ -121,7 +123,6 @@ def lightning_cli(args: list[str] | None) -> Any:
 
     import lit_mesh  # noqa: F401  (registers the "mesh" strategy)
     import zoo  # noqa: F401  (so short class paths of zoo modules resolve)
-
     from lit_mesh.checkpoint.resume import resolve_ckpt_path
 
     class MeshCLI(LightningCLI):

@@ -102,9 +102,7 @@ def _initialise_by_registered(module: nn.Module, skip: Collection[int]) -> bool:
 def meta_modules(root: nn.Module) -> set[nn.Module]:
     """Modules holding parameters or buffers on the meta device (recorded before `to_empty`)."""
     return {
-        m
-        for m in root.modules()
-        if any(t.is_meta for t in (*m.parameters(recurse=False), *m.buffers(recurse=False)))
+        m for m in root.modules() if any(t.is_meta for t in (*m.parameters(recurse=False), *m.buffers(recurse=False)))
     }
 
 

@@ -102,7 +102,9 @@ class _Recorder(TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         name = getattr(func, "__name__", "")
-        writes_in_place = name == "__setitem__" or (name.endswith("_") and not name.startswith("_") and name not in _NOT_WRITES)
+        writes_in_place = name == "__setitem__" or (
+            name.endswith("_") and not name.startswith("_") and name not in _NOT_WRITES
+        )
         if writes_in_place and args and isinstance(args[0], Tensor) and args[0].is_meta:
             self._record(func, args, kwargs)
         return func(*args, **kwargs)
@@ -186,9 +188,7 @@ def carry_meta_writes(root: nn.Module, initialised_by_plan: set[nn.Module]) -> N
     if record is None or not record.writes:
         return
     owner_of = {name: root.get_submodule(name.rpartition(".")[0]) for name in {w.name for w in record.writes}}
-    refused = [
-        w for w in record.writes if w.kind == "construction" and owner_of[w.name] not in initialised_by_plan
-    ]
+    refused = [w for w in record.writes if w.kind == "construction" and owner_of[w.name] not in initialised_by_plan]
     if refused:
         raise MetaInitError(
             "configure_model built modules on the meta device whose constructors set weights themselves, outside"

@@ -28,7 +28,6 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from lit_mesh.checkpoint.resume import complete_checkpoints, newest_checkpoint
 from lit_mesh.comm.state import DIRECTORY as COMPRESSION_DIRECTORY
 
-
 # Optimizer state keyed by parameter name, hyper-parameters too ("param_groups.<name>.lr"): every rank's
 # entries are its own, so pipeline stages (different parameters per rank) and any reshard load back exactly.
 OPTIMIZER_STATE_OPTIONS = StateDictOptions(cpu_offload=True, flatten_optimizer_state_dict=True)
@@ -97,7 +96,7 @@ def model_problems(path: Path, model: nn.Module, strict: bool) -> Optional[str]:
     """Tensors this model has that the checkpoint lacks (another model's weights), or of another shape."""
     # by key: TensorStorageMetadata (its .size) or BytesStorageMetadata (no size), told apart by hasattr below
     stored: dict[str, Any] = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
-    held = {key[len("state_dict."):] for key in stored if key.startswith("state_dict.")}
+    held = {key[len("state_dict.") :] for key in stored if key.startswith("state_dict.")}
     ours = model.state_dict()
     absent = [name for name in ours if name not in held]
     if strict and absent:
@@ -117,7 +116,8 @@ def model_problems(path: Path, model: nn.Module, strict: bool) -> Optional[str]:
     ]
     if mismatched:
         return (
-            f"it holds a model of another shape ({len(mismatched)} tensors differ, e.g. " + "; ".join(mismatched[:3])
+            f"it holds a model of another shape ({len(mismatched)} tensors differ, e.g. "
+            + "; ".join(mismatched[:3])
             + "); resume with the model configuration it was saved with"
         )
     return None
@@ -154,7 +154,11 @@ def refuse_overwriting_other_files(path: Path) -> None:
     """Saving over an existing checkpoint directory replaces it whole: refuse if it holds anything else."""
     if not path.is_dir():
         return
-    others = sorted(str(f.relative_to(path)) for f in path.rglob("*") if f.is_file() and not _is_checkpoint_file(f.relative_to(path)))
+    others = sorted(
+        str(f.relative_to(path))
+        for f in path.rglob("*")
+        if f.is_file() and not _is_checkpoint_file(f.relative_to(path))
+    )
     if others:
         listed = ", ".join(others[:5]) + (f" and {len(others) - 5} more" if len(others) > 5 else "")
         raise FileExistsError(
@@ -231,7 +235,8 @@ def dcp_writable(state: Any) -> Any:
     refuses ("overlapping chunks") a rank that holds two (each half's slice of an expert's packed [gate; up])."""
     if isinstance(state, DTensor):
         plain = tuple(
-            Shard(p.dim) if _is_split_by_halves(state, i, p) else p for i, p in enumerate(state.placements)  # type: ignore[attr-defined]
+            Shard(p.dim) if _is_split_by_halves(state, i, p) else p
+            for i, p in enumerate(state.placements)  # type: ignore[attr-defined]
         )
         return state if plain == tuple(state.placements) else _with_placements(state, plain)
     if isinstance(state, dict):

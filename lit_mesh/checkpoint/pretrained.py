@@ -218,7 +218,9 @@ def fill_parameters(module: nn.Module, sources: Mapping[str, TensorSource]) -> i
             local = param.to_local() if isinstance(param, DTensor) else param
             block = _read_local(sources[name], files, param)
             if tuple(block.shape) != tuple(local.shape):
-                raise PretrainedError(f"{name}: read a block of {tuple(block.shape)} for a local part of {tuple(local.shape)}")
+                raise PretrainedError(
+                    f"{name}: read a block of {tuple(block.shape)} for a local part of {tuple(local.shape)}"
+                )
             local.copy_(block)
             read += block.numel() * block.element_size()
             del block

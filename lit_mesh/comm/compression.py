@@ -33,7 +33,6 @@ from lit_mesh.comm.options import CompressionOptions
 from lit_mesh.comm.powersgd import PowerSGD, Segment, segments_of_shapes
 from lit_mesh.comm.schedule import CompressionSchedule
 
-
 INTRA_SUFFIX = ":intra"
 
 
@@ -86,7 +85,9 @@ class CompressionSite:
                 result, sent = self.powersgd.reduce(x, n, group, dim, segments, dist.get_rank(group), meter)
             else:
                 scales = self._scales(n, group, dim)
-                result, sent = self.codec_reduction.reduce_scatter(x, n, group, self.run.codec(mode), scales, meter, dim)
+                result, sent = self.codec_reduction.reduce_scatter(
+                    x, n, group, self.run.codec(mode), scales, meter, dim
+                )
             self._keep(x, sent)
         output.copy_(result / n if average else result)
         if final:
@@ -114,7 +115,9 @@ class CompressionSite:
             self._keep(x, sent)
         else:
             scales = self._scales(n, group, dim)
-            result, sent = self.codec_reduction.all_reduce(x, n, group, self.run.codec(mode), scales, meter, dim, average)
+            result, sent = self.codec_reduction.all_reduce(
+                x, n, group, self.run.codec(mode), scales, meter, dim, average
+            )
             self._keep(x, sent)
             average = False  # the codec all-reduce averages before re-encoding
         if average:
@@ -233,7 +236,8 @@ class CompressionRun:
             "generator": self._generator.get_state(),
             "compressors": {
                 name: {
-                    "residual": s.residual, "server_residual": s.codec_reduction.server_residual,
+                    "residual": s.residual,
+                    "server_residual": s.codec_reduction.server_residual,
                     "qs": dict(s.powersgd.qs),
                     "entry_scales": None if s.entry_scales is None else s.entry_scales.state_dict(),
                 }

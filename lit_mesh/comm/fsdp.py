@@ -56,7 +56,12 @@ class CompressedReduceScatter(ReduceScatter):
             raise RuntimeError(f"compressed reduce-scatter supports SUM and AVG, FSDP asked for {op}")
         segments = unit_segments(self.module) if self.site.run.mode == "powersgd" else None
         self.site.reduce_scatter(
-            output_tensor, input_tensor, group, average=op == dist.ReduceOp.AVG, dim=self.dim, segments=segments,
+            output_tensor,
+            input_tensor,
+            group,
+            average=op == dist.ReduceOp.AVG,
+            dim=self.dim,
+            segments=segments,
             final=self.final,
         )
 
@@ -83,7 +88,11 @@ def fsdp_units(root: nn.Module, extra_roots: Sequence[tuple[str, nn.Module]] = (
     seen: set[int] = set()
     for prefix, top in [("", root), *extra_roots]:
         for name, module in top.named_modules():
-            if id(module) in seen or not isinstance(module, FSDPModule) or not module._get_fsdp_state()._fsdp_param_groups:
+            if (
+                id(module) in seen
+                or not isinstance(module, FSDPModule)
+                or not module._get_fsdp_state()._fsdp_param_groups
+            ):
                 continue
             seen.add(id(module))
             path = name or "<root>"

@@ -21,7 +21,8 @@ follows from the step.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Iterable, Optional, overload
+from collections.abc import Callable, Iterable
+from typing import Any, Optional, overload
 
 import torch
 
@@ -52,7 +53,9 @@ class OneBitAdam(torch.optim.Optimizer):
                 f"OneBitAdam freeze_step={freeze_step!r} must be an int >= 1 (steps that update the second moment;"
                 " give it grad_compression's warmup_steps)"
             )
-        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, freeze_step=freeze_step))
+        super().__init__(
+            params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, freeze_step=freeze_step)
+        )
 
     # torch.optim.Optimizer.step's overloads: the closure's loss back when one is given
     @overload
@@ -95,7 +98,8 @@ class OneBitAdam(torch.optim.Optimizer):
     def variance_frozen(self) -> bool:
         """Whether every parameter's second moment is frozen (the next step does not change it)."""
         return all(
-            int(self.state[p]["step"].item()) >= g["freeze_step"] for g in self.param_groups for p in g["params"]
+            int(self.state[p]["step"].item()) >= g["freeze_step"]
+            for g in self.param_groups
+            for p in g["params"]
             if p in self.state  # fmt: skip
         ) and bool(self.state)
-

@@ -42,7 +42,6 @@ def all_reduce_time(nbytes: float, k: int, link: Link) -> float:
     return 2 * all_gather_time(nbytes, k, link)
 
 
-
 @dataclass(frozen=True)
 class Topology:
     """Devices on nodes with an alpha-beta model of each link class.
@@ -92,7 +91,10 @@ class Topology:
     def startup_report(self, layout: MeshLayout, reductions: Sequence[str] = (), max_ranks: int = 16) -> str:
         """What rank 0 prints at start, once: the mesh, the topology, how gradients and metrics are all-reduced,
         and where the first `max_ranks` ranks sit."""
-        lines = [f"MeshStrategy: mesh {layout.describe()}", f"  topology: {self.nodes} node(s) x {self.devices_per_node} device(s)"]
+        lines = [
+            f"MeshStrategy: mesh {layout.describe()}",
+            f"  topology: {self.nodes} node(s) x {self.devices_per_node} device(s)",
+        ]
         lines += [f"  {line}" for line in reductions]
         return "\n".join([*lines, self.placement(layout, max_ranks)])
 
@@ -107,9 +109,13 @@ class Topology:
                 coords.append(rest % size)
                 rest //= size
             where = ", ".join(f"{axis}={c}" for axis, c in zip(MESH_AXES, reversed(coords)))
-            lines.append(f"    rank {rank:>4} -> node {self.node_of(rank)}, local rank {self.local_rank_of(rank)}: {where}")
+            lines.append(
+                f"    rank {rank:>4} -> node {self.node_of(rank)}, local rank {self.local_rank_of(rank)}: {where}"
+            )
         if layout.world_size > max_ranks:
-            lines.append(f"    ... ({layout.world_size - max_ranks} more ranks, node = rank // {self.devices_per_node})")
+            lines.append(
+                f"    ... ({layout.world_size - max_ranks} more ranks, node = rank // {self.devices_per_node})"
+            )
         return "\n".join(lines)
 
 

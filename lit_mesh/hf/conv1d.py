@@ -53,7 +53,10 @@ class Conv1DColwise(ParallelStyle):
 
         def inputs(_m: nn.Module, args: tuple, mesh: DeviceMesh) -> tuple:
             x = args[0]
-            return (x if isinstance(x, DTensor) else DTensor.from_local(x, mesh, [Replicate()], run_check=False), *args[1:])
+            return (
+                x if isinstance(x, DTensor) else DTensor.from_local(x, mesh, [Replicate()], run_check=False),
+                *args[1:],
+            )
 
         def outputs(_m: nn.Module, out: Any, _mesh: DeviceMesh) -> Any:
             # this rank's share of every part: exactly its heads of q, k and v (a local slice, no communication)

@@ -49,7 +49,8 @@ def plan_from_hf(model: nn.Module, tp_divides: dict[str, int], hf_plan: dict[str
     if not hf_plan or unknown:
         why = (
             f"transformers' tensor-parallel plan of {name} uses styles lit-mesh does not apply: {unknown}"
-            if unknown else f"{name}'s config has no base_model_tp_plan"
+            if unknown
+            else f"{name}'s config has no base_model_tp_plan"
         )
         return ParallelPlan(blocks=blocks, tp=TensorPlan(unavailable=no_plan_message(name, why)))
 
@@ -58,7 +59,7 @@ def plan_from_hf(model: nn.Module, tp_divides: dict[str, int], hf_plan: dict[str
     block: dict[str, TPStyle] = {}
     for key, style in hf_plan.items():
         if key.startswith(in_block):
-            block[key[len(in_block):]] = HF_STYLES[style]
+            block[key[len(in_block) :]] = HF_STYLES[style]
         else:
             root[key] = HF_STYLES[style]
 

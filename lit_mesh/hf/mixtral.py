@@ -17,7 +17,8 @@ It is applied on every layout, single device included, so all layouts compute al
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Protocol, cast
+from collections.abc import Callable
+from typing import Protocol, cast
 
 import torch
 import torch.nn.functional as F
@@ -120,7 +121,10 @@ def mixtral_plan(model: nn.Module) -> ParallelPlan:
         plan,
         tp=dataclasses.replace(plan.tp, block={**plan.tp.block, "mlp": "whole_sequence"}),
         moe=MoEPlan(
-            layer="mlp", ep_divides={"num_local_experts": config.num_local_experts}, adapter=dispatch_experts,
-            hidden_dims={"gate_up_proj": 1, "down_proj": 2}, packed=("gate_up_proj",),
+            layer="mlp",
+            ep_divides={"num_local_experts": config.num_local_experts},
+            adapter=dispatch_experts,
+            hidden_dims={"gate_up_proj": 1, "down_proj": 2},
+            packed=("gate_up_proj",),
         ),
     )

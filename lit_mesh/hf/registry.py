@@ -23,7 +23,7 @@ from lit_mesh.plan import ParallelPlan
 PlanBuilder = Callable[[nn.Module], ParallelPlan]
 
 _BY_CLASS: dict[str, PlanBuilder] = {}
-_BY_INSTANCE: "weakref.WeakKeyDictionary[nn.Module, PlanBuilder]" = weakref.WeakKeyDictionary()
+_BY_INSTANCE: weakref.WeakKeyDictionary[nn.Module, PlanBuilder] = weakref.WeakKeyDictionary()
 
 
 def architectures() -> dict[str, PlanBuilder]:

@@ -162,8 +162,10 @@ class MeshMonitor(Callback):
         self._timer = _WindowTimer(pl_module.device, self._clock)
         self._window_steps, self._window_tokens, self._window_open = 0, 0, False
         if log_every_n_steps(trainer) == 1:
-            rank_zero_warn("MeshMonitor with log_every_n_steps=1: every step is timed with its bytes counted (a"
-                           " dispatch mode in the timed step); log_every_n_steps >= 2 times the steps between")
+            rank_zero_warn(
+                "MeshMonitor with log_every_n_steps=1: every step is timed with its bytes counted (a"
+                " dispatch mode in the timed step); log_every_n_steps >= 2 times the steps between"
+            )
         self._dim_of_group = {}
         views = getattr(trainer.strategy, "mesh_views", None)
         if views is not None:
@@ -189,7 +191,9 @@ class MeshMonitor(Callback):
 
     # ---- per step ------------------------------------------------------------------------------------
 
-    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         self._measuring = False
         if not trainer._logger_connector.should_update_logs:  # a step of the timed window
             if not self._window_open:
@@ -226,7 +230,9 @@ class MeshMonitor(Callback):
             self._window_steps, self._window_tokens = 1, count(batch)[0]
         window_time = self._timer.elapsed()
         step_time = window_time / self._window_steps
-        metrics = self.step_metrics(trainer, pl_module, batch, step_time, sent, bubble, self._window_tokens / self._window_steps)
+        metrics = self.step_metrics(
+            trainer, pl_module, batch, step_time, sent, bubble, self._window_tokens / self._window_steps
+        )
         for name, value in metrics.items():
             pl_module.log(name, value, on_step=True, on_epoch=False, prog_bar=name == "tokens_per_s")
         self._window_steps = self._window_tokens = 0
@@ -245,7 +251,9 @@ class MeshMonitor(Callback):
             runner.recorder = None
         if recorder.step_time <= 0:  # the schedule did not run under it (e.g. a PipelineTimeline took its place)
             return None
-        formula = bubble_formula(runner.settings.schedule, runner.pp, runner.n_microbatches, runner.settings.local_stages())
+        formula = bubble_formula(
+            runner.settings.schedule, runner.pp, runner.n_microbatches, runner.settings.local_stages()
+        )
         return recorder.summary()["bubble_fraction"], formula
 
     def _stop_counting(self) -> dict[str, float]:

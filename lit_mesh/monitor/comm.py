@@ -40,7 +40,11 @@ def _group_size(name: str) -> int:
 
 # Bytes one rank sends, as a fraction of a tensor size, for ring algorithms over n ranks:
 # all-reduce 2(n-1)/n of the tensor, all-gather (n-1)/n of the output, reduce-scatter (n-1)/n of the input.
-_RING_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "gather": lambda n: (n - 1) / n, "scatter": lambda n: (n - 1) / n}
+_RING_FACTOR = {
+    "all_reduce": lambda n: 2 * (n - 1) / n,
+    "gather": lambda n: (n - 1) / n,
+    "scatter": lambda n: (n - 1) / n,
+}
 
 # op name -> (kind, index of the tensor whose size counts, index of the group argument)
 _C10D = {
@@ -54,7 +58,11 @@ _C10D = {
     "reduce_scatter_tensor_coalesced_": ("scatter", 1, 2),
     "alltoall_base_": ("all_to_all", 1, 2),
     "broadcast_": ("broadcast", 0, 1),
-    "reduce_": ("reduce", 0, 1),  # to one rank: a broadcast run backwards (SUMMA's backward, lit_mesh/parallel/summa.py)
+    "reduce_": (
+        "reduce",
+        0,
+        1,
+    ),  # to one rank: a broadcast run backwards (SUMMA's backward, lit_mesh/parallel/summa.py)
     "send": ("send", 0, 1),
 }
 _FUNCTIONAL = {

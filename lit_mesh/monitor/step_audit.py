@@ -17,8 +17,9 @@ from __future__ import annotations
 import json
 import traceback
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import lightning as L
 import torch
@@ -27,8 +28,8 @@ from lightning.pytorch.callbacks import Callback
 from torch.distributed.tensor._dispatch import OpDispatcher
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 
-from lit_mesh.training.log_steps import is_logging_step, log_every_n_steps
 from lit_mesh.monitor.comm import _group_name, _group_size
+from lit_mesh.training.log_steps import is_logging_step, log_every_n_steps
 
 HOST_READS = ("item", "tolist", "__bool__", "cpu")
 _TOKEN_COUNT_FILES = ("lit_mesh/parallel/expert.py", "zoo/moe.py")
@@ -46,7 +47,7 @@ class _CollectiveCounter(TorchDispatchMode):
         self.calls: Counter[str] = Counter()
         self._redistribute: Callable | None = None
 
-    def __enter__(self) -> "_CollectiveCounter":
+    def __enter__(self) -> _CollectiveCounter:
         self._redistribute = OpDispatcher.__dict__["redistribute_local_args"]  # a staticmethod
         original, counter = OpDispatcher.redistribute_local_args, self
 
@@ -97,7 +98,9 @@ class StepAudit(Callback):
         self._token_copies = 0
         self._optimizer_counters: set[int] = set()
 
-    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         if trainer.global_step != self.step or self._active is not None or self.counts is not None:
             return
         if is_logging_step(trainer):
@@ -131,7 +134,9 @@ class StepAudit(Callback):
 
         return counted
 
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         if self._active is None:
             return
         counter = self._stop()

@@ -96,7 +96,11 @@ def copy_to_tp(tokens: torch.Tensor, tp_mesh: DeviceMesh) -> torch.Tensor:
 
 def sum_over_tp(partial: torch.Tensor, tp_mesh: DeviceMesh) -> torch.Tensor:
     """All-reduce forward; backward hands the (replicated) gradient to every rank (Megatron's g)."""
-    return DTensor.from_local(partial, tp_mesh, [Partial()], run_check=False).redistribute(placements=[Replicate()]).to_local()
+    return (
+        DTensor.from_local(partial, tp_mesh, [Partial()], run_check=False)
+        .redistribute(placements=[Replicate()])
+        .to_local()
+    )
 
 
 class AllToAllDispatch:
@@ -111,7 +115,11 @@ class AllToAllDispatch:
     reduces_load_later = True
 
     def __init__(
-        self, n_experts: int, load_group: dist.ProcessGroup, ep_group: dist.ProcessGroup | None, tp_mesh: DeviceMesh | None = None
+        self,
+        n_experts: int,
+        load_group: dist.ProcessGroup,
+        ep_group: dist.ProcessGroup | None,
+        tp_mesh: DeviceMesh | None = None,
     ) -> None:
         self.n_experts = n_experts
         self.load_group = load_group
@@ -145,7 +153,8 @@ class AllToAllDispatch:
         # 2. tokens; they arrive grouped by (source rank, local expert): regroup by local expert
         received = all_to_all_single_autograd(tokens, recv_splits, send_splits, group=self.ep_group)
         source_expert = torch.arange(ep * local_experts, device=tokens.device).repeat_interleave(
-            recv_counts.flatten(), output_size=sum(recv_splits)  # the size known on the host: no device read
+            recv_counts.flatten(),
+            output_size=sum(recv_splits),  # the size known on the host: no device read
         )
         by_expert = torch.argsort(source_expert % local_experts * ep + source_expert // local_experts, stable=True)
         grouped = _ScaleGradient.apply(received[by_expert], float(ep))
@@ -189,7 +198,9 @@ def apply_expert_parallel(model: nn.Module, plan: ParallelPlan, mesh: MeshViews,
     ep_group = mesh.ep.get_group() if layout.ep > 1 else None
     load_group = mesh.dp_cp.get_group()
     tp_mesh = mesh[MeshAxis.TP] if expert_tensor_parallel(plan, layout) else None
-    weights_mesh = mesh.ep if tp_mesh is None else DeviceMesh._concatenate([mesh.ep, tp_mesh])  # (ep, tp), as FSDP2 does
+    weights_mesh = (
+        mesh.ep if tp_mesh is None else DeviceMesh._concatenate([mesh.ep, tp_mesh])
+    )  # (ep, tp), as FSDP2 does
     assert plan.moe is not None  # the layers are plan.moe's
     for layer in layers:
         n_experts = next(layer.experts.parameters()).shape[0]  # stacked weights: experts first
@@ -202,7 +213,9 @@ def apply_expert_parallel(model: nn.Module, plan: ParallelPlan, mesh: MeshViews,
         if layout.tp == 1 and layout.data_parallel == "none":
             continue  # pp alone: no other parameter becomes a DTensor, and AdamW's foreach cannot mix the two
         for name, param in list(layer.experts.named_parameters(recurse=False)):
-            placements = [Shard(0)] if tp_mesh is None else [Shard(0), expert_tp_placement(plan.moe, name, type(model).__name__)]
+            placements = (
+                [Shard(0)] if tp_mesh is None else [Shard(0), expert_tp_placement(plan.moe, name, type(model).__name__)]
+            )
             sharded = distribute_tensor(param.data, weights_mesh, placements, src_data_rank=None)
             layer.experts.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
 

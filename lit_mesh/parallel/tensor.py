@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections.abc import Collection
 from typing import Any, cast
 
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
@@ -20,10 +20,9 @@ from torch.distributed.tensor.parallel import (
 )
 
 from lit_mesh.errors import PlanError  # noqa: F401 - re-exported (lit_mesh.PlanError)
-from lit_mesh.parallel.hidden_states import HiddenStatesLayout
 from lit_mesh.init import retie, tied_parameters
+from lit_mesh.parallel.hidden_states import HiddenStatesLayout
 from lit_mesh.plan import ParallelPlan, PlanError
-
 
 
 def torch_style(style: str, sequence_parallel: bool, check: Any = None) -> ParallelStyle | None:
@@ -51,13 +50,15 @@ def torch_style(style: str, sequence_parallel: bool, check: Any = None) -> Paral
         return SequenceParallel()
     if style == "whole_sequence":
         return PrepareModuleInputOutput(
-            input_layouts=(sequence,), desired_input_layouts=(Replicate(),), use_local_input=True,
-            output_layouts=(Replicate(),), desired_output_layouts=(sequence,), use_local_output=True,
+            input_layouts=(sequence,),
+            desired_input_layouts=(Replicate(),),
+            use_local_input=True,
+            output_layouts=(Replicate(),),
+            desired_output_layouts=(sequence,),
+            use_local_output=True,
         )
     if style == "shard_output":
-        return PrepareModuleOutput(
-            output_layouts=Replicate(), desired_output_layouts=sequence, use_local_output=True
-        )
+        return PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=sequence, use_local_output=True)
     if style == "shard_input":
         return HiddenStatesLayout(Replicate(), sequence, check)
     if style == "gather_input":
@@ -114,7 +115,11 @@ def replicate_remaining(model: nn.Module, tp_mesh: DeviceMesh, skip: Collection[
 
 
 def apply_tensor_parallel(
-    model: nn.Module, plan: ParallelPlan, tp_mesh: DeviceMesh, sequence_parallel: bool, skip: Collection[nn.Module] = (),
+    model: nn.Module,
+    plan: ParallelPlan,
+    tp_mesh: DeviceMesh,
+    sequence_parallel: bool,
+    skip: Collection[nn.Module] = (),
     vocab_sharded_output: bool = True,
 ) -> None:
     """Shard `model` over `tp_mesh` as its plan says (modules inside blocks, then the rest).
@@ -155,7 +160,6 @@ def apply_tensor_parallel(
             parallelize_module(owner, tp_mesh, {name: torch_plan})
     replicate_remaining(model, tp_mesh, skip)
     retie(tied, type(model).__name__)
-
 
 
 def _has_submodule(module: nn.Module, name: str) -> bool:

@@ -1,9 +1,9 @@
 """`lit-mesh plan`: the best meshes for a zoo GPT on a cluster, why, and a `lit-mesh fit` config for the best.
 
-    lit-mesh plan --preset llama3-70b --devices 256 --out plan.yaml
-    lit-mesh plan --preset llama3-8b --devices 64 --simulate --plot plots/
-    lit-mesh plan --preset llama3-8b --devices 8 --out plan.yaml --rehearsal rehearsal.yaml  # then on CPU:
-    lit-mesh fit -c rehearsal.yaml
+lit-mesh plan --preset llama3-70b --devices 256 --out plan.yaml
+lit-mesh plan --preset llama3-8b --devices 64 --simulate --plot plots/
+lit-mesh plan --preset llama3-8b --devices 8 --out plan.yaml --rehearsal rehearsal.yaml  # then on CPU:
+lit-mesh fit -c rehearsal.yaml
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import math
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, Any
 
 from lit_mesh.planner.options import AC_MODES, DIMS, PRECISION_BYTES
 
@@ -48,7 +48,12 @@ def _number(kind: type, low: float, low_open: bool, high: float | None = None) -
             value = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{text!r} is not {want}") from None
-        if not math.isfinite(value) or value < low or (low_open and value == low) or (high is not None and value > high):
+        if (
+            not math.isfinite(value)
+            or value < low
+            or (low_open and value == low)
+            or (high is not None and value > high)
+        ):
             raise argparse.ArgumentTypeError(f"{text} is not {want}")
         return value
 
@@ -65,23 +70,38 @@ FRACTION = _number(float, 0, True, 1.0)
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="gpt", choices=("gpt", "moe"), help="zoo model family: GPT or MoE (zoo/moe.py)")
-    p.add_argument("--preset", default="llama3-8b",
-                   help="zoo preset: GPT tiny, small, llama3-8b/70b/405b, ... (zoo/gpt.py); MoE see zoo/moe.py")
+    p.add_argument(
+        "--preset",
+        default="llama3-8b",
+        help="zoo preset: GPT tiny, small, llama3-8b/70b/405b, ... (zoo/gpt.py); MoE see zoo/moe.py",
+    )
     p.add_argument("--config-overrides", default="", help="config fields over the preset, YAML/JSON: '{n_layers: 40}'")
     p.add_argument("--devices", type=COUNT, default=None, help="total devices (default: nodes x devices per node)")
     p.add_argument("--nodes", type=COUNT, default=None, help="nodes (default: devices / devices per node)")
-    p.add_argument("--devices-per-node", type=COUNT, default=None,
-                   help=f"devices of one node (default: --devices / --nodes when both are given, else"
-                        f" {DEFAULT_DEVICES_PER_NODE})")
+    p.add_argument(
+        "--devices-per-node",
+        type=COUNT,
+        default=None,
+        help=f"devices of one node (default: --devices / --nodes when both are given, else {DEFAULT_DEVICES_PER_NODE})",
+    )
     p.add_argument("--memory-gb", type=POSITIVE, default=80.0, help="memory per device, GB (1e9 bytes)")
-    p.add_argument("--reserve-gib", type=NON_NEGATIVE, default=4.0,
-                   help="per-device memory kept free (context, fragmentation)")
+    p.add_argument(
+        "--reserve-gib", type=NON_NEGATIVE, default=4.0, help="per-device memory kept free (context, fragmentation)"
+    )
     p.add_argument("--peak-tflops", type=POSITIVE, default=989.0, help="dense bf16 peak per device, TFLOP/s")
-    p.add_argument("--memory-tbps", type=POSITIVE, default=3.35,
-                   help="HBM bandwidth per device, TB/s (the memory-bound ops and the optimizer step)")
-    p.add_argument("--efficiency", type=FRACTION, default=None,
-                   help="the fraction of peak the largest matmuls reach (default: the calibrated one, see"
-                        " lit_mesh/planner/calibration.yaml); smaller per-rank matmuls reach less")
+    p.add_argument(
+        "--memory-tbps",
+        type=POSITIVE,
+        default=3.35,
+        help="HBM bandwidth per device, TB/s (the memory-bound ops and the optimizer step)",
+    )
+    p.add_argument(
+        "--efficiency",
+        type=FRACTION,
+        default=None,
+        help="the fraction of peak the largest matmuls reach (default: the calibrated one, see"
+        " lit_mesh/planner/calibration.yaml); smaller per-rank matmuls reach less",
+    )
     p.add_argument("--intra-node-gbps", type=POSITIVE, default=450.0, help="per device, GB/s (NVLink)")
     p.add_argument("--inter-node-gbps", type=POSITIVE, default=50.0, help="per device, GB/s (network)")
     p.add_argument("--intra-node-latency-us", type=NON_NEGATIVE, default=5.0)
@@ -92,16 +112,28 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--ac", nargs="+", default=list(AC_MODES), choices=AC_MODES, help="activation checkpointing modes")
     for dim in (*DIMS, "ep"):
         p.add_argument(f"--{dim.replace('_', '-')}", type=COUNT, default=None, help=f"fix {dim} to this degree")
-    p.add_argument("--zero-stage", type=int, nargs="+", default=[3], choices=(1, 2, 3),
-                   help="ZeRO stages to search (MeshStrategy zero_stage): 3 FSDP; 2, 1 gather less and hold more")
+    p.add_argument(
+        "--zero-stage",
+        type=int,
+        nargs="+",
+        default=[3],
+        choices=(1, 2, 3),
+        help="ZeRO stages to search (MeshStrategy zero_stage): 3 FSDP; 2, 1 gather less and hold more",
+    )
     p.add_argument("--top", type=COUNT, default=3, help="how many layouts to print")
     p.add_argument("--out", default="", help="write the best layout as a `lit-mesh fit` config (YAML) here")
     p.add_argument("--max-steps", type=COUNT, default=1000, help="trainer.max_steps of the written config")
-    p.add_argument("--rehearsal", default="",
-                   help="also write the best layout scaled down to a CPU smoke run here (every degree > 1 becomes 2,"
-                        " the tiny preset of the family, 32-true, a few steps): `lit-mesh fit -c` it before the big run")
-    p.add_argument("--simulate", action="store_true",
-                   help="build the best layout on meta tensors over fake ranks and compare the true bytes")
+    p.add_argument(
+        "--rehearsal",
+        default="",
+        help="also write the best layout scaled down to a CPU smoke run here (every degree > 1 becomes 2,"
+        " the tiny preset of the family, 32-true, a few steps): `lit-mesh fit -c` it before the big run",
+    )
+    p.add_argument(
+        "--simulate",
+        action="store_true",
+        help="build the best layout on meta tensors over fake ranks and compare the true bytes",
+    )
     p.add_argument("--plot", default="", help="directory for mesh.png and memory.png (and a TensorBoard log of both)")
     p.add_argument("--json", action="store_true", help="end with one JSON line (the ranked layouts)")
     return p.parse_args(argv)
@@ -114,21 +146,27 @@ def nodes_and_devices_per_node(devices: int | None, nodes: int | None, per_node:
     if devices is not None and nodes is not None:
         if per_node is None:
             if devices % nodes:
-                raise BadArgument(f"--devices {devices} do not spread evenly over --nodes {nodes}: give a multiple of"
-                                  f" {nodes} devices (or drop --nodes)")
+                raise BadArgument(
+                    f"--devices {devices} do not spread evenly over --nodes {nodes}: give a multiple of"
+                    f" {nodes} devices (or drop --nodes)"
+                )
             return nodes, devices // nodes
         if devices != nodes * per_node:
-            raise BadArgument(f"--devices {devices} disagrees with --nodes {nodes} x --devices-per-node {per_node} ="
-                              f" {nodes * per_node}: give two of the three, or make them agree")
+            raise BadArgument(
+                f"--devices {devices} disagrees with --nodes {nodes} x --devices-per-node {per_node} ="
+                f" {nodes * per_node}: give two of the three, or make them agree"
+            )
         return nodes, per_node
     per_node = per_node or DEFAULT_DEVICES_PER_NODE
     if nodes is not None:
         return nodes, per_node
     assert devices is not None
     if devices % per_node:
-        one_node = f"--devices-per-node {devices} for one node" if devices < per_node else f"--nodes N"
-        raise BadArgument(f"--devices {devices} is not --nodes x --devices-per-node ({per_node}): give a multiple of"
-                          f" {per_node}, or set {one_node}")
+        one_node = f"--devices-per-node {devices} for one node" if devices < per_node else "--nodes N"
+        raise BadArgument(
+            f"--devices {devices} is not --nodes x --devices-per-node ({per_node}): give a multiple of"
+            f" {per_node}, or set {one_node}"
+        )
     return devices // per_node, per_node
 
 
@@ -137,15 +175,23 @@ def hardware_of(args: argparse.Namespace) -> Hardware:
 
     nodes, per_node = nodes_and_devices_per_node(args.devices, args.nodes, args.devices_per_node)
     if args.memory_gb * GB <= args.reserve_gib * GIB:
-        raise BadArgument(f"--memory-gb {args.memory_gb:g} leaves nothing after the reserve of --reserve-gib"
-                          f" {args.reserve_gib:g}; give more memory or a smaller reserve")
+        raise BadArgument(
+            f"--memory-gb {args.memory_gb:g} leaves nothing after the reserve of --reserve-gib"
+            f" {args.reserve_gib:g}; give more memory or a smaller reserve"
+        )
     extra = {} if args.efficiency is None else {"compute_efficiency": args.efficiency}
     return Hardware(
-        nodes=nodes, devices_per_node=per_node, memory_bytes=args.memory_gb * GB, peak_flops=args.peak_tflops * 1e12,
+        nodes=nodes,
+        devices_per_node=per_node,
+        memory_bytes=args.memory_gb * GB,
+        peak_flops=args.peak_tflops * 1e12,
         memory_bandwidth=args.memory_tbps * 1e12,
-        intra_node_bandwidth=args.intra_node_gbps * GB, inter_node_bandwidth=args.inter_node_gbps * GB,
-        intra_node_latency=args.intra_node_latency_us * 1e-6, inter_node_latency=args.inter_node_latency_us * 1e-6,
-        reserve_bytes=args.reserve_gib * GIB, **extra,
+        intra_node_bandwidth=args.intra_node_gbps * GB,
+        inter_node_bandwidth=args.inter_node_gbps * GB,
+        intra_node_latency=args.intra_node_latency_us * 1e-6,
+        inter_node_latency=args.inter_node_latency_us * 1e-6,
+        reserve_bytes=args.reserve_gib * GIB,
+        **extra,
     )
 
 
@@ -164,22 +210,26 @@ def model_config(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
     config_class = config_class_of(args.model)
     fields = [f.name for f in dataclasses.fields(config_class)]
     if not isinstance(overrides or {}, dict) or set(overrides or {}) - set(fields):
-        raise BadArgument(f"--config-overrides {args.config_overrides!r} must map {config_class.__name__}"
-                          f" fields ({', '.join(fields)}) to values, e.g. '{{n_layers: 40}}'")
+        raise BadArgument(
+            f"--config-overrides {args.config_overrides!r} must map {config_class.__name__}"
+            f" fields ({', '.join(fields)}) to values, e.g. '{{n_layers: 40}}'"
+        )
     try:
         config = config_class.from_preset(args.preset, **(overrides or {}))
     except (ValueError, TypeError) as e:
         raise BadArgument(f"--model {args.model}: {e}") from None
     if args.seq_len > config.max_seq_len:
-        raise BadArgument(f"--seq-len {args.seq_len} exceeds the model's max_seq_len={config.max_seq_len} ({args.preset}"
-                          f"{' with the overrides' if overrides else ''}): give --seq-len <= {config.max_seq_len}, or"
-                          f" raise it with --config-overrides '{{max_seq_len: {args.seq_len}}}'")
+        raise BadArgument(
+            f"--seq-len {args.seq_len} exceeds the model's max_seq_len={config.max_seq_len} ({args.preset}"
+            f"{' with the overrides' if overrides else ''}): give --seq-len <= {config.max_seq_len}, or"
+            f" raise it with --config-overrides '{{max_seq_len: {args.seq_len}}}'"
+        )
     return config, overrides or {}
 
 
 def simulate_best(c: Candidate, config: Any, shapes: Any) -> list[dict[str, Any]]:
     """Estimate vs the real sharding on fake ranks, for the first rank of every stage that can be the worst."""
-    from lit_mesh.planner.memory import first_rank_of_stage, state_bytes, stages_to_check
+    from lit_mesh.planner.memory import first_rank_of_stage, stages_to_check, state_bytes
     from lit_mesh.planner.simulate import simulate_rank
 
     rows = []
@@ -193,21 +243,32 @@ def simulate_best(c: Candidate, config: Any, shapes: Any) -> list[dict[str, Any]
 
 
 def summary(c: Candidate) -> dict[str, Any]:
-    return {"layout": {d: getattr(c.layout, d) for d in (*DIMS, "ep")}, "precision": c.precision, "ac": c.ac,
-            "zero_stage": c.zero_stage,
-            "micro_batch": c.work.micro_batch, "microbatches": c.work.microbatches(c.layout),
-            "pp_schedule": c.schedule.name, "pp_stages_per_rank": c.schedule.stages_per_rank,
-            "memory": c.memory, "step_s": c.time.total, "tokens_per_s": c.tokens_per_s, "mfu": c.mfu,
-            "reasons": c.reasons}
+    return {
+        "layout": {d: getattr(c.layout, d) for d in (*DIMS, "ep")},
+        "precision": c.precision,
+        "ac": c.ac,
+        "zero_stage": c.zero_stage,
+        "micro_batch": c.work.micro_batch,
+        "microbatches": c.work.microbatches(c.layout),
+        "pp_schedule": c.schedule.name,
+        "pp_stages_per_rank": c.schedule.stages_per_rank,
+        "memory": c.memory,
+        "step_s": c.time.total,
+        "tokens_per_s": c.tokens_per_s,
+        "mfu": c.mfu,
+        "reasons": c.reasons,
+    }
 
 
 def report(result: PlanResult, args: argparse.Namespace, hw: Hardware, params: int) -> None:
     from lit_mesh.planner.hardware import GIB
 
     size = f"{params / 1e9:.2f} B" if params >= 1e9 else f"{params / 1e6:.2f} M"
-    print(f"lit-mesh plan: {args.preset} ({size} parameters) on {hw.world_size} devices"
-          f" ({hw.nodes} nodes x {hw.devices_per_node}), {args.memory_gb:g} GB each; global batch"
-          f" {args.global_batch} x {args.seq_len} tokens")
+    print(
+        f"lit-mesh plan: {args.preset} ({size} parameters) on {hw.world_size} devices"
+        f" ({hw.nodes} nodes x {hw.devices_per_node}), {args.memory_gb:g} GB each; global batch"
+        f" {args.global_batch} x {args.seq_len} tokens"
+    )
     print(f"considered {result.considered} (mesh, precision, AC) options; {len(result.ranked)} run and fit")
     for reason, count in result.rejected.most_common():
         print(f"  rejected {count}: {reason}")
@@ -220,8 +281,10 @@ def report(result: PlanResult, args: argparse.Namespace, hw: Hardware, params: i
         need = hw.world_size * state_total / hw.usable_bytes
         print(f"nothing fits. The least memory: {s.name()} at {s.memory['total'] / GIB:.1f} GiB per device:")
         print("  " + s.reasons[0])
-        print(f"  parameters + gradients + AdamW alone need about {need:.0f} devices of this size: use more devices,"
-              " bf16-true (--precision bf16-true), or devices with more memory")
+        print(
+            f"  parameters + gradients + AdamW alone need about {need:.0f} devices of this size: use more devices,"
+            " bf16-true (--precision bf16-true), or devices with more memory"
+        )
         return
     for i, c in enumerate(result.ranked[: args.top], start=1):
         print(f"\n#{i} {c.name()}")
@@ -248,14 +311,28 @@ def main(argv: list[str]) -> int:
         raise BadArgument(f"--ep {args.ep} needs an MoE model (--model moe); a dense model runs ep=1")
     if hw.world_size % math.prod(fixed.values()):
         given = ", ".join(f"--{d.replace('_', '-')} {v}" for d, v in fixed.items())
-        raise BadArgument(f"{given}: the fixed degrees must be >= 1 and their product must divide the"
-                          f" {hw.world_size} devices; choose degrees among the divisors of {hw.world_size}")
+        raise BadArgument(
+            f"{given}: the fixed degrees must be >= 1 and their product must divide the"
+            f" {hw.world_size} devices; choose degrees among the divisors of {hw.world_size}"
+        )
     work = Workload(args.global_batch, args.seq_len)
-    result = plan(shapes, work, hw, args.precision, args.ac, {**fixed, **({"ep": args.ep} if args.ep else {})},
-                  zero_stages=sorted(set(args.zero_stage), reverse=True))
+    result = plan(
+        shapes,
+        work,
+        hw,
+        args.precision,
+        args.ac,
+        {**fixed, **({"ep": args.ep} if args.ep else {})},
+        zero_stages=sorted(set(args.zero_stage), reverse=True),
+    )
     report(result, args, hw, shapes.numel())
-    out: dict[str, Any] = {"preset": args.preset, "devices": hw.world_size, "ranked": [summary(c) for c in result.ranked[: args.top]],
-                           "rejected": dict(result.rejected), "considered": result.considered}
+    out: dict[str, Any] = {
+        "preset": args.preset,
+        "devices": hw.world_size,
+        "ranked": [summary(c) for c in result.ranked[: args.top]],
+        "rejected": dict(result.rejected),
+        "considered": result.considered,
+    }
     status = 0 if result.ranked else 1
     if result.ranked:
         best = result.ranked[0]
@@ -273,9 +350,11 @@ def main(argv: list[str]) -> int:
             print(f"\nsimulated on {hw.world_size} fake ranks (meta tensors, lit_mesh's parallelize):")
             for r in rows:
                 est, s = r["estimate"], r["simulated"]
-                print(f"  rank {r['rank']} (stage {r['stage']}): params {s['params']:,} B, grads {s['grads']:,} B,"
-                      f" AdamW {s['optimizer']:,} B in {s['seconds']:.1f} s; estimate"
-                      f" {'equal' if r['equal'] else 'DIFFERS: ' + str(est)}")
+                print(
+                    f"  rank {r['rank']} (stage {r['stage']}): params {s['params']:,} B, grads {s['grads']:,} B,"
+                    f" AdamW {s['optimizer']:,} B in {s['seconds']:.1f} s; estimate"
+                    f" {'equal' if r['equal'] else 'DIFFERS: ' + str(est)}"
+                )
             out["simulation"] = rows
             status = 0 if all(r["equal"] for r in rows) else 1
         if args.plot:
@@ -283,27 +362,37 @@ def main(argv: list[str]) -> int:
 
             folder = Path(args.plot)
             folder.mkdir(parents=True, exist_ok=True)
-            pictures = [plot_mesh(best.layout, hw, folder / "mesh.png"),
-                        plot_memory(result.ranked[: args.top], hw, folder / "memory.png")]
+            pictures = [
+                plot_mesh(best.layout, hw, folder / "mesh.png"),
+                plot_memory(result.ranked[: args.top], hw, folder / "memory.png"),
+            ]
             from lit_mesh.monitor.figures import write_tensorboard_images
 
             write_tensorboard_images(folder, {"plan/mesh": pictures[0], "plan/memory": pictures[1]})
-            print("\npictures: " + ", ".join(str(p) for p in pictures) + f" (also in TensorBoard: tensorboard --logdir {folder})")
+            print(
+                "\npictures: "
+                + ", ".join(str(p) for p in pictures)
+                + f" (also in TensorBoard: tensorboard --logdir {folder})"
+            )
             out["plots"] = [str(p) for p in pictures]
     else:
         if args.out:
             print(f"\nnothing fits: {args.out} not written")
         if args.rehearsal:
-            raise SystemExit(f"lit-mesh plan --rehearsal {args.rehearsal}: no layout fits, so there is no plan to"
-                             " rehearse (not written); see the reasons above: use more devices, bf16-true or more"
-                             " memory per device")
+            raise SystemExit(
+                f"lit-mesh plan --rehearsal {args.rehearsal}: no layout fits, so there is no plan to"
+                " rehearse (not written); see the reasons above: use more devices, bf16-true or more"
+                " memory per device"
+            )
     out["seconds"] = round(time.perf_counter() - start, 3)
     if args.json:
         print(json.dumps(out))
     return status
 
 
-def _write(args: argparse.Namespace, best: Candidate, overrides: dict[str, Any], hw: Hardware, header: list[str]) -> Path:
+def _write(
+    args: argparse.Namespace, best: Candidate, overrides: dict[str, Any], hw: Hardware, header: list[str]
+) -> Path:
     from lit_mesh.planner.config_yaml import write_fit_config
 
     try:
@@ -320,9 +409,12 @@ def _write_rehearsal(args: argparse.Namespace, best: Candidate, hw: Hardware, ar
     except ValueError as e:
         raise SystemExit(f"lit-mesh plan --rehearsal {args.rehearsal}: {e}") from None
     degrees = {d: v for d, v in config["trainer"]["strategy"]["init_args"].items() if d in (*DIMS, "ep") and v > 1}
-    header = [f"lit-mesh plan {' '.join(argv)}", f"rehearsal of {best.name()} on {hw.world_size} devices:",
-              f"  the same mesh scaled down ({', '.join(f'{d}={v}' for d, v in degrees.items()) or 'one device'}),"
-              f" tiny {args.model}, 32-true, {config['trainer']['devices']} CPU processes"]
+    header = [
+        f"lit-mesh plan {' '.join(argv)}",
+        f"rehearsal of {best.name()} on {hw.world_size} devices:",
+        f"  the same mesh scaled down ({', '.join(f'{d}={v}' for d, v in degrees.items()) or 'one device'}),"
+        f" tiny {args.model}, 32-true, {config['trainer']['devices']} CPU processes",
+    ]
     return write_yaml(args.rehearsal, config, header)
 
 

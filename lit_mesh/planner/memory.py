@@ -26,7 +26,6 @@ from lit_mesh.planner.schedules import ONE_F_ONE_B, Schedule, in_flight, rank_st
 from lit_mesh.planner.shapes import ModelShapes, ParamShape
 
 
-
 def chunk(n: int, parts: int, index: int) -> int:
     """Length of torch.chunk(range(n), parts)[index] (0 when torch makes fewer pieces)."""
     size = -(-n // parts)
@@ -116,8 +115,9 @@ def state_numel(shapes: ModelShapes, layout: MeshLayout, rank: int = 0, *, sched
     return n
 
 
-def state_bytes(shapes: ModelShapes, layout: MeshLayout, precision: str, rank: int = 0, *,
-                schedule: Schedule = ONE_F_ONE_B) -> dict[str, int]:
+def state_bytes(
+    shapes: ModelShapes, layout: MeshLayout, precision: str, rank: int = 0, *, schedule: Schedule = ONE_F_ONE_B
+) -> dict[str, int]:
     """Bytes of parameters, gradients and AdamW exp_avg + exp_avg_sq on global rank `rank`."""
     n = state_numel(shapes, layout, rank, schedule=schedule)
     b = PRECISION_BYTES[precision]
@@ -168,7 +168,11 @@ def block_activation_elements_per_token(shapes: ModelShapes, tp: int, ac: str) -
     if shapes.is_moe:
         copies = c.top_k + c.n_shared_experts
         hidden = c.top_k * c.expert_hidden / (tp if shapes.expert_tp else 1) + c.n_shared_experts * c.expert_hidden
-        ffn, ffn_matmul_outputs, ffn_tp = c.n_experts + copies * 3 * h + 4 * hidden, c.n_experts + copies * 2 * h + 2 * hidden, 1
+        ffn, ffn_matmul_outputs, ffn_tp = (
+            c.n_experts + copies * 3 * h + 4 * hidden,
+            c.n_experts + copies * 2 * h + 2 * hidden,
+            1,
+        )
     else:
         f = c.ffn_hidden
         ffn, ffn_matmul_outputs, ffn_tp = 4 * f, 2 * f, tp  # w1, w3, silu and product outputs
@@ -179,8 +183,16 @@ def block_activation_elements_per_token(shapes: ModelShapes, tp: int, ac: str) -
     return h / tp  # full: only each block's input
 
 
-def activation_bytes(shapes: ModelShapes, layout: MeshLayout, work: Workload, precision: str, ac: str, stage: int, *,
-                     schedule: Schedule = ONE_F_ONE_B) -> int:
+def activation_bytes(
+    shapes: ModelShapes,
+    layout: MeshLayout,
+    work: Workload,
+    precision: str,
+    ac: str,
+    stage: int,
+    *,
+    schedule: Schedule = ONE_F_ONE_B,
+) -> int:
     """Activations pp rank `stage` holds at its peak: the schedule's stage forwards in flight (1F1B: up to
     pp - stage micro-batches; lit_mesh.planner.schedules.in_flight), each through the rank's largest stage, each
     micro-batch of T/cp tokens per rank (cp shards every micro-batch's sequence, with pp too)."""
@@ -202,8 +214,9 @@ def activation_bytes(shapes: ModelShapes, layout: MeshLayout, work: Workload, pr
     return int(tokens * per_token + extra)
 
 
-def buffer_bytes(shapes: ModelShapes, layout: MeshLayout, precision: str, stage: int, *,
-                 schedule: Schedule = ONE_F_ONE_B) -> int:
+def buffer_bytes(
+    shapes: ModelShapes, layout: MeshLayout, precision: str, stage: int, *, schedule: Schedule = ONE_F_ONE_B
+) -> int:
     """FSDP2's transient unsharded copies in the compute dtype: without pp two blocks' parameters (computing +
     prefetched); under pp every block of the rank's stages (lit_mesh.parallel.data keeps them gathered from the
     first forward to the schedule's last backward); the stage roots' (embedding / head, kept from forward to
@@ -226,8 +239,10 @@ def zero_stage_bytes(shapes: ModelShapes, layout: MeshLayout, work: Workload, pr
     gathered = sum(unsharded_numel(p, layout) for p in (*shapes.first, *shapes.last))
     block = sum(unsharded_numel(p, layout) for p in shapes.block)
     gathered += shapes.n_blocks * block
-    return {"buffers": int(gathered * PRECISION_BYTES[precision]["gather"] + block * 4),
-            "accumulated_grads": gathered * PRECISION_BYTES[precision]["grad"]}
+    return {
+        "buffers": int(gathered * PRECISION_BYTES[precision]["gather"] + block * 4),
+        "accumulated_grads": gathered * PRECISION_BYTES[precision]["grad"],
+    }
 
 
 def stages_to_check(shapes: ModelShapes, pp: int, *, schedule: Schedule = ONE_F_ONE_B) -> list[int]:
@@ -244,7 +259,9 @@ def ranks_to_check(shapes: ModelShapes, pp: int, schedule: Schedule, microbatche
     worst: dict[tuple, int] = {}
     for rank, stages in enumerate(rank_stages(shapes.n_blocks, pp, schedule)):
         key = (stages.total_blocks, max(stages.blocks), stages.first, stages.last)
-        if key not in worst or in_flight(schedule, pp, microbatches, rank) > in_flight(schedule, pp, microbatches, worst[key]):
+        if key not in worst or in_flight(schedule, pp, microbatches, rank) > in_flight(
+            schedule, pp, microbatches, worst[key]
+        ):
             worst[key] = rank
     return sorted(worst.values())
 
@@ -252,7 +269,9 @@ def ranks_to_check(shapes: ModelShapes, pp: int, schedule: Schedule, microbatche
 _STATE_CACHE: dict[tuple, tuple[ModelShapes, dict[str, int]]] = {}
 
 
-def _cached_state(shapes: ModelShapes, layout: MeshLayout, precision: str, stage: int, schedule: Schedule) -> dict[str, int]:
+def _cached_state(
+    shapes: ModelShapes, layout: MeshLayout, precision: str, stage: int, schedule: Schedule
+) -> dict[str, int]:
     key = (id(shapes), layout, precision, stage, schedule)
     hit = _STATE_CACHE.get(key)
     if hit is None or hit[0] is not shapes:
@@ -263,8 +282,16 @@ def _cached_state(shapes: ModelShapes, layout: MeshLayout, precision: str, stage
     return hit[1]
 
 
-def rank_memory(shapes: ModelShapes, layout: MeshLayout, work: Workload, precision: str, ac: str,
-                zero_stage: int = 3, *, schedule: Schedule = ONE_F_ONE_B) -> dict[str, int]:
+def rank_memory(
+    shapes: ModelShapes,
+    layout: MeshLayout,
+    work: Workload,
+    precision: str,
+    ac: str,
+    zero_stage: int = 3,
+    *,
+    schedule: Schedule = ONE_F_ONE_B,
+) -> dict[str, int]:
     """The worst pp rank's bytes by component (the first rank of each pp slice holds the most); "stage" names it."""
     worst: dict[str, int] = {}
     for stage in ranks_to_check(shapes, layout.pp, schedule, work.microbatches(layout)):

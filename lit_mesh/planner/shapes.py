@@ -87,8 +87,10 @@ class _Planned(Protocol):
 def gpt_shapes(config: Any) -> ModelShapes:
     """The shapes of a GPTConfig's or an MoEConfig's model (every block alike: MoE needs moe_every = 1)."""
     if getattr(config, "moe_every", 1) != 1:
-        raise ValueError(f"moe_every={config.moe_every}: the planner models identical blocks; plan MoE models with"
-                         " moe_every=1 (every block MoE)")
+        raise ValueError(
+            f"moe_every={config.moe_every}: the planner models identical blocks; plan MoE models with"
+            " moe_every=1 (every block MoE)"
+        )
     with torch.device("meta"):
         model = build_model(dataclasses.replace(config, n_layers=1))
     plan = cast(_Planned, model).parallel_plan()

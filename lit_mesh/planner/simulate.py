@@ -31,8 +31,14 @@ def _local_bytes(t: torch.Tensor) -> int:
     return local.numel() * local.element_size()
 
 
-def simulate_rank(config: Any, layout: MeshLayout, rank: int = 0, precision: str = "bf16-mixed",
-                  optimizer: bool = True, schedule: Schedule = ONE_F_ONE_B) -> dict[str, Any]:
+def simulate_rank(
+    config: Any,
+    layout: MeshLayout,
+    rank: int = 0,
+    precision: str = "bf16-mixed",
+    optimizer: bool = True,
+    schedule: Schedule = ONE_F_ONE_B,
+) -> dict[str, Any]:
     """Bytes of parameters, gradients and AdamW state on global rank `rank` of `layout` (fake process group),
     with the pipeline stages of `schedule` (pp > 1)."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -77,6 +83,13 @@ def fake_rank_params(preset: str, n: int) -> dict[str, Any]:
         total = sum(p.numel() * p.element_size() for p in GPT(config).parameters())
     rank0 = simulate_rank(config, layout, 0, precision="32-true", optimizer=False)["params"]
     ideal = total / n
-    return {"preset": preset, "fsdp": n, "layout": layout.describe(), "single_device_param_bytes": total,
-            "rank0_param_bytes": rank0, "ideal_param_bytes": ideal, "ratio": round(rank0 / ideal, 4),
-            "note": "fake process group + meta tensors; grads and AdamW state share the parameters' sharding"}
+    return {
+        "preset": preset,
+        "fsdp": n,
+        "layout": layout.describe(),
+        "single_device_param_bytes": total,
+        "rank0_param_bytes": rank0,
+        "ideal_param_bytes": ideal,
+        "ratio": round(rank0 / ideal, 4),
+        "note": "fake process group + meta tensors; grads and AdamW state share the parameters' sharding",
+    }

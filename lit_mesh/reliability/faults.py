@@ -20,8 +20,8 @@ from typing import Any, Literal, cast
 
 import lightning as L
 import torch
-from torch.distributed.checkpoint import FileSystemWriter
 from lightning.pytorch.callbacks import Callback
+from torch.distributed.checkpoint import FileSystemWriter
 from typing_extensions import override
 
 from lit_mesh.reliability.elastic import restart_attempt
@@ -70,7 +70,9 @@ class FaultInjector(Callback):
         )
 
     @override
-    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         if not self._due(trainer):
             return
         if self.fault == "kill":
@@ -78,7 +80,11 @@ class FaultInjector(Callback):
         elif self.fault == "slow":
             time.sleep(self.seconds)
         elif self.fault == "hang":
-            print(f"[rank {trainer.global_rank}] FaultInjector: hanging before step {self.step}", file=sys.stderr, flush=True)
+            print(
+                f"[rank {trainer.global_rank}] FaultInjector: hanging before step {self.step}",
+                file=sys.stderr,
+                flush=True,
+            )
             while True:
                 time.sleep(60)
         elif self.fault == "sigterm":

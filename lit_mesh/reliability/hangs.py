@@ -98,7 +98,9 @@ def _is_timeout(error: BaseException) -> bool:
 class HangWatch:
     """One per rank, from the process group's start to teardown (see the module docstring)."""
 
-    def __init__(self, store: dist.Store, rank: int, world_size: int, timeout: timedelta, groups: dict[str, str]) -> None:
+    def __init__(
+        self, store: dist.Store, rank: int, world_size: int, timeout: timedelta, groups: dict[str, str]
+    ) -> None:
         self.store, self.rank, self.world_size, self.groups = store, rank, world_size, groups
         self.timeout = timeout.total_seconds()
         self.poll = min(5.0, max(0.5, self.timeout / 6))  # the report reaches every rank within a poll
@@ -156,10 +158,15 @@ class HangWatch:
         behind_by_group = {}  # group -> {rank: collectives it started on the group, None: no answer}
         for group, mine in self.started.items():
             counts = {r: self._started_by(r) for r in self._ranks(group) if r != self.rank}
-            behind = {r: c if c is None else c.get(group, 0) for r, c in counts.items() if c is None or c.get(group, 0) < mine}
+            behind = {
+                r: c if c is None else c.get(group, 0) for r, c in counts.items() if c is None or c.get(group, 0) < mine
+            }
             if behind:
                 behind_by_group[group] = behind
-        firsts = [self.entries.get((g, min((n for n in b.values() if n is not None), default=0) + 1)) for g, b in behind_by_group.items()]
+        firsts = [
+            self.entries.get((g, min((n for n in b.values() if n is not None), default=0) + 1))
+            for g, b in behind_by_group.items()
+        ]
         entry = min((e for e in firsts if e is not None), key=lambda e: e["time_created_ns"], default=None)
         if entry is None:
             return None
@@ -167,7 +174,9 @@ class HangWatch:
         behind, ranks = behind_by_group[group], self._ranks(group)
         op = str(entry["profiling_name"]).split(":")[-1]
         dim = self.groups.get(group, f"process group {group}")
-        late = ", ".join(f"{r} (" + ("no answer" if n is None else f"started {n} on it") + ")" for r, n in sorted(behind.items()))
+        late = ", ".join(
+            f"{r} (" + ("no answer" if n is None else f"started {n} on it") + ")" for r, n in sorted(behind.items())
+        )
         return (
             f"collective {op} (#{seq}) on mesh dim '{dim}' (ranks {ranks}) did not complete within the timeout of"
             f" {self.timeout:g} s: ranks that did not arrive: {late}; ranks {sorted(set(ranks) - set(behind))} waited"

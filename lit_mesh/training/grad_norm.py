@@ -14,7 +14,6 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-
 # DTensor logs a warning for every 2D norm it reduces in two steps; expected here, once per group
 _REDISTRIBUTE_LOG = logging.getLogger("torch.distributed.tensor._redistribute")
 

@@ -22,9 +22,9 @@ What a MoE layer provides (zoo/moe.py's MoE): after a forward `local_load` (toke
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any, Callable, cast
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist

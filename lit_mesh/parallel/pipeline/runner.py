@@ -268,7 +268,9 @@ class ScheduleRunner(PipelineRunner):
         self._loss_fn: Optional[LossFn] = None
         self._loss_scale = 1.0
         self._raw_losses: dict[int, Tensor] = {}  # id of the scaled loss the schedule keeps -> unscaled value
-        self.schedule = schedule_cls(owned, n_microbatches=self.n_microbatches, loss_fn=self._microbatch_loss, scale_grads=False)
+        self.schedule = schedule_cls(
+            owned, n_microbatches=self.n_microbatches, loss_fn=self._microbatch_loss, scale_grads=False
+        )
 
     def _microbatch_loss(self, output: Tensor, target: Tensor) -> Tensor:
         """The loss the schedule calls on the last stage, once per micro-batch."""

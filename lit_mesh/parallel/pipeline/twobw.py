@@ -173,7 +173,9 @@ class TwoBWRunner(PipelineRunner):
 
     # ---- one forward, one backward ----------------------------------------------------------------------------
 
-    def _forward(self, version: _Version, micro: Tensor, target: Tensor, loss_fn: Callable, raw: list, k: int) -> _InFlight:
+    def _forward(
+        self, version: _Version, micro: Tensor, target: Tensor, loss_fn: Callable, raw: list, k: int
+    ) -> _InFlight:
         # the timed blocks hold the computation only, as torch's stages do (waiting for a receive is bubble)
         x = micro if self._first else self._recv(cast(int, self._previous), micro.device).requires_grad_(True)
         with self._block("F", k):
