@@ -114,7 +114,6 @@ def run(argv: list[str], from_command_line: bool = False) -> Any:
 def lightning_cli(args: list[str] | None) -> Any:
     from lightning.pytorch import LightningDataModule, LightningModule
     from lightning.pytorch.cli import LightningCLI
-    from typing_extensions import override
 
     import lit_mesh  # noqa: F401  (registers the "mesh" strategy)
     from lit_mesh.checkpoint.resume import resolve_ckpt_path
@@ -123,8 +122,7 @@ def lightning_cli(args: list[str] | None) -> Any:
     import_cli_modules()  # the model families' modules (the zoo's), so that short class paths (--model=GPTModule) resolve
 
     class MeshCLI(LightningCLI):
-        @override
-        def before_fit(self) -> None:
+        def before_fit(self) -> None:  # LightningCLI calls before_<subcommand> when a subclass defines it
             # after a restart (torchrun --max-restarts, SLURM requeue): the newest complete checkpoint
             config = self.config_init[self.subcommand]
             config["ckpt_path"] = resolve_ckpt_path(self.trainer, config.get("ckpt_path"))

@@ -16,7 +16,7 @@ import fnmatch
 import zlib
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 from torch import nn
@@ -178,7 +178,7 @@ def _reset_whole(module: nn.Module, reset: Any) -> None:
     try:
         reset()
     finally:
-        drawn = {name: module._parameters[name] for name in sharded}
+        drawn = {name: cast(nn.Parameter, module._parameters[name]) for name in sharded}  # reset() keeps parameters
         module._parameters.update(sharded)  # the FSDP/TP-managed parameters go back in place
     for name, p in sharded.items():
         local = distribute_tensor(drawn[name].detach(), p.device_mesh, p.placements, src_data_rank=None).to_local()

@@ -21,7 +21,8 @@ import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from types import FrameType
+from typing import Any, Literal, cast
 
 import torch
 from torch import Tensor, nn
@@ -66,7 +67,8 @@ class MetaWrite:
     kind: WriteKind
     where: str  # the function that wrote it, e.g. "MyNet.__init__"
     name: str = ""  # the weight's name in the LightningModule, once resolved
-    view: tuple[int, tuple[int, ...], tuple[int, ...]] = (0, (), ())  # offset in the weight, size, stride
+    # offset in the weight, size, stride
+    view: tuple[int | torch.SymInt, tuple[int, ...], tuple[int, ...]] = (0, (), ())
 
     def describe(self) -> str:
         return f"{self.name}.{self.op.__name__}() in {self.where}"
@@ -88,7 +90,7 @@ def _module_frame(target: Tensor) -> tuple[str, bool] | None:
     """Where the write comes from: (the function, whether it is the owning module's own reset_parameters),
     or None for torch.distributed internals (FSDP/TP moving meta shards around: no user value).
     The innermost module constructor or reset_parameters decides; configure_model itself means the user."""
-    frame = sys._getframe(1)
+    frame: FrameType | None = sys._getframe(1)
     while frame is not None:
         name = frame.f_code.co_name
         if "/torch/distributed/" in frame.f_code.co_filename:
@@ -229,4 +231,5 @@ def carry_meta_writes(root: nn.Module, initialised_by_plan: set[nn.Module]) -> N
 def _weight(root: nn.Module, name: str) -> Tensor:
     module_name, _, leaf = name.rpartition(".")
     module = root.get_submodule(module_name)
-    return module._parameters[leaf] if leaf in module._parameters else module._buffers[leaf]
+    # a named parameter or buffer: never None
+    return cast(Tensor, module._parameters[leaf] if leaf in module._parameters else module._buffers[leaf])

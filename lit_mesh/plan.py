@@ -80,8 +80,8 @@ class TensorPlan:
              this message (a plan for data parallelism only).
     """
 
-    root: Mapping[str, TPStyle] = field(default_factory=dict)
-    block: Mapping[str, TPStyle] = field(default_factory=dict)
+    root: Mapping[str, TPStyle | str] = field(default_factory=dict)  # str: a name in custom_styles
+    block: Mapping[str, TPStyle | str] = field(default_factory=dict)
     divides: Mapping[str, int] = field(default_factory=dict)
     custom_styles: Mapping[str, Callable[[bool], Any]] = field(default_factory=dict)
     unavailable: str = ""

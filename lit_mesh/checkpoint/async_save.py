@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, cast
 
 import torch
 import torch.distributed as dist
@@ -30,7 +30,8 @@ class AsyncCheckpointSaver:
 
     def save(self, state: dict[str, Any], partial: Path, path: Path, coordinator: bool) -> None:
         self.wait()
-        written = dcp.async_save(state, checkpoint_id=partial, process_group=self._group)
+        # a Future: an AsyncSaveResponse comes only with an async_stager's staging future
+        written = cast(Future, dcp.async_save(state, checkpoint_id=partial, process_group=self._group))
         if not coordinator:
             self._pending = written
             return

@@ -7,7 +7,7 @@ import shutil
 from collections.abc import Generator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, cast
 
 import torch
 import torch.distributed as dist
@@ -94,7 +94,8 @@ def shard_problems(path: Path) -> Optional[str]:
 
 def model_problems(path: Path, model: nn.Module, strict: bool) -> Optional[str]:
     """Tensors this model has that the checkpoint lacks (another model's weights), or of another shape."""
-    stored = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    # by key: TensorStorageMetadata (its .size) or BytesStorageMetadata (no size), told apart by hasattr below
+    stored: dict[str, Any] = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
     held = {key[len("state_dict.") :] for key in stored if key.startswith("state_dict.")}
     ours = model.state_dict()
     absent = [name for name in ours if name not in held]
@@ -222,8 +223,10 @@ def _is_split_by_halves(tensor: DTensor, mesh_dim: int, placement: Placement) ->
 
 def _with_placements(tensor: DTensor, placements: tuple[Placement, ...]) -> DTensor:
     device = tensor.device  # optimizer state offloaded to the CPU moves over the mesh's own device
-    on_mesh = tensor.to(tensor.device_mesh.device_type) if device.type != tensor.device_mesh.device_type else tensor
-    return on_mesh.redistribute(placements=placements).to(device)
+    on_mesh = tensor
+    if device.type != tensor.device_mesh.device_type:
+        on_mesh = cast(DTensor, tensor.to(tensor.device_mesh.device_type))  # DTensor.to keeps a DTensor (typed Tensor)
+    return cast(DTensor, on_mesh.redistribute(placements=placements).to(device))
 
 
 def dcp_writable(state: Any) -> Any:

@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import torch
 from torch import nn
@@ -174,7 +174,7 @@ def local_index(param: torch.Tensor) -> Index:
             param.shape[dim],
             False,
         )
-        sharded[dim] = offsets if size else torch.zeros(0, dtype=torch.long)
+        sharded[dim] = cast(torch.Tensor, offsets) if size else torch.zeros(0, dtype=torch.long)
     for dim, offsets in sharded.items():
         index[dim] = offsets
     return index

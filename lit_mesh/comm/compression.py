@@ -18,7 +18,7 @@ Error feedback: residual = what this rank meant to send - what it did send; adde
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Optional, cast
 
 import torch
 import torch.distributed as dist
@@ -271,7 +271,7 @@ class CompressionRun:
             move = lambda t: None if t is None else t.to(self.device)  # noqa: E731
             site.residual = move(saved["residual"])
             site.codec_reduction.server_residual = move(saved["server_residual"])
-            site.powersgd.qs = {int(i): move(q) for i, q in saved["qs"].items()}
+            site.powersgd.qs = {int(i): cast(Tensor, move(q)) for i, q in saved["qs"].items()}  # saved tensors
             if saved.get("entry_scales") is not None:
                 site.entry_scales = EntryScales(self.options.onebit_rms_refresh)
                 site.entry_scales.load_state_dict(saved["entry_scales"], self.device)

@@ -13,7 +13,7 @@ FSDP averages over the shard group (op AVG, or SUM when it divides itself); the 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Optional
+from typing import Any, Optional, cast
 
 import torch
 import torch.distributed as dist
@@ -45,7 +45,7 @@ class CompressedReduceScatter(ReduceScatter):
         self.dim = dim
         self.final = final  # no replicate all-reduce follows
 
-    def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    def allocate(self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.empty(*size, dtype=dtype, device=device)
 
     def __call__(
@@ -123,6 +123,7 @@ def attach_gradient_compression(
             module.set_custom_reduce_scatter(CompressedReduceScatter(site, module, shard_dim, final=not replicated))
         if replicated:
             site = run.site(f"{unit}:all_reduce")
-            module.set_all_reduce_hook(CompressedReplicaAllReduce(site, module, replicate_group, replicate_dim))
+            group = cast(dist.ProcessGroup, replicate_group)  # not None: replicated
+            module.set_all_reduce_hook(CompressedReplicaAllReduce(site, module, group, replicate_dim))
         hooked += 1
     return hooked

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable
-from typing import Any, Optional
+from typing import Any, Optional, overload
 
 import torch
 
@@ -56,6 +56,13 @@ class OneBitAdam(torch.optim.Optimizer):
         super().__init__(
             params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, freeze_step=freeze_step)
         )
+
+    # torch.optim.Optimizer.step's overloads: the closure's loss back when one is given
+    @overload
+    def step(self, closure: None = None) -> None: ...
+
+    @overload
+    def step(self, closure: Callable[[], float]) -> float: ...
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:

@@ -8,7 +8,7 @@ decides on the norm summed over the world.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Optional, cast
 
 import torch
 import torch.distributed as dist
@@ -69,7 +69,7 @@ class CompressionSchedule:
             dist.all_reduce(total)
         norm = float(total.sqrt())  # the one host read of the step
         self._sumsq = torch.zeros((), dtype=torch.float64, device=self.device)
-        threshold = self.phases[self.index + 1].grad_norm_change_below
+        threshold = cast(float, self.phases[self.index + 1].grad_norm_change_below)  # set: _rule_pending
         if self._last_norm is not None and self._last_norm > 0:
             calm = abs(norm - self._last_norm) / self._last_norm < threshold
             self._calm_steps = self._calm_steps + 1 if calm else 0

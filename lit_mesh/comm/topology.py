@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields, replace
-from typing import Any, Optional
+from typing import Any, Optional, cast
 
 from lit_mesh.errors import TopologyError  # noqa: F401 - re-exported (lit_mesh.TopologyError)
 from lit_mesh.mesh import MESH_AXES, MeshLayout
@@ -70,15 +70,16 @@ class Topology:
             if not getattr(self, name) > 0:
                 raise TopologyError(f"Topology({name}={getattr(self, name)!r}) must be > 0 bytes/s")
 
+    # these read a resolved topology (topology_from_environment fills nodes and devices_per_node)
     @property
     def world_size(self) -> int:
-        return self.nodes * self.devices_per_node
+        return cast(int, self.nodes) * cast(int, self.devices_per_node)
 
     def node_of(self, rank: int) -> int:
-        return rank // self.devices_per_node
+        return rank // cast(int, self.devices_per_node)
 
     def local_rank_of(self, rank: int) -> int:
-        return rank % self.devices_per_node
+        return rank % cast(int, self.devices_per_node)
 
     def link(self, ranks: list[int]) -> Link:
         """(bandwidth, alpha) of a group: the intra-node link when all its ranks share a node."""
@@ -154,9 +155,10 @@ def topology_from_environment(
     if given.devices_per_node is None:  # only the links given, or only the node count
         per_node = devices_per_node if given.nodes is None else num_nodes * devices_per_node // given.nodes
         given = replace(given, devices_per_node=max(per_node, 1))
+    given_per_node = cast(int, given.devices_per_node)  # given, or set just above
     if given.nodes is None:
-        given = replace(given, nodes=max(num_nodes * devices_per_node // given.devices_per_node, 1))
-    if world % given.devices_per_node:
+        given = replace(given, nodes=max(num_nodes * devices_per_node // given_per_node, 1))
+    if world % given_per_node:
         raise TopologyError(
             f"topology devices_per_node={given.devices_per_node} does not divide the world size {world}"
             f" (num_nodes={num_nodes} x devices={devices_per_node}); choose devices_per_node in"

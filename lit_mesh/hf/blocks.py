@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from torch import nn
 
 
@@ -19,3 +21,9 @@ def base_prefix(model: nn.Module) -> str:
     """'model.' for LlamaForCausalLM (its base model lives under `model`), '' for the base model itself."""
     prefix = getattr(model, "base_model_prefix", "")
     return f"{prefix}." if prefix and hasattr(model, prefix) else ""
+
+
+def hf_config(model: nn.Module) -> Any:
+    """The model's transformers config: its fields depend on the model family (typed Any, as transformers' own
+    PretrainedConfig holds them as dynamic attributes)."""
+    return model.config

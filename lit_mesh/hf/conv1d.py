@@ -44,6 +44,7 @@ class Conv1DColwise(ParallelStyle):
         self.parts = parts
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        placements: dict[str, Placement]
         if self.parts == 1:
             placements = {"weight": Shard(1), "bias": Shard(0)}
         else:
@@ -62,7 +63,11 @@ class Conv1DColwise(ParallelStyle):
             return out.redistribute(placements=[output_share]).to_local()
 
         return distribute_module(
-            module, device_mesh, lambda _n, m, mesh: _distribute(m, mesh, placements), inputs, outputs
+            module,
+            device_mesh,
+            lambda _n, m, mesh: _distribute(m, mesh, placements),
+            inputs,  # type: ignore[arg-type]  # torch types input_fn -> None; its pre-hook's result replaces the inputs
+            outputs,
         )
 
 
@@ -75,7 +80,7 @@ class Conv1DRowwise(ParallelStyle):
         self.output_layout = output_layout
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        placements = {"weight": Shard(0), "bias": Replicate()}
+        placements: dict[str, Placement] = {"weight": Shard(0), "bias": Replicate()}
 
         def inputs(_m: nn.Module, args: tuple, mesh: DeviceMesh) -> tuple:
             return (DTensor.from_local(args[0], mesh, [Shard(-1)], run_check=False), *args[1:])
@@ -84,7 +89,11 @@ class Conv1DRowwise(ParallelStyle):
             return out.redistribute(placements=[self.output_layout]).to_local()
 
         return distribute_module(
-            module, device_mesh, lambda _n, m, mesh: _distribute(m, mesh, placements), inputs, outputs
+            module,
+            device_mesh,
+            lambda _n, m, mesh: _distribute(m, mesh, placements),
+            inputs,  # type: ignore[arg-type]  # torch types input_fn -> None; its pre-hook's result replaces the inputs
+            outputs,
         )
 
 

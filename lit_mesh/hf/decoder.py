@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from lit_mesh.hf.blocks import hf_config
 from lit_mesh.hf.from_config import hf_tp_plan, plan_from_hf
 from lit_mesh.plan import ParallelPlan
 
@@ -14,7 +15,7 @@ _VOCAB_SPLIT = ("colwise_gather_output", "embedding_rowwise")
 
 
 def tp_divides(model: nn.Module) -> dict[str, int]:
-    config = model.config
+    config = hf_config(model)
     sizes = {name: getattr(config, name) for name in _DIVIDES if isinstance(getattr(config, name, None), int)}
     if any(style in _VOCAB_SPLIT for style in hf_tp_plan(model).values()):
         sizes["vocab_size"] = config.vocab_size

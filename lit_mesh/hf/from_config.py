@@ -10,6 +10,8 @@ embedding must hand on whole activations), and the final norm runs on the shard 
 
 from __future__ import annotations
 
+from typing import cast
+
 from torch import nn
 
 from lit_mesh.hf.blocks import base_prefix, find_blocks
@@ -62,7 +64,7 @@ def plan_from_hf(model: nn.Module, tp_divides: dict[str, int], hf_plan: dict[str
             root[key] = HF_STYLES[style]
 
     # sequence parallelism around the split linears
-    layer = model.get_submodule(blocks)[0]
+    layer = cast(nn.ModuleList, model.get_submodule(blocks))[0]  # find_blocks names a ModuleList
     for child_name, child in layer.named_children():
         if is_norm(child):
             block[child_name] = "norm"

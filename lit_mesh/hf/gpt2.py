@@ -12,7 +12,7 @@ from __future__ import annotations
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 
-from lit_mesh.hf.blocks import base_prefix
+from lit_mesh.hf.blocks import base_prefix, hf_config
 from lit_mesh.hf.conv1d import Conv1DColwise, Conv1DRowwise, LocalSplitWidth
 from lit_mesh.plan import ParallelPlan, TensorPlan
 
@@ -30,7 +30,7 @@ CUSTOM_STYLES = {
 
 
 def gpt2_plan(model: nn.Module) -> ParallelPlan:
-    config, base = model.config, base_prefix(model)
+    config, base = hf_config(model), base_prefix(model)
     root = {f"{base}h.0": "shard_input", f"{base}ln_f": "norm"}
     if hasattr(model, "lm_head"):
         root["lm_head"] = "gather_input"

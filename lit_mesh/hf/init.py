@@ -35,7 +35,7 @@ def _whole_parameters(module: nn.Module, recurse: bool, skip: Collection[int]) -
     """Swap the module's DTensor parameters (but those in `skip`) for whole local tensors; afterwards each rank
     keeps its shards."""
     swapped: dict[int, tuple[DTensor, torch.Tensor]] = {}  # by id: a tied parameter is drawn once
-    places = []
+    places: list[tuple[nn.Module, str, nn.Parameter]] = []
     for owner in module.modules() if recurse else (module,):
         for name, param in owner._parameters.items():
             if isinstance(param, DTensor) and id(param) not in skip:
@@ -49,9 +49,9 @@ def _whole_parameters(module: nn.Module, recurse: bool, skip: Collection[int]) -
     finally:
         for owner, name, param in places:
             owner._parameters[name] = param
-    for param, whole in swapped.values():
-        local = distribute_tensor(whole.detach(), param.device_mesh, param.placements, src_data_rank=None).to_local()
-        param.to_local().copy_(local)
+    for dparam, whole in swapped.values():
+        local = distribute_tensor(whole.detach(), dparam.device_mesh, dparam.placements, src_data_rank=None).to_local()
+        dparam.to_local().copy_(local)
 
 
 @contextmanager
@@ -79,7 +79,7 @@ def initialise_weights(model: nn.Module, skip: Collection[int] = ()) -> bool:
     if not is_transformers_model(model):
         return False
     blocks = find_blocks(model)
-    ancestors = {model}
+    ancestors: set[nn.Module] = {model}
     if blocks:
         parts = blocks.split(".")
         ancestors |= {model.get_submodule(".".join(parts[:i])) for i in range(1, len(parts) + 1)}

@@ -17,12 +17,15 @@ It is applied on every layout, single device included, so all layouts compute al
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
+from typing import Protocol, cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from lit_mesh.hf.blocks import hf_config
 from lit_mesh.hf.decoder import tp_divides
 from lit_mesh.hf.from_config import hf_tp_plan, plan_from_hf
 from lit_mesh.plan import MoEPlan, ParallelPlan
@@ -48,6 +51,7 @@ class GroupedExperts(nn.Module):
 
     gate_up_proj: nn.Parameter
     down_proj: nn.Parameter
+    act_fn: Callable[[torch.Tensor], torch.Tensor]
 
     def forward(self, tokens: torch.Tensor, tokens_per_expert: list[int]) -> torch.Tensor:
         gate_up, down = _local(self.gate_up_proj), _local(self.down_proj)
@@ -60,11 +64,22 @@ class GroupedExperts(nn.Module):
         return torch.cat(outputs) if outputs else tokens[:0]
 
 
+class _Router(Protocol):
+    """transformers' MixtralTopKRouter: (logits, top-k weights, top-k expert ids) of the tokens."""
+
+    num_experts: int
+
+    def __call__(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
+
+
 class DispatchedMoE(nn.Module):
     """Mixed into transformers' MixtralSparseMoeBlock: route with its router, then group the (token, expert)
     assignments by expert and hand them to `dispatcher` (the zoo MoE's scheme, zoo/moe.py)."""
 
     dispatcher: LocalDispatch
+    gate: _Router
+    experts: nn.Module
+    jitter_noise: float
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         B, T, D = hidden_states.shape
@@ -91,14 +106,14 @@ def _swap_class(module: nn.Module, mixin: type) -> None:
 
 def dispatch_experts(moe: nn.Module) -> None:
     """The plan's MoE adapter: make a MixtralSparseMoeBlock route through a dispatcher (idempotent)."""
-    _swap_class(moe.experts, GroupedExperts)
+    _swap_class(moe.get_submodule("experts"), GroupedExperts)
     _swap_class(moe, DispatchedMoE)
     if not hasattr(moe, "dispatcher"):
-        moe.dispatcher = LocalDispatch()
+        cast(DispatchedMoE, moe).dispatcher = LocalDispatch()  # its class is DispatchedMoE's subclass now
 
 
 def mixtral_plan(model: nn.Module) -> ParallelPlan:
-    config = model.config
+    config = hf_config(model)
     # transformers' plan without its expert entries (see the module docstring)
     attention_only = {key: style for key, style in hf_tp_plan(model).items() if ".mlp." not in f"{key}."}
     plan = plan_from_hf(model, tp_divides(model), attention_only)  # intermediate_size: the experts' width

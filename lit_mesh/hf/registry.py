@@ -11,6 +11,10 @@ from __future__ import annotations
 import sys
 import weakref
 from collections.abc import Callable
+from typing import TYPE_CHECKING, TypeGuard
+
+if TYPE_CHECKING:  # a type only: transformers is never imported here (see the module docstring)
+    from transformers import PreTrainedModel
 
 from torch import nn
 
@@ -73,7 +77,7 @@ def use_plan(model: nn.Module, plan: PlanBuilder | str) -> nn.Module:
     return model
 
 
-def is_transformers_model(module: nn.Module) -> bool:
+def is_transformers_model(module: nn.Module) -> TypeGuard[PreTrainedModel]:
     transformers = sys.modules.get("transformers")
     return transformers is not None and isinstance(module, transformers.PreTrainedModel)
 

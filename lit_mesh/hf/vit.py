@@ -10,12 +10,12 @@ from __future__ import annotations
 
 from torch import nn
 
-from lit_mesh.hf.blocks import base_prefix, find_blocks
+from lit_mesh.hf.blocks import base_prefix, find_blocks, hf_config
 from lit_mesh.plan import ParallelPlan, TensorPlan
 
 
 def vit_plan(model: nn.Module) -> ParallelPlan:
-    config, base = model.config, base_prefix(model)
+    config, base = hf_config(model), base_prefix(model)
     blocks = find_blocks(model) or f"{base}layers"
     return ParallelPlan(
         blocks=blocks,

@@ -6,7 +6,7 @@ import resource
 import sys
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import lightning as L
 import torch
@@ -18,6 +18,7 @@ from lit_mesh.mesh import MeshAxis as A
 from lit_mesh.monitor.comm import CollectiveBytes
 from lit_mesh.monitor.peak_flops import peak_bf16_flops
 from lit_mesh.monitor.pipeline_timeline import TimelineRecorder, bubble_formula
+from lit_mesh.training.log_steps import log_every_n_steps
 
 # which group names count for which mesh dim: the first view that owns a group names it
 _VIEW_ORDER = (A.TP, A.CP, A.EP, A.DP_SHARD_CP, A.DP_SHARD, A.DP_REPLICATE, A.DP, A.DP_CP, A.PP)
@@ -39,10 +40,18 @@ def peak_memory_bytes(device: torch.device) -> int:
     return peak if sys.platform == "darwin" else peak * 1024  # Linux reports KiB
 
 
-def moe_layers(module: torch.nn.Module) -> list[torch.nn.Module]:
+class RoutingLayer(torch.nn.Module):
+    """An MoE layer as moe_layers finds it: a type only (the layers are the model's own classes)."""
+
+    n_experts: int
+    load: torch.Tensor  # global tokens per expert of the last forward
+    aux_loss: torch.Tensor
+
+
+def moe_layers(module: torch.nn.Module) -> list[RoutingLayer]:
     """The MoE layers under `module`: what records its routing as zoo.moe.MoE does (n_experts, load, aux_loss)."""
     return [
-        m
+        cast(RoutingLayer, m)
         for m in module.modules()
         if isinstance(getattr(m, "n_experts", None), int)
         and isinstance(getattr(m, "load", None), torch.Tensor)
@@ -50,7 +59,7 @@ def moe_layers(module: torch.nn.Module) -> list[torch.nn.Module]:
     ]
 
 
-def moe_balance(layers: list[torch.nn.Module]) -> dict[str, Any]:
+def moe_balance(layers: list[RoutingLayer]) -> dict[str, Any]:
     """Tokens per expert summed over layers, mean and worst max/mean over layers, and the summed aux loss."""
     load = torch.stack([m.load.detach().float().cpu() for m in layers])  # (layers, experts), global counts
     imbalance = load.max(dim=1).values / load.mean(dim=1).clamp_min(1e-9)
@@ -145,7 +154,7 @@ class MeshMonitor(Callback):
         self._comm: CollectiveBytes | None = None
         self._dim_of_group: dict[str, str] = {}
         self._dims: list[str] = []
-        self._moe: list[torch.nn.Module] | None = None  # found at the first measured step (after configure_model)
+        self._moe: list[RoutingLayer] | None = None  # found at the first measured step (after configure_model)
 
     # ---- setup ---------------------------------------------------------------------------------------
 
@@ -154,7 +163,7 @@ class MeshMonitor(Callback):
             self.peak_flops = _default_peak_flops(pl_module.device)
         self._timer = _WindowTimer(pl_module.device, self._clock)
         self._window_steps, self._window_tokens, self._window_open = 0, 0, False
-        if trainer.log_every_n_steps == 1:
+        if log_every_n_steps(trainer) == 1:
             rank_zero_warn(
                 "MeshMonitor with log_every_n_steps=1: every step is timed with its bytes counted (a"
                 " dispatch mode in the timed step); log_every_n_steps >= 2 times the steps between"

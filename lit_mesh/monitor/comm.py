@@ -8,11 +8,14 @@ torch's CommDebugMode counts calls per op but not bytes per group.
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
+
+if TYPE_CHECKING:
+    from torch.distributed.distributed_c10d import GroupName
 
 
 def _nbytes(tensors: Any) -> int:
@@ -32,7 +35,7 @@ def _group_name(group: Any) -> str:
 
 
 def _group_size(name: str) -> int:
-    return dist.get_world_size(dist.distributed_c10d._resolve_process_group(name))
+    return dist.get_world_size(dist.distributed_c10d._resolve_process_group(cast("GroupName", name)))
 
 
 # Bytes one rank sends, as a fraction of a tensor size, for ring algorithms over n ranks:

@@ -29,7 +29,7 @@ from torch.distributed.tensor._dispatch import OpDispatcher
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 
 from lit_mesh.monitor.comm import _group_name, _group_size
-from lit_mesh.training.log_steps import is_logging_step
+from lit_mesh.training.log_steps import is_logging_step, log_every_n_steps
 
 HOST_READS = ("item", "tolist", "__bool__", "cpu")
 _TOKEN_COUNT_FILES = ("lit_mesh/parallel/expert.py", "zoo/moe.py")
@@ -74,7 +74,7 @@ class _CollectiveCounter(TorchDispatchMode):
 
 def _size_of_group(args: tuple) -> int | str:
     # c10d ops carry their ProcessGroup; functional collectives its name, their last str argument
-    groups = [a for a in args if isinstance(a, (torch.ScriptObject, dist.ProcessGroup))]
+    groups: list[Any] = [a for a in args if isinstance(a, (torch.ScriptObject, dist.ProcessGroup))]
     groups = groups or [a for a in args if isinstance(a, str)][-1:]
     try:
         return _group_size(_group_name(groups[0]))
@@ -105,7 +105,7 @@ class StepAudit(Callback):
             return
         if is_logging_step(trainer):
             raise ValueError(
-                f"StepAudit(step={self.step}) is a logging step (log_every_n_steps={trainer.log_every_n_steps});"
+                f"StepAudit(step={self.step}) is a logging step (log_every_n_steps={log_every_n_steps(trainer)});"
                 " audit a step that logs nothing"
             )
         self._optimizer_counters = {

@@ -23,7 +23,7 @@ scaled by 1/ep inside the dispatch, the gradient of the tokens is left as it is.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any, Optional
+from typing import Any, Optional, cast
 
 import torch
 import torch.distributed as dist
@@ -40,14 +40,22 @@ from lit_mesh.plan import MoEPlan, ParallelPlan, PlanError
 from lit_mesh.unit import Facts, Rule, divisors
 
 
-def moe_layers(model: nn.Module, plan: ParallelPlan) -> Iterator[nn.Module]:
+class MoELayer(nn.Module):
+    """A plan's MoE layer as expert parallel uses it (see MoEPlan.layer): a type only, the layers are the
+    model's own classes (`moe_layers` casts to it)."""
+
+    experts: nn.Module  # stacked weights, experts first
+    dispatcher: Any  # LocalDispatch-like: swapped for AllToAllDispatch
+
+
+def moe_layers(model: nn.Module, plan: ParallelPlan) -> Iterator[MoELayer]:
     """The MoE layers of the plan's blocks (blocks without `plan.moe.layer` are dense)."""
     if plan.moe is None:
         return
-    for block in model.get_submodule(plan.blocks):
+    for block in cast(nn.ModuleList, model.get_submodule(plan.blocks)):
         layer = getattr(block, plan.moe.layer, None)
         if isinstance(layer, nn.Module):
-            yield layer
+            yield cast(MoELayer, layer)
 
 
 def adapt_moe_layers(model: nn.Module, plan: ParallelPlan) -> None:
@@ -229,6 +237,7 @@ def apply_expert_parallel(model: nn.Module, plan: ParallelPlan, mesh: MeshViews,
     weights_mesh = (
         mesh.ep if tp_mesh is None else DeviceMesh._concatenate([mesh.ep, tp_mesh])
     )  # (ep, tp), as FSDP2 does
+    assert plan.moe is not None  # the layers are plan.moe's
     for layer in layers:
         n_experts = next(layer.experts.parameters()).shape[0]  # stacked weights: experts first
         layer.dispatcher = AllToAllDispatch(n_experts, load_group, ep_group, tp_mesh)

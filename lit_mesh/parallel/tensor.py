@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Collection
-from typing import Any, Optional
+from typing import Any, Optional, cast
 
 import torch
 from torch import nn
@@ -159,7 +159,8 @@ def replicate_remaining(model: nn.Module, tp_mesh: DeviceMesh, skip: Collection[
             continue
         own = list(module.parameters(recurse=False))
         if own and not any(isinstance(p, DTensor) for p in own):
-            distribute_module(module, tp_mesh, input_fn=_to_replicated, output_fn=_to_local)
+            # torch types input_fn -> None; its pre-hook's result replaces the inputs
+            distribute_module(module, tp_mesh, input_fn=_to_replicated, output_fn=_to_local)  # type: ignore[arg-type]
 
 
 def apply_tensor_parallel(
@@ -179,7 +180,7 @@ def apply_tensor_parallel(
         raise PlanError(problem)
     tied = tied_parameters(model)
     targets: list[tuple[nn.Module, str, str]] = [(model, name, style) for name, style in plan.tp.root.items()]
-    blocks = list(model.get_submodule(plan.blocks))
+    blocks = list(cast(nn.ModuleList, model.get_submodule(plan.blocks)))  # the plan's blocks: a ModuleList
     for name in plan.tp.block:  # blocks may differ (dense and MoE): a name must exist in at least one
         if blocks and not any(_has_submodule(block, name) for block in blocks):
             raise PlanError(f"{type(model).__name__}.parallel_plan() names {name!r}, which no block has")

@@ -1,10 +1,10 @@
 """`lit-mesh plan`: the best meshes for a model family (the zoo GPT by default) on a cluster, why, and a `lit-mesh fit`
 config for the best.
 
-    lit-mesh plan --preset llama3-70b --devices 256 --out plan.yaml
-    lit-mesh plan --preset llama3-8b --devices 64 --simulate --plot plots/
-    lit-mesh plan --preset llama3-8b --devices 8 --out plan.yaml --rehearsal rehearsal.yaml  # then on CPU:
-    lit-mesh fit -c rehearsal.yaml
+lit-mesh plan --preset llama3-70b --devices 256 --out plan.yaml
+lit-mesh plan --preset llama3-8b --devices 64 --simulate --plot plots/
+lit-mesh plan --preset llama3-8b --devices 8 --out plan.yaml --rehearsal rehearsal.yaml  # then on CPU:
+lit-mesh fit -c rehearsal.yaml
 """
 
 from __future__ import annotations
@@ -358,11 +358,11 @@ def main(argv: list[str]) -> int:
             rows = simulate_best(best, config, shapes)
             print(f"\nsimulated on {hw.world_size} fake ranks (meta tensors, lit_mesh's parallelize):")
             for r in rows:
-                e, s = r["estimate"], r["simulated"]
+                est, s = r["estimate"], r["simulated"]
                 print(
                     f"  rank {r['rank']} (stage {r['stage']}): params {s['params']:,} B, grads {s['grads']:,} B,"
                     f" AdamW {s['optimizer']:,} B in {s['seconds']:.1f} s; estimate"
-                    f" {'equal' if r['equal'] else 'DIFFERS: ' + str(e)}"
+                    f" {'equal' if r['equal'] else 'DIFFERS: ' + str(est)}"
                 )
             out["simulation"] = rows
             status = 0 if all(r["equal"] for r in rows) else 1

@@ -38,6 +38,7 @@ _ROWWISE = ("rowwise", "embedding", "embedding_whole_output")  # the plan styles
 def local_numel(p: ParamShape, tp: int, tp_rank: int, shard: int, shard_rank: int, ep: int = 1) -> int:
     """Elements of `p` on the rank at (tp_rank, shard_rank of dp_shard x cp); ep ranks are the innermost of those."""
     shape = list(p.shape)
+    dim: int | None  # the dim a split runs over (None: tp leaves a bias whole)
     if p.expert:
         shape[0] = chunk(shape[0], ep, shard_rank % ep)
         if tp > 1 and p.hidden_dim is not None:

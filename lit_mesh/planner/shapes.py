@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol, cast
+
+if TYPE_CHECKING:
+    from lit_mesh.plan import ParallelPlan
 
 import torch
 from torch import nn
@@ -64,6 +67,12 @@ def build_model(config: Any) -> nn.Module:
     return family_of(config).build(config)
 
 
+class _Planned(Protocol):
+    """The network a model family builds: it declares its ParallelPlan."""
+
+    def parallel_plan(self) -> ParallelPlan: ...
+
+
 def gpt_shapes(config: Any) -> ModelShapes:
     """The shapes of a GPTConfig's or an MoEConfig's model (every block alike: MoE needs moe_every = 1)."""
     if getattr(config, "moe_every", 1) != 1:
@@ -73,7 +82,7 @@ def gpt_shapes(config: Any) -> ModelShapes:
         )
     with torch.device("meta"):
         model = build_model(dataclasses.replace(config, n_layers=1))
-    plan = model.parallel_plan()
+    plan = cast(_Planned, model).parallel_plan()
     experts = f"{plan.blocks}.0.{plan.moe.layer}.experts." if plan.moe is not None else None
     modules = dict(model.named_modules())
     block, first, last = [], [], []

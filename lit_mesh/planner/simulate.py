@@ -11,7 +11,7 @@ the time (DTensor dispatch per op dominates on hundreds of parameters).
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -61,10 +61,11 @@ def simulate_rank(
         if optimizer:
             for p in params:
                 p.grad = torch.zeros_like(p)
-            out["grads"] = sum(_local_bytes(p.grad) for p in params)
+            grads = [cast(torch.Tensor, p.grad) for p in params]  # set just above
+            out["grads"] = sum(_local_bytes(g) for g in grads)
             shards = [(p.to_local() if hasattr(p, "to_local") else p).detach().requires_grad_() for p in params]
-            for shard, p in zip(shards, params):
-                shard.grad = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+            for shard, g in zip(shards, grads):
+                shard.grad = g.to_local() if hasattr(g, "to_local") else g
             adamw = torch.optim.AdamW(shards, foreach=True)
             adamw.step()
             out["optimizer"] = sum(_local_bytes(s[k]) for s in adamw.state.values() for k in ("exp_avg", "exp_avg_sq"))

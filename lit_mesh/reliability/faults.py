@@ -16,7 +16,7 @@ import os
 import signal
 import sys
 import time
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import lightning as L
 import torch
@@ -104,7 +104,8 @@ def _poison_next_loss(module: L.LightningModule) -> None:
         output = step(*args, **kwargs)
         if isinstance(output, dict):
             return {**output, "loss": output["loss"] * float("nan")}
-        return output * torch.tensor(float("nan"), device=output.device)
+        loss = cast(torch.Tensor, output)  # the loss itself when not in a dict
+        return loss * torch.tensor(float("nan"), device=loss.device)
 
     module.training_step = nan_step  # type: ignore[method-assign]
 
@@ -114,7 +115,7 @@ def _fail_next_shard_write() -> None:
     (which then fails the save on every rank together, as a real write error does)."""
     write_data = FileSystemWriter.write_data
 
-    def disk_full(self: FileSystemWriter, *args: Any, **kwargs: Any) -> Any:
+    def disk_full(self: object, *args: Any, **kwargs: Any) -> Any:
         FileSystemWriter.write_data = write_data  # type: ignore[method-assign]
         raise OSError(errno.ENOSPC, "No space left on device (injected by lit_mesh.FaultInjector)")
 

@@ -85,7 +85,7 @@ def group_names(views: Any) -> dict[str, str]:
 
 def _flight_recorder() -> list[dict[str, Any]]:
     """This process's flight-recorder entries (oldest first); [] when it is off (TORCH_FR_BUFFER_SIZE=0)."""
-    from torch._C._distributed_c10d import _dump_fr_trace
+    from torch._C._distributed_c10d import _dump_fr_trace  # type: ignore[attr-defined]  # missing from torch's stubs
 
     return pickle.loads(_dump_fr_trace(includeStackTraces=False)).get("entries", [])
 

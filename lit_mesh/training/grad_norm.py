@@ -25,7 +25,7 @@ def _mesh_groups(parameters: Iterable[torch.Tensor], by_dtype: bool = False) -> 
     for p in parameters:
         if p.grad is None:
             continue
-        key = (p.grad.device_mesh, p.grad.placements) if isinstance(p.grad, DTensor) else None
+        key: object = (p.grad.device_mesh, p.grad.placements) if isinstance(p.grad, DTensor) else None
         if by_dtype:
             key = (key, p.grad.device, p.grad.dtype)
         groups.setdefault(key, []).append(p.grad)

@@ -15,6 +15,11 @@ def is_logging_step(trainer: Any) -> bool:
     return True if connector is None else bool(connector.should_update_logs)
 
 
+def log_every_n_steps(trainer: Any) -> int:
+    """The Trainer's `log_every_n_steps` (Lightning's logger connector sets it on the Trainer without declaring it)."""
+    return trainer.log_every_n_steps
+
+
 def module_logs_now(module: Any) -> bool:
     """is_logging_step for a LightningModule (True when it is not attached to a Trainer)."""
     return is_logging_step(getattr(module, "_trainer", None))

@@ -71,7 +71,7 @@ SMOKES: dict[str, Smoke] = {
             "none",
         ),
         "gpu_h100",
-    ),  # fmt: skip
+    ),
     "tensorboard_scalars.py": Smoke(("{tmp}/logs",), keys=("benchmark", "log_dir", "scalars"), setup="event_file"),
     "compile_tp_repro.py": Smoke(
         ("--backend", "eager", "--cases", "eager-sp"), "compile_tp_inductor", launches_ranks=RANKS
@@ -150,8 +150,9 @@ def test_benchmark_runs_tiny(script: str, tmp_path: Path, monkeypatch: pytest.Mo
     monkeypatch.chdir(tmp_path)
     if smoke.launches_ranks:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-        proc = subprocess.run([sys.executable, str(BENCHMARKS / script), *argv], capture_output=True, text=True,
-                              env=env, timeout=900)  # fmt: skip
+        proc = subprocess.run(
+            [sys.executable, str(BENCHMARKS / script), *argv], capture_output=True, text=True, env=env, timeout=900
+        )
         assert proc.returncode == 0, proc.stderr[-3000:]
         stdout = proc.stdout
     else:

@@ -22,25 +22,35 @@ What a MoE layer provides (zoo/moe.py's MoE): after a forward `local_load` (toke
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from lit_mesh.parallel.expert import moe_layers
+from lit_mesh.parallel.expert import MoELayer, moe_layers
 from lit_mesh.parallel.pipeline.runner import PipelineRunner
 from lit_mesh.plan import PlanError, PlanOwner
 
 _PROVIDES = ("local_load", "mean_probs", "aux_loss_of", "use_load")
 
 
+class _PipelinedMoE(MoELayer):
+    """An MoE layer that provides `_PROVIDES` (checked by carry_moe_statistics): a type only."""
+
+    local_load: Tensor
+    mean_probs: Tensor
+    dropped: Tensor
+    aux_loss_of: Callable[[Tensor, Tensor], Tensor]
+    use_load: Callable[[Tensor], None]
+
+
 class _LayerStep:
     """One MoE layer's routing over the micro-batches of a step on this rank."""
 
-    def __init__(self, layer: nn.Module) -> None:
+    def __init__(self, layer: _PipelinedMoE) -> None:
         self.layer = layer
         self.loads: list[Tensor] = []
         self.probs: list[Tensor] = []
@@ -52,8 +62,10 @@ class _LayerStep:
         self.loads.append(self.layer.local_load)
         self.probs.append(self.layer.mean_probs.detach())
         dropped = getattr(self.layer, "dropped", None)  # assignments over capacity; still meta where none is set
-        real = isinstance(dropped, Tensor) and not dropped.is_meta
-        self.dropped.append(dropped.detach() if real else torch.zeros((), device=self.layer.local_load.device))
+        if isinstance(dropped, Tensor) and not dropped.is_meta:
+            self.dropped.append(dropped.detach())
+        else:
+            self.dropped.append(torch.zeros((), device=self.layer.local_load.device))
 
     def mean_probs(self) -> Tensor:
         return torch.stack(self.probs).mean(dim=0)  # equal micro-batches: the mean over the rank's batch
@@ -79,7 +91,7 @@ class MoEStageStatistics:
     """This rank's MoE layers under pp: a step context of the PipelineRunner (routing pass, then the schedule
     with the aux loss gradient in each stage's backward, then each layer's step statistics)."""
 
-    def __init__(self, runner: PipelineRunner, layers: list[nn.Module], load_group: dist.ProcessGroup) -> None:
+    def __init__(self, runner: PipelineRunner, layers: list[_PipelinedMoE], load_group: dist.ProcessGroup) -> None:
         self.runner = runner
         self.load_group = load_group
         self.steps = [_LayerStep(layer) for layer in layers]
@@ -114,7 +126,8 @@ class MoEStageStatistics:
         yield
         for step in self.steps:
             step.layer.mean_probs = step.mean_probs()
-            step.layer.use_load(step.load)  # the step's load and aux loss value, for logging and the bias update
+            # the step's load (set by _global_loads) and aux loss value, for logging and the bias update
+            step.layer.use_load(cast(Tensor, step.load))
             step.layer.dropped = torch.stack(step.dropped).sum()
 
     def _global_loads(self) -> None:
@@ -140,4 +153,4 @@ def carry_moe_statistics(runner: PipelineRunner, owner: PlanOwner, load_group: d
             " and cp work with them)"
         )
     if owner.plan.moe is not None:
-        runner.step_contexts.append(MoEStageStatistics(runner, layers, load_group).step)
+        runner.step_contexts.append(MoEStageStatistics(runner, cast(list[_PipelinedMoE], layers), load_group).step)

@@ -158,7 +158,7 @@ class PipelineRunner:
         self._check_batch(inputs)
         outputs = self.forward_pass(inputs)
         out = torch.cat(outputs) if self.holds_last_stage else None
-        meta = [(tuple(out.shape), out.dtype) if out is not None else None]
+        meta: list[Any] = [(tuple(out.shape), out.dtype) if out is not None else None]  # broadcast from the last stage
         dist.broadcast_object_list(meta, group=self.group, group_src=self.last_stage_rank)
         shape, dtype = meta[0]
         if out is None:
@@ -284,6 +284,7 @@ class ScheduleRunner(PipelineRunner):
     def train(self, loss_fn: LossFn, inputs: Tensor, targets: Tensor) -> Tensor:
         """The schedule's forward and backward over the micro-batches; the loss returned hands their gradients to
         the parameters when Lightning runs its backward."""
+        losses: list[Tensor]
         self._loss_fn, self._raw_losses, losses = loss_fn, {}, []
         self._loss_scale = 1.0 / (self.n_microbatches * self.accumulation)
         if self.fp16_loss_scale != 1.0:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, cast
 
 import torch
 from torch import nn
@@ -88,7 +88,7 @@ def _view(module: nn.Module) -> nn.Module:
 
 
 def _keep_blocks(module: nn.Module, blocks_attr: str, keep: set[int]) -> None:
-    blocks = module.get_submodule(blocks_attr)
+    blocks = cast(nn.ModuleList, module.get_submodule(blocks_attr))  # the plan's blocks: a ModuleList
     kept = nn.ModuleList()
     # keep the original indices as names ("layers.5" stays "layers.5" on every layout), so checkpoints and
     # layout-independent init see the same names; ModuleList iterates its _modules in order

@@ -34,7 +34,7 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, cast
 
 import torch
 import torch.distributed as dist
@@ -177,14 +177,14 @@ class TwoBWRunner(PipelineRunner):
         self, version: _Version, micro: Tensor, target: Tensor, loss_fn: Callable, raw: list, k: int
     ) -> _InFlight:
         # the timed blocks hold the computation only, as torch's stages do (waiting for a receive is bubble)
-        x = micro if self._first else self._recv(self._previous, micro.device).requires_grad_(True)
+        x = micro if self._first else self._recv(cast(int, self._previous), micro.device).requires_grad_(True)
         with self._block("F", k):
             out = functional_call(self._module, version.leaves, (x,))
             if self._last:
                 loss = loss_fn(out, target)
                 raw.append(loss.detach().float())
                 return _InFlight(loss * (1.0 / self.n_microbatches), None if self._first else x, k)
-        self._sends[1] += self._isend_with_header(out.detach(), self._next)
+        self._sends[1] += self._isend_with_header(out.detach(), cast(int, self._next))  # not the last stage
         return _InFlight(out, None if self._first else x, k)
 
     def _backward(self, item: _InFlight) -> None:
@@ -197,7 +197,7 @@ class TwoBWRunner(PipelineRunner):
             with self._block("B", item.microbatch):
                 torch.autograd.backward(item.output, grad)
         if item.input is not None:
-            grad_in = item.input.grad.contiguous()
+            grad_in = cast(Tensor, item.input.grad).contiguous()  # the backward above gave it
             self._sends[1].append((dist.isend(grad_in, group=self.group, group_dst=self._previous), grad_in))
 
     def _isend_with_header(self, tensor: Tensor, to: int) -> list[tuple[Any, Tensor]]:
