@@ -183,6 +183,11 @@ def _model_parallel(f: Facts) -> int:
     return f.degrees["pp"] * f.degrees["cp"] * f.degrees["tp"]
 
 
+def _world_size(f: Facts) -> int:
+    assert f.world_size is not None, "the layout phase knows the world size"
+    return f.world_size
+
+
 ONE_AUTO_DEGREE = Rule(
     "one_auto_degree",
     "init",
@@ -207,11 +212,11 @@ RULES: list[Rule] = [
     Rule(
         "model_parallel_divides_world",
         "layout",
-        lambda f: f.world_size % _model_parallel(f) != 0,
+        lambda f: _world_size(f) % _model_parallel(f) != 0,
         lambda f: (
             f"pp={f.degrees['pp']} x cp={f.degrees['cp']} x tp={f.degrees['tp']} = {_model_parallel(f)} does"
             f" not divide the world size {f.world_size} (devices x num_nodes); choose degrees whose product divides"
-            f" {f.world_size}, e.g. tp in {divisors(f.world_size)}"
+            f" {f.world_size}, e.g. tp in {divisors(_world_size(f))}"
         ),
         WorldSizeError,
     ),
@@ -335,8 +340,8 @@ def lightning_sizes(data_parallel_size: Degree, tensor_parallel_size: Degree) ->
     if data_parallel_size is None and tensor_parallel_size is None:
         return None
     sizes = LightningSizes(
-        "auto" if data_parallel_size is None else data_parallel_size,  # type: ignore[arg-type]
-        "auto" if tensor_parallel_size is None else tensor_parallel_size,  # type: ignore[arg-type]
+        "auto" if data_parallel_size is None else data_parallel_size,
+        "auto" if tensor_parallel_size is None else tensor_parallel_size,
     )
     check_degree("data_parallel_size", sizes.data_parallel, allow_auto=True)
     check_degree("tensor_parallel_size", sizes.tensor_parallel, allow_auto=True)

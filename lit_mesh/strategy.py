@@ -157,13 +157,18 @@ class MeshStrategy(ModelParallelStrategy):
         return self._world_plan.layout
 
     @property
+    def _views(self) -> MeshViews:
+        """The mesh's named views, once setup_environment has built them."""
+        assert self.mesh_views is not None, "the mesh is built in setup_environment"
+        return self.mesh_views
+
+    @property
     def global_batch_splits(self) -> int:
         """Micro-batches per global batch: 1, or more after on_world_change="replan" (zoo's data modules read it)."""
         return self._world_plan.splits if self._world_plan is not None else 1
 
     @property
-    @override
-    def is_distributed(self) -> bool:
+    def is_distributed(self) -> bool:  # read by the Trainer for strategies outside its own list (not a base method)
         return True
 
     @property
@@ -206,6 +211,7 @@ class MeshStrategy(ModelParallelStrategy):
     def _setup_distributed(self) -> None:
         use_watchdog_defaults(self._get_process_group_backend())  # NCCL's watchdog settings, before the group starts
         # torchrun --max-restarts: each attempt on its own rendezvous keys (lit_mesh/reliability/elastic.py says why)
+        assert self.cluster_environment is not None  # set by the Trainer's accelerator connector
         init_process_group_for_attempt(
             self.cluster_environment, self._get_process_group_backend(), self._timeout, self.root_device
         )
@@ -230,7 +236,7 @@ class MeshStrategy(ModelParallelStrategy):
             for h in self.reductions.hierarchies()
         ]
         rank_zero_info(self.topology.startup_report(self.layout, reductions))  # the layout, once, as one block
-        if self.global_batch_splits > 1:
+        if self._world_plan is not None and self._world_plan.splits > 1:
             rank_zero_info(self._world_plan.report())
         self._checkpoints.connect(self.global_rank, self.world_size, self.barrier)
         assert self.lightning_module is not None
@@ -280,6 +286,7 @@ class MeshStrategy(ModelParallelStrategy):
             load_pretrained(self.model, pretrained)  # each rank reads its slices of the declared pretrained weights
         self.model_to_device()
         if done.stages is not None and self._pipeline is None:
+            assert done.stage_ranks is not None  # made with the stages
             pp_group = self.mesh_views[MeshAxis.PP].get_group()
             owner = done.owners[0].module
             self._pipeline = start_pipeline(
@@ -287,7 +294,7 @@ class MeshStrategy(ModelParallelStrategy):
             )
             carry_moe_statistics(self._pipeline, done.owners[0], self.mesh_views.dp_cp.get_group())
         self.precision_plugin = with_global_norm_clipping(self.precision_plugin)
-        self.precision_plugin.stage_group = self._pipeline.clip_group if self._pipeline is not None else None
+        self.precision_plugin.stage_group = self._pipeline  # type: ignore[attr-defined]  # GlobalNormClipping's.clip_group if self._pipeline is not None else None
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self._base_accumulation = self._base_accumulation or trainer.accumulate_grad_batches
@@ -301,7 +308,7 @@ class MeshStrategy(ModelParallelStrategy):
     def batch_to_device(self, batch: Any, device: Optional[torch.device] = None, dataloader_idx: int = 0) -> Any:
         batch = super().batch_to_device(batch, device, dataloader_idx)
         if self.layout.cp > 1:  # every loop (fit, validate, test, predict): each cp rank keeps its part of the sequence
-            batch = shard_batch(batch, self.mesh_views[MeshAxis.CP], self.options.context.style)
+            batch = shard_batch(batch, self._views[MeshAxis.CP], self.options.context.style)
         return batch
 
     @override
@@ -319,7 +326,7 @@ class MeshStrategy(ModelParallelStrategy):
         with pipeline_scope(self._pipeline):  # loss_of / output_of reach the pipeline inside the steps only
             output = super().predict_step(*args, **kwargs)
         if self.layout.cp > 1:  # predictions in token order, whole, as on one device
-            output = gather_batch(output, self.mesh_views[MeshAxis.CP], self.options.context.style)
+            output = gather_batch(output, self._views[MeshAxis.CP], self.options.context.style)
         return output
 
     @override
@@ -388,7 +395,7 @@ class MeshStrategy(ModelParallelStrategy):
         """Agree over every rank (ModelCheckpoint, EarlyStopping): the world, not reduce()'s dp x cp group."""
         if not _distributed_is_initialized():
             return decision
-        votes = _sync_ddp(torch.tensor(int(decision), device=self.root_device), reduce_op=ReduceOp.SUM)
+        votes = _sync_ddp(torch.tensor(int(decision), device=self.root_device), reduce_op=ReduceOp.SUM)  # type: ignore[arg-type]  # torch's RedOpType is the ReduceOp Lightning names
         return bool(votes == self.world_size) if all else bool(votes)
 
     # ---- checkpoints --------------------------------------------------------------------------------------

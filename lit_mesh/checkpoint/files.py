@@ -235,8 +235,8 @@ def dcp_writable(state: Any) -> Any:
     refuses ("overlapping chunks") a rank that holds two (each half's slice of an expert's packed [gate; up])."""
     if isinstance(state, DTensor):
         plain = tuple(
-            Shard(p.dim) if _is_split_by_halves(state, i, p) else p
-            for i, p in enumerate(state.placements)  # type: ignore[attr-defined]
+            Shard(p.dim) if _is_split_by_halves(state, i, p) else p  # type: ignore[attr-defined]  # a Shard there
+            for i, p in enumerate(state.placements)
         )
         return state if plain == tuple(state.placements) else _with_placements(state, plain)
     if isinstance(state, dict):

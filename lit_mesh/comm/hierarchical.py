@@ -236,7 +236,7 @@ def attach_hierarchical_all_reduce(
     hooked = 0
     for name, module in fsdp_units(root, extra_roots):
         site = run.site(f"{name}:all_reduce") if run is not None else None
-        if run is not None and run.options.intra_mode is not None:
+        if run is not None and site is not None and run.options.intra_mode is not None:
             run.site(site.name + INTRA_SUFFIX)  # made now, so that a checkpoint finds every site on resume
         module.set_all_reduce_hook(HierarchicalReplicaAllReduce(hierarchy, module, site))
         hooked += 1

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
+from typing import cast
 
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
@@ -100,7 +101,7 @@ def split_pipeline(
 ) -> Parallelized:
     """Cut the one plan owner into stages and keep this pp rank's (the first step of the order)."""
     owner = owners[0]  # one: lit_mesh/rules.py ("pp_needs_one_plan")
-    n_blocks = len(owner.module.get_submodule(owner.plan.blocks))
+    n_blocks = len(cast(nn.ModuleList, owner.module.get_submodule(owner.plan.blocks)))
     pp_mesh = mesh[MeshAxis.PP]
     pp = pp_mesh.size()
     n_stages = pp * pipeline.local_stages()
@@ -142,7 +143,7 @@ def parallelize(
         _APPLIED[root] = Parallelized([])
         return _APPLIED[root]
     memory, compile_backend = options.memory, options.compile.backend
-    sequence_parallel = options.mesh.sequence_parallel
+    sequence_parallel = bool(options.mesh.sequence_parallel)  # None is resolved by MeshOptions from the tp_mode
     for owner in owners:
         adapt_moe_layers(owner.module, owner.plan)
     done = split_pipeline(root, owners, mesh, options.pipeline) if layout.pp > 1 else Parallelized(owners)
@@ -177,7 +178,7 @@ def parallelize(
     if options.compile.async_tp:  # CUDA + NCCL, inductor, tp > 1 with SP: the rules of lit_mesh/parallel/compile.py
         enable_async_tp(mesh[MeshAxis.TP])
     for owner in owners:
-        blocks = list(owner.module.get_submodule(owner.plan.blocks))
+        blocks = list(cast(nn.ModuleList, owner.module.get_submodule(owner.plan.blocks)))
         apply_activation_checkpointing(blocks, memory.activation_checkpointing, memory.ac_every_n_blocks)
         if compile_backend is not None:
             apply_compile(blocks, compile_backend)
@@ -186,10 +187,10 @@ def parallelize(
     if dp_mesh is not None:
         for owner in owners:
             shard_experts(owner.module, owner.plan, mesh, layout, precision, options.data.zero_stage)
-            blocks = owner.module.get_submodule(owner.plan.blocks)
+            blocks = list(cast(nn.ModuleList, owner.module.get_submodule(owner.plan.blocks)))
             # each pipeline stage is an FSDP root of its own (one stage per rank: the model itself)
             stage_roots = [s.module for s in done.stages] if done.stages else [owner.module]
-            apply_data_parallel(stage_roots, list(blocks), dp_mesh, layout, precision, options.data.zero_stage)
+            apply_data_parallel(stage_roots, blocks, dp_mesh, layout, precision, options.data.zero_stage)
         for unit in _units_outside_owners(root, "", owners):
             apply_data_parallel([unit], [], dp_mesh, layout, precision, options.data.zero_stage)
         # several stages per rank: each stage's view is an FSDP root outside the model's tree, hooked too

@@ -125,7 +125,7 @@ def apply_compile(blocks: Sequence[nn.Module], backend: str, fullgraph: bool = F
     for block in blocks:
         # prepend: before activation checkpointing's hook, so recomputation sees the settled input too
         block.register_forward_pre_hook(_settle_async_collectives, prepend=True, with_kwargs=True)
-        block.forward = torch.compile(block.forward, backend=backend, fullgraph=fullgraph)  # type: ignore[method-assign]
+        block.forward = torch.compile(block.forward, backend=backend, fullgraph=fullgraph)
 
 
 def enable_async_tp(tp_mesh: DeviceMesh) -> None:

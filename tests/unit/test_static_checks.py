@@ -1,5 +1,6 @@
 """The static checks CI runs with the suite, each as a subprocess from the repository root with the configuration in
-pyproject.toml, failing with its report: the type checker (mypy, [tool.mypy]: lit_mesh/)."""
+pyproject.toml, failing with its report: the linter and the formatter (ruff, [tool.ruff]: the whole repository) and
+the type checker (mypy, [tool.mypy]: lit_mesh/)."""
 
 from __future__ import annotations
 
@@ -25,3 +26,17 @@ def test_mypy_passes() -> None:
     result = _run("mypy", "--config-file", "pyproject.toml")
     if result.returncode != 0:
         pytest.fail(f"mypy (pyproject.toml [tool.mypy]) reports:\n{result.stdout}{result.stderr}", pytrace=False)
+
+
+def test_ruff_lint_passes() -> None:
+    result = _run("ruff", "check", ".")
+    if result.returncode != 0:
+        pytest.fail(
+            f"ruff check (pyproject.toml [tool.ruff.lint]) reports:\n{result.stdout}{result.stderr}", pytrace=False
+        )
+
+
+def test_ruff_format_is_applied() -> None:
+    result = _run("ruff", "format", "--check", ".")
+    if result.returncode != 0:
+        pytest.fail(f"ruff format --check: run `ruff format .`:\n{result.stdout}{result.stderr}", pytrace=False)
