@@ -28,7 +28,7 @@ attention.py (the three styles) and kernels.py (their block kernels), rules.py (
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, Optional
+from typing import Any, Optional, cast
 
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -105,7 +105,7 @@ def _swap_attention(module: nn.Module, mode: ContextParallelAttention) -> None:
             )
         return out
 
-    module.forward = forward  # type: ignore[method-assign]
+    module.forward = forward
 
 
 def _positions_hook(keyword: str, cp: int, rank: int, load_balanced: bool, input_shards: int) -> Callable:
@@ -151,7 +151,7 @@ def apply_context_parallel(
     if problem is not None:
         raise PlanError(problem)
     group, rank = cp_mesh.get_group(), cp_mesh.get_local_rank()
-    for index, block in enumerate(model.get_submodule(plan.blocks)):
+    for index, block in enumerate(cast(nn.ModuleList, model.get_submodule(plan.blocks))):  # a ModuleList
         where = f"{name}.{plan.blocks}.{index}.{attention_name}"
         try:
             attention = block.get_submodule(attention_name)

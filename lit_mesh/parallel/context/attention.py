@@ -134,6 +134,7 @@ class _RingAttention(torch.autograd.Function):
             dkv_pending = ring.start(dkv, tag=1)
             if kv_pending is not None:
                 kv = _RingExchange.finish(kv_pending)
+        assert dkv_pending is not None, "cp >= 1: the loop ran and sent the accumulator on"
         dkv = _RingExchange.finish(dkv_pending)
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None
 

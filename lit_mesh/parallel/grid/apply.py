@@ -16,7 +16,7 @@ summed over the layout's batch dims in backward (SumGradOver). The activations b
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Optional, cast
 
 import torch
 import torch.distributed as dist
@@ -71,7 +71,7 @@ class GridRMSNorm(nn.Module):
             squares = _AllReduceSum.apply(squares, self.features)
         eps = torch.finfo(x.dtype).eps if self.eps is None else self.eps
         y = (x.float() * torch.rsqrt(squares / self.dim + eps)).type_as(x)
-        return y * SumGradOver.apply(self.weight.to_local(), self.batch)
+        return y * SumGradOver.apply(cast(DTensor, self.weight).to_local(), self.batch)
 
 
 class _AllReduceSum(torch.autograd.Function):
@@ -110,7 +110,7 @@ class GridEmbedding(nn.Module):
                 f" over {' x '.join(self.layout.batch)}); use a batch size that is a multiple of {blocks}, e.g. {fits}"
             )
         local = local_block(tokens, self.grid, 0, self.layout.batch)
-        return nn.functional.embedding(local, SumGradOver.apply(self.weight.to_local(), self.batch))
+        return nn.functional.embedding(local, SumGradOver.apply(cast(DTensor, self.weight).to_local(), self.batch))
 
 
 class _GatherLayout(torch.autograd.Function):
@@ -151,8 +151,8 @@ class GridHead(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         h = _GatherLayout.apply(x, self.grid, self.layout)
-        bias = None if self.bias is None else self.bias.to_local()
-        return nn.functional.linear(h, self.weight.to_local(), bias)
+        bias = None if self.bias is None else cast(DTensor, self.bias).to_local()
+        return nn.functional.linear(h, cast(DTensor, self.weight).to_local(), bias)
 
 
 def _replace(owner: nn.Module, name: str, make: Any) -> None:
@@ -174,11 +174,11 @@ def grid_divides_problem(model: nn.Module, plan: ParallelPlan, mode: str, depth:
     ffn hidden) and every grid linear's features."""
     model_name = type(model).__name__
     sizes = {what: size for what, size in plan.tp.divides.items() if what not in _WHOLE}
-    blocks = list(model.get_submodule(plan.blocks))
+    blocks = list(cast(nn.ModuleList, model.get_submodule(plan.blocks)))  # a plan's blocks module is a ModuleList
     for block in blocks[:1]:
         for name, style in plan.tp.block.items():
             if style in _LINEAR_STYLES and _has(block, name):
-                linear = block.get_submodule(name)
+                linear = cast(nn.Linear, block.get_submodule(name))  # a linear style names an nn.Linear (_expect)
                 sizes[f"{name} in_features"], sizes[f"{name} out_features"] = linear.in_features, linear.out_features
     for what, size in sizes.items():
         if size % q:
@@ -225,7 +225,7 @@ def apply_tensor_grid(model: nn.Module, plan: ParallelPlan, grid: TPGrid, scheme
         raise PlanError(problem)
     layout = scheme.layout(grid)
     targets = [(model, name, style) for name, style in plan.tp.root.items()]
-    for block in model.get_submodule(plan.blocks):
+    for block in cast(nn.ModuleList, model.get_submodule(plan.blocks)):  # a plan's blocks module is a ModuleList
         targets += [(block, name, style) for name, style in plan.tp.block.items() if _has(block, name)]
     for owner, name, style in targets:
         if style in _NO_OP_STYLES or not _has(owner, name):
@@ -264,6 +264,7 @@ def average_over_replicas(owners: list[Any], group: dist.ProcessGroup) -> None:
     def average(param: Tensor) -> None:
         with torch.no_grad():
             grad = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
+            assert grad is not None, "a post-accumulate-grad hook runs once the gradient is accumulated"
             dist.all_reduce(grad, group=group)
             grad.div_(size)
 

@@ -19,12 +19,14 @@ all-reduced over j, its weight's gradient summed over (i, l).
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed import ProcessGroup
 from torch.distributed import _functional_collectives as funcol
-from torch.distributed.tensor import Placement, Shard
+from torch.distributed.tensor import DTensor, Placement, Shard
 
 from lit_mesh.errors import PlanError
 from lit_mesh.parallel.grid.grid import ActivationLayout, TPGrid, grid_parameter
@@ -61,7 +63,7 @@ class _Matmul3D(torch.autograd.Function):
     `contract`; backward: dy gathered over `contract`, dx reduce-scattered over the other dim, dw over i."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, w: torch.Tensor, grid: TPGrid, contract: str) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor, grid: TPGrid, contract: str) -> torch.Tensor:
         w_dim = 1 if contract == J else 0
         x_block = _gather(x, 0, _group(grid, _OTHER[contract]))  # A_ij (in layout B: its mirror)
         w_block = _gather(w, w_dim, _group(grid, I))  # B_jl
@@ -70,7 +72,7 @@ class _Matmul3D(torch.autograd.Function):
         return _scatter(F.linear(x_block, w_block), 0, _group(grid, contract))
 
     @staticmethod
-    def backward(ctx, grad_y: torch.Tensor):  # type: ignore[override]
+    def backward(ctx, grad_y: torch.Tensor):
         x_block, w_block = ctx.saved_tensors
         grid, contract = ctx.grid, ctx.contract
         grad_block = _gather(grad_y, 0, _group(grid, contract))
@@ -83,6 +85,11 @@ class _Matmul3D(torch.autograd.Function):
 class Linear3D(nn.Module):
     """A bias-free nn.Linear on the 3-D grid: "colwise" takes LAYOUT_A to LAYOUT_B, "rowwise" B to A. `weight` is a
     DTensor of the full (out, in) shape, so state dict names and shapes are those of the nn.Linear it replaces."""
+
+    grid: TPGrid
+    style: str
+    contract: str
+    weight: nn.Parameter
 
     def __init__(self, linear: nn.Linear, grid: TPGrid, style: str, name: str | None = None) -> None:
         super().__init__()
@@ -100,7 +107,7 @@ class Linear3D(nn.Module):
         self.weight = grid_parameter(linear.weight, grid, weight_placements(self.contract))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w = self.weight.to_local()
+        w = cast(DTensor, self.weight).to_local()  # grid_parameter's Parameter wraps a DTensor
         if torch.is_autocast_enabled(x.device.type):  # as nn.Linear under autocast: the blocks move in its dtype
             dtype = torch.get_autocast_dtype(x.device.type)
             x, w = x.to(dtype), w.to(dtype)

@@ -86,7 +86,7 @@ RULES: list[Rule] = [
         "tp_grid_shape",
         "init",
         lambda f: _grid_problem(f, f.degrees.get("tp")) is not None,
-        lambda f: _grid_problem(f, f.degrees.get("tp")),
+        lambda f: _grid_problem(f, f.degrees.get("tp")) or "",  # only called when broken: never None then
     ),
     Rule(
         # the grid schemes split the batch and the features of every activation themselves; the techniques below
@@ -105,7 +105,7 @@ RULES: list[Rule] = [
         "tp_grid_shape_resolved",
         "launch",  # tp="auto" (the devices of a node) resolved
         lambda f: _grid_problem(f, f.layout.tp) is not None,
-        lambda f: _grid_problem(f, f.layout.tp),
+        lambda f: _grid_problem(f, f.layout.tp) or "",  # only called when broken: never None then
     ),
     Rule(
         # sharded data parallelism runs on FSDP2, which does not take parameters that are DTensors on the grid's mesh;

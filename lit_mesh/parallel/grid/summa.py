@@ -16,12 +16,12 @@ The forward's broadcast X blocks are not kept: backward broadcasts them again (m
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Optional, cast
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from lit_mesh.parallel.grid.grid import ActivationLayout, TPGrid, grid_parameter
 
@@ -110,13 +110,13 @@ class SummaLinear(nn.Module):
             self.register_parameter("bias", None)
 
     def forward(self, x: Tensor) -> Tensor:
-        w = self.weight.to_local()
+        w = cast(DTensor, self.weight).to_local()  # grid_parameter's Parameter wraps a DTensor
         if torch.is_autocast_enabled(x.device.type):  # as nn.Linear under autocast: the matmul in its dtype
             dtype = torch.get_autocast_dtype(x.device.type)
             x, w = x.to(dtype), w.to(dtype)
         y = summa_matmul(x, w, self.grid)
         if self.bias is not None:
-            y = y + SumGradOver.apply(self.bias.to_local(), self.batch_group)
+            y = y + SumGradOver.apply(cast(DTensor, self.bias).to_local(), self.batch_group)
         return y
 
     def extra_repr(self) -> str:
