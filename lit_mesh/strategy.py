@@ -294,7 +294,8 @@ class MeshStrategy(ModelParallelStrategy):
             )
             carry_moe_statistics(self._pipeline, done.owners[0], self.mesh_views.dp_cp.get_group())
         self.precision_plugin = with_global_norm_clipping(self.precision_plugin)
-        self.precision_plugin.stage_group = self._pipeline  # type: ignore[attr-defined]  # GlobalNormClipping's.clip_group if self._pipeline is not None else None
+        stage_group = self._pipeline.clip_group if self._pipeline is not None else None
+        self.precision_plugin.stage_group = stage_group  # type: ignore[attr-defined]  # GlobalNormClipping's attribute
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self._base_accumulation = self._base_accumulation or trainer.accumulate_grad_batches
