@@ -100,10 +100,14 @@ class PipelinePlan:
     last:  direct children that run after the blocks (final norm, output head).
     A stage sets the ones it does not hold to None, so the forward must skip None modules and pass hidden
     states through (see zoo/gpt.py). Empty: the model cannot be pipelined.
+    balance: how stages share the blocks when pp_split is not given: "blocks" (as many blocks each, counting
+    first and last as one block each) or "parameters" (as many parameters each: blocks of unequal sizes, such as
+    the children of a plain nn.Sequential).
     """
 
     first: Sequence[str] = ()
     last: Sequence[str] = ()
+    balance: Literal["blocks", "parameters"] = "blocks"
 
 
 @dataclass(frozen=True)
@@ -151,7 +155,8 @@ class MoEPlan:
 class ParallelPlan:
     """A model's parallel layout, by module name.
 
-    blocks: dotted path of the ModuleList of repeated blocks: the FSDP units (and what pipeline stages cut).
+    blocks: dotted path of the ModuleList of repeated blocks: the FSDP units (and what pipeline stages cut);
+            "" for an nn.Sequential whose own children are the blocks (lit_mesh/parallel/pipeline/sequential.py).
     init:   (parameter-name glob, Init) rules, first match wins: how each parameter starts, so a sharded
             model materialised on many ranks equals the single-device one. Empty: the model's own init.
     tp, pp, cp: what tensor, pipeline and context parallelism need; the defaults declare nothing.

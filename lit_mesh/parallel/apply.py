@@ -27,10 +27,12 @@ from lit_mesh.parallel.data import apply_data_parallel, attach_compression, data
 from lit_mesh.parallel.expert import adapt_moe_layers, apply_expert_parallel, expert_modules, shard_experts
 from lit_mesh.parallel.grid import average_over_replicas, parallelize_grid
 from lit_mesh.parallel.pipeline.schedules import PipelineSettings
+from lit_mesh.parallel.pipeline.sequential import sequential_owners
 from lit_mesh.parallel.pipeline.split import (
     Stage,
     balanced_split,
     check_split,
+    parameter_balanced_split,
     pass_global_positions,
     split_into_stages,
     stage_ranks,
@@ -105,7 +107,13 @@ def split_pipeline(
     pp_mesh = mesh[MeshAxis.PP]
     pp = pp_mesh.size()
     n_stages = pp * pipeline.local_stages()
-    split = check_split(pipeline.split, n_blocks, n_stages) if pipeline.split else balanced_split(n_blocks, n_stages)
+    if pipeline.split:
+        split = check_split(pipeline.split, n_blocks, n_stages)
+    elif owner.plan.pp.balance == "parameters":
+        sizes = [sum(p.numel() for p in block.parameters()) for block in owner.module.get_submodule(owner.plan.blocks)]
+        split = parameter_balanced_split(sizes, n_stages)
+    else:
+        split = balanced_split(n_blocks, n_stages)
     ranks = stage_ranks(n_stages, pp, pipeline.placement)
     stages = split_into_stages(owner.module, owner.plan, split, ranks, pp_mesh.get_local_rank())
     return Parallelized(owners, stages, ranks)
@@ -127,6 +135,8 @@ def parallelize(
     layout = mesh.layout
     self_parallelised = is_user_parallelised(root)
     owners = [] if self_parallelised else find_plan_owners(root)
+    if not owners and not self_parallelised and layout.pp > 1:  # no plan: a plain nn.Sequential is cut by children
+        owners = sequential_owners(root)
     check(
         "setup",
         Facts(

@@ -233,7 +233,8 @@ CASES: dict[str, tuple[Facts, str, Facts]] = {
     ),
     "pp_needs_one_plan": (
         setup(PP2, [owner(), owner()]),
-        "pp > 1 pipelines one model that declares parallel_plan(); Net has ['model', 'model']",
+        "pp > 1 pipelines one model that declares parallel_plan() (or, without one, one nn.Sequential); Net has"
+        " ['model', 'model']",
         setup(PP2, [owner()]),
     ),
     "pp_moe_needs_stage_plan": (

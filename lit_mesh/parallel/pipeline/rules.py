@@ -186,9 +186,9 @@ RULES: list[Rule] = [
         "setup",
         lambda f: not f.self_parallelised and f.layout.pp > 1 and len(f.owners) != 1,
         lambda f: (
-            f"pp > 1 pipelines one model that declares parallel_plan(); {f.model_name} has"
-            f" {[o.name for o in f.owners] or 'none'}. Declare a plan on the network (see examples/own_model_plan.py),"
-            " or use pp=1"
+            f"pp > 1 pipelines one model that declares parallel_plan() (or, without one, one nn.Sequential);"
+            f" {f.model_name} has {[o.name for o in f.owners] or 'none'}. Declare a plan on the network (see"
+            " examples/own_model_plan.py), hold it as one nn.Sequential (examples/pipeline_sequential.py), or use pp=1"
         ),
         PlanError,
     ),

@@ -46,6 +46,44 @@ def balanced_split(n_blocks: int, n_stages: int) -> list[int]:
     raise AssertionError("unreachable: cap = units always fits")
 
 
+def parameter_balanced_split(sizes: Sequence[int], n_stages: int) -> list[int]:
+    """Blocks per stage, contiguous, making the largest stage's parameter count as small as it can be (`sizes`: the
+    blocks' parameter counts). A stage begins only at a block with parameters: parameter-free blocks (activations,
+    pooling, flattening) stay with the block before them, where the data they act on is."""
+    # units: a block with parameters and the parameter-free blocks after it (leading ones join the first unit)
+    unit_starts = [0] + [i for i, size in enumerate(sizes) if i > 0 and size > 0]
+    if n_stages > len(unit_starts):
+        raise PipelineConfigError(
+            f"{n_stages} pipeline stages but the model has {len(unit_starts)} block(s) with parameters to start them"
+            f" ({len(sizes)} blocks in all); choose pp x pp_stages_per_rank <= {len(unit_starts)}, or give pp_split"
+        )
+    bounds = [*unit_starts, len(sizes)]
+    units = [sum(sizes[a:b]) for a, b in zip(bounds, bounds[1:])]
+
+    def fill(cap: int) -> list[int] | None:
+        """Units per stage, each stage taking as many as fit under `cap` while leaving one for every later stage."""
+        counts, at = [], 0
+        for stage in range(n_stages):
+            stages_after, took, cost = n_stages - stage - 1, 0, 0
+            while at + took < len(units) - stages_after and (took == 0 or cost + units[at + took] <= cap):
+                cost += units[at + took]
+                took += 1
+            if cost > cap:
+                return None
+            counts.append(took)
+            at += took
+        return counts if at == len(units) else None
+
+    low, high = max(units), sum(units)  # the smallest cap that fits: a binary search (fill is monotone in cap)
+    while low < high:
+        middle = (low + high) // 2
+        low, high = (low, middle) if fill(middle) is not None else (middle + 1, high)
+    per_stage = fill(low)
+    assert per_stage is not None, "the sum of all units always fits"
+    starts = [sum(per_stage[:s]) for s in range(n_stages)]
+    return [bounds[start + n] - bounds[start] for start, n in zip(starts, per_stage)]
+
+
 def check_split(split: Sequence[int], n_blocks: int, n_stages: int) -> list[int]:
     """An explicit split (blocks per stage) must have one entry per stage and cover every block once."""
     split = list(split)
@@ -88,6 +126,9 @@ def _view(module: nn.Module) -> nn.Module:
 
 
 def _keep_blocks(module: nn.Module, blocks_attr: str, keep: set[int]) -> None:
+    if not blocks_attr:  # an nn.Sequential whose own children are the blocks: it keeps its stage's, by their names
+        module._modules = {name: child for i, (name, child) in enumerate(module._modules.items()) if i in keep}
+        return
     blocks = cast(nn.ModuleList, module.get_submodule(blocks_attr))  # the plan's blocks: a ModuleList
     kept = nn.ModuleList()
     # keep the original indices as names ("layers.5" stays "layers.5" on every layout), so checkpoints and
