@@ -1,11 +1,13 @@
 """The user-model examples train the same on every layout: per-step losses of multi-rank runs equal the
 single-device run (fp32: relative 1e-4 per step over 10 steps).
 
-Three launches in all (imports cost most of the time on CPU):
+Four launches in all (imports cost most of the time on CPU):
 - one plain process runs every example on 1 device;
 - one torchrun launch with 2 processes runs every example on each 2-rank layout it supports;
 - the way users run it: `python examples/own_model_plan.py --devices 4 --tp 2`, Lightning spawning the ranks
-  (FSDP over 2 x TP/SP over 2).
+  (FSDP over 2 x TP/SP over 2);
+- one launch with 4 processes trains the plain nn.Sequential of examples/pipeline_sequential.py on pp=4 (and pp=2 x
+  dp=2) with each schedule that runs its backward whole, and one that splits it (zbv).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ SINGLE = {
     "own-lazy": ("own_model.py", ["--devices", "1", "--lazy"]),
     "plan": ("own_model_plan.py", ["--devices", "1"]),
     "configure": ("own_model_configure.py", ["--devices", "1"]),
+    "sequential": ("pipeline_sequential.py", ["--devices", "1"]),
 }
 # name: (script, flags, the single-device run it must match)
 TWO_RANKS = {
@@ -38,6 +41,25 @@ TWO_RANKS = {
     "configure-tp2": ("own_model_configure.py", ["--devices", "2", "--tp", "2"], "configure"),
     "configure-dp2": ("own_model_configure.py", ["--devices", "2"], "configure"),
 }
+SEQ = "pipeline_sequential.py"
+FOUR_RANKS = {
+    "sequential-pp4-1f1b": (SEQ, ["--devices", "4", "--pp", "4"], "sequential"),
+    # children per stage given by hand: the first stage holds two convolution stages
+    "sequential-pp4-gpipe-split": (
+        SEQ,
+        ["--devices", "4", "--pp", "4", "--schedule", "gpipe", "--split", "6,3,3,2"],
+        "sequential",
+    ),
+    # two stages per rank, x 2 data-parallel replicas (FSDP units: the Sequential's children)
+    "sequential-pp2-dp2-interleaved": (
+        SEQ,
+        ["--devices", "4", "--pp", "2", "--schedule", "interleaved_1f1b"],
+        "sequential",
+    ),
+    "sequential-pp2-dp2-looped_bfs": (SEQ, ["--devices", "4", "--pp", "2", "--schedule", "looped_bfs"], "sequential"),
+    "sequential-pp2-dp2-zbv": (SEQ, ["--devices", "4", "--pp", "2", "--schedule", "zbv"], "sequential"),
+}
+TWO_BW = ("sequential-pp4-2bw", SEQ, ["--devices", "4", "--pp", "4", "--schedule", "2bw"])  # one step late: own check
 USER_PATH = ("plan-dp2-tp2-spawned", "own_model_plan.py", ["--devices", "4", "--tp", "2"], "plan")
 
 
@@ -66,6 +88,14 @@ def losses(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
     return {p.stem: json.loads(p.read_text()) for p in out.glob("*.json") if p.stem not in ("single", "two")}
 
 
+@pytest.fixture(scope="module")
+def pipeline_losses(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
+    out = tmp_path_factory.mktemp("pipeline_examples")
+    runs = {**FOUR_RANKS, TWO_BW[0]: (*TWO_BW[1:], "")}
+    _check(launch(4, "examples_runs.py", str(out), str(_spec(out, "four", runs)), timeout=420), "4-process runs")
+    return {p.stem: json.loads(p.read_text()) for p in out.glob("*.json") if p.stem != "four"}
+
+
 def assert_same_losses(expected: list[float], got: list[float], what: str) -> None:
     assert len(got) == len(expected) == STEPS, f"{what}: {len(got)} steps vs {len(expected)}, want {STEPS}"
     for step, (e, g) in enumerate(zip(expected, got)):
@@ -88,6 +118,23 @@ def test_multi_rank_matches_single_device(losses: dict[str, dict], name: str) ->
     result = losses[name]
     assert result["world_size"] == (4 if name == USER_PATH[0] else 2)
     assert_same_losses(losses[reference]["losses"], result["losses"], name)
+
+
+@pytest.mark.parametrize("name", FOUR_RANKS)
+def test_pipelined_sequential_matches_single_device(
+    losses: dict[str, dict], pipeline_losses: dict[str, dict], name: str
+) -> None:
+    result = pipeline_losses[name]
+    assert result["world_size"] == 4
+    assert_same_losses(losses[FOUR_RANKS[name][2]]["losses"], result["losses"], name)
+
+
+def test_pipelined_sequential_trains_with_2bw(losses: dict[str, dict], pipeline_losses: dict[str, dict]) -> None:
+    """PipeDream-2BW applies each batch's gradient one step late: the first loss (the starting weights) is the
+    single device's, the later ones are not."""
+    single, late = losses["sequential"]["losses"], pipeline_losses[TWO_BW[0]]["losses"]
+    assert len(late) == STEPS and abs(late[0] - single[0]) <= RTOL * abs(single[0]), (late, single)
+    assert all(abs(a - b) > RTOL * abs(b) for a, b in zip(late[2:], single[2:])), (late, single)
 
 
 def test_comparison_detects_a_different_run(losses: dict[str, dict]) -> None:
