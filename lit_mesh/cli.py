@@ -139,16 +139,11 @@ def lightning_cli(args: list[str] | None) -> Any:
 
 def main() -> None:
     """The console script (its return value would become the exit status)."""
-    from lit_mesh.checkpoint import CheckpointError
-    from lit_mesh.reliability.hangs import CollectiveHangError
-
     try:
         run(sys.argv[1:], from_command_line=True)
-    except CheckpointError as error:
-        exit_once(error)
-    except CollectiveHangError as error:  # every rank says it; no barrier, no teardown: a peer is stuck
-        print(f"lit-mesh: {type(error).__name__}: {error}", file=sys.stderr, flush=True)
-        os._exit(1)
+    except Exception as error:
+        end_on_known_error(error)
+        raise
     if close_process_groups():
         # the run is complete (loggers and checkpoints finalised at teardown); under load torch 2.13 + gloo can
         # still abort in interpreter shutdown ("terminate called without an active exception", a joinable native
@@ -156,6 +151,20 @@ def main() -> None:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)
+
+
+def end_on_known_error(error: Exception) -> None:
+    """A checkpoint error ends every rank with one message; a hung collective ends this rank at once; any other error
+    returns (to be raised). The error classes are imported here, when something was raised: they load torch and
+    Lightning, which `lit-mesh --help` must not wait for."""
+    from lit_mesh.checkpoint import CheckpointError
+    from lit_mesh.reliability.hangs import CollectiveHangError
+
+    if isinstance(error, CheckpointError):
+        exit_once(error)
+    if isinstance(error, CollectiveHangError):  # every rank says it; no barrier, no teardown: a peer is stuck
+        print(f"lit-mesh: {type(error).__name__}: {error}", file=sys.stderr, flush=True)
+        os._exit(1)
 
 
 def exit_once(error: Exception) -> None:

@@ -1,4 +1,5 @@
-"""`import lit_mesh` and `lit-mesh plan --help` stay free of torch and Lightning (the help answers at once), and
+"""`import lit_mesh`, `lit-mesh --help`, `--version` and `lit-mesh plan --help` stay free of torch and Lightning (the
+help answers at once: under 2 s where importing torch and Lightning alone takes longer), and
 `import lit_mesh` still makes `Trainer(strategy="mesh")` work when Lightning is imported afterwards."""
 
 from __future__ import annotations
@@ -8,17 +9,19 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]  # the repository (this file: tests/unit/)
 
 SCRIPT = """
 import contextlib, io, sys
 import lit_mesh
-from lit_mesh.cli import run
-with contextlib.redirect_stdout(io.StringIO()) as help_text, contextlib.suppress(SystemExit):
-    run(["plan", "--help"])
-assert "--seq-len" in help_text.getvalue()
-heavy = sorted(m for m in ("torch", "lightning", "zoo", "yaml") if m in sys.modules)
-assert not heavy, f"plan --help imported {heavy}"
+from lit_mesh.cli import main, run
+for argv, expected in ((["--help"], "subcommands:"), (["--version"], "lit-mesh "), (["plan", "--help"], "--seq-len")):
+    sys.argv = ["lit-mesh", *argv]  # the console script's own way in, main()
+    with contextlib.redirect_stdout(io.StringIO()) as help_text, contextlib.suppress(SystemExit):
+        main()
+    assert expected in help_text.getvalue(), (argv, help_text.getvalue())
+    heavy = sorted(m for m in ("torch", "lightning", "zoo", "yaml") if m in sys.modules)
+    assert not heavy, f"lit-mesh {' '.join(argv)} imported {heavy}"
 from lightning.pytorch import Trainer
 trainer = Trainer(accelerator="cpu", devices=1, strategy="mesh", logger=False, enable_progress_bar=False)
 assert type(trainer.strategy).__name__ == "MeshStrategy", trainer.strategy
