@@ -115,7 +115,12 @@ class HangWatch:
         return self
 
     def stop(self) -> None:
+        """End the watch; its thread is gone when this returns (no lit-mesh thread outlives fit, validate, test or
+        predict: Lightning's own test conftest fails a test that leaves one). The thread wakes at once from its
+        wait; the bound only covers a store call in flight when the peers are gone."""
         self._stop.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout=2 * self.poll + 5)
 
     # ---- every rank's progress, asked for only when a collective timed out (a dump costs ~0.5 s of CPU) -------
 

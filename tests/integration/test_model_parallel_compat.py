@@ -1,6 +1,7 @@
 """Lightning 2.6's ModelParallelStrategy integration tests with MeshStrategy in its place, and the crossings
 between the two strategies, on 2 CPU ranks in one launch (tests/workers/model_parallel_compat.py). The list of
-intended differences is in tests/unit/test_model_parallel_compat.py's docstring."""
+intended differences is in tests/unit/test_model_parallel_compat.py's docstring. Every scenario runs under
+Lightning's zombie-thread check in each rank (tests/thread_police.py), as Lightning's conftest runs its tests."""
 
 from __future__ import annotations
 
@@ -120,3 +121,12 @@ def test_16_true_trains_sharded_in_fp16(ranks: list[dict]) -> None:
     seen = _value(ranks, "scenario_16_true")
     assert seen["dtype"] == "torch.float16" and seen["sharded"]
     assert len(seen["losses"]) == 2 and all(0 < loss < 1e3 for loss in seen["losses"])
+
+
+def test_no_thread_is_left_after_any_loop_or_an_exception(ranks: list[dict]) -> None:
+    """Lightning's zombie-thread check (tests/thread_police.py) holds after each scenario above, and here after fit,
+    validate, test and predict return and after fit raises; the HangWatch thread did run inside them."""
+    seen = _value(ranks, "scenario_no_thread_left")
+    assert seen["left"] == {name: [] for name in ("fit", "validate", "test", "predict", "fit raising")}, seen
+    assert seen["raised"] == "a planned failure in training_step", seen
+    assert seen["lit_mesh_threads_inside"] == ["lit_mesh.HangWatch"], seen

@@ -26,6 +26,7 @@ that assert CUDA devices (test_modules_without_parameters, test_module_init_cont
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 from re import escape
@@ -43,6 +44,15 @@ from lit_mesh import MeshStrategy
 from lit_mesh.init import materialize
 from lit_mesh.mesh import MeshConfigError
 from lit_mesh.parallel.tensor import PlanError
+from tests.thread_police import no_zombie_threads
+
+
+@pytest.fixture(autouse=True)
+def thread_police() -> Iterator[None]:
+    """Lightning's conftest check, around every test here as around Lightning's own (tests/thread_police.py)."""
+    with no_zombie_threads():
+        yield
+
 
 NO_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="asserts CUDA devices; needs 2 GPUs")
 SLOW_COMPILE = "inductor compiles for minutes on the shared 2-core CPU machine; run on a GPU machine"

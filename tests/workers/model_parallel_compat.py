@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import threading
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -29,6 +30,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from lit_mesh import MeshStrategy
 from lit_mesh.checkpoint import OPTIMIZER_STATE_OPTIONS
+from tests.thread_police import no_zombie_threads, zombie_threads
 from tests.workers import exit_skipping_teardown
 
 OUT = Path(sys.argv[1])
@@ -538,6 +540,70 @@ def scenario_16_true(tmp: Path) -> dict[str, Any]:
     return seen
 
 
+class Watched(UserFSDP):
+    """UserFSDP left to MeshStrategy's sharding. Records the names of the threads alive inside its steps; fails at `fail_at` (a step) when given."""
+
+    def __init__(self, fail_at: int | None = None) -> None:
+        super().__init__()
+        self.fail_at = fail_at
+        self.threads_inside: set[str] = set()
+
+    def configure_model(self) -> None:  # MeshStrategy shards the plain model itself, once for every loop
+        pass
+
+    def _look(self) -> None:
+        self.threads_inside |= {t.name for t in threading.enumerate()}
+
+    def training_step(self, batch: Any) -> torch.Tensor:
+        self._look()
+        if self.global_step == self.fail_at:
+            raise RuntimeError("a planned failure in training_step")
+        return super().training_step(batch)
+
+    def validation_step(self, batch: Any) -> torch.Tensor:
+        self._look()
+        x, y = batch
+        return F.mse_loss(self.model(x), y)
+
+    test_step = validation_step
+
+    def predict_step(self, batch: Any) -> torch.Tensor:
+        self._look()
+        return self.model(batch[0])
+
+
+def scenario_no_thread_left(tmp: Path) -> dict[str, Any]:
+    """After fit, validate, test and predict return, and after fit ends in an exception, no thread of MeshStrategy
+    runs (its HangWatch runs during them)."""
+    left: dict[str, list[str]] = {}
+    model = Watched()
+    trainer = Trainer(
+        accelerator="cpu", devices=2, strategy=MeshStrategy(dp=2), max_steps=2, default_root_dir=tmp, **QUIET
+    )
+    for name, call in (
+        ("fit", lambda: trainer.fit(model, _data(), _data())),
+        ("validate", lambda: trainer.validate(model, _data())),
+        ("test", lambda: trainer.test(model, _data())),
+        ("predict", lambda: trainer.predict(model, _data())),
+    ):
+        before = set(threading.enumerate())
+        call()
+        left[name] = zombie_threads(before)
+    failing = Watched(fail_at=1)
+    trainer = Trainer(
+        accelerator="cpu", devices=2, strategy=MeshStrategy(dp=2), max_steps=4, default_root_dir=tmp, **QUIET
+    )
+    before = set(threading.enumerate())
+    try:
+        trainer.fit(failing, _data())
+        raised = ""
+    except RuntimeError as error:
+        raised = str(error)
+    left["fit raising"] = zombie_threads(before)
+    inside = sorted(n for n in model.threads_inside | failing.threads_inside if n.startswith("lit_mesh"))
+    return {"left": left, "raised": raised, "lit_mesh_threads_inside": inside}
+
+
 SCENARIOS = [
     test_tensor_parallel,
     test_strategy_state_dict_sharded,
@@ -549,6 +615,7 @@ SCENARIOS = [
     scenario_weights_kept,
     scenario_mesh_names,
     scenario_16_true,
+    scenario_no_thread_left,
 ]
 
 
@@ -562,7 +629,8 @@ def main() -> None:
         tmp = OUT / scenario.__name__
         tmp.mkdir(parents=True, exist_ok=True)
         try:
-            value = scenario(tmp)
+            with no_zombie_threads():  # Lightning's conftest check, around every test it ports
+                value = scenario(tmp)
             results[scenario.__name__] = {"ok": True, "value": value}
         except BaseException:  # noqa: BLE001 - DCP raises BaseException subclasses; recorded for the test to show
             results[scenario.__name__] = {"ok": False, "error": traceback.format_exc()[-3000:]}
