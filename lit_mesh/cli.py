@@ -122,6 +122,11 @@ def lightning_cli(args: list[str] | None) -> Any:
     import_cli_modules()  # the model families' modules (the zoo's), so that short class paths (--model=GPTModule) resolve
 
     class MeshCLI(LightningCLI):
+        def instantiate_trainer(self, **kwargs: Any) -> Any:
+            trainer = super().instantiate_trainer(**kwargs)
+            drop_monitors_without_logger(trainer)
+            return trainer
+
         def before_fit(self) -> None:  # LightningCLI calls before_<subcommand> when a subclass defines it
             # after a restart (torchrun --max-restarts, SLURM requeue): the newest complete checkpoint
             config = self.config_init[self.subcommand]
@@ -135,6 +140,18 @@ def lightning_cli(args: list[str] | None) -> Any:
         save_config_kwargs={"overwrite": True},
         args=args,
     )
+
+
+def drop_monitors_without_logger(trainer: Any) -> None:
+    """`--trainer.logger=false` with a recipe's LearningRateMonitor (or DeviceStatsMonitor): Lightning's monitors
+    refuse to start without a logger; with nothing to log to they have nothing to do, so the run goes on without them
+    (lit-mesh's own monitors skip their logging themselves)."""
+    from lightning.pytorch.callbacks import DeviceStatsMonitor, LearningRateMonitor
+
+    if not trainer.loggers:
+        trainer.callbacks = [
+            c for c in trainer.callbacks if not isinstance(c, (LearningRateMonitor, DeviceStatsMonitor))
+        ]
 
 
 def main() -> None:

@@ -10,6 +10,7 @@ extends it from 2D to the N-D mesh, with plans applied for the user.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Generator
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
@@ -212,10 +213,13 @@ class MeshStrategy(ModelParallelStrategy):
         use_watchdog_defaults(self._get_process_group_backend())  # NCCL's watchdog settings, before the group starts
         # torchrun --max-restarts: each attempt on its own rendezvous keys (lit_mesh/reliability/elastic.py says why)
         assert self.cluster_environment is not None  # set by the Trainer's accelerator connector
+        excepthook = sys.excepthook
         init_process_group_for_attempt(
             self.cluster_environment, self._get_process_group_backend(), self._timeout, self.root_device
         )
         super()._setup_distributed()
+        if self.world_size == 1:  # torch's hook prefixes each traceback line with "[rank0]:": one process, no ranks
+            sys.excepthook = excepthook
 
     @override
     def setup_environment(self) -> None:

@@ -100,3 +100,51 @@ def test_the_core_trains_with_no_extra_installed(tmp_path: Path) -> None:
     )
     proc = _without(",".join(EXTRAS), code)
     assert proc.returncode == 0 and "trained 2" in proc.stdout, proc.stderr[-4000:]
+
+
+def test_a_recipe_trains_without_a_logger_and_a_single_device_prints_no_rank_prefix(tmp_path: Path) -> None:
+    """`--trainer.logger=false`: the recipe's LearningRateMonitor and lit-mesh's monitors have nothing to log to and
+    step aside (Lightning's would stop the run); one device's output names no rank."""
+    proc = _lit_mesh(
+        "fit",
+        "-c",
+        str(REPO / "configs/gpt.yaml"),
+        "--trainer.logger=false",
+        "--trainer.callbacks+=lit_mesh.MeshMonitor",
+        "--trainer.max_steps=2",
+        "--trainer.val_check_interval=2",
+        "--trainer.limit_val_batches=1",
+        "--trainer.enable_checkpointing=false",
+        "--trainer.enable_progress_bar=false",
+        "--model.init_args.config_overrides={n_layers: 2}",
+        cwd=tmp_path,
+    )
+    text = proc.stdout + proc.stderr
+    assert "`Trainer.fit` stopped: `max_steps=2` reached" in text, text[-3000:]
+    assert "[rank" not in text, text[-3000:]
+
+
+_FAILING_FIT = """
+import torch
+from lightning.pytorch import Trainer
+from lightning.pytorch.demos.boring_classes import BoringModel
+from lit_mesh import MeshStrategy
+
+class Failing(BoringModel):
+    def training_step(self, batch, batch_idx):
+        raise RuntimeError("a planned failure")
+
+Trainer(accelerator="cpu", devices=1, strategy=MeshStrategy(), max_steps=1, logger=False,
+        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False).fit(Failing())
+"""
+
+
+def test_a_single_device_traceback_carries_no_rank_prefix(tmp_path: Path) -> None:
+    """torch prefixes every traceback line with "[rank0]:" once a process group starts; MeshStrategy keeps it only
+    where there are ranks to tell apart."""
+    proc = subprocess.run(
+        [sys.executable, "-c", _FAILING_FIT], capture_output=True, text=True, timeout=300, env=_user_env(), cwd=tmp_path
+    )
+    assert proc.returncode != 0 and "RuntimeError: a planned failure" in proc.stderr, proc.stderr[-3000:]
+    assert "Traceback (most recent call last)" in proc.stderr
+    assert "[rank" not in proc.stdout + proc.stderr, proc.stderr[-3000:]
