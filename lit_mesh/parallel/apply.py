@@ -110,7 +110,8 @@ def split_pipeline(
     if pipeline.split:
         split = check_split(pipeline.split, n_blocks, n_stages)
     elif owner.plan.pp.balance == "parameters":
-        sizes = [sum(p.numel() for p in block.parameters()) for block in owner.module.get_submodule(owner.plan.blocks)]
+        blocks = cast(nn.Sequential, owner.module.get_submodule(owner.plan.blocks))
+        sizes = [sum(p.numel() for p in block.parameters()) for block in blocks]
         split = parameter_balanced_split(sizes, n_stages)
     else:
         split = balanced_split(n_blocks, n_stages)

@@ -51,7 +51,7 @@ def parameter_balanced_split(sizes: Sequence[int], n_stages: int) -> list[int]:
     blocks' parameter counts). A stage begins only at a block with parameters: parameter-free blocks (activations,
     pooling, flattening) stay with the block before them, where the data they act on is."""
     # units: a block with parameters and the parameter-free blocks after it (leading ones join the first unit)
-    unit_starts = [0] + [i for i, size in enumerate(sizes) if i > 0 and size > 0]
+    unit_starts = [0] + [i for i, size in enumerate(sizes) if size > 0][1:]
     if n_stages > len(unit_starts):
         raise PipelineConfigError(
             f"{n_stages} pipeline stages but the model has {len(unit_starts)} block(s) with parameters to start them"
