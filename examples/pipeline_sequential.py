@@ -1,10 +1,10 @@
 """Pipeline parallel for a plain nn.Sequential: four convolution stages on images, cut across ranks without a plan.
 
-    python examples/pipeline_sequential.py --devices 4 --pp 4                     # one stage per rank, 1F1B
+    python examples/pipeline_sequential.py --devices 4 --pp 4                    # one stage per rank, 1F1B
     python examples/pipeline_sequential.py --devices 4 --pp 4 --schedule gpipe
-    python examples/pipeline_sequential.py --devices 4 --pp 2 --schedule interleaved_1f1b   # 2 stages per rank,
-                                                                                   # x 2 data-parallel replicas
-    python examples/pipeline_sequential.py --devices 4 --pp 4 --split 6,3,3,2    # children per stage, by hand
+    python examples/pipeline_sequential.py --devices 4 --pp 2 --schedule interleaved_1f1b  # 2 stages per rank, x 2
+                                                                                            # data-parallel replicas
+    python examples/pipeline_sequential.py --devices 4 --pp 4 --split 6,3,3,2   # children per stage, by hand
     python examples/pipeline_sequential.py --devices 1 --out single.json
 
 The network is the textbook one: an `nn.Sequential` of convolutions, activations and pooling, then a linear
@@ -19,8 +19,9 @@ micro-batches (forward and backward) and returns the batch's loss on every rank;
 
 The per-step losses equal a single-device run's (up to float rounding): the weights are made in `__init__` after
 `seed_everything`, and each data-parallel rank reads its slice of the same global batches (examples/_common.py).
-Every schedule that runs its backward whole trains this way ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs";
-"2bw" too, with each batch's gradient applied one step late). Rank 0 writes the per-step losses to `--out`.
+Every schedule trains this way: "gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", and the zero-bubble ones that
+split the backward ("zero_bubble", "zbv", "dualpipev"); "2bw" too, with each batch's gradient applied one step late.
+Rank 0 writes the per-step losses to `--out`.
 """
 
 from __future__ import annotations

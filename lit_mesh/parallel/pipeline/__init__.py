@@ -4,7 +4,8 @@
 - runner.py: this rank's stages and torch's schedule over the micro-batches (the batch's way in training);
 - twobw.py: PipeDream-2BW, the sibling runner (asynchronous 1F1B, updates one step late);
 - schedules.py: the schedules offered and `PipelineSettings`; rules.py: what they combine with;
-- split.py: which blocks each stage holds; p2p.py: tensors between stages; moe.py: pp x MoE's statistics.
+- split.py: which blocks each stage holds; sequential.py: a plain nn.Sequential cut by its children, without a plan;
+  p2p.py: tensors between stages; moe.py: pp x MoE's statistics.
 
 The names below import lazily from their module, so that lit_mesh.rules can read rules.py without the runners.
 """
@@ -35,6 +36,9 @@ _EXPORTS = {
     "PipelineConfigError": "split",
     "balanced_split": "split",
     "check_split": "split",
+    "parameter_balanced_split": "split",
+    "sequential_owners": "sequential",
+    "SEQUENTIAL_PLAN": "sequential",
     "stage_ranks": "split",
     "split_into_stages": "split",
     "carry_moe_statistics": "moe",

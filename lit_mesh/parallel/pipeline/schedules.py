@@ -59,7 +59,8 @@ class PipelineSettings:
     )
     split: Optional[tuple[int, ...]] = option(
         None,
-        doc="blocks per stage, e.g. [3, 5]; default: balanced, counting embedding and head as one block each.",
+        doc="blocks per stage, e.g. [3, 5]; default: balanced, counting embedding and head as one block each (an"
+        " nn.Sequential without a plan: children per stage; default: balanced by parameter count).",
         arg="pp_split",
         accepts=Optional[list[int]],  # a tuple once checked (check_pipeline_settings)
     )
