@@ -168,7 +168,8 @@ def balance_run(args: argparse.Namespace, bias_rate: float, aux_coef: float) -> 
     data = TextDataModule(global_batch_size=args.balance_batch, seq_len=args.balance_seq_len)
     record = Imbalance()
     kwargs = C.trainer_kwargs(1, args.balance_steps, [record])
-    L.Trainer(**{**kwargs, "strategy": "auto"}).fit(module, data)
+    # every step logs: MoEModule logs moe/imbalance on logging steps only, and this records it per step
+    L.Trainer(**{**kwargs, "strategy": "auto", "log_every_n_steps": 1}).fit(module, data)
     steps = record.per_step
     tail = max(1, len(steps) // 3)
     return {

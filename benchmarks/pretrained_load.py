@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import sys
 import tempfile
-from pathlib import Path
 from typing import Any
 
 import lightning as L

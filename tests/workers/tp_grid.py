@@ -11,7 +11,6 @@ import copy
 import dataclasses
 import functools
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from torch import nn
