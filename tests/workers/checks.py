@@ -6,15 +6,21 @@ function's name), then, on every rank, runs the checks the test session selected
     python tests/workers/NAME.py OUT_DIR CHECK[,CHECK...]     -> OUT_DIR/rank{r}.json: {check: "ok" or traceback}
 
 Every rank runs the same checks in the same order (registration order), so their collectives stay in step.
+
+`assert_close_reduction` is the tolerance of every comparison of a sum computed in two orders (a sharded matmul
+against nn.Linear, a collective against a local sum).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import sys
 import traceback
 from collections.abc import Callable
 from pathlib import Path
+
+import torch
 
 
 class Checks:
@@ -57,3 +63,25 @@ class Checks:
 def arguments() -> tuple[Path, list[str]]:
     """OUT_DIR and the selected check names from the command line."""
     return Path(sys.argv[1]), [name for name in sys.argv[2].split(",") if name]
+
+
+def reduction_atol(reference: torch.Tensor, terms: int, c: float = 4.0) -> float:
+    """The absolute tolerance of a result whose every element sums `terms` products, computed in another order (or
+    in other pieces, across ranks) than `reference`: atol = c * eps(dtype) * sqrt(terms) * max|reference|.
+
+    Why not a fixed atol (1e-6): the order of a sum decides its rounding, and even with the same seeded inputs the
+    order can change from run to run (a CPU BLAS picks its blocking by the memory alignment of its operands). The
+    rounding error of a sum grows like sqrt(terms) roundings (a random walk) of the size of its terms, not of the
+    sum: an element that cancels to near zero keeps the error of its large terms. max|reference| bounds the size of
+    the terms from above (a sum of K terms of size t is ~sqrt(K) t), so the bound holds on every element; c = 4
+    covers both sides' rounding with a margin. Fixed 1e-6 failed 1 of 384 gradient elements (1.8e-6 off on an
+    element of 1.2e-3, terms ~1) in tests/workers/tp_grid.py; this atol is 3.6e-5 there, while a wrong result
+    (one element 1e-4 relative off at the scale of the tensor, a transpose) exceeds it (tests/unit/test_reduction_tolerance.py).
+    """
+    return c * torch.finfo(reference.dtype).eps * math.sqrt(terms) * reference.detach().abs().max().item()
+
+
+def assert_close_reduction(actual: torch.Tensor, expected: torch.Tensor, terms: int, c: float = 4.0, msg: str | None = None) -> None:
+    """torch.testing.assert_close with reduction_atol(expected, terms) and no relative part: the error of a sum does
+    not scale with the element's own size."""
+    torch.testing.assert_close(actual, expected, rtol=0, atol=reduction_atol(expected, terms, c), msg=msg)

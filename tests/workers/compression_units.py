@@ -13,7 +13,7 @@ from lit_mesh.comm.codecs import CodecSettings, make_codec
 from lit_mesh.comm.compression import CompressionRun
 from lit_mesh.comm.powersgd import Segment
 from lit_mesh.comm.options import CompressionOptions, CompressionPhase
-from tests.workers.checks import Checks, arguments
+from tests.workers.checks import Checks, arguments, assert_close_reduction
 
 check = Checks()
 
@@ -105,7 +105,7 @@ def reduce_scatter_formula(mode: str) -> None:
     out = torch.empty(1200 // n)
     site.reduce_scatter(out, xs[me], dist.group.WORLD, average=True, dim="dp_shard")
     expected = torch.stack([roundtrip(codec, x.view(n, -1)[me]) for x in xs]).sum(0) / n
-    torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-7)
+    assert_close_reduction(out, expected, terms=n)  # the collective sums the n ranks in its own order
     mine = torch.cat([roundtrip(codec, c) for c in xs[me].view(n, -1)])
     assert torch.equal(site.residual + mine, xs[me]) or mode == "onebit"
 
@@ -123,7 +123,7 @@ def powersgd_sums_rank_r_matrices_exactly() -> None:
     flat = torch.cat([ms[me].flatten(), bias[me]])
     run.site("ar").all_reduce(flat, dist.group.WORLD, True, "dp_replicate", [Segment(0, 64, 40), Segment(2560, 40, 1)])
     torch.testing.assert_close(flat[:2560].view(64, 40), mean_m, rtol=1e-4, atol=1e-5)
-    assert torch.equal(flat[2560:], mean_b) or torch.allclose(flat[2560:], mean_b, rtol=0, atol=1e-7)
+    assert_close_reduction(flat[2560:], mean_b, terms=n)
     # reduce-scatter: rank j keeps rows of chunk j
     out = torch.empty(2560 // n)
     run.site("rs").reduce_scatter(out, ms[me].flatten(), dist.group.WORLD, True, "dp_shard", [Segment(0, 64 // n, 40)])
@@ -181,10 +181,10 @@ def none_is_the_plain_collective() -> None:
     xs = inputs(600)
     out = torch.empty(600 // n)
     run.site("rs").reduce_scatter(out, xs[me], dist.group.WORLD, True, "dp_shard")
-    torch.testing.assert_close(out, (sum(xs) / n).view(n, -1)[me], rtol=1e-6, atol=1e-7)
+    assert_close_reduction(out, (sum(xs) / n).view(n, -1)[me], terms=n)
     tensors = [xs[me][:10].clone(), xs[me][10:600].clone().view(59, 10)]
     run.site("many").all_reduce_many(tensors, dist.group.WORLD, "dp_replicate")
-    torch.testing.assert_close(torch.cat([t.flatten() for t in tensors]), sum(xs) / n, rtol=1e-6, atol=1e-7)
+    assert_close_reduction(torch.cat([t.flatten() for t in tensors]), sum(xs) / n, terms=n)
     assert sorted(run.sites) == ["many", "many/bucket1", "rs"]  # 40 bytes, then 2360 bytes alone
 
 
@@ -216,7 +216,7 @@ def sent_formula(mode: str, options: dict) -> None:
     site = run.site("rs")
     site.reduce_scatter(out, xs[me], dist.group.WORLD, average=True, dim="dp_shard")
     sent = [x - r for x, r in zip(xs, gathered(site.residual))]
-    torch.testing.assert_close(out, (sum(sent) / n).view(n, -1)[me], rtol=1e-6, atol=1e-7)
+    assert_close_reduction(out, (sum(sent) / n).view(n, -1)[me], terms=n)
     assert not torch.equal(sent[me], xs[me]), "the codec must drop something"
     payload = run.codec().payload_bytes(1200 // n)
     assert run.meter.current["dp_shard"]["sent"] == (n - 1) * payload, run.meter.current

@@ -25,7 +25,7 @@ from lit_mesh.comm.powersgd import segments_of_shapes
 from lit_mesh.mesh import MeshLayout, build_device_mesh
 from lit_mesh.parallel.data import apply_data_parallel, attach_compression, data_parallel_mesh
 from tests.workers import exit_skipping_teardown
-from tests.workers.checks import Checks, arguments
+from tests.workers.checks import Checks, arguments, assert_close_reduction
 
 NODES, PER_NODE = int(os.environ["SLURM_NNODES"]), int(os.environ["SLURM_NTASKS_PER_NODE"])
 RANK, WORLD = int(os.environ["SLURM_PROCID"]), int(os.environ["SLURM_NTASKS"])
@@ -129,10 +129,10 @@ def raw_all_reduce() -> None:
             if integer:
                 assert torch.equal(out, flat), (out - flat).abs().max()
             else:
-                torch.testing.assert_close(out, flat, rtol=1e-6, atol=1e-6)
+                assert_close_reduction(out, flat, terms=len(members))  # the same sums, in two orders
             # and what every member expects, computed from all inputs
             total = torch.stack([xs[r] for r in members]).sum(0)
-            torch.testing.assert_close(out, total / len(members) if average else total, rtol=1e-6, atol=1e-5)
+            assert_close_reduction(out, total / len(members) if average else total, terms=len(members))
 
 
 @check

@@ -16,6 +16,7 @@ from lit_mesh.parallel.tensor_3d import I, J, L, LAYOUT_A, LAYOUT_B, Linear3D
 from lit_mesh.parallel.tensor_grid import ActivationLayout, TPGrid, local_block
 from lit_mesh.parallel.tensor_nd import GridRMSNorm
 from lit_mesh.parallel.tensor_nd_bytes import linear_bytes_3d
+from tests.workers.checks import assert_close_reduction
 
 BATCH, SEQ, N_IN, N_OUT = 8, 3, 8, 12  # batch split q^2 = 4 ways; features divisible by q^2
 TOL = dict(rtol=1e-4, atol=1e-5)  # fp32, the project's parity tolerance
@@ -52,9 +53,10 @@ def linear_matches_nn_linear(grid: TPGrid, style: str) -> None:
     with CollectiveBytes() as counter:
         y_piece = linear(x_piece)
         y_piece.backward(piece(grad_y, grid, layout_out))
-    torch.testing.assert_close(y_piece, piece(y.detach(), grid, layout_out), **TOL)
-    torch.testing.assert_close(x_piece.grad, piece(x.grad, grid, layout_in), **TOL)
-    torch.testing.assert_close(linear.weight.grad.to_local(), local_of(reference.weight.grad, linear.weight), **TOL)
+    # sums in other orders than nn.Linear's: over the inputs (y), the outputs (x.grad), the rows (weight gradient)
+    assert_close_reduction(y_piece, piece(y.detach(), grid, layout_out), terms=N_IN)
+    assert_close_reduction(x_piece.grad, piece(x.grad, grid, layout_in), terms=N_OUT)
+    assert_close_reduction(linear.weight.grad.to_local(), local_of(reference.weight.grad, linear.weight), terms=BATCH * SEQ)
     names = {dim: grid.group((dim,)).group_name for dim in (I, J, L)}
     assert set(counter.sent) == set(names.values()), (dict(counter.sent), names)
     want = linear_bytes_3d(BATCH * SEQ, N_IN, N_OUT, q=2, element_bytes=4)
