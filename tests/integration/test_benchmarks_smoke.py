@@ -80,7 +80,7 @@ NOT_RUN = {
     "report.py": "not a benchmark: it renders benchmarks/README.md from the results (tests/unit/test_report.py)",
     "memory_zero.py": "a part of memory.py, run here as `memory.py --zero` (case memory_zero)",
 }
-TIMEOUT = 600
+TIMEOUT = 300  # ~70 s on a loaded 2-core machine: only a hang gets near it
 
 
 def _committed_files() -> dict[str, str]:
