@@ -158,8 +158,9 @@ def main() -> None:
         out = str(Path(tmp) / "result.json")
         # the smoke test's fork launcher (benchmarks/_common.py) forks the ranks: they share this process's imports
         start_method = "fork" if os.environ.get("LIT_MESH_BENCH_LAUNCHER") == "fork" else "spawn"
-        mp.start_processes(_rank, args=(2, port, args.backend, cases, out, args.detect_anomaly), nprocs=2,
-                           start_method=start_method)  # fmt: skip
+        mp.start_processes(
+            _rank, args=(2, port, args.backend, cases, out, args.detect_anomaly), nprocs=2, start_method=start_method
+        )
         results = json.loads(Path(out).read_text())
     print(json.dumps({"torch": torch.__version__, "backend": args.backend, "cases": results}))
 

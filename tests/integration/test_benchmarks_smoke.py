@@ -252,8 +252,10 @@ def smoke(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp / "out"
     out.mkdir()
     _tensorboard_events(tmp / "tensorboard")
-    spec = [{"name": name, "script": str(BENCHMARKS / script), "argv": [a.replace("{tmp}", str(tmp)) for a in argv]}
-            for name, (script, argv, _) in CASES.items()]  # fmt: skip
+    spec = [
+        {"name": name, "script": str(BENCHMARKS / script), "argv": [a.replace("{tmp}", str(tmp)) for a in argv]}
+        for name, (script, argv, _) in CASES.items()
+    ]
     (tmp / "spec.json").write_text(json.dumps(spec))
     before = _committed_files()
     proc = run_command([sys.executable, str(WORKERS / "benchmark_smoke.py"), str(out), str(tmp / "spec.json")], TIMEOUT)
