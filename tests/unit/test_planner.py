@@ -346,17 +346,7 @@ def test_step_time_parts_by_hand() -> None:
     assert t.total == pytest.approx(t.compute + exposed + t.optimizer)
     # two nodes of one device: the FSDP group crosses nodes; 8 sequences per rank in 4 micro-batches of 2, the
     # gathers slow enough to show: each outlasts its block
-    two_nodes = Hardware(
-        nodes=2,
-        devices_per_node=1,
-        memory_bytes=80 * GB,
-        peak_flops=1e12,
-        memory_bandwidth=1e11,
-        intra_node_bandwidth=100e9,
-        intra_node_latency=1e-6,
-        inter_node_bandwidth=1e8,
-        inter_node_latency=1e-5,
-    )
+    two_nodes = dataclasses.replace(hw, nodes=2, devices_per_node=1, inter_node_bandwidth=1e8)
     t2 = step_time(shapes, MeshLayout(dp_shard=2), work, "32-true", "none", two_nodes, kernels=kernels)
     block2 = gemm + attention + elementwise
     g2 = ring(4 * block_params, 2, 1e8, 1e-5)
