@@ -4,6 +4,7 @@ cycle, read from the import statements of lit_mesh/ and zoo/ with `ast` (nothing
 from __future__ import annotations
 
 import ast
+import functools
 import re
 from pathlib import Path
 
@@ -112,10 +113,16 @@ EXEMPT = {
 KNOWN_EXCEPTIONS: set[tuple[str, str]] = set()
 
 
+@functools.cache
+def parsed(path: Path) -> ast.Module:
+    """A source file's syntax tree, parsed once for every test of this module (the tree is read-only here)."""
+    return ast.parse(path.read_text())
+
+
 def imports_of(path: Path) -> set[str]:
     """The modules a file imports (absolute imports: lit_mesh and zoo use no relative ones)."""
     found: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in ast.walk(parsed(path)):
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module:
@@ -128,7 +135,8 @@ def is_under(module: str, package: str) -> bool:
     return module == package or module.startswith(package + ".")
 
 
-def violations() -> set[tuple[str, str, str]]:
+@functools.cache
+def violations() -> frozenset[tuple[str, str, str]]:
     """(file, imported module, the rule's reason) for every import a rule forbids."""
     found = set()
     for path in sorted([*(REPO / "lit_mesh").rglob("*.py"), *(REPO / "zoo").rglob("*.py")]):
@@ -138,7 +146,7 @@ def violations() -> set[tuple[str, str, str]]:
                 if name.startswith(room) and any(is_under(module, f) for f in forbidden):
                     if not any(is_under(module, e) for e in EXEMPT.get(name, ())):
                         found.add((name, module, why))
-    return found
+    return frozenset(found)
 
 
 def is_known(file: str, module: str) -> bool:
@@ -204,7 +212,7 @@ def import_graph() -> dict[str, set[str]]:
     graph: dict[str, set[str]] = {}
     for name, path in modules.items():
         edges: set[str] = set()
-        for node in _runtime_imports(ast.parse(path.read_text())):
+        for node in _runtime_imports(parsed(path)):
             if isinstance(node, ast.Import):
                 edges.update(alias.name for alias in node.names if alias.name in modules)
             elif node.module in modules or any(f"{node.module}.{alias.name}" in modules for alias in node.names):

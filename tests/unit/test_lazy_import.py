@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]  # the repository (this file: tests/unit/)
+ROOT = Path(__file__).resolve().parents[2]  # the repository: lit_mesh imports without an install
 
 SCRIPT = """
 import contextlib, io, sys

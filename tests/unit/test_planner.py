@@ -6,15 +6,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 from pathlib import Path
 
 import pytest
 
 from lit_mesh import MeshStrategy
-from lit_mesh.mesh import MeshLayout, resolve_layout
+from lit_mesh.mesh import MeshLayout
 from lit_mesh.parallel.pipeline.split import balanced_split
-from lit_mesh.parallel.tensor import PlanError, check_tp_divides
+from lit_mesh.parallel.tensor import PlanError
 from lit_mesh.planner.command import main as plan_main
 from lit_mesh.planner.config_yaml import fit_config, rehearsal_config
 from lit_mesh.planner.hardware import GB, Hardware
@@ -33,16 +32,6 @@ def _run(capsys: pytest.CaptureFixture, *argv: str) -> tuple[int, dict, str]:
     status = plan_main([*argv, "--json"])
     out = capsys.readouterr().out
     return status, json.loads(out.strip().splitlines()[-1]), out
-
-
-def test_memory_budget_is_respected_when_it_binds() -> None:
-    shapes, work = gpt_shapes(GPTConfig.from_preset("llama3-70b")), Workload(256, 8192)
-    loose = plan(shapes, work, Hardware(nodes=8, memory_bytes=80 * GB))
-    tight = plan(shapes, work, Hardware(nodes=8, memory_bytes=40 * GB))
-    assert 0 < len(tight.ranked) < len(loose.ranked)
-    usable = 40 * GB - 4 * 2**30  # memory minus the default reserve
-    assert all(c.memory["total"] <= usable for c in tight.ranked)
-    assert any(c.memory["total"] > usable for c in loose.ranked)  # the tight budget removed these
 
 
 # (preset, layout, rank, precision): 64, 512 and 1024 ranks; HSDP, DDP, TP, PP (first and last stages), CP,
@@ -78,42 +67,6 @@ def test_tied_embeddings_count_once_and_rule_out_pp() -> None:
     assert why_invalid(layout, gpt_shapes(untied), work, hw) is None
 
 
-def test_plan_simulates_its_best_layout_at_1024_ranks(capsys: pytest.CaptureFixture, tmp_path: Path) -> None:
-    status, out, text = _run(
-        capsys, "--preset", "llama3-405b", "--devices", "1024", "--simulate", "--plot", str(tmp_path)
-    )
-    assert status == 0 and out["simulation"] and all(r["equal"] for r in out["simulation"]), text
-    assert "estimate equal" in text
-    for png in ("mesh.png", "memory.png"):
-        assert (tmp_path / png).read_bytes()[:4] == b"\x89PNG"
-    from tests.tensorboard_images import image_tags
-
-    assert image_tags(tmp_path) == {"plan/mesh", "plan/memory"}  # the pictures in TensorBoard too
-    from tests.tensorboard_images import image_tags
-
-    assert image_tags(tmp_path) == {"plan/mesh", "plan/memory"}  # the pictures in TensorBoard too
-
-
-@pytest.mark.parametrize("preset", PRESETS)
-def test_plan_answers_for_llama3_on_8_to_1024_gpus(capsys: pytest.CaptureFixture, preset: str) -> None:
-    # fp32 weights + gradients + AdamW are 16 B per parameter: 70B needs more than 8 x 80 GB, 405B more than
-    # 64 x 80 GB; every other case fits
-    fits_from = {"llama3-8b": 8, "llama3-70b": 64, "llama3-405b": 512}[preset]
-    for devices in (8, 64, 512, 1024):
-        status, out, text = _run(capsys, "--preset", preset, "--devices", str(devices), "--memory-gb", "80")
-        assert status == (0 if devices >= fits_from else 1) and out["seconds"] < 15, (preset, devices, out["seconds"])
-        assert bool(out["ranked"]) == (devices >= fits_from), (preset, devices, text[-2000:])
-        if out["ranked"]:
-            best = out["ranked"][0]
-            assert math.prod(best["layout"].values()) == devices
-            assert any(r.startswith("memory ") for r in best["reasons"]) and any(
-                r.startswith("step ") for r in best["reasons"]
-            )
-            assert "#1 " in text
-        else:
-            assert "nothing fits" in text and "devices of this size" in text, text
-
-
 def test_fit_and_no_fit_examples(capsys: pytest.CaptureFixture, tmp_path: Path) -> None:
     # 8B trains on one node of 80 GB; 405B (6.5 TB of fp32 weights, gradients and AdamW state) cannot
     _, eight_b, _ = _run(capsys, "--preset", "llama3-8b", "--devices", "8")
@@ -125,60 +78,6 @@ def test_fit_and_no_fit_examples(capsys: pytest.CaptureFixture, tmp_path: Path) 
     with pytest.raises(SystemExit, match="r.yaml: no layout fits, so there is no plan to rehearse"):
         plan_main(["--preset", "llama3-405b", "--devices", "8", "--rehearsal", str(rehearsal)])
     assert not rehearsal.exists()
-
-
-def test_rehearsal_scales_the_70b_plan_to_8_cpu_ranks() -> None:
-    """llama3-70b on 64 GPUs is planned as pp 8 x cp 8 without checkpointing (pp cuts the layers, cp the tokens of
-    every micro-batch: no TP collectives, no recompute); the best plan without cp is dp_shard 16 x tp 4 with
-    selective checkpointing (it fits without a pipeline: the loss is chunked and vocabulary-sharded, K/V not
-    repeated); the best plan with a pipeline and tp is pp 2 x dp_shard 16 x tp 2, interleaved with 2 stages per rank
-    (tp 4 no longer fits once every block of a stage stays gathered through the schedule, as lit_mesh keeps them),
-    and its rehearsal is pp 2 x dp_shard 2 x tp 2 of the tiny GPT deepened to one block per stage on 8 CPU
-    processes, with the same schedule. Every other fitting plan scales to a layout lit_mesh accepts as well."""
-    config = GPTConfig.from_preset("llama3-70b")
-    hw = Hardware(nodes=8, devices_per_node=8, memory_bytes=80 * GB)
-    result = plan(gpt_shapes(config), Workload(global_batch=256, seq_len=8192), hw)
-    assert (result.ranked[0].layout, result.ranked[0].ac) == (MeshLayout(pp=8, cp=8), "none")
-    assert next(c for c in result.ranked if c.layout.cp == 1).layout == MeshLayout(dp_shard=16, tp=4)
-    best = next(c for c in result.ranked if c.layout.pp > 1 and c.layout.tp > 1 and c.layout.cp == 1)
-    assert best.layout == MeshLayout(pp=2, dp_shard=16, tp=2)
-    assert (best.schedule.name, best.schedule.stages_per_rank) == ("interleaved_1f1b", 2)
-    rehearsal = rehearsal_config(best, hw)
-    trainer, strategy = rehearsal["trainer"], rehearsal["trainer"]["strategy"]["init_args"]
-    assert {d: strategy[d] for d in ("pp", "dp_replicate", "dp_shard", "cp", "tp")} == {
-        "pp": 2,
-        "dp_replicate": 1,
-        "dp_shard": 2,
-        "cp": 1,
-        "tp": 2,
-    }
-    assert "ep" not in strategy and strategy["sequence_parallel"] and strategy["activation_checkpointing"] == best.ac
-    assert (trainer["accelerator"], trainer["devices"], trainer["num_nodes"], trainer["precision"]) == (
-        "cpu",
-        8,
-        1,
-        "32-true",
-    )
-    assert rehearsal["model"] == {
-        "class_path": "zoo.GPTModule",
-        "init_args": {"preset": "tiny", "config_overrides": {"n_layers": 4}},
-    }
-    batch, seq_len = rehearsal["data"]["init_args"]["global_batch_size"], rehearsal["data"]["init_args"]["seq_len"]
-    local = batch // 2  # per dp rank
-    assert batch % 2 == 0 and strategy["pp_schedule"] == "interleaved_1f1b" and strategy["pp_stages_per_rank"] == 2
-    assert trainer["accumulate_grad_batches"] == 1
-    assert strategy["pp_microbatches"] >= 2 and local % strategy["pp_microbatches"] == 0
-    assert seq_len % 2 == 0 and seq_len <= GPTConfig.from_preset("tiny").max_seq_len
-    tiny_plan = GPT(GPTConfig.from_preset("tiny")).parallel_plan()
-    for c in result.ranked:  # lit_mesh's own checks judge every scaled layout
-        scaled = rehearsal_config(c, hw)
-        s = scaled["trainer"]["strategy"]["init_args"]
-        degrees = {d: s[d] for d in ("pp", "dp_replicate", "dp_shard", "cp", "tp")}
-        assert degrees == {d: min(getattr(c.layout, d), 2) for d in degrees}
-        assert resolve_layout(scaled["trainer"]["devices"], **degrees) == MeshLayout(**degrees)
-        check_tp_divides(tiny_plan, s["tp"], "GPT")
-        assert scaled["data"]["init_args"]["global_batch_size"] % (s["dp_replicate"] * s["dp_shard"]) == 0
-        MeshStrategy(**s)
 
 
 BAD_ARGUMENTS = [
@@ -346,17 +245,7 @@ def test_step_time_parts_by_hand() -> None:
     assert t.total == pytest.approx(t.compute + exposed + t.optimizer)
     # two nodes of one device: the FSDP group crosses nodes; 8 sequences per rank in 4 micro-batches of 2, the
     # gathers slow enough to show: each outlasts its block
-    two_nodes = Hardware(
-        nodes=2,
-        devices_per_node=1,
-        memory_bytes=80 * GB,
-        peak_flops=1e12,
-        memory_bandwidth=1e11,
-        intra_node_bandwidth=100e9,
-        intra_node_latency=1e-6,
-        inter_node_bandwidth=1e8,
-        inter_node_latency=1e-5,
-    )
+    two_nodes = dataclasses.replace(hw, nodes=2, devices_per_node=1, inter_node_bandwidth=1e8)
     t2 = step_time(shapes, MeshLayout(dp_shard=2), work, "32-true", "none", two_nodes, kernels=kernels)
     block2 = gemm + attention + elementwise
     g2 = ring(4 * block_params, 2, 1e8, 1e-5)
