@@ -47,6 +47,10 @@ TINY_STEPS = ("--preset", "tiny", "--steps", "1", "--warmup", "1", "--repeats", 
 SMOKES: dict[str, Smoke] = {
     "planner.py": Smoke(("--presets", "small", "--devices", "8", "--moe-presets", "--no-simulate"), "planner"),
     "tp_bytes.py": Smoke(("--preset", "small", "--tokens", "64"), "tp_bytes"),
+    "recipe_host_profile.py": Smoke(
+        ("--steps", "2", "--warmup", "1", "--batch-size", "2", "--seq-len", "16", "--max-bytes", "20000"),
+        "recipe_host_profile",
+    ),
     "memory.py": Smoke(
         ("--loss-only", "--loss-vocab", "256", "--loss-tokens", "32", "--loss-chunks", "2"), "memory_loss"
     ),
