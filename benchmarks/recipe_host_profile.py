@@ -89,9 +89,11 @@ def per_step_actions(durations: dict[str, list[float]], n_steps: int) -> dict[st
     return out
 
 
-def summary(steps: list[float], actions: dict[str, list[float]], picked: list[int]) -> dict[str, Any]:
+def summary(steps: list[float], actions: dict[str, list[float]], picked: list[int]) -> dict[str, Any] | None:
     """Mean ms per step over the steps `picked`: the step, Lightning's run_training_batch, the rest, and each
-    category and action."""
+    category and action (None: no step picked, e.g. a run too short to log)."""
+    if not picked:
+        return None
 
     def mean_ms(values: list[float]) -> float:
         return 1e3 * statistics.mean(values[i] for i in picked)
