@@ -1,7 +1,8 @@
 """Bytes per rank per transformer block (forward + backward) of 1-D, 2-D, 2.5-D and 3-D tensor parallel, from the
 formulas of lit_mesh/parallel/grid/bytes.py, over tp sizes, with the crossover (the smallest tp at which a grid
-scheme sends fewer bytes per rank than 1-D); and the formulas against the byte counter (lit_mesh/monitor/comm.py)
-on gloo ranks for a tiny block (--measure).
+scheme sends fewer bytes per rank than 1-D); and the formulas against the collectives a tiny block really issues on
+gloo ranks (--measure): bytes from the byte counter (lit_mesh/monitor/comm.py), calls per collective from torch's
+CommDebugMode, 1-D at tp 2, 4 and 8 (Megatron's count) and the grid schemes at 4 and 8.
 
     python benchmarks/tp_bytes.py --preset llama3-8b --tokens 16384 --measure
 
@@ -24,12 +25,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from benchmarks._common import emit, environment, in_worker, launch, print_result  # noqa: E402
-from lit_mesh.parallel.grid.bytes import (  # noqa: E402
-    GRID_BLOCK_BYTES,
-    BlockShape,
-    bytes_1d,
-    bytes_1d_megatron,
-)
+from lit_mesh.parallel.grid.bytes import GRID_BLOCK_BYTES, BlockShape, bytes_1d  # noqa: E402
 from lit_mesh.parallel.grid.grid import fits_grid  # noqa: E402
 from zoo.gpt import GPTConfig  # noqa: E402
 
@@ -45,7 +41,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--preset", default="llama3-8b", help="zoo GPT preset whose block is tabulated")
     parser.add_argument("--tokens", type=int, default=16384, help="tokens in the tp group's batch (batch x sequence)")
     parser.add_argument("--element-bytes", type=int, default=2, help="bytes per element (2: bf16)")
-    parser.add_argument("--measure", action="store_true", help="also count the bytes on 4 and 8 gloo ranks")
+    parser.add_argument("--measure", action="store_true", help="also count the bytes on 2, 4 and 8 gloo ranks")
     parser.add_argument("--timeout", type=float, default=600)
     return parser.parse_args(argv)
 
@@ -63,18 +59,20 @@ def schemes(p: int) -> dict[str, Any]:
 def table(shape: BlockShape) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     rows, crossover = [], {}
     for p in TP_SIZES:
-        row = {"tp": p, "1d": bytes_1d(shape, p), "1d_megatron": bytes_1d_megatron(shape, p)}
+        row = {"tp": p, "1d": bytes_1d(shape, p)}
         for mode, depth in schemes(p).items():
             row[mode] = GRID_BLOCK_BYTES[mode](shape, p, depth)
-            for base in ("1d_megatron", "1d"):
-                if row[mode] < row[base]:
-                    crossover.setdefault(f"{mode}_vs_{base}", p)
+            if row[mode] < row["1d"]:
+                crossover.setdefault(mode, p)
         rows.append(row)
     return rows, crossover
 
 
 def worker(args: argparse.Namespace) -> None:
-    """Under torchrun: one tiny block's bytes per rank, counted, for 1-D and the grid schemes of this world size."""
+    """Under torchrun: one tiny block's bytes per rank and collective calls, counted, for 1-D and the grid schemes
+    of this world size."""
+    from torch.distributed.tensor.debug import CommDebugMode
+
     from lit_mesh.mesh import MeshLayout, build_device_mesh
     from lit_mesh.monitor.comm import CollectiveBytes
     from lit_mesh.parallel.grid.apply import parallelize_grid
@@ -84,14 +82,15 @@ def worker(args: argparse.Namespace) -> None:
 
     dist.init_process_group("gloo")
     p = dist.get_world_size()
-    modes = [("2d", None)] if p == 4 else [("2.5d", DEPTH), ("3d", None)]  # 8 ranks: 2 x 2 x 2 either way
+    modes = {2: [], 4: [("2d", None)], 8: [("2.5d", DEPTH), ("3d", None)]}[p]  # 8 ranks: 2 x 2 x 2 either way
     views = build_device_mesh(MeshLayout(tp=p), "cpu")
 
-    def counted(model: GPT, h: torch.Tensor) -> float:
+    def counted(model: GPT, h: torch.Tensor) -> dict[str, Any]:
         rope = rope_cos_sin(torch.arange(TINY_SEQ), model.config.head_dim, TINY.rope_theta)
-        with CollectiveBytes() as counter:
+        with CollectiveBytes() as counter, CommDebugMode() as calls:
             model.layers[0](h, rope=rope).sum().backward()
-        return sum(counter.sent.values())
+        ops = {str(op).split(".")[-1]: n for op, n in calls.get_comm_counts().items()}
+        return {"bytes": sum(counter.sent.values()), "calls": dict(sorted(ops.items()))}
 
     one_d = GPT(TINY)
     apply_tensor_parallel(one_d, one_d.parallel_plan(), views["tp"], sequence_parallel=True)
@@ -119,20 +118,21 @@ def drive(args: argparse.Namespace, argv: list[str]) -> None:
         "tokens": args.tokens,
         "element_bytes": args.element_bytes,
         "depth_2_5d": DEPTH,
-        "schemes": ["1d", "1d_megatron", *GRID_BLOCK_BYTES],
+        "schemes": ["1d", *GRID_BLOCK_BYTES],
         "rows": rows,
         "crossover": crossover,
         "measured": [],
     }
     if args.measure:
-        for p in (4, 8):
+        for p in (2, 4, 8):
             counted = launch(__file__, argv, p, args.timeout)["measured"]
             tiny = tiny_shape()
             for mode, got in counted.items():
                 one_d = dataclasses.replace(tiny, heads=TINY.n_heads, kv_heads=TINY.n_kv_heads)
                 depth = DEPTH if mode == "2.5d" else None
                 want = bytes_1d(one_d, p) if mode == "1d" else GRID_BLOCK_BYTES[mode](tiny, p, depth)
-                result["measured"].append({"tp": p, "scheme": mode, "counted": got, "formula": want})
+                row = {"tp": p, "scheme": mode, "counted": got["bytes"], "formula": want, "calls": got["calls"]}
+                result["measured"].append({**row, "counted_over_formula": got["bytes"] / want})
     result["environment"] = environment()
     print_result(result)
 

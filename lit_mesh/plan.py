@@ -46,7 +46,10 @@ if TYPE_CHECKING:  # a type only: lit_mesh.init (materialisation) reads plans, s
 #   shard_input    a module whose hidden states enter the sequence-sharded region (SP only): where the model
 #                  computes its first block's input inline (no module's output to shard), e.g. GPT-2 adding
 #                  position embeddings. Same redistribution as shard_output, on the consumer's side.
-#   gather_input   a module whose hidden states leave the sequence-sharded region (SP only)
+#   gather_input   a region (attention, MLP) whose hidden states leave the sequence-sharded region: gathered once
+#                  and handed to its column-wise linears as a replicated DTensor, so their input gradients are
+#                  summed and reduce-scattered (SP) or all-reduced once per region, Megatron's bytes; the module's
+#                  output must be a plain tensor (its last linear rowwise) or replicated
 #   whole_sequence a module that runs replicated on the whole sequence (e.g. an MoE layer): its first input is
 #                  gathered, its output re-sharded over the sequence (SP only)
 #   vocab_head     the output head like "head", but its logits stay a DTensor sharded over the vocabulary, for a

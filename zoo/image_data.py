@@ -71,7 +71,7 @@ class DigitsDataModule(GlobalBatchDataModule):
 
     def make_train_batch(self, indices: torch.Tensor) -> Batch:
         assert self.images is not None and self.labels is not None, "call setup() first"
-        return self.images[indices], self.labels[indices]
+        return self.images.index_select(0, indices), self.labels.index_select(0, indices)  # see zoo/text_data.py
 
     def make_val_batch(self, indices: torch.Tensor) -> Batch:
         return self.make_train_batch(indices + self.train_samples)

@@ -101,5 +101,7 @@ class TextDataModule(GlobalBatchDataModule):
 
     def _batch(self, window_indices: torch.Tensor) -> Batch:
         assert self.windows is not None, "call setup() first"
-        x = self.windows[window_indices].long()
+        # index_select, not windows[indices]: advanced indexing of a large uint8 tensor dispatches a parallel kernel
+        # that costs ms per batch where the host's threads are busy (benchmarks/recipe_host_profile.py)
+        x = self.windows.index_select(0, window_indices).long()
         return x[:, :-1], x[:, 1:]

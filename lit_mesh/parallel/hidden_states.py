@@ -16,18 +16,30 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement
 from torch.distributed.tensor.parallel import ParallelStyle
 
+from lit_mesh.errors import PlanError
+
 KEYWORD = "hidden_states"
 
 
 class HiddenStatesLayout(ParallelStyle):
     """Redistribute the hidden states (first positional input, else `hidden_states=`) from `given` to `wanted`.
 
-    The module receives a plain tensor (the local part of `wanted`); `check(sequence_length)` runs first.
+    The module receives a plain tensor (the local part of `wanted`), or with `keep_dtensor` the DTensor itself:
+    then the column-wise linears inside take it as it is and autograd sums their input gradients as one DTensor,
+    reduced once at this boundary (Megatron's one all-reduce, or reduce-scatter under SP, per region) instead of
+    once per linear. The module's output must then be a plain tensor or a replicated DTensor (made plain here).
+    `check(sequence_length)` runs first.
     """
 
-    def __init__(self, given: Placement, wanted: Placement, check: Callable[[int], None] | None = None) -> None:
+    def __init__(
+        self,
+        given: Placement,
+        wanted: Placement,
+        check: Callable[[int], None] | None = None,
+        keep_dtensor: bool = False,
+    ) -> None:
         super().__init__()
-        self.given, self.wanted, self.check = given, wanted, check
+        self.given, self.wanted, self.check, self.keep_dtensor = given, wanted, check, keep_dtensor
 
     def _convert(self, x: Any, mesh: DeviceMesh) -> Any:
         if not isinstance(x, torch.Tensor):
@@ -35,7 +47,8 @@ class HiddenStatesLayout(ParallelStyle):
         dtensor = x if isinstance(x, DTensor) else DTensor.from_local(x, mesh, (self.given,), run_check=False)
         if self.check is not None:
             self.check(dtensor.shape[1])
-        return dtensor.redistribute(placements=(self.wanted,)).to_local()
+        moved = dtensor.redistribute(placements=(self.wanted,))
+        return moved if self.keep_dtensor else moved.to_local()
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         def pre_hook(_module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -49,4 +62,18 @@ class HiddenStatesLayout(ParallelStyle):
             )
 
         module.register_forward_pre_hook(pre_hook, with_kwargs=True)
+        if self.keep_dtensor:
+            module.register_forward_hook(_plain_output)
         return module
+
+
+def _plain_output(module: nn.Module, _args: tuple, output: Any) -> Any:
+    """The module's output as the code after it expects it: a plain tensor (a replicated DTensor's local copy)."""
+    if not isinstance(output, DTensor):
+        return output
+    if all(placement.is_replicate() for placement in output.placements):
+        return output.to_local()
+    raise PlanError(
+        f"{type(module).__name__} (TP style gather_input) returns a DTensor placed {output.placements}: its last"
+        " linear should be rowwise, or give the module no gather_input style"
+    )

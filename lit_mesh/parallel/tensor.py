@@ -45,6 +45,10 @@ def torch_style(style: str, sequence_parallel: bool, check: Any = None) -> Paral
         return ColwiseParallel(input_layouts=between_blocks, output_layouts=Replicate(), use_local_output=True)
     if style == "vocab_head":  # loss parallel: the logits are never gathered (lit_mesh/loss.py)
         return ColwiseParallel(input_layouts=between_blocks, output_layouts=Shard(-1), use_local_output=False)
+    if style == "gather_input":
+        # one gather of the region's input (SP), handed on as a DTensor so that its column-wise linears' input
+        # gradients are summed before one reduce-scatter (SP) or all-reduce, not reduced once per linear
+        return HiddenStatesLayout(between_blocks, Replicate(), keep_dtensor=True)
     if not sequence_parallel:
         return None  # the styles below only move activations in and out of the SP region
     if style == "norm":
@@ -62,8 +66,6 @@ def torch_style(style: str, sequence_parallel: bool, check: Any = None) -> Paral
         return PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=sequence, use_local_output=True)
     if style == "shard_input":
         return HiddenStatesLayout(Replicate(), sequence, check)
-    if style == "gather_input":
-        return HiddenStatesLayout(sequence, Replicate())
     raise PlanError(f"unknown TP style {style!r}")
 
 

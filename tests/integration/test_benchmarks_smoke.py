@@ -212,6 +212,11 @@ CASES: dict[str, tuple[str, list[str], set[str]]] = {
         ["--simulate", "2x2", "--mib", "0.01", "--presets", "small"],
         {"measured", "predicted_gradient_all_reduce_per_step", "environment"},
     ),
+    "recipe_host_profile": (
+        "recipe_host_profile.py",
+        ["--steps", "2", "--warmup", "1", "--batch-size", "2", "--seq-len", "16", "--max-bytes", "20000"],
+        {"benchmark", "recipe", "between_logging_steps", "logging_steps", "wall_s", "environment"},
+    ),
     "tp_bytes": (
         "tp_bytes.py",
         ["--preset", "small"],

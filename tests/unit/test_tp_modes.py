@@ -19,7 +19,7 @@ from lit_mesh.mesh import MeshLayout, build_device_mesh
 from lit_mesh.options import MeshDegrees, MeshOptions, TensorOptions
 from lit_mesh.parallel.apply import parallelize
 from lit_mesh.parallel.grid.apply import check_grid_divides, grid_plan_problem
-from lit_mesh.parallel.grid.bytes import BlockShape, bytes_1d, bytes_1d_megatron, bytes_2_5d, bytes_2d
+from lit_mesh.parallel.grid.bytes import BlockShape, bytes_1d, bytes_2_5d, bytes_2d
 from lit_mesh.parallel.grid.grid import check_tp_mode, grid_shape
 from tests.launch import REPO
 from zoo.gpt import GPT, GPTConfig
@@ -119,11 +119,11 @@ def test_grid_must_divide_heads_and_widths() -> None:
 
 
 def test_formulas_agree_where_schemes_meet() -> None:
-    """2.5-D of depth 1 is 2-D; 1-D as lit-mesh runs it sends twice Megatron's count (tests/workers/tp_grid.py
-    measures both grid formulas and the 1-D one on gloo)."""
+    """2.5-D of depth 1 is 2-D; 1-D is Megatron's count, 8 (p-1)/p tokens x dim elements (tests/workers/tp_grid.py
+    measures the grid formulas and the 1-D one on gloo)."""
     s = BlockShape(tokens=4096, dim=1024, heads=16, kv_heads=8, ffn=4096)
     assert bytes_2_5d(s, 16, 1) == bytes_2d(s, 16)
-    assert bytes_1d(s, 8) == 2 * bytes_1d_megatron(s, 8)
+    assert bytes_1d(s, 8) == 8 * 7 / 8 * 4096 * 1024 * 4
 
 
 def test_grid_with_replicas_refuses_parameters_outside_the_plan_owners() -> None:

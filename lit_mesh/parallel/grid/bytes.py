@@ -6,11 +6,10 @@ tabulates them.
 Notation: b tokens in the tp group's batch (batch x sequence), a block of a zoo GPT with hidden dim `dim`, `heads`
 query and `kv_heads` key/value heads, SwiGLU width `ffn`; p = tp ranks; e bytes per activation/weight element.
 
-1-D, Megatron's count (sequence parallel): per block 2 all-gathers of the (b, dim) inputs of attention and MLP and
-2 reduce-scatters of their outputs, mirrored in backward: 8 (p-1)/p b dim e. 1-D as lit-mesh runs it (torch's
-ColwiseParallel, sequence parallel): the same forward, but in backward each column-wise projection (wq, wk, wv, w1,
-w3) all-reduces its input's gradient on its own before the 2 all-gathers' backward slices them:
-(4 + 2 + 5 x 2) (p-1)/p b dim e = 16 (p-1)/p b dim e (measured: tests/workers/tp_grid.py).
+1-D (sequence parallel), Megatron's count, which lit-mesh sends (lit_mesh/parallel/tensor.py: each attention and MLP
+region gathers its input once and hands it on as a DTensor, so the column-wise projections' input gradients are
+summed before one reduce-scatter): per block 2 all-gathers of the (b, dim) inputs of attention and MLP and
+2 reduce-scatters of their outputs, mirrored in backward: 8 (p-1)/p b dim e.
 2-D / 2.5-D (SUMMA on depth d x q x q, p = d q^2; 2-D is d = 1): per linear (in -> out), q steps of forward
 broadcasts of an X block (b/(dq) x in/q) and a W block (in/q x out/q), backward the same two broadcasts and the two
 reduces (dX, dW blocks): 3 (q-1) (b in / d + in out) / q^2 e; 2.5-D adds the depth all-reduce of dW:
@@ -56,18 +55,9 @@ class BlockShape:
         ]
 
 
-COLWISE_PER_BLOCK = 5  # wq, wk, wv, w1, w3
-
-
-def bytes_1d_megatron(s: BlockShape, p: int) -> float:
-    """1-D TP with sequence parallelism, Megatron's count, per rank per block."""
-    return 8 * (p - 1) / p * s.tokens * s.dim * s.element_bytes
-
-
 def bytes_1d(s: BlockShape, p: int) -> float:
-    """1-D TP with sequence parallelism as lit-mesh runs it (torch's styles), per rank per block."""
-    units = 4 + 2 + 2 * COLWISE_PER_BLOCK  # forward AG + RS; backward AG's; an all-reduce per column-wise input
-    return units * (p - 1) / p * s.tokens * s.dim * s.element_bytes
+    """1-D TP with sequence parallelism (Megatron's count, lit-mesh's bytes), per rank per block."""
+    return 8 * (p - 1) / p * s.tokens * s.dim * s.element_bytes
 
 
 def linear_bytes_summa(tokens: int, n_in: int, n_out: int, q: int, d: int, element_bytes: int) -> float:
