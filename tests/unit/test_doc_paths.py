@@ -16,7 +16,9 @@ from tests.launch import REPO
 
 DOCS = [REPO / "README.md", REPO / "ARCHITECTURE.md", *sorted((REPO / "docs").rglob("*.md"))]
 # a link target, `](...)`, is relative to its page and checked by `mkdocs build --strict` (tests/integration/test_docs.py)
-PATH = re.compile(r"(?<![\w./-])(?<!\]\()((?:lit_mesh|zoo|tests|benchmarks|examples|configs)/[\w./-]*\w/?)(?:::([\w*]+))?")
+PATH = re.compile(
+    r"(?<![\w./-])(?<!\]\()((?:lit_mesh|zoo|tests|benchmarks|examples|configs)/[\w./-]*\w/?)(?:::([\w*]+))?"
+)
 
 
 def named_paths(doc: Path) -> list[tuple[str, str]]:
