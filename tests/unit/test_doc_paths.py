@@ -45,3 +45,16 @@ def test_the_architecture_paths_are_checked() -> None:
     # the pattern reads the map: if it stopped matching, the test above would pass on nothing
     assert len(named_paths(REPO / "ARCHITECTURE.md")) >= 10
     assert len(named_paths(REPO / "docs" / "techniques" / "pipeline-parallel.md")) >= 5
+
+
+def test_the_architecture_claims_match_its_test() -> None:
+    """ARCHITECTURE.md's numbers and exceptions are those tests/unit/test_architecture.py enforces."""
+    from tests.unit import test_architecture
+
+    text = " ".join((REPO / "ARCHITECTURE.md").read_text().split())
+    says_empty = "(`KNOWN_EXCEPTIONS`) is empty" in text
+    assert says_empty == (not test_architecture.KNOWN_EXCEPTIONS), "ARCHITECTURE.md and KNOWN_EXCEPTIONS disagree"
+    at_most = re.search(r"At most (\d+) modules sit at the root of `lit_mesh/`", text)
+    assert at_most, "ARCHITECTURE.md no longer states the root-module limit"
+    source = (REPO / "tests" / "unit" / "test_architecture.py").read_text()
+    assert f"assert len(root) <= {at_most.group(1)}," in source
