@@ -32,7 +32,9 @@ def test_the_site_builds_strictly(tmp_path: Path) -> None:
     benchmarks = (site / "benchmarks" / "index.html").read_text()
     assert "<table>" in benchmarks and "rendered by benchmarks/report.py" not in benchmarks  # the hook rendered it
     assert (site / "benchmarks" / "figures" / "loss_curves.png").is_file()
-    assert 'id="lit_mesh.strategy.MeshStrategy"' in (site / "api" / "index.html").read_text()
+    api = (site / "api" / "index.html").read_text()
+    assert 'id="lit_mesh.strategy.MeshStrategy"' in api
+    assert "FSDP shards per replica" in api  # the Args section composed from the options at import (dp_shard's help)
 
 
 def test_the_docs_have_examples_that_run() -> None:
