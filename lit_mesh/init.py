@@ -47,6 +47,7 @@ class Init:
 
 
 def rule_for(name: str, rules: Sequence[tuple[str, Init]]) -> Init:
+    """The first rule whose pattern matches the parameter name `name`."""
     for pattern, init in rules:
         if fnmatch.fnmatchcase(name, pattern):
             return init
@@ -54,6 +55,7 @@ def rule_for(name: str, rules: Sequence[tuple[str, Init]]) -> Init:
 
 
 def parameter_generator(seed: int, name: str) -> torch.Generator:
+    """A generator seeded by `seed` and the parameter's name: the same values on every layout and rank."""
     # crc32 is stable across processes and Python versions (hash() is salted per process)
     return torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63))
 
@@ -62,7 +64,9 @@ def parameter_generator(seed: int, name: str) -> torch.Generator:
 def init_parameters(
     module: nn.Module, rules: Sequence[tuple[str, Init]], seed: int | None = None, skip: Collection[int] = ()
 ) -> None:
-    """Fill every parameter of `module` (plain or DTensor, on any device) by `rules`, but those whose id is in
+    """Initialise every parameter of `module` by `rules`.
+
+    Fill every parameter of `module` (plain or DTensor, on any device) by `rules`, but those whose id is in
     `skip` (a pretrained source fills them).
 
     The seed defaults to torch's initial seed, so `seed_everything(s)` fixes the weights; each parameter draws

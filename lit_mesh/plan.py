@@ -196,8 +196,11 @@ def register_plan_source(source: PlanSource) -> None:
 
 
 def declared_plan(module: nn.Module) -> Callable[[], ParallelPlan] | None:
-    """The function that gives `module`'s plan: its parallel_plan() method, else a registered source's; None
-    for a module without a plan."""
+    """The function that gives `module`'s parallel plan, or None.
+
+    The function that gives `module`'s plan: its parallel_plan() method, else a registered source's; None
+    for a module without a plan.
+    """
     declare = getattr(module, "parallel_plan", None)
     if callable(declare):
         return declare

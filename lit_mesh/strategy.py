@@ -1,4 +1,6 @@
-"""MeshStrategy: the Lightning lifecycle, adapted to one N-D mesh. Each hook is "Lightning asks -> a component
+"""MeshStrategy: the Lightning lifecycle, adapted to one N-D mesh.
+
+MeshStrategy: the Lightning lifecycle, adapted to one N-D mesh. Each hook is "Lightning asks -> a component
 answers": lit_mesh.options (arguments), lit_mesh.rules (what may combine), lit_mesh.mesh (degrees, DeviceMesh),
 lit_mesh.parallel.apply (plans), lit_mesh.parallel.pipeline (the pipeline's runner and step scope),
 lit_mesh.comm.reductions (collectives over the right groups), lit_mesh.checkpoint.writer (atomic and async saves),

@@ -61,8 +61,11 @@ def _optimizer(
 
 
 def lr_factor(warmup_steps: int, decay_steps: int, min_lr_ratio: float) -> Callable[[int], float]:
-    """lr multiplier per step: linear warm-up from 1/warmup_steps to 1; then, with decay_steps > 0, a cosine down
-    to min_lr_ratio at step decay_steps (counted from the start), constant after; else constant 1."""
+    """The learning-rate multiplier per step: linear warm-up, then an optional cosine decay.
+
+    lr multiplier per step: linear warm-up from 1/warmup_steps to 1; then, with decay_steps > 0, a cosine down
+    to min_lr_ratio at step decay_steps (counted from the start), constant after; else constant 1.
+    """
     if decay_steps and decay_steps <= warmup_steps:
         raise ValueError(f"decay_steps={decay_steps} must be 0 (no decay) or more than warmup_steps={warmup_steps}")
     if not 0 <= min_lr_ratio <= 1:
@@ -84,11 +87,14 @@ def _inputs(batch: Any) -> torch.Tensor:
 
 
 class ZooModule(L.LightningModule):
-    """The skeleton of the zoo's LightningModules: `self.config` (made in the subclass's __init__ from a preset,
+    """The base of the zoo's LightningModules.
+
+    The skeleton of the zoo's LightningModules: `self.config` (made in the subclass's __init__ from a preset,
     so that a bad one fails before any rank starts), the network `network(config)` built in configure_model,
     losses through loss_of and outputs through output_of (the pipeline schedule under pp), and the config's
     training FLOPs per token. A subclass calls save_hyperparameters() in its own __init__ (the checkpoint then
-    holds its arguments) and sets `network`, `config` and `loss_fn`."""
+    holds its arguments) and sets `network`, `config` and `loss_fn`.
+    """
 
     network: Callable[[Any], nn.Module]  # the network's class, built from the config
     config: Any
@@ -126,13 +132,19 @@ class ZooModule(L.LightningModule):
 
 
 class LanguageModule(ZooModule):
-    """Next-token language modelling: batches are (tokens, targets), both (B, T); losses are the mean cross
-    entropy over the local batch's tokens."""
+    """A next-token language model's LightningModule.
+
+    Next-token language modelling: batches are (tokens, targets), both (B, T); losses are the mean cross
+    entropy over the local batch's tokens.
+    """
 
     @staticmethod
     def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Mean cross entropy over all tokens of the local batch, in fp32: chunked over the tokens, and on the
-        vocabulary shards when tp > 1 (lit_mesh/loss.py)."""
+        """Mean cross entropy over all tokens of the local batch, in fp32.
+
+        Mean cross entropy over all tokens of the local batch, in fp32: chunked over the tokens, and on the
+        vocabulary shards when tp > 1 (lit_mesh/loss.py).
+        """
         return cross_entropy(logits, targets)
 
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
@@ -147,7 +159,8 @@ class LanguageModule(ZooModule):
 class GPTModule(FromPretrained, LanguageModule):
     """Next-token language modelling with `zoo.gpt.GPT`; batches are (tokens, targets), both (B, T).
 
-    pretrained: a transformers Llama directory to start from (its config replaces the preset's)."""
+    pretrained: a transformers Llama directory to start from (its config replaces the preset's).
+    """
 
     def __init__(
         self,
@@ -162,9 +175,12 @@ class GPTModule(FromPretrained, LanguageModule):
         min_lr_ratio: float = 0.1,
         pretrained: str | None = None,
     ) -> None:
-        """variance_freeze_step: None: AdamW; an int: lit_mesh.OneBitAdam, whose second moment freezes after that
+        """Create the optimizer and learning-rate schedule.
+
+        variance_freeze_step: None: AdamW; an int: lit_mesh.OneBitAdam, whose second moment freezes after that
         many steps (give it grad_compression's warmup_steps when compressing to 1 bit).
-        decay_steps: 0: constant lr after the warm-up; else a cosine down to min_lr_ratio x lr at that step."""
+        decay_steps: 0: constant lr after the warm-up; else a cosine down to min_lr_ratio x lr at that step.
+        """
         super().__init__()
         self.save_hyperparameters()
         lr_factor(warmup_steps, decay_steps, min_lr_ratio)  # bad values fail here, before any rank starts

@@ -19,7 +19,10 @@ from zoo.pretrained import FromPretrained, pretrained_zoo
 
 
 def imbalance(load: torch.Tensor) -> torch.Tensor:
-    """max / mean tokens per expert, per row of `load` (layers, experts): 1 is perfect balance."""
+    """Max / mean tokens per expert, per row of `load`.
+
+    max / mean tokens per expert, per row of `load` (layers, experts): 1 is perfect balance.
+    """
     load = load.float()
     return load.max(dim=-1).values / load.mean(dim=-1).clamp_min(1e-9)
 
@@ -27,7 +30,8 @@ def imbalance(load: torch.Tensor) -> torch.Tensor:
 class MoEModule(FromPretrained, LanguageModule):
     """Next-token language modelling with `zoo.moe.MoETransformer`; batches are (tokens, targets), both (B, T).
 
-    pretrained: a transformers Mixtral directory to start from (its config replaces the preset's)."""
+    pretrained: a transformers Mixtral directory to start from (its config replaces the preset's).
+    """
 
     def __init__(
         self,
@@ -75,9 +79,12 @@ class MoEModule(FromPretrained, LanguageModule):
     def _whole_model(
         self, aux_loss: torch.Tensor, layers: list
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """The aux loss, the load (MoE layers, experts) and this rank's dropped assignments per MoE layer of the
+        """The aux loss, the load and this rank's dropped assignments per MoE layer of the whole model.
+
+        The aux loss, the load (MoE layers, experts) and this rank's dropped assignments per MoE layer of the
         whole model: this rank's layers without pp; under pp each stage fills the rows of its own layers, summed
-        over the stages (one small collective per step), so that rank 0 logs every layer."""
+        over the stages (one small collective per step), so that rank 0 logs every layer.
+        """
         if not is_pipelined(self.model):
             dropped = (
                 torch.stack([moe.dropped for moe in layers]).float()

@@ -57,6 +57,7 @@ class TokenWindows:
 
 
 def read_meta(path: str | Path) -> dict:
+    """The `meta.json` of a directory written by `lit-mesh prepare-data`."""
     meta_file = Path(path).expanduser() / META_FILE
     if not meta_file.is_file():
         raise FileNotFoundError(

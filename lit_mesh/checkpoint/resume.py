@@ -11,8 +11,11 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 
 def is_complete_checkpoint(path: Path) -> bool:
-    """A published checkpoint: a single file, or a sharded directory with its metadata (an interrupted save
-    leaves NAME.partial without it; publish_checkpoint's NAME.old is on its way out)."""
+    """Whether `path` is a complete, published checkpoint.
+
+    A published checkpoint: a single file, or a sharded directory with its metadata (an interrupted save
+    leaves NAME.partial without it; publish_checkpoint's NAME.old is on its way out).
+    """
     if path.suffix != ".ckpt":
         return False
     if path.is_dir():
@@ -34,8 +37,11 @@ def complete_checkpoints(directory: Union[str, Path]) -> list[Path]:
 
 
 def newest_checkpoint(where: Union[L.Trainer, str, Path]) -> Optional[Path]:
-    """The newest complete checkpoint (`last*.ckpt` or `step=*.ckpt` alike, never a `.partial`) in a directory,
-    or in the dirpaths of a Trainer's ModelCheckpoint callbacks; None when there is none yet."""
+    """The newest complete checkpoint in a directory or a Trainer's checkpoint dirpaths.
+
+    The newest complete checkpoint (`last*.ckpt` or `step=*.ckpt` alike, never a `.partial`) in a directory,
+    or in the dirpaths of a Trainer's ModelCheckpoint callbacks; None when there is none yet.
+    """
     if isinstance(where, L.Trainer):
         dirs = [Path(c.dirpath) for c in where.checkpoint_callbacks if isinstance(c, ModelCheckpoint) and c.dirpath]
     else:
@@ -47,8 +53,11 @@ def newest_checkpoint(where: Union[L.Trainer, str, Path]) -> Optional[Path]:
 
 
 def resolve_ckpt_path(trainer: L.Trainer, ckpt_path: Optional[str]) -> Optional[str]:
-    """`ckpt_path="last"` -> the newest complete checkpoint of the trainer's ModelCheckpoint dirpaths (Lightning's
-    own "last" knows only `last*.ckpt` and starts from scratch without one); Lightning's answer otherwise."""
+    """Resolve `ckpt_path="last"` to the newest complete checkpoint.
+
+    `ckpt_path="last"` -> the newest complete checkpoint of the trainer's ModelCheckpoint dirpaths (Lightning's
+    own "last" knows only `last*.ckpt` and starts from scratch without one); Lightning's answer otherwise.
+    """
     if ckpt_path != "last":
         return ckpt_path
     newest = newest_checkpoint(trainer)

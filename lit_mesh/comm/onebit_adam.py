@@ -28,7 +28,9 @@ import torch
 
 
 class OneBitAdam(torch.optim.Optimizer):
-    """AdamW (decoupled weight decay, torch's formula) for `freeze_step` steps, then the same update with the
+    """AdamW whose second moment freezes after `freeze_step` steps (the 1-bit Adam optimizer).
+
+    AdamW (decoupled weight decay, torch's formula) for `freeze_step` steps, then the same update with the
     second moment `exp_avg_sq` and its bias correction frozen at their values after step `freeze_step`.
 
     freeze_step: optimizer steps that update the second moment; give it grad_compression's warmup_steps (the

@@ -1,4 +1,6 @@
-"""What the user asks for: `MeshStrategy(grad_compression=...)` as a name or a typed options object, and how the
+"""The options of gradient compression and of the replicated reductions over the nodes.
+
+What the user asks for: `MeshStrategy(grad_compression=...)` as a name or a typed options object, and how the
 replicated reductions run over the nodes (`allreduce`, `topology`, `strict_topology`): CommunicationOptions.
 
 Plain dataclasses, so LightningCLI YAML can give them:
@@ -22,9 +24,12 @@ PHASE_MODES = ("none", *MODES)  # a phase of the schedule may also send uncompre
 
 @dataclass
 class CompressionPhase:
-    """A later phase of training with another mode. It starts at `start_step`, or once the global norm of the
+    """A later phase of a compression schedule, with another mode.
+
+    A later phase of training with another mode. It starts at `start_step`, or once the global norm of the
     reduced gradients changes by less than `grad_norm_change_below` (relative, step to step) for `patience`
-    steps in a row, whichever comes first. Error-feedback residuals and PowerSGD factors carry over."""
+    steps in a row, whichever comes first. Error-feedback residuals and PowerSGD factors carry over.
+    """
 
     mode: str
     start_step: Optional[int] = None
@@ -119,6 +124,7 @@ def resolve_compression(value: GradCompression) -> Optional[CompressionOptions]:
 
 
 def check_options(o: CompressionOptions) -> None:
+    """Refuse compression options out of range, naming the value and the fix."""
     _check_mode(o.mode, MODES, "grad_compression mode")
     if isinstance(o.powersgd_rank, bool) or not isinstance(o.powersgd_rank, int) or o.powersgd_rank < 1:
         raise CompressionConfigError(
@@ -194,6 +200,7 @@ ALLREDUCE_MODES = ("auto", "flat", "hierarchical")
 
 
 def check_allreduce_mode(mode: str) -> None:
+    """Refuse an `allreduce` mode that is not one of ALLREDUCE_MODES."""
     if mode not in ALLREDUCE_MODES:
         raise MeshConfigError(f"allreduce={mode!r}; choose one of {ALLREDUCE_MODES}")
 

@@ -1,4 +1,6 @@
-"""Where the ranks sit: nodes, devices per node and the two link classes (inside a node, between nodes), with
+"""Where the ranks sit: nodes, devices per node, links, and the time of ring collectives over them.
+
+Where the ranks sit: nodes, devices per node and the two link classes (inside a node, between nodes), with
 the alpha-beta time of ring collectives over a link (the one formula: the planner and the hierarchical
 all-reduce import it from here).
 
@@ -32,8 +34,11 @@ Link = tuple[float, float]  # (bandwidth in bytes/s, alpha in seconds per ring s
 
 
 def all_gather_time(nbytes: float, k: int, link: Link) -> float:
-    """Ring all-gather or reduce-scatter over k ranks, each holding (or producing) nbytes of the whole:
-    (k - 1) * alpha + (k - 1) / k * nbytes / bandwidth."""
+    """Time of a ring all-gather or reduce-scatter over k ranks (alpha-beta model).
+
+    Ring all-gather or reduce-scatter over k ranks, each holding (or producing) nbytes of the whole:
+    (k - 1) * alpha + (k - 1) / k * nbytes / bandwidth.
+    """
     bandwidth, alpha = link
     return 0.0 if k <= 1 else (k - 1) * alpha + (k - 1) / k * nbytes / bandwidth
 
@@ -90,8 +95,11 @@ class Topology:
     # ---- the mesh on the nodes ------------------------------------------------------------------------------
 
     def startup_report(self, layout: MeshLayout, reductions: Sequence[str] = (), max_ranks: int = 16) -> str:
-        """What rank 0 prints at start, once: the mesh, the topology, how gradients and metrics are all-reduced,
-        and where the first `max_ranks` ranks sit."""
+        """What rank 0 prints at start, once.
+
+        What rank 0 prints at start, once: the mesh, the topology, how gradients and metrics are all-reduced,
+        and where the first `max_ranks` ranks sit.
+        """
         lines = [
             f"MeshStrategy: mesh {layout.describe()}",
             f"  topology: {self.nodes} node(s) x {self.devices_per_node} device(s)",
@@ -100,8 +108,11 @@ class Topology:
         return "\n".join([*lines, self.placement(layout, max_ranks)])
 
     def placement(self, layout: MeshLayout, max_ranks: int = 16) -> str:
-        """rank -> node, local rank, mesh coordinates: one line per rank, the first `max_ranks`, then one line for
-        the rest."""
+        """Where each rank sits: node, local rank, mesh coordinates.
+
+        rank -> node, local rank, mesh coordinates: one line per rank, the first `max_ranks`, then one line for
+        the rest.
+        """
         shape = [getattr(layout, axis) for axis in MESH_AXES]
         lines = ["  ranks:"]
         for rank in range(min(layout.world_size, max_ranks)):
@@ -136,8 +147,11 @@ def as_topology(value: Any) -> Optional[Topology]:
 def topology_from_environment(
     cluster_environment: Any, num_nodes: int, devices_per_node: int, given: Optional[Topology] = None
 ) -> Topology:
-    """The topology of the run: Lightning's cluster environment and the Trainer's num_nodes x devices, checked
-    against each other (and against `given`, whose link figures are kept). Called before any process spawns."""
+    """The topology of the run, read from the cluster environment and checked.
+
+    The topology of the run: Lightning's cluster environment and the Trainer's num_nodes x devices, checked
+    against each other (and against `given`, whose link figures are kept). Called before any process spawns.
+    """
     from lightning.fabric.plugins.environments import SLURMEnvironment, TorchElasticEnvironment
 
     if isinstance(cluster_environment, SLURMEnvironment):

@@ -111,7 +111,9 @@ class _WindowTimer:
 
 
 class MeshMonitor(Callback):
-    """Logs on every logged training step (Trainer `log_every_n_steps`):
+    """Log throughput, efficiency, memory and communication per mesh dim of a run.
+
+    Logs on every logged training step (Trainer `log_every_n_steps`):
 
     Timing is taken over a window: from the start of the first step after a logging step to the start of the
     next logging step (the steps between, with their data loading), by CUDA events on a GPU (read once per

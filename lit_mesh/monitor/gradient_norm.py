@@ -13,7 +13,9 @@ from lit_mesh.training.log_steps import is_logging_step
 
 
 class GradientNormMonitor(Callback):
-    """Log `grad_norm`: the norm of all gradients as if they were whole on one device (sharded FSDP and
+    """Log `grad_norm`, the global norm of all gradients.
+
+    Log `grad_norm`: the norm of all gradients as if they were whole on one device (sharded FSDP and
     tensor-parallel gradients, pipeline stages combined), before clipping and after fp16 unscaling.
 
     It runs on the steps the Trainer logs (every `log_every_n_steps`), so other steps pay nothing; on a logging

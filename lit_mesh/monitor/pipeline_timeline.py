@@ -31,7 +31,9 @@ _BLOCKS = {"forward_one_chunk": "F", "backward_one_chunk": "B", "backward_weight
 
 
 def bubble_formula(schedule: str, p: int, m: int, v: int = 1) -> Optional[float]:
-    """The textbook idle fraction of a schedule with p stage ranks, m micro-batches and v stages per rank, for
+    """The textbook bubble (idle fraction) of a pipeline schedule.
+
+    The textbook idle fraction of a schedule with p stage ranks, m micro-batches and v stages per rank, for
     equal F / B / W block times; None for the V-shaped schedules (zbv, dualpipev), which have no such closed form.
 
     gpipe, 1f1b (p-1)/(m+p-1); interleaved_1f1b, looped_bfs (p-1)/(v m+p-1); zero_bubble (interleaved, ZB-H1
@@ -50,6 +52,8 @@ def bubble_formula(schedule: str, p: int, m: int, v: int = 1) -> Optional[float]
 
 @dataclass
 class Block:
+    """One forward (F), backward (B) or weight-gradient (W) block that a rank ran in the step."""
+
     kind: str  # F, B or W
     stage: int
     microbatch: int
@@ -71,8 +75,11 @@ class _Held:
 
 
 class _SavedBytes:
-    """Bytes of the tensors autograd holds for backward, at most, during the step (activation memory; a
-    storage saved twice counts twice)."""
+    """The most bytes autograd holds for backward during a step.
+
+    Bytes of the tensors autograd holds for backward, at most, during the step (activation memory; a
+    storage saved twice counts twice).
+    """
 
     def __init__(self) -> None:
         self.alive = 0
@@ -198,7 +205,9 @@ def draw_timeline(per_rank: list[dict[str, Any]], title: str, path: Path) -> Non
 
 
 class PipelineTimeline(Callback):
-    """Record one training step of a pipelined run and save `pipeline_timeline.png` + `.json` in `dirpath`; the
+    """Draw one training step of a pipelined run: each rank's forward/backward blocks over time.
+
+    Record one training step of a pipelined run and save `pipeline_timeline.png` + `.json` in `dirpath`; the
     picture also goes to the run's loggers that take images (TensorBoard: the `pipeline_timeline` image).
 
     Args:

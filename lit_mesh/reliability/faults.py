@@ -1,4 +1,6 @@
-"""FaultInjector: rehearse failures before a big run (a dead rank, a NaN loss, a slow rank, a hung collective,
+"""FaultInjector: rehearse failures before a big run.
+
+FaultInjector: rehearse failures before a big run (a dead rank, a NaN loss, a slow rank, a hung collective,
 a pre-emption signal).
 
     trainer = Trainer(strategy=MeshStrategy(...), callbacks=[FaultInjector("kill", step=7, rank=1)])
@@ -31,7 +33,9 @@ FAULTS = ("kill", "nan_loss", "slow", "hang", "sigterm", "disk_full")
 
 
 class FaultInjector(Callback):
-    """At optimizer step `step` (trainer.global_step) on global rank `rank`:
+    """Inject a fault (kill, NaN loss, slow, hang, SIGTERM, disk full) at one step on one rank.
+
+    At optimizer step `step` (trainer.global_step) on global rank `rank`:
 
     - "kill": the process exits at once with `exit_code` (no cleanup, as on a node failure);
     - "nan_loss": that step's training loss is NaN on that rank;
@@ -111,8 +115,11 @@ def _poison_next_loss(module: L.LightningModule) -> None:
 
 
 def _fail_next_shard_write() -> None:
-    """This rank's next shard write fails as on a full disk, inside torch.distributed.checkpoint's write step
-    (which then fails the save on every rank together, as a real write error does)."""
+    """Make this rank's next checkpoint shard write fail as on a full disk.
+
+    This rank's next shard write fails as on a full disk, inside torch.distributed.checkpoint's write step
+    (which then fails the save on every rank together, as a real write error does).
+    """
     write_data = FileSystemWriter.write_data
 
     def disk_full(self: object, *args: Any, **kwargs: Any) -> Any:

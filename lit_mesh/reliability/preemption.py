@@ -1,4 +1,6 @@
-"""Pre-emption: on SIGTERM or SIGUSR1 (SLURM's warning before the time limit), save a checkpoint at the next step
+"""Pre-emption: save at the next step boundary, stop cleanly and requeue on SIGTERM or SIGUSR1.
+
+Pre-emption: on SIGTERM or SIGUSR1 (SLURM's warning before the time limit), save a checkpoint at the next step
 boundary, stop cleanly (exit status 0), and requeue the job under SLURM.
 
 Why our own: Lightning's SIGTERM handling ends the run without a checkpoint, and its SLURM SIGUSR1 handler saves

@@ -58,7 +58,9 @@ class MeshGradScaler(torch.amp.GradScaler):
 
 
 class FP16MixedPrecision(MixedPrecision):
-    """fp16 compute (autocast, and FSDP2 gathers fp16 parameters), fp32 master weights and gradient
+    """fp16 mixed precision with dynamic loss scaling that agrees over every rank.
+
+    fp16 compute (autocast, and FSDP2 gathers fp16 parameters), fp32 master weights and gradient
     reduction, dynamic loss scaling with a rank-consistent overflow check.
 
     Args:
@@ -100,17 +102,23 @@ RULES: list[Rule] = [
 
 
 def check_precision_plugin(plugin: Precision) -> None:
-    """The precision alone (RULES), before processes start: a precision MeshStrategy can shard, and fp16 only with
-    its scaler."""
+    """Check the precision plugin alone, before processes start.
+
+    The precision alone (RULES), before processes start: a precision MeshStrategy can shard, and fp16 only with
+    its scaler.
+    """
     facts = Facts(precision=str(plugin.precision), precision_plugin=plugin)
     for rule in RULES:
         enforce(rule, facts)
 
 
 class GlobalNormClipping(Precision):
-    """Clipping by the true global norm, mixed into the run's precision plugin by MeshStrategy (`with_global_norm_
+    """Clipping by the true global norm of sharded gradients, for the run's precision plugin.
+
+    Clipping by the true global norm, mixed into the run's precision plugin by MeshStrategy (`with_global_norm_
     clipping`): Lightning's default cannot mix DTensors of different meshes. Pipeline stages hold different
-    parameters, so their norms also add up over `stage_group` (None without pipeline)."""
+    parameters, so their norms also add up over `stage_group` (None without pipeline).
+    """
 
     stage_group: Optional[dist.ProcessGroup] = None
 
@@ -137,8 +145,11 @@ _CLIPPING_CLASSES: dict[type, type] = {}
 
 
 def with_global_norm_clipping(plugin: Precision) -> Precision:
-    """The plugin the user chose (Trainer(precision=...) or plugins=[...]) as a subclass of its own class with
-    GlobalNormClipping first: same object, same state (e.g. FP16MixedPrecision's scaler), same isinstance checks."""
+    """The user's precision plugin with global-norm clipping mixed in.
+
+    The plugin the user chose (Trainer(precision=...) or plugins=[...]) as a subclass of its own class with
+    GlobalNormClipping first: same object, same state (e.g. FP16MixedPrecision's scaler), same isinstance checks.
+    """
     cls = type(plugin)
     if not isinstance(plugin, GlobalNormClipping):
         if cls not in _CLIPPING_CLASSES:

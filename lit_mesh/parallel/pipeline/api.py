@@ -1,4 +1,6 @@
-"""What a LightningModule calls (`loss_of`, `output_of`, `is_pipelined`, `sum_over_stages`), and how MeshStrategy
+"""What a LightningModule calls for pipeline parallelism, and how MeshStrategy connects it to its run.
+
+What a LightningModule calls (`loss_of`, `output_of`, `is_pipelined`, `sum_over_stages`), and how MeshStrategy
 connects them to its run: `start_pipeline` makes the runner for the chosen schedule, and `pipeline_scope`, entered
 by the strategy around each training, validation, test and predict step, maps the pipelined model to it.
 
@@ -36,8 +38,11 @@ def start_pipeline(
     pp_group: dist.ProcessGroup,
     device: torch.device,
 ) -> PipelineRunner:
-    """This rank's runner over its stages of `owner` (the plan owner cut into stages): 2bw's own driver, or torch's
-    schedule for every other name."""
+    """This rank's runner over its stages of `owner`.
+
+    This rank's runner over its stages of `owner` (the plan owner cut into stages): 2bw's own driver, or torch's
+    schedule for every other name.
+    """
     runner_cls = TwoBWRunner if settings.schedule == "2bw" else ScheduleRunner
     runner = runner_cls(
         stages, settings, pp_group, stage_ranks, device=device, parameters=lambda: list(owner.parameters())
@@ -70,7 +75,9 @@ def _runner_of(model: nn.Module) -> Optional[PipelineRunner]:
 
 
 def loss_of(model: nn.Module, loss_fn: LossFn, inputs: Tensor, targets: Tensor) -> Tensor:
-    """`loss_fn(model(inputs), targets)`; when MeshStrategy pipelines `model` (pp > 1), the same loss computed by
+    """The loss of `model` on a batch, pipelined over micro-batches when MeshStrategy cut `model` into stages.
+
+    `loss_fn(model(inputs), targets)`; when MeshStrategy pipelines `model` (pp > 1), the same loss computed by
     the pipeline schedule over micro-batches, on every pp rank (in training the schedule's backward runs here too,
     and Lightning's backward of the returned loss hands its gradients to the parameters).
 
@@ -83,14 +90,20 @@ def loss_of(model: nn.Module, loss_fn: LossFn, inputs: Tensor, targets: Tensor) 
 
 
 def is_pipelined(model: nn.Module) -> bool:
-    """True inside a step when MeshStrategy cut `model` into pipeline stages (pp > 1): each rank holds only its
-    stages' part."""
+    """Whether MeshStrategy cut `model` into pipeline stages for the current step.
+
+    True inside a step when MeshStrategy cut `model` into pipeline stages (pp > 1): each rank holds only its
+    stages' part.
+    """
     return _runner_of(model) is not None
 
 
 def sum_over_stages(model: nn.Module, tensor: Tensor) -> Tensor:
-    """`tensor` summed over the pipeline stages of `model` in place, where each stage holds its own layers' part
-    (zeros elsewhere); `tensor` itself when `model` is not pipelined. A collective over pp: call it on every rank."""
+    """Sum `tensor` over the pipeline stages of `model`.
+
+    `tensor` summed over the pipeline stages of `model` in place, where each stage holds its own layers' part
+    (zeros elsewhere); `tensor` itself when `model` is not pipelined. A collective over pp: call it on every rank.
+    """
     runner = _runner_of(model)
     if runner is not None:
         dist.all_reduce(tensor, group=runner.group)
@@ -98,8 +111,11 @@ def sum_over_stages(model: nn.Module, tensor: Tensor) -> Tensor:
 
 
 def output_of(model: nn.Module, inputs: Tensor) -> Tensor:
-    """`model(inputs)`; when MeshStrategy pipelines `model`, a forward-only pass through every stage whose
-    output (the last stage's) is returned on every pp rank. For evaluation and prediction."""
+    """The output of `model` on `inputs`, through every pipeline stage when `model` is pipelined.
+
+    `model(inputs)`; when MeshStrategy pipelines `model`, a forward-only pass through every stage whose
+    output (the last stage's) is returned on every pp rank. For evaluation and prediction.
+    """
     runner = _runner_of(model)
     if runner is None:
         out = model(inputs)
