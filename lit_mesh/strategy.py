@@ -463,8 +463,8 @@ class MeshStrategy(ModelParallelStrategy):
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
         self.wait_for_checkpoint()
         path = Path(self.broadcast(checkpoint_path))
-        if not path.is_dir():  # a full single-file checkpoint
-            checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        if not path.is_dir():  # a full single-file checkpoint: never unpickling code unless the caller says so
+            checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only is not False)
         else:
             assert self.model is not None and self.lightning_module is not None
             optimizers = {f"optimizer_{i}": optimizer for i, optimizer in enumerate(self.optimizers)}
