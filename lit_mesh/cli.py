@@ -45,9 +45,10 @@ def refusals_reported(parser: argparse.ArgumentParser, *more: type[Exception]) -
     be read or written) ends it with one message and exit status 1, not a traceback."""
     from lit_mesh.errors import CheckpointError, OutputPathError
 
+    refused: tuple[type[Exception], ...] = (CheckpointError, OutputPathError, OSError, *more)
     try:
         yield
-    except (CheckpointError, OutputPathError, OSError, *more) as error:
+    except refused as error:
         parser.exit(1, f"{parser.prog}: error: {error}\n")
 
 
