@@ -1,5 +1,5 @@
-"""Checkpoints crafted to run code when loaded the unsafe way (issue #40). Their payload is harmless: it creates a
-marker file, so a test sees whether any loader ran it."""
+"""Checkpoints crafted to run code when loaded the unsafe way (issue #40), damaged ones, and a sound one to start
+from. The payload is harmless: it creates a marker file, so a test sees whether any loader ran it."""
 
 from __future__ import annotations
 
@@ -9,6 +9,34 @@ import pickle
 from pathlib import Path
 
 import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+
+
+def model_and_optimizer() -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3))
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 4)).sum().backward()
+    optimizer.step()
+    return model, optimizer
+
+
+def sound_checkpoint(path: Path) -> Path:
+    """A sharded checkpoint as MeshStrategy writes it (nested optimizer state: learning rates etc. as non-tensor
+    entries), hyper-parameters in meta.pt, with checksums."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    from lit_mesh.checkpoint import NESTED_OPTIMIZER_STATE_OPTIONS
+    from lit_mesh.checkpoint.checksums import write_checksums
+
+    model, optimizer = model_and_optimizer()
+    optimizer_state = get_optimizer_state_dict(model, optimizer, options=NESTED_OPTIMIZER_STATE_OPTIONS)
+    state = {"state_dict": {f"model.{k}": v for k, v in model.state_dict().items()}, "optimizer_0": optimizer_state}
+    dcp.save(state, checkpoint_id=path, no_dist=True)
+    torch.save({"epoch": 0, "hyper_parameters": {"architecture": "llama"}}, path / "meta.pt")
+    write_checksums(path)
+    return path
 
 
 class Payload:

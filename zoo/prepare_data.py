@@ -325,18 +325,22 @@ def _tokenize_part(task: tuple[int, str, str, Settings]) -> dict[str, Any]:
     train_name, val_name, part_name = _shard_names(index)
     every = _temporary(out / train_name)  # all tokens first; the tail moves to the validation shard below
     total = documents_seen = 0
-    with open(every, "wb") as f:
-        for batch in _batches(path, settings.text_key):
-            encoded = _TOKENIZER.encode_batch([text for text, _ in batch], add_special_tokens=False)
-            for (_, ends), e in zip(batch, encoded):
-                ids = np.asarray(e.ids + [settings.eos_id] if ends else e.ids, dtype=dtype)
-                f.write(ids.tobytes())
-                total += len(ids)
-                documents_seen += ends
-    n_val = int(round(total * settings.val_fraction))
-    _move_tail(every, _temporary(out / val_name), (total - n_val) * dtype.itemsize)
-    os.replace(every, out / train_name)
-    os.replace(_temporary(out / val_name), out / val_name)
+    try:
+        with open(every, "wb") as f:
+            for batch in _batches(path, settings.text_key):
+                encoded = _TOKENIZER.encode_batch([text for text, _ in batch], add_special_tokens=False)
+                for (_, ends), e in zip(batch, encoded):
+                    ids = np.asarray(e.ids + [settings.eos_id] if ends else e.ids, dtype=dtype)
+                    f.write(ids.tobytes())
+                    total += len(ids)
+                    documents_seen += ends
+        n_val = int(round(total * settings.val_fraction))
+        _move_tail(every, _temporary(out / val_name), (total - n_val) * dtype.itemsize)
+        os.replace(every, out / train_name)
+        os.replace(_temporary(out / val_name), out / val_name)
+    finally:  # refused input: no temporary file left behind
+        for tmp in (every, _temporary(out / val_name)):
+            tmp.unlink(missing_ok=True)
     record = {
         **_record_of(path, settings),
         "train_tokens": total - n_val,
@@ -505,7 +509,7 @@ def main(argv: Sequence[str]) -> None:
             args.eos_token,
             progress=not args.no_progress,
         )
-    except PrepareDataError as error:
+    except (PrepareDataError, OSError) as error:  # bad input, or a path that cannot be read or written
         parser.exit(2, f"lit-mesh prepare-data: error: {error}\n")
     tokens = {split: sum(s["tokens"]) for split, s in meta["splits"].items()}
     print(

@@ -12,42 +12,16 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from lit_mesh.checkpoint import CheckpointError, export_full_state_dict, load_sharded_checkpoint
-from lit_mesh.checkpoint.checksums import write_checksums
 from lit_mesh.checkpoint.safe_load import read_layout
-from tests.evil_checkpoints import POISONS, corrupt_shard, poison_layout
-
-
-def _model_and_optimizer() -> tuple[nn.Module, torch.optim.Optimizer]:
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 3))
-    optimizer = torch.optim.AdamW(model.parameters())
-    model(torch.randn(2, 4)).sum().backward()
-    optimizer.step()
-    return model, optimizer
-
-
-def write_checkpoint(path: Path) -> Path:
-    """A sharded checkpoint as MeshStrategy writes it (nested optimizer state: learning rates etc. as non-tensor
-    entries), hyper-parameters in meta.pt, with checksums."""
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-
-    from lit_mesh.checkpoint import NESTED_OPTIMIZER_STATE_OPTIONS
-
-    model, optimizer = _model_and_optimizer()
-    optimizer_state = get_optimizer_state_dict(model, optimizer, options=NESTED_OPTIMIZER_STATE_OPTIONS)
-    state = {"state_dict": {f"model.{k}": v for k, v in model.state_dict().items()}, "optimizer_0": optimizer_state}
-    dcp.save(state, checkpoint_id=path, no_dist=True)
-    torch.save({"epoch": 0, "hyper_parameters": {"architecture": "llama"}}, path / "meta.pt")
-    write_checksums(path)
-    return path
+from tests.evil_checkpoints import POISONS, corrupt_shard, model_and_optimizer, poison_layout
+from tests.evil_checkpoints import sound_checkpoint as write_checkpoint
 
 
 def _load_sharded(checkpoint: Path, out: Path) -> Any:
-    model, optimizer = _model_and_optimizer()
+    model, optimizer = model_and_optimizer()
     wrapped = nn.Module()
     wrapped.model = model
     return load_sharded_checkpoint(checkpoint, wrapped, {"optimizer_0": optimizer})
