@@ -209,7 +209,10 @@ class MeshStrategy(ModelParallelStrategy):
 
     @override
     def _setup_distributed(self) -> None:
-        use_watchdog_defaults(self._get_process_group_backend())  # NCCL's watchdog settings, before the group starts
+        # NCCL's watchdog settings, before the group starts; flight-recorder dumps under the run's directory
+        trainer = getattr(self.lightning_module, "_trainer", None)
+        run_directory = Path(trainer.default_root_dir) if trainer is not None else Path.cwd()
+        use_watchdog_defaults(self._get_process_group_backend(), run_directory)
         # torchrun --max-restarts: each attempt on its own rendezvous keys (lit_mesh/reliability/elastic.py says why)
         assert self.cluster_environment is not None  # set by the Trainer's accelerator connector
         init_process_group_for_attempt(
