@@ -157,6 +157,7 @@ def expand_inputs(inputs: Sequence[str]) -> list[Path]:
 
 
 PIECE_CHARS = 1 << 20  # a text file is tokenised in pieces of about this many characters (memory bounded by it)
+MAX_PIECE_CHARS = 16 << 20  # a piece with no clean cut this long is cut at any line end (see _text_pieces)
 
 
 def documents(path: Path, text_key: str) -> Iterator[Iterator[str]]:
@@ -203,14 +204,16 @@ def _decoded(raw: bytes, where: str) -> str:
 def _text_pieces(path: Path) -> Iterator[str]:
     """A text file's text, strictly UTF-8, in pieces of about PIECE_CHARS cut after a newline that is followed by
     a non-space character: a boundary every common pre-tokenizer (byte-level BPE, whitespace, metaspace) makes
-    anyway, so the tokens are those of the whole text."""
+    anyway, so the tokens are those of the whole text. Text without such a line for MAX_PIECE_CHARS is cut at
+    the next line end (a token or two there may differ from the whole text's): memory stays bounded."""
     piece: list[str] = []
     size = 0
     with open(path, "rb") as f:
         for line_number, raw in enumerate(f, start=1):
             # universal newlines, as text mode reads them: the tokens of a CRLF file are those they always were
             line = _decoded(raw, f"{path}:{line_number}").replace("\r\n", "\n").replace("\r", "\n")
-            if size >= PIECE_CHARS and line[:1] and not line[:1].isspace():
+            clean_cut = bool(line[:1]) and not line[:1].isspace()
+            if (size >= PIECE_CHARS and clean_cut) or size >= MAX_PIECE_CHARS:
                 yield "".join(piece)
                 piece, size = [], 0
             piece.append(line)
