@@ -267,3 +267,16 @@ def test_a_tokenizer_directory_with_custom_code_never_runs_it(given: Given, monk
     except PrepareDataError as error:
         assert "custom-tokenizer" in str(error)
     assert not marker.exists(), "the tokenizer directory's code ran"
+
+
+def test_the_cli_keeps_a_config_yaml_it_did_not_write(tmp_path: Path) -> None:
+    from lit_mesh.cli import free_config_name
+
+    assert free_config_name(str(tmp_path), "config.yaml", "a: 1\n") == "config.yaml"  # nothing there
+    (tmp_path / "config.yaml").write_text("mine: true\n")
+    assert free_config_name(str(tmp_path), "config.yaml", "a: 1\n") == "config-1.yaml"
+    (tmp_path / "config-1.yaml").write_text("a: 1\n")  # this run's own, from before a restart
+    assert free_config_name(str(tmp_path), "config.yaml", "a: 1\n") == "config-1.yaml"
+    assert free_config_name(str(tmp_path), "config.yaml", "a: 2\n") == "config-2.yaml"
+    (tmp_path / "config.yaml").write_text("a: 3\n")
+    assert free_config_name(str(tmp_path), "config.yaml", "a: 3\n") == "config.yaml"
