@@ -79,7 +79,7 @@ def read_config(directory: str | Path, allowed: tuple[str, ...]) -> Any:
         raise FileNotFoundError(
             f"pretrained={str(directory)!r} has no config.json; give a directory that save_pretrained wrote"
         )
-    config = AutoConfig.from_pretrained(str(path), local_files_only=True)
+    config = AutoConfig.from_pretrained(str(path), local_files_only=True, trust_remote_code=False)  # never its code
     architecture = (config.architectures or [type(config).__name__])[0]
     if architecture not in allowed:
         raise PretrainedError(

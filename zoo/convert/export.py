@@ -86,7 +86,7 @@ def _pretrained_config(hparams: dict[str, Any], checkpoint: Any, convert: Any = 
             f"{str(checkpoint)!r} was fine-tuned from pretrained={str(directory)!r}, whose config.json is gone; pass"
             " the model's config: export_hf(checkpoint, directory, config=AutoConfig.from_pretrained(...))"
         )
-    config = AutoConfig.from_pretrained(str(directory), local_files_only=True)
+    config = AutoConfig.from_pretrained(str(directory), local_files_only=True, trust_remote_code=False)
     overrides = hparams.get("config_overrides") or {}
     if convert is None:
         config.update(overrides)
