@@ -44,13 +44,14 @@ def probes(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict, object
         ("evil_layout", "its layout file .metadata refers to builtins.exec"),
         ("evil_entry", "holds a pickled exec, which loading would run"),
         ("validate_evil_entry", "holds a pickled exec, which loading would run"),
+        ("validate_evil_layout", "its layout file .metadata refers to builtins.exec"),
         ("corrupt_shard", "differs from the file that was saved"),
     ],
 )
 def test_a_damaged_checkpoint_is_named_with_the_previous_one(probes: tuple, probe: str, what: str) -> None:
     out, results, _ = probes
     result = results[probe]
-    directory = out / {"gpt_into_moe": "ckpt", "validate_evil_entry": "evil_entry"}.get(probe, probe)
+    directory = out / {"gpt_into_moe": "ckpt"}.get(probe, probe.removeprefix("validate_"))
     message = result["resume"]
     assert re.match(r"(Unsafe)?CheckpointError: cannot load checkpoint", message), message
     assert str(directory / "step=4.ckpt") in message and what in message, message

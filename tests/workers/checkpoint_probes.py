@@ -75,6 +75,7 @@ if __name__ == "__main__":
     resumes["gpt_into_moe"] = ["fit", *moe_args, f"--ckpt_path={out / 'ckpt' / 'step=4.ckpt'}"]
     # validate reads --ckpt_path through the same loader
     resumes["validate_evil_entry"] = ["validate", *gpt_args, f"--ckpt_path={probes['evil_entry']}"]
+    resumes["validate_evil_layout"] = ["validate", *gpt_args, f"--ckpt_path={probes['evil_layout']}"]
     results = {}
     for name, args in resumes.items():
         directory = Path(args[-1].split("=", 1)[1]).parent
