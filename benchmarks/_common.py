@@ -50,6 +50,7 @@ from zoo.gpt import GPT, GPTConfig  # noqa: E402
 from zoo.modules import GPTModule  # noqa: E402
 
 _RESULT_ENV = "LIT_MESH_BENCH_RESULT"
+_LAUNCHER_ENV = "LIT_MESH_BENCH_LAUNCHER"  # torchrun (default) or fork
 Batch = tuple[torch.Tensor, torch.Tensor]
 
 
@@ -62,9 +63,17 @@ def in_worker() -> bool:
 
 
 def launch(script: str, argv: Sequence[str], nproc: int, timeout: float) -> dict[str, Any]:
-    """Run `script argv` on `nproc` torchrun ranks and return the result dict rank 0 wrote."""
+    """Run `script argv` on `nproc` torchrun ranks and return the result dict rank 0 wrote.
+
+    With LIT_MESH_BENCH_LAUNCHER=fork the ranks are forked from this process instead (the smoke test,
+    tests/integration/test_benchmarks_smoke.py: the imports are paid once for every script and rank)."""
+    launcher = os.environ.get(_LAUNCHER_ENV, "torchrun")
+    if launcher not in ("torchrun", "fork"):
+        raise ValueError(f"{_LAUNCHER_ENV}={launcher!r}: choose torchrun or fork")
     with tempfile.TemporaryDirectory() as tmp:
         result_path = Path(tmp) / "result.json"
+        if launcher == "fork":
+            return _fork_launch(script, argv, nproc, result_path)
         cmd = [
             sys.executable,
             "-m",
@@ -87,6 +96,38 @@ def launch(script: str, argv: Sequence[str], nproc: int, timeout: float) -> dict
         if proc.returncode != 0 or not result_path.exists():
             raise RuntimeError(f"{' '.join(cmd)} failed with exit code {proc.returncode}")
         return json.loads(result_path.read_text())
+
+
+def _fork_launch(script: str, argv: Sequence[str], nproc: int, result_path: Path) -> dict[str, Any]:
+    """`launch` with the ranks forked from this process (fork_ranks)."""
+    environment = {**os.environ, _RESULT_ENV: str(result_path), "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    code = fork_ranks(script, argv, nproc, environment)
+    if code != 0 or not result_path.exists():
+        raise RuntimeError(f"{script} {' '.join(argv)} on {nproc} forked ranks failed with exit code {code}")
+    return json.loads(result_path.read_text())
+
+
+def fork_ranks(script: str, argv: Sequence[str], nproc: int, environment: dict[str, str]) -> int:
+    """Run `script argv` as __main__ on `nproc` ranks forked from this process, each with `environment` and the
+    variables torchrun sets (tests/fork_launch.py); 0 when every rank exits 0. The ranks' stdout goes to stderr, as
+    in `launch`. No timeout of its own: the smoke test times its whole run. Fork-safe only while this process runs
+    one intra-op thread (the smoke runner, tests/workers/benchmark_smoke.py, sets OMP_NUM_THREADS=1)."""
+    from tests.fork_launch import _run_rank, _torchrun_environment, _wait
+    from tests.launch import free_port
+
+    shared = {**environment, **_torchrun_environment(nproc, free_port())}
+    sys.stdout.flush()  # what is buffered now must not be written again by every rank
+    sys.stderr.flush()
+    children = {}
+    for rank in range(nproc):
+        pid = os.fork()
+        if pid == 0:
+            os.dup2(2, 1)
+            _run_rank(
+                {**shared, "RANK": str(rank), "LOCAL_RANK": str(rank), "ROLE_RANK": str(rank)}, script, list(argv)
+            )
+        children[pid] = rank
+    return _wait(children)
 
 
 def run(

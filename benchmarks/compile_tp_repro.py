@@ -25,6 +25,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import socket
 import sys
 import tempfile
 import traceback
@@ -135,20 +136,31 @@ def _rank(rank: int, world: int, port: int, backend: str, cases: list[str], out:
     dist.destroy_process_group()
 
 
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def main() -> None:
     parser = ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--backend", default="aot_eager", help="torch.compile backend (aot_eager, inductor, eager)")
     parser.add_argument("--cases", default=",".join(CASES), help=f"comma-separated, of {list(CASES)}")
-    parser.add_argument("--port", type=int, default=29531)
+    parser.add_argument("--port", type=int, default=29531, help="the ranks' rendezvous port; 0: a free one")
     parser.add_argument("--detect-anomaly", action="store_true", help="print the forward trace of a failing backward")
     args = parser.parse_args()
     cases = args.cases.split(",")
     unknown = [c for c in cases if c not in CASES]
     if unknown:
         parser.error(f"unknown cases {unknown}; choose from {list(CASES)}")
+    port = args.port or _free_port()
     with tempfile.TemporaryDirectory() as tmp:
         out = str(Path(tmp) / "result.json")
-        mp.spawn(_rank, args=(2, args.port, args.backend, cases, out, args.detect_anomaly), nprocs=2)
+        # the smoke test's fork launcher (benchmarks/_common.py) forks the ranks: they share this process's imports
+        start_method = "fork" if os.environ.get("LIT_MESH_BENCH_LAUNCHER") == "fork" else "spawn"
+        mp.start_processes(
+            _rank, args=(2, port, args.backend, cases, out, args.detect_anomaly), nprocs=2, start_method=start_method
+        )
         results = json.loads(Path(out).read_text())
     print(json.dumps({"torch": torch.__version__, "backend": args.backend, "cases": results}))
 

@@ -8,10 +8,12 @@ __bool__ / cpu calls (the optimizer's step counters excluded), MoE token-count c
 group size.
 
     python benchmarks/host_sync.py
+    python benchmarks/host_sync.py --layouts fsdp2 pp2
 """
 
 from __future__ import annotations
 
+import argparse
 import sys
 import tempfile
 from pathlib import Path
@@ -22,8 +24,11 @@ from tests.workers.step_audits import LAYOUTS, run_audits  # noqa: E402 (importa
 
 
 def main(argv: list[str]) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
+    args = p.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
-        audits = run_audits(Path(tmp))
+        audits = run_audits(Path(tmp), args.layouts)
     layouts = {}
     for name, audit in audits.items():
         ranks = audit["ranks"]

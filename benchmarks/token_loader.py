@@ -104,13 +104,15 @@ def main(argv: list[str]) -> dict:
     p.add_argument("--vocab", type=int, default=8192, help="BPE vocabulary trained for the corpus")
     p.add_argument("--workers", type=int, default=2, help="prepare-data processes")
     p.add_argument("--max-batches", type=int, default=200, help="loader batches timed (at most one epoch)")
+    p.add_argument("--max-files", type=int, default=0, help="tokenise only the first N source files (0: all)")
+    p.add_argument("--matmul-size", type=int, default=2048, help="side of the matmul that measures this CPU's rate")
     args = p.parse_args(argv)
 
     from zoo.prepare_data import prepare
     from zoo.text_data import stdlib_sources
     from zoo.token_data import TokenDataModule
 
-    files = stdlib_sources()
+    files = stdlib_sources()[: args.max_files or None]
     with tempfile.TemporaryDirectory() as tmp:
         tokenizer = train_bpe(files[:: max(1, len(files) // 40)], args.vocab, Path(tmp) / "tokenizer.json")
         start = time.perf_counter()
@@ -144,7 +146,7 @@ def main(argv: list[str]) -> dict:
     config = one_b_config()
     flops_per_token = gpt_flops_per_token(config, args.seq_len)
     step_tokens = args.seq_len * args.global_batch_size
-    cpu_flops = matmul_flops()
+    cpu_flops = matmul_flops(args.matmul_size)
     cpu_step_s = step_tokens * flops_per_token / cpu_flops
     gpu_tokens_per_s = STATED_MFU * H100_BF16_FLOPS / flops_per_token
     return {

@@ -8,14 +8,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lit_mesh.parallel.context.apply import (
+from lit_mesh.parallel.context import (
     ContextParallelAttention,
     ContextParallelError,
-    _swap_attention,
     local_positions,
     shard_sequence,
     unshard_sequence,
 )
+from lit_mesh.parallel.context.apply import _swap_attention
 from lit_mesh.parallel.context.attention import _ring_block
 
 # ---- the layout of the sequence (no processes) ------------------------------------------------------------

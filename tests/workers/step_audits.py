@@ -4,6 +4,7 @@ step 2 logs nothing (log_every_n_steps=2) and is counted by lit_mesh.monitor.ste
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 
 from tests.launch import REPO, cli_runs
@@ -46,11 +47,13 @@ def audit_args(config: str, out: Path, name: str, extra: list[str], devices: int
     ]
 
 
-def run_audits(out: Path) -> dict[str, dict]:
-    """Every layout, one torchrun launch per world size; {name: the audit file (every rank's counts)}."""
+def run_audits(out: Path, names: Sequence[str] = tuple(LAYOUTS)) -> dict[str, dict]:
+    """The layouts `names` (every one by default), one launch per world size; {name: the audit file (every rank's
+    counts)}."""
     by_world: dict[int, list[dict]] = {}
-    for name, (config, world, extra) in LAYOUTS.items():
+    for name in names:
+        config, world, extra = LAYOUTS[name]
         by_world.setdefault(world, []).append({"name": name, "args": audit_args(config, out, name, extra, world)})
     for world, runs in sorted(by_world.items()):
         cli_runs(world, out, runs)
-    return {name: json.loads((out / name / "audit.json").read_text()) for name in LAYOUTS}
+    return {name: json.loads((out / name / "audit.json").read_text()) for name in names}

@@ -37,19 +37,12 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.overrides import TorchFunctionMode
 
 from lit_mesh.parallel.context.attention import context_parallel_attention
-from lit_mesh.parallel.context.layout import (  # noqa: F401  (the public names of context parallelism live here)
-    CP_STYLES,
+from lit_mesh.parallel.context.layout import (
     SEQUENCE_DIM,
     ContextParallelError,
-    CPStyle,
     check_cp_style,
-    gather_batch,
     is_load_balanced,
-    local_chunks,
     local_positions,
-    shard_batch,
-    shard_sequence,
-    unshard_sequence,
 )
 from lit_mesh.plan import ParallelPlan, PlanError
 
