@@ -10,6 +10,7 @@ extends it from 2D to the N-D mesh, with plans applied for the user.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Generator
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
@@ -210,8 +211,8 @@ class MeshStrategy(ModelParallelStrategy):
     @override
     def _setup_distributed(self) -> None:
         # NCCL's watchdog settings, before the group starts; flight-recorder dumps under the run's directory
-        trainer = getattr(self.lightning_module, "_trainer", None)
-        run_directory = Path(trainer.default_root_dir) if trainer is not None else Path.cwd()
+        root = getattr(getattr(self.lightning_module, "_trainer", None), "default_root_dir", None)
+        run_directory = Path(root) if isinstance(root, (str, os.PathLike)) else Path.cwd()
         use_watchdog_defaults(self._get_process_group_backend(), run_directory)
         # torchrun --max-restarts: each attempt on its own rendezvous keys (lit_mesh/reliability/elastic.py says why)
         assert self.cluster_environment is not None  # set by the Trainer's accelerator connector
