@@ -156,8 +156,8 @@ def expand_inputs(inputs: Sequence[str]) -> list[Path]:
     return sorted({p.resolve() for p in found})
 
 
-PIECE_CHARS = 1 << 20  # a text file is tokenised in pieces of about this many characters (memory bounded by it)
-MAX_PIECE_CHARS = 16 << 20  # a piece with no clean cut this long is cut at any line end (see _text_pieces)
+PIECE_CHARS = 1 << 18  # a text file is tokenised in pieces of about this many characters (memory bounded by it)
+MAX_PIECE_CHARS = 1 << 20  # a piece with no clean cut this long is cut at any line end (see _text_pieces)
 
 
 def documents(path: Path, text_key: str) -> Iterator[Iterator[str]]:
@@ -283,7 +283,7 @@ def _write_atomic(path: Path, data: bytes) -> None:
 
 
 _TOKENIZER: Any = None  # one per worker process, loaded once
-BATCH_CHARS = 4 << 20  # pieces are tokenised in batches of about this many characters
+BATCH_CHARS = 1 << 20  # pieces are tokenised in batches of about this many characters (~200 bytes each in tokenizers)
 
 
 def _batches(path: Path, text_key: str) -> Iterator[list[tuple[str, bool]]]:
