@@ -10,7 +10,8 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from importlib.metadata import EntryPoint, entry_points
 from typing import Any
 
@@ -29,11 +30,26 @@ def export_main(argv: list[str]) -> None:
     parser.add_argument("checkpoint", help="a checkpoint written by MeshStrategy (directory) or Lightning (file)")
     parser.add_argument("output", help="where to write the state dict (torch.save)")
     parser.add_argument("--prefix", default="", help="keep only keys under this prefix, stripped (e.g. 'model')")
+    parser.add_argument("--force", action="store_true", help="replace OUTPUT if it exists (the checkpoint too)")
     args = parser.parse_args(argv)
     from lit_mesh.checkpoint import export_full_state_dict
 
-    out = export_full_state_dict(args.checkpoint, args.output, prefix=args.prefix)
+    with refusals_reported(parser):
+        out = export_full_state_dict(args.checkpoint, args.output, prefix=args.prefix, force=args.force)
     print(f"wrote {out}")
+
+
+@contextmanager
+def refusals_reported(parser: argparse.ArgumentParser, *more: type[Exception]) -> Iterator[None]:
+    """A subcommand's bad input (a checkpoint refused, an output that would destroy something, a path that cannot
+    be read or written) ends it with one message and exit status 1, not a traceback."""
+    from lit_mesh.errors import CheckpointError, OutputPathError
+
+    refused: tuple[type[Exception], ...] = (CheckpointError, OutputPathError, OSError, *more)
+    try:
+        yield
+    except refused as error:
+        parser.exit(1, f"{parser.prog}: error: {error}\n")
 
 
 def plan_main(argv: list[str]) -> None:
@@ -113,13 +129,28 @@ def run(argv: list[str], from_command_line: bool = False) -> Any:
 
 def lightning_cli(args: list[str] | None) -> Any:
     from lightning.pytorch import LightningDataModule, LightningModule
-    from lightning.pytorch.cli import LightningCLI
+    from lightning.pytorch.cli import LightningCLI, SaveConfigCallback
 
     import lit_mesh  # noqa: F401  (registers the "mesh" strategy)
     from lit_mesh.checkpoint.resume import resolve_ckpt_path
     from lit_mesh.planner.families import import_cli_modules
 
     import_cli_modules()  # the model families' modules (the zoo's), so that short class paths (--model=GPTModule) resolve
+
+    class KeepConfigCallback(SaveConfigCallback):
+        """Saves the run's config as LightningCLI does, never over another file: a config.yaml that holds
+        another config (the user's own, another run's) is kept, and this one is written as config-N.yaml."""
+
+        def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+            if not self.already_saved and self.save_to_log_dir:
+                log_dir = trainer.log_dir  # broadcasts the directory
+                name = None
+                if trainer.is_global_zero:
+                    name = free_config_name(
+                        log_dir, self.config_filename, self.parser.dump(self.config, skip_none=False)
+                    )
+                self.config_filename = trainer.strategy.broadcast(name)
+            super().setup(trainer, pl_module, stage)
 
     class MeshCLI(LightningCLI):
         def instantiate_trainer(self, **kwargs: Any) -> Any:
@@ -137,7 +168,8 @@ def lightning_cli(args: list[str] | None) -> Any:
         LightningDataModule,
         subclass_mode_model=True,
         subclass_mode_data=True,
-        save_config_kwargs={"overwrite": True},
+        save_config_callback=KeepConfigCallback,
+        save_config_kwargs={"overwrite": True},  # only over a file holding this very config (KeepConfigCallback)
         args=args,
     )
 
@@ -152,6 +184,24 @@ def drop_monitors_without_logger(trainer: Any) -> None:
         trainer.callbacks = [
             c for c in trainer.callbacks if not isinstance(c, (LearningRateMonitor, DeviceStatsMonitor))
         ]
+
+
+def free_config_name(log_dir: str, name: str, config: str) -> str:
+    """`name` (config.yaml) unless it exists with other content; else the first config-N.yaml free or holding
+    `config` (a resumed run finds its own)."""
+    stem, dot, suffix = name.rpartition(".") if "." in name else (name, "", "")
+    for n in range(10_000):
+        candidate = name if n == 0 else f"{stem}-{n}{dot}{suffix}"
+        path = os.path.join(log_dir, candidate)
+        if not os.path.exists(path):
+            return candidate
+        try:
+            with open(path, encoding="utf-8") as file:
+                if file.read() == config:
+                    return candidate
+        except (OSError, UnicodeDecodeError):
+            continue
+    raise SystemExit(f"lit-mesh: {log_dir!r} holds 10000 config-N.yaml files; clear it or set another log dir")
 
 
 def main() -> None:

@@ -35,12 +35,32 @@ class CompressionConfigError(ValueError):
     """A gradient-compression setting that cannot work, with the value and the fix in the message."""
 
 
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be loaded; the message names it, what is wrong, and the checkpoint to use instead."""
+
+
+class NotACheckpointError(CheckpointError, FileNotFoundError):
+    """A path that is no (complete) checkpoint; a ValueError too, as ModelParallelStrategy raises it."""
+
+
+class UnsafeCheckpointError(CheckpointError):
+    """A checkpoint file that would run code if loaded (a pickled function or class no checkpoint holds), named."""
+
+
+class OutputPathError(ValueError):
+    """An output path that would destroy what is there (an existing file or directory, the input itself)."""
+
+
 __all__ = [
+    "CheckpointError",
     "CompressionConfigError",
     "ContextParallelError",
     "MeshConfigError",
+    "NotACheckpointError",
+    "OutputPathError",
     "PipelineConfigError",
     "PlanError",
     "TopologyError",
+    "UnsafeCheckpointError",
     "WorldSizeError",
 ]

@@ -13,6 +13,7 @@ extends it from 2D to the N-D mesh, with plans applied for the user.
 from __future__ import annotations
 
 import sys
+import os
 from collections.abc import Generator
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
@@ -212,7 +213,10 @@ class MeshStrategy(ModelParallelStrategy):
 
     @override
     def _setup_distributed(self) -> None:
-        use_watchdog_defaults(self._get_process_group_backend())  # NCCL's watchdog settings, before the group starts
+        # NCCL's watchdog settings, before the group starts; flight-recorder dumps under the run's directory
+        root = getattr(getattr(self.lightning_module, "_trainer", None), "default_root_dir", None)
+        run_directory = Path(root) if isinstance(root, (str, os.PathLike)) else Path.cwd()
+        use_watchdog_defaults(self._get_process_group_backend(), run_directory)
         # torchrun --max-restarts: each attempt on its own rendezvous keys (lit_mesh/reliability/elastic.py says why)
         assert self.cluster_environment is not None  # set by the Trainer's accelerator connector
         excepthook = sys.excepthook
@@ -469,8 +473,8 @@ class MeshStrategy(ModelParallelStrategy):
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
         self.wait_for_checkpoint()
         path = Path(self.broadcast(checkpoint_path))
-        if not path.is_dir():  # a full single-file checkpoint
-            checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        if not path.is_dir():  # a full single-file checkpoint: never unpickling code unless the caller says so
+            checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only is not False)
         else:
             assert self.model is not None and self.lightning_module is not None
             optimizers = {f"optimizer_{i}": optimizer for i, optimizer in enumerate(self.optimizers)}

@@ -17,6 +17,7 @@ import argparse
 import glob
 import json
 import os
+import re
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass
@@ -55,11 +56,25 @@ def load_tokenizer(path: str) -> Any:
     directory (AutoTokenizer, no download)."""
     source = Path(path).expanduser()
     if source.is_file():
-        return require("tokenizers").Tokenizer.from_file(str(source))
+        try:
+            return require("tokenizers").Tokenizer.from_file(str(source))
+        except Exception as error:  # noqa: BLE001 - tokenizers raises a bare Exception for any bad file
+            raise PrepareDataError(
+                f"--tokenizer {path} is no tokenizer.json ({_first_line(error)}); give the tokenizer.json a"
+                " tokenizer saved (tokenizer.save(PATH)), or the directory save_pretrained wrote"
+            ) from None
     if source.is_dir():
         AutoTokenizer = require("transformers").AutoTokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(str(source), local_files_only=True)
+        try:
+            # never the directory's own code (auto_map): no prompt, no import of files that came with the data
+            tokenizer = AutoTokenizer.from_pretrained(str(source), local_files_only=True, trust_remote_code=False)
+        except Exception as error:  # noqa: BLE001 - transformers raises OSError, ValueError, KeyError, ...
+            raise PrepareDataError(
+                f"--tokenizer {path}: transformers cannot load a tokenizer from this directory"
+                f" ({type(error).__name__}: {_first_line(error)}); give a directory written by"
+                " tokenizer.save_pretrained(DIR) (without custom code), or a tokenizer.json"
+            ) from None
         if not getattr(tokenizer, "is_fast", False):
             raise PrepareDataError(
                 f"--tokenizer {path}: {type(tokenizer).__name__} is not a fast tokenizer; save a"
@@ -70,6 +85,11 @@ def load_tokenizer(path: str) -> Any:
         f"--tokenizer {path} does not exist; give a tokenizer.json file or a local directory that"
         " transformers' AutoTokenizer loads (save one with tokenizer.save_pretrained(DIR))"
     )
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0][:300] if text else type(error).__name__
 
 
 def tokenizer_info(path: str, eos_token: str | None) -> TokenizerInfo:
@@ -90,8 +110,13 @@ def _configured_eos(path: str) -> list[str]:
     config = Path(path).expanduser() / "tokenizer_config.json"
     if not config.is_file():
         return []
-    eos = json.loads(config.read_text()).get("eos_token")
-    return [eos["content"] if isinstance(eos, dict) else eos] if eos else []
+    try:
+        eos = json.loads(config.read_text(encoding="utf-8")).get("eos_token")
+    except (ValueError, AttributeError):  # transformers read it already; a file it took is no reason to stop
+        return []
+    if isinstance(eos, dict):
+        eos = eos.get("content")
+    return [eos] if isinstance(eos, str) and eos else []
 
 
 def token_dtype(vocab_size: int, requested: str = "auto") -> str:
@@ -131,24 +156,85 @@ def expand_inputs(inputs: Sequence[str]) -> list[Path]:
     return sorted({p.resolve() for p in found})
 
 
-def documents(path: Path, text_key: str) -> Iterator[str]:
-    """The documents of one input: a text file is one document; JSONL and parquet give one per row."""
+PIECE_CHARS = 1 << 18  # a text file is tokenised in pieces of about this many characters (memory bounded by it)
+MAX_PIECE_CHARS = 1 << 20  # a piece with no clean cut this long is cut at any line end (see _text_pieces)
+
+
+def documents(path: Path, text_key: str) -> Iterator[Iterator[str]]:
+    """The documents of one input, each as its text in pieces: a text file is one document (pieces of about
+    PIECE_CHARS); JSONL and parquet give one per row (one piece each). Input that is not text is refused."""
     if path.suffix in _JSONL:
-        with open(path, encoding="utf-8") as f:
-            for line_number, line in enumerate(f, start=1):
-                if line.strip():
-                    yield _text_of(json.loads(line), text_key, f"{path}:{line_number}")
+        yield from ([text] for text in _jsonl_texts(path, text_key))
     elif path.suffix in _PARQUET:
         for row_number, row in enumerate(_parquet_rows(path)):
-            yield _text_of(row, text_key, f"{path} row {row_number}")
+            yield [_text_of(row, text_key, f"{path} row {row_number}")]
     else:
-        yield path.read_text(encoding="utf-8", errors="replace")
+        yield _text_pieces(path)
 
 
-def _text_of(row: dict[str, Any], text_key: str, where: str) -> str:
+def _jsonl_texts(path: Path, text_key: str) -> Iterator[str]:
+    with open(path, "rb") as f:
+        for line_number, raw in enumerate(f, start=1):
+            where = f"{path}:{line_number}"
+            line = _decoded(raw, where)
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except ValueError as error:
+                raise PrepareDataError(
+                    f"{where} is not JSON ({error}); each line of a .jsonl file is one JSON object"
+                ) from None
+            yield _text_of(row, text_key, where)
+
+
+def _decoded(raw: bytes, where: str) -> str:
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise PrepareDataError(
+            f"{where} is not UTF-8 text (byte {error.start}: {raw[error.start : error.start + 4]!r}); convert it to"
+            " UTF-8, or leave it out"
+        ) from None
+    if "\x00" in text:
+        raise PrepareDataError(f"{where} holds NUL bytes: a binary file, not text; leave it out of the inputs")
+    return text
+
+
+def _text_pieces(path: Path) -> Iterator[str]:
+    """A text file's text, strictly UTF-8, in pieces of about PIECE_CHARS cut after a newline that is followed by
+    a non-space character: a boundary every common pre-tokenizer (byte-level BPE, whitespace, metaspace) makes
+    anyway, so the tokens are those of the whole text. Text without such a line for MAX_PIECE_CHARS is cut at
+    the next line end (a token or two there may differ from the whole text's): memory stays bounded."""
+    piece: list[str] = []
+    size = 0
+    with open(path, "rb") as f:
+        for line_number, raw in enumerate(f, start=1):
+            # universal newlines, as text mode reads them: the tokens of a CRLF file are those they always were
+            line = _decoded(raw, f"{path}:{line_number}").replace("\r\n", "\n").replace("\r", "\n")
+            clean_cut = bool(line[:1]) and not line[:1].isspace()
+            if (size >= PIECE_CHARS and clean_cut) or size >= MAX_PIECE_CHARS:
+                yield "".join(piece)
+                piece, size = [], 0
+            piece.append(line)
+            size += len(line)
+    if piece:
+        yield "".join(piece)
+
+
+def _text_of(row: Any, text_key: str, where: str) -> str:
+    if not isinstance(row, dict):
+        raise PrepareDataError(f"{where} is a JSON {type(row).__name__}, not an object with a {text_key!r} field")
     if text_key not in row:
         raise PrepareDataError(f"{where} has no key {text_key!r} (keys: {sorted(row)[:8]}); pass --text-key KEY")
-    return str(row[text_key])
+    text = row[text_key]
+    if not isinstance(text, str):
+        shown = "null" if text is None else type(text).__name__
+        raise PrepareDataError(
+            f"{where}: its {text_key!r} is {shown}, not text; fix or drop that row (or name the text field with"
+            " --text-key KEY)"
+        )
+    return text
 
 
 def _parquet_rows(path: Path) -> Any:
@@ -182,40 +268,99 @@ def _shard_names(index: int) -> tuple[str, str, str]:
     return f"train-{index:05d}.bin", f"val-{index:05d}.bin", f"part-{index:05d}.json"
 
 
+def _temporary(path: Path) -> Path:
+    return path.with_name(path.name + ".tmp")
+
+
+# prepare-data's own temporary files (_temporary): the only ones a re-run removes from --out
+_OWN_TEMPORARY = re.compile(r"(train|val)-\d{5}\.bin\.tmp|part-\d{5}\.json\.tmp|" + re.escape(META_FILE) + r"\.tmp")
+
+
 def _write_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(path.name + ".tmp")
+    tmp = _temporary(path)
     tmp.write_bytes(data)
     os.replace(tmp, path)
 
 
 _TOKENIZER: Any = None  # one per worker process, loaded once
+BATCH_CHARS = 1 << 20  # pieces are tokenised in batches of about this many characters (~200 bytes each in tokenizers)
+
+
+def _batches(path: Path, text_key: str) -> Iterator[list[tuple[str, bool]]]:
+    """(piece, ends its document) in batches of about BATCH_CHARS; documents that are all whitespace are left
+    out (an empty document adds no EOS)."""
+    batch: list[tuple[str, bool]] = []
+    size = 0
+    for document in documents(path, text_key):
+        held: list[str] = []  # leading blank pieces, kept until the document shows text
+        seen_text = False
+        for piece in document:
+            if not seen_text:
+                held.append(piece)
+                seen_text = bool(piece.strip())
+                if not seen_text:
+                    continue
+                pending, held = held, []
+            else:
+                pending = [piece]
+            for text in pending:
+                batch.append((text, False))
+                size += len(text)
+            if size >= BATCH_CHARS and len(batch) > 1:
+                *full, last = batch
+                yield full
+                batch, size = [last], len(last[0])
+        if seen_text:
+            batch[-1] = (batch[-1][0], True)
+    if batch:
+        yield batch
 
 
 def _tokenize_part(task: tuple[int, str, str, Settings]) -> dict[str, Any]:
-    """Tokenise input `index` and write its shards and then its part record; returns the record."""
+    """Tokenise input `index` into its shards, a batch of text at a time (memory bounded by the batch, not the
+    file), then write its part record; returns the record."""
     global _TOKENIZER
     index, source, out_dir, settings = task
     if _TOKENIZER is None:
         _TOKENIZER = load_tokenizer(settings.tokenizer)
     path, out = Path(source), Path(out_dir)
-    texts = [text for text in documents(path, settings.text_key) if text.strip()]  # an empty document adds no EOS
-    chunks = [
-        np.asarray(e.ids + [settings.eos_id], dtype=DTYPES[settings.dtype])
-        for e in _TOKENIZER.encode_batch(texts, add_special_tokens=False)
-    ]
-    tokens = np.concatenate(chunks) if chunks else np.zeros(0, dtype=DTYPES[settings.dtype])
-    n_val = int(round(len(tokens) * settings.val_fraction))
+    dtype = np.dtype(DTYPES[settings.dtype])
     train_name, val_name, part_name = _shard_names(index)
-    _write_atomic(out / train_name, tokens[: len(tokens) - n_val].tobytes())
-    _write_atomic(out / val_name, tokens[len(tokens) - n_val :].tobytes())
+    every = _temporary(out / train_name)  # all tokens first; the tail moves to the validation shard below
+    total = documents_seen = 0
+    try:
+        with open(every, "wb") as f:
+            for batch in _batches(path, settings.text_key):
+                encoded = _TOKENIZER.encode_batch([text for text, _ in batch], add_special_tokens=False)
+                for (_, ends), e in zip(batch, encoded):
+                    ids = np.asarray(e.ids + [settings.eos_id] if ends else e.ids, dtype=dtype)
+                    f.write(ids.tobytes())
+                    total += len(ids)
+                    documents_seen += ends
+        n_val = int(round(total * settings.val_fraction))
+        _move_tail(every, _temporary(out / val_name), (total - n_val) * dtype.itemsize)
+        os.replace(every, out / train_name)
+        os.replace(_temporary(out / val_name), out / val_name)
+    finally:  # refused input: no temporary file left behind
+        for tmp in (every, _temporary(out / val_name)):
+            tmp.unlink(missing_ok=True)
     record = {
         **_record_of(path, settings),
-        "train_tokens": len(tokens) - n_val,
+        "train_tokens": total - n_val,
         "val_tokens": n_val,
-        "documents": len(chunks),
+        "documents": documents_seen,
     }
     _write_atomic(out / part_name, json.dumps(record).encode())  # last: the part is complete
     return record
+
+
+def _move_tail(source: Path, target: Path, start: int, chunk: int = 16 << 20) -> None:
+    """The bytes of `source` from `start` on, copied to `target` a chunk at a time; `source` cut at `start`."""
+    with open(source, "rb") as f, open(target, "wb") as g:
+        f.seek(start)
+        while data := f.read(chunk):
+            g.write(data)
+    os.truncate(source, start)
 
 
 def _done_record(out: Path, index: int, path: Path, settings: Settings) -> dict[str, Any] | None:
@@ -252,12 +397,14 @@ def prepare(
     if workers < 1:
         raise PrepareDataError(f"--workers {workers} must be at least 1")
     paths = expand_inputs(inputs)  # bad paths fail before anything is written
+    out_dir = Path(out).expanduser()
+    _check_out(out_dir, inputs)
     info = tokenizer_info(tokenizer, eos_token)
     settings = Settings(info.path, info.eos_id, token_dtype(info.vocab_size, dtype), text_key, val_fraction)
-    out_dir = Path(out).expanduser()
     out_dir.mkdir(parents=True, exist_ok=True)
-    for stale in out_dir.glob("*.tmp"):  # left by an interrupted run
-        stale.unlink()
+    for stale in out_dir.iterdir():  # our own temporary files, left by an interrupted run (never anyone else's)
+        if _OWN_TEMPORARY.fullmatch(stale.name) and stale.is_file():
+            stale.unlink()
     records: dict[int, dict[str, Any]] = {}
     todo = []
     for index, path in enumerate(paths):
@@ -291,6 +438,24 @@ def prepare(
     }
     _write_atomic(out_dir / META_FILE, json.dumps(meta, indent=1).encode())
     return meta
+
+
+def _check_out(out_dir: Path, inputs: Sequence[str]) -> None:
+    """--out must be a directory (or not exist yet), outside every input directory: shards written into an input
+    directory would be read as input by the next run."""
+    for parent in (out_dir, *out_dir.absolute().parents):
+        if parent.exists() and not parent.is_dir():
+            raise PrepareDataError(
+                f"--out {out_dir}: {str(parent)!r} is a file; --out names the directory to write the shards to"
+            )
+    resolved = out_dir.resolve()
+    for item in inputs:
+        directory = Path(item).expanduser()
+        if directory.is_dir() and (resolved == directory.resolve() or directory.resolve() in resolved.parents):
+            raise PrepareDataError(
+                f"--out {out_dir} is inside the input directory {item!r}: the shards written there would be read"
+                " as input; choose an --out outside the inputs"
+            )
 
 
 def _run(todo: list, workers: int, progress: bool, already: int, total: int) -> Iterator[tuple[int, dict]]:
@@ -347,7 +512,7 @@ def main(argv: Sequence[str]) -> None:
             args.eos_token,
             progress=not args.no_progress,
         )
-    except PrepareDataError as error:
+    except (PrepareDataError, OSError) as error:  # bad input, or a path that cannot be read or written
         parser.exit(2, f"lit-mesh prepare-data: error: {error}\n")
     tokens = {split: sum(s["tokens"]) for split, s in meta["splits"].items()}
     print(

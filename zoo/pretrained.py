@@ -37,13 +37,24 @@ _EXPERTS = re.compile(r"^(.*)\.mlp\.experts\.(gate_up_proj|down_proj)$")
 _ZOO_EXPERTS = re.compile(r"^layers\.(\d+)\.moe\.experts\.(w1|w2|w3)$")
 
 
+def _inside(directory: Path, name: Any) -> Path:
+    """A weight_map entry of the index: a file of the directory itself, never a path leading out of it."""
+    file = directory / str(name)
+    if not isinstance(name, str) or Path(name).is_absolute() or directory.resolve() not in file.resolve().parents:
+        raise PretrainedError(
+            f"{str(directory / INDEX_FILE)!r} maps weights to {name!r}, which is not a file of {str(directory)!r};"
+            " a model directory's index names its own safetensors files: re-save the model with save_pretrained"
+        )
+    return file
+
+
 def directory_tensors(directory: str | Path) -> dict[str, FileTensor]:
     """Every tensor of the directory's safetensors files, by key (only the headers are read)."""
     safe_open = require("safetensors").safe_open
     path = Path(directory).expanduser()
     index = path / INDEX_FILE
     if index.is_file():
-        files = sorted({path / f for f in json.loads(index.read_text())["weight_map"].values()})
+        files = sorted({_inside(path, f) for f in json.loads(index.read_text())["weight_map"].values()})
     else:
         files = sorted(path.glob("*.safetensors"))
     if not files:
@@ -68,7 +79,7 @@ def read_config(directory: str | Path, allowed: tuple[str, ...]) -> Any:
         raise FileNotFoundError(
             f"pretrained={str(directory)!r} has no config.json; give a directory that save_pretrained wrote"
         )
-    config = AutoConfig.from_pretrained(str(path), local_files_only=True)
+    config = AutoConfig.from_pretrained(str(path), local_files_only=True, trust_remote_code=False)  # never its code
     architecture = (config.architectures or [type(config).__name__])[0]
     if architecture not in allowed:
         raise PretrainedError(

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
+from lit_mesh.checkpoint.checksums import write_checksums
 from lit_mesh.checkpoint.files import publish_checkpoint
 
 
@@ -59,6 +60,7 @@ class AsyncCheckpointSaver:
 def _publish(written: Future, partial: Path, path: Path, published: Future) -> None:
     try:
         written.result()
+        write_checksums(partial)  # every rank's shards are on disk (see save)
         publish_checkpoint(partial, path)
     except BaseException as error:  # handed to the training thread by wait()
         published.set_exception(error)

@@ -11,7 +11,6 @@ from typing import Any, Optional, cast
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from lightning.fabric.utilities.load import _METADATA_FILENAME
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
@@ -25,8 +24,17 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor, Placement, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from lit_mesh.checkpoint.checksums import CHECKSUM_FILE, checksum_problems
 from lit_mesh.checkpoint.resume import complete_checkpoints, newest_checkpoint
+from lit_mesh.checkpoint.safe_load import (
+    LAYOUT_FILE,
+    load_weights_only,
+    read_entries,
+    read_layout,
+    safe_dcp_load,
+)
 from lit_mesh.comm.state import DIRECTORY as COMPRESSION_DIRECTORY
+from lit_mesh.errors import CheckpointError, NotACheckpointError, UnsafeCheckpointError  # imported from here too
 
 # Optimizer state keyed by parameter name, hyper-parameters too ("param_groups.<name>.lr"): every rank's
 # entries are its own, so pipeline stages (different parameters per rank) and any reshard load back exactly.
@@ -45,37 +53,42 @@ def optimizer_state_options(pipeline: bool) -> StateDictOptions:
 def stored_optimizer_state_options(path: Path, key: str) -> StateDictOptions:
     """The format `key` (e.g. "optimizer_0") was written in: nested (ModelParallelStrategy, MeshStrategy
     without pp) stores "param_groups.<index>.params"; flattened stores "param_groups.<parameter>.lr"."""
-    stored = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    stored = read_layout(path).state_dict_metadata
     nested = f"{key}.param_groups.0.params" in stored
     return NESTED_OPTIMIZER_STATE_OPTIONS if nested else OPTIMIZER_STATE_OPTIONS
 
 
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be loaded; the message names it, what is wrong, and the checkpoint to use instead."""
-
-
-class NotACheckpointError(CheckpointError, FileNotFoundError):
-    """A path that is no (complete) checkpoint; a ValueError too, as ModelParallelStrategy raises it."""
+def _previous_sound(path: Path) -> Optional[Path]:
+    """The newest other complete checkpoint of path's directory whose files pass shard_problems (read safely,
+    checksums included), looking no further back than needed."""
+    for other in reversed(complete_checkpoints(path.parent)):
+        if other.resolve() != path.resolve() and (not other.is_dir() or not shard_problems(other)):
+            return other
+    return None
 
 
 def refusal(path: Path, problem: str) -> str:
     """The whole message: the checkpoint, what is wrong, that nothing was changed, and the previous complete one."""
-    others = [p for p in complete_checkpoints(path.parent) if p.resolve() != path.resolve() and not shard_problems(p)]
+    previous = _previous_sound(path)
     advice = (
-        f"resume from the previous complete checkpoint, {str(others[-1])!r} (--ckpt_path={others[-1]})"
-        if others
+        f"resume from the previous complete checkpoint, {str(previous)!r} (--ckpt_path={previous})"
+        if previous is not None
         else f"there is no other complete checkpoint in {str(path.parent)!r}: start afresh or restore a copy"
     )
     return f"cannot load checkpoint {str(path)!r}: {problem}. Nothing in it was changed; {advice}"
 
 
-def shard_problems(path: Path) -> Optional[str]:
-    """What is wrong with the files of a sharded checkpoint, read from its layout (.metadata) and the file sizes
-    alone (no tensor is read): an unreadable layout, a missing shard file, a shard shorter than the layout says."""
+def shard_problems(path: Path, share: tuple[int, int] = (0, 1)) -> Optional[str]:
+    """What is wrong with the files of a sharded checkpoint: its layout (.metadata, read safely) unreadable or
+    naming code, a shard file missing or shorter than the layout says, a file that differs from its checksum,
+    a non-tensor entry that is no plain value. `share=(i, n)`: this process checks its n-th of the files (each
+    of n ranks reads a different part; the caller gathers their answers)."""
     try:
-        layout = dcp.FileSystemReader(path).read_metadata()
+        layout = read_layout(path)
+    except UnsafeCheckpointError as error:
+        return str(error)
     except Exception as error:  # noqa: BLE001 - any failure to read it is the answer
-        return f"its layout file .metadata cannot be read ({type(error).__name__}: {error})"
+        return f"its layout file {LAYOUT_FILE} cannot be read ({type(error).__name__}: {error})"
     needed: dict[str, int] = {}  # bytes each shard file must hold
     for info in (layout.storage_data or {}).values():
         needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
@@ -89,13 +102,25 @@ def shard_problems(path: Path) -> Optional[str]:
     ]
     if short:
         return "truncated shard file(s): " + "; ".join(short)
+    damaged = checksum_problems(path, share)
+    if damaged:
+        return damaged
+    if share[0] == 0:  # the non-tensor entries (learning rates, step counts: small), read once
+        entries = {key for key, value in layout.state_dict_metadata.items() if not hasattr(value, "size")}
+        try:
+            if entries:
+                read_entries(path, entries)
+        except UnsafeCheckpointError as error:
+            return str(error)
+        except Exception as error:  # noqa: BLE001 - damaged bytes
+            return f"its non-tensor entries cannot be read ({type(error).__name__}: {error})"
     return None
 
 
 def model_problems(path: Path, model: nn.Module, strict: bool) -> Optional[str]:
     """Tensors this model has that the checkpoint lacks (another model's weights), or of another shape."""
     # by key: TensorStorageMetadata (its .size) or BytesStorageMetadata (no size), told apart by hasattr below
-    stored: dict[str, Any] = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    stored: dict[str, Any] = read_layout(path).state_dict_metadata
     held = {key[len("state_dict.") :] for key in stored if key.startswith("state_dict.")}
     ours = model.state_dict()
     absent = [name for name in ours if name not in held]
@@ -134,7 +159,9 @@ def _agreed(problem: Optional[str]) -> Optional[str]:
 
 def verify_checkpoint(path: Path, model: Optional[nn.Module] = None, strict: bool = True) -> None:
     """Refuse a damaged checkpoint before anything is loaded, with one CheckpointError naming it and the fix."""
-    problem = shard_problems(path)
+    collective = model is not None and dist.is_available() and dist.is_initialized()
+    share = (dist.get_rank(), dist.get_world_size()) if collective else (0, 1)  # each rank checks its part
+    problem = shard_problems(path, share)
     if problem is None and model is not None:
         problem = model_problems(path, model, strict)
     problem = _agreed(problem) if model is not None else problem
@@ -147,7 +174,9 @@ def _is_checkpoint_file(relative: Path) -> bool:
     name = relative.name
     if len(relative.parts) == 2 and relative.parts[0] == COMPRESSION_DIRECTORY:
         return name.startswith("rank") and name.endswith(".pt")
-    return len(relative.parts) == 1 and (name in (".metadata", _METADATA_FILENAME) or name.endswith(".distcp"))
+    return len(relative.parts) == 1 and (
+        name in (LAYOUT_FILE, _METADATA_FILENAME, CHECKSUM_FILE) or name.endswith(".distcp")
+    )
 
 
 def refuse_overwriting_other_files(path: Path) -> None:
@@ -260,7 +289,10 @@ def _placed_like(loaded: Any, template: Any) -> Any:
 def dcp_load(state: dict[str, Any], path: Path) -> dict[str, Any]:
     """dcp.load into a state laid out as dcp_writable saves it; returned in `state`'s own placements."""
     stored = dcp_writable(state)
-    dcp.load(stored, checkpoint_id=path)
+    try:
+        safe_dcp_load(stored, path)  # non-tensor entries as plain values only (verify_checkpoint read them first)
+    except UnsafeCheckpointError as error:
+        raise UnsafeCheckpointError(refusal(path, str(error))) from None
     return _placed_like(stored, state)
 
 
@@ -282,7 +314,10 @@ def load_sharded_checkpoint(
             )
         )
     # first, and never unpickling code: a bad checkpoint fails before the model is touched
-    metadata = torch.load(metadata_file, map_location="cpu", weights_only=True)
+    try:
+        metadata = load_weights_only(metadata_file, f"its {_METADATA_FILENAME}")
+    except UnsafeCheckpointError as error:
+        raise UnsafeCheckpointError(refusal(path, str(error))) from None
     verify_checkpoint(path, model, strict)
     model_state = dcp_load({"state_dict": get_model_state_dict(model)}, path)
     model.load_state_dict(model_state["state_dict"], strict=strict)

@@ -19,6 +19,7 @@ from lightning.fabric.utilities.load import _METADATA_FILENAME
 from torch import nn
 
 from lit_mesh.checkpoint.async_save import AsyncCheckpointSaver, split_for_dcp, write_metadata
+from lit_mesh.checkpoint.checksums import write_checksums
 from lit_mesh.checkpoint.files import failed_save_reported, load_sharded_checkpoint, publish_checkpoint
 from lit_mesh.comm.compression import CompressionRun
 from lit_mesh.comm.state import load_compression_state, save_compression_state
@@ -96,6 +97,7 @@ class CheckpointWriter:
             write(checkpoint, partial)
         self._barrier()  # every shard and the metadata are on disk
         if self._rank == 0:
+            write_checksums(partial)  # verified before every load: a damaged shard is refused, not loaded
             publish_checkpoint(partial, path)
         self._barrier()
 

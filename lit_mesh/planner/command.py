@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -346,7 +347,11 @@ def main(argv: list[str]) -> int:
     if result.ranked:
         best = result.ranked[0]
         if args.out:
-            header = [f"lit-mesh plan {' '.join(argv)}", f"best of {len(result.ranked)}: {best.name()}", *best.reasons]
+            header = [
+                f"lit-mesh plan {shlex.join(argv)}",
+                f"best of {len(result.ranked)}: {best.name()}",
+                *best.reasons,
+            ]
             path = _write(args, best, overrides or {}, hw, header)
             print(f"\nwrote {path}: lit-mesh fit -c {path}")
             out["config"] = str(path)
@@ -419,7 +424,7 @@ def _write_rehearsal(args: argparse.Namespace, best: Candidate, hw: Hardware, ar
         raise SystemExit(f"lit-mesh plan --rehearsal {args.rehearsal}: {e}") from None
     degrees = {d: v for d, v in config["trainer"]["strategy"]["init_args"].items() if d in (*DIMS, "ep") and v > 1}
     header = [
-        f"lit-mesh plan {' '.join(argv)}",
+        f"lit-mesh plan {shlex.join(argv)}",
         f"rehearsal of {best.name()} on {hw.world_size} devices:",
         f"  the same mesh scaled down ({', '.join(f'{d}={v}' for d, v in degrees.items()) or 'one device'}),"
         f" tiny {args.model}, 32-true, {config['trainer']['devices']} CPU processes",

@@ -117,7 +117,8 @@ def rehearsal_config(c: Candidate, hw: Hardware, model_family: str = "gpt", max_
 
 def write_yaml(path: str | Path, config: dict[str, Any], header: list[str]) -> Path:
     path = Path(path)
-    comments = "".join(f"# {line}\n" for line in header)
+    # every physical line a comment: a newline in an argument (--config-overrides) can never become a YAML key
+    comments = "".join(f"# {part}\n" for line in header for part in (line.splitlines() or [""]))
     path.write_text(comments + yaml.safe_dump(config, sort_keys=False))
     return path
 

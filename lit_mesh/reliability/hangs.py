@@ -26,6 +26,7 @@ import threading
 import time
 from collections.abc import Mapping
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Optional
 
 import torch.distributed as dist
@@ -39,29 +40,43 @@ NCCL_WATCHDOG_DEFAULTS = {
     "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3",
     # the flight recorder keeps the last 2000 collectives of each process (TORCH_FR_BUFFER_SIZE is its new name)
     "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
-    # on a timeout every rank writes its flight recorder to TORCH_FR_DUMP_TEMP_FILE<rank> (default /tmp/nccl_trace_rank_)
+    # on a timeout every rank writes its flight recorder to TORCH_FR_DUMP_TEMP_FILE<rank> (set under the run's
+    # directory by watchdog_environment; torch's default is /tmp/nccl_trace_rank_)
     "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
     # the monitor thread that dumps, and ends a rank whose watchdog itself is stuck (needed by DUMP_ON_TIMEOUT)
     "TORCH_NCCL_ENABLE_MONITORING": "1",
 }
-_ALIASES = {"TORCH_NCCL_TRACE_BUFFER_SIZE": "TORCH_FR_BUFFER_SIZE"}
+# where each rank's flight recorder is dumped: torch appends the rank to this prefix
+DUMP_PREFIX = "TORCH_FR_DUMP_TEMP_FILE"
+_ALIASES = {"TORCH_NCCL_TRACE_BUFFER_SIZE": "TORCH_FR_BUFFER_SIZE", DUMP_PREFIX: "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"}
+DUMP_DIRECTORY = "nccl_flight_recorder"  # under the run's directory
 
 
-def watchdog_environment(backend: str, environ: Mapping[str, str]) -> dict[str, str]:
+def watchdog_environment(
+    backend: str, environ: Mapping[str, str], run_directory: Optional[Path] = None
+) -> dict[str, str]:
     """The NCCL watchdog and flight-recorder settings to add to `environ` before the process group starts:
-    those the user has not set (under either of their names); nothing for other backends."""
+    those the user has not set (under either of their names); nothing for other backends. With `run_directory`
+    the dumps go under it, never to torch's fixed /tmp/nccl_trace_rank_<rank> (another user's file, or a link
+    planted there, would be written over)."""
     if "nccl" not in backend:
         return {}
+    defaults = dict(NCCL_WATCHDOG_DEFAULTS)
+    if run_directory is not None:
+        defaults[DUMP_PREFIX] = str(run_directory / DUMP_DIRECTORY / "rank_")
     return {
         name: value
-        for name, value in NCCL_WATCHDOG_DEFAULTS.items()
+        for name, value in defaults.items()
         if name not in environ and _ALIASES.get(name, name) not in environ
     }
 
 
-def use_watchdog_defaults(backend: str) -> None:
+def use_watchdog_defaults(backend: str, run_directory: Optional[Path] = None) -> None:
     """Put `watchdog_environment` into this process's environment (torch reads it when the group starts)."""
-    os.environ.update(watchdog_environment(backend, os.environ))
+    added = watchdog_environment(backend, os.environ, run_directory)
+    if DUMP_PREFIX in added:
+        Path(added[DUMP_PREFIX]).parent.mkdir(parents=True, exist_ok=True)
+    os.environ.update(added)
 
 
 class CollectiveHangError(RuntimeError):

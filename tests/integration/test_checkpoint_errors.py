@@ -4,6 +4,7 @@ checkpoint, and nothing in the directory changes (issue #25, item 6). One launch
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -39,19 +40,34 @@ def probes(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict, object
         ("truncated_shard", "truncated shard file(s): __0_0.distcp holds"),
         ("unreadable_layout", "its layout file .metadata cannot be read"),
         ("gpt_into_moe", "it holds the weights of another model"),
+        # issue #40: crafted to run code (fit and validate --ckpt_path), or damaged inside a shard
+        ("evil_layout", "its layout file .metadata refers to builtins.exec"),
+        ("evil_entry", "holds a pickled exec, which loading would run"),
+        ("validate_evil_entry", "holds a pickled exec, which loading would run"),
+        ("validate_evil_layout", "its layout file .metadata refers to builtins.exec"),
+        ("corrupt_shard", "differs from the file that was saved"),
     ],
 )
 def test_a_damaged_checkpoint_is_named_with_the_previous_one(probes: tuple, probe: str, what: str) -> None:
     out, results, _ = probes
     result = results[probe]
-    directory = out / (probe if probe != "gpt_into_moe" else "ckpt")
+    directory = out / {"gpt_into_moe": "ckpt"}.get(probe, probe.removeprefix("validate_"))
     message = result["resume"]
-    assert message.startswith("CheckpointError: cannot load checkpoint"), message
+    assert re.match(r"(Unsafe)?CheckpointError: cannot load checkpoint", message), message
     assert str(directory / "step=4.ckpt") in message and what in message, message
     assert f"previous complete checkpoint, '{directory / 'step=2.ckpt'}'" in message, message
     assert result["unchanged"], "the checkpoint directory must be left as it was"
     if "export" in result:  # lit-mesh export / export_hf read through the same check
-        assert result["export"].startswith("CheckpointError: cannot load checkpoint") and what in result["export"]
+        assert re.match(r"(Unsafe)?CheckpointError: cannot load checkpoint", result["export"]), result["export"]
+        assert what in result["export"], result["export"]
+
+
+def test_a_sibling_crafted_to_run_code_is_read_safely_and_never_recommended(probes: tuple) -> None:
+    out, results, _ = probes
+    message = results["evil_sibling"]["resume"]
+    assert message.startswith("CheckpointError: cannot load checkpoint"), message
+    assert f"there is no other complete checkpoint in '{out / 'evil_sibling'}'" in message, message
+    assert not results["payload_ran"], "a payload ran in fit, validate or export"
 
 
 def test_the_console_reports_once_and_exits_1(probes: tuple) -> None:

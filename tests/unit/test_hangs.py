@@ -8,6 +8,7 @@ import json
 import signal
 import time
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -21,6 +22,12 @@ def test_nccl_gets_the_watchdog_and_flight_recorder_defaults() -> None:
     assert watchdog_environment("nccl", {}) == hangs.NCCL_WATCHDOG_DEFAULTS
     assert set(watchdog_environment("cpu:gloo,cuda:nccl", {})) == set(hangs.NCCL_WATCHDOG_DEFAULTS)
     assert watchdog_environment("gloo", {}) == {}
+
+
+def test_flight_recorder_dumps_go_under_the_run_directory(tmp_path: Path) -> None:
+    dumps = watchdog_environment("nccl", {}, tmp_path)[hangs.DUMP_PREFIX]
+    assert dumps == str(tmp_path / "nccl_flight_recorder" / "rank_") and not dumps.startswith("/tmp/nccl")
+    assert hangs.DUMP_PREFIX not in watchdog_environment("nccl", {"TORCH_NCCL_DEBUG_INFO_TEMP_FILE": "/x/"}, tmp_path)
 
 
 def test_what_the_user_set_is_kept_under_either_name() -> None:

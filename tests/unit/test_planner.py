@@ -842,3 +842,14 @@ def yaml_load(path: Path) -> dict:
     import yaml
 
     return yaml.safe_load(path.read_text())
+
+
+def test_a_newline_in_the_command_line_stays_in_the_header_comment(tmp_path: Path) -> None:
+    import yaml
+
+    from lit_mesh.planner.config_yaml import write_yaml
+
+    argv = "lit-mesh plan --config-overrides '{\"a\": 1}\ninjected: true'"
+    path = write_yaml(tmp_path / "fit.yaml", {"trainer": {"devices": 2}}, [argv, "best of 3"])
+    assert yaml.safe_load(path.read_text()) == {"trainer": {"devices": 2}}
+    assert "# injected: true" in path.read_text()

@@ -174,3 +174,17 @@ def test_materialize_allocates_pretrained_parameters_without_initialising_them(k
     for name, buffer in buffers.items():
         assert torch.equal(buffer, expected_buffers[name]), name
     assert not any(hasattr(p, "_is_hf_initialized") for p in module.parameters()), "transformers' flag is removed"
+
+
+@pytest.mark.parametrize("name", ["../outside.safetensors", "/etc/passwd", "sub/../../x.safetensors"])
+def test_an_index_naming_files_outside_its_directory_is_refused(tmp_path: Path, name: str) -> None:
+    import json
+
+    from zoo.pretrained import INDEX_FILE, directory_tensors
+
+    model = tmp_path / "model"
+    model.mkdir()
+    save_file({"w": torch.zeros(2)}, str(tmp_path / "outside.safetensors"))
+    (model / INDEX_FILE).write_text(json.dumps({"weight_map": {"w": name}}))
+    with pytest.raises(PretrainedError, match=r"maps weights to .*, which is not a file of"):
+        directory_tensors(model)

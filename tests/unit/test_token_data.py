@@ -159,3 +159,24 @@ def test_workers_keep_the_batch_order(shards: Path) -> None:
 def test_missing_shards_name_the_command(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match="lit-mesh prepare-data --tokenizer TOKENIZER --out"):
         TokenDataModule(path=str(tmp_path))
+
+
+def test_a_large_text_is_tokenised_in_bounded_batches_with_the_same_tokens(
+    tokenizer_dir: Path, shards: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Memory bounded by a batch, not the file (issue #40): a text file is cut in pieces at newlines before a
+    non-space character, which every common pre-tokenizer splits at anyway, so the tokens are unchanged."""
+    from zoo import prepare_data
+
+    monkeypatch.setattr(prepare_data, "PIECE_CHARS", 300)
+    monkeypatch.setattr(prepare_data, "BATCH_CHARS", 2000)
+    index, source = max(enumerate(sorted(CORPUS_FILES)), key=lambda item: item[1].stat().st_size)
+    longest_line = max(len(line) for line in source.read_text().splitlines(keepends=True))
+    monkeypatch.setattr(prepare_data, "MAX_PIECE_CHARS", 600)
+    batches = list(prepare_data._batches(source, "text"))
+    assert len(batches) > 5 and all(sum(len(t) for t, _ in b) < 2000 + 600 + longest_line for b in batches)
+    monkeypatch.setattr(prepare_data, "MAX_PIECE_CHARS", 10**9)  # clean cuts only: the tokens of the whole text
+    out = tmp_path / "pieces"
+    prepare([str(source)], str(tokenizer_dir), str(out), val_fraction=0.1, progress=False)
+    for split in ("train", "val"):
+        assert (out / f"{split}-00000.bin").read_bytes() == (shards / f"{split}-{index:05d}.bin").read_bytes(), split

@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from lit_mesh.checkpoint import export_full_state_dict
 from lit_mesh.cli import main, run
+from tests.evil_checkpoints import corrupt_shard, poison_entry, poison_layout
 
 
 def fingerprint(directory: Path) -> dict[str, str]:
@@ -28,16 +29,26 @@ def fingerprint(directory: Path) -> dict[str, str]:
     }
 
 
+PROBES = ("missing_shard", "truncated_shard", "unreadable_layout", "evil_layout", "evil_entry", "corrupt_shard")
+EVIL_SIBLING = "evil_sibling"  # step=4.ckpt misses a shard, step=2.ckpt (the sibling) is crafted to run code
+
+
 def damage(source: Path, out: Path) -> dict[str, Path]:
-    """Copies of the run's checkpoint directory, each with step=4.ckpt damaged one way (step=2.ckpt intact)."""
+    """Copies of the run's checkpoint directory, each with step=4.ckpt damaged one way (step=2.ckpt intact), or
+    crafted to run code (issue #40: the payload would create out/payload-ran)."""
     probes = {}
-    for name in ("missing_shard", "truncated_shard", "unreadable_layout"):
+    for name in (*PROBES, EVIL_SIBLING):
         shutil.copytree(source, out / name)
         probes[name] = out / name / "step=4.ckpt"
     (probes["missing_shard"] / "__1_0.distcp").unlink()
     shard = probes["truncated_shard"] / "__0_0.distcp"
     shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
     (probes["unreadable_layout"] / ".metadata").write_bytes(b"not a layout")
+    poison_layout(probes["evil_layout"], out / "payload-ran")
+    poison_entry(probes["evil_entry"], out / "payload-ran")
+    corrupt_shard(probes["corrupt_shard"])
+    (probes[EVIL_SIBLING] / "__1_0.distcp").unlink()
+    poison_layout(out / EVIL_SIBLING / "step=2.ckpt", out / "payload-ran")
     return probes
 
 
@@ -59,19 +70,23 @@ if __name__ == "__main__":
     if dist.get_rank() == 0:
         probes = damage(out / "ckpt", out)
     dist.barrier()
-    probes = {name: out / name / "step=4.ckpt" for name in ("missing_shard", "truncated_shard", "unreadable_layout")}
+    probes = {name: out / name / "step=4.ckpt" for name in (*PROBES, EVIL_SIBLING)}
     resumes = {name: ["fit", *gpt_args, f"--ckpt_path={path}"] for name, path in probes.items()}
     resumes["gpt_into_moe"] = ["fit", *moe_args, f"--ckpt_path={out / 'ckpt' / 'step=4.ckpt'}"]
+    # validate reads --ckpt_path through the same loader
+    resumes["validate_evil_entry"] = ["validate", *gpt_args, f"--ckpt_path={probes['evil_entry']}"]
+    resumes["validate_evil_layout"] = ["validate", *gpt_args, f"--ckpt_path={probes['evil_layout']}"]
     results = {}
     for name, args in resumes.items():
         directory = Path(args[-1].split("=", 1)[1]).parent
         before = fingerprint(directory)
         dist.barrier()
         try:
+            fit_only = ["--trainer.max_steps=6"] if args[0] == "fit" else []
             run(
                 [
                     *args,
-                    "--trainer.max_steps=6",
+                    *fit_only,
                     "--trainer.enable_checkpointing=false",
                     f"--trainer.logger.save_dir={out / 'logs' / name}",
                 ]
@@ -109,6 +124,7 @@ if __name__ == "__main__":
         results["disk_full"] = {"save": "no error"}
     except Exception as error:  # noqa: BLE001
         results["disk_full"] = {"save": f"{type(error).__name__}: {error}"}
+    results["payload_ran"] = (out / "payload-ran").exists()
     dist.barrier()
     results["disk_full"]["left"] = sorted(p.name for p in (out / "full_disk").iterdir())
     if dist.get_rank() == 0:

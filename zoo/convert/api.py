@@ -122,8 +122,8 @@ def load_hf_as_zoo(directory: str | Path) -> nn.Module:
     path = Path(directory)
     if not list(path.glob("*.safetensors")):
         raise FileNotFoundError(f"{str(path)!r} holds no *.safetensors file")
-    config = AutoConfig.from_pretrained(path)
+    config = AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=False)
     arch = (config.architectures or [None])[0]
     if arch not in _BY_CLASS:
         raise ConversionError(f"{str(path)!r} holds a {arch}; converters: {sorted(_BY_CLASS)}")
-    return hf_to_zoo(getattr(transformers, arch).from_pretrained(path))
+    return hf_to_zoo(getattr(transformers, arch).from_pretrained(path))  # a class of ours: no remote code

@@ -16,16 +16,26 @@ from typing import Any
 import torch
 from lightning.fabric.utilities.load import _METADATA_FILENAME
 
-from lit_mesh.checkpoint import load_full_state_dict
+from lit_mesh.checkpoint import CheckpointError, load_full_state_dict
+from lit_mesh.checkpoint.export import weights_under
+from lit_mesh.checkpoint.output import check_output, written_in_place
+from lit_mesh.checkpoint.safe_load import load_weights_only
 from lit_mesh.extras import require
 from zoo.convert.api import CONVERTERS, _load, zoo_state_to_hf
 from zoo.convert.rules import ConversionError
 
 
 def checkpoint_hyperparameters(checkpoint: str | Path) -> dict[str, Any]:
-    path = Path(checkpoint)
+    path = Path(checkpoint).expanduser()
     source = path / _METADATA_FILENAME if path.is_dir() else path
-    return dict(torch.load(source, map_location="cpu", weights_only=True).get("hyper_parameters") or {})
+    if not source.is_file():
+        raise CheckpointError(
+            f"cannot load checkpoint {str(path)!r}: it has no {_METADATA_FILENAME} (Lightning's part of a sharded"
+            " checkpoint: its hyper-parameters), so it was not saved by Lightning; export it with `lit-mesh export`"
+        )
+    saved = load_weights_only(source, f"{str(source)!r}")  # never runs code from it
+    hparams = saved.get("hyper_parameters") if isinstance(saved, dict) else None
+    return dict(hparams) if isinstance(hparams, dict) else {}
 
 
 def _zoo_kind(weights: dict[str, torch.Tensor]) -> tuple[str, type] | None:
@@ -76,7 +86,7 @@ def _pretrained_config(hparams: dict[str, Any], checkpoint: Any, convert: Any = 
             f"{str(checkpoint)!r} was fine-tuned from pretrained={str(directory)!r}, whose config.json is gone; pass"
             " the model's config: export_hf(checkpoint, directory, config=AutoConfig.from_pretrained(...))"
         )
-    config = AutoConfig.from_pretrained(str(directory), local_files_only=True)
+    config = AutoConfig.from_pretrained(str(directory), local_files_only=True, trust_remote_code=False)
     overrides = hparams.get("config_overrides") or {}
     if convert is None:
         config.update(overrides)
@@ -97,13 +107,16 @@ def _hf_model(config: Any, weights: dict[str, torch.Tensor]) -> Any:
     return _load(auto.from_config, config, weights)
 
 
-def export_hf(checkpoint: str | Path, directory: str | Path, prefix: str = "model", config: Any = None) -> Path:
-    """Write the model under `prefix` of `checkpoint` as a transformers directory; returns the directory."""
-    weights = load_full_state_dict(checkpoint)
-    start = prefix.rstrip(".") + "." if prefix else ""
-    weights = {k[len(start) :]: v for k, v in weights.items() if k.startswith(start)}
-    if not weights:
-        raise ConversionError(f"no weights under prefix {prefix!r} in {str(checkpoint)!r}")
+def export_hf(
+    checkpoint: str | Path, directory: str | Path, prefix: str = "model", config: Any = None, force: bool = False
+) -> Path:
+    """Write the model under `prefix` of `checkpoint` as a transformers directory; returns the directory.
+
+    An existing `directory` is replaced (whole) only with force=True; it is written under a temporary name and
+    renamed, so a failure leaves what was there."""
+    out = Path(directory)
+    check_output(out, Path(checkpoint), "directory", force)  # before the (long) read
+    weights = weights_under(load_full_state_dict(checkpoint), prefix, checkpoint)
     hparams = checkpoint_hyperparameters(checkpoint)
     zoo = _zoo_config(weights, hparams, config, checkpoint)
     if zoo is not None:
@@ -119,12 +132,18 @@ def export_hf(checkpoint: str | Path, directory: str | Path, prefix: str = "mode
                     f"{str(checkpoint)!r}: the model is neither a zoo model nor a zoo.hf module; pass its"
                     " transformers config: export_hf(checkpoint, directory, config=model.config)"
                 )
-            from zoo.hf.configs import tiny_config
+            from zoo.hf.configs import ARCHITECTURES, tiny_config
 
+            if hparams["architecture"] not in ARCHITECTURES:
+                raise ConversionError(
+                    f"{str(checkpoint)!r}: its hyper-parameter architecture={hparams['architecture']!r} is none"
+                    f" of {list(ARCHITECTURES)}; pass its transformers config: export_hf(checkpoint, directory,"
+                    " config=...)"
+                )
             config = tiny_config(hparams["architecture"], **(hparams.get("config_overrides") or {}))
         model = _hf_model(config, weights)
-    out = Path(directory)
-    model.save_pretrained(out)
+    with written_in_place(out, "directory") as tmp:
+        model.save_pretrained(tmp)
     return out
 
 
@@ -138,5 +157,10 @@ def main(argv: list[str]) -> None:
     parser.add_argument("checkpoint", help="a checkpoint written by `lit-mesh fit` (sharded directory or one file)")
     parser.add_argument("output", help="the directory to write")
     parser.add_argument("--prefix", default="model", help="the LightningModule attribute holding the model")
+    parser.add_argument("--force", action="store_true", help="replace OUTPUT (the whole directory) if it exists")
     args = parser.parse_args(argv)
-    print(f"wrote {export_hf(args.checkpoint, args.output, prefix=args.prefix)}")
+    from lit_mesh.cli import refusals_reported
+
+    with refusals_reported(parser, ConversionError):
+        out = export_hf(args.checkpoint, args.output, prefix=args.prefix, force=args.force)
+    print(f"wrote {out}")
