@@ -12,8 +12,8 @@ extends it from 2D to the N-D mesh, with plans applied for the user.
 
 from __future__ import annotations
 
-import sys
 import os
+import sys
 from collections.abc import Generator
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
