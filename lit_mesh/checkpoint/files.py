@@ -50,6 +50,16 @@ def stored_optimizer_state_options(path: Path, key: str) -> StateDictOptions:
     return NESTED_OPTIMIZER_STATE_OPTIONS if nested else OPTIMIZER_STATE_OPTIONS
 
 
+MODEL_KEYS = ("state_dict", "model")  # ModelParallelStrategy's and MeshStrategy's; Lightning FSDPStrategy's
+
+
+def stored_model_key(path: Path) -> str:
+    """Under which key the sharded checkpoint at `path` holds the model: "state_dict" (MeshStrategy,
+    ModelParallelStrategy) or "model" (Lightning's FSDPStrategy with state_dict_type="sharded")."""
+    stored = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    return next((key for key in MODEL_KEYS if any(k.startswith(f"{key}.") for k in stored)), MODEL_KEYS[0])
+
+
 class CheckpointError(ValueError):
     """A checkpoint that cannot be loaded; the message names it, what is wrong, and the checkpoint to use instead."""
 
@@ -96,7 +106,8 @@ def model_problems(path: Path, model: nn.Module, strict: bool) -> Optional[str]:
     """Tensors this model has that the checkpoint lacks (another model's weights), or of another shape."""
     # by key: TensorStorageMetadata (its .size) or BytesStorageMetadata (no size), told apart by hasattr below
     stored: dict[str, Any] = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
-    held = {key[len("state_dict.") :] for key in stored if key.startswith("state_dict.")}
+    prefix = f"{stored_model_key(path)}."
+    held = {key[len(prefix) :] for key in stored if key.startswith(prefix)}
     ours = model.state_dict()
     absent = [name for name in ours if name not in held]
     if strict and absent:
@@ -110,7 +121,7 @@ def model_problems(path: Path, model: nn.Module, strict: bool) -> Optional[str]:
     mismatched = [
         f"{name}: {tuple(stored[key].size)} in the checkpoint, {tuple(tensor.shape)} in this model"
         for name, tensor in ours.items()
-        if (key := f"state_dict.{name}") in stored
+        if (key := f"{prefix}{name}") in stored
         and hasattr(stored[key], "size")
         and tuple(stored[key].size) != tuple(tensor.shape)
     ]
@@ -284,8 +295,9 @@ def load_sharded_checkpoint(
     # first, and never unpickling code: a bad checkpoint fails before the model is touched
     metadata = torch.load(metadata_file, map_location="cpu", weights_only=True)
     verify_checkpoint(path, model, strict)
-    model_state = dcp_load({"state_dict": get_model_state_dict(model)}, path)
-    model.load_state_dict(model_state["state_dict"], strict=strict)
+    key = stored_model_key(path)  # FSDPStrategy's sharded checkpoints hold the model under "model"
+    model_state = dcp_load({key: get_model_state_dict(model)}, path)
+    model.load_state_dict(model_state[key], strict=strict)
     for key, optimizer in optimizers.items():
         options = stored_optimizer_state_options(path, key)  # either format loads, whoever wrote it
         optimizer_state = dcp_load({key: get_optimizer_state_dict(model, optimizer, options=options)}, path)

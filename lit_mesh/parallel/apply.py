@@ -209,7 +209,8 @@ def parallelize(
     if dp_mesh is not None:
         zero_stage, fsdp = options.data.zero_stage, options.fsdp
         settings = dict(
-            mp_policy=mixed_precision_override(fsdp.mixed_precision), offload=offload_policy(fsdp.cpu_offload)
+            mp_policy=mixed_precision_override(fsdp.mixed_precision),
+            offload=offload_policy(fsdp.cpu_offload, mesh.root.device_type),
         )
         for owner, block_list in zip(owners, block_lists):
             shard_experts(owner.module, owner.plan, mesh, layout, precision, zero_stage)

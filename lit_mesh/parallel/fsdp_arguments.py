@@ -127,16 +127,17 @@ class FSDPArguments:
         return {}
 
 
-def offload_policy(cpu_offload: Any) -> Optional[OffloadPolicy]:
-    """FSDP2's offload policy for FSDPStrategy's cpu_offload (None: parameters stay on the device)."""
+def offload_policy(cpu_offload: Any, device_type: str = "cuda") -> Optional[OffloadPolicy]:
+    """FSDP2's offload policy for FSDPStrategy's cpu_offload (None: parameters stay on the device). Host memory is
+    pinned for the copies to an accelerator; with CPU ranks there is nothing to pin for (and torch cannot)."""
     if cpu_offload is None or cpu_offload is False:
         return None
     if cpu_offload is True:
-        return CPUOffloadPolicy()
+        return CPUOffloadPolicy(pin_memory=device_type != "cpu")
     if isinstance(cpu_offload, OffloadPolicy):
         return cpu_offload
     if hasattr(cpu_offload, "offload_params"):  # FSDP1's CPUOffload
-        return CPUOffloadPolicy() if cpu_offload.offload_params else None
+        return CPUOffloadPolicy(pin_memory=device_type != "cpu") if cpu_offload.offload_params else None
     raise MeshConfigError(
         f"cpu_offload={cpu_offload!r}; give True, torch.distributed.fsdp.CPUOffloadPolicy() or FSDP1's"
         " CPUOffload(offload_params=True)"
