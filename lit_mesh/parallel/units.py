@@ -170,6 +170,8 @@ def parameters_outside(module: nn.Module, blocks: list[nn.Module]) -> bool:
 def units_report(blocks: Blocks, others: list[str], model_name: str) -> str:
     """The layout print's line about the FSDP units of a model without a plan."""
     rest = f" + {len(others)} more ({', '.join(others)})" if others else ""
+    if not blocks.modules and blocks.source == "auto_wrap_policy":
+        return f"MeshStrategy: auto_wrap_policy selects no module of {model_name}; FSDP units: {', '.join(others)}"
     if not blocks.modules:
         return (
             f"MeshStrategy: no repeated blocks found in {model_name} (no nn.ModuleList/nn.Sequential of same-class"
