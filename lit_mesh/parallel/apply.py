@@ -208,17 +208,17 @@ def parallelize(
         rank_zero_info(units_report(blocks, [names[id(u)] for u in others], type(root).__name__))
     if dp_mesh is not None:
         zero_stage, fsdp = options.data.zero_stage, options.fsdp
-        settings = dict(
-            mp_policy=mixed_precision_override(fsdp.mixed_precision),
-            offload=offload_policy(fsdp.cpu_offload, mesh.root.device_type),
-        )
+        mp_policy = mixed_precision_override(fsdp.mixed_precision)  # FSDPStrategy's names; None: lit-mesh's own
+        offload = offload_policy(fsdp.cpu_offload, mesh.root.device_type)
         for owner, block_list in zip(owners, block_lists):
             shard_experts(owner.module, owner.plan, mesh, layout, precision, zero_stage)
             # each pipeline stage is an FSDP root of its own (one stage per rank: the model itself)
             stage_roots = [s.module for s in done.stages] if done.stages else [owner.module]
-            apply_data_parallel(stage_roots, block_list, dp_mesh, layout, precision, zero_stage, **settings)
+            apply_data_parallel(
+                stage_roots, block_list, dp_mesh, layout, precision, zero_stage, mp_policy=mp_policy, offload=offload
+            )
         inner = innermost_first(blocks) if without_plan else []  # nested units before the units holding them
-        apply_data_parallel(others, inner, dp_mesh, layout, precision, zero_stage, **settings)
+        apply_data_parallel(others, inner, dp_mesh, layout, precision, zero_stage, mp_policy=mp_policy, offload=offload)
         # several stages per rank: each stage's view is an FSDP root outside the model's tree, hooked too
         views = [(f"stage{st.index}", st.module) for st in done.stages or [] if st.module is not owners[0].module]
         if compression is not None:  # communication hooks come last

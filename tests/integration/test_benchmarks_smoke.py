@@ -86,6 +86,7 @@ SMOKES: dict[str, Smoke] = {
     "host_sync.py": Smoke((), "host_sync", launches_ranks=RANKS),
     "loss_curves.py": Smoke(("--steps", "2", "--png", "{tmp}/loss.png"), "loss_curves", launches_ranks=RANKS),
     "memory_zero.py": Smoke(needs="a module of benchmarks/memory.py --zero (covered by memory.py's launch)"),
+    "own_model_memory.py": Smoke(("--dim", "32"), "own_model_memory", launches_ranks=RANKS),
     "overhead.py": Smoke(("--dp", "1", "--tp", "2", *TINY_STEPS), "overhead", launches_ranks=RANKS, in_suite=True),
     "pipeline.py": Smoke(
         ("--schedules", "1f1b", "--preset", "tiny", "--steps", "2", "--warmup", "1"), "pipeline", launches_ranks=RANKS
