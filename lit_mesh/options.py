@@ -25,10 +25,12 @@ from lit_mesh.parallel.activation_checkpointing import MemoryOptions
 from lit_mesh.parallel.compile import CompileOptions
 from lit_mesh.parallel.context import ContextOptions
 from lit_mesh.parallel.data import DataParallelOptions
+from lit_mesh.parallel.fsdp_arguments import FSDP1_KEYWORDS, FSDPArguments, check_fsdp1_keywords, resolve
+from lit_mesh.parallel.fsdp_arguments import RULES as FSDP_ARGUMENT_RULES
 from lit_mesh.parallel.grid import TPMode, check_tp_mode
 from lit_mesh.parallel.pipeline.schedules import PipelineSettings, check_pipeline_settings
 from lit_mesh.reliability.replan import WorldChangeOptions
-from lit_mesh.rules import Facts, check
+from lit_mesh.rules import RULES, Facts, check
 from lit_mesh.unit import option
 
 __all__ = [  # the groups, importable from here as before
@@ -37,6 +39,7 @@ __all__ = [  # the groups, importable from here as before
     "CompileOptions",
     "ContextOptions",
     "DataParallelOptions",
+    "FSDPArguments",
     "LaunchOptions",
     "MemoryOptions",
     "MeshDegrees",
@@ -99,6 +102,7 @@ class MeshOptions:
     )
     world: WorldChangeOptions = WorldChangeOptions()
     launch: LaunchOptions = LaunchOptions()
+    fsdp: FSDPArguments = FSDPArguments()  # Lightning FSDPStrategy's names (lit_mesh/parallel/fsdp_arguments.py)
 
     def __post_init__(self) -> None:
         if self.mesh.sequence_parallel is None:  # SP splits 1-D TP's sequence; the grid schemes split the batch
@@ -170,7 +174,8 @@ def args_docstring(indent: str = "    ", width: int = 120) -> str:
 def build_options(**given: Any) -> MeshOptions:
     """MeshStrategy's flat arguments (any of ARGUMENTS; the rest take their defaults) -> MeshOptions; raises what
     needs no world size, in the user's process."""
-    unknown = sorted(set(given) - set(ARGUMENTS))
+    check_fsdp1_keywords(given)  # FSDPStrategy's **kwargs: FSDP1's own arguments
+    unknown = sorted(set(given) - set(ARGUMENTS) - set(FSDP1_KEYWORDS))
     if unknown:
         raise TypeError(f"unknown MeshStrategy arguments {unknown}; the arguments are {list(ARGUMENTS)}")
     values: dict[str, Any] = {}
@@ -183,5 +188,9 @@ def build_options(**given: Any) -> MeshOptions:
             kwargs = {str(a.field): given.get(a.name, a.default) for a in arguments}
             values[group.name] = _BUILDERS.get(cls, cls)(**kwargs)
     options = MeshOptions(**values)
-    check("init", Facts(degrees=options.mesh.degrees(), options=options))
-    return options
+    check("init", Facts(degrees=options.mesh.degrees(), options=options))  # as given: FSDPStrategy's names vs ours
+    resolved = resolve(options)
+    if resolved != options:  # what FSDPStrategy's names mean, against the other units' rules
+        others = tuple(rule.name for rule in RULES if rule.phase == "init" and rule not in FSDP_ARGUMENT_RULES)
+        check("init", Facts(degrees=resolved.mesh.degrees(), options=resolved), only=others)
+    return resolved

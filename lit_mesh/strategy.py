@@ -60,10 +60,12 @@ from lit_mesh.parallel.activation_checkpointing import ActivationCheckpointing
 from lit_mesh.parallel.apply import already_parallelized, parallelize
 from lit_mesh.parallel.context import CPStyle, gather_batch, shard_batch
 from lit_mesh.parallel.data import ZeroStage, defer_gradient_reduction, refuse_fsdp1
+from lit_mesh.parallel.fsdp_arguments import offload_policy
 from lit_mesh.parallel.grid import TPMode
 from lit_mesh.parallel.pipeline.api import pipeline_scope, start_pipeline
 from lit_mesh.parallel.pipeline.moe import carry_moe_statistics
 from lit_mesh.parallel.pipeline.runner import PipelineRunner
+from lit_mesh.parallel.units import manual_wrap_context
 from lit_mesh.reliability.elastic import init_process_group_for_attempt
 from lit_mesh.reliability.hangs import HangWatch, start_hang_watch, use_watchdog_defaults
 from lit_mesh.reliability.nonfinite import NonFiniteLossGuard
@@ -126,6 +128,14 @@ class MeshStrategy(ModelParallelStrategy):
         tensor_parallel_size: Union[int, Literal["auto"], None] = None,
         on_world_change: OnWorldChange = "error",
         zero_stage: ZeroStage = 3,
+        auto_wrap_policy: Optional[Any] = None,
+        activation_checkpointing_policy: Optional[Any] = None,
+        sharding_strategy: Optional[str] = None,
+        state_dict_type: Optional[Literal["full", "sharded"]] = None,
+        cpu_offload: Optional[Any] = None,
+        mixed_precision: Optional[Any] = None,
+        device_mesh: Optional[tuple[int, int]] = None,
+        **kwargs: Any,  # FSDPStrategy's FSDP1 keyword arguments (lit_mesh/parallel/fsdp_arguments.py)
     ) -> None:
         given = {name: value for name, value in locals().items() if name in ARGUMENTS}
         super().__init__(
@@ -133,7 +143,9 @@ class MeshStrategy(ModelParallelStrategy):
             process_group_backend=process_group_backend,
             timeout=timeout,
         )
-        self.options = build_options(**given)  # what needs no world size fails here, in the user's process
+        # what needs no world size fails here, in the user's process
+        self.options = build_options(**given, **kwargs)
+        self._save_distributed_checkpoint = self.options.checkpoint.distributed  # state_dict_type may have set it
         self._lightning_sizes = lightning_sizes(data_parallel_size, tensor_parallel_size)
         self._nonfinite = NonFiniteLossGuard() if stop_on_nonfinite_loss else None
         self._world_plan: Optional[WorldPlan] = None
@@ -155,6 +167,7 @@ class MeshStrategy(ModelParallelStrategy):
             degrees = per_node_degrees(
                 self.options.mesh.degrees(), self._lightning_sizes, self.num_nodes, self.num_processes
             )
+            degrees.update(self.options.fsdp.degrees(self.num_nodes, self.num_processes))  # FSDPStrategy's names
             self._world_plan = plan_for_world(
                 self.num_processes * self.num_nodes, degrees, self.options.world.on_world_change
             )
@@ -265,7 +278,8 @@ class MeshStrategy(ModelParallelStrategy):
         # configure_model builds on the meta device (setup() shards, then materialises); values written into
         # meta weights there are carried through materialisation, or refused (lit_mesh/meta_writes.py)
         assert self.lightning_module is not None
-        with record_meta_writes(self.lightning_module):
+        # torch.distributed.fsdp.wrap.wrap(module) in configure_model marks an FSDP unit, as under FSDPStrategy
+        with record_meta_writes(self.lightning_module), manual_wrap_context():
             yield
 
     # ---- applying the plans -------------------------------------------------------------------------------
@@ -292,9 +306,10 @@ class MeshStrategy(ModelParallelStrategy):
         )
         if first_setup:
             pretrained = declared_sources(self.model)  # filled from pretrained weights: allocated, not initialised
-            materialize(self.model, done.owners, self.root_device, filled=pretrained)
+            materialize(self.model, done.owners, self._parameter_device, filled=pretrained)
             load_pretrained(self.model, pretrained)  # each rank reads its slices of the declared pretrained weights
-        self.model_to_device()
+        if not self._offloaded:  # cpu_offload: FSDP2 keeps the sharded parameters on the host
+            self.model_to_device()
         if done.stages is not None and self._pipeline is None:
             assert done.stage_ranks is not None  # made with the stages
             pp_group = self.mesh_views[MeshAxis.PP].get_group()
@@ -312,8 +327,17 @@ class MeshStrategy(ModelParallelStrategy):
             keep_global_batch(trainer, self.global_batch_splits, self._base_accumulation)
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
-        if trainer.state.fn == TrainerFn.FITTING:
+        if trainer.state.fn == TrainerFn.FITTING and not self._offloaded:  # offloaded: the step runs on the host
             _optimizers_to_device(self.optimizers, self.root_device)
+
+    @property
+    def _offloaded(self) -> bool:
+        """cpu_offload (FSDPStrategy's name): parameters, gradients and optimizer state stay on the host."""
+        return offload_policy(self.options.fsdp.cpu_offload) is not None
+
+    @property
+    def _parameter_device(self) -> torch.device:
+        return torch.device("cpu") if self._offloaded else self.root_device
 
     @override
     def batch_to_device(self, batch: Any, device: Optional[torch.device] = None, dataloader_idx: int = 0) -> Any:

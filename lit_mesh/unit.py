@@ -41,6 +41,7 @@ class Facts:
     root: Any = None  # the LightningModule itself (setup)
     owners: list[Any] = field(default_factory=list)  # plan owners found in the model (setup)
     self_parallelised: bool = False  # configure_model applied parallelism itself (setup)
+    blocks: list[str] = field(default_factory=list)  # a model without a plan: its blocks, found or named (setup)
 
     def degree(self, name: str) -> Any:
         """A resolved degree where the layout is known, else the given one."""

@@ -67,6 +67,16 @@ def _previous_sound(path: Path) -> Optional[Path]:
     return None
 
 
+MODEL_KEYS = ("state_dict", "model")  # ModelParallelStrategy's and MeshStrategy's; Lightning FSDPStrategy's
+
+
+def stored_model_key(path: Path) -> str:
+    """Under which key the sharded checkpoint at `path` holds the model: "state_dict" (MeshStrategy,
+    ModelParallelStrategy) or "model" (Lightning's FSDPStrategy with state_dict_type="sharded")."""
+    stored = read_layout(path).state_dict_metadata
+    return next((key for key in MODEL_KEYS if any(k.startswith(f"{key}.") for k in stored)), MODEL_KEYS[0])
+
+
 def refusal(path: Path, problem: str) -> str:
     """The whole message: the checkpoint, what is wrong, that nothing was changed, and the previous complete one."""
     previous = _previous_sound(path)
@@ -121,7 +131,8 @@ def model_problems(path: Path, model: nn.Module, strict: bool) -> Optional[str]:
     """Tensors this model has that the checkpoint lacks (another model's weights), or of another shape."""
     # by key: TensorStorageMetadata (its .size) or BytesStorageMetadata (no size), told apart by hasattr below
     stored: dict[str, Any] = read_layout(path).state_dict_metadata
-    held = {key[len("state_dict.") :] for key in stored if key.startswith("state_dict.")}
+    prefix = f"{stored_model_key(path)}."
+    held = {key[len(prefix) :] for key in stored if key.startswith(prefix)}
     ours = model.state_dict()
     absent = [name for name in ours if name not in held]
     if strict and absent:
@@ -135,7 +146,7 @@ def model_problems(path: Path, model: nn.Module, strict: bool) -> Optional[str]:
     mismatched = [
         f"{name}: {tuple(stored[key].size)} in the checkpoint, {tuple(tensor.shape)} in this model"
         for name, tensor in ours.items()
-        if (key := f"state_dict.{name}") in stored
+        if (key := f"{prefix}{name}") in stored
         and hasattr(stored[key], "size")
         and tuple(stored[key].size) != tuple(tensor.shape)
     ]
@@ -319,8 +330,9 @@ def load_sharded_checkpoint(
     except UnsafeCheckpointError as error:
         raise UnsafeCheckpointError(refusal(path, str(error))) from None
     verify_checkpoint(path, model, strict)
-    model_state = dcp_load({"state_dict": get_model_state_dict(model)}, path)
-    model.load_state_dict(model_state["state_dict"], strict=strict)
+    key = stored_model_key(path)  # FSDPStrategy's sharded checkpoints hold the model under "model"
+    model_state = dcp_load({key: get_model_state_dict(model)}, path)
+    model.load_state_dict(model_state[key], strict=strict)
     for key, optimizer in optimizers.items():
         options = stored_optimizer_state_options(path, key)  # either format loads, whoever wrote it
         optimizer_state = dcp_load({key: get_optimizer_state_dict(model, optimizer, options=options)}, path)

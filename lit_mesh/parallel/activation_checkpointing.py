@@ -64,6 +64,11 @@ def _selective_contexts():  # noqa: ANN202
 
 
 def check_activation_checkpointing(mode: str, every_n_blocks: int) -> None:
+    if isinstance(mode, type) or (isinstance(mode, (set, list, tuple)) and all(isinstance(m, type) for m in mode)):
+        raise ValueError(
+            f"activation_checkpointing={mode!r}: FSDPStrategy's module classes are activation_checkpointing_policy="
+            ' here; activation_checkpointing is a mode, one of ("none", "full", "selective")'
+        )
     if mode not in AC_MODES:
         raise ValueError(f"activation_checkpointing={mode!r}; choose one of {AC_MODES}")
     if isinstance(every_n_blocks, bool) or not isinstance(every_n_blocks, int) or every_n_blocks < 1:
@@ -93,7 +98,7 @@ def block_options(options: Any) -> list[str]:
 
 
 def _needs_plan(f: Facts) -> bool:
-    return not f.self_parallelised and not f.owners and bool(block_options(f.options))
+    return not f.self_parallelised and not f.owners and not f.blocks and bool(block_options(f.options))
 
 
 RULES: list[Rule] = [
@@ -102,8 +107,9 @@ RULES: list[Rule] = [
         "setup",
         _needs_plan,
         lambda f: (
-            f"{block_options(f.options)[0]} acts on the blocks a parallel_plan() names, but no module of"
-            f" {f.model_name} declares one; declare one (see examples/own_model_plan.py)"
+            f"{block_options(f.options)[0]} acts on the blocks of a model, but no module of {f.model_name} declares a"
+            " parallel_plan() and no repeated blocks were found (an nn.ModuleList / nn.Sequential of same-class"
+            " children); name them with auto_wrap_policy={YourBlock}, or declare a plan (see examples/own_model_plan.py)"
         ),
         PlanError,
     ),

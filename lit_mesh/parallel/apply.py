@@ -25,6 +25,7 @@ from lit_mesh.parallel.compile import apply_compile, enable_async_tp
 from lit_mesh.parallel.context import apply_context_parallel
 from lit_mesh.parallel.data import apply_data_parallel, attach_compression, data_parallel_mesh
 from lit_mesh.parallel.expert import adapt_moe_layers, apply_expert_parallel, expert_modules, shard_experts
+from lit_mesh.parallel.fsdp_arguments import mixed_precision_override, offload_policy
 from lit_mesh.parallel.grid import average_over_replicas, parallelize_grid
 from lit_mesh.parallel.pipeline.schedules import PipelineSettings
 from lit_mesh.parallel.pipeline.sequential import sequential_owners
@@ -38,6 +39,14 @@ from lit_mesh.parallel.pipeline.split import (
     stage_ranks,
 )
 from lit_mesh.parallel.tensor import PlanError, apply_tensor_parallel
+from lit_mesh.parallel.units import (
+    Blocks,
+    choose_blocks,
+    innermost_first,
+    parameters_outside,
+    policy_modules,
+    units_report,
+)
 from lit_mesh.plan import ParallelPlan, PlanOwner, declared_plan
 from lit_mesh.rules import Facts, check
 
@@ -138,6 +147,9 @@ def parallelize(
     owners = [] if self_parallelised else find_plan_owners(root)
     if not owners and not self_parallelised and layout.pp > 1:  # no plan: a plain nn.Sequential is cut by children
         owners = sequential_owners(root)
+    # a model without a plan: its blocks found, or named by auto_wrap_policy / wrap() (lit_mesh/parallel/units.py)
+    without_plan = not owners and not self_parallelised
+    blocks = choose_blocks(root, options.fsdp.auto_wrap_policy) if without_plan else Blocks([], "")
     check(
         "setup",
         Facts(
@@ -147,6 +159,7 @@ def parallelize(
             root=root,
             owners=owners,
             self_parallelised=self_parallelised,
+            blocks=[name for name, _ in blocks.modules],
         ),
     )
     if self_parallelised:
@@ -188,22 +201,35 @@ def parallelize(
             apply_expert_parallel(owner.module, owner.plan, mesh, layout)
     if options.compile.async_tp:  # CUDA + NCCL, inductor, tp > 1 with SP: the rules of lit_mesh/parallel/compile.py
         enable_async_tp(mesh[MeshAxis.TP])
-    for owner in owners:
-        blocks = list(cast(nn.ModuleList, owner.module.get_submodule(owner.plan.blocks)))
-        apply_activation_checkpointing(blocks, memory.activation_checkpointing, memory.ac_every_n_blocks)
+    block_lists = [list(cast(nn.ModuleList, o.module.get_submodule(o.plan.blocks))) for o in owners]
+    if without_plan:
+        block_lists = [[module for _, module in blocks.modules]]
+        if options.fsdp.activation_checkpointing_policy is not None:  # FSDPStrategy's name: the modules it selects
+            apply_activation_checkpointing(policy_modules(root, options.fsdp.activation_checkpointing_policy), "full")
+    for block_list in block_lists:
+        apply_activation_checkpointing(block_list, memory.activation_checkpointing, memory.ac_every_n_blocks)
         if compile_backend is not None:
-            apply_compile(blocks, compile_backend)
+            apply_compile(block_list, compile_backend)
     in_hook = compression is not None or replicate_hierarchy is not None
     dp_mesh = None if grid_mode else data_parallel_mesh(mesh, layout, replicate_in_hook=in_hook)
+    others = _units_outside_owners(root, "", owners)
+    if without_plan:  # a container whose parameters all sit in blocks is no unit (an nn.ModuleList has no forward)
+        others = [u for u in others if parameters_outside(u, block_lists[0])]
+        names = {id(m): n for n, m in root.named_modules()}
+        rank_zero_info(units_report(blocks, [names[id(u)] for u in others], type(root).__name__))
     if dp_mesh is not None:
-        for owner in owners:
-            shard_experts(owner.module, owner.plan, mesh, layout, precision, options.data.zero_stage)
-            blocks = list(cast(nn.ModuleList, owner.module.get_submodule(owner.plan.blocks)))
+        zero_stage, fsdp = options.data.zero_stage, options.fsdp
+        mp_policy = mixed_precision_override(fsdp.mixed_precision)  # FSDPStrategy's names; None: lit-mesh's own
+        offload = offload_policy(fsdp.cpu_offload, mesh.root.device_type)
+        for owner, block_list in zip(owners, block_lists):
+            shard_experts(owner.module, owner.plan, mesh, layout, precision, zero_stage)
             # each pipeline stage is an FSDP root of its own (one stage per rank: the model itself)
             stage_roots = [s.module for s in done.stages] if done.stages else [owner.module]
-            apply_data_parallel(stage_roots, blocks, dp_mesh, layout, precision, options.data.zero_stage)
-        for unit in _units_outside_owners(root, "", owners):
-            apply_data_parallel([unit], [], dp_mesh, layout, precision, options.data.zero_stage)
+            apply_data_parallel(
+                stage_roots, block_list, dp_mesh, layout, precision, zero_stage, mp_policy=mp_policy, offload=offload
+            )
+        inner = innermost_first(blocks) if without_plan else []  # nested units before the units holding them
+        apply_data_parallel(others, inner, dp_mesh, layout, precision, zero_stage, mp_policy=mp_policy, offload=offload)
         # several stages per rank: each stage's view is an FSDP root outside the model's tree, hooked too
         views = [(f"stage{st.index}", st.module) for st in done.stages or [] if st.module is not owners[0].module]
         if compression is not None:  # communication hooks come last

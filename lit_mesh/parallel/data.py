@@ -23,7 +23,7 @@ from typing import Literal
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from lit_mesh.comm.compression import CompressionRun
 from lit_mesh.comm.fsdp import attach_gradient_compression
@@ -149,6 +149,8 @@ def apply_data_parallel(
     layout: MeshLayout,
     precision: str,
     zero_stage: int = 3,
+    mp_policy: MixedPrecisionPolicy | None = None,
+    offload: OffloadPolicy | None = None,
 ) -> None:
     """fully_shard each block (the communication units), then each root for what is left (one root, or one per
     pipeline stage of this rank).
@@ -158,13 +160,17 @@ def apply_data_parallel(
     under a pipeline (the stage's micro-batches reuse them: one all-gather per step; the schedule reshards after
     the last backward). DDP keeps everything gathered, like torch DDP; so do ZeRO stages 1 and 2.
     """
-    policy = mixed_precision_policy(precision)
+    policy = mp_policy or mixed_precision_policy(precision)  # mp_policy: FSDPStrategy's mixed_precision
+    placement = offload or OffloadPolicy()  # FSDPStrategy's cpu_offload: CPUOffloadPolicy
     reshard = reshards_after_forward(layout, zero_stage)
     blocks = list(blocks)
     for i, block in enumerate(blocks):
-        fully_shard(block, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard and i < len(blocks) - 1)
+        last = i == len(blocks) - 1
+        fully_shard(
+            block, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard and not last, offload_policy=placement
+        )
     for root in roots:
-        fully_shard(root, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=False)
+        fully_shard(root, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=False, offload_policy=placement)
 
 
 @contextmanager

@@ -212,6 +212,11 @@ CASES: dict[str, tuple[str, list[str], set[str]]] = {
         ["--simulate", "2x2", "--mib", "0.01", "--presets", "small"],
         {"measured", "predicted_gradient_all_reduce_per_step", "environment"},
     ),
+    "own_model_memory": (
+        "own_model_memory.py",
+        ["--dim", "32"],
+        {"benchmark", "config", "fraction_of_full", "goal_fraction", "per_block_meets_goal", "cpu_offload"},
+    ),
     "recipe_host_profile": (
         "recipe_host_profile.py",
         ["--steps", "2", "--warmup", "1", "--batch-size", "2", "--seq-len", "16", "--max-bytes", "20000"],

@@ -18,7 +18,9 @@ from lit_mesh.options import ARGUMENTS, MeshOptions, build_options
 
 
 def _parameters() -> dict[str, inspect.Parameter]:
-    return {name: p for name, p in inspect.signature(MeshStrategy.__init__).parameters.items() if name != "self"}
+    # **kwargs: FSDPStrategy's FSDP1 keyword arguments (lit_mesh/parallel/fsdp_arguments.py), no options of ours
+    parameters = inspect.signature(MeshStrategy.__init__).parameters.items()
+    return {name: p for name, p in parameters if name != "self" and p.kind is not inspect.Parameter.VAR_KEYWORD}
 
 
 def _where() -> str:

@@ -23,6 +23,7 @@ from lit_mesh.options import (
     CommunicationOptions,
     CompileOptions,
     DataParallelOptions,
+    FSDPArguments,
     MemoryOptions,
     MeshOptions,
     TensorOptions,
@@ -382,8 +383,47 @@ CASES: dict[str, tuple[Facts, str, Facts]] = {
     ),
     "block_options_need_plan": (
         setup(DP4, [], AC),
-        "activation_checkpointing acts on the blocks a parallel_plan() names, but no module of Net declares one",
-        setup(DP4, [owner()], AC),
+        "activation_checkpointing acts on the blocks of a model, but no module of Net declares a parallel_plan() and"
+        " no repeated blocks were found",
+        replace(setup(DP4, [], AC), blocks=["model.layers.0", "model.layers.1"]),
+    ),
+    # FSDPStrategy's names (lit_mesh/parallel/fsdp_arguments.py)
+    "sharding_strategy_or_dp_names": (
+        init(replace(O, fsdp=FSDPArguments(sharding_strategy="NO_SHARD"), mesh=replace(O.mesh, dp=4)), dp=4),
+        "sharding_strategy='NO_SHARD' (FSDPStrategy's name) and dp=4 (MeshStrategy's) both say how data parallelism"
+        " shards; give one",
+        init(replace(O, fsdp=FSDPArguments(sharding_strategy="NO_SHARD"))),
+    ),
+    "device_mesh_or_dp_names": (
+        init(replace(O, fsdp=FSDPArguments(sharding_strategy="FULL_SHARD", device_mesh=(2, 2)))),
+        "device_mesh=(2, 2) means dp_replicate=2, dp_shard=2 (HSDP); do not give sharding_strategy='FULL_SHARD'",
+        init(replace(O, fsdp=FSDPArguments(sharding_strategy="HYBRID_SHARD", device_mesh=(2, 2)))),
+    ),
+    "activation_checkpointing_policy_or_mode": (
+        init(replace(AC, fsdp=FSDPArguments(activation_checkpointing_policy={nn.Linear}))),
+        "activation_checkpointing_policy (FSDPStrategy's name) and activation_checkpointing='full' (MeshStrategy's)",
+        init(replace(O, fsdp=FSDPArguments(activation_checkpointing_policy={nn.Linear}))),
+    ),
+    "state_dict_type_or_save_distributed_checkpoint": (
+        init(replace(O, fsdp=FSDPArguments(state_dict_type="full"), checkpoint=CheckpointOptions(distributed=False))),
+        "state_dict_type='full' (FSDPStrategy's name) and save_distributed_checkpoint=False (MeshStrategy's)",
+        init(replace(O, fsdp=FSDPArguments(state_dict_type="full"))),
+    ),
+    "wrap_policies_without_plan": (
+        setup(DP4, [owner()], replace(O, fsdp=FSDPArguments(auto_wrap_policy={nn.Linear}))),
+        "auto_wrap_policy / activation_checkpointing_policy choose the units of a model without a plan, but model of"
+        " Net declares a parallel_plan()",
+        setup(DP4, [], replace(O, fsdp=FSDPArguments(auto_wrap_policy={nn.Linear}))),
+    ),
+    "wrap_policies_with_own_parallelism": (
+        setup(DP4, [], replace(O, fsdp=FSDPArguments(cpu_offload=True)), self_parallelised=True),
+        "configure_model of Net applied fully_shard (or DTensors) itself, so MeshStrategy applies no FSDP settings",
+        setup(DP4, [], replace(O, fsdp=FSDPArguments(cpu_offload=True))),
+    ),
+    "cpu_offload_needs_fsdp": (
+        launch(MeshLayout(), replace(O, fsdp=FSDPArguments(cpu_offload=True))),
+        "cpu_offload keeps the FSDP units' parameters on the host, but this layout (pp=1",
+        launch(DP4, replace(O, fsdp=FSDPArguments(cpu_offload=True))),
     ),
     "tp_needs_plan": (setup(TP2, []), "tp=2 but no module of Net declares parallel_plan()", setup(TP2, [owner()])),
     "cp_needs_plan": (
