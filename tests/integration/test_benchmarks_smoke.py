@@ -72,6 +72,10 @@ SMOKES: dict[str, Smoke] = {
         ),
         "gpu_h100",
     ),
+    "startup.py": Smoke(
+        ("--preset", "small", "--world", "2"),
+        keys=("benchmark", "preset", "world", "rank", "parameters", "local_parameters", "seconds", "cpu_seconds"),
+    ),
     "tensorboard_scalars.py": Smoke(("{tmp}/logs",), keys=("benchmark", "log_dir", "scalars"), setup="event_file"),
     "compile_tp_repro.py": Smoke(
         ("--backend", "eager", "--cases", "eager-sp"), "compile_tp_inductor", launches_ranks=RANKS
