@@ -20,7 +20,8 @@ from typing import Any, Literal, cast
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from lit_mesh.meta_writes import built_on_meta_where, carry_meta_writes
 from lit_mesh.plan import PlanError, PlanOwner
@@ -79,11 +80,22 @@ def init_parameters(
             continue
         full = rule_for(name, rules).sample(param.shape, parameter_generator(seed, name))
         if isinstance(param, DTensor):
-            # src_data_rank=None: each rank slices its own shard, no communication
-            local = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None).to_local()
-            param.to_local().copy_(local)
+            param.to_local().copy_(local_part(full, param))
         else:
             param.copy_(full)
+
+
+def local_part(full: torch.Tensor, param: DTensor) -> torch.Tensor:
+    """This rank's part of the whole tensor `full`, as `param` (a DTensor of full's shape) holds it.
+
+    Sliced where `full` lies (the host): distribute_tensor would first copy the whole tensor to the mesh's device, every rank
+    every parameter. Plain Shard/Replicate placements only; others (FSDP over TP's _StridedShard) through
+    distribute_tensor, whose src_data_rank=None slices locally too, without communication.
+    """
+    if all(type(p) in (Shard, Replicate) for p in param.placements):
+        shape, offset = compute_local_shape_and_global_offset(full.shape, param.device_mesh, param.placements)
+        return full[tuple(slice(start, start + size) for start, size in zip(offset, shape))]
+    return distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None).to_local()
 
 
 # An initialiser: initialises a materialised (possibly sharded) plan owner that has no init rules its own way,
@@ -185,8 +197,7 @@ def _reset_whole(module: nn.Module, reset: Any) -> None:
         drawn = {name: cast(nn.Parameter, module._parameters[name]) for name in sharded}  # reset() keeps parameters
         module._parameters.update(sharded)  # the FSDP/TP-managed parameters go back in place
     for name, p in sharded.items():
-        local = distribute_tensor(drawn[name].detach(), p.device_mesh, p.placements, src_data_rank=None).to_local()
-        p.to_local().copy_(local)
+        p.to_local().copy_(local_part(drawn[name].detach(), p))
 
 
 def tied_parameters(model: nn.Module) -> list[list[tuple[nn.Module, str]]]:

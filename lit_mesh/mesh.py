@@ -13,9 +13,16 @@ lit_mesh.errors and lit_mesh.unit.
 
 from __future__ import annotations
 
+import weakref
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, fields
+from datetime import timedelta
 from typing import Any, Literal, Optional, Union
+from unittest import mock
 
+import torch.distributed as dist
+import torch.distributed.device_mesh as device_mesh_module
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from lit_mesh.errors import MeshConfigError, WorldSizeError  # noqa: F401 - re-exported (lit_mesh.mesh.MeshConfigError)
@@ -384,8 +391,88 @@ class MeshViews:
         return VIEW_AXES.get(name, (name,))
 
 
-def build_device_mesh(layout: MeshLayout, device_type: str) -> MeshViews:
-    """The one DeviceMesh of the run, with the flattened views dp, dp_shard_cp, dp_cp and hsdp."""
+class GroupPool:
+    """The process groups of one mesh, by their members: every group carries the run's timeout (torch gives a group
+    made without one its own default, 10 min on NCCL and 30 on gloo, whatever the world's), and ranks that several
+    dims or views share (dp_shard, dp, dp_shard_cp, dp_cp, data_parallel on a dp_shard x tp layout) get one
+    communicator. A collective like torch's new_group: every rank asks for the same groups in the same order, so
+    every rank skips a set of members it already made at the same call."""
+
+    def __init__(self, timeout: Optional[timedelta]) -> None:
+        self.timeout = timeout
+        self._groups: dict[tuple, Any] = {}
+
+    def new_group(
+        self, ranks: Optional[Sequence[int]] = None, timeout: Optional[timedelta] = None, **kwargs: Any
+    ) -> Any:
+        """torch's new_group, once per (backend, members); NON_GROUP_MEMBER on a rank outside `ranks`."""
+        members = tuple(sorted(ranks if ranks is not None else range(dist.get_world_size())))
+        key = ("new_group", kwargs.get("backend"), members)
+        if key not in self._groups:
+            self._groups[key] = dist.new_group(ranks=list(members), timeout=timeout or self.timeout, **kwargs)
+        return self._groups[key]
+
+    def split_group(
+        self,
+        parent_pg: Any = None,
+        split_ranks: Optional[list] = None,
+        timeout: Optional[timedelta] = None,
+        **kwargs: Any,
+    ) -> Any:
+        """torch's split_group (NCCL with the world bound to a device: one ncclCommSplit per partition), once per
+        partition of the ranks."""
+        assert split_ranks is not None  # DeviceMesh always passes the partition
+        key = ("split_group", tuple(sorted(tuple(sorted(ranks)) for ranks in split_ranks)))
+        if key not in self._groups:
+            self._groups[key] = dist.split_group(
+                parent_pg=parent_pg, split_ranks=split_ranks, timeout=timeout or self.timeout, **kwargs
+            )
+        return self._groups[key]
+
+    def group_of_rank(self, partition: Sequence[Sequence[int]]) -> Any:
+        """The group of this rank among `partition` (every rank in exactly one part; new_subgroups_by_enumeration)."""
+        mine = None
+        for ranks in partition:
+            group = self.new_group(ranks)
+            if dist.get_rank() in ranks:
+                mine = group
+        return mine
+
+    @contextmanager
+    def making(self) -> Iterator[None]:
+        """While DeviceMesh makes groups (init_device_mesh, _flatten, _unflatten): through this pool. torch's mesh
+        has no argument for either a timeout that fits every backend or sharing groups between dims, so its module's
+        two group makers are replaced for the duration (single-threaded: the mesh is built at setup)."""
+        with (
+            mock.patch.object(device_mesh_module, "new_group", self.new_group),
+            mock.patch.object(device_mesh_module, "split_group", self.split_group),
+        ):
+            yield
+
+
+_POOLS: weakref.WeakKeyDictionary[DeviceMesh, GroupPool] = weakref.WeakKeyDictionary()
+
+
+def group_pool(root: DeviceMesh) -> GroupPool:
+    """The pool of the root mesh `root` (any later groups over its ranks go through it: TP grids, the hierarchical
+    all-reduce); a mesh not made by build_device_mesh gets a pool of its own with torch's default timeout."""
+    root = root._get_root_mesh()
+    if root not in _POOLS:
+        _POOLS[root] = GroupPool(None)
+    return _POOLS[root]
+
+
+def build_device_mesh(layout: MeshLayout, device_type: str, timeout: Optional[timedelta] = None) -> MeshViews:
+    """The one DeviceMesh of the run, with the flattened views dp, dp_shard_cp, dp_cp and hsdp; every group with
+    `timeout` (None: torch's default) and one group per set of members (GroupPool)."""
+    pool = GroupPool(timeout)
+    with pool.making():
+        views = _build_views(layout, device_type)
+    _POOLS[views.root] = pool
+    return views
+
+
+def _build_views(layout: MeshLayout, device_type: str) -> MeshViews:
     A = MeshAxis
     shape = tuple(getattr(layout, axis) for axis in MESH_AXES)
     root = init_device_mesh(device_type, shape, mesh_dim_names=MESH_AXES)

@@ -246,7 +246,7 @@ class MeshStrategy(ModelParallelStrategy):
         # rank)) and then init_process_group(device_id=root_device): each rank's NCCL communicators sit on its own
         # GPU before the mesh is built (tests/unit/test_device_setup.py guards the order)
         self._setup_distributed()
-        self.mesh_views = build_device_mesh(self.layout, self.root_device.type)
+        self.mesh_views = build_device_mesh(self.layout, self.root_device.type, self._timeout)
         self._device_mesh = self.mesh_views.root
         if self.topology is None:  # _configure_launcher did not run (a Strategy used outside the Trainer)
             self.topology = Topology(nodes=self.num_nodes, devices_per_node=self.num_processes)
@@ -261,7 +261,7 @@ class MeshStrategy(ModelParallelStrategy):
         rank_zero_info(self.topology.startup_report(self.layout, reductions))  # the layout, once, as one block
         if self._world_plan is not None and self._world_plan.splits > 1:
             rank_zero_info(self._world_plan.report())
-        self._checkpoints.connect(self.global_rank, self.world_size, self.barrier)
+        self._checkpoints.connect(self.global_rank, self.world_size, self.barrier, self._timeout)
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = self._device_mesh
 

@@ -4,6 +4,7 @@ atomically once every rank has written. Training continues while the files are w
 from __future__ import annotations
 
 from concurrent.futures import Future
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, Optional, cast
 
@@ -23,11 +24,12 @@ class AsyncCheckpointSaver:
         self._group: Optional[dist.ProcessGroup] = None
         self._pending: Optional[Future] = None
 
-    def setup(self) -> None:
+    def setup(self, timeout: Optional[timedelta] = None) -> None:
         """Collective (every rank): the background thread gets its own gloo group, so its collectives never
-        interleave with training's on the default group (DCP needs a CPU backend for async saves anyway)."""
+        interleave with training's on the default group (DCP needs a CPU backend for async saves anyway); it
+        carries the run's timeout (None: torch's default)."""
         if self._group is None and dist.is_initialized():
-            self._group = dist.new_group(backend="gloo")
+            self._group = dist.new_group(backend="gloo", timeout=timeout)
 
     def save(self, state: dict[str, Any], partial: Path, path: Path, coordinator: bool) -> None:
         self.wait()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, Optional
 
@@ -60,11 +61,13 @@ class CheckpointWriter:
         self._rank, self._world_size = 0, 1
         self._barrier: Callable[[], None] = lambda: None
 
-    def connect(self, rank: int, world_size: int, barrier: Callable[[], None]) -> None:
-        """Collective (every rank): an asynchronous writer gets its own process group."""
+    def connect(
+        self, rank: int, world_size: int, barrier: Callable[[], None], timeout: Optional[timedelta] = None
+    ) -> None:
+        """Collective (every rank): an asynchronous writer gets its own process group, with the run's timeout."""
         self._rank, self._world_size, self._barrier = rank, world_size, barrier
         if self._saver is not None:
-            self._saver.setup()
+            self._saver.setup(timeout)
 
     def save(
         self,

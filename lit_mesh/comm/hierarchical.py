@@ -32,6 +32,7 @@ from lit_mesh.comm.compression import INTRA_SUFFIX, CompressionRun, CompressionS
 from lit_mesh.comm.fsdp import fsdp_units, unit_segments
 from lit_mesh.comm.options import ALLREDUCE_MODES, AllReduceMode, check_allreduce_mode  # noqa: F401 - re-exported
 from lit_mesh.comm.topology import Topology, all_gather_time, all_reduce_time
+from lit_mesh.mesh import group_pool
 
 # ---- the alpha-beta cost model (lit_mesh.comm.topology's ring formulas) -----------------------------------------
 
@@ -141,8 +142,8 @@ def build_hierarchy(
     g, n = len(intra_lists[0]), len(inter_lists[0])
     if skip_trivial and (g == 1 or n == 1):
         return None
-    intra, _ = dist.new_subgroups_by_enumeration(intra_lists)
-    inter, _ = dist.new_subgroups_by_enumeration(inter_lists)
+    pool = group_pool(root)  # the run's timeout; a node-local group equal to a mesh dim's is that dim's communicator
+    intra, inter = pool.group_of_rank(intra_lists), pool.group_of_rank(inter_lists)
     return Hierarchy(group, intra, inter, n, g, mode, topology, name)
 
 

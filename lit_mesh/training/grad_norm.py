@@ -40,7 +40,7 @@ def global_grad_norm(
 
     `across`: a group whose ranks hold *different* parameters (pipeline stages): their norms are combined too.
     """
-    total = _local_norm(parameters, norm_type)
+    total = _local_norm(list(parameters), norm_type)
     if across is None:
         return total
     if norm_type == float("inf"):
@@ -51,10 +51,12 @@ def global_grad_norm(
     return powered.pow(1.0 / norm_type)
 
 
-def _local_norm(parameters: Iterable[torch.Tensor], norm_type: float) -> torch.Tensor:
+def _local_norm(parameters: list[torch.Tensor], norm_type: float) -> torch.Tensor:
     groups = _mesh_groups(parameters)
     if not groups:
-        return torch.tensor(0.0)
+        # no gradients on this rank (2BW's first step, a stage after a resume): a zero on the parameters' device,
+        # where the others' norms are (NCCL refuses a host tensor in the all-reduce over the stages)
+        return torch.zeros((), device=parameters[0].device if parameters else None)
     norms = []
     level = _REDISTRIBUTE_LOG.level
     _REDISTRIBUTE_LOG.setLevel(logging.ERROR)
@@ -75,7 +77,7 @@ def clip_grad_norm_(
     across: Optional[dist.ProcessGroup] = None,
 ) -> torch.Tensor:
     """Scale gradients so their global norm is at most `max_norm`; returns the norm before clipping."""
-    parameters = [p for p in parameters if p.grad is not None]
+    parameters = list(parameters)  # those without gradients too: they tell a rank without any its device
     total = global_grad_norm(parameters, norm_type, across)
     scale = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for grads in _mesh_groups(parameters, by_dtype=True):  # one multi-tensor kernel per group

@@ -217,6 +217,11 @@ CASES: dict[str, tuple[str, list[str], set[str]]] = {
         ["--dim", "32"],
         {"benchmark", "config", "fraction_of_full", "goal_fraction", "per_block_meets_goal", "cpu_offload"},
     ),
+    "startup": (
+        "startup.py",
+        ["--preset", "small", "--world", "2"],
+        {"benchmark", "preset", "world", "rank", "parameters", "local_parameters", "seconds", "cpu_seconds"},
+    ),
     "recipe_host_profile": (
         "recipe_host_profile.py",
         ["--steps", "2", "--warmup", "1", "--batch-size", "2", "--seq-len", "16", "--max-bytes", "20000"],

@@ -33,6 +33,13 @@ def test_a_step_that_logs_nothing_reads_nothing_on_the_host(audits: dict, layout
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_no_collective_takes_a_host_tensor(audits: dict, layout: str) -> None:
+    """Every step of the run (not only the audited one): NCCL refuses a host tensor where gloo takes it."""
+    found = audits[layout]["host_tensor_collectives"]
+    assert found == [[]] * audits[layout]["world_size"], found
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_a_step_that_logs_nothing_runs_only_its_layouts_collectives(audits: dict, layout: str) -> None:
     audit = audits[layout]
     world = audit["world_size"]

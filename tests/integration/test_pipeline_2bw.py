@@ -66,3 +66,15 @@ def test_resume_restarts_the_delay_line(result: dict) -> None:
     assert len(resumed) == len(expected) == 5
     for got, want in zip(resumed, expected):
         assert _close(got, want, EXACT), (resumed, expected)
+
+
+def test_point_to_point_batched_without_a_host_read_per_message(result: dict) -> None:
+    """As NCCL needs it (#33 item 3): every send and receive of the fit went through batch_isend_irecv, a batch that
+    receives talks to one peer, and the activation header was read on the host once per stage that receives (one
+    micro-batch shape in the run), not per message."""
+    assert sorted(result["p2p"]) == [str(r) for r in range(WORLD)]
+    for rank, p2p in result["p2p"].items():
+        assert p2p["unbatched"] == [], (rank, p2p["unbatched"])
+        assert p2p["mixed_peer_receives"] == [], (rank, p2p["mixed_peer_receives"])
+        assert p2p["batches"] > 0, rank
+        assert p2p["host_reads"] == (0 if rank == "0" else 1), (rank, p2p["host_reads"])

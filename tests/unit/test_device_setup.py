@@ -38,7 +38,7 @@ def test_each_rank_selects_its_device_before_the_process_group_and_the_mesh(
     def init_process_group(backend: str, **kwargs: Any) -> None:
         events.append(("init_process_group", backend, kwargs.get("device_id")))
 
-    def build_mesh(layout: Any, device_type: str) -> Any:
+    def build_mesh(layout: Any, device_type: str, timeout: Any = None) -> Any:
         events.append(("mesh", device_type))
         raise _Stop  # the rest of setup_environment needs a real process group
 

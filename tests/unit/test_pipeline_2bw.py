@@ -58,10 +58,14 @@ def test_backward_after_the_update_uses_the_forwards_weights(first_stage, monkey
     runner, module = first_stage
     upstream = torch.randn(2, 4)  # the gradient the next stage sends back for every micro-batch's output
 
-    def receive(tensor: torch.Tensor, **_kwargs: object) -> None:
-        tensor.copy_(upstream)
+    def exchange(ops: list[dist.P2POp]) -> list:
+        """The stage's batched point-to-point: every receive (a gradient from the next stage) gets `upstream`."""
+        for op in ops:
+            if op.op is dist.irecv:
+                op.tensor.copy_(upstream)
+        return []
 
-    monkeypatch.setattr(dist, "recv", receive)
+    monkeypatch.setattr(dist, "batch_isend_irecv", exchange)
     inputs = [torch.randn(2 * MICROBATCHES, 4) for _ in range(STEPS)]
     optimizer = torch.optim.SGD(module.parameters(), lr=0.5)
     versions = [snapshot(module)]  # W_0, W_1, ...: what each step's forwards ran with

@@ -19,6 +19,7 @@ from typing import Any
 import lightning as L
 import torch
 import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
 
 from lit_mesh import MeshStrategy
 from tests.workers import exit_skipping_teardown
@@ -50,6 +51,71 @@ class Record(L.Callback):
         self.losses.append(float(outputs["loss"]))
         self.batches.append(tuple(t.clone() for t in args[0]))
         self.storage.append(trainer.strategy._pipeline.weight_storage_bytes())
+
+
+class P2PRecord:
+    """While open: the pipeline's point-to-point as it reaches torch. Every batch_isend_irecv (its ops' peers and
+    kinds), every send or receive issued outside one (unbatched), and the host reads (Tensor.tolist) of the
+    pipeline's P2P code (lit_mesh/parallel/pipeline/p2p.py)."""
+
+    P2P = ("isend", "irecv", "send", "recv")
+
+    def __init__(self) -> None:
+        self.batches: list[list[tuple[str, int]]] = []
+        self.unbatched: list[str] = []
+        self.host_reads = 0
+        self._in_batch = False
+
+    def __enter__(self) -> P2PRecord:
+        self._saved = {name: getattr(dist, name) for name in (*self.P2P, "batch_isend_irecv")}
+        self._tolist = torch.Tensor.tolist
+        record = self
+
+        def unbatched(name: str) -> Any:
+            def call(*args: Any, **kwargs: Any) -> Any:
+                if not record._in_batch:
+                    record.unbatched.append(name)
+                return record._saved[name](*args, **kwargs)
+
+            return call
+
+        def batch(ops: list) -> Any:
+            record.batches.append([(op.op.__name__, op.group_peer) for op in ops])
+            record._in_batch = True
+            try:
+                return record._saved["batch_isend_irecv"](ops)
+            finally:
+                record._in_batch = False
+
+        def tolist(tensor: torch.Tensor) -> Any:
+            caller = sys._getframe(1).f_code.co_filename.replace("\\", "/")
+            record.host_reads += caller.endswith("lit_mesh/parallel/pipeline/p2p.py")
+            return record._tolist(tensor)
+
+        for name in self.P2P:  # in c10d too: P2POp accepts only the functions c10d holds
+            setattr(dist, name, unbatched(name))
+            setattr(c10d, name, getattr(dist, name))
+        dist.batch_isend_irecv = batch
+        torch.Tensor.tolist = tolist  # type: ignore[method-assign]
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for name, function in self._saved.items():
+            setattr(dist, name, function)
+            if name in self.P2P:
+                setattr(c10d, name, function)
+        torch.Tensor.tolist = self._tolist  # type: ignore[method-assign]
+
+    def summary(self) -> dict:
+        return {
+            "batches": len(self.batches),
+            "unbatched": self.unbatched,
+            "host_reads": self.host_reads,
+            # a batch that receives talks to that one peer (a send to another goes in a batch of its own)
+            "mixed_peer_receives": [
+                b for b in self.batches if any(k == "irecv" for k, _ in b) and len({p for _, p in b}) > 1
+            ],
+        }
 
 
 def merged(local: dict) -> dict:
@@ -112,18 +178,20 @@ def main(out: Path) -> None:
     torch.manual_seed(0)
     world = int(os.environ["WORLD_SIZE"])
     record, resumed = Record(), Record()
-    module = fit(record, world, out / "ckpt", resume=False)
+    with P2PRecord() as p2p:
+        module = fit(record, world, out / "ckpt", resume=False)
+    p2p_per_rank = merged({dist.get_rank(): p2p.summary()})
     runner = module.trainer.strategy._pipeline
     storage = merged({dist.get_rank(): {"per_step": record.storage, "after_fit": runner.weight_storage_bytes()}})
     final = merged({n: p.detach().clone() for n, p in module.model.named_parameters()})
     initial = merged(record.initial)
     fit(resumed, world, out / "ckpt", resume=True)
     if dist.get_rank() == 0:
-        write_result(out, world, record, resumed, initial, final, storage)
+        write_result(out, world, record, resumed, initial, final, storage, p2p_per_rank)
 
 
 def write_result(
-    out: Path, world: int, record: Record, resumed: Record, initial: dict, final: dict, storage: dict
+    out: Path, world: int, record: Record, resumed: Record, initial: dict, final: dict, storage: dict, p2p: dict
 ) -> None:
     delayed_losses, delayed_params = replay(initial, record.batches, delayed=True)
     sync_losses, _ = replay(initial, record.batches, delayed=False)
@@ -139,6 +207,7 @@ def write_result(
         "storage": storage,
         "resumed_losses": resumed.losses,
         "restarted_losses": restarted[RESUME_STEP:],
+        "p2p": p2p,
     }
     (out / "result.json").write_text(json.dumps(result))
 

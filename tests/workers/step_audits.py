@@ -1,5 +1,7 @@
 """The audited layouts of tests/test_host_sync.py and benchmarks/host_sync.py: 4-step `lit-mesh fit` runs whose
-step 2 logs nothing (log_every_n_steps=2) and is counted by lit_mesh.monitor.step_audit.StepAudit."""
+step 2 logs nothing (log_every_n_steps=2) and is counted by lit_mesh.monitor.step_audit.StepAudit; every step of them
+but the audited one also runs under tests/collective_devices.py's check for host tensors in collectives (NCCL
+refuses them)."""
 
 from __future__ import annotations
 
@@ -43,17 +45,27 @@ def audit_args(config: str, out: Path, name: str, extra: list[str], devices: int
         "--trainer.callbacks+=lit_mesh.monitor.step_audit.StepAudit",
         f"--trainer.callbacks.init_args.step={AUDITED_STEP}",
         f"--trainer.callbacks.init_args.out={out / name / 'audit.json'}",
+        "--trainer.callbacks+=tests.collective_devices.CollectiveDevices",
+        f"--trainer.callbacks.init_args.out={out / name / 'collective_devices'}",
+        f"--trainer.callbacks.init_args.skip_steps=[{AUDITED_STEP}]",
         *extra,
     ]
 
 
 def run_audits(out: Path, names: Sequence[str] = tuple(LAYOUTS)) -> dict[str, dict]:
     """The layouts `names` (every one by default), one launch per world size; {name: the audit file (every rank's
-    counts)}."""
+    counts), with "host_tensor_collectives": per rank, the collectives that took a host tensor
+    (tests/collective_devices.py)}."""
     by_world: dict[int, list[dict]] = {}
     for name in names:
         config, world, extra = LAYOUTS[name]
         by_world.setdefault(world, []).append({"name": name, "args": audit_args(config, out, name, extra, world)})
     for world, runs in sorted(by_world.items()):
         cli_runs(world, out, runs)
-    return {name: json.loads((out / name / "audit.json").read_text()) for name in names}
+    audits = {name: json.loads((out / name / "audit.json").read_text()) for name in names}
+    for name, audit in audits.items():
+        found = out / name / "collective_devices"
+        audit["host_tensor_collectives"] = [
+            json.loads((found / f"rank{rank}.json").read_text()) for rank in range(audit["world_size"])
+        ]
+    return audits

@@ -42,6 +42,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Placement, distribute_tensor
 
 from lit_mesh.errors import MeshConfigError
+from lit_mesh.mesh import group_pool
 
 TPMode = Literal["1d", "2d", "2.5d", "3d"]
 TP_MODES: tuple[str, ...] = ("1d", "2d", "2.5d", "3d")
@@ -126,7 +127,8 @@ class TPGrid:
         if not names:
             return None
         if names not in self._groups:
-            mesh = self.mesh[names[0]] if len(names) == 1 else self.mesh[names]._flatten("_".join(names))
+            with group_pool(self.mesh).making():  # the run's timeout, one communicator per set of ranks
+                mesh = self.mesh[names[0]] if len(names) == 1 else self.mesh[names]._flatten("_".join(names))
             self._groups[names] = mesh.get_group()
         return self._groups[names]
 
@@ -156,7 +158,8 @@ def build_grid(root: DeviceMesh, tp_mode: str, depth: int, q: int) -> TPGrid:
     key = (tp_mode, depth, q)
     grids = _GRIDS.setdefault(root, {})
     if key not in grids:
-        unflattened = root._unflatten("tp", (depth, q, q), GRID_DIMS)
+        with group_pool(root).making():
+            unflattened = root._unflatten("tp", (depth, q, q), GRID_DIMS)
         grids[key] = TPGrid(tp_mode, depth, q, unflattened[GRID_DIMS], root["tp"])
     return grids[key]
 

@@ -18,9 +18,12 @@ How it runs inside one Lightning step t, on stage s of P (one stage per rank, wa
   backwards are done) and the parameters point at it: the in-place optimizer update writes W_{t+1} there and W_t
   stays intact for batch t's pending backwards. Two storages per weight at most (`weight_storage_bytes`).
 - Gradients accumulate on each version's leaves: at most two sets (batch t-1 finishing, batch t starting).
-- P2P: activations forward with a shape header, gradients back into a tensor shaped like the output they belong
-  to; every send is non-blocking and waited one step later (a gradient for the previous stage is received there
-  only at its next step). Blocking receives in 1F1B order cannot deadlock.
+- P2P (lit_mesh/parallel/pipeline/p2p.py, StepExchange): as torch's schedules, a send goes in one batch_isend_irecv
+  with the next receive from the same peer (a forward's send with the next backward's receive, a backward's send
+  with the next forward's receive); what is left at the end of a step is sent then and waited one step later (a
+  gradient for the previous stage is received there only at its next step). An activation's shape follows from its
+  micro-batch's: a header goes with the first of each micro-batch shape only (no host read per message); gradients
+  take the shape of their output.
 
 Checkpoints hold the weights and optimizer state after the last applied update (W_{t+1}); the in-flight gradient
 of batch t is not saved, and a resumed run restarts the delay line: its first step applies no update, as step 0.
@@ -34,15 +37,15 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
-from typing import Any, Optional, cast
+from typing import Optional, cast
 
 import torch
-import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor, nn
 from torch.func import functional_call
 
 from lit_mesh.errors import PipelineConfigError
+from lit_mesh.parallel.pipeline.p2p import StepExchange
 from lit_mesh.parallel.pipeline.runner import LossFn, PipelineRunner
 from lit_mesh.parallel.pipeline.split import Stage
 
@@ -82,7 +85,7 @@ class TwoBWRunner(PipelineRunner):
         self._next = None if self._last else self.stage_ranks[stage.index + 1]
         self._held: list[_Version] = []  # oldest first, at most two
         self._in_flight: deque[_InFlight] = deque()
-        self._sends: list[list[tuple[Any, Tensor]]] = [[], []]  # (work, tensor) of the previous and this step
+        self._exchange = StepExchange(self.group)
         self._warned_save = False
 
     # ---- what the strategy asks ----------------------------------------------------------------------------
@@ -108,7 +111,7 @@ class TwoBWRunner(PipelineRunner):
                 self._in_flight.append(self._forward(version, micro, target, loss_fn, raw, k))
                 if len(self._in_flight) > self._warmup:
                     self._backward(self._in_flight.popleft())
-        self._settle_sends()
+        self._exchange.end_step()
         local = torch.stack(raw).mean() if self._last else torch.zeros((), device=device)
         return self._carrying(self._broadcast(local), self._hand_over)
 
@@ -127,8 +130,8 @@ class TwoBWRunner(PipelineRunner):
         with self._driving():
             while self._in_flight:
                 self._backward(self._in_flight.popleft())
-        self._settle_sends()
-        self._settle_sends()
+        self._exchange.end_step()  # sends the drain's last gradients
+        self._exchange.end_step()  # and waits them
         self._held = []
 
     # ---- weights ---------------------------------------------------------------------------------------------
@@ -177,14 +180,16 @@ class TwoBWRunner(PipelineRunner):
         self, version: _Version, micro: Tensor, target: Tensor, loss_fn: Callable, raw: list, k: int
     ) -> _InFlight:
         # the timed blocks hold the computation only, as torch's stages do (waiting for a receive is bubble)
-        x = micro if self._first else self._recv(cast(int, self._previous), micro.device).requires_grad_(True)
+        x = micro
+        if not self._first:
+            x = self._exchange.recv_activation(cast(int, self._previous), micro).requires_grad_(True)
         with self._block("F", k):
             out = functional_call(self._module, version.leaves, (x,))
             if self._last:
                 loss = loss_fn(out, target)
                 raw.append(loss.detach().float())
                 return _InFlight(loss * (1.0 / self.n_microbatches), None if self._first else x, k)
-        self._sends[1] += self._isend_with_header(out.detach(), cast(int, self._next))  # not the last stage
+        self._exchange.send_activation(out.detach(), cast(int, self._next), micro)  # not the last stage
         return _InFlight(out, None if self._first else x, k)
 
     def _backward(self, item: _InFlight) -> None:
@@ -192,24 +197,12 @@ class TwoBWRunner(PipelineRunner):
             with self._block("B", item.microbatch):
                 item.output.backward()
         else:
-            grad = torch.empty_like(item.output)
-            dist.recv(grad, group=self.group, group_src=self._next)
+            grad = self._exchange.recv_gradient(item.output, cast(int, self._next))
             with self._block("B", item.microbatch):
                 torch.autograd.backward(item.output, grad)
         if item.input is not None:
-            grad_in = cast(Tensor, item.input.grad).contiguous()  # the backward above gave it
-            self._sends[1].append((dist.isend(grad_in, group=self.group, group_dst=self._previous), grad_in))
-
-    def _isend_with_header(self, tensor: Tensor, to: int) -> list[tuple[Any, Tensor]]:
-        tensor = tensor.contiguous()
-        return [(work, tensor) for work in self._send(tensor, to)]
-
-    def _settle_sends(self) -> None:
-        """Wait for the previous step's sends (received by now), keep this step's: a gradient for the previous
-        stage is received there only at its next step, and gloo may block a send until it is."""
-        for work, _tensor in self._sends[0]:
-            work.wait()
-        self._sends = [self._sends[1], []]
+            grad_in = cast(Tensor, item.input.grad)  # the backward above gave it
+            self._exchange.send_gradient(grad_in, cast(int, self._previous))
 
     @contextmanager
     def _block(self, kind: str, microbatch: int) -> Iterator[None]:
