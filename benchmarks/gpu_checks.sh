@@ -12,15 +12,7 @@ mkdir -p "$out"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
 wanted=" ${*:-env kernels gpu recipe memory_loss gpu_ac} "
 
-step() {  # step NAME SECONDS COMMAND...: run it if wanted, log to $out/NAME.log, print its status and last lines
-    local name=$1 limit=$2
-    shift 2
-    [[ $wanted == *" $name "* ]] || return 0
-    local start=$SECONDS
-    timeout "$limit" "$@" >"$out/$name.log" 2>&1
-    echo "== $name: rc=$? in $((SECONDS - start)) s"
-    tail -n 4 "$out/$name.log" | cut -c1-3000
-}
+source benchmarks/_steps.sh  # step NAME SECONDS COMMAND...
 
 step env 30 bash -c 'nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; python -c "import torch, lightning; print(torch.__version__, torch.version.cuda, lightning.__version__, torch.cuda.get_device_name())"'
 step kernels 90 python -m pytest -q -p no:cacheprovider tests/unit/test_kernels.py -k "cuda or kernel_is_chosen or adamw"

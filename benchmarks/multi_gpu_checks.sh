@@ -14,15 +14,7 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 PYTHONWARNI
 gpus=$(python -c "import torch; print(torch.cuda.device_count())")
 wanted=" ${*:-env timeouts clip_2bw p2p_2bw_128mb} "
 
-step() {  # step NAME SECONDS COMMAND...: run it if wanted, log to $out/NAME.log, print its status and last lines
-    local name=$1 limit=$2
-    shift 2
-    [[ $wanted == *" $name "* ]] || return 0
-    local start=$SECONDS
-    timeout "$limit" "$@" >"$out/$name.log" 2>&1
-    echo "== $name: rc=$? in $((SECONDS - start)) s"
-    tail -n 4 "$out/$name.log" | cut -c1-3000
-}
+source benchmarks/_steps.sh  # step NAME SECONDS COMMAND...
 
 step env 30 bash -c 'nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; python -c "import torch, lightning; print(torch.__version__, torch.version.cuda, torch.cuda.nccl.version(), lightning.__version__)"'
 
