@@ -17,6 +17,8 @@ with its reason below, and replaced by a test of what MeshStrategy does instead)
   N-D mesh with lit_mesh.mesh.build_device_mesh (the timeout reaches init_process_group all the same).
 - test_meta_device_materialization: a module without reset_parameters() on the meta device is refused with an
   error naming it (Lightning warns and trains on uninitialised memory).
+- test_save_load_sharded_state_dict (integration): a sharded checkpoint also holds .checksums.json (each file's
+  SHA-256, written at save and verified before a load, so a damaged shard is refused by name).
 - test_setup_device_mesh (integration): the mesh is N-D (pp, dp_replicate, dp_shard, cp, tp), so its
   mesh_dim_names and ndim differ; "data_parallel" and "tensor_parallel" are views of it, whatever the layout.
 Not run here: the compile=True variants and test_model_parallel_single_file_checkpoint_with_compile (inductor

@@ -236,7 +236,10 @@ def test_save_load_sharded_state_dict(tmp: Path) -> None:
     trainer.fit(model)
     params_before = [p.full_tensor() for p in trainer.model.parameters()]
     path = Path(trainer.strategy.broadcast(trainer.checkpoint_callback.best_model_path))
-    assert set(os.listdir(path)) == {"meta.pt", ".metadata", "__0_0.distcp", "__1_0.distcp"}, os.listdir(path)
+    # intended difference: MeshStrategy adds .checksums.json (each file's SHA-256, verified before a load)
+    assert set(os.listdir(path)) == {"meta.pt", ".metadata", "__0_0.distcp", "__1_0.distcp", ".checksums.json"}, (
+        os.listdir(path)
+    )
     metadata = torch.load(path / "meta.pt", weights_only=True)
     assert "pytorch-lightning_version" in metadata
     assert len(metadata["callbacks"]) == 1
