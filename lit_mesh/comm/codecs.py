@@ -46,13 +46,19 @@ class SignCodec:
     Adam's second moment sees) or its mean absolute value ("mean_abs": the least squared error of sign x scale,
     but under Adam it makes every coordinate look smaller than it is and so raises the effective lr)."""
 
-    _SHIFTS = torch.tensor([7, 6, 5, 4, 3, 2, 1, 0], dtype=torch.uint8)
-
     def __init__(self, block: int, scale: str = "rms") -> None:
         if scale not in ONEBIT_SCALES:
             raise ValueError(f"1-bit scale {scale!r}: choose one of {ONEBIT_SCALES}")
         self.block = block
         self.scale = scale
+        self._shifts: dict[torch.device, Tensor] = {}
+
+    def shifts(self, device: torch.device) -> Tensor:
+        """The bit positions 7..0 of a byte, made once per device on that device (no host-to-device copy per
+        encode / decode)."""
+        if device not in self._shifts:
+            self._shifts[device] = torch.arange(7, -1, -1, dtype=torch.uint8, device=device)
+        return self._shifts[device]
 
     def _blocks(self, n: int) -> int:
         return max(1, math.ceil(n / self.block))
@@ -74,7 +80,7 @@ class SignCodec:
         n, blocks = x.numel(), self._blocks(x.numel())
         bits = torch.zeros(math.ceil(n / 8) * 8, dtype=torch.uint8, device=x.device)
         bits[:n] = (x >= 0).to(torch.uint8)
-        packed = (bits.view(-1, 8) << self._SHIFTS.to(x.device)).sum(1, dtype=torch.uint8)
+        packed = (bits.view(-1, 8) << self.shifts(x.device)).sum(1, dtype=torch.uint8)
         out = torch.zeros(self.payload_bytes(n), dtype=torch.uint8, device=x.device)
         out[: 4 * blocks] = self.scales(x).view(torch.uint8)
         out[4 * blocks : 4 * blocks + packed.numel()] = packed
@@ -84,7 +90,7 @@ class SignCodec:
         blocks = self._blocks(n)
         scales = payload[: 4 * blocks].view(torch.float32)
         packed = payload[4 * blocks : 4 * blocks + math.ceil(n / 8)]
-        bits = ((packed.unsqueeze(1) >> self._SHIFTS.to(payload.device)) & 1).flatten()[:n]
+        bits = ((packed.unsqueeze(1) >> self.shifts(payload.device)) & 1).flatten()[:n]
         signs = bits.to(dtype) * 2 - 1
         return signs * scales.to(dtype).repeat_interleave(self.block)[:n]
 
