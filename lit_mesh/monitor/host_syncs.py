@@ -11,9 +11,10 @@ Three kinds, each seen where it can be seen on any device:
 
 Limits (on CPU nothing really waits, so this is a proxy; torch.cuda.set_sync_debug_mode("warn") on a GPU is the
 judge): on a CPU rank a tensor made before counting started without a device (a module-level constant) is on the
-"device" already, so its move is seen only where it is moved to another device type (a test may use "meta"); a
-read made in C++ without one of the ops above (float(t), int(t), a kernel that reads a scalar) is not seen, nor is
-a read inside an op that DTensor dispatches (the DTensor op itself is seen).
+"device" already, so its move is seen only where it is moved to another device type (a test may use "meta"), and
+torch's own calls with device="cpu" (the optimizer's host step counters) are taken as meant for the host; a read
+made in C++ without one of the ops above (float(t), int(t), a kernel that reads a scalar) is not seen, nor is a
+read inside an op that DTensor dispatches (the DTensor op itself is seen).
 
 A read made inside a function named in `declared` is counted apart, under that function's description: a sync
 the code means to make (the all-to-all split sizes of an MoE layer under expert parallel).
@@ -124,6 +125,11 @@ def _is_host_data(data: Any) -> bool:
     return not any(isinstance(leaf, torch.Tensor) for leaf in tree_flatten(data)[0])
 
 
+def _made_by_torch(caller: FrameType) -> bool:
+    # torch's own host tensors: e.g. the optimizer's step counter increments, torch.tensor(1.0, device="cpu")
+    return caller.f_code.co_filename.startswith(_TORCH_DIR)
+
+
 def _move_target(func: Any, args: tuple, kwargs: dict) -> Optional[torch.device]:
     """Where a to / cuda / copy_ call moves its tensor (None: only a dtype change)."""
     if func is torch.Tensor.cuda:
@@ -148,7 +154,8 @@ class _HostDataMode(TorchFunctionMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         if func in _HOST_DATA_FACTORIES and args and _is_host_data(args[0]):
-            if kwargs.get("device") is not None:
+            device = kwargs.get("device")
+            if device is not None and (torch.device(device).type != "cpu" or not _made_by_torch(sys._getframe(1))):
                 self.counter.count("host data to device", sys._getframe(1))
             elif isinstance(out, torch.Tensor):
                 self.counter.host_made[out] = True
@@ -162,6 +169,18 @@ class _HostDataMode(TorchFunctionMode):
         return out
 
 
+def _reads_a_mask(func: Any, args: tuple, kwargs: dict) -> bool:
+    """Whether an index / index_put turns a boolean mask into positions (its nonzero). torch runs t[mask] = scalar
+    as masked_fill (no read): one mask index, a one-element value, no accumulation."""
+    indices = [i for i in (args[1] if len(args) > 1 else ()) if i is not None]
+    if not any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in indices):
+        return False
+    if func is _aten.index.Tensor:
+        return True
+    accumulate = args[3] if len(args) > 3 else kwargs.get("accumulate", False)
+    return not (len(indices) == 1 and args[2].numel() == 1 and not accumulate)
+
+
 class _ValueReadMode(TorchDispatchMode):
     def __init__(self, counter: HostSyncCounter) -> None:
         super().__init__()
@@ -170,9 +189,7 @@ class _ValueReadMode(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         kwargs = kwargs or {}
         what = _VALUE_READING_OPS.get(func)
-        if func in _INDEXING_OPS and any(
-            isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in (args[1] if len(args) > 1 else ())
-        ):
+        if func in _INDEXING_OPS and _reads_a_mask(func, args, kwargs):
             what = "boolean-mask indexing"
         if (
             func is _aten.repeat_interleave.Tensor

@@ -21,7 +21,7 @@ SYNCS: dict[str, Callable[[], object]] = {
     "nonzero": lambda: x.nonzero(),
     "where one argument": lambda: torch.where(mask),
     "boolean-mask indexing": lambda: x[mask],
-    "boolean-mask assignment": lambda: x.clone().__setitem__(mask, 0.0),
+    "boolean-mask assignment of a tensor": lambda: x.clone().__setitem__(mask, torch.ones(3)),
     "masked_select": lambda: x.masked_select(mask),
     "unique": lambda: torch.unique(x),
     "unique_consecutive": lambda: torch.unique_consecutive(x),
@@ -42,6 +42,8 @@ NO_SYNCS: dict[str, Callable[[], object]] = {
     "a factory with a device": lambda: torch.zeros(3, device=x.device),
     "a dtype change": lambda: x.to(torch.float64),
     "a device tensor to its device": lambda: x.to(x.device),
+    "boolean-mask assignment of a scalar (masked_fill)": lambda: x.clone().__setitem__(mask, 0.0),
+    "repeat_interleave with an int": lambda: x.repeat_interleave(2),
 }
 
 
@@ -73,3 +75,15 @@ def test_a_declared_read_counts_apart_and_counting_stops_on_exit() -> None:
     x.tolist()
     torch.nonzero(x)
     assert syncs.total == 0 and torch.Tensor.tolist.__qualname__ != "HostSyncCounter._counting.<locals>.counted"
+
+
+def test_the_optimizers_host_step_counters_count_nothing() -> None:
+    """AdamW keeps its step counters on the host (torch.tensor(1.0, device="cpu") increments them): no sync on a GPU."""
+    weight = torch.nn.Parameter(torch.randn(4, 3))
+    optimizer = torch.optim.AdamW([weight], foreach=True)
+    weight.grad = torch.ones(4, 3)
+    optimizer.step()  # makes the state
+    counters = frozenset(id(state["step"]) for state in optimizer.state.values())
+    with HostSyncCounter(ignore=counters) as syncs:
+        optimizer.step()
+    assert syncs.total == 0, syncs.sites
