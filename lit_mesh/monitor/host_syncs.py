@@ -50,7 +50,7 @@ _INDEXING_OPS = {_aten.index.Tensor, _aten.index_put.default, _aten.index_put_.d
 _HOST_DATA_FACTORIES = {torch.tensor, torch.as_tensor, torch.asarray}
 _MOVES = {torch.Tensor.to, torch.Tensor.cuda, torch.Tensor.copy_}
 _THIS_FILE = __file__
-_TORCH_DIR = torch.__file__.rsplit("/", 1)[0]
+_TORCH_DIR = torch.__file__.rsplit("/", 1)[0] + "/"
 
 
 class HostSyncCounter:
@@ -130,7 +130,7 @@ def _made_by_torch(caller: FrameType) -> bool:
     return caller.f_code.co_filename.startswith(_TORCH_DIR)
 
 
-def _move_target(func: Any, args: tuple, kwargs: dict) -> Optional[torch.device]:
+def move_target(func: Any, args: tuple, kwargs: dict) -> Optional[torch.device]:
     """Where a to / cuda / copy_ call moves its tensor (None: only a dtype change)."""
     if func is torch.Tensor.cuda:
         return torch.device("cuda")
@@ -161,7 +161,7 @@ class _HostDataMode(TorchFunctionMode):
                 self.counter.host_made[out] = True
         elif func in _MOVES:
             source = args[1] if func is torch.Tensor.copy_ else args[0]
-            target = _move_target(func, args, kwargs)
+            target = move_target(func, args, kwargs)
             if isinstance(source, torch.Tensor) and target is not None:
                 off_host = source.device.type == "cpu" and target.type != "cpu"
                 if off_host or (source in self.counter.host_made and target.type == source.device.type):
