@@ -1,11 +1,11 @@
 """Host reads and collectives of a training step that logs nothing, per mesh layout (the CPU stand-in for GPU
 stream syncs and collective launches).
 
-Runs the layouts of tests/workers/step_audits.py (fsdp2, fsdp2 with clipping, ddp2, pp2, cp2, the zoo MoE on
-ep2, fsdp2 x tp2; 4 steps of the tiny presets through the `lit-mesh` CLI, log_every_n_steps=2) and reports what
-lit_mesh.monitor.step_audit.StepAudit counted on step 2 (it logs nothing), per rank: Tensor.item / tolist /
-__bool__ / cpu calls (the optimizer's step counters excluded), MoE token-count copies, collectives by op and
-group size.
+Runs the layouts of tests/workers/step_audits.py (fsdp2, fsdp2 with clipping, ddp2 plain and with 1-bit and
+PowerSGD compression, pp2 1F1B, cp2, the zoo MoE on ep2, fsdp2 x tp2; 4 steps of the tiny presets through the
+`lit-mesh` CLI, log_every_n_steps=2) and reports what lit_mesh.monitor.step_audit.StepAudit counted on step 2 (it
+logs nothing), per rank: host syncs (lit_mesh/monitor/host_syncs.py; the optimizer's step counters excluded), the
+declared MoE split-size reads, collectives by op and group size.
 
     python benchmarks/host_sync.py
     python benchmarks/host_sync.py --layouts fsdp2 pp2

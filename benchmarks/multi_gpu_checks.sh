@@ -12,7 +12,7 @@ out=${OUT:-multi_gpu_out}
 mkdir -p "$out"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
 gpus=$(python -c "import torch; print(torch.cuda.device_count())")
-wanted=" ${*:-env timeouts clip_2bw p2p_2bw_128mb} "
+wanted=" ${*:-env timeouts clip_2bw p2p_2bw_128mb sync_moe_ep sync_ddp_onebit sync_ddp_powersgd} "
 
 source benchmarks/_steps.sh  # step NAME SECONDS COMMAND...
 
@@ -66,3 +66,54 @@ step p2p_2bw_128mb 600 python -m lit_mesh.cli fit -c configs/gpt.yaml --trainer.
     --trainer.strategy.init_args.pp_microbatches="$gpus" --trainer.strategy.init_args.timeout=0:05:00 \
     --data.init_args.seq_len=4096 --data.init_args.global_batch_size=$((2 * gpus)) \
     "--model.init_args.config_overrides={dim: 4096, n_heads: 32, n_kv_heads: 8, ffn_hidden: 8192, n_layers: $gpus, max_seq_len: 4096}"
+
+# Items 4-5: torch.cuda.set_sync_debug_mode("warn") over step 2 of a 4-step run (log_every_n_steps=2: step 2 logs
+# nothing), every rank printing the synchronizing CUDA calls it warned of (tests/integration/test_host_sync.py is
+# the CPU proxy of the same counts). The zoo MoE "small" preset (4 MoE layers, 8 experts) in bf16 with ep = every GPU
+# (1 on a one-GPU node: it runs there too): passes with rc=0 and, on every rank, the line
+#   sync_debug: rank R step 2: N synchronizing CUDA calls
+# with N = 4 under ep > 1 (the one declared read per MoE layer: its all-to-all split sizes) and N = 0 with ep = 1
+# (grouped GEMMs take their offsets on the device). DDP over every GPU with 1-bit, then PowerSGD, compression
+# (needs 2 GPUs or more): N = 0 on every rank. A line "first: ..." names the first call's warning where N > 0.
+cat >"$out/sync_debug.py" <<'PY'
+import warnings
+
+import torch
+from lightning.pytorch.callbacks import Callback
+
+
+class SyncDebug(Callback):
+    def __init__(self, step: int = 2) -> None:
+        self.step, self.seen, self.catch = step, [], None
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if trainer.global_step == self.step:
+            torch.cuda.synchronize()  # before the mode: earlier steps' work is not this step's
+            self.catch = warnings.catch_warnings(record=True)
+            self.seen = self.catch.__enter__()
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if self.catch is not None:
+            torch.cuda.set_sync_debug_mode(0)
+            self.catch.__exit__(None, None, None)
+            self.catch = None
+            syncs = [w for w in self.seen if "synchroniz" in str(w.message)]
+            print(f"sync_debug: rank {trainer.global_rank} step {self.step}: {len(syncs)} synchronizing CUDA calls", flush=True)
+            if syncs:
+                print(f"first: {syncs[0].filename}:{syncs[0].lineno} {syncs[0].message}", flush=True)
+PY
+sync_args=(--trainer.accelerator=gpu --trainer.devices="$gpus" --trainer.max_steps=4 --trainer.log_every_n_steps=2
+    --trainer.limit_val_batches=0 --trainer.logger=false --trainer.enable_checkpointing=false
+    --trainer.callbacks+=sync_debug.SyncDebug)
+step sync_moe_ep 300 env PYTHONPATH="$out:$PYTHONPATH" python -m lit_mesh.cli fit -c configs/moe.yaml "${sync_args[@]}" \
+    --trainer.precision=bf16-mixed --trainer.strategy.init_args.ep="$gpus" --model.init_args.preset=small \
+    --data.init_args.global_batch_size=$((2 * gpus))
+for mode in onebit powersgd; do
+    if ((gpus > 1)); then
+        step "sync_ddp_$mode" 300 env PYTHONPATH="$out:$PYTHONPATH" python -m lit_mesh.cli fit -c configs/gpt.yaml \
+            "${sync_args[@]}" --trainer.strategy.init_args.dp_replicate="$gpus" \
+            --trainer.strategy.init_args.grad_compression="$mode" --data.init_args.global_batch_size=$((2 * gpus))
+    fi
+done

@@ -36,6 +36,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
+from lit_mesh.monitor.host_syncs import move_target
+
 # the factories whose tensors land on the host unless given a device
 FACTORIES = {
     torch.tensor,
@@ -62,17 +64,6 @@ def _tensors(value: Any) -> list[torch.Tensor]:
     return [t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)]
 
 
-def _target_device(args: tuple, kwargs: dict) -> Optional[torch.device]:
-    """The device of a Tensor.to(...) call, None where it only changes the dtype."""
-    device = kwargs.get("device")
-    for a in args[1:]:
-        if isinstance(a, (str, torch.device)):
-            device = a
-        elif isinstance(a, torch.Tensor):  # to(other): other's device
-            device = a.device
-    return torch.device(device) if device is not None else None
-
-
 class _Marking(TorchFunctionMode):
     def __init__(self, check: HostTensorCheck) -> None:
         super().__init__()
@@ -93,7 +84,7 @@ class _Marking(TorchFunctionMode):
                 self.check.mark(out)
             return out
         if func in _MOVES:
-            target = _target_device(args, kwargs) if func is torch.Tensor.to else torch.device("cuda")
+            target = move_target(func, args, kwargs)
             if target is not None:  # an explicit move: host-made only where it moves to the host off a CPU rank
                 if target.type == "cpu" and self.check.device.type != "cpu":
                     self.check.mark(out)

@@ -202,19 +202,26 @@ class GroupedExperts(nn.Module):
         self.w3 = nn.Parameter(torch.empty(n_experts, dim, hidden))
         self.w2 = nn.Parameter(torch.empty(n_experts, hidden, dim))
 
-    def forward(self, tokens: torch.Tensor, tokens_per_expert: list[int]) -> torch.Tensor:
-        """tokens (M, dim) grouped by expert, tokens_per_expert[e] rows each -> (M, dim)."""
+    def forward(self, tokens: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        """tokens (M, dim) grouped by expert, tokens_per_expert[e] rows each (an int tensor on tokens' device) ->
+        (M, dim)."""
         w1, w2, w3 = _local(self.w1), _local(self.w2), _local(self.w3)
-        if len(tokens_per_expert) != w1.shape[0]:
-            raise ValueError(f"{len(tokens_per_expert)} token groups for {w1.shape[0]} experts")
+        if tokens_per_expert.shape[0] != w1.shape[0]:
+            raise ValueError(f"{tokens_per_expert.shape[0]} token groups for {w1.shape[0]} experts")
+        if tokens.dtype != w1.dtype and tokens.dtype.is_floating_point:
+            # mixed precision without FSDP (e.g. expert parallel alone): fp32 weights meet bf16 tokens; compute in
+            # the tokens' dtype, as FSDP's param_dtype would (the gradient flows back to the fp32 weights)
+            w1, w2, w3 = w1.to(tokens.dtype), w2.to(tokens.dtype), w3.to(tokens.dtype)
         # one grouped GEMM per weight instead of a Python loop over the experts (no tokens: the loop gives the
-        # weights their zero gradients)
-        if tokens.shape[0] and tokens.dtype == w1.dtype and grouped_mm_runs(tokens.contiguous(), w1, w2, w3):
+        # weights their zero gradients); the offsets stay on the device: no host read
+        if tokens.shape[0] and grouped_mm_runs(tokens.contiguous(), w1, w2, w3):
             tokens = tokens.contiguous()
-            offsets = torch.tensor(tokens_per_expert, device=tokens.device).cumsum(0).to(torch.int32)
+            offsets = tokens_per_expert.cumsum(0).to(torch.int32)
             hidden = F.silu(F.grouped_mm(tokens, w1, offs=offsets)) * F.grouped_mm(tokens, w3, offs=offsets)
             return _ContiguousGradient.apply(F.grouped_mm(hidden, w2, offs=offsets))
-        outputs = [(F.silu(x @ a) * (x @ c)) @ b for x, a, b, c in zip(tokens.split(tokens_per_expert), w1, w2, w3)]
+        # the loop's split sizes are host integers: a host read, except without tokens (every group is empty)
+        sizes = tokens_per_expert.tolist() if tokens.shape[0] else [0] * w1.shape[0]
+        outputs = [(F.silu(x @ a) * (x @ c)) @ b for x, a, b, c in zip(tokens.split(sizes), w1, w2, w3)]
         return torch.cat(outputs)
 
 
@@ -252,7 +259,7 @@ class LocalDispatch:
         return tokens_per_expert
 
     def compute(self, experts: GroupedExperts, tokens: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
-        return experts(tokens, tokens_per_expert.tolist())
+        return experts(tokens, tokens_per_expert)
 
 
 def expert_counts(expert_ids: torch.Tensor, n_experts: int) -> torch.Tensor:

@@ -44,7 +44,7 @@ class CodecReduction:
         meter.sent(dim, "all_to_all", payloads, n)
         work = torch.promote_types(x.dtype, torch.float32)
         mine = unit[dist.get_rank(group)].to(work)
-        return torch.stack([codec.decode(p, chunks.shape[1], work) for p in received]).sum(0) * mine, sent
+        return codec.decode_rows(received, chunks.shape[1], work).sum(0) * mine, sent
 
     def all_reduce(
         self,
@@ -90,7 +90,7 @@ class CodecReduction:
         gathered = torch.empty(n * payload.numel(), dtype=torch.uint8, device=piece.device)
         dist.all_gather_into_tensor(gathered, payload, group=group)
         meter.sent(dim, "all_gather", gathered, n)
-        return torch.cat([codec.decode(p, chunk, dtype) * unit[r] for r, p in enumerate(gathered.view(n, -1))])
+        return (codec.decode_rows(gathered.view(n, -1), chunk, dtype) * unit).flatten()
 
     def fold_server_residual(self, x: Tensor, n: int, group: Any, average: bool) -> None:
         """A scheme without a gather half takes over what the last codec all-reduce kept back: it joins this rank's
@@ -105,10 +105,9 @@ class CodecReduction:
 
 
 def _encode_chunks(chunks: Tensor, codec: Codec) -> tuple[Tensor, Tensor]:
-    """(payloads n x B, what the receivers will decode, n x c)."""
-    payloads = torch.stack([codec.encode(chunk) for chunk in chunks])
-    decoded = torch.stack([codec.decode(p, chunks.shape[1], chunks.dtype) for p in payloads])
-    return payloads, decoded
+    """(payloads n x B, what the receivers will decode, n x c): one batch of kernels for the n chunks."""
+    payloads = codec.encode_rows(chunks)
+    return payloads, codec.decode_rows(payloads, chunks.shape[1], chunks.dtype)
 
 
 def _per_chunk(scales: Optional[Tensor], n: int, x: Tensor) -> Tensor:

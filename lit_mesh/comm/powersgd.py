@@ -85,6 +85,23 @@ class PowerSGD:
         self.site = site  # seeds each matrix's first Q, the same on every rank
         self.options = options
         self.qs: dict[int, Tensor] = {}
+        self._uncompressed_index: dict[tuple, Tensor] = {}
+
+    def _uncompressed(self, chunk_numel: int, compressed: list[Segment], device: torch.device) -> Tensor:
+        """The positions of a chunk outside the compressed matrices, ascending, made on the device once per layout
+        from the segments (host integers): later steps index with them, where a boolean mask would read the device
+        (its nonzero) every call."""
+        key = (chunk_numel, tuple(compressed), device)
+        if key not in self._uncompressed_index:
+            ranges, start = [], 0
+            for s in sorted(compressed, key=lambda s: s.offset):
+                ranges.append((start, s.offset))
+                start = s.offset + s.rows * s.cols
+            ranges.append((start, chunk_numel))
+            pieces = [torch.arange(a, b, device=device) for a, b in ranges if b > a]
+            index = torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.long, device=device)
+            self._uncompressed_index[key] = index
+        return self._uncompressed_index[key]
 
     def reduce(
         self,
@@ -107,11 +124,9 @@ class PowerSGD:
         per_chunk = x.view(chunks, chunk_numel)
         work = torch.promote_types(x.dtype, torch.float32)
         compressed = [i for i, s in enumerate(segments) if worth_compressing(chunks * s.rows, s.cols, rank)]
-        mask = torch.zeros(chunk_numel, dtype=torch.bool, device=x.device)
         matrices = []
         for i in compressed:
             s = segments[i]
-            mask[s.offset : s.offset + s.rows * s.cols] = True
             rows = per_chunk[:, s.offset : s.offset + s.rows * s.cols].reshape(chunks * s.rows, s.cols)
             matrices.append(rows.to(work))
             if i not in self.qs:
@@ -135,8 +150,9 @@ class PowerSGD:
             sent[:, s.offset : s.offset + s.rows * s.cols] = mean.reshape(chunks, -1).to(x.dtype)
             out_chunk[s.offset : s.offset + s.rows * s.cols] = approx.reshape(chunks, -1)[mine].to(x.dtype)
         # the rest, uncompressed and exact: one collective for all of it (already fused in this buffer)
-        rest = per_chunk[:, ~mask]
-        sent[:, ~mask] = rest
+        uncompressed = self._uncompressed(chunk_numel, [segments[i] for i in compressed], x.device)
+        rest = per_chunk[:, uncompressed]
+        sent[:, uncompressed] = rest
         if rest.numel():
             if keep_chunk is None:
                 reduced_rest = rest.reshape(-1).clone()
@@ -146,5 +162,5 @@ class PowerSGD:
                 reduced_rest = torch.empty(rest.shape[1], dtype=x.dtype, device=x.device)
                 dist.reduce_scatter_tensor(reduced_rest, rest.reshape(-1).contiguous(), group=group)
                 meter.sent(dim, "reduce_scatter", rest, n)
-            out_chunk[~mask] = reduced_rest
+            out_chunk[uncompressed] = reduced_rest
         return out_chunk, sent.view(-1)

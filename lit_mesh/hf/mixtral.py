@@ -43,7 +43,7 @@ class LocalDispatch:
         return tokens_per_expert
 
     def compute(self, experts: nn.Module, tokens: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
-        return experts(tokens, tokens_per_expert.tolist())
+        return experts(tokens, tokens_per_expert)
 
 
 class GroupedExperts(nn.Module):
@@ -53,12 +53,13 @@ class GroupedExperts(nn.Module):
     down_proj: nn.Parameter
     act_fn: Callable[[torch.Tensor], torch.Tensor]
 
-    def forward(self, tokens: torch.Tensor, tokens_per_expert: list[int]) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
         gate_up, down = _local(self.gate_up_proj), _local(self.down_proj)
-        if len(tokens_per_expert) != gate_up.shape[0]:
-            raise ValueError(f"{len(tokens_per_expert)} token groups for {gate_up.shape[0]} experts")
+        if tokens_per_expert.shape[0] != gate_up.shape[0]:
+            raise ValueError(f"{tokens_per_expert.shape[0]} token groups for {gate_up.shape[0]} experts")
         outputs = []
-        for x, w_gate_up, w_down in zip(tokens.split(tokens_per_expert), gate_up, down):
+        # a loop over the experts: its split sizes are host integers (one host read)
+        for x, w_gate_up, w_down in zip(tokens.split(tokens_per_expert.tolist()), gate_up, down):
             gate, up = F.linear(x, w_gate_up).chunk(2, dim=-1)  # transformers' [gate; up] layout
             outputs.append(F.linear(self.act_fn(gate) * up, w_down))
         return torch.cat(outputs) if outputs else tokens[:0]

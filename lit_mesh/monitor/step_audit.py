@@ -1,12 +1,15 @@
 """StepAudit: count what one training step that logs nothing costs beyond its compute.
 
 Between on_train_batch_start and on_train_batch_end of the audited step, on every rank:
-- host syncs: Python calls of Tensor.item / tolist / __bool__ / cpu (the optimizer's own `step` counters
-  excluded: torch keeps them on the host), with the call sites;
+- host syncs (lit_mesh/monitor/host_syncs.py): host reads (Tensor.item / tolist / __bool__ / cpu; the optimizer's
+  own `step` counters excluded: torch keeps them on the host), ops that read device values (nonzero, boolean-mask
+  indexing, masked_select, unique, repeat_interleave without output_size, equal) and host data sent to the device,
+  with the call sites;
 - collectives: every c10d op (FSDP2, DDP, send/recv, barrier) and functional collective (DTensor: TP, SP), with
   its process group's size;
-- MoE token-count copies: Tensor.tolist calls made from lit_mesh/parallel/expert.py and zoo/moe.py, counted
-  apart (data-dependent split sizes must reach the host), so that a test can bound them by the MoE layers.
+- declared host reads, counted apart: the one read per MoE layer of its all-to-all split sizes under expert
+  parallel (`DECLARED_HOST_READS`; data-dependent split sizes must reach the host), so that a test can bound them
+  by the MoE layers.
 On CPU these calls cost nothing; on a GPU each host read waits for the queued kernels (a stream sync) and each
 collective is a kernel launch and a wait. Counting the calls is the CPU stand-in for that cost.
 Our own: torch's CommDebugMode counts functional collectives and c10d ops, but not host reads.
@@ -15,7 +18,6 @@ Our own: torch's CommDebugMode counts functional collectives and c10d ops, but n
 from __future__ import annotations
 
 import json
-import traceback
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
@@ -29,10 +31,12 @@ from torch.distributed.tensor._dispatch import OpDispatcher
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 
 from lit_mesh.monitor.comm import _group_name, _group_size
+from lit_mesh.monitor.host_syncs import HostSyncCounter
+from lit_mesh.parallel.expert import MOE_SPLIT_SIZES, split_sizes_on_host
 from lit_mesh.training.log_steps import is_logging_step, log_every_n_steps
 
-HOST_READS = ("item", "tolist", "__bool__", "cpu")
-_TOKEN_COUNT_FILES = ("lit_mesh/parallel/expert.py", "zoo/moe.py")
+# the host reads a step makes on purpose: {the function that makes it: what it reads}
+DECLARED_HOST_READS: dict[Callable, str] = {split_sizes_on_host: MOE_SPLIT_SIZES}
 _COLLECTIVE_NAMESPACES = ("c10d", "_c10d_functional")
 _NOT_COLLECTIVES = {"wait_tensor", "_wrap_tensor_autograd"}  # a wait on, or a wrapper of, one counted already
 
@@ -85,18 +89,16 @@ def _size_of_group(args: tuple) -> int | str:
 class StepAudit(Callback):
     """Audits training step `step` (a step that logs nothing: checked), writes `out` (JSON, rank 0) at the end.
 
-    counts (per rank, in `self.counts`): {"host_syncs": n, "host_sync_sites": {site: n}, "token_count_copies": n,
-    "collectives": {"op@group_size": n}}; the file holds every rank's counts plus the world size and MoE layers.
+    counts (per rank, in `self.counts`): {"host_syncs": n, "host_sync_sites": {site: n}, "declared_host_reads":
+    {what: n}, "token_count_copies": n (the MoE split-size reads), "collectives": {"op@group_size": n}}; the file
+    holds every rank's counts plus the world size and MoE layers.
     """
 
     def __init__(self, step: int = 2, out: str | None = None) -> None:
         self.step = step
         self.out = out
         self.counts: dict[str, Any] | None = None
-        self._active: tuple[_CollectiveCounter, dict[str, Callable]] | None = None
-        self._sites: Counter[str] = Counter()
-        self._token_copies = 0
-        self._optimizer_counters: set[int] = set()
+        self._active: tuple[_CollectiveCounter, HostSyncCounter] | None = None
 
     def on_train_batch_start(
         self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
@@ -108,55 +110,38 @@ class StepAudit(Callback):
                 f"StepAudit(step={self.step}) is a logging step (log_every_n_steps={log_every_n_steps(trainer)});"
                 " audit a step that logs nothing"
             )
-        self._optimizer_counters = {
+        optimizer_counters = frozenset(
             id(state["step"])
             for opt in trainer.optimizers
             for state in opt.state.values()
             if isinstance(state.get("step"), torch.Tensor)
-        }
-        originals = {name: getattr(torch.Tensor, name) for name in HOST_READS}
-        for name, original in originals.items():
-            setattr(torch.Tensor, name, self._counting(name, original))
+        )
+        syncs = HostSyncCounter(DECLARED_HOST_READS, ignore=optimizer_counters).__enter__()
         counter = _CollectiveCounter()
         counter.__enter__()
-        self._active = (counter, originals)
-
-    def _counting(self, name: str, original: Callable) -> Callable:
-        audit = self
-
-        def counted(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-            if id(tensor) not in audit._optimizer_counters:
-                frame = traceback.extract_stack(limit=2)[0]
-                site = f"{frame.filename.split('site-packages/')[-1]}:{frame.lineno} {name}"
-                if name == "tolist" and frame.filename.replace("\\", "/").endswith(_TOKEN_COUNT_FILES):
-                    audit._token_copies += 1
-                else:
-                    audit._sites[site] += 1
-            return original(tensor, *args, **kwargs)
-
-        return counted
+        self._active = (counter, syncs)
 
     def on_train_batch_end(
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         if self._active is None:
             return
-        counter = self._stop()
+        counter, syncs = self._stop()
         self.counts = {
-            "host_syncs": sum(self._sites.values()),
-            "host_sync_sites": dict(self._sites),
-            "token_count_copies": self._token_copies,
+            "host_syncs": syncs.total,
+            "host_sync_sites": dict(syncs.sites),
+            "declared_host_reads": dict(syncs.declared_counts),
+            "token_count_copies": syncs.declared_counts[MOE_SPLIT_SIZES],
             "collectives": dict(counter.calls),
         }
 
-    def _stop(self) -> _CollectiveCounter:
+    def _stop(self) -> tuple[_CollectiveCounter, HostSyncCounter]:
         assert self._active is not None
-        counter, originals = self._active
+        counter, syncs = self._active
         counter.__exit__(None, None, None)
-        for name, original in originals.items():
-            setattr(torch.Tensor, name, original)
+        syncs.__exit__(None, None, None)
         self._active = None
-        return counter
+        return counter, syncs
 
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
         if self._active is not None:

@@ -142,13 +142,24 @@ def sum_over_tp(partial: torch.Tensor, tp_mesh: DeviceMesh) -> torch.Tensor:
     )
 
 
+MOE_SPLIT_SIZES = "moe all-to-all split sizes"
+
+
+def split_sizes_on_host(send_counts: torch.Tensor, recv_counts: torch.Tensor) -> tuple[list[int], list[int]]:
+    """The tokens this rank sends to / receives from each ep rank, as host integers (the variable-split
+    all-to-alls need them so): the one host read of an MoE layer's forward (lit_mesh.monitor.step_audit declares
+    it). send/recv_counts: (ep, local experts)."""
+    send, recv = torch.stack([send_counts.sum(1), recv_counts.sum(1)]).tolist()
+    return send, recv
+
+
 class AllToAllDispatch:
     """Global load over `load_group`; tokens to their experts' ranks over `ep_group` (None: ep = 1); each expert's
     hidden units split over `tp_mesh` (None: whole experts on this rank).
 
-    Host reads: one copy of the token counts per MoE layer and step (the split sizes of the all-to-alls and of
-    the experts' matmuls are host integers); the load statistics are reduced once per step for all layers
-    (`reduces_load_later`: the model sums them in its aux_loss()).
+    Host reads: with ep > 1 one per MoE layer and forward (`split_sizes_on_host`: the all-to-alls' split sizes are
+    host integers), none with ep = 1; the experts get their token counts on the device. The load statistics are
+    reduced once per step for all layers (`reduces_load_later`: the model sums them in its aux_loss()).
     """
 
     reduces_load_later = True
@@ -167,7 +178,7 @@ class AllToAllDispatch:
         self.tp_mesh = tp_mesh
         self.tp = tp_mesh.size() if tp_mesh is not None else 1
 
-    def run_experts(self, experts: nn.Module, tokens: torch.Tensor, tokens_per_expert: list[int]) -> torch.Tensor:
+    def run_experts(self, experts: nn.Module, tokens: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
         if self.tp_mesh is None:
             return experts(tokens, tokens_per_expert)
         return sum_over_tp(experts(copy_to_tp(tokens, self.tp_mesh), tokens_per_expert), self.tp_mesh)
@@ -180,15 +191,14 @@ class AllToAllDispatch:
     def compute(self, experts: nn.Module, tokens: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
         """tokens grouped by (global) expert id -> the experts' outputs, in the same order."""
         if self.ep_group is None:
-            return self.run_experts(experts, tokens, tokens_per_expert.tolist())
+            return self.run_experts(experts, tokens, tokens_per_expert)
         ep, local_experts = self.ep, self.n_experts // self.ep
         # 1. counts: row r = how many tokens this rank sends to each expert of rank r, and receives back
         send_counts = tokens_per_expert.view(ep, local_experts)
         recv_counts = torch.empty_like(send_counts)
         dist.all_to_all_single(recv_counts, send_counts, group=self.ep_group)
-        send, recv = torch.stack([send_counts, recv_counts]).tolist()  # the one host copy of this layer
-        send_splits, recv_splits = [sum(row) for row in send], [sum(row) for row in recv]
-        per_local_expert = [sum(row[e] for row in recv) for e in range(local_experts)]
+        send_splits, recv_splits = split_sizes_on_host(send_counts, recv_counts)
+        per_local_expert = recv_counts.sum(0)  # on the device: the experts' grouped GEMMs take device offsets
         # 2. tokens; they arrive grouped by (source rank, local expert): regroup by local expert
         received = all_to_all_single_autograd(tokens, recv_splits, send_splits, group=self.ep_group)
         source_expert = torch.arange(ep * local_experts, device=tokens.device).repeat_interleave(

@@ -9,13 +9,18 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 from lightning.pytorch import Trainer
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from lit_mesh import CompressionOptions, CompressionPhase, MeshStrategy
-from lit_mesh.comm.codecs import CastCodec, QuantCodec, RandomKCodec, SignCodec, ThresholdCodec, TopKCodec
+from lit_mesh.comm.codec_reduction import _encode_chunks
+from lit_mesh.comm.codecs import CastCodec, Codec, QuantCodec, RandomKCodec, SignCodec, ThresholdCodec, TopKCodec
 from lit_mesh.comm.fusion import fused, plan_buckets
+from lit_mesh.comm.meter import WireMeter
 from lit_mesh.comm.options import CompressionConfigError
-from lit_mesh.comm.powersgd import initial_q, low_rank_sum
+from lit_mesh.comm.powersgd import PowerSGD, initial_q, low_rank_sum, segments_of_shapes
+from lit_mesh.monitor.host_syncs import HostSyncCounter
 
 GENERATOR = torch.Generator().manual_seed(0)
 CODECS = {
@@ -215,3 +220,60 @@ def test_threshold_sends_what_passes_up_to_its_capacity() -> None:
 def test_bad_codec_settings_fail_at_construction(field: str, value: object, message: str) -> None:
     with pytest.raises(CompressionConfigError, match=re.escape(message)):
         MeshStrategy(dp_replicate=2, grad_compression=CompressionOptions(mode="int8", **{field: value}))
+
+
+class _Kernels(TorchDispatchMode):
+    """How many aten ops run (each a kernel launch on a GPU)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.n = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        self.n += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _reduction_kernels(codec: Codec, ranks: int) -> int:
+    chunks = torch.randn(ranks, 300)
+    with _Kernels() as kernels:
+        payloads, _ = _encode_chunks(chunks, codec)  # the sender: every peer's chunk
+        codec.decode_rows(payloads, 300, torch.float32).sum(0)  # the receiver: every peer's payload
+    return kernels.n
+
+
+@pytest.mark.parametrize("name", [n for n in CODECS if n != "randomk"])  # random-k draws a permutation per chunk
+def test_a_codec_reduction_launches_the_same_kernels_for_2_and_8_ranks(name: str) -> None:
+    assert _reduction_kernels(CODECS[name], 2) == _reduction_kernels(CODECS[name], 8)
+
+
+def test_onebit_codes_copy_no_constant_from_the_host() -> None:
+    # on "meta" a host tensor moved to the device is seen as on a GPU (the shift constant was copied each call)
+    x = torch.empty(300, device="meta")
+    codec = SignCodec(64)
+    with HostSyncCounter() as syncs:
+        codec.decode(codec.encode(x), 300, torch.float32)
+    assert syncs.total == 0, syncs.sites
+
+
+def test_powersgd_reduces_without_a_host_sync() -> None:
+    """No boolean mask (a nonzero per call) for the uncompressed rest: positions made on the device once."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    assert not dist.is_initialized()
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        shapes = [torch.Size([32, 16]), torch.Size([16]), torch.Size([16, 24]), torch.Size([8])]
+        segments = segments_of_shapes(shapes)
+        x = torch.randn(sum(math.prod(s) for s in shapes))
+        powersgd = PowerSGD("site", CompressionOptions(mode="powersgd", powersgd_rank=2))
+        run = lambda: powersgd.reduce(x, 2, dist.group.WORLD, "dp", segments, None, WireMeter())  # noqa: E731
+        run()
+        with HostSyncCounter() as syncs:
+            out, sent = run()
+        assert syncs.total == 0, syncs.sites
+        rest = torch.cat([x[512:528], x[912:]])  # the 1-D tensors, sent exactly (the fake group sums nothing)
+        torch.testing.assert_close(torch.cat([out[512:528], out[912:]]), rest)
+        torch.testing.assert_close(torch.cat([sent[512:528], sent[912:]]), rest)
+    finally:
+        dist.destroy_process_group()

@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from lit_mesh import kernels
 from lit_mesh.kernels import grouped_query_attention
@@ -236,24 +237,25 @@ def _experts_and_loop():
     return experts, loop
 
 
+class Ops(TorchDispatchMode):
+    """The names of the aten ops dispatched (top level: not those inside an op's CPU kernel)."""
+
+    def __init__(self):
+        super().__init__()
+        self.names = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(func.__name__)
+        return func(*args, **(kwargs or {}))
+
+
 def test_experts_run_as_grouped_gemms_equal_to_the_loop_over_experts():
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Ops(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.names = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.names.append(func.__name__)
-            return func(*args, **(kwargs or {}))
-
     experts, loop = _experts_and_loop()
     x = torch.randn(10, 16, requires_grad=True)
     counts = [3, 0, 5, 2]  # an expert without tokens too
     grad = torch.randn(16, 10).t()  # a non-contiguous upstream gradient
     with Ops() as ops:
-        out = experts(x, counts)
+        out = experts(x, torch.tensor(counts))
         out.backward(grad)
     assert ops.names.count("_grouped_mm.default") >= 3 and "mm.default" not in ops.names
     got = [x.grad, *(p.grad for p in experts.parameters())]
@@ -266,9 +268,28 @@ def test_experts_run_as_grouped_gemms_equal_to_the_loop_over_experts():
         torch.testing.assert_close(a, t.grad, rtol=1e-5, atol=1e-5)
 
 
+def test_experts_with_bf16_tokens_and_fp32_weights_run_grouped_gemms_without_a_host_read():
+    """Mixed precision without FSDP (expert parallel alone): the weights are cast to the tokens' dtype, as FSDP's
+    param_dtype would, so the grouped GEMMs run (not the loop over experts, which reads the counts on the host)."""
+    from lit_mesh.monitor.host_syncs import HostSyncCounter
+
+    experts, loop = _experts_and_loop()
+    x = torch.randn(10, 16).bfloat16().requires_grad_()
+    counts = torch.tensor([3, 0, 5, 2])
+    with HostSyncCounter() as syncs, Ops() as ops:
+        out = experts(x, counts)
+        out.float().sum().backward()
+    assert syncs.total == 0, syncs.sites
+    assert ops.names.count("_grouped_mm.default") >= 3 and "mm.default" not in ops.names
+    assert out.dtype == torch.bfloat16 and all(p.grad.dtype == torch.float32 for p in experts.parameters())
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = loop(x, counts.tolist())
+    torch.testing.assert_close(out, want, rtol=2e-2, atol=2e-2)
+
+
 def test_experts_without_tokens_give_zero_gradients():
     experts, _ = _experts_and_loop()
-    out = experts(torch.zeros(0, 16), [0, 0, 0, 0])
+    out = experts(torch.zeros(0, 16), torch.zeros(4, dtype=torch.long))
     out.sum().backward()
     assert out.shape == (0, 16) and all(torch.count_nonzero(p.grad) == 0 for p in experts.parameters())
 
