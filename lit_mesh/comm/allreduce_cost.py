@@ -38,8 +38,10 @@ LAUNCH_LATENCY = 8.4e-6  # NCCL's base latency of a collective (ring, simple pro
 
 def bus_bandwidth(n: int, g: int, topology: Topology) -> float:
     """NCCL's ring bus bandwidth of a group of n nodes x g ranks: the node's links, and across nodes all its rails."""
-    intra = topology.intra_node_bandwidth
-    return BUS_EFFICIENCY * (intra if n == 1 else min(intra, g * topology.inter_node_bandwidth))
+    intra, rails = topology.intra_node_bandwidth, g * topology.inter_node_bandwidth
+    if n == 1:
+        return BUS_EFFICIENCY * intra
+    return BUS_EFFICIENCY * (rails if g == 1 else min(intra, rails))  # one rank per node: its NIC alone
 
 
 def ring_time(nbytes: float, n: int, g: int, topology: Topology) -> float:
