@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The checks only NCCL and several GPUs show (#33), for the first multi-GPU node, in order of risk. Each step runs
 # under its own time limit and logs to $OUT (default multi_gpu_out/), one file per step; the comment above each
-# step says the output that passes. Started with #33 items 1-3; the rest of item 9's list is still to come (the
+# step says the output that passes. Started with #33 items 1-3 and 6; the rest of item 9's list is still to come (the
 # 8-GPU recipe, the sync-debug audits of MoE ep8 and compressed DDP8, CP in bf16, async TP's fused kernels, and the
-# two-node checks).
+# other two-node checks). Two-node steps run only when named, on both nodes at once (see allreduce_2nodes).
 #   bash benchmarks/multi_gpu_checks.sh                    # every step, on the GPUs of this node
 #   bash benchmarks/multi_gpu_checks.sh timeouts clip_2bw  # the named steps only
 set -uo pipefail
@@ -117,3 +117,79 @@ for mode in onebit powersgd; do
             --trainer.strategy.init_args.grad_compression="$mode" --data.init_args.global_batch_size=$((2 * gpus))
     fi
 done
+
+# Item 6, two nodes: NCCL's own all-reduce (allreduce="flat", the default) against the hierarchical one over the
+# DDP group of every GPU, fp32 tensors of 4 B to 1 GiB, the median of 10 timed calls each, next to the times the
+# model behind allreduce="auto" predicts (lit_mesh/comm/allreduce_cost.py; NVLS=1 for an HGX node with NVLink SHARP).
+# Run the same command on both nodes, MASTER_ADDR = node 0's address, NODE_RANK 0 and 1:
+#   MASTER_ADDR=node0 NODE_RANK=0 bash benchmarks/multi_gpu_checks.sh allreduce_2nodes
+# Passes with rc=0 and, on rank 0, one line per size, e.g. on 2 x 8 H100 with 8 x 400 Gb/s rails (the model's
+# figures; the measured ones are what this records):
+#   allreduce 1073741824 B: flat 6.3 ms, hierarchical 8.5 ms (results equal); model flat 6.3, hierarchical 8.5 ms: auto flat, measured faster flat
+# then "auto agrees with the measured faster one on K of 9 sizes": K >= 7 expected; a lower K means the model's
+# constants need this cluster's figures (give them with Topology(...)).
+cat >"$out/allreduce_2nodes.py" <<'PY'
+import os
+import statistics
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from lit_mesh import Topology
+from lit_mesh.comm import hierarchical
+from lit_mesh.mesh import MeshLayout, build_device_mesh
+
+cuda = torch.cuda.is_available()  # without GPUs (SIMULATED_NODES on one host, gloo): a dry run of the script
+device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if cuda else torch.device("cpu")
+if cuda:
+    torch.cuda.set_device(device)
+dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(minutes=5))
+world, rank = dist.get_world_size(), dist.get_rank()
+nodes = int(os.environ.get("SIMULATED_NODES", world // int(os.environ["LOCAL_WORLD_SIZE"])))
+topology = Topology(nodes=nodes, devices_per_node=world // nodes, nvls=os.environ.get("NVLS") == "1")
+views = build_device_mesh(MeshLayout(dp_replicate=world), device.type, timedelta(minutes=5))
+group = views["dp_replicate"].get_group()
+h = hierarchical.build_hierarchy(views.root, views.axes_of("dp_replicate"), group, topology, "hierarchical", "ddp")
+assert h is not None, f"no hierarchy on {nodes} node(s) x {world // nodes}: run on two nodes"
+sync = torch.cuda.synchronize if cuda else (lambda: None)
+
+
+def median_ms(run) -> float:
+    run()
+    times = []
+    for _ in range(10):
+        sync()
+        start = time.perf_counter()
+        run()
+        sync()
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+agree, sizes = 0, [s for s in [4 * 32**k for k in range(7)] + [2**28, 2**30] if s <= int(os.environ.get("MAX_BYTES", 2**30))]
+for nbytes in sizes:
+    values = torch.randn(nbytes // 4, generator=torch.Generator().manual_seed(rank)).to(device)
+    flat, hier = values.clone(), values.clone()
+    dist.all_reduce(flat, group=group)
+    hierarchical.all_reduce(hier, h, average=False)
+    equal = torch.allclose(flat, hier, rtol=1e-5, atol=1e-5 * world)
+    t_flat = median_ms(lambda: dist.all_reduce(values, group=group))
+    t_hier = median_ms(lambda: hierarchical.all_reduce(values, h, average=False))
+    m_flat = hierarchical.flat_time(nbytes, h.nodes, h.per_node, topology) * 1e3
+    m_hier = hierarchical.hierarchical_time(nbytes, h.nodes, h.per_node, topology) * 1e3
+    auto, faster = ("hierarchical" if m_hier < m_flat else "flat"), ("hierarchical" if t_hier < t_flat else "flat")
+    agree += auto == faster
+    if rank == 0:
+        print(
+            f"allreduce {nbytes} B: flat {t_flat:.3g} ms, hierarchical {t_hier:.3g} ms (results {'equal' if equal else 'DIFFER'});"
+            f" model flat {m_flat:.3g}, hierarchical {m_hier:.3g} ms: auto {auto}, measured faster {faster}"
+        )
+    assert equal, f"hierarchical differs from flat at {nbytes} B"
+if rank == 0:
+    print(f"auto agrees with the measured faster one on {agree} of {len(sizes)} sizes")
+dist.destroy_process_group()
+PY
+step allreduce_2nodes 600 torchrun --nnodes=2 --nproc_per_node="$gpus" --node_rank="${NODE_RANK:-0}" \
+    --master_addr="${MASTER_ADDR:-127.0.0.1}" --master_port="${MASTER_PORT:-29511}" "$out/allreduce_2nodes.py"

@@ -1,9 +1,12 @@
 """Layout-independent parameter initialisation, and the materialisation of models built on the meta device.
 
-Every parameter is drawn from its own generator, seeded by (seed, parameter name), over its full global
-shape; a rank then keeps only its shard. The weights are therefore the same on one device and on any mesh,
-whatever the creation order. torch's DTensor random ops do not give this on CPU (they fall back to
-per-rank streams), so we write our own.
+Every parameter is drawn from its own generators, seeded by (seed, parameter name, block): its flattened global
+tensor is cut into blocks of DRAW_BLOCK elements, each drawn on the CPU from a generator of its own, so a rank draws
+only the blocks its shard touches (at most two beyond it per parameter) and copies only its shard to the device;
+no rank holds a whole parameter on the host. Each value depends on (seed, name, position) alone, so the weights are
+the same on one device and on any mesh, whatever the creation order. torch's DTensor random ops do not give this on
+CPU (they fall back to per-rank streams), so we write our own. A parameter of one block draws exactly what a single
+generator seeded by (seed, name) draws over its whole shape.
 
 `materialize` allocates a parallelised meta model and initialises it: by its plan's init rules, else by a
 registered initialiser (lit_mesh.hf registers transformers' own), else by each module's reset_parameters().
@@ -13,10 +16,12 @@ Parameters a pretrained source fills next are only allocated: no init kernels, n
 from __future__ import annotations
 
 import fnmatch
+import math
 import zlib
 from collections.abc import Callable, Collection, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Literal, cast
+from typing import Any, Literal, Optional, cast
 
 import torch
 from torch import nn
@@ -55,10 +60,64 @@ def rule_for(name: str, rules: Sequence[tuple[str, Init]]) -> Init:
     raise ValueError(f"no init rule matches parameter {name!r}; add a pattern for it (e.g. ('*', Init()))")
 
 
-def parameter_generator(seed: int, name: str) -> torch.Generator:
-    """A generator seeded by `seed` and the parameter's name: the same values on every layout and rank."""
+# Elements per generator: a multiple of 16 (normal_ on the CPU transforms 16 uniform draws at a time, so a block
+# draws the same values as the whole tensor would at those positions when it is the first), and small enough that
+# a shard costs little beyond its own elements.
+DRAW_BLOCK = 1 << 20
+
+
+def parameter_generator(seed: int, name: str, block: int = 0) -> torch.Generator:
+    """A generator seeded by `seed`, the parameter's name and the block: the same values on every layout and rank."""
     # crc32 is stable across processes and Python versions (hash() is salted per process)
-    return torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63))
+    key = name if block == 0 else f"{name}#{block}"
+    return torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(key.encode())) % (2**63))
+
+
+def draw_span(init: Init, numel: int, start: int, stop: int, seed: int, name: str) -> torch.Tensor:
+    """Elements [start, stop) of the flattened parameter `name` of `numel` elements, drawn block by block."""
+    if init.kind in ("zeros", "ones"):
+        return init.sample(torch.Size([stop - start]), torch.Generator())
+    span = torch.empty(stop - start)
+
+    def draw(block: int) -> None:
+        low, high = block * DRAW_BLOCK, min((block + 1) * DRAW_BLOCK, numel)
+        values = init.sample(torch.Size([high - low]), parameter_generator(seed, name, block))
+        first, last = max(start, low), min(stop, high)
+        span[first - start : last - start] = values[first - low : last - low]
+
+    blocks = range(start // DRAW_BLOCK, (stop - 1) // DRAW_BLOCK + 1)
+    threads = min(torch.get_num_threads(), len(blocks))
+    if threads > 1:  # blocks have generators of their own: drawn in any order, the same values
+        with ThreadPoolExecutor(threads) as pool:
+            list(pool.map(draw, blocks))
+    else:
+        for block in blocks:
+            draw(block)
+    return span
+
+
+def draw_whole(init: Init, shape: torch.Size, seed: int, name: str) -> torch.Tensor:
+    """The whole parameter `name` of `shape`."""
+    numel = math.prod(shape)
+    return draw_span(init, numel, 0, numel, seed, name).view(shape) if numel else torch.empty(shape)
+
+
+def draw_local(init: Init, param: DTensor, seed: int, name: str) -> Optional[torch.Tensor]:
+    """This rank's shard of the parameter `name`, drawing only the blocks it touches.
+
+    None where the placements are not plain Shard/Replicate (FSDP over TP's _StridedShard: draw_whole, then
+    local_part).
+    """
+    if not all(type(p) in (Shard, Replicate) for p in param.placements):
+        return None
+    shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+    if math.prod(shape) == 0:
+        return torch.empty(shape)
+    strides = torch.empty(param.shape, device="meta").stride()  # the whole tensor's, contiguous
+    start = sum(o * st for o, st in zip(offset, strides))
+    stop = sum((o + n - 1) * st for o, n, st in zip(offset, shape, strides)) + 1
+    span = draw_span(init, math.prod(param.shape), start, stop, seed, name)
+    return span.as_strided(tuple(shape), strides)  # the shard's box within the span it spans
 
 
 @torch.no_grad()
@@ -71,18 +130,21 @@ def init_parameters(
     `skip` (a pretrained source fills them).
 
     The seed defaults to torch's initial seed, so `seed_everything(s)` fixes the weights; each parameter draws
-    from its own generator, so skipping some leaves the others' values unchanged.
-    Peak extra memory is one full parameter on the CPU, never the whole model.
+    from its own generators, so skipping some leaves the others' values unchanged.
+    A sharded parameter draws its shard's span (plus at most two blocks) on the CPU, never the whole tensor.
     """
     seed = torch.initial_seed() if seed is None else seed
     for name, param in module.named_parameters():
         if id(param) in skip:
             continue
-        full = rule_for(name, rules).sample(param.shape, parameter_generator(seed, name))
+        init = rule_for(name, rules)
         if isinstance(param, DTensor):
-            param.to_local().copy_(local_part(full, param))
+            local = draw_local(init, param, seed, name)
+            if local is None:
+                local = local_part(draw_whole(init, param.shape, seed, name), param)
+            param.to_local().copy_(local)
         else:
-            param.copy_(full)
+            param.copy_(draw_whole(init, param.shape, seed, name))
 
 
 def local_part(full: torch.Tensor, param: DTensor) -> torch.Tensor:

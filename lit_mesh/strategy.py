@@ -121,7 +121,7 @@ class MeshStrategy(ModelParallelStrategy):
         grad_compression: Union[str, CompressionOptions, None] = None,
         topology: Optional[Topology] = None,
         strict_topology: bool = False,
-        allreduce: AllReduceMode = "auto",
+        allreduce: AllReduceMode = "flat",
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout,
         data_parallel_size: Union[int, Literal["auto"], None] = None,

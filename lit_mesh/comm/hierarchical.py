@@ -3,9 +3,11 @@
   1. reduce-scatter inside the node (g ranks, fast links): each rank holds the node's sum of 1/g of the tensor;
   2. all-reduce of that 1/g piece between nodes (n ranks, one per node: the slow links carry S/g, not S);
   3. all-gather inside the node.
-Per rank, the bytes crossing nodes drop from 2(N-1)/N·S (flat ring over N = n·g) to 2(n-1)/n·S/g, and the
-sequential inter-node ring steps from 2(N-1) to 2(n-1). Layered compression: the inter-node all-reduce (2) goes
-through a CompressionSite (lit_mesh/comm/compression.py) with the run's mode; the node-local collectives stay exact,
+Per rank, the bytes crossing nodes drop from 2(N-1)/N·S (one flat ring over N = n·g, as gloo runs it) to
+2(n-1)/n·S/g, and the sequential inter-node ring steps from 2(N-1) to 2(n-1). NCCL's own all-reduce already spreads
+its rings over every rail and uses trees across nodes, so with NCCL this pays only where the node's own links bound
+the flat ring: opt in with allreduce="hierarchical", or "auto" (lit_mesh/comm/allreduce_cost.py compares the two).
+Layered compression: the inter-node all-reduce (2) goes through a CompressionSite (lit_mesh/comm/compression.py) with the run's mode; the node-local collectives stay exact,
 or with CompressionOptions(intra_mode=...) use that codec (a site "<site>:intra" of their own). PowerSGD, whose
 factors need whole matrices, all-reduces the whole tensor inside the node instead and compresses the whole
 tensor between nodes (every rank of a node sends the same factors on its own inter-node group).
@@ -28,27 +30,14 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 
+from lit_mesh.comm.allreduce_cost import flat_time, hierarchical_time  # noqa: F401 - re-exported
 from lit_mesh.comm.compression import INTRA_SUFFIX, CompressionRun, CompressionSite
 from lit_mesh.comm.fsdp import fsdp_units, unit_segments
 from lit_mesh.comm.options import ALLREDUCE_MODES, AllReduceMode, check_allreduce_mode  # noqa: F401 - re-exported
-from lit_mesh.comm.topology import Topology, all_gather_time, all_reduce_time
+from lit_mesh.comm.topology import Topology
 from lit_mesh.mesh import group_pool
 
-# ---- the alpha-beta cost model (lit_mesh.comm.topology's ring formulas) -----------------------------------------
-
-
-def flat_time(nbytes: float, n: int, g: int, topology: Topology) -> float:
-    """A ring over all n·g ranks is as slow as its slowest (inter-node) link."""
-    link = (topology.inter_node_bandwidth, topology.inter_node_latency)
-    if n == 1:
-        link = (topology.intra_node_bandwidth, topology.intra_node_latency)
-    return all_reduce_time(nbytes, n * g, link)
-
-
-def hierarchical_time(nbytes: float, n: int, g: int, topology: Topology) -> float:
-    intra = (topology.intra_node_bandwidth, topology.intra_node_latency)
-    inter = (topology.inter_node_bandwidth, topology.inter_node_latency)
-    return 2 * all_gather_time(nbytes, g, intra) + all_reduce_time(nbytes / g, n, inter)
+# ---- what crosses the node boundary (a single ring, as gloo runs it; NCCL spreads its rings over the rails) ---
 
 
 def inter_node_bytes(nbytes: float, n: int, g: int, hierarchical: bool) -> float:
@@ -112,7 +101,7 @@ class Hierarchy:
         return self.nodes * self.per_node
 
     def use_hierarchical(self, nbytes: float) -> bool:
-        """ "hierarchical" always; "auto" where the cost model predicts it faster for this size."""
+        """ "hierarchical" always; "auto" where it beats NCCL's own all-reduce for this size (allreduce_cost.py)."""
         if self.mode == "hierarchical":
             return True
         return self.mode == "auto" and hierarchical_time(nbytes, self.nodes, self.per_node, self.topology) < flat_time(

@@ -218,11 +218,12 @@ class CommunicationOptions:
         accepts=GradCompression,
     )
     allreduce: AllReduceMode = option(
-        "auto",
+        "flat",
         doc='replicated gradients (DDP, HSDP\'s replicate axis) and metric reductions: "hierarchical" (reduce-scatter in'
         " the node, all-reduce of the 1/g piece between nodes, all-gather in the node; with grad_compression only the"
-        ' inter-node all-reduce is compressed), "flat", or "auto" (the topology\'s alpha-beta cost model decides per'
-        " tensor size). See lit_mesh/comm/hierarchical.py.",
+        " inter-node all-reduce is compressed), \"flat\" (NCCL's own all-reduce, FSDP2's native reduction without a"
+        ' hook: NCCL already uses every rail, trees and NVLS), or "auto" (hierarchical where a model of NCCL on the'
+        " topology predicts it faster, per tensor size). See lit_mesh/comm/allreduce_cost.py.",
     )
     # as given; the run's is read from the cluster environment at launch
     topology: Optional[Topology] = option(

@@ -53,7 +53,9 @@ class Topology:
     """Devices on nodes with an alpha-beta model of each link class.
 
     Bandwidths are bytes/s per device and direction; latencies (alpha) seconds per ring step. The defaults are
-    an H100 SXM node (the module's INTRA/INTER_NODE_* constants, shared with lit_mesh.planner.hardware).
+    an H100 SXM node (the module's INTRA/INTER_NODE_* constants, shared with lit_mesh.planner.hardware): one NIC per
+    device, so a node's rails together carry devices x inter_node_bandwidth. `nvls`: the node's NVSwitches reduce
+    (NVLink SHARP), which NCCL's all-reduce uses.
     `nodes` / `devices_per_node` left None are read from the cluster environment (give only the links).
     """
 
@@ -63,6 +65,7 @@ class Topology:
     inter_node_bandwidth: float = INTER_NODE_BANDWIDTH
     intra_node_latency: float = INTRA_NODE_LATENCY
     inter_node_latency: float = INTER_NODE_LATENCY
+    nvls: bool = False  # NVLink SHARP in the node's switches (H100/H200 HGX): NCCL's NVLS all-reduce
 
     def __post_init__(self) -> None:
         for name in ("nodes", "devices_per_node"):

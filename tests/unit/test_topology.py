@@ -6,23 +6,57 @@ from __future__ import annotations
 import pytest
 
 from lit_mesh import Topology
+from lit_mesh.comm import allreduce_cost as cost
 from lit_mesh.comm import hierarchical
 from lit_mesh.mesh import MeshLayout
 from tests.launch import REPO
 
 
 def test_cost_model_formulas() -> None:
-    """Bytes across the node boundary and inter-node steps (the figures benchmarks/topology.py measures)."""
+    """Bytes across the node boundary and inter-node steps of one ring (the figures benchmarks/topology.py measures
+    on gloo), and the times of NCCL's own all-reduce (ring over every rail, tree, NVLS) against the hierarchical one."""
     s = 1000.0
     assert hierarchical.inter_node_bytes(s, 2, 4, hierarchical=False) == 2 * 7 / 8 * s
     assert hierarchical.inter_node_bytes(s, 2, 4, hierarchical=True) == 2 * 1 / 2 * s / 4
     assert (hierarchical.inter_node_steps(2, 4, False), hierarchical.inter_node_steps(2, 4, True)) == (14, 2)
-    topo = Topology(nodes=64, devices_per_node=8)
-    big = 1e9  # a 1 GB gradient: bandwidth-bound, the inter-node bytes shrink ~g times
-    flat, hier = hierarchical.flat_time(big, 64, 8, topo), hierarchical.hierarchical_time(big, 64, 8, topo)
-    assert flat == pytest.approx(2 * 511 * 15e-6 + 2 * 511 / 512 * big / 50e9)
-    assert hier == pytest.approx(2 * (7 * 5e-6 + 7 / 8 * big / 450e9) + 2 * 63 * 15e-6 + 2 * 63 / 64 * big / 8 / 50e9)
-    assert flat / hier > 4
+    topo = Topology(nodes=64, devices_per_node=8)  # H100: NVLink 450 GB/s, 8 rails of 50 GB/s per node
+    big, eff = 1e9, cost.BUS_EFFICIENCY
+    rails, tree_eff = eff * 8 * 50e9, cost.TREE_EFFICIENCY  # the ring's channels use all 8 NICs of a node
+    ring = 2 * (511 - 63) * 5e-6 + 2 * 63 * 15e-6 + 2 * 511 / 512 * big / rails
+    tree = 2 * (7 * 5e-6 + 6 * 15e-6) + 2 * big / (tree_eff * rails)
+    assert cost.ring_time(big, 64, 8, topo) == pytest.approx(ring)
+    assert cost.tree_time(big, 64, 8, topo) == pytest.approx(tree)
+    launch = cost.LAUNCH_LATENCY  # NCCL's base latency, once per collective
+    assert hierarchical.flat_time(big, 64, 8, topo) == pytest.approx(launch + min(ring, tree))
+    between = min(
+        2 * 63 * 15e-6 + 2 * 63 / 64 * big / 8 / (eff * 50e9), 2 * 6 * 15e-6 + 2 * big / 8 / (tree_eff * eff * 50e9)
+    )
+    hier = 2 * (launch + 7 * 5e-6 + 7 / 8 * big / (eff * 450e9)) + launch + between
+    assert hierarchical.hierarchical_time(big, 64, 8, topo) == pytest.approx(hier)
+    # NCCL's flat all-reduce wins on an H100 node at every size: tree latency for small tensors, all rails for large
+    for nbytes in (4.0, 2.0**20, big):
+        assert hierarchical.flat_time(nbytes, 64, 8, topo) < hierarchical.hierarchical_time(nbytes, 64, 8, topo)
+    # PCIe inside the node, fast rails: the flat ring is bound by the node's links, the hierarchy moves less on them
+    pcie = Topology(nodes=64, devices_per_node=8, intra_node_bandwidth=25e9)
+    assert hierarchical.hierarchical_time(big, 64, 8, pcie) < hierarchical.flat_time(big, 64, 8, pcie)
+    # NVLink SHARP: the switch sums a node's ranks, each sends and receives the tensor once
+    nvls = Topology(nodes=1, devices_per_node=8, nvls=True)
+    assert hierarchical.flat_time(big, 1, 8, nvls) == pytest.approx(
+        launch + 5e-6 + big / (cost.NVLS_ALGBW_FRACTION * 450e9)
+    )
+    assert hierarchical.flat_time(big, 1, 8, nvls) < launch + cost.ring_time(big, 1, 8, nvls)
+
+
+def test_the_default_all_reduce_is_nccls_own() -> None:
+    """allreduce defaults to "flat": FSDP2's native DDP/HSDP reduction, no Python hook, on every run."""
+    import inspect
+
+    from lit_mesh import MeshStrategy
+    from lit_mesh.comm.options import CommunicationOptions
+
+    assert CommunicationOptions().allreduce == "flat"
+    assert inspect.signature(MeshStrategy).parameters["allreduce"].default == "flat"
+    assert MeshStrategy(dp_replicate=2).options.communication.allreduce == "flat"
 
 
 def test_placement_lines() -> None:
