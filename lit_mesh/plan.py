@@ -122,10 +122,20 @@ class ContextPlan:
     positions: the keyword of the model's forward that takes the global positions (T,) of its tokens:
                context parallel passes each rank's, and pipeline stages after the first get them under
                sequence parallelism (their input is a sequence shard) ("" : none; cp > 1 then is refused).
+    swap:      how the attention is swapped. None: a TorchFunctionMode sends the `attention` module's
+               F.scaled_dot_product_attention call to the cp style. A function (model, {attention module:
+               ContextParallelAttention}) for models that choose their attention by name (transformers' attention
+               interface: lit_mesh/hf/context.py); it sends each module's attention to `attend` of its value.
+    positions_batched: the positions keyword takes (1, T) (transformers' position_ids), not (T,).
+    unavailable: why this model cannot be context-parallelised and how to fix that; cp > 1 then fails with
+               this message at setup ("" : nothing stands in the way).
     """
 
     attention: str = ""
     positions: str = ""
+    swap: Callable[[nn.Module, Mapping[nn.Module, Any]], None] | None = None
+    positions_batched: bool = False
+    unavailable: str = ""
 
 
 @dataclass(frozen=True)

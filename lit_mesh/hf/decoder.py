@@ -1,11 +1,15 @@
 """Decoder-only language models (Llama, Qwen2, Mistral and alike): transformers' own TP plan + SP + FSDP per
-decoder layer. Any other transformers model gets the same derivation (`derived_plan`)."""
+decoder layer; Llama, Qwen2 and Mistral also context parallel (lit_mesh/hf/context.py). Any other transformers model
+gets the same derivation without context parallel (`derived_plan`)."""
 
 from __future__ import annotations
+
+import dataclasses
 
 from torch import nn
 
 from lit_mesh.hf.blocks import hf_config
+from lit_mesh.hf.context import context_plan
 from lit_mesh.hf.from_config import hf_tp_plan, plan_from_hf
 from lit_mesh.plan import ParallelPlan
 
@@ -24,6 +28,11 @@ def tp_divides(model: nn.Module) -> dict[str, int]:
 
 def decoder_plan(model: nn.Module) -> ParallelPlan:
     return plan_from_hf(model, tp_divides(model))
+
+
+def llama_family_plan(model: nn.Module) -> ParallelPlan:
+    """Llama, Qwen2, Mistral: the decoder plan and context parallel through transformers' attention registry."""
+    return dataclasses.replace(decoder_plan(model), cp=context_plan(model))
 
 
 derived_plan = decoder_plan

@@ -15,6 +15,7 @@ from typing import cast
 from torch import nn
 
 from lit_mesh.hf.blocks import base_prefix, find_blocks
+from lit_mesh.hf.context import not_offered
 from lit_mesh.plan import ParallelPlan, TensorPlan, TPStyle
 
 # transformers' style names -> ours; anything else is refused by name
@@ -52,7 +53,7 @@ def plan_from_hf(model: nn.Module, tp_divides: dict[str, int], hf_plan: dict[str
             if unknown
             else f"{name}'s config has no base_model_tp_plan"
         )
-        return ParallelPlan(blocks=blocks, tp=TensorPlan(unavailable=no_plan_message(name, why)))
+        return ParallelPlan(blocks=blocks, tp=TensorPlan(unavailable=no_plan_message(name, why)), cp=not_offered(name))
 
     in_block = f"{blocks}.*."
     root: dict[str, TPStyle] = {}
@@ -81,7 +82,7 @@ def plan_from_hf(model: nn.Module, tp_divides: dict[str, int], hf_plan: dict[str
         # a head left whole (replicated) takes the whole sequence
         head_name = next(n for n, m in model.named_modules() if m is output)
         root[head_name] = "gather_input"
-    return ParallelPlan(blocks=blocks, tp=TensorPlan(root=root, block=block, divides=tp_divides))
+    return ParallelPlan(blocks=blocks, tp=TensorPlan(root=root, block=block, divides=tp_divides), cp=not_offered(name))
 
 
 def no_plan_message(model_name: str, why: str) -> str:

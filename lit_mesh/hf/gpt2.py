@@ -13,6 +13,7 @@ from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 
 from lit_mesh.hf.blocks import base_prefix, hf_config
+from lit_mesh.hf.context import not_offered
 from lit_mesh.hf.conv1d import Conv1DColwise, Conv1DRowwise, LocalSplitWidth
 from lit_mesh.plan import ParallelPlan, TensorPlan
 
@@ -35,6 +36,7 @@ def gpt2_plan(model: nn.Module) -> ParallelPlan:
     if hasattr(model, "lm_head"):
         root["lm_head"] = "gather_input"
     return ParallelPlan(
+        cp=not_offered(type(model).__name__),
         blocks=f"{base}h",
         tp=TensorPlan(
             root=root,

@@ -28,16 +28,16 @@ _BY_INSTANCE: weakref.WeakKeyDictionary[nn.Module, PlanBuilder] = weakref.WeakKe
 
 def architectures() -> dict[str, PlanBuilder]:
     """The plan builders by architecture name (imported late: each module may read transformers' classes)."""
-    from lit_mesh.hf.decoder import decoder_plan
+    from lit_mesh.hf.decoder import decoder_plan, llama_family_plan
     from lit_mesh.hf.gpt2 import gpt2_plan
     from lit_mesh.hf.mixtral import mixtral_plan
     from lit_mesh.hf.vit import vit_plan
 
     return {
         "decoder": decoder_plan,
-        "llama": decoder_plan,
-        "qwen2": decoder_plan,
-        "mistral": decoder_plan,
+        "llama": llama_family_plan,
+        "qwen2": llama_family_plan,
+        "mistral": llama_family_plan,
         "mixtral": mixtral_plan,
         "gpt2": gpt2_plan,
         "vit": vit_plan,
@@ -46,7 +46,7 @@ def architectures() -> dict[str, PlanBuilder]:
 
 # transformers classes with a plan of ours (the base models and their task heads)
 KNOWN: dict[str, str] = {
-    **{f"{arch}{task}": "decoder" for arch in ("Llama", "Qwen2", "Mistral") for task in ("Model", "ForCausalLM")},
+    **{f"{arch}{task}": arch.lower() for arch in ("Llama", "Qwen2", "Mistral") for task in ("Model", "ForCausalLM")},
     "MixtralModel": "mixtral",
     "MixtralForCausalLM": "mixtral",
     "GPT2Model": "gpt2",

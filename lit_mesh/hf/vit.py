@@ -11,6 +11,7 @@ from __future__ import annotations
 from torch import nn
 
 from lit_mesh.hf.blocks import base_prefix, find_blocks, hf_config
+from lit_mesh.hf.context import not_offered
 from lit_mesh.plan import ParallelPlan, TensorPlan
 
 
@@ -18,6 +19,7 @@ def vit_plan(model: nn.Module) -> ParallelPlan:
     config, base = hf_config(model), base_prefix(model)
     blocks = find_blocks(model) or f"{base}layers"
     return ParallelPlan(
+        cp=not_offered(type(model).__name__),
         blocks=blocks,
         tp=TensorPlan(
             root={f"{blocks}.0": "shard_input", f"{base}layernorm": "gather_input"},

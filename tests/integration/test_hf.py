@@ -4,7 +4,9 @@ Layout parity through the `lit-mesh` CLI (fp32: relative 1e-4 per step over 10 s
 1e-4): transformers GPT-2 and Llama in a plain LightningModule (zoo.hf.HFCausalLM) under tp2 and fsdp2 x tp2,
 ViT under fsdp2, Llama built whole in __init__ (not on the meta device) under tp2, and the user example
 examples/hf_model.py under tp2; a saved Mixtral loaded into zoo.MoEModule(pretrained=DIR) on ep2 and ep2 x fsdp
-(transformers' logits; each rank reads only its own slices). One torchrun launch per world size
+(transformers' logits; each rank reads only its own slices); context parallel (cp2: Llama with ring, Ulysses and
+all-gather, the last with transformers' own label shift; Qwen2 and Mistral on one style each; Llama on fsdp2 x cp2).
+One torchrun launch per world size
 (1, 2, 4) runs every run, the export checkpoints and the error cases. Each run also records how the mesh was
 really applied (DTensor placements, FSDP2 units, MoE dispatchers: tests/workers/hf_runs.py), so that a run that
 silently stayed replicated cannot pass parity.
@@ -20,6 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from lit_mesh.hf.context import ATTENTION as CP_ATTENTION
 from tests.launch import REPO, launch
 
 STEPS = 10
@@ -70,11 +73,19 @@ PARITY = {
     "mixtral-tp2_ep2": "mixtral-single",
     "qwen2-tp2": "qwen2-single",  # Qwen- and Mistral-style decoders: transformers' own TP plan, our SP
     "mistral-tp2": "mistral-single",
+    # context parallel (lit_mesh/hf/context.py): each cp style on Llama, Qwen2 and Mistral on one each, and cp x fsdp
+    "llama-cp2_ring": "llama-single",
+    "llama-cp2_ulysses": "llama-single",
+    "llama-cp2_allgather-labels": "llama-labels-single",  # transformers shifts the labels: globally under cp
+    "qwen2-cp2_ulysses": "qwen2-single",
+    "mistral-cp2_allgather": "mistral-single",
+    "llama-fsdp2_cp2": "llama-single",
 }
 MIXTRAL = "--model.init_args.architecture=mixtral"
 # the zoo MoE (configs/moe.yaml) without the balancing bias, which Mixtral has no place for
 ZOO_MOE = ["-c", str(REPO / "configs/moe.yaml"), "--model.init_args.config_overrides={bias_update_rate: 0.0}"]
 INIT = "--model.init_args.build=init"
+LABELS = "--model=tests.workers.hf_modules.LabelsCausalLM"
 LAUNCHES: dict[int, list[dict]] = {
     1: [
         _fit("llama-single", 1, TEXT),
@@ -85,6 +96,7 @@ LAUNCHES: dict[int, list[dict]] = {
         _fit("qwen2-single", 1, TEXT, "--model.init_args.architecture=qwen2"),
         _fit("mistral-single", 1, TEXT, "--model.init_args.architecture=mistral"),
         {"kind": "example", "name": "example-single", "args": ["hf_model.py", "--devices", "1"]},
+        _fit("llama-labels-single", 1, TEXT, LABELS),
     ],
     2: [
         _fit("llama-tp2", 2, TEXT, f"{S}tp=2", checkpoint=True),  # its checkpoint is exported below
@@ -118,6 +130,18 @@ LAUNCHES: dict[int, list[dict]] = {
             checkpoint=True,
         ),
         {"kind": "example", "name": "example-tp2", "args": ["hf_model.py", "--devices", "2", "--tp", "2"]},
+        _fit("llama-cp2_ring", 2, TEXT, f"{S}cp=2"),
+        _fit("llama-cp2_ulysses", 2, TEXT, f"{S}cp=2", f"{S}cp_style=ulysses"),
+        _fit("llama-cp2_allgather-labels", 2, TEXT, LABELS, f"{S}cp=2", f"{S}cp_style=allgather"),
+        _fit("qwen2-cp2_ulysses", 2, TEXT, "--model.init_args.architecture=qwen2", f"{S}cp=2", f"{S}cp_style=ulysses"),
+        _fit(
+            "mistral-cp2_allgather",
+            2,
+            TEXT,
+            "--model.init_args.architecture=mistral",
+            f"{S}cp=2",
+            f"{S}cp_style=allgather",
+        ),
         _error("no_plan", f"{S}tp=2", "--model.init_args.architecture=opt"),
         _error("tp_vs_kv_heads", f"{S}tp=2", "--model.init_args.config_overrides={num_key_value_heads: 1}"),
         _error("sp_vs_seq_len", f"{S}tp=2", "--data.init_args.seq_len=63"),
@@ -128,6 +152,7 @@ LAUNCHES: dict[int, list[dict]] = {
         _fit("llama-fsdp2_tp2", 4, TEXT, f"{S}tp=2"),
         _fit("gpt2-fsdp2_tp2", 4, TEXT, *_gpt2(f"{S}tp=2")),
         _fit("mixtral-tp2_ep2", 4, TEXT, MIXTRAL, f"{S}tp=2", f"{S}ep=2"),
+        _fit("llama-fsdp2_cp2", 4, TEXT, f"{S}cp=2"),
     ],
 }
 
@@ -229,6 +254,7 @@ class Applied:
     tp: dict[str, str]  # in every block: parameter -> its placement over the tp dim ({}: no tp dim)
     fsdp: bool  # the model and every block FSDPModules, every block parameter sharded (see fsdp_sharded)
     ep: int = 0  # MoE layers: all-to-all dispatch over ep ranks, experts split by id (0: no MoE)
+    attention: str = ""  # the model's attn_implementation at the end ("" : not checked)
 
 
 LLAMA_TP = {
@@ -269,6 +295,8 @@ APPLIED = {
     "mixtral-tp2": Applied(DECODER, MIXTRAL_TP, fsdp=False, ep=1),
     "mixtral-ep2": Applied(DECODER, {}, fsdp=True, ep=2),
     "mixtral-tp2_ep2": Applied(DECODER, MIXTRAL_TP, fsdp=True, ep=2),
+    # cp alone: FSDP2 over dp_shard_cp; every attention through context parallel's (transformers' registry)
+    **{name: Applied(DECODER, {}, fsdp=True, attention=CP_ATTENTION) for name in PARITY if "cp2" in name},
 }
 EXPERTS = "mlp.experts."
 
@@ -324,6 +352,7 @@ def assert_applied(found: dict, expected: Applied, what: str) -> None:
         wrong = [inner for inner, record in params.items() if fsdp_sharded(inner, record) != expected.fsdp]
         assert not wrong, f"{what}: FSDP2 sharded (expected {expected.fsdp}) not so for {block}: {wrong}"
         assert_experts(found, block, params, expected, what)
+    assert not expected.attention or found["attention"] == expected.attention, f"{what}: {found['attention']}"
     dispatchers = {layer: (moe["dispatcher"], moe["ep"]) for layer, moe in found["moe"].items()}
     want = {f"{block}.mlp": ("AllToAllDispatch", expected.ep) for block in blocks} if expected.ep else {}
     assert dispatchers == want, f"{what}: MoE dispatchers {dispatchers}"
@@ -337,7 +366,7 @@ def test_layout_was_really_applied(out: Path, name: str) -> None:
 
 def test_layout_check_can_fail(out: Path) -> None:
     """A single-device record (plain tensors, no FSDP2 unit, LocalDispatch) fails every layout's check; so does
-    tp2 checked as fsdp2 x tp2, and fsdp2 checked as ep2."""
+    tp2 checked as fsdp2 x tp2, fsdp2 checked as ep2, and a cp run whose attention stayed transformers' own."""
     for name, expected in APPLIED.items():
         with pytest.raises(AssertionError):
             assert_applied(applied(out, PARITY[name]), expected, PARITY[name])
@@ -345,6 +374,8 @@ def test_layout_check_can_fail(out: Path) -> None:
         assert_applied(applied(out, "llama-tp2"), APPLIED["llama-fsdp2_tp2"], "llama-tp2")
     with pytest.raises(AssertionError, match="not 1/2"):
         assert_applied(applied(out, "mixtral-fsdp2"), APPLIED["mixtral-ep2"], "mixtral-fsdp2")
+    with pytest.raises(AssertionError, match="sdpa"):  # FSDP2 as under cp, but transformers' own attention
+        assert_applied({**applied(out, "llama-cp2_ring"), "attention": "sdpa"}, APPLIED["llama-cp2_ring"], "sdpa")
 
 
 def test_example_matches_single_device(out: Path) -> None:

@@ -65,7 +65,8 @@ class RecordReads(L.Callback):
 
 def layout(module: torch.nn.Module) -> dict[str, Any]:
     """params: {name: {mesh dim: placement} (empty for a plain tensor), full and rank-local shape}; fsdp: the
-    FSDPModule names; moe: {MoE layer: its dispatcher's class and ep}."""
+    FSDPModule names; moe: {MoE layer: its dispatcher's class and ep}; attention: the transformers model's
+    attn_implementation (context parallel names its own)."""
     params = {}
     for name, param in module.named_parameters():
         sharded = isinstance(param, DTensor)
@@ -74,7 +75,10 @@ def layout(module: torch.nn.Module) -> dict[str, Any]:
             "shape": list(param.shape),
             "local_shape": list((param.to_local() if sharded else param).shape),
         }
+    configs = (getattr(sub, "config", None) for sub in module.modules())
+    attention = next((c._attn_implementation for c in configs if hasattr(c, "_attn_implementation")), None)
     return {
+        "attention": attention,
         "params": params,
         "fsdp": [name for name, sub in module.named_modules() if isinstance(sub, FSDPModule)],
         "moe": {

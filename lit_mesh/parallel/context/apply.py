@@ -32,7 +32,7 @@ from typing import Any, Optional, cast
 
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch import nn
+from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.overrides import TorchFunctionMode
 
@@ -65,23 +65,37 @@ class ContextParallelAttention(TorchFunctionMode):
         self.group, self.style, self.where = group, style, where
         self.calls = 0  # attention calls redirected during the current forward
 
+    @property
+    def cp(self) -> int:
+        return dist.get_world_size(self.group)
+
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         kwargs = kwargs or {}
         if func is not F.scaled_dot_product_attention:
             return func(*args, **kwargs)
         a = _sdpa_arguments(args, kwargs)
-        if a["attn_mask"] is not None:
+        return self.attend(a["query"], a["key"], a["value"], a["attn_mask"], a["dropout_p"], a["is_causal"], a["scale"])
+
+    def attend(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        attn_mask: Optional[Tensor] = None,
+        dropout_p: float = 0.0,
+        is_causal: bool = False,
+        scale: Optional[float] = None,
+    ) -> Tensor:
+        """The cp style's attention for q, k, v (B, heads, T/cp, head_dim), with SDPA's arguments."""
+        if attn_mask is not None:
             raise ContextParallelError(
                 f"{self.where} passes attn_mask to scaled_dot_product_attention; context parallel supports"
                 " is_causal=True or no mask; express the mask with is_causal, or use cp=1"
             )
-        if a["dropout_p"]:
-            raise ContextParallelError(
-                f"{self.where} uses attention dropout_p={a['dropout_p']}; context parallel needs 0"
-            )
-        q, k, v = a["query"], a["key"], a["value"]
+        if dropout_p:
+            raise ContextParallelError(f"{self.where} uses attention dropout_p={dropout_p}; context parallel needs 0")
         self.calls += 1
-        return context_parallel_attention(q, k, v, self.group, self.style, a["is_causal"], a["scale"])
+        return context_parallel_attention(q, k, v, self.group, self.style, is_causal, scale)
 
 
 def _swap_attention(module: nn.Module, mode: ContextParallelAttention) -> None:
@@ -101,11 +115,34 @@ def _swap_attention(module: nn.Module, mode: ContextParallelAttention) -> None:
     module.forward = forward
 
 
-def _positions_hook(keyword: str, cp: int, rank: int, load_balanced: bool, input_shards: int) -> Callable:
+def _count_calls(module: nn.Module, mode: ContextParallelAttention) -> None:
+    """A plan's own swap (ContextPlan.swap) sends `module`'s attention to `mode.attend`: check that every forward
+    really did, as _swap_attention does."""
+
+    def reset(_module: nn.Module, _args: tuple) -> None:
+        mode.calls = 0
+
+    def check(_module: nn.Module, _args: tuple, _output: Any) -> None:
+        if mode.calls == 0:
+            raise ContextParallelError(
+                f"{mode.where} ran without the context-parallel attention the plan swapped in, so its attention would"
+                " see only this rank's shard of the sequence; use cp=1"
+            )
+
+    module.register_forward_pre_hook(reset)
+    module.register_forward_hook(check)
+
+
+def _positions_hook(
+    keyword: str, cp: int, rank: int, load_balanced: bool, input_shards: int, batched: bool = False
+) -> Callable:
     def pass_positions(_module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if kwargs.get(keyword) is None:
-            local_length = args[0].shape[SEQUENCE_DIM] * input_shards
-            kwargs = {**kwargs, keyword: local_positions(local_length, cp, rank, load_balanced, args[0].device)}
+            inputs = args[0] if args else next(v for v in kwargs.values() if isinstance(v, Tensor))  # keyword-only call
+            positions = local_positions(
+                inputs.shape[SEQUENCE_DIM] * input_shards, cp, rank, load_balanced, inputs.device
+            )
+            kwargs = {**kwargs, keyword: positions[None] if batched else positions}
         return args, kwargs
 
     return pass_positions
@@ -114,6 +151,8 @@ def _positions_hook(keyword: str, cp: int, rank: int, load_balanced: bool, input
 def cp_plan_problem(plan: ParallelPlan, cp: int, name: str) -> Optional[str]:
     """What `name`'s plan lacks for context parallel over cp ranks (None: nothing): the attention module to swap and
     the keyword of forward() that takes the tokens' global positions."""
+    if plan.cp.unavailable:
+        return f"cp={cp}: {plan.cp.unavailable}"
     if not plan.cp.attention:
         return (
             f"cp={cp} but {name}.parallel_plan() declares no attention module (ContextPlan.attention);"
@@ -144,6 +183,7 @@ def apply_context_parallel(
     if problem is not None:
         raise PlanError(problem)
     group, rank = cp_mesh.get_group(), cp_mesh.get_local_rank()
+    swapped: dict[nn.Module, ContextParallelAttention] = {}
     for index, block in enumerate(cast(nn.ModuleList, model.get_submodule(plan.blocks))):  # a ModuleList
         where = f"{name}.{plan.blocks}.{index}.{attention_name}"
         try:
@@ -152,8 +192,18 @@ def apply_context_parallel(
             raise PlanError(
                 f"{name}.parallel_plan() names attention {attention_name!r}, which {where} does not have"
             ) from None
-        _swap_attention(attention, ContextParallelAttention(group, style, where))
+        swapped[attention] = ContextParallelAttention(group, style, where)
+    for attention, mode in swapped.items():
+        if plan.cp.swap is None:
+            _swap_attention(attention, mode)
+        else:
+            _count_calls(attention, mode)
+    if plan.cp.swap is not None:
+        plan.cp.swap(model, swapped)
     for entry, input_shards in entries or [(model, 1)]:
         entry.register_forward_pre_hook(
-            _positions_hook(positions, cp_mesh.size(), rank, is_load_balanced(style), input_shards), with_kwargs=True
+            _positions_hook(
+                positions, cp_mesh.size(), rank, is_load_balanced(style), input_shards, plan.cp.positions_batched
+            ),
+            with_kwargs=True,
         )
