@@ -13,6 +13,7 @@ Parameters a pretrained source fills next are only allocated: no init kernels, n
 from __future__ import annotations
 
 import fnmatch
+import weakref
 import zlib
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
@@ -61,6 +62,16 @@ def parameter_generator(seed: int, name: str) -> torch.Generator:
     return torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63))
 
 
+# per module: names its parameters are drawn under instead of their own (a pipeline stage's copy of a tied parameter
+# is drawn under the whole model's name for it, so both stages' copies start equal: parallel/pipeline/tied.py)
+_DRAW_AS: weakref.WeakKeyDictionary[nn.Module, dict[str, str]] = weakref.WeakKeyDictionary()
+
+
+def draw_as(module: nn.Module, names: dict[str, str]) -> None:
+    """Let `init_parameters(module, ...)` draw the parameter named each key as if it were named its value."""
+    _DRAW_AS.setdefault(module, {}).update(names)
+
+
 @torch.no_grad()
 def init_parameters(
     module: nn.Module, rules: Sequence[tuple[str, Init]], seed: int | None = None, skip: Collection[int] = ()
@@ -75,9 +86,11 @@ def init_parameters(
     Peak extra memory is one full parameter on the CPU, never the whole model.
     """
     seed = torch.initial_seed() if seed is None else seed
-    for name, param in module.named_parameters():
+    aliases = _DRAW_AS.get(module, {})
+    for own_name, param in module.named_parameters():
         if id(param) in skip:
             continue
+        name = aliases.get(own_name, own_name)
         full = rule_for(name, rules).sample(param.shape, parameter_generator(seed, name))
         if isinstance(param, DTensor):
             param.to_local().copy_(local_part(full, param))

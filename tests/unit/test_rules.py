@@ -248,12 +248,17 @@ CASES: dict[str, tuple[Facts, str, Facts]] = {
         "pp_schedule='2bw' with the MoE model SimpleNamespace: the 2bw driver does not carry MoE routing statistics",
         setup(MeshLayout(pp=2), [owner("moe")]),
     ),
-    "pp_without_tied_parameters": (
-        setup(PP2, [tied_owner()]),
-        "pp=2 with ModuleDict's tied parameters ['embed.weight ="
-        " head.weight']: the embedding runs on the first pipeline stage and the output head on"
-        " the last",
-        setup(DP4, [tied_owner()]),
+    "2bw_without_tied_parameters": (
+        setup(MeshLayout(pp=2), [tied_owner()], TWO_BW),
+        "pp_schedule='2bw' with ModuleDict's tied parameters ['embed.weight = head.weight']: the embedding runs on"
+        " the first pipeline stage and the output head on the last",
+        setup(MeshLayout(pp=2), [tied_owner()]),
+    ),
+    "v_placement_fsdp_without_tied_parameters": (
+        setup(PP2, [tied_owner()], replace(O, pipeline=PipelineSettings("zbv"))),
+        "pp_schedule='zbv' places the first and the last stage on one rank, and ModuleDict's tied parameters"
+        " ['embed.weight = head.weight'] would be sharded by both stages' FSDP (fsdp)",
+        setup(MeshLayout(pp=2), [tied_owner()], replace(O, pipeline=PipelineSettings("zbv"))),
     ),
     "selective_ac_with_inductor_tp": (
         init(replace(O, memory=MemoryOptions("selective"), compile=CompileOptions(True, "inductor")), tp=2),

@@ -221,16 +221,38 @@ RULES: list[Rule] = [
         PipelineConfigError,
     ),
     Rule(
-        # Megatron sums the two uses' gradients over an embedding group of the first and last stages; we do not yet
-        "pp_without_tied_parameters",
+        # the other schedules sum the tied copies' gradients after their step (tied.py); 2bw steps its own weights
+        "2bw_without_tied_parameters",
         "setup",
-        lambda f: not f.self_parallelised and f.layout.pp > 1 and bool(_tied_names(f.owners[0].module)),
+        lambda f: not f.self_parallelised and _is_2bw(f) and bool(f.owners) and bool(_tied_names(f.owners[0].module)),
         lambda f: (
-            f"pp={f.layout.pp} with {type(f.owners[0].module).__name__}'s tied parameters"
+            f"pp_schedule='2bw' with {type(f.owners[0].module).__name__}'s tied parameters"
             f" {_tied_names(f.owners[0].module)}: the embedding runs on the first pipeline stage and the output head on"
-            " the last, and their gradients would have to be summed across stages (not supported yet); use pp=1 (fsdp,"
-            " tp and cp work with tied embeddings), or untie them (zoo GPT: tie_embeddings=False)"
+            " the last, and the 2bw driver's delayed weight versions cannot sum their gradients between the stages;"
+            " use another pp_schedule (1f1b, gpipe, interleaved_1f1b, ...), or untie them (zoo GPT:"
+            " tie_embeddings=False)"
         ),
-        PlanError,
+        PipelineConfigError,
+    ),
+    Rule(
+        # V placement puts the first and the last stage on one rank, each stage its own FSDP root: one parameter
+        # cannot be sharded by two roots
+        "v_placement_fsdp_without_tied_parameters",
+        "setup",
+        lambda f: (
+            not f.self_parallelised
+            and f.layout.pp > 1
+            and f.options.pipeline.placement == "v"
+            and f.layout.data_parallel in ("fsdp", "hsdp")
+            and bool(f.owners)
+            and bool(_tied_names(f.owners[0].module))
+        ),
+        lambda f: (
+            f"pp_schedule={f.options.pipeline.schedule!r} places the first and the last stage on one rank, and"
+            f" {type(f.owners[0].module).__name__}'s tied parameters {_tied_names(f.owners[0].module)} would be"
+            f" sharded by both stages' FSDP ({f.layout.data_parallel}); use a looped schedule (1f1b, gpipe,"
+            " interleaved_1f1b), dp_shard=1, or untie them (zoo GPT: tie_embeddings=False)"
+        ),
+        PipelineConfigError,
     ),
 ]
