@@ -314,10 +314,12 @@ class MeshStrategy(ModelParallelStrategy):
         if done.stages is not None and self._pipeline is None:
             assert done.stage_ranks is not None  # made with the stages
             pp_group = self.mesh_views[MeshAxis.PP].get_group()
-            owner = done.owners[0].module
+            owner, calls = done.owners[0].module, done.owners[0].plan.pp.calls
             self._pipeline = start_pipeline(
-                owner, done.stages, done.stage_ranks, self.options.pipeline, pp_group, self.root_device
+                owner, done.stages, done.stage_ranks, self.options.pipeline, pp_group, self.root_device, calls is None
             )
+            if calls is not None:  # the user's own call of the model runs the pipeline (a transformers model)
+                calls(owner)
             carry_moe_statistics(self._pipeline, done.owners[0], self.mesh_views.dp_cp.get_group())
             if done.tied:  # tied embeddings: the first and the last stage's copies stay one matrix
                 tied = TiedParameters(owner, done.tied, done.owners[0].plan, done.stage_ranks, self.mesh_views.root)

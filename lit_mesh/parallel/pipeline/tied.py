@@ -41,13 +41,15 @@ def tied_name_groups(module: nn.Module) -> list[list[str]]:
 
 
 def _holder_stage(name: str, plan: ParallelPlan, n_stages: int) -> int:
-    top = name.split(".", 1)[0]
-    if top in plan.pp.first:
+    def among(modules: Sequence[str]) -> bool:
+        return any(name.startswith(f"{module}.") for module in modules)
+
+    if among(plan.pp.first):
         return 0
-    if top in plan.pp.last:
+    if among(plan.pp.last):
         return n_stages - 1
     raise PipelineConfigError(
-        f"parameter {name!r} is tied to another, but its module {top!r} is neither one of the PipelinePlan's first"
+        f"parameter {name!r} is tied to another, but its module is neither one of the PipelinePlan's first"
         f" modules {list(plan.pp.first)} nor its last {list(plan.pp.last)}: under pp only those may share a"
         " parameter (tied embeddings); untie it, or use pp=1"
     )
