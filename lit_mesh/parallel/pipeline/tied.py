@@ -3,7 +3,8 @@
 Cutting the model into stages leaves the embedding on the first stage and the output head on the last, each rank
 with its own copy of the shared matrix. The copies stay one matrix as Megatron's embedding group keeps them:
 - drawn alike: the last stage's copy is initialised under the name the whole model gives it (init.py's
-  `draw_as`), so both copies start from the one-device values;
+  `draw_as`), so both copies start from the one-device values; then the first stage's copy is broadcast to the
+  last (an initialiser without names, such as transformers', draws per module);
 - summed gradients: after the schedule's backward of each step, the copies' gradients are all-reduced over a group
   of the two ranks (first and last stage of the same pipeline), before clipping and the optimizer step; equal
   gradients and equal optimizer states keep the copies equal;
@@ -79,6 +80,16 @@ class TiedParameters:
                 self.names.append(held[0])
                 if group[0] not in held:
                     self.elsewhere.append(held[0])
+                # the whole model's copy (a group of two ranks, in pp order) gives its values to the other
+                source = members.index(stage_ranks[_holder_stage(group[0], plan, len(stage_ranks))])
+                self._start_equal(local[held[0]], source)
+
+    @torch.no_grad()
+    def _start_equal(self, param: Tensor, source: int) -> None:
+        """Both copies start from the first's values, whatever initialised them (an initialiser that draws per
+        module, such as transformers', drew the head's copy elsewhere in its sequence)."""
+        local = param._local_tensor if isinstance(param, DTensor) else param
+        dist.broadcast(local, group=self.group, group_src=source)
 
     @contextmanager
     def summing_gradients(self, _inputs: Tensor, _loss_scale: float) -> Iterator[None]:
