@@ -75,6 +75,19 @@ MIXTRAL = "--model.init_args.architecture=mixtral"
 # the zoo MoE (configs/moe.yaml) without the balancing bias, which Mixtral has no place for
 ZOO_MOE = ["-c", str(REPO / "configs/moe.yaml"), "--model.init_args.config_overrides={bias_update_rate: 0.0}"]
 INIT = "--model.init_args.build=init"
+# examples/hf_pipeline.py (the user's `model(input_ids, labels).loss` under pp): name -> (world size, its flags)
+PIPELINE_EXAMPLES: dict[str, tuple[int, tuple[str, ...]]] = {
+    "pp-llama-single": (1, ()),
+    "pp-gpt2-single": (1, ("--arch", "gpt2")),
+    "pp-llama-pp2": (2, ("--pp", "2")),  # 1F1B
+    "pp-gpt2-pp2-gpipe": (2, ("--arch", "gpt2", "--pp", "2", "--schedule", "gpipe")),  # tied embeddings
+}
+
+
+def _pipeline_example(name: str, n: int, *extra: str) -> dict:
+    return {"kind": "example", "name": f"example-{name}", "args": ["hf_pipeline.py", "--devices", str(n), *extra]}
+
+
 LAUNCHES: dict[int, list[dict]] = {
     1: [
         _fit("llama-single", 1, TEXT),
@@ -85,6 +98,7 @@ LAUNCHES: dict[int, list[dict]] = {
         _fit("qwen2-single", 1, TEXT, "--model.init_args.architecture=qwen2"),
         _fit("mistral-single", 1, TEXT, "--model.init_args.architecture=mistral"),
         {"kind": "example", "name": "example-single", "args": ["hf_model.py", "--devices", "1"]},
+        *(_pipeline_example(name, 1, *extra) for name, (n, extra) in PIPELINE_EXAMPLES.items() if n == 1),
     ],
     2: [
         _fit("llama-tp2", 2, TEXT, f"{S}tp=2", checkpoint=True),  # its checkpoint is exported below
@@ -118,6 +132,8 @@ LAUNCHES: dict[int, list[dict]] = {
             checkpoint=True,
         ),
         {"kind": "example", "name": "example-tp2", "args": ["hf_model.py", "--devices", "2", "--tp", "2"]},
+        *(_pipeline_example(name, 2, *extra) for name, (n, extra) in PIPELINE_EXAMPLES.items() if n == 2),
+        _fit("llama-init-pp2", 2, TEXT, INIT, f"{S}pp=2"),  # zoo.hf.HFCausalLM through loss_of, from the CLI
         _error("no_plan", f"{S}tp=2", "--model.init_args.architecture=opt"),
         _error("tp_vs_kv_heads", f"{S}tp=2", "--model.init_args.config_overrides={num_key_value_heads: 1}"),
         _error("sp_vs_seq_len", f"{S}tp=2", "--data.init_args.seq_len=63"),
@@ -354,6 +370,34 @@ def test_example_matches_single_device(out: Path) -> None:
     assert len(set(single["losses"])) == STEPS and single["losses"][-1] < single["losses"][0]
     for step, (a, b) in enumerate(zip(single["losses"], tp2["losses"], strict=True), start=1):
         assert abs(a - b) <= 1e-4 * abs(a), f"example step {step}: tp2 {b} vs single {a}"
+
+
+def test_hf_causal_lm_under_pp_matches_single_device(out: Path) -> None:
+    """zoo.hf.HFCausalLM (loss_of) from the CLI on pp=2: the single-device curve and final parameters; rank 0 held
+    the first stage only (one of the two decoder layers, the embedding, no head)."""
+    assert_same_curve(losses(out, "llama-init-single"), losses(out, "llama-init-pp2"), "llama-init-pp2")
+    ref_params = torch.load(out / "llama-init-single" / "params.pt", weights_only=True)
+    params = torch.load(out / "llama-init-pp2" / "params.pt", weights_only=True)
+    assert ref_params.keys() == params.keys()
+    for key, ref in ref_params.items():
+        assert (params[key] - ref).abs().max().item() <= 1e-4, f"llama-init-pp2: parameter {key}"
+    held = applied(out, "llama-init-pp2")["params"]
+    assert set(params_by_block(held, DECODER)) == {f"{DECODER}.0"}
+    assert "model.model.embed_tokens.weight" in held and "model.lm_head.weight" not in held
+
+
+@pytest.mark.parametrize("name", [name for name, (n, _) in PIPELINE_EXAMPLES.items() if n > 1])
+def test_users_own_loss_call_under_pp_matches_single_device(out: Path, name: str) -> None:
+    """`self.model(input_ids=x, labels=x).loss` unchanged: the pipeline runs inside the call, in training and in
+    validation, and the losses follow the single-device run (GPT-2's tied embeddings on both end stages)."""
+    reference = json.loads((out / f"example-pp-{name.split('-')[1]}-single.json").read_text())
+    got = json.loads((out / f"example-{name}.json").read_text())
+    assert got["world_size"] == PIPELINE_EXAMPLES[name][0]
+    assert len(set(reference["losses"])) == STEPS and reference["losses"][-1] < reference["losses"][0]
+    for what in ("losses", "val_losses"):
+        assert len(got[what]) == len(reference[what]) > 0, what
+        for step, (a, b) in enumerate(zip(reference[what], got[what], strict=True), start=1):
+            assert abs(a - b) <= 1e-4 * abs(a), f"{name} {what} {step}: {b} vs single {a}"
 
 
 def _checkpoint(out: Path, name: str) -> Path:

@@ -71,6 +71,11 @@ def owner(moe_layer: str = "", stages: tuple[str, ...] = ("embedding",)) -> Simp
     return SimpleNamespace(name="model", module=SimpleNamespace(), plan=SimpleNamespace(moe=moe, pp=pp))
 
 
+def dense_owner(stages: tuple[str, ...] = ("embedding",)) -> SimpleNamespace:
+    plan = SimpleNamespace(moe=None, blocks="layers", pp=SimpleNamespace(first=stages, last=()))
+    return SimpleNamespace(name="model", module=SimpleNamespace(), plan=plan)
+
+
 def tp_owner(**divides: int) -> SimpleNamespace:
     """A plan owner whose plan names the sizes tp must divide."""
     plan = SimpleNamespace(tp=SimpleNamespace(unavailable="", divides=divides))
@@ -247,6 +252,11 @@ CASES: dict[str, tuple[Facts, str, Facts]] = {
         setup(MeshLayout(pp=2), [owner("moe")], TWO_BW),
         "pp_schedule='2bw' with the MoE model SimpleNamespace: the 2bw driver does not carry MoE routing statistics",
         setup(MeshLayout(pp=2), [owner("moe")]),
+    ),
+    "pp_needs_stage_plan": (
+        setup(PP2, [dense_owner(stages=())]),
+        "pp=2 with SimpleNamespace: its plan declares no PipelinePlan (the modules before and after the blocks)",
+        setup(PP2, [dense_owner()]),
     ),
     "2bw_without_tied_parameters": (
         setup(MeshLayout(pp=2), [tied_owner()], TWO_BW),

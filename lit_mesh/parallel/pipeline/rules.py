@@ -193,6 +193,26 @@ RULES: list[Rule] = [
         PlanError,
     ),
     Rule(
+        # a dense plan without the modules before and after its blocks (a transformers base model, ViT): no stages
+        "pp_needs_stage_plan",
+        "setup",
+        lambda f: (
+            not f.self_parallelised
+            and f.layout.pp > 1
+            and bool(f.owners)
+            and bool(f.owners[0].plan.blocks)  # a plain nn.Sequential is cut by its children, without them
+            and f.owners[0].plan.moe is None
+            and not (f.owners[0].plan.pp.first or f.owners[0].plan.pp.last)
+        ),
+        lambda f: (
+            f"pp={f.layout.pp} with {type(f.owners[0].module).__name__}: its plan declares no PipelinePlan (the"
+            " modules before and after the blocks), so it cannot be cut into stages; pipeline a causal LM (Llama,"
+            " Qwen2, Mistral, GPT-2 *ForCausalLM / LMHeadModel), declare pp=PipelinePlan(first=..., last=...) in"
+            " its parallel_plan(), or use pp=1"
+        ),
+        PlanError,
+    ),
+    Rule(
         "pp_moe_needs_stage_plan",
         "setup",
         lambda f: (
