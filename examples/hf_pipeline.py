@@ -3,7 +3,7 @@
     python examples/hf_pipeline.py --devices 2 --pp 2                     # Llama, 2 stages, 1F1B
     python examples/hf_pipeline.py --devices 2 --pp 2 --schedule gpipe    # GPipe
     python examples/hf_pipeline.py --arch gpt2 --devices 2 --pp 2         # GPT-2: tied embeddings on both ends
-    python examples/hf_pipeline.py --devices 4 --pp 2 --tp 2              # 2 stages x tensor parallel over 2
+    python examples/hf_pipeline.py --devices 4 --pp 2 --tp 2 --no-sp      # 2 stages x tensor parallel over 2
 
 The step is what one writes on one device: `self.model(input_ids=x, labels=x).loss`. Under pp MeshStrategy runs the
 pipeline schedule over the micro-batches inside that call (forward and backward), and the loss transformers would
@@ -58,13 +58,14 @@ def main(argv: list[str] | None = None) -> list[float]:
     parser.add_argument("--arch", default="llama", choices=["llama", "gpt2"])
     parser.add_argument("--pp", type=int, default=1, help="pipeline stages (one per rank)")
     parser.add_argument("--schedule", default="1f1b", help="pp_schedule: 1f1b, gpipe, ...")
+    parser.add_argument("--no-sp", action="store_true", help="tp without sequence parallelism (needed with pp)")
     args = E.parse(parser, argv)
 
     L.seed_everything(0, verbose=False)
     module = PipelinedLM(args.arch)
     dp = args.devices // (args.tp * args.pp)
     pipeline = dict(pp=args.pp, pp_schedule=args.schedule, pp_microbatches=2) if args.pp > 1 else {}
-    strategy = MeshStrategy(dp=dp, tp=args.tp, **pipeline)
+    strategy = MeshStrategy(dp=dp, tp=args.tp, sequence_parallel=False if args.no_sp else None, **pipeline)
     trainer = E.trainer(args, strategy)
     trainer.fit(module)
     trainer.validate(module, verbose=False)

@@ -213,6 +213,27 @@ RULES: list[Rule] = [
         PlanError,
     ),
     Rule(
+        # a stage module of a plan (transformers' forward) counts the positions and builds the causal mask from its
+        # input, which sequence parallelism shards between stages
+        "pp_stage_module_without_sp",
+        "setup",
+        lambda f: (
+            not f.self_parallelised
+            and f.layout.pp > 1
+            and f.layout.tp > 1
+            and bool(f.options.mesh.sequence_parallel)
+            and bool(f.owners)
+            and getattr(f.owners[0].plan.pp, "stage", None) is not None
+        ),
+        lambda f: (
+            f"pp={f.layout.pp} x tp={f.layout.tp} with sequence parallelism and"
+            f" {type(f.owners[0].module).__name__}: its stages compute the positions and the causal mask from the"
+            " hidden states they receive, which sequence parallelism would cut between the stages; pass"
+            " sequence_parallel=False (tensor parallel without it), or use tp=1"
+        ),
+        PlanError,
+    ),
+    Rule(
         "pp_moe_needs_stage_plan",
         "setup",
         lambda f: (
