@@ -64,8 +64,8 @@ from lit_mesh.parallel.fsdp_arguments import offload_policy
 from lit_mesh.parallel.grid import TPMode
 from lit_mesh.parallel.pipeline.api import pipeline_scope, start_pipeline
 from lit_mesh.parallel.pipeline.moe import carry_moe_statistics
-from lit_mesh.parallel.pipeline.tied import TiedParameters
 from lit_mesh.parallel.pipeline.runner import PipelineRunner
+from lit_mesh.parallel.pipeline.tied import TiedParameters
 from lit_mesh.parallel.units import manual_wrap_context
 from lit_mesh.reliability.elastic import init_process_group_for_attempt
 from lit_mesh.reliability.hangs import HangWatch, start_hang_watch, use_watchdog_defaults

@@ -3,9 +3,9 @@ decoder layer. Any other transformers model gets the same derivation (`derived_p
 
 from __future__ import annotations
 
-from torch import nn
-
 from dataclasses import replace
+
+from torch import nn
 
 from lit_mesh.hf.blocks import base_prefix, hf_config
 from lit_mesh.hf.from_config import hf_tp_plan, plan_from_hf

@@ -12,6 +12,8 @@ No cache, no padding: a stage takes one tensor. An `attention_mask` with padding
 
 from __future__ import annotations
 
+from typing import Literal
+
 from torch import Tensor, nn
 
 from lit_mesh.hf.pipelined_call import take_calls
@@ -31,7 +33,9 @@ class TransformersStage(nn.Module):
         return type(self.model).forward(self.model, **inputs, use_cache=False).logits
 
 
-def decoder_pipeline_plan(base: str, first: tuple[str, ...], last_norm: str, **stand_ins: str) -> PipelinePlan:
+def decoder_pipeline_plan(
+    base: str, first: tuple[str, ...], last_norm: str, **stand_ins: Literal["identity", "zeros"]
+) -> PipelinePlan:
     """The PipelinePlan of a transformers causal LM whose base model is under `base` ('model.', 'transformer.'):
     `first` the modules before the layers (under the base), `last_norm` the final norm, then `lm_head`."""
     return PipelinePlan(

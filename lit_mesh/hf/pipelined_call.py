@@ -13,7 +13,7 @@ as is any input besides token ids (`inputs_embeds`, a cache, ...).
 from __future__ import annotations
 
 import types
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
@@ -72,8 +72,8 @@ def _pipelined_forward(
     def loss_fn(logits: Tensor, micro_targets: Tensor) -> Tensor:
         # transformers' own loss over the micro-batch, as a part of the whole batch's mean: the runner averages
         # the micro-batches' losses, so each is its sum over the batch's counted tokens times their number
-        loss_function = model.loss_function  # type: ignore[operator]
-        vocab_size = model.config.vocab_size  # type: ignore[union-attr]
+        loss_function: Any = model.loss_function  # a PreTrainedModel's, by the model's family
+        vocab_size = cast(Any, model).config.vocab_size
         if shift_labels is not None:
             part = loss_function(logits, None, vocab_size, num_items_in_batch=counted, shift_labels=micro_targets)
         else:

@@ -33,5 +33,7 @@ class GradientNormMonitor(Callback):
         pipeline: Any = getattr(trainer.strategy, "_pipeline", None)  # stages hold different parameters
         across = pipeline.group if pipeline is not None else None
         params = list(pl_module.parameters())
-        norm = global_grad_norm(pipeline.norm_parameters(params) if pipeline is not None else params, self.norm_type, across)
+        norm = global_grad_norm(
+            pipeline.norm_parameters(params) if pipeline is not None else params, self.norm_type, across
+        )
         pl_module.log(self.name, norm, on_step=True, on_epoch=False)

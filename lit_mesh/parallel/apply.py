@@ -30,7 +30,6 @@ from lit_mesh.parallel.fsdp_arguments import mixed_precision_override, offload_p
 from lit_mesh.parallel.grid import average_over_replicas, parallelize_grid
 from lit_mesh.parallel.pipeline.schedules import PipelineSettings
 from lit_mesh.parallel.pipeline.sequential import sequential_owners
-from lit_mesh.parallel.pipeline.tied import tied_name_groups
 from lit_mesh.parallel.pipeline.split import (
     Stage,
     balanced_split,
@@ -40,6 +39,7 @@ from lit_mesh.parallel.pipeline.split import (
     split_into_stages,
     stage_ranks,
 )
+from lit_mesh.parallel.pipeline.tied import tied_name_groups
 from lit_mesh.parallel.tensor import PlanError, apply_tensor_parallel
 from lit_mesh.parallel.units import (
     Blocks,

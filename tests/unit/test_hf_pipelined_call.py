@@ -35,7 +35,9 @@ def test_padding_is_refused_by_name(model: torch.nn.Module) -> None:
 
 
 def test_other_inputs_are_refused_by_name(model: torch.nn.Module) -> None:
-    with pytest.raises(PipelineConfigError, match=r"takes token ids \(input_ids\) and labels only; got \['inputs_embeds'\]"):
+    with pytest.raises(
+        PipelineConfigError, match=r"takes token ids \(input_ids\) and labels only; got \['inputs_embeds'\]"
+    ):
         model(inputs_embeds=torch.zeros(2, 8, 16), labels=TOKENS)
 
 

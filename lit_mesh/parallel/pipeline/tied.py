@@ -60,7 +60,12 @@ class TiedParameters:
     """This rank's copies of the parameters tied across stages, and the group that sums their gradients."""
 
     def __init__(
-        self, model: nn.Module, groups: list[list[str]], plan: ParallelPlan, stage_ranks: Sequence[int], root: DeviceMesh
+        self,
+        model: nn.Module,
+        groups: list[list[str]],
+        plan: ParallelPlan,
+        stage_ranks: Sequence[int],
+        root: DeviceMesh,
     ) -> None:
         self.model = model
         self.group: Optional[dist.ProcessGroup] = None
