@@ -75,17 +75,21 @@ MIXTRAL = "--model.init_args.architecture=mixtral"
 # the zoo MoE (configs/moe.yaml) without the balancing bias, which Mixtral has no place for
 ZOO_MOE = ["-c", str(REPO / "configs/moe.yaml"), "--model.init_args.config_overrides={bias_update_rate: 0.0}"]
 INIT = "--model.init_args.build=init"
-# examples/hf_pipeline.py (the user's `model(input_ids, labels).loss` under pp): name -> (world size, its flags)
+# examples/hf_pipeline.py (the user's `model(input_ids, labels).loss` under pp): name -> (world size, its flags);
+# PP_STEPS steps each (suite time: the curve's first steps already hold every stage, schedule and tied sum)
+PP_STEPS = 4
 PIPELINE_EXAMPLES: dict[str, tuple[int, tuple[str, ...]]] = {
     "pp-llama-single": (1, ()),
     "pp-gpt2-single": (1, ("--arch", "gpt2")),
     "pp-llama-pp2": (2, ("--pp", "2")),  # 1F1B
     "pp-gpt2-pp2-gpipe": (2, ("--arch", "gpt2", "--pp", "2", "--schedule", "gpipe")),  # tied embeddings
+    "pp-gpt2-pp2_tp2": (4, ("--arch", "gpt2", "--pp", "2", "--tp", "2", "--no-sp")),  # tied copies sharded over tp
 }
 
 
 def _pipeline_example(name: str, n: int, *extra: str) -> dict:
-    return {"kind": "example", "name": f"example-{name}", "args": ["hf_pipeline.py", "--devices", str(n), *extra]}
+    args = ["hf_pipeline.py", "--devices", str(n), "--max-steps", str(PP_STEPS), *extra]
+    return {"kind": "example", "name": f"example-{name}", "args": args}
 
 
 LAUNCHES: dict[int, list[dict]] = {
@@ -144,6 +148,7 @@ LAUNCHES: dict[int, list[dict]] = {
         _fit("llama-fsdp2_tp2", 4, TEXT, f"{S}tp=2"),
         _fit("gpt2-fsdp2_tp2", 4, TEXT, *_gpt2(f"{S}tp=2")),
         _fit("mixtral-tp2_ep2", 4, TEXT, MIXTRAL, f"{S}tp=2", f"{S}ep=2"),
+        *(_pipeline_example(name, 4, *extra) for name, (n, extra) in PIPELINE_EXAMPLES.items() if n == 4),
     ],
 }
 
@@ -393,7 +398,7 @@ def test_users_own_loss_call_under_pp_matches_single_device(out: Path, name: str
     reference = json.loads((out / f"example-pp-{name.split('-')[1]}-single.json").read_text())
     got = json.loads((out / f"example-{name}.json").read_text())
     assert got["world_size"] == PIPELINE_EXAMPLES[name][0]
-    assert len(set(reference["losses"])) == STEPS and reference["losses"][-1] < reference["losses"][0]
+    assert len(set(reference["losses"])) == PP_STEPS and reference["losses"][-1] < reference["losses"][0]
     for what in ("losses", "val_losses"):
         assert len(got[what]) == len(reference[what]) > 0, what
         for step, (a, b) in enumerate(zip(reference[what], got[what], strict=True), start=1):
