@@ -386,9 +386,9 @@ def test_hf_causal_lm_under_pp_matches_single_device(out: Path) -> None:
     assert ref_params.keys() == params.keys()
     for key, ref in ref_params.items():
         assert (params[key] - ref).abs().max().item() <= 1e-4, f"llama-init-pp2: parameter {key}"
-    held = applied(out, "llama-init-pp2")["params"]
+    held = applied(out, "llama-init-pp2")
     assert set(params_by_block(held, DECODER)) == {f"{DECODER}.0"}
-    assert "model.model.embed_tokens.weight" in held and "model.lm_head.weight" not in held
+    assert "model.model.embed_tokens.weight" in held["params"] and "model.lm_head.weight" not in held["params"]
 
 
 @pytest.mark.parametrize("name", [name for name, (n, _) in PIPELINE_EXAMPLES.items() if n > 1])
