@@ -191,13 +191,37 @@ def _pretrained_ep(out: Path, nproc: int) -> dict:
     return {"kind": "predict", "name": PRETRAINED_EP[nproc], "args": args}
 
 
+# zoo.hf.HFCausalLM(pretrained=DIR) from a saved GPT-2 (tied embeddings), on one device and on pp2: built on the meta
+# device, each stage reads only its own parameters (the head's copy the embedding's tensor); name -> world size
+PRETRAINED_PP = {"gpt2-pretrained-single": 1, "gpt2-pretrained-pp2": 2}
+
+
+def _save_gpt2(directory: Path) -> Path:
+    from transformers import GPT2LMHeadModel
+
+    from zoo.hf.configs import tiny_config
+
+    torch.manual_seed(0)
+    GPT2LMHeadModel(tiny_config("gpt2")).save_pretrained(directory)
+    return directory
+
+
+def _pretrained_pp(out: Path, nproc: int) -> list[dict]:
+    pretrained = f"--model.init_args.pretrained={out / 'gpt2-pretrained'}"
+    pp = [f"{S}pp=2"] if nproc == 2 else []
+    # the pp2 run's checkpoint is exported below (export-hf from a pipeline checkpoint)
+    return [_fit(name, n, TEXT, pretrained, *pp, checkpoint=n > 1) for name, n in PRETRAINED_PP.items() if n == nproc]
+
+
 @pytest.fixture(scope="module")
 def out(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("hf")
     _save_mixtral(out / "mixtral-pretrained")
+    _save_gpt2(out / "gpt2-pretrained")
     for nproc, runs in LAUNCHES.items():
         spec = out / f"runs_{nproc}.json"
-        spec.write_text(json.dumps([*runs, *([_pretrained_ep(out, nproc)] if nproc in PRETRAINED_EP else [])]))
+        extra = [*([_pretrained_ep(out, nproc)] if nproc in PRETRAINED_EP else []), *_pretrained_pp(out, nproc)]
+        spec.write_text(json.dumps([*runs, *extra]))
         proc = launch(nproc, "hf_runs.py", str(out), str(spec), timeout=600)
         if proc.returncode != 0:
             raise AssertionError(
@@ -391,6 +415,11 @@ def test_hf_causal_lm_under_pp_matches_single_device(out: Path) -> None:
     assert "model.model.embed_tokens.weight" in held["params"] and "model.lm_head.weight" not in held["params"]
 
 
+def test_pretrained_gpt2_under_pp_matches_single_device(out: Path) -> None:
+    """HFCausalLM(pretrained=DIR) on pp2: the single-device curve from the same saved weights (tied embeddings)."""
+    assert_same_curve(losses(out, "gpt2-pretrained-single"), losses(out, "gpt2-pretrained-pp2"), "pretrained pp2")
+
+
 @pytest.mark.parametrize("name", [name for name, (n, _) in PIPELINE_EXAMPLES.items() if n > 1])
 def test_users_own_loss_call_under_pp_matches_single_device(out: Path, name: str) -> None:
     """`self.model(input_ids=x, labels=x).loss` unchanged: the pipeline runs inside the call, in training and in
@@ -414,7 +443,13 @@ def _checkpoint(out: Path, name: str) -> Path:
 
 @pytest.mark.parametrize(
     ("name", "architecture"),
-    [("llama-tp2", "llama"), ("gpt2-tp2", "gpt2"), ("mixtral-ep2", "mixtral"), ("mixtral-tp2", "mixtral")],
+    [
+        ("llama-tp2", "llama"),
+        ("gpt2-tp2", "gpt2"),
+        ("mixtral-ep2", "mixtral"),
+        ("mixtral-tp2", "mixtral"),
+        ("gpt2-pretrained-pp2", "gpt2"),  # each stage saved its own parameters (the tied matrix on both ends)
+    ],
 )
 def test_exported_checkpoint_loads_with_from_pretrained(
     out: Path, tmp_path: Path, name: str, architecture: str
