@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import fnmatch
 import math
+import weakref
 import zlib
 from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -120,6 +121,16 @@ def draw_local(init: Init, param: DTensor, seed: int, name: str) -> Optional[tor
     return span.as_strided(tuple(shape), strides)  # the shard's box within the span it spans
 
 
+# per module: names its parameters are drawn under instead of their own (a pipeline stage's copy of a tied parameter
+# is drawn under the whole model's name for it, so both stages' copies start equal: parallel/pipeline/tied.py)
+_DRAW_AS: weakref.WeakKeyDictionary[nn.Module, dict[str, str]] = weakref.WeakKeyDictionary()
+
+
+def draw_as(module: nn.Module, names: dict[str, str]) -> None:
+    """Let `init_parameters(module, ...)` draw the parameter named each key as if it were named its value."""
+    _DRAW_AS.setdefault(module, {}).update(names)
+
+
 @torch.no_grad()
 def init_parameters(
     module: nn.Module, rules: Sequence[tuple[str, Init]], seed: int | None = None, skip: Collection[int] = ()
@@ -134,9 +145,11 @@ def init_parameters(
     A sharded parameter draws its shard's span (plus at most two blocks) on the CPU, never the whole tensor.
     """
     seed = torch.initial_seed() if seed is None else seed
-    for name, param in module.named_parameters():
+    aliases = _DRAW_AS.get(module, {})
+    for own_name, param in module.named_parameters():
         if id(param) in skip:
             continue
+        name = aliases.get(own_name, own_name)
         init = rule_for(name, rules)
         if isinstance(param, DTensor):
             local = draw_local(init, param, seed, name)

@@ -99,8 +99,8 @@ class TensorPlan:
 class PipelinePlan:
     """Pipeline parallelism: what goes to the first and last stages besides their blocks.
 
-    first: direct children that run before the blocks (embeddings).
-    last:  direct children that run after the blocks (final norm, output head).
+    first: modules that run before the blocks (embeddings), by dotted name.
+    last:  modules that run after the blocks (final norm, output head), by dotted name.
     A stage sets the ones it does not hold to None, so the forward must skip None modules and pass hidden
     states through (see zoo/gpt.py). Empty: the model cannot be pipelined.
     balance: how stages share the blocks when pp_split is not given: "blocks" (as many blocks each, counting
@@ -111,6 +111,16 @@ class PipelinePlan:
     first: Sequence[str] = ()
     last: Sequence[str] = ()
     balance: Literal["blocks", "parameters"] = "blocks"
+    # what a stage puts in place of a first/last module it does not hold (default None): "identity" passes its
+    # input on, "zeros" gives 0 (a model that adds the module's output, such as GPT-2's position embeddings)
+    stand_ins: Mapping[str, Literal["identity", "zeros"]] = field(default_factory=dict)
+    # the module that runs one stage, made from the pruned model (forward(x) -> tensor: token ids on the first
+    # stage, hidden states after it; logits from the last); None: the pruned model itself (lit_mesh.hf's stages
+    # for transformers models, whose forward takes keywords and returns an output object)
+    stage: Callable[[nn.Module], nn.Module] | None = None
+    # makes a call of the whole (pruned) model run its pipeline inside MeshStrategy's steps (the user's own call of a
+    # transformers model); None: such a call is refused, and the LightningModule uses lit_mesh.loss_of
+    calls: Callable[[nn.Module], None] | None = None
 
 
 @dataclass(frozen=True)

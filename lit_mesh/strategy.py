@@ -65,6 +65,7 @@ from lit_mesh.parallel.grid import TPMode
 from lit_mesh.parallel.pipeline.api import pipeline_scope, start_pipeline
 from lit_mesh.parallel.pipeline.moe import carry_moe_statistics
 from lit_mesh.parallel.pipeline.runner import PipelineRunner
+from lit_mesh.parallel.pipeline.tied import TiedParameters
 from lit_mesh.parallel.units import manual_wrap_context
 from lit_mesh.reliability.elastic import init_process_group_for_attempt
 from lit_mesh.reliability.hangs import HangWatch, start_hang_watch, use_watchdog_defaults
@@ -313,14 +314,20 @@ class MeshStrategy(ModelParallelStrategy):
         if done.stages is not None and self._pipeline is None:
             assert done.stage_ranks is not None  # made with the stages
             pp_group = self.mesh_views[MeshAxis.PP].get_group()
-            owner = done.owners[0].module
+            owner, calls = done.owners[0].module, done.owners[0].plan.pp.calls
             self._pipeline = start_pipeline(
-                owner, done.stages, done.stage_ranks, self.options.pipeline, pp_group, self.root_device
+                owner, done.stages, done.stage_ranks, self.options.pipeline, pp_group, self.root_device, calls is None
             )
+            if calls is not None:  # the user's own call of the model runs the pipeline (a transformers model)
+                calls(owner)
             carry_moe_statistics(self._pipeline, done.owners[0], self.mesh_views.dp_cp.get_group())
+            if done.tied:  # tied embeddings: the first and the last stage's copies stay one matrix
+                tied = TiedParameters(owner, done.tied, done.owners[0].plan, done.stage_ranks, self.mesh_views.root)
+                self._pipeline.share_tied(tied)
         self.precision_plugin = with_global_norm_clipping(self.precision_plugin)
         stage_group = self._pipeline.clip_group if self._pipeline is not None else None
         self.precision_plugin.stage_group = stage_group  # type: ignore[attr-defined]  # GlobalNormClipping's attribute
+        self.precision_plugin.pipeline = self._pipeline  # type: ignore[attr-defined]  # likewise
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self._base_accumulation = self._base_accumulation or trainer.accumulate_grad_batches

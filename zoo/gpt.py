@@ -76,7 +76,8 @@ class GPTConfig(TransformerConfig):
     # state dict still converts to transformers (the converter splits it)
     fused_w13: bool = False
     # the output head uses the token embedding's weight (one (vocab_size, dim) matrix, its gradient the sum of both
-    # uses; Llama 3.2 1B/3B): converts to transformers' tie_word_embeddings=True; pp = 1 only (lit_mesh/rules.py)
+    # uses; Llama 3.2 1B/3B): converts to transformers' tie_word_embeddings=True; under pp the first and the last stage each hold a
+    # copy, kept one matrix (lit_mesh/parallel/pipeline/tied.py)
     tie_embeddings: bool = False
 
     @classmethod

@@ -27,6 +27,7 @@ from lit_mesh.checkpoint.pretrained import (
     fill_parameters,
 )
 from lit_mesh.extras import require
+from lit_mesh.parallel.pipeline.tied import tied_name_groups
 from zoo.convert.rules import Converter
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -143,6 +144,9 @@ def _sources(
     used = set().union(*(_keys(s) for s in sources.values())) if sources else set()
     unused = sorted(set(tensors) - used - set(model.state_dict()))  # tied aliases (lm_head) are not left over
     check_sources(model, sources, unused, repr(str(directory)))
+    for group in tied_name_groups(model):  # under pp the last stage holds the head's copy under the head's name
+        if group[0] in sources:
+            sources.update({alias: sources[group[0]] for alias in group[1:]})
     return sources
 
 

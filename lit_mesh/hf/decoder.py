@@ -4,13 +4,14 @@ gets the same derivation without context parallel (`derived_plan`)."""
 
 from __future__ import annotations
 
-import dataclasses
+from dataclasses import replace
 
 from torch import nn
 
-from lit_mesh.hf.blocks import hf_config
+from lit_mesh.hf.blocks import base_prefix, hf_config
 from lit_mesh.hf.context import context_plan
 from lit_mesh.hf.from_config import hf_tp_plan, plan_from_hf
+from lit_mesh.hf.pipeline import decoder_pipeline_plan
 from lit_mesh.plan import ParallelPlan
 
 # config fields that the tp degree must divide when the linears they size are split
@@ -27,12 +28,25 @@ def tp_divides(model: nn.Module) -> dict[str, int]:
 
 
 def decoder_plan(model: nn.Module) -> ParallelPlan:
-    return plan_from_hf(model, tp_divides(model))
+    plan = plan_from_hf(model, tp_divides(model))
+    base = base_prefix(model)
+    # pipeline stages where the causal LM has the decoder's parts by their Llama names (Qwen2, Mistral alike)
+    if all(_has(model, name) for name in (f"{base}embed_tokens", f"{base}norm", f"{base}rotary_emb", "lm_head")):
+        plan = replace(plan, pp=decoder_pipeline_plan(base, ("embed_tokens",), "norm"))
+    return plan
+
+
+def _has(model: nn.Module, name: str) -> bool:
+    try:
+        model.get_submodule(name)
+    except AttributeError:
+        return False
+    return True
 
 
 def llama_family_plan(model: nn.Module) -> ParallelPlan:
     """Llama, Qwen2, Mistral: the decoder plan and context parallel through transformers' attention registry."""
-    return dataclasses.replace(decoder_plan(model), cp=context_plan(model))
+    return replace(decoder_plan(model), cp=context_plan(model))
 
 
 derived_plan = decoder_plan

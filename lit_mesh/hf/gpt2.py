@@ -15,7 +15,8 @@ from torch.distributed.tensor import Replicate, Shard
 from lit_mesh.hf.blocks import base_prefix, hf_config
 from lit_mesh.hf.context import not_offered
 from lit_mesh.hf.conv1d import Conv1DColwise, Conv1DRowwise, LocalSplitWidth
-from lit_mesh.plan import ParallelPlan, TensorPlan
+from lit_mesh.hf.pipeline import decoder_pipeline_plan
+from lit_mesh.plan import ParallelPlan, PipelinePlan, TensorPlan
 
 
 def _between_blocks(sequence_parallel: bool) -> Shard | Replicate:
@@ -52,5 +53,12 @@ def gpt2_plan(model: nn.Module) -> ParallelPlan:
             },
             divides={"n_head": config.n_head, "n_inner (MLP width)": config.n_inner or 4 * config.n_embd},
             custom_styles=CUSTOM_STYLES,
+        ),
+        # the head is tied to wte (GPT-2's default): the first and the last stage each hold a copy
+        # (lit_mesh/parallel/pipeline/tied.py); later stages add zeros for the position embeddings
+        pp=(
+            decoder_pipeline_plan(base, ("wte", "wpe", "drop"), "ln_f", wpe="zeros", drop="identity")
+            if hasattr(model, "lm_head")
+            else PipelinePlan()
         ),
     )

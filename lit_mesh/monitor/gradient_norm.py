@@ -32,5 +32,8 @@ class GradientNormMonitor(Callback):
             return
         pipeline: Any = getattr(trainer.strategy, "_pipeline", None)  # stages hold different parameters
         across = pipeline.group if pipeline is not None else None
-        norm = global_grad_norm(pl_module.parameters(), self.norm_type, across)
+        params = list(pl_module.parameters())
+        norm = global_grad_norm(
+            pipeline.norm_parameters(params) if pipeline is not None else params, self.norm_type, across
+        )
         pl_module.log(self.name, norm, on_step=True, on_epoch=False)

@@ -8,7 +8,7 @@ communication hooks.
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import cast
 
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
@@ -18,6 +18,7 @@ from torch.distributed.tensor import DTensor
 
 from lit_mesh.comm.compression import CompressionRun
 from lit_mesh.comm.hierarchical import Hierarchy, attach_hierarchical_all_reduce
+from lit_mesh.init import draw_as
 from lit_mesh.mesh import MeshAxis, MeshViews
 from lit_mesh.options import MeshOptions
 from lit_mesh.parallel.activation_checkpointing import apply_activation_checkpointing
@@ -38,6 +39,7 @@ from lit_mesh.parallel.pipeline.split import (
     split_into_stages,
     stage_ranks,
 )
+from lit_mesh.parallel.pipeline.tied import tied_name_groups
 from lit_mesh.parallel.tensor import PlanError, apply_tensor_parallel
 from lit_mesh.parallel.units import (
     Blocks,
@@ -105,6 +107,7 @@ class Parallelized:
     owners: list[PlanOwner]
     stages: list[Stage] | None = None
     stage_ranks: list[int] | None = None
+    tied: list[list[str]] = field(default_factory=list)  # names of parameters shared across stages (before the cut)
 
 
 def split_pipeline(
@@ -125,8 +128,11 @@ def split_pipeline(
     else:
         split = balanced_split(n_blocks, n_stages)
     ranks = stage_ranks(n_stages, pp, pipeline.placement)
+    tied = tied_name_groups(owner.module)  # the whole model's names, before the cut leaves each stage its uses
     stages = split_into_stages(owner.module, owner.plan, split, ranks, pp_mesh.get_local_rank())
-    return Parallelized(owners, stages, ranks)
+    for module in {id(m): m for m in (owner.module, *(s.module for s in stages))}.values():
+        draw_as(module, {name: group[0] for group in tied for name in group[1:]})  # every copy drawn alike
+    return Parallelized(owners, stages, ranks, tied)
 
 
 def parallelize(

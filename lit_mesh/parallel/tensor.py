@@ -189,7 +189,7 @@ def apply_tensor_parallel(
     for block in blocks:
         targets += [(block, name, style) for name, style in plan.tp.block.items() if _has_submodule(block, name)]
     for owner, name, style in targets:
-        if name.split(".")[0] in owner._modules and owner._modules[name.split(".")[0]] is None:
+        if not _held(owner, name, plan.blocks):
             continue  # a pipeline stage that does not hold this module
         try:
             module = owner.get_submodule(name)
@@ -213,6 +213,21 @@ def apply_tensor_parallel(
             parallelize_module(owner, tp_mesh, {name: torch_plan})
     replicate_remaining(model, tp_mesh, skip)
     retie(tied, type(model).__name__)
+
+
+def _held(owner: nn.Module, name: str, blocks: str) -> bool:
+    """False where a pipeline stage does not hold the module `name`: dropped (None or a stand-in), or a block of
+    another stage (a name into the plan's blocks that the pruned list lacks)."""
+    module: nn.Module | None = owner
+    path = name.split(".")
+    for depth, part in enumerate(path):
+        assert module is not None
+        if part not in module._modules:
+            return not (blocks and ".".join(path[:depth]) == blocks)  # else the model lacks it: an error below
+        module = module._modules[part]
+        if module is None or getattr(module, "pipeline_stand_in", False):
+            return False
+    return True
 
 
 def _has_submodule(module: nn.Module, name: str) -> bool:

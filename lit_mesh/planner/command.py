@@ -75,7 +75,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "--model",
         default="gpt",
         help="model family: the zoo's gpt (zoo/gpt.py) or moe (zoo/moe.py), or one registered in"
-        " lit_mesh.planner.families",
+        " lit_mesh.planner.families; transformers configs are not read: plan a Llama-family model with the gpt"
+        " preset of its shape (--config-overrides)",
     )
     p.add_argument(
         "--preset",

@@ -91,7 +91,8 @@ def why_invalid(layout: MeshLayout, shapes: ModelShapes, work: Workload, hw: Har
                 f" shards them on dim {dim}, evenly only"
             )
     if layout.pp > 1 and getattr(shapes.config, "tie_embeddings", False):
-        return "pp with tied embeddings is refused by MeshStrategy (the first and last stages would share the matrix)"
+        # MeshStrategy trains it (a copy of the matrix on the first and the last stage); the memory model does not
+        return "pp with tied embeddings is not modelled by the planner (each end stage holds a copy of the matrix)"
     if layout.pp > shapes.n_blocks:
         return f"pp must not exceed the {shapes.n_blocks} blocks"
     if work.global_batch % layout.dp:

@@ -75,10 +75,14 @@ def clip_grad_norm_(
     max_norm: float,
     norm_type: float = 2.0,
     across: Optional[dist.ProcessGroup] = None,
+    norm_of: Optional[Iterable[torch.Tensor]] = None,
 ) -> torch.Tensor:
-    """Scale gradients so their global norm is at most `max_norm`; returns the norm before clipping."""
+    """Scale gradients so their global norm is at most `max_norm`; returns the norm before clipping.
+
+    `norm_of`: the parameters whose gradients make the norm (default: all; a pipeline stage's copy of a tied
+    parameter counts on one rank only), all of `parameters` being scaled."""
     parameters = list(parameters)  # those without gradients too: they tell a rank without any its device
-    total = global_grad_norm(parameters, norm_type, across)
+    total = global_grad_norm(parameters if norm_of is None else list(norm_of), norm_type, across)
     scale = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for grads in _mesh_groups(parameters, by_dtype=True):  # one multi-tensor kernel per group
         torch._foreach_mul_(grads, scale.to(device=grads[0].device, dtype=grads[0].dtype))

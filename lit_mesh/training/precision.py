@@ -7,7 +7,7 @@ plugin: `Trainer(plugins=[FP16MixedPrecision()], strategy=MeshStrategy(...))`.
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -121,6 +121,7 @@ class GlobalNormClipping(Precision):
     """
 
     stage_group: Optional[dist.ProcessGroup] = None
+    pipeline: Any = None  # the run's PipelineRunner: which parameters this rank counts in the norm (tied copies once)
 
     @override
     def clip_gradients(
@@ -138,7 +139,9 @@ class GlobalNormClipping(Precision):
 
     @override
     def clip_grad_by_norm(self, optimizer: torch.optim.Optimizer, clip_val: Union[int, float]) -> None:
-        clip_grad_norm_(self.main_params(optimizer), float(clip_val), across=self.stage_group)
+        params = list(self.main_params(optimizer))
+        counted = self.pipeline.norm_parameters(params) if self.pipeline is not None else params
+        clip_grad_norm_(params, float(clip_val), across=self.stage_group, norm_of=counted)
 
 
 _CLIPPING_CLASSES: dict[type, type] = {}

@@ -61,9 +61,9 @@ ERRORS_AFTER_START: dict[str, tuple[list[str], list[str]]] = {
         _gpt(f"{S}pp=2", f"{S}pp_microbatches=3"),
         ["pp_microbatches=3 does not divide the batch of 8 samples"],
     ),
-    "pp_with_tied_embeddings": (
-        _gpt(f"{S}pp=2", "--model.init_args.config_overrides={tie_embeddings: true}"),
-        ["pp=2 with GPT's tied parameters ['tok_embeddings.weight = output.weight']", "use pp=1"],
+    "2bw_with_tied_embeddings": (
+        _gpt(f"{S}pp=2", f"{S}pp_schedule=2bw", "--model.init_args.config_overrides={tie_embeddings: true}"),
+        ["pp_schedule='2bw' with GPT's tied parameters ['tok_embeddings.weight = output.weight']", "untie them"],
     ),
     "cp_vs_seq_len": (
         _gpt(f"{S}cp=2", "--data.init_args.seq_len=66"),

@@ -86,6 +86,23 @@ MIXTRAL = "--model.init_args.architecture=mixtral"
 ZOO_MOE = ["-c", str(REPO / "configs/moe.yaml"), "--model.init_args.config_overrides={bias_update_rate: 0.0}"]
 INIT = "--model.init_args.build=init"
 LABELS = "--model=tests.workers.hf_modules.LabelsCausalLM"
+# examples/hf_pipeline.py (the user's `model(input_ids, labels).loss` under pp): name -> (world size, its flags);
+# PP_STEPS steps each (suite time: the curve's first steps already hold every stage, schedule and tied sum)
+PP_STEPS = 4
+PIPELINE_EXAMPLES: dict[str, tuple[int, tuple[str, ...]]] = {
+    "pp-llama-single": (1, ()),
+    "pp-gpt2-single": (1, ("--arch", "gpt2")),
+    "pp-llama-pp2": (2, ("--pp", "2")),  # 1F1B
+    "pp-gpt2-pp2-gpipe": (2, ("--arch", "gpt2", "--pp", "2", "--schedule", "gpipe")),  # tied embeddings
+    "pp-gpt2-pp2_tp2": (4, ("--arch", "gpt2", "--pp", "2", "--tp", "2", "--no-sp")),  # tied copies sharded over tp
+}
+
+
+def _pipeline_example(name: str, n: int, *extra: str) -> dict:
+    args = ["hf_pipeline.py", "--devices", str(n), "--max-steps", str(PP_STEPS), *extra]
+    return {"kind": "example", "name": f"example-{name}", "args": args}
+
+
 LAUNCHES: dict[int, list[dict]] = {
     1: [
         _fit("llama-single", 1, TEXT),
@@ -97,6 +114,7 @@ LAUNCHES: dict[int, list[dict]] = {
         _fit("mistral-single", 1, TEXT, "--model.init_args.architecture=mistral"),
         {"kind": "example", "name": "example-single", "args": ["hf_model.py", "--devices", "1"]},
         _fit("llama-labels-single", 1, TEXT, LABELS),
+        *(_pipeline_example(name, 1, *extra) for name, (n, extra) in PIPELINE_EXAMPLES.items() if n == 1),
     ],
     2: [
         _fit("llama-tp2", 2, TEXT, f"{S}tp=2", checkpoint=True),  # its checkpoint is exported below
@@ -142,6 +160,8 @@ LAUNCHES: dict[int, list[dict]] = {
             f"{S}cp=2",
             f"{S}cp_style=allgather",
         ),
+        *(_pipeline_example(name, 2, *extra) for name, (n, extra) in PIPELINE_EXAMPLES.items() if n == 2),
+        _fit("llama-init-pp2", 2, TEXT, INIT, f"{S}pp=2"),  # zoo.hf.HFCausalLM through loss_of, from the CLI
         _error("no_plan", f"{S}tp=2", "--model.init_args.architecture=opt"),
         _error("tp_vs_kv_heads", f"{S}tp=2", "--model.init_args.config_overrides={num_key_value_heads: 1}"),
         _error("sp_vs_seq_len", f"{S}tp=2", "--data.init_args.seq_len=63"),
@@ -153,6 +173,7 @@ LAUNCHES: dict[int, list[dict]] = {
         _fit("gpt2-fsdp2_tp2", 4, TEXT, *_gpt2(f"{S}tp=2")),
         _fit("mixtral-tp2_ep2", 4, TEXT, MIXTRAL, f"{S}tp=2", f"{S}ep=2"),
         _fit("llama-fsdp2_cp2", 4, TEXT, f"{S}cp=2"),
+        *(_pipeline_example(name, 4, *extra) for name, (n, extra) in PIPELINE_EXAMPLES.items() if n == 4),
     ],
 }
 
@@ -195,13 +216,37 @@ def _pretrained_ep(out: Path, nproc: int) -> dict:
     return {"kind": "predict", "name": PRETRAINED_EP[nproc], "args": args}
 
 
+# zoo.hf.HFCausalLM(pretrained=DIR) from a saved GPT-2 (tied embeddings), on one device and on pp2: built on the meta
+# device, each stage reads only its own parameters (the head's copy the embedding's tensor); name -> world size
+PRETRAINED_PP = {"gpt2-pretrained-single": 1, "gpt2-pretrained-pp2": 2}
+
+
+def _save_gpt2(directory: Path) -> Path:
+    from transformers import GPT2LMHeadModel
+
+    from zoo.hf.configs import tiny_config
+
+    torch.manual_seed(0)
+    GPT2LMHeadModel(tiny_config("gpt2")).save_pretrained(directory)
+    return directory
+
+
+def _pretrained_pp(out: Path, nproc: int) -> list[dict]:
+    pretrained = f"--model.init_args.pretrained={out / 'gpt2-pretrained'}"
+    pp = [f"{S}pp=2"] if nproc == 2 else []
+    # the pp2 run's checkpoint is exported below (export-hf from a pipeline checkpoint)
+    return [_fit(name, n, TEXT, pretrained, *pp, checkpoint=n > 1) for name, n in PRETRAINED_PP.items() if n == nproc]
+
+
 @pytest.fixture(scope="module")
 def out(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("hf")
     _save_mixtral(out / "mixtral-pretrained")
+    _save_gpt2(out / "gpt2-pretrained")
     for nproc, runs in LAUNCHES.items():
         spec = out / f"runs_{nproc}.json"
-        spec.write_text(json.dumps([*runs, *([_pretrained_ep(out, nproc)] if nproc in PRETRAINED_EP else [])]))
+        extra = [*([_pretrained_ep(out, nproc)] if nproc in PRETRAINED_EP else []), *_pretrained_pp(out, nproc)]
+        spec.write_text(json.dumps([*runs, *extra]))
         proc = launch(nproc, "hf_runs.py", str(out), str(spec), timeout=600)
         if proc.returncode != 0:
             raise AssertionError(
@@ -387,6 +432,39 @@ def test_example_matches_single_device(out: Path) -> None:
         assert abs(a - b) <= 1e-4 * abs(a), f"example step {step}: tp2 {b} vs single {a}"
 
 
+def test_hf_causal_lm_under_pp_matches_single_device(out: Path) -> None:
+    """zoo.hf.HFCausalLM (loss_of) from the CLI on pp=2: the single-device curve and final parameters; rank 0 held
+    the first stage only (one of the two decoder layers, the embedding, no head)."""
+    assert_same_curve(losses(out, "llama-init-single"), losses(out, "llama-init-pp2"), "llama-init-pp2")
+    ref_params = torch.load(out / "llama-init-single" / "params.pt", weights_only=True)
+    params = torch.load(out / "llama-init-pp2" / "params.pt", weights_only=True)
+    assert ref_params.keys() == params.keys()
+    for key, ref in ref_params.items():
+        assert (params[key] - ref).abs().max().item() <= 1e-4, f"llama-init-pp2: parameter {key}"
+    held = applied(out, "llama-init-pp2")
+    assert set(params_by_block(held, DECODER)) == {f"{DECODER}.0"}
+    assert "model.model.embed_tokens.weight" in held["params"] and "model.lm_head.weight" not in held["params"]
+
+
+def test_pretrained_gpt2_under_pp_matches_single_device(out: Path) -> None:
+    """HFCausalLM(pretrained=DIR) on pp2: the single-device curve from the same saved weights (tied embeddings)."""
+    assert_same_curve(losses(out, "gpt2-pretrained-single"), losses(out, "gpt2-pretrained-pp2"), "pretrained pp2")
+
+
+@pytest.mark.parametrize("name", [name for name, (n, _) in PIPELINE_EXAMPLES.items() if n > 1])
+def test_users_own_loss_call_under_pp_matches_single_device(out: Path, name: str) -> None:
+    """`self.model(input_ids=x, labels=x).loss` unchanged: the pipeline runs inside the call, in training and in
+    validation, and the losses follow the single-device run (GPT-2's tied embeddings on both end stages)."""
+    reference = json.loads((out / f"example-pp-{name.split('-')[1]}-single.json").read_text())
+    got = json.loads((out / f"example-{name}.json").read_text())
+    assert got["world_size"] == PIPELINE_EXAMPLES[name][0]
+    assert len(set(reference["losses"])) == PP_STEPS and reference["losses"][-1] < reference["losses"][0]
+    for what in ("losses", "val_losses"):
+        assert len(got[what]) == len(reference[what]) > 0, what
+        for step, (a, b) in enumerate(zip(reference[what], got[what], strict=True), start=1):
+            assert abs(a - b) <= 1e-4 * abs(a), f"{name} {what} {step}: {b} vs single {a}"
+
+
 def _checkpoint(out: Path, name: str) -> Path:
     found = sorted((out / name).rglob("*.ckpt"))
     assert found, f"{name} wrote no checkpoint"
@@ -396,7 +474,13 @@ def _checkpoint(out: Path, name: str) -> Path:
 
 @pytest.mark.parametrize(
     ("name", "architecture"),
-    [("llama-tp2", "llama"), ("gpt2-tp2", "gpt2"), ("mixtral-ep2", "mixtral"), ("mixtral-tp2", "mixtral")],
+    [
+        ("llama-tp2", "llama"),
+        ("gpt2-tp2", "gpt2"),
+        ("mixtral-ep2", "mixtral"),
+        ("mixtral-tp2", "mixtral"),
+        ("gpt2-pretrained-pp2", "gpt2"),  # each stage saved its own parameters (the tied matrix on both ends)
+    ],
 )
 def test_exported_checkpoint_loads_with_from_pretrained(
     out: Path, tmp_path: Path, name: str, architecture: str

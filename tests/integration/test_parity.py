@@ -67,6 +67,8 @@ VARIANTS: dict[str, tuple[str, list[str]]] = {
     "tp4-2d": ("fsdp4", [f"{S}dp=1", f"{S}tp=4", f"{S}tp_mode=2d", f"{S}sequence_parallel=false"]),
     # tied input/output embeddings (zoo GPT tie_embeddings): one matrix, TP shards both uses over the vocabulary
     **{f"{layout}-tied": (layout, [TIED]) for layout in ("single", "fsdp2", "tp2", "fsdp2_tp2")},
+    # pp=2 (tp2's two ranks, tp overridden): the first and the last stage each hold a copy of the tied matrix
+    "pp2-tied": ("tp2", [f"{S}tp=1", f"{S}pp=2", TIED]),
 }
 
 
@@ -250,7 +252,7 @@ def test_compiled_blocks_keep_the_loss_curve(results: dict, variant: str) -> Non
     _assert_same_curve(losses(results["gpt-single"]), losses(results[f"gpt-{variant}"]), variant)
 
 
-@pytest.mark.parametrize("layout", ["fsdp2", "tp2", "fsdp2_tp2"])
+@pytest.mark.parametrize("layout", ["fsdp2", "tp2", "fsdp2_tp2", "pp2"])
 def test_tied_embeddings_keep_the_loss_curve_and_stay_one_matrix(results: dict, layout: str) -> None:
     reference = losses(results["gpt-single-tied"])
     assert reference != losses(results["gpt-single"]), "tying must change the model"
@@ -266,3 +268,7 @@ def test_tied_embeddings_keep_the_loss_curve_and_stay_one_matrix(results: dict, 
         assert (params[name] - ref).abs().max().item() <= 2e-4, f"tied {layout}: parameter {name}"
     # trained as one matrix: the head equals the embedding after 10 steps (two copies would have drifted apart)
     assert torch.equal(params["model.output.weight"], params["model.tok_embeddings.weight"])
+    if layout == "pp2":  # the norm counts the matrix once, though both stages hold a copy
+        norms = [results[f"gpt-{v}-tied"]["metrics"]["grad_norm"] for v in ("single", layout)]
+        ref_norms, got_norms = ([n[s] for s in sorted(n, key=int)] for n in norms)
+        assert all(abs(a - b) <= 1e-3 * a for a, b in zip(ref_norms, got_norms)), (ref_norms, got_norms)

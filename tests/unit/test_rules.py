@@ -71,6 +71,18 @@ def owner(moe_layer: str = "", stages: tuple[str, ...] = ("embedding",)) -> Simp
     return SimpleNamespace(name="model", module=SimpleNamespace(), plan=SimpleNamespace(moe=moe, pp=pp))
 
 
+def dense_owner(stages: tuple[str, ...] = ("embedding",)) -> SimpleNamespace:
+    plan = SimpleNamespace(moe=None, blocks="layers", pp=SimpleNamespace(first=stages, last=()))
+    return SimpleNamespace(name="model", module=SimpleNamespace(), plan=plan)
+
+
+def stage_owner() -> SimpleNamespace:
+    """A plan whose stages run through a stage module (transformers causal LMs)."""
+    owner = dense_owner()
+    owner.plan.pp.stage = lambda model: model
+    return owner
+
+
 def tp_owner(**divides: int) -> SimpleNamespace:
     """A plan owner whose plan names the sizes tp must divide."""
     plan = SimpleNamespace(tp=SimpleNamespace(unavailable="", divides=divides))
@@ -248,12 +260,32 @@ CASES: dict[str, tuple[Facts, str, Facts]] = {
         "pp_schedule='2bw' with the MoE model SimpleNamespace: the 2bw driver does not carry MoE routing statistics",
         setup(MeshLayout(pp=2), [owner("moe")]),
     ),
-    "pp_without_tied_parameters": (
-        setup(PP2, [tied_owner()]),
-        "pp=2 with ModuleDict's tied parameters ['embed.weight ="
-        " head.weight']: the embedding runs on the first pipeline stage and the output head on"
-        " the last",
-        setup(DP4, [tied_owner()]),
+    "pp_needs_stage_plan": (
+        setup(PP2, [dense_owner(stages=())]),
+        "pp=2 with SimpleNamespace: its plan declares no PipelinePlan (the modules before and after the blocks)",
+        setup(PP2, [dense_owner()]),
+    ),
+    "pp_stage_module_without_sp": (
+        setup(MeshLayout(pp=2, tp=2), [stage_owner()]),
+        "pp=2 x tp=2 with sequence parallelism and SimpleNamespace: its stages compute the positions",
+        setup(MeshLayout(pp=2, tp=2), [stage_owner()], replace(O, mesh=NO_SP)),
+    ),
+    "pp_stage_module_without_cp": (
+        setup(MeshLayout(pp=2, cp=2), [stage_owner()]),
+        "pp=2 x cp=2 with SimpleNamespace: its pipeline stages compute positions and the causal mask",
+        setup(MeshLayout(pp=2), [stage_owner()]),
+    ),
+    "2bw_without_tied_parameters": (
+        setup(MeshLayout(pp=2), [tied_owner()], TWO_BW),
+        "pp_schedule='2bw' with ModuleDict's tied parameters ['embed.weight = head.weight']: the embedding runs on"
+        " the first pipeline stage and the output head on the last",
+        setup(MeshLayout(pp=2), [tied_owner()]),
+    ),
+    "v_placement_fsdp_without_tied_parameters": (
+        setup(PP2, [tied_owner()], replace(O, pipeline=PipelineSettings("zbv"))),
+        "pp_schedule='zbv' places the first and the last stage on one rank, and ModuleDict's tied parameters"
+        " ['embed.weight = head.weight'] would be sharded by both stages' FSDP (fsdp)",
+        setup(MeshLayout(pp=2), [tied_owner()], replace(O, pipeline=PipelineSettings("zbv"))),
     ),
     "selective_ac_with_inductor_tp": (
         init(replace(O, memory=MemoryOptions("selective"), compile=CompileOptions(True, "inductor")), tp=2),

@@ -23,6 +23,7 @@ from typing_extensions import override
 from lit_mesh.checkpoint.pretrained import fill_parameters
 from lit_mesh.extras import require
 from lit_mesh.kernels import adamw_implementation
+from lit_mesh.parallel.pipeline import loss_of
 from lit_mesh.training.log_steps import reduced_on_logging_steps, step_mean
 from zoo.hf.configs import tiny_config
 from zoo.pretrained import CAUSAL_LMS, FromPretrained, hf_sources, read_config
@@ -111,7 +112,9 @@ class HFCausalLM(FromPretrained, _HFModule):
     @override
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         tokens, targets = batch
-        loss = F.cross_entropy(self(tokens).float().flatten(0, 1), targets.flatten())
+        # loss_of: under pp the schedule runs the micro-batches (the model's own call runs it with labels, which
+        # transformers shifts itself; these targets are shifted already)
+        loss = loss_of(self.model, _next_token_loss, tokens, targets)
         self.log(
             "train_loss", reduced_on_logging_steps(self, step_mean(self, "train_loss", loss)), prog_bar=True
         )  # no per-step collective
@@ -156,6 +159,12 @@ class HFCausalLM(FromPretrained, _HFModule):
             optimizer, num_warmup_steps=h.warmup_steps, num_training_steps=h.decay_steps, min_lr_rate=h.min_lr_ratio
         )
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def _next_token_loss(output: Any, targets: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy of the logits (a transformers output's, or a pipeline's last stage's) against shifted targets."""
+    logits = output if isinstance(output, torch.Tensor) else output.logits
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 
 
 class HFImageClassifier(_HFModule):

@@ -19,6 +19,7 @@ _EXPORTS = {
     "loss_of": "api",
     "output_of": "api",
     "is_pipelined": "api",
+    "microbatches": "api",
     "sum_over_stages": "api",
     "start_pipeline": "api",
     "pipeline_scope": "api",

@@ -37,18 +37,20 @@ def start_pipeline(
     settings: PipelineSettings,
     pp_group: dist.ProcessGroup,
     device: torch.device,
+    refuse_calls: bool = True,
 ) -> PipelineRunner:
     """This rank's runner over its stages of `owner`.
 
     This rank's runner over its stages of `owner` (the plan owner cut into stages): 2bw's own driver, or torch's
-    schedule for every other name.
+    schedule for every other name. `refuse_calls=False`: the plan takes over calls of the whole model
+    (PipelinePlan.calls), so they are not refused.
     """
     runner_cls = TwoBWRunner if settings.schedule == "2bw" else ScheduleRunner
     runner = runner_cls(
         stages, settings, pp_group, stage_ranks, device=device, parameters=lambda: list(owner.parameters())
     )
     runner.model = owner
-    if all(stage.module is not owner for stage in stages):  # several stages per rank: views, and the owner beside
+    if refuse_calls and all(stage.module is not owner for stage in stages):  # views (several stages per rank)
         owner.register_forward_pre_hook(runner._refuse_direct_calls, prepend=True)
     return runner
 
@@ -96,6 +98,12 @@ def is_pipelined(model: nn.Module) -> bool:
     stages' part.
     """
     return _runner_of(model) is not None
+
+
+def microbatches(model: nn.Module) -> int:
+    """How many micro-batches the pipeline of `model` cuts a batch into in the current step (1 when not pipelined)."""
+    runner = _runner_of(model)
+    return runner.n_microbatches if runner is not None else 1
 
 
 def sum_over_stages(model: nn.Module, tensor: Tensor) -> Tensor:

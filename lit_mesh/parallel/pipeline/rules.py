@@ -193,6 +193,66 @@ RULES: list[Rule] = [
         PlanError,
     ),
     Rule(
+        # a dense plan without the modules before and after its blocks (a transformers base model, ViT): no stages
+        "pp_needs_stage_plan",
+        "setup",
+        lambda f: (
+            not f.self_parallelised
+            and f.layout.pp > 1
+            and bool(f.owners)
+            and bool(f.owners[0].plan.blocks)  # a plain nn.Sequential is cut by its children, without them
+            and f.owners[0].plan.moe is None
+            and not (f.owners[0].plan.pp.first or f.owners[0].plan.pp.last)
+        ),
+        lambda f: (
+            f"pp={f.layout.pp} with {type(f.owners[0].module).__name__}: its plan declares no PipelinePlan (the"
+            " modules before and after the blocks), so it cannot be cut into stages; pipeline a causal LM (Llama,"
+            " Qwen2, Mistral, GPT-2 *ForCausalLM / LMHeadModel), declare pp=PipelinePlan(first=..., last=...) in"
+            " its parallel_plan(), or use pp=1"
+        ),
+        PlanError,
+    ),
+    Rule(
+        # a stage module of a plan (transformers' forward) counts the positions and builds the causal mask from its
+        # input, which sequence parallelism shards between stages
+        "pp_stage_module_without_sp",
+        "setup",
+        lambda f: (
+            not f.self_parallelised
+            and f.layout.pp > 1
+            and f.layout.tp > 1
+            and bool(f.options.mesh.sequence_parallel)
+            and bool(f.owners)
+            and getattr(f.owners[0].plan.pp, "stage", None) is not None
+        ),
+        lambda f: (
+            f"pp={f.layout.pp} x tp={f.layout.tp} with sequence parallelism and"
+            f" {type(f.owners[0].module).__name__}: its stages compute the positions and the causal mask from the"
+            " hidden states they receive, which sequence parallelism would cut between the stages; pass"
+            " sequence_parallel=False (tensor parallel without it), or use tp=1"
+        ),
+        PlanError,
+    ),
+    Rule(
+        # the same stage modules count the positions from the sequence they receive: context parallelism's shard
+        # would give every cp rank positions from 0 (and its attention swap is not wired through the stages)
+        "pp_stage_module_without_cp",
+        "setup",
+        lambda f: (
+            not f.self_parallelised
+            and f.layout.pp > 1
+            and f.layout.cp > 1
+            and bool(f.owners)
+            and getattr(f.owners[0].plan.pp, "stage", None) is not None
+        ),
+        lambda f: (
+            f"pp={f.layout.pp} x cp={f.layout.cp} with {type(f.owners[0].module).__name__}: its pipeline stages"
+            " compute positions and the causal mask from the tokens they receive, which context parallelism shards;"
+            " use pp or cp for this model, not both (the zoo GPT combines them)"
+        ),
+        PlanError,
+    ),
+    Rule(
         "pp_moe_needs_stage_plan",
         "setup",
         lambda f: (
@@ -221,16 +281,38 @@ RULES: list[Rule] = [
         PipelineConfigError,
     ),
     Rule(
-        # Megatron sums the two uses' gradients over an embedding group of the first and last stages; we do not yet
-        "pp_without_tied_parameters",
+        # the other schedules sum the tied copies' gradients after their step (tied.py); 2bw steps its own weights
+        "2bw_without_tied_parameters",
         "setup",
-        lambda f: not f.self_parallelised and f.layout.pp > 1 and bool(_tied_names(f.owners[0].module)),
+        lambda f: not f.self_parallelised and _is_2bw(f) and bool(f.owners) and bool(_tied_names(f.owners[0].module)),
         lambda f: (
-            f"pp={f.layout.pp} with {type(f.owners[0].module).__name__}'s tied parameters"
+            f"pp_schedule='2bw' with {type(f.owners[0].module).__name__}'s tied parameters"
             f" {_tied_names(f.owners[0].module)}: the embedding runs on the first pipeline stage and the output head on"
-            " the last, and their gradients would have to be summed across stages (not supported yet); use pp=1 (fsdp,"
-            " tp and cp work with tied embeddings), or untie them (zoo GPT: tie_embeddings=False)"
+            " the last, and the 2bw driver's delayed weight versions cannot sum their gradients between the stages;"
+            " use another pp_schedule (1f1b, gpipe, interleaved_1f1b, ...), or untie them (zoo GPT:"
+            " tie_embeddings=False)"
         ),
-        PlanError,
+        PipelineConfigError,
+    ),
+    Rule(
+        # V placement puts the first and the last stage on one rank, each stage its own FSDP root: one parameter
+        # cannot be sharded by two roots
+        "v_placement_fsdp_without_tied_parameters",
+        "setup",
+        lambda f: (
+            not f.self_parallelised
+            and f.layout.pp > 1
+            and f.options.pipeline.placement == "v"
+            and f.layout.data_parallel in ("fsdp", "hsdp")
+            and bool(f.owners)
+            and bool(_tied_names(f.owners[0].module))
+        ),
+        lambda f: (
+            f"pp_schedule={f.options.pipeline.schedule!r} places the first and the last stage on one rank, and"
+            f" {type(f.owners[0].module).__name__}'s tied parameters {_tied_names(f.owners[0].module)} would be"
+            f" sharded by both stages' FSDP ({f.layout.data_parallel}); use a looped schedule (1f1b, gpipe,"
+            " interleaved_1f1b), dp_shard=1, or untie them (zoo GPT: tie_embeddings=False)"
+        ),
+        PipelineConfigError,
     ),
 ]

@@ -30,6 +30,7 @@ from lit_mesh.errors import PipelineConfigError
 from lit_mesh.parallel.pipeline.p2p import recv_with_header, send_with_header
 from lit_mesh.parallel.pipeline.schedules import SCHEDULES, PipelineSettings
 from lit_mesh.parallel.pipeline.split import Stage
+from lit_mesh.parallel.pipeline.tied import TiedParameters
 
 # True while a runner drives its stages (a direct call of a stage is refused otherwise); set and reset around
 # each pass, so nothing outlives it, and a stage keeps working under a later runner of another Trainer
@@ -100,6 +101,7 @@ class PipelineRunner:
         # context managers entered around each training step over the micro-batches, called with (inputs, loss
         # scale): what a technique measures over a step (MoE statistics: lit_mesh/parallel/pipeline/moe.py)
         self.step_contexts: list[Callable[[Tensor, float], Any]] = []
+        self.tied: Optional[TiedParameters] = None  # parameters shared across stages (tied embeddings)
 
     def _build(self, stages: list[Stage], device: torch.device) -> None:
         """What a subclass makes of its stages before training (torch's schedule, 2bw's weight versions)."""
@@ -127,6 +129,15 @@ class PipelineRunner:
 
     def end_training(self) -> None:
         """fit() is ending (the synchronous schedules finish every batch within its step)."""
+
+    def share_tied(self, tied: TiedParameters) -> None:
+        """Keep `tied`'s copies one matrix: their gradients summed after each step's schedule, counted once."""
+        self.tied = tied
+        self.step_contexts.append(tied.summing_gradients)
+
+    def norm_parameters(self, parameters: list[Tensor]) -> list[Tensor]:
+        """The parameters whose gradients this rank adds to the global norm (a tied copy counts on one rank)."""
+        return self.tied.counted_once(parameters) if self.tied is not None else parameters
 
     @property
     def clip_group(self) -> dist.ProcessGroup:

@@ -125,7 +125,40 @@ def _view(module: nn.Module) -> nn.Module:
     return view
 
 
-def _keep_blocks(module: nn.Module, blocks_attr: str, keep: set[int]) -> None:
+class _Identity(nn.Identity):
+    """Stands in for a module a stage does not hold, passing its input on (a final norm, a head)."""
+
+    pipeline_stand_in = True  # what tensor parallelism leaves alone (lit_mesh/parallel/tensor.py)
+
+
+class _Zeros(nn.Module):
+    """Stands in for a module whose output the model adds (GPT-2's position embeddings) on a stage without it."""
+
+    pipeline_stand_in = True
+
+    def forward(self, *_args: object, **_kwargs: object) -> torch.Tensor:
+        return torch.zeros(())
+
+
+_STAND_INS: dict[str, type[nn.Module]] = {"identity": _Identity, "zeros": _Zeros}
+
+
+def _set_child(module: nn.Module, dotted: str, value: nn.Module | None, own_parents: bool) -> None:
+    """Set the submodule at `dotted` to `value`; `own_parents`: first give `module` views of the parents on the way
+    (a stage view must not change the modules it shares with the model and the other views)."""
+    *path, leaf = dotted.split(".")
+    parent = module
+    for name in path:
+        child = parent._modules[name]
+        assert child is not None, f"{dotted}: its parent {name!r} was dropped"
+        if own_parents:
+            child = _view(child)
+            parent._modules[name] = child
+        parent = child
+    parent._modules[leaf] = value
+
+
+def _keep_blocks(module: nn.Module, blocks_attr: str, keep: set[int], own_parents: bool) -> None:
     if not blocks_attr:  # an nn.Sequential whose own children are the blocks: it keeps its stage's, by their names
         module._modules = {name: child for i, (name, child) in enumerate(module._modules.items()) if i in keep}
         return
@@ -134,7 +167,7 @@ def _keep_blocks(module: nn.Module, blocks_attr: str, keep: set[int]) -> None:
     # keep the original indices as names ("layers.5" stays "layers.5" on every layout), so checkpoints and
     # layout-independent init see the same names; ModuleList iterates its _modules in order
     kept._modules = {name: block for i, (name, block) in enumerate(blocks._modules.items()) if i in keep}
-    module._modules[blocks_attr] = kept
+    _set_child(module, blocks_attr, kept, own_parents)
 
 
 def split_into_stages(
@@ -144,12 +177,8 @@ def split_into_stages(
 
     With one stage per rank the stage is the model itself; with several (interleaved, V schedules) each
     stage is a view sharing the model's modules, and the model keeps the union (for the optimizer and
-    checkpoints, under the original parameter names).
+    checkpoints, under the original parameter names). A plan's `stage` makes the module that runs each.
     """
-    if "." in plan.blocks:
-        raise PipelineConfigError(
-            f"pipeline parallel needs the blocks as a direct child of the model; the plan names {plan.blocks!r}"
-        )
     starts = [sum(split[:s]) for s in range(len(split))]
     local = [s for s, r in enumerate(ranks) if r == pp_rank]
     last = len(split) - 1
@@ -160,22 +189,26 @@ def split_into_stages(
     def outer_modules(stage: int) -> set[str]:
         return (set(plan.pp.first) if stage == 0 else set()) | (set(plan.pp.last) if stage == last else set())
 
-    def prune(module: nn.Module, stages: list[int]) -> None:
-        _keep_blocks(module, plan.blocks, set().union(*(blocks_of(s) for s in stages)))
+    def prune(module: nn.Module, stages: list[int], own_parents: bool) -> None:
+        _keep_blocks(module, plan.blocks, set().union(*(blocks_of(s) for s in stages)), own_parents)
         keep = set().union(*(outer_modules(s) for s in stages))
         for name in (*plan.pp.first, *plan.pp.last):
             if name not in keep:
-                module._modules[name] = None
+                stand_in = plan.pp.stand_ins.get(name)
+                _set_child(module, name, _STAND_INS[stand_in]() if stand_in else None, own_parents)
+
+    def running(module: nn.Module) -> nn.Module:
+        return plan.pp.stage(module) if plan.pp.stage is not None else module
 
     if len(local) == 1:
-        prune(model, local)
-        return [Stage(local[0], model)]
+        prune(model, local, own_parents=False)
+        return [Stage(local[0], running(model))]
     views = []
     for stage in local:
         view = _view(model)
-        prune(view, [stage])
-        views.append(Stage(stage, view))
-    prune(model, local)
+        prune(view, [stage], own_parents=True)
+        views.append(Stage(stage, running(view)))
+    prune(model, local, own_parents=False)
     return views
 
 

@@ -1,0 +1,53 @@
+"""The user's own call of a transformers causal LM under pp (lit_mesh/hf/pipelined_call.py): what it refuses, by
+name, before any pipeline runs. Its runs across ranks: tests/integration/test_hf.py (examples/hf_pipeline.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lit_mesh.errors import PipelineConfigError
+from lit_mesh.hf import pipelined_call
+from lit_mesh.hf.pipelined_call import take_calls
+
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.fixture
+def model(monkeypatch: pytest.MonkeyPatch) -> torch.nn.Module:
+    config = transformers.LlamaConfig(
+        vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2
+    )
+    model = transformers.LlamaForCausalLM(config)
+    take_calls(model)
+    monkeypatch.setattr(pipelined_call, "is_pipelined", lambda _model: True)  # as inside a step under pp
+    return model
+
+
+TOKENS = torch.zeros(2, 8, dtype=torch.long)
+
+
+def test_padding_is_refused_by_name(model: torch.nn.Module) -> None:
+    mask = torch.ones(2, 8, dtype=torch.long)
+    mask[0, -2:] = 0
+    with pytest.raises(PipelineConfigError, match="attention_mask with padding"):
+        model(input_ids=TOKENS, attention_mask=mask, labels=TOKENS)
+
+
+def test_other_inputs_are_refused_by_name(model: torch.nn.Module) -> None:
+    with pytest.raises(
+        PipelineConfigError, match=r"takes token ids \(input_ids\) and labels only; got \['inputs_embeds'\]"
+    ):
+        model(inputs_embeds=torch.zeros(2, 8, 16), labels=TOKENS)
+
+
+def test_logits_in_training_name_loss_of(model: torch.nn.Module) -> None:
+    model.train()
+    with pytest.raises(PipelineConfigError, match="lit_mesh.loss_of"):
+        model(input_ids=TOKENS)
+
+
+def test_outside_a_step_is_refused(model: torch.nn.Module, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(pipelined_call, "is_pipelined", lambda _model: False)
+    with pytest.raises(RuntimeError, match="cut into pipeline stages"):
+        model(input_ids=TOKENS, labels=TOKENS)
