@@ -93,7 +93,7 @@ def _reshard(model: Optional[torch.nn.Module]) -> None:
     """Free every FSDP unit's gathered parameters (left after validate, test or predict: no backward frees them)."""
     from torch.distributed.fsdp import FSDPModule
 
-    for module in model.modules() if model is not None else ():
+    for module in model.modules() if isinstance(model, torch.nn.Module) else ():
         if isinstance(module, FSDPModule):
             module.reshard()
 
