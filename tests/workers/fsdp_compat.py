@@ -10,10 +10,8 @@ here each is marked "intended difference" where it is made.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
-import traceback
 from copy import deepcopy
 from functools import partial
 from pathlib import Path
@@ -32,8 +30,8 @@ from torch.distributed.tensor import DTensor
 
 from lit_mesh import MeshStrategy
 from lit_mesh.training.precision import FP16MixedPrecision
-from tests.thread_police import no_zombie_threads
 from tests.workers import exit_skipping_teardown
+from tests.workers.ported import run_scenarios
 
 OUT = Path(sys.argv[1])
 # intended difference: FSDPStrategy writes a full checkpoint by default, MeshStrategy a sharded one; where a test
@@ -64,7 +62,34 @@ def assert_unit(module: nn.Module, precision: str) -> None:
     assert (policy.param_dtype, policy.reduce_dtype) == PARAM_AND_REDUCE_DTYPE[precision], policy
 
 
-class TestFSDPModel(BoringModel):
+class BatchHooks(BoringModel):
+    """The batch hooks both of Lightning's FSDP test models define (written once here): fp32 batches, and the layer's
+    FSDP units checked after every batch."""
+
+    def _assert_layer_fsdp_instance(self) -> None:
+        raise NotImplementedError
+
+    def on_train_batch_start(self, batch: torch.Tensor, batch_idx: int) -> None:
+        assert batch.dtype == torch.float32
+
+    def on_train_batch_end(self, _: Any, batch: torch.Tensor, batch_idx: int) -> None:
+        assert batch.dtype == torch.float32
+        self._assert_layer_fsdp_instance()
+
+    def on_test_batch_end(self, _: Any, batch: torch.Tensor, batch_idx: int, dataloader_idx: int = 0) -> None:
+        assert batch.dtype == torch.float32
+        self._assert_layer_fsdp_instance()
+
+    def on_validation_batch_end(self, _: Any, batch: torch.Tensor, batch_idx: int, dataloader_idx: int = 0) -> None:
+        assert batch.dtype == torch.float32
+        self._assert_layer_fsdp_instance()
+
+    def on_predict_batch_end(self, _: Any, batch: torch.Tensor, batch_idx: int, dataloader_idx: int = 0) -> None:
+        assert batch.dtype == torch.float32
+        self._assert_layer_fsdp_instance()
+
+
+class TestFSDPModel(BatchHooks):
     def __init__(self) -> None:
         super().__init__()
         self.layer: Optional[nn.Module] = None
@@ -86,25 +111,6 @@ class TestFSDPModel(BoringModel):
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.AdamW(self.layer.parameters(), lr=0.1)  # type: ignore[union-attr]
 
-    def on_train_batch_start(self, batch: torch.Tensor, batch_idx: int) -> None:
-        assert batch.dtype == torch.float32
-
-    def on_train_batch_end(self, _: Any, batch: torch.Tensor, batch_idx: int) -> None:
-        assert batch.dtype == torch.float32
-        self._assert_layer_fsdp_instance()
-
-    def on_test_batch_end(self, _: Any, batch: torch.Tensor, batch_idx: int, dataloader_idx: int = 0) -> None:
-        assert batch.dtype == torch.float32
-        self._assert_layer_fsdp_instance()
-
-    def on_validation_batch_end(self, _: Any, batch: torch.Tensor, batch_idx: int, dataloader_idx: int = 0) -> None:
-        assert batch.dtype == torch.float32
-        self._assert_layer_fsdp_instance()
-
-    def on_predict_batch_end(self, _: Any, batch: torch.Tensor, batch_idx: int, dataloader_idx: int = 0) -> None:
-        assert batch.dtype == torch.float32
-        self._assert_layer_fsdp_instance()
-
     def _assert_layer_fsdp_instance(self) -> None:
         # intended difference: no FSDPPrecision plugin check (MeshStrategy keeps Lightning's precision plugins)
         precision = self.trainer.precision
@@ -124,26 +130,7 @@ class TestBoringModel(BoringModel):
         return torch.optim.AdamW(self.parameters(), lr=0.1)
 
 
-class TestFSDPModelAutoWrapped(TestBoringModel):
-    def on_train_batch_start(self, batch: torch.Tensor, batch_idx: int) -> None:
-        assert batch.dtype == torch.float32
-
-    def on_train_batch_end(self, _: Any, batch: torch.Tensor, batch_idx: int) -> None:
-        assert batch.dtype == torch.float32
-        self._assert_layer_fsdp_instance()
-
-    def on_test_batch_end(self, _: Any, batch: torch.Tensor, batch_idx: int, dataloader_idx: int = 0) -> None:
-        assert batch.dtype == torch.float32
-        self._assert_layer_fsdp_instance()
-
-    def on_validation_batch_end(self, _: Any, batch: torch.Tensor, batch_idx: int, dataloader_idx: int = 0) -> None:
-        assert batch.dtype == torch.float32
-        self._assert_layer_fsdp_instance()
-
-    def on_predict_batch_end(self, _: Any, batch: torch.Tensor, batch_idx: int, dataloader_idx: int = 0) -> None:
-        assert batch.dtype == torch.float32
-        self._assert_layer_fsdp_instance()
-
+class TestFSDPModelAutoWrapped(TestBoringModel, BatchHooks):
     def _assert_layer_fsdp_instance(self) -> None:
         assert isinstance(self.layer, torch.nn.Sequential)
         for layer_num in [0, 2]:
@@ -223,17 +210,31 @@ def custom_auto_wrap_policy(module: nn.Module, recurse: bool, nonwrapped_numel: 
     return nonwrapped_numel >= 2
 
 
+def _size_wrapped_trainer(tmp_path: Path, wrap_min_params: int) -> Trainer:
+    """The Trainer of Lightning's size-policy tests (written once here): units by parameter count, fp16 mixed."""
+    strategy = MeshStrategy(
+        auto_wrap_policy=partial(size_based_auto_wrap_policy, min_num_params=wrap_min_params), **FSDP_DEFAULT
+    )
+    return Trainer(
+        default_root_dir=tmp_path, accelerator="cpu", devices=2, strategy=strategy, max_epochs=1, barebones=True,
+        **precision_arguments("16-mixed"),
+    )  # fmt: skip
+
+
+def _assert_equal_states(
+    model_state: dict, optimizer_state: dict, restored_model: dict, restored_optimizer: dict
+) -> None:
+    assert len(model_state) == len(restored_model)
+    assert len(optimizer_state) == len(restored_optimizer)
+    torch.testing.assert_close(model_state, restored_model, atol=0, rtol=0)
+    torch.testing.assert_close(optimizer_state, restored_optimizer, atol=0, rtol=0)
+
+
 def _strategy_full_state_dict(tmp_path: Path, wrap_min_params: int) -> None:
     model = TestFSDPModelAutoWrapped(wrap_min_params=wrap_min_params)
     correct_state_dict = model.state_dict()  # State dict before wrapping
 
-    strategy = MeshStrategy(
-        auto_wrap_policy=partial(size_based_auto_wrap_policy, min_num_params=wrap_min_params), **FSDP_DEFAULT
-    )
-    trainer = Trainer(
-        default_root_dir=tmp_path, accelerator="cpu", devices=2, strategy=strategy, max_epochs=1, barebones=True,
-        **precision_arguments("16-mixed"),
-    )  # fmt: skip
+    trainer = _size_wrapped_trainer(tmp_path, wrap_min_params)
     trainer.fit(model)
 
     full_state_dict = trainer.strategy.lightning_module_state_dict()
@@ -325,13 +326,7 @@ def test_invalid_parameters_in_optimizer_true(tmp_path: Path) -> None:
 
 def _strategy_save_optimizer_states(tmp_path: Path, wrap_min_params: int) -> None:
     model = TestFSDPModelAutoWrapped(wrap_min_params=wrap_min_params)
-    strategy = MeshStrategy(
-        auto_wrap_policy=partial(size_based_auto_wrap_policy, min_num_params=wrap_min_params), **FSDP_DEFAULT
-    )
-    trainer = Trainer(
-        default_root_dir=tmp_path, accelerator="cpu", devices=2, strategy=strategy, max_epochs=1, barebones=True,
-        **precision_arguments("16-mixed"),
-    )  # fmt: skip
+    trainer = _size_wrapped_trainer(tmp_path, wrap_min_params)
     trainer.fit(model)
     model_path = trainer.strategy.broadcast(os.path.join(tmp_path, "last.ckpt"))
     trainer.save_checkpoint(model_path)
@@ -349,10 +344,9 @@ def _strategy_save_optimizer_states(tmp_path: Path, wrap_min_params: int) -> Non
     restored_model_state_dict = trainer.strategy.lightning_module_state_dict()
     restored_optimizer_state_dict = trainer.strategy.optimizer_state(model.optimizers())
     if trainer.global_rank == 0:
-        assert len(model_state_dict) == len(restored_model_state_dict)
-        assert len(optimizer_state_dict) == len(restored_optimizer_state_dict)
-        torch.testing.assert_close(model_state_dict, restored_model_state_dict, atol=0, rtol=0)
-        torch.testing.assert_close(optimizer_state_dict, restored_optimizer_state_dict, atol=0, rtol=0)
+        _assert_equal_states(
+            model_state_dict, optimizer_state_dict, restored_model_state_dict, restored_optimizer_state_dict
+        )
     trainer.strategy.barrier()
 
 
@@ -379,13 +373,7 @@ def _strategy_load_optimizer_states(tmp_path: Path, wrap_min_params: int) -> Non
     optimizer_state_dict = trainer.strategy.optimizer_state(model.optimizers())
 
     model = TestFSDPModelAutoWrapped(wrap_min_params=wrap_min_params)
-    strategy = MeshStrategy(
-        auto_wrap_policy=partial(size_based_auto_wrap_policy, min_num_params=wrap_min_params), **FSDP_DEFAULT
-    )
-    trainer = Trainer(
-        default_root_dir=tmp_path, accelerator="cpu", devices=2, strategy=strategy, max_epochs=1, barebones=True,
-        **precision_arguments("16-mixed"),
-    )  # fmt: skip
+    trainer = _size_wrapped_trainer(tmp_path, wrap_min_params)
     trainer.fit(model, ckpt_path=model_path)
     restored_model_state_dict = trainer.strategy.lightning_module_state_dict()
     restored_optimizer_state_dict = trainer.strategy.optimizer_state(model.optimizers())
@@ -393,10 +381,9 @@ def _strategy_load_optimizer_states(tmp_path: Path, wrap_min_params: int) -> Non
         assert len(restored_model_state_dict) == 0
         assert len(restored_optimizer_state_dict) == 0
     if trainer.global_rank == 0:
-        assert len(model_state_dict) == len(restored_model_state_dict)
-        assert len(optimizer_state_dict) == len(restored_optimizer_state_dict)
-        torch.testing.assert_close(model_state_dict, restored_model_state_dict, atol=0, rtol=0)
-        torch.testing.assert_close(optimizer_state_dict, restored_optimizer_state_dict, atol=0, rtol=0)
+        _assert_equal_states(
+            model_state_dict, optimizer_state_dict, restored_model_state_dict, restored_optimizer_state_dict
+        )
     trainer.strategy.barrier()
 
 
@@ -582,23 +569,8 @@ KNOWN_GAPS = {"test_save_sharded_and_consolidate_and_load"}
 
 
 def main() -> None:
-    rank = int(os.environ["RANK"])
-    results: dict[str, Any] = {}
     only = set(sys.argv[2].split(",")) if len(sys.argv) > 2 else None
-    for scenario in SCENARIOS:
-        if (only and scenario.__name__ not in only) or (not only and scenario.__name__ in KNOWN_GAPS):
-            continue
-        tmp = OUT / scenario.__name__
-        tmp.mkdir(parents=True, exist_ok=True)
-        try:
-            with no_zombie_threads():  # Lightning's conftest check, around every test it ports
-                scenario(tmp)
-            results[scenario.__name__] = {"ok": True, "value": None}
-        except BaseException:  # noqa: BLE001 - DCP raises BaseException subclasses; recorded for the test to show
-            results[scenario.__name__] = {"ok": False, "error": traceback.format_exc()[-3000:]}
-        if torch.distributed.is_initialized():
-            torch.distributed.barrier()
-        (OUT / f"rank{rank}.json").write_text(json.dumps(results, indent=1))
+    run_scenarios([s for s in SCENARIOS if only or s.__name__ not in KNOWN_GAPS], OUT, only)
 
 
 if __name__ == "__main__":
