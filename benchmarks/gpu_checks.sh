@@ -10,7 +10,7 @@ cd "$(dirname "$0")/.."
 out=${OUT:-gpu_out}
 mkdir -p "$out"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
-wanted=" ${*:-env kernels gpu recipe memory_loss gpu_ac} "
+wanted=" ${*:-env kernels gpu recipe memory_loss gpu_ac own_model_offload} "
 
 source benchmarks/_steps.sh  # step NAME SECONDS COMMAND...
 
@@ -22,3 +22,6 @@ step recipe 160 bash -c "python -m lit_mesh.cli fit -c configs/gpu.yaml --traine
     --data.init_args.global_batch_size=4 --trainer.logger.init_args.save_dir=$out/logs && python benchmarks/tensorboard_scalars.py $out/logs"
 step memory_loss 60 python benchmarks/memory.py --loss-only
 step gpu_ac 100 python benchmarks/gpu.py --activation-checkpointing full --rounds 1
+# CPU offload's device bytes (parameters, gradients, AdamW state) against the same run without it; FSDP needs 2 or
+# more GPUs, so on a one-GPU host this step stops at once, saying so
+step own_model_offload 240 python benchmarks/own_model_memory.py --offload-only

@@ -7,9 +7,12 @@ shards of every parameter, plus the full size of every parameter whose unit is g
 output allocated: prefetched units count too). Goal: per-block peak <= (1/4 + 2/12) x the full parameter bytes.
 CPU offload (cpu_offload=True, FSDP2's CPUOffloadPolicy): the device of every parameter shard, gradient and AdamW
 state after one step; on CPU ranks every byte is on the host trivially, so the placement check here is that each
-FSDP unit carries the offload policy; on a GPU the script reports the device bytes (the goal: 0).
+FSDP unit carries the offload policy; on GPUs the script also reports the device bytes of the same run without
+cpu_offload (per-block units), so the two can be set side by side (the goal with offload: 0).
 
 Usage: python benchmarks/own_model_memory.py [--dim 256] [--timeout 900]   (prints one JSON object last)
+       python benchmarks/own_model_memory.py --offload-only   (CPU offload alone: on GPUs, dp = the visible GPUs,
+       at least 2; benchmarks/gpu_checks.sh's step own_model_offload)
 """
 
 from __future__ import annotations
@@ -103,12 +106,23 @@ class OwnModule(L.LightningModule):
         return torch.utils.data.DataLoader(torch.randint(0, VOCAB, (8, SEQ + 1)), batch_size=2)
 
 
-def fit(dim: int, **strategy: Any) -> OwnModule:
+def ranks(args: argparse.Namespace) -> int:
+    """dp=4 on CPU ranks; with --offload-only on GPUs, one rank per visible GPU (FSDP needs 2 or more)."""
+    if not (args.offload_only and torch.cuda.is_available()):
+        return N_RANKS
+    if torch.cuda.device_count() < 2:
+        raise SystemExit(
+            f"--offload-only on GPUs needs 2 or more (FSDP shards over ranks); {torch.cuda.device_count()} visible"
+        )
+    return min(N_RANKS, torch.cuda.device_count())
+
+
+def fit(dim: int, n_ranks: int = N_RANKS, **strategy: Any) -> OwnModule:
     module = OwnModule(dim)
     trainer = L.Trainer(
         accelerator="auto",
-        devices=N_RANKS,
-        strategy=MeshStrategy(dp=N_RANKS, **strategy),
+        devices=n_ranks,
+        strategy=MeshStrategy(dp=n_ranks, **strategy),
         max_steps=1,
         logger=False,
         enable_checkpointing=False,
@@ -139,10 +153,29 @@ def offload_placement(module: OwnModule) -> dict[str, Any]:
     }
 
 
+def offload_against_without(per_block: OwnModule, offloaded: OwnModule) -> dict[str, Any]:
+    """cpu_offload's placement; on GPUs, with the device bytes of the same run without it beside."""
+    result = offload_placement(offloaded)
+    if torch.cuda.is_available():  # on CPU ranks every byte is on the host either way: nothing to compare
+        result["device_bytes_without_cpu_offload"] = offload_placement(per_block)["device_bytes"]
+    return result
+
+
 def worker(args: argparse.Namespace) -> None:
+    n_ranks = ranks(args)
+    per_block = fit(args.dim, n_ranks)  # the 12 blocks found, + the rest
+    offloaded = fit(args.dim, n_ranks, cpu_offload=True)
+    if args.offload_only:
+        C.emit(
+            {
+                "benchmark": "own_model_memory",
+                "config": {"dim": args.dim, "blocks": N_BLOCKS, "dp": n_ranks, "vocab": VOCAB, "offload_only": True},
+                "cpu_offload": offload_against_without(per_block, offloaded),
+                "environment": C.environment(),
+            }
+        )
+        return
     one_unit = fit(args.dim, auto_wrap_policy=set())  # no module selected: the whole model is one unit
-    per_block = fit(args.dim)  # the 12 blocks found, + the rest
-    offloaded = fit(args.dim, cpu_offload=True)
     full = sum(p.numel() * 4 for p in Transformer(args.dim).parameters())
     peaks = {"one_unit": max(C.gather(one_unit.peak)), "per_block": max(C.gather(per_block.peak))}
     C.emit(
@@ -154,7 +187,7 @@ def worker(args: argparse.Namespace) -> None:
             "fraction_of_full": {k: round(v / full, 4) for k, v in peaks.items()},
             "goal_fraction": round(GOAL, 4),
             "per_block_meets_goal": peaks["per_block"] <= GOAL * full,
-            "cpu_offload": offload_placement(offloaded),
+            "cpu_offload": offload_against_without(per_block, offloaded),
             "environment": C.environment(),
         }
     )
@@ -164,8 +197,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--dim", type=int, default=256)
     p.add_argument("--timeout", type=float, default=900)
+    p.add_argument("--offload-only", action="store_true", help="only CPU offload against without (see the doc)")
     return p.parse_args(argv)
 
 
 if __name__ == "__main__":
-    C.run(sys.argv[1:], parse_args, worker, C.launch_once(__file__, lambda args: N_RANKS), one_thread=True)
+    C.run(sys.argv[1:], parse_args, worker, C.launch_once(__file__, ranks), one_thread=True)

@@ -84,6 +84,21 @@ from lit_mesh.training.precision import check_precision_plugin, with_global_norm
 from lit_mesh.training.progress import count_steps_in_progress_bar
 
 
+def _on_device(model: torch.nn.Module, device: torch.device) -> bool:
+    """Whether every parameter and buffer of `model` is on `device` (an index-less device matches any index)."""
+    tensors = [*model.parameters(), *model.buffers()]
+    return all(t.device.type == device.type and device.index in (None, t.device.index) for t in tensors)
+
+
+def _reshard(model: Optional[torch.nn.Module]) -> None:
+    """Free every FSDP unit's gathered parameters (left after validate, test or predict: no backward frees them)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules() if isinstance(model, torch.nn.Module) else ():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
 class MeshStrategy(ModelParallelStrategy):
     """Train on one N-D DeviceMesh (pp, dp_replicate, dp_shard, cp, tp) with the model's parallel plan applied.
 
@@ -309,7 +324,9 @@ class MeshStrategy(ModelParallelStrategy):
             pretrained = declared_sources(self.model)  # filled from pretrained weights: allocated, not initialised
             materialize(self.model, done.owners, self._parameter_device, filled=pretrained)
             load_pretrained(self.model, pretrained)  # each rank reads its slices of the declared pretrained weights
-        if not self._offloaded:  # cpu_offload: FSDP2 keeps the sharded parameters on the host
+        # cpu_offload: FSDP2 keeps the sharded parameters on the host. A later loop (test after fit) finds them in
+        # place: moving them again makes FSDP2 swap every parameter, which fails while the optimizer holds them
+        if not self._offloaded and (first_setup or not _on_device(self.model, self.root_device)):
             self.model_to_device()
         if done.stages is not None and self._pipeline is None:
             assert done.stage_ranks is not None  # made with the stages
@@ -504,15 +521,26 @@ class MeshStrategy(ModelParallelStrategy):
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
         self.wait_for_checkpoint()
         path = Path(self.broadcast(checkpoint_path))
+        assert self.lightning_module is not None
+        # validate/test/predict restore the weights alone, as FSDPStrategy does: a checkpoint saved with
+        # weights_only=True holds no optimizer state, and the optimizers a fit left behind take none
+        fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
+        _reshard(self.model)
         if not path.is_dir():  # a full single-file checkpoint: never unpickling code unless the caller says so
-            checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only is not False)
+            kept = self.optimizers
+            self.optimizers = kept if fitting else []
+            try:
+                checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only is not False)
+            finally:
+                self.optimizers = kept
         else:
-            assert self.model is not None and self.lightning_module is not None
-            optimizers = {f"optimizer_{i}": optimizer for i, optimizer in enumerate(self.optimizers)}
+            assert self.model is not None
+            optimizers = {f"optimizer_{i}": o for i, o in enumerate(self.optimizers)} if fitting else {}
             strict = self.lightning_module.strict_loading
-            checkpoint = self._checkpoints.load(
-                path, self.model, optimizers, strict, self.compression_run, self.layout.describe()
-            )
+            with torch.inference_mode(False):  # Lightning calls test(ckpt_path=...) within the user's inference_mode
+                checkpoint = self._checkpoints.load(
+                    path, self.model, optimizers, strict, self.compression_run, self.layout.describe()
+                )
         rescale_batch_progress(checkpoint, self.global_batch_splits)
         return checkpoint
 

@@ -133,7 +133,7 @@ def model_problems(path: Path, model: nn.Module, strict: bool) -> Optional[str]:
     stored: dict[str, Any] = read_layout(path).state_dict_metadata
     prefix = f"{stored_model_key(path)}."
     held = {key[len(prefix) :] for key in stored if key.startswith(prefix)}
-    ours = model.state_dict()
+    ours = model.state_dict(keep_vars=True)  # names and shapes only: no detach (an inference-mode loop may run it)
     absent = [name for name in ours if name not in held]
     if strict and absent:
         extra = sorted(held - set(ours))

@@ -19,6 +19,7 @@ TWO_RANKS = [
     "manual_wrap",
     "cpu_offload",
     "checkpoints_cross",
+    "transformers_model",  # a LlamaForCausalLM in the user's own LightningModule, dp=2
 ]
 FOUR_RANKS = ["found_blocks", "auto_wrap_policy", "hsdp", "hsdp_device_mesh_auto_wrap"]  # dp=4, hsdp 2x2
 

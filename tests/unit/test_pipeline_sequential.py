@@ -12,10 +12,12 @@ import torch
 from lightning.pytorch import LightningModule
 from torch import nn
 
-from lit_mesh.errors import PipelineConfigError
+from lit_mesh.errors import PipelineConfigError, PlanError
 from lit_mesh.parallel.pipeline.sequential import SEQUENTIAL_PLAN, sequential_owners
 from lit_mesh.parallel.pipeline.split import parameter_balanced_split, split_into_stages, stage_ranks
 from lit_mesh.parallel.tensor import tp_plan_problem
+from lit_mesh.rules import check
+from lit_mesh.unit import Facts
 
 
 def conv_net() -> nn.Sequential:
@@ -110,3 +112,53 @@ def test_the_stages_chain_to_the_whole_network_under_its_names(pp: int, placemen
     for stage in sorted(stages, key=lambda s: s.index):
         x = stage.module(x)
     torch.testing.assert_close(x, expected, rtol=0, atol=0)
+
+
+class OwnTransformer(LightningModule):
+    """A user's model without a plan whose repeated blocks sit in an nn.ModuleList (each with an nn.Sequential MLP)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embedding = nn.Embedding(8, 4)
+        self.layers = nn.ModuleList(nn.Sequential(nn.Linear(4, 4), nn.GELU()) for _ in range(3))
+        self.head = nn.Linear(4, 8)
+
+
+def _setup_facts(root: LightningModule, pp: int) -> Facts:
+    from lit_mesh.mesh import MeshLayout
+    from lit_mesh.options import MeshOptions
+
+    layout = MeshLayout(pp=pp, dp_shard=1)
+    return Facts(
+        options=MeshOptions(),
+        layout=layout,
+        model_name=type(root).__name__,
+        root=root,
+        owners=sequential_owners(root) if pp > 1 else [],
+    )
+
+
+def test_a_model_without_plan_and_without_one_sequential_is_refused_under_pp_with_the_fixes() -> None:
+    """Its layers are three nn.Sequential blocks in a ModuleList and an embedding and head outside: cutting one of
+    them (or refusing with their names as 'plans') would be wrong; the error names what lies outside and the fixes."""
+    model = OwnTransformer()
+    with pytest.raises(PlanError) as refused:
+        check("setup", _setup_facts(model, pp=2))
+    message = str(refused.value)
+    assert message.startswith(
+        "pp=2: OwnTransformer declares no parallel_plan(), and without one only a network held as one nn.Sequential"
+        " is cut into pipeline stages (by its children); embedding.weight, head.weight, head.bias lie outside any"
+        " nn.Sequential"
+    ), message
+    assert "(its repeated blocks: layers.0-2 (Sequential))" in message
+    for fix in ("PipelinePlan", "one nn.Sequential and compute the loss with lit_mesh.loss_of", "pp=1"):
+        assert fix in message
+    check("setup", _setup_facts(model, pp=1))  # without pp: FSDP units per block, nothing to cut
+
+
+def test_a_sequential_beside_other_parameters_is_refused_under_pp() -> None:
+    """One nn.Sequential holding the blocks, a parameter beside it: the stages would never see that parameter."""
+    holder = Holder(conv_net(), nn.Linear(2, 2))
+    with pytest.raises(PlanError, match=r"nets\.1\.weight, nets\.1\.bias lie outside any nn\.Sequential"):
+        check("setup", _setup_facts(holder, pp=2))
+    check("setup", _setup_facts(Holder(conv_net()), pp=2))  # the network alone: cut by its children

@@ -244,6 +244,14 @@ CASES: dict[str, tuple[Facts, str, Facts]] = {
         "pp=2: configure_model parallelised the model itself",
         setup(DP4, [], self_parallelised=True),
     ),
+    "pp_without_plan_needs_one_sequential": (
+        replace(setup(PP2, []), root=nn.ModuleDict({"blocks": nn.ModuleList([nn.Linear(2, 2), nn.Linear(2, 2)])})),
+        "pp=2: Net declares no parallel_plan(), and without one only a network held as one nn.Sequential is cut into"
+        " pipeline stages (by its children); blocks.0.weight, blocks.0.bias, blocks.1.weight (+1 more) lie outside any"
+        " nn.Sequential (its repeated blocks: blocks.0-1 (Linear)). Declare parallel_plan() with a PipelinePlan on the"
+        " network",
+        replace(setup(PP2, [owner()]), root=nn.Linear(2, 2)),  # a declared plan: pp_needs_one_plan judges
+    ),
     "pp_needs_one_plan": (
         setup(PP2, [owner(), owner()]),
         "pp > 1 pipelines one model that declares parallel_plan() (or, without one, one nn.Sequential); Net has"

@@ -10,11 +10,9 @@ becomes MeshStrategy(data_parallel_size="auto", tensor_parallel_size="auto"), it
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import threading
-import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -30,8 +28,9 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from lit_mesh import MeshStrategy
 from lit_mesh.checkpoint import OPTIMIZER_STATE_OPTIONS
-from tests.thread_police import no_zombie_threads, zombie_threads
+from tests.thread_police import zombie_threads
 from tests.workers import exit_skipping_teardown
+from tests.workers.ported import run_scenarios
 
 OUT = Path(sys.argv[1])
 QUIET = dict(logger=False, enable_progress_bar=False, enable_model_summary=False)
@@ -623,23 +622,7 @@ SCENARIOS = [
 
 
 def main() -> None:
-    rank = int(os.environ["RANK"])
-    results: dict[str, Any] = {}
-    only = set(sys.argv[2].split(",")) if len(sys.argv) > 2 else None
-    for scenario in SCENARIOS:
-        if only and scenario.__name__ not in only:
-            continue
-        tmp = OUT / scenario.__name__
-        tmp.mkdir(parents=True, exist_ok=True)
-        try:
-            with no_zombie_threads():  # Lightning's conftest check, around every test it ports
-                value = scenario(tmp)
-            results[scenario.__name__] = {"ok": True, "value": value}
-        except BaseException:  # noqa: BLE001 - DCP raises BaseException subclasses; recorded for the test to show
-            results[scenario.__name__] = {"ok": False, "error": traceback.format_exc()[-3000:]}
-        if torch.distributed.is_initialized():
-            torch.distributed.barrier()
-    (OUT / f"rank{rank}.json").write_text(json.dumps(results, indent=1))
+    run_scenarios(SCENARIOS, OUT, set(sys.argv[2].split(",")) if len(sys.argv) > 2 else None)
 
 
 if __name__ == "__main__":

@@ -85,7 +85,8 @@ class Tokens(Dataset):
 
 
 def loss_of(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
-    logits = model(batch[:, :-1])
+    out = model(batch[:, :-1])
+    logits = out.logits if hasattr(out, "logits") else out  # a transformers model returns an output object
     return F.cross_entropy(logits.reshape(-1, VOCAB), batch[:, 1:].reshape(-1))
 
 
@@ -94,8 +95,8 @@ def optimizer_of(parameters: Any) -> torch.optim.Optimizer:
 
 
 # ---- one device: the plain loop -------------------------------------------------------------------------------
-def reference() -> tuple[list[float], dict[str, torch.Tensor]]:
-    model, data = new_model(), Tokens()
+def reference(factory: Callable[[], nn.Module] = new_model) -> tuple[list[float], dict[str, torch.Tensor]]:
+    model, data = factory(), Tokens()
     optimizer = optimizer_of(model.parameters())
     losses = []
     for step in range(STEPS):
@@ -110,9 +111,9 @@ def reference() -> tuple[list[float], dict[str, torch.Tensor]]:
 
 # ---- the LightningModule ----------------------------------------------------------------------------------------
 class OwnModule(LightningModule):
-    def __init__(self, wrap_in_configure_model: bool = False) -> None:
+    def __init__(self, wrap_in_configure_model: bool = False, factory: Callable[[], nn.Module] = new_model) -> None:
         super().__init__()
-        self.model = new_model()
+        self.model = factory()
         self.wrap_in_configure_model = wrap_in_configure_model
         self.losses: list[float] = []
 
@@ -164,8 +165,8 @@ def assert_close(a: float, b: float, what: str) -> None:
     assert math.isclose(a, b, rel_tol=1e-4, abs_tol=1e-6), f"{what}: {a} != {b}"
 
 
-def assert_parity(module: OwnModule, first_step: int = 0) -> None:
-    expected, final = REFERENCE
+def assert_parity(module: OwnModule, first_step: int = 0, reference: Any = None) -> None:
+    expected, final = reference or REFERENCE
     assert len(module.losses) == STEPS - first_step, module.losses
     for step, loss in enumerate(module.losses, start=first_step):
         assert_close(loss, expected[step], f"loss at step {step}")
@@ -237,6 +238,34 @@ def run_manual_wrap() -> Any:
     return units(module)
 
 
+def tiny_llama() -> nn.Module:
+    """A transformers model built from a config, as a user holds it (nothing of lit-mesh in it)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=DIM,
+        intermediate_size=2 * DIM,
+        num_hidden_layers=N_BLOCKS,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=SEQ,
+    )
+    return LlamaForCausalLM(config)
+
+
+def run_transformers_model() -> Any:
+    """A user's LightningModule holding a LlamaForCausalLM built from a config (not zoo.HFCausalLM): lit_mesh.hf
+    derives its plan from the class (blocks: the decoder layers), so each decoder layer is an FSDP unit, and dp=2
+    trains to the single-device losses and weights."""
+    module = fit(MeshStrategy(dp=WORLD), module=OwnModule(factory=tiny_llama))
+    layers = [f"model.model.layers.{i}" for i in range(N_BLOCKS)]
+    assert units(module) == sorted(["model", *layers]), units(module)
+    assert_parity(module, reference=reference(tiny_llama))
+    return units(module)
+
+
 def run_cpu_offload() -> Any:
     # FSDP2's CPUOffloadPolicy on every unit: sharded parameters, gradients and optimizer state on the host
     from torch.distributed.fsdp import CPUOffloadPolicy
@@ -246,7 +275,10 @@ def run_cpu_offload() -> Any:
         state = module.get_submodule(name)._get_fsdp_state()  # type: ignore[operator]
         group = state._fsdp_param_group
         assert group is not None and isinstance(group.offload_policy, CPUOffloadPolicy), name
+        assert group.offload_policy.pin_memory is False, name  # pinned host memory only beside an accelerator
     assert all(p.to_local().device.type == "cpu" for p in module.parameters())
+    gradients = [p.grad for p in module.parameters() if p.grad is not None]  # the last step's, left by Lightning
+    assert gradients and all(g.to_local().device.type == "cpu" for g in gradients), len(gradients)
     optimizer = module.trainer_ref.strategy.optimizers[0]  # type: ignore[attr-defined]
     assert all(v.device.type == "cpu" for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v))
     assert_parity(module)

@@ -7,6 +7,8 @@ from typing import Any, Optional
 
 from lit_mesh.errors import PipelineConfigError, PlanError
 from lit_mesh.parallel.pipeline.schedules import SCHEDULES, SPLIT_BACKWARD, microbatch_problem
+from lit_mesh.parallel.pipeline.sequential import SEQUENTIAL_PLAN
+from lit_mesh.parallel.units import choose_blocks
 from lit_mesh.unit import Facts, Rule
 
 
@@ -48,6 +50,31 @@ def _beside_2bw(f: Facts) -> list[str]:
             f"data parallel {layout.data_parallel} (dp_replicate={layout.dp_replicate}, dp_shard={layout.dp_shard})"
         )
     return found
+
+
+def _outside_the_sequential(f: Facts) -> list[str]:
+    """A model without a parallel_plan() under pp > 1: its parameters outside every nn.Sequential found to cut (all
+    of them when none was found). Empty where the model declares a plan or configure_model parallelised it."""
+    if f.layout.pp == 1 or f.self_parallelised or f.root is None:
+        return []
+    if any(owner.plan is not SEQUENTIAL_PLAN for owner in f.owners):  # a declared plan: pp_needs_one_plan judges
+        return []
+    inside = {id(p) for owner in f.owners for p in owner.module.parameters()}
+    return [name for name, p in f.root.named_parameters() if id(p) not in inside]
+
+
+def _not_sequential_message(f: Facts) -> str:
+    outside = _outside_the_sequential(f)
+    shown = ", ".join(outside[:3]) + (f" (+{len(outside) - 3} more)" if len(outside) > 3 else "")
+    blocks = choose_blocks(f.root)
+    found = f" (its repeated blocks: {blocks.describe()})" if blocks.modules else ""
+    return (
+        f"pp={f.layout.pp}: {f.model_name} declares no parallel_plan(), and without one only a network held as one"
+        f" nn.Sequential is cut into pipeline stages (by its children); {shown} lie outside any nn.Sequential{found}."
+        " Declare parallel_plan() with a PipelinePlan on the network (see examples/own_model_plan.py), or hold the"
+        " network as one nn.Sequential and compute the loss with lit_mesh.loss_of (examples/pipeline_sequential.py),"
+        " or use pp=1"
+    )
 
 
 def _tied_names(module: Any) -> list[str]:
@@ -180,6 +207,13 @@ RULES: list[Rule] = [
             f"pp={f.layout.pp}: configure_model parallelised the model itself, so MeshStrategy cannot cut it"
             " into pipeline stages; declare a parallel_plan() instead, or use pp=1"
         ),
+    ),
+    Rule(
+        "pp_without_plan_needs_one_sequential",
+        "setup",
+        lambda f: bool(_outside_the_sequential(f)),
+        _not_sequential_message,
+        PlanError,
     ),
     Rule(
         "pp_needs_one_plan",
