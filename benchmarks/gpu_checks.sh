@@ -10,7 +10,7 @@ cd "$(dirname "$0")/.."
 out=${OUT:-gpu_out}
 mkdir -p "$out"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
-wanted=" ${*:-env kernels gpu recipe memory_loss gpu_ac} "
+wanted=" ${*:-env kernels gpu recipe memory_loss gpu_ac float8_1b float8_wide} "
 
 source benchmarks/_steps.sh  # step NAME SECONDS COMMAND...
 
@@ -22,3 +22,7 @@ step recipe 160 bash -c "python -m lit_mesh.cli fit -c configs/gpu.yaml --traine
     --data.init_args.global_batch_size=4 --trainer.logger.init_args.save_dir=$out/logs && python benchmarks/tensorboard_scalars.py $out/logs"
 step memory_loss 60 python benchmarks/memory.py --loss-only
 step gpu_ac 100 python benchmarks/gpu.py --activation-checkpointing full --rounds 1
+# float8 linears (torchao, pip install -e '.[fp8]') against bf16-mixed, tokens/s: the 1B preset, then 8 blocks of
+# llama3-8b's width (dim 4096, ffn 14336), where the matmuls are large enough for float8 to pay
+step float8_1b 240 python benchmarks/gpu.py --float8 tensorwise --rounds 2
+step float8_wide 300 python benchmarks/gpu.py --float8 tensorwise --preset llama3-8b --n-layers 8 --batch-size 2 --rounds 2
