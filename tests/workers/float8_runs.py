@@ -27,15 +27,15 @@ from tests.workers.checks import Checks
 from zoo import GPTModule, TextDataModule
 
 STEPS = 50
-RESUME_AT = 40
+RESUME_AT = 45
 # float8 against fp32 on this model, measured over the 50 steps (relative difference of each step's loss): 0.01% at
 # step 1, then growing with training, at most 2.4% on a step and 0.29% on average (fsdp4 tensorwise), 2.1% and 0.38%
-# (fsdp2 x tp2 tensorwise), 2.0% and 0.43% (fsdp2 x tp2 rowwise, 50 steps). Allowed: 5% on any step and 1.5% on
+# (fsdp2 x tp2 tensorwise), 2.0% and 0.43% (fsdp2 x tp2 rowwise, 50 steps; the test runs 15). Allowed: 5% on any step and 1.5% on
 # average; a float8 path that broke training (a wrong scale, a lost gradient) is off by far more within a few steps,
 # and each run must still train (the last loss below 80% of the first).
 LOSS_RTOL = 0.05
 MEAN_RTOL = 0.015
-ROWWISE_STEPS = 25  # the second recipe: half the steps, for the suite's time
+ROWWISE_STEPS = 15  # the second recipe: fewer steps, for the suite's time
 WORLD = 4
 OUT = Path(sys.argv[1]) if __name__ == "__main__" else Path(".")
 check = Checks()
