@@ -11,6 +11,13 @@ lit-mesh / hand loop (median over rounds) and the card's name, as one JSON line.
 
     python benchmarks/gpu.py                                # on one GPU
     python benchmarks/gpu.py --preset tiny --steps 3 --warmup 1 --rounds 1 --compile-backend aot_eager  # CPU smoke
+
+--float8 RECIPE compares lit-mesh in bf16-mixed against lit-mesh with the blocks' linears in float8
+(MeshStrategy(float8=RECIPE), torchao; emulated, so slower, where the device has no float8 matmul) instead of the hand
+loop; --n-layers cuts a preset's depth (8 layers of llama3-8b's width fit one GPU):
+
+    python benchmarks/gpu.py --float8 tensorwise                               # the 1B preset
+    python benchmarks/gpu.py --float8 tensorwise --preset llama3-8b --n-layers 8 --batch-size 2
 """
 
 from __future__ import annotations
@@ -44,6 +51,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=3, help="lit-mesh / hand loop alternations")
     p.add_argument("--compile-backend", default="inductor", help='torch.compile backend; "none": no compile')
     p.add_argument("--activation-checkpointing", default="none", choices=["none", "full", "selective"])
+    p.add_argument("--float8", default="none", choices=["none", "tensorwise", "rowwise"], help="against bf16-mixed")
+    p.add_argument("--n-layers", type=int, default=None, help="the preset's depth cut to this many blocks")
     p.add_argument("--peak-flops", type=float, default=None, help="dense bf16 FLOP/s of the device (default: table)")
     return p.parse_args(argv)
 
@@ -97,7 +106,19 @@ def peak_memory_gib() -> float | None:
     return torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None
 
 
-def lit_mesh_run(args: argparse.Namespace, batches: list[C.Batch]) -> tuple[float, float | None]:
+def bench_module(args: argparse.Namespace) -> BenchModule:
+    overrides = {"n_layers": args.n_layers} if args.n_layers is not None else None
+    return BenchModule(preset=args.preset, config_overrides=overrides)
+
+
+def lit_mesh_float8_run(args: argparse.Namespace, batches: list[C.Batch]) -> tuple[float, float | None]:
+    """lit_mesh_run with the blocks' linears in float8 (--float8)."""
+    return lit_mesh_run(args, batches, float8=args.float8)
+
+
+def lit_mesh_run(
+    args: argparse.Namespace, batches: list[C.Batch], float8: str | None = None
+) -> tuple[float, float | None]:
     """(seconds of the timed steps, peak GiB) of Trainer + MeshStrategy on one device."""
     reset_peak_memory()
     L.seed_everything(0, verbose=False)
@@ -106,11 +127,12 @@ def lit_mesh_run(args: argparse.Namespace, batches: list[C.Batch]) -> tuple[floa
         compile_blocks=args.compile_backend != "none",
         compile_backend=args.compile_backend if args.compile_backend != "none" else "inductor",
         activation_checkpointing=args.activation_checkpointing,
+        float8=float8,  # type: ignore[arg-type]  # argparse's choices: a recipe name
     )
     kwargs = C.trainer_kwargs(1, args.warmup + args.steps, [timer])
     kwargs.update(accelerator="auto", precision="bf16-mixed")
     trainer = L.Trainer(strategy=strategy, **kwargs)
-    module = BenchModule(preset=args.preset)
+    module = bench_module(args)
     trainer.fit(module, torch.utils.data.DataLoader(batches, batch_size=None))
     return timer.seconds, peak_memory_gib()
 
@@ -120,7 +142,7 @@ def hand_loop_run(args: argparse.Namespace, batches: list[C.Batch]) -> tuple[flo
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     reset_peak_memory()
     L.seed_everything(0, verbose=False)
-    model = GPT(BenchModule(preset=args.preset).config).to(device)
+    model = GPT(bench_module(args).config).to(device)
     if args.compile_backend != "none":
         for block in model.layers:  # what MeshStrategy(compile_blocks=True) compiles
             block.forward = torch.compile(block.forward, backend=args.compile_backend)
@@ -142,7 +164,7 @@ def hand_loop_run(args: argparse.Namespace, batches: list[C.Batch]) -> tuple[flo
 
 def main(argv: list[str]) -> None:
     args = parse_args(argv)
-    config = BenchModule(preset=args.preset).config
+    config = bench_module(args).config
     batches = C.random_batches(args.warmup + args.steps, args.batch_size, args.seq_len, config.vocab_size, seed=0)
     card = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     peak = args.peak_flops or (peak_bf16_flops(card) if torch.cuda.is_available() else None)
@@ -155,6 +177,8 @@ def main(argv: list[str]) -> None:
     runs = (("lit_mesh", lit_mesh_run), ("hand_loop", hand_loop_run))[
         : 1 if args.activation_checkpointing != "none" else 2
     ]
+    if args.float8 != "none":  # bf16-mixed against float8 linears, both through lit-mesh
+        runs = (("lit_mesh", lit_mesh_run), ("lit_mesh_float8", lit_mesh_float8_run))
     for _ in range(args.rounds):
         for name, run in runs:
             seconds, memory = run(args, batches)
@@ -178,6 +202,9 @@ def main(argv: list[str]) -> None:
             "ratio_lit_mesh_over_hand_loop": median["lit_mesh"] / median["hand_loop"]
             if "hand_loop" in median
             else None,
+            "ratio_float8_over_bf16": median["lit_mesh_float8"] / median["lit_mesh"]
+            if "lit_mesh_float8" in median
+            else None,
             "mfu": {n: median[n] * flops_per_token / peak if peak else None for n in median},
             "peak_memory_gib": {
                 n: max((r["peak_memory_gib"] or 0.0) for r in rows if r["run"] == n) or None for n in median
@@ -186,6 +213,8 @@ def main(argv: list[str]) -> None:
             "goals": {"ratio": ">= 0.98", "mfu": ">= 0.45 (llama3.2-1b, one H100, bf16)"},
             "config": {
                 "preset": args.preset,
+                "n_layers": config.n_layers,
+                "float8": args.float8,
                 "params": params,
                 "tie_embeddings": config.tie_embeddings,
                 "batch_size": args.batch_size,

@@ -10,7 +10,7 @@ cd "$(dirname "$0")/.."
 out=${OUT:-gpu_out}
 mkdir -p "$out"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
-wanted=" ${*:-env kernels gpu recipe memory_loss gpu_ac own_model_offload} "
+wanted=" ${*:-env kernels gpu recipe memory_loss gpu_ac own_model_offload float8_1b float8_wide} "
 
 source benchmarks/_steps.sh  # step NAME SECONDS COMMAND...
 
@@ -25,3 +25,7 @@ step gpu_ac 100 python benchmarks/gpu.py --activation-checkpointing full --round
 # CPU offload's device bytes (parameters, gradients, AdamW state) against the same run without it; FSDP needs 2 or
 # more GPUs, so on a one-GPU host this step stops at once, saying so
 step own_model_offload 240 python benchmarks/own_model_memory.py --offload-only
+# float8 linears (torchao, pip install -e '.[fp8]') against bf16-mixed, tokens/s: the 1B preset, then 8 blocks of
+# llama3-8b's width (dim 4096, ffn 14336), where the matmuls are large enough for float8 to pay
+step float8_1b 240 python benchmarks/gpu.py --float8 tensorwise --rounds 2
+step float8_wide 300 python benchmarks/gpu.py --float8 tensorwise --preset llama3-8b --n-layers 8 --batch-size 2 --rounds 2

@@ -17,6 +17,7 @@ EXTRAS: dict[str, tuple[str, str]] = {
     "datasets": ("data", "parquet input of lit-mesh prepare-data"),
     "sklearn": ("vision", "the digits data set of the ViT recipe"),
     "jinja2": ("bench", "the benchmark report (benchmarks/report.py)"),
+    "torchao": ("fp8", "float8 training (MeshStrategy(float8=...))"),
 }
 
 

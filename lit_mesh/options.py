@@ -25,6 +25,7 @@ from lit_mesh.parallel.activation_checkpointing import MemoryOptions
 from lit_mesh.parallel.compile import CompileOptions
 from lit_mesh.parallel.context import ContextOptions
 from lit_mesh.parallel.data import DataParallelOptions
+from lit_mesh.parallel.float8 import Float8Options
 from lit_mesh.parallel.fsdp_arguments import FSDP1_KEYWORDS, FSDPArguments, check_fsdp1_keywords, resolve
 from lit_mesh.parallel.fsdp_arguments import RULES as FSDP_ARGUMENT_RULES
 from lit_mesh.parallel.grid import TPMode, check_tp_mode
@@ -40,6 +41,7 @@ __all__ = [  # the groups, importable from here as before
     "ContextOptions",
     "DataParallelOptions",
     "FSDPArguments",
+    "Float8Options",
     "LaunchOptions",
     "MemoryOptions",
     "MeshDegrees",
@@ -92,6 +94,7 @@ class MeshOptions:
     context: ContextOptions = ContextOptions()
     memory: MemoryOptions = MemoryOptions()
     compile: CompileOptions = CompileOptions()
+    float8: Float8Options = Float8Options()
     communication: CommunicationOptions = CommunicationOptions()
     checkpoint: CheckpointOptions = CheckpointOptions()
     stop_on_nonfinite_loss: bool = option(

@@ -16,7 +16,7 @@ from lit_mesh import mesh
 from lit_mesh.checkpoint import writer as checkpoint_writer
 from lit_mesh.comm import rules as compression
 from lit_mesh.comm import topology
-from lit_mesh.parallel import activation_checkpointing, data, expert, fsdp_arguments, tensor
+from lit_mesh.parallel import activation_checkpointing, data, expert, float8, fsdp_arguments, tensor
 from lit_mesh.parallel import compile as torch_compile
 from lit_mesh.parallel.context import rules as context
 from lit_mesh.parallel.grid import rules as grid
@@ -33,6 +33,7 @@ RULES: list[Rule] = [
     *grid.RULES,  # lit_mesh/parallel/grid/rules.py
     *context.RULES,  # lit_mesh/parallel/context/rules.py
     *torch_compile.RULES,
+    *float8.RULES,
     *data.RULES,
     *fsdp_arguments.RULES,
     *checkpoint_writer.RULES,

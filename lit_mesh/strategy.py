@@ -60,6 +60,7 @@ from lit_mesh.parallel.activation_checkpointing import ActivationCheckpointing
 from lit_mesh.parallel.apply import already_parallelized, parallelize
 from lit_mesh.parallel.context import CPStyle, gather_batch, shard_batch
 from lit_mesh.parallel.data import ZeroStage, defer_gradient_reduction, refuse_fsdp1
+from lit_mesh.parallel.float8 import Float8Recipe
 from lit_mesh.parallel.fsdp_arguments import offload_policy
 from lit_mesh.parallel.grid import TPMode
 from lit_mesh.parallel.pipeline.api import pipeline_scope, start_pipeline
@@ -131,6 +132,7 @@ class MeshStrategy(ModelParallelStrategy):
         compile_blocks: bool = False,
         compile_backend: str = "inductor",
         async_tp: bool = False,
+        float8: Optional[Float8Recipe] = None,
         stop_on_nonfinite_loss: bool = True,
         save_distributed_checkpoint: bool = True,
         async_save: bool = False,

@@ -1,5 +1,5 @@
 """The one place where plans are applied, in the one order:
-MoE layer adapters -> split into pipeline stages -> TP/SP (1-D; a grid tp_mode: grid/apply.py) -> CP -> EP ->
+MoE layer adapters -> split into pipeline stages -> float8 linears in the blocks -> TP/SP (1-D; a grid tp_mode: grid/apply.py) -> CP -> EP ->
 activation checkpointing -> torch.compile -> FSDP/HSDP/DDP per block (experts first) -> each stage's root ->
 communication hooks.
 
@@ -11,6 +11,7 @@ import weakref
 from dataclasses import dataclass, field
 from typing import cast
 
+import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
@@ -26,6 +27,7 @@ from lit_mesh.parallel.compile import apply_compile, enable_async_tp
 from lit_mesh.parallel.context import apply_context_parallel
 from lit_mesh.parallel.data import apply_data_parallel, attach_compression, data_parallel_mesh
 from lit_mesh.parallel.expert import adapt_moe_layers, apply_expert_parallel, expert_modules, shard_experts
+from lit_mesh.parallel.float8 import convert_blocks, float8_tp_style, float8_tp_styles_apply
 from lit_mesh.parallel.fsdp_arguments import mixed_precision_override, offload_policy
 from lit_mesh.parallel.grid import average_over_replicas, parallelize_grid
 from lit_mesh.parallel.pipeline.schedules import PipelineSettings
@@ -177,12 +179,19 @@ def parallelize(
     for owner in owners:
         adapt_moe_layers(owner.module, owner.plan)
     done = split_pipeline(root, owners, mesh, options.pipeline) if layout.pp > 1 else Parallelized(owners)
+    if options.float8.recipe is not None:  # before TP and FSDP: both act on the converted linears
+        fsdp_sharded = layout.dp_shard * layout.cp > 1 and options.data.zero_stage != 1
+        block_lists = _block_lists(owners, blocks, without_plan)
+        conversion = convert_blocks(root, block_lists, options.float8.recipe, mesh.root.device_type, fsdp_sharded)
+        rank_zero_info(conversion.report())
     grid_mode = layout.tp > 1 and options.tensor.mode != "1d"
     if grid_mode:  # with tp and DDP alone, every parameter in a plan owner (grid/rules.py)
         parallelize_grid(owners, mesh, options.tensor.mode, options.tensor.depth)
         if layout.dp_replicate > 1:
             average_over_replicas(owners, mesh.root.get_group(MeshAxis.DP_REPLICATE))
     elif layout.tp > 1:
+        tp_backend = dist.get_backend(mesh[MeshAxis.TP].get_group())
+        float8_styles = float8_tp_styles_apply(options.float8.recipe, sequence_parallel, tp_backend)
         for owner in owners:
             experts = expert_modules(owner.module, owner.plan)  # placed by EP below
             apply_tensor_parallel(
@@ -192,6 +201,7 @@ def parallelize(
                 sequence_parallel,
                 skip=experts,
                 vocab_sharded_output=layout.pp == 1,
+                float8_styles=float8_tp_style if float8_styles else None,
             )
         if done.stages and sequence_parallel and owners[0].plan.cp.positions and layout.cp == 1:  # cp: below
             for stage in (s for s in done.stages if s.index != 0):  # the first stage counts them itself
@@ -207,9 +217,8 @@ def parallelize(
             apply_expert_parallel(owner.module, owner.plan, mesh, layout)
     if options.compile.async_tp:  # CUDA + NCCL, inductor, tp > 1 with SP: the rules of lit_mesh/parallel/compile.py
         enable_async_tp(mesh[MeshAxis.TP])
-    block_lists = [list(cast(nn.ModuleList, o.module.get_submodule(o.plan.blocks))) for o in owners]
+    block_lists = _block_lists(owners, blocks, without_plan)
     if without_plan:
-        block_lists = [[module for _, module in blocks.modules]]
         if options.fsdp.activation_checkpointing_policy is not None:  # FSDPStrategy's name: the modules it selects
             apply_activation_checkpointing(policy_modules(root, options.fsdp.activation_checkpointing_policy), "full")
     for block_list in block_lists:
@@ -244,6 +253,13 @@ def parallelize(
             attach_hierarchical_all_reduce(root, replicate_hierarchy, compression, views)
     _APPLIED[root] = done
     return done
+
+
+def _block_lists(owners: list[PlanOwner], blocks: Blocks, without_plan: bool) -> list[list[nn.Module]]:
+    """The blocks of each plan owner (a model without a plan: its blocks, found or named)."""
+    if without_plan:
+        return [[module for _, module in blocks.modules]]
+    return [list(cast(nn.ModuleList, o.module.get_submodule(o.plan.blocks))) for o in owners]
 
 
 def already_parallelized(root: nn.Module) -> bool:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from typing import Any, Optional, cast
 
 import torch
@@ -172,10 +172,13 @@ def apply_tensor_parallel(
     sequence_parallel: bool,
     skip: Collection[nn.Module] = (),
     vocab_sharded_output: bool = True,
+    float8_styles: Optional[Callable[[nn.Module, str, Any], Optional[ParallelStyle]]] = None,
 ) -> None:
     """Shard `model` over `tp_mesh` as its plan says (modules inside blocks, then the rest).
 
-    vocab_sharded_output=False: "vocab_head" gathers its logits like "head" (pipeline stages send plain tensors)."""
+    vocab_sharded_output=False: "vocab_head" gathers its logits like "head" (pipeline stages send plain tensors).
+    float8_styles(module, style, output_layouts): the float8 style for a converted linear (lit_mesh/parallel/float8.py),
+    or None for the plain one."""
     tp = tp_mesh.size()
     problem = tp_plan_problem(plan, tp, type(model).__name__)  # MeshStrategy refuses it earlier ("tp_fits_plan")
     if problem is not None:
@@ -205,7 +208,13 @@ def apply_tensor_parallel(
             module.register_forward_hook(lambda _m, _args, out, check=check: check(out.shape[1]))
         if style == "vocab_head" and not vocab_sharded_output:
             style = "head"
-        if style in plan.tp.custom_styles:
+        float8_plan = (
+            float8_styles(module, style, Shard(1) if sequence_parallel else Replicate()) if float8_styles else None
+        )
+        torch_plan: Optional[ParallelStyle]
+        if float8_plan is not None:
+            torch_plan = float8_plan
+        elif style in plan.tp.custom_styles:
             torch_plan = plan.tp.custom_styles[style](sequence_parallel)
         else:
             torch_plan = torch_style(style, sequence_parallel, _sequence_check(tp, name))

@@ -13,7 +13,7 @@ import pytest
 
 from tests.launch import REPO
 
-EXTRAS = {"transformers": "hf", "matplotlib": "plots", "sklearn": "vision", "jinja2": "bench"}
+EXTRAS = {"transformers": "hf", "matplotlib": "plots", "sklearn": "vision", "jinja2": "bench", "torchao": "fp8"}
 
 
 def _user_env() -> dict[str, str]:
@@ -78,6 +78,7 @@ def _without(modules: str, code: str) -> subprocess.CompletedProcess:
         ("matplotlib", "from lit_mesh.monitor.pipeline_timeline import draw_timeline; draw_timeline([], 't', 'x.png')"),
         ("sklearn", "from zoo.image_data import load_digit_images; load_digit_images()"),
         ("jinja2", "import runpy; runpy.run_path('benchmarks/report.py')"),
+        ("torchao", "from lit_mesh import MeshStrategy; MeshStrategy(float8='tensorwise')"),
     ],
 )
 def test_a_missing_extra_names_its_install_command(module: str, call: str) -> None:

@@ -23,11 +23,13 @@ from lit_mesh.options import (
     CommunicationOptions,
     CompileOptions,
     DataParallelOptions,
+    Float8Options,
     FSDPArguments,
     MemoryOptions,
     MeshOptions,
     TensorOptions,
 )
+from lit_mesh.parallel import float8
 from lit_mesh.parallel.pipeline.schedules import SCHEDULES, PipelineSettings
 from lit_mesh.plan import ContextPlan, ParallelPlan, PlanOwner, TensorPlan
 from lit_mesh.rules import RULES, RULES_BY_NAME, Facts, enforce
@@ -35,6 +37,7 @@ from lit_mesh.training.precision import FP16MixedPrecision
 
 O = MeshOptions()
 DEGREES = dict(dp=None, dp_replicate=None, dp_shard=None, tp=1, cp=1, pp=1, ep=1)
+FLOAT8 = replace(O, float8=Float8Options("tensorwise"))
 FP16 = CommunicationOptions(compression=CompressionOptions(mode="fp16"))
 
 
@@ -491,12 +494,41 @@ CASES: dict[str, tuple[Facts, str, Facts]] = {
         "tp_mode='2d' on a grid of depth 1 x 2 x 2 splits n_heads=3 of Module into q=2 blocks",
         setup(GRID_TP4, [planned()], GRID2D),
     ),
+    "float8_needs_torchao": (  # torchao taken away by PATCHES below
+        init(FLOAT8),
+        "torchao is needed for float8 training (MeshStrategy(float8=...)) but is not installed; install it with: pip"
+        " install 'lit-mesh[fp8]'",
+        init(O),
+    ),
+    "float8_needs_1d_tp": (
+        init(replace(FLOAT8, tensor=TensorOptions("2d")), tp=4),
+        "float8='tensorwise' with tp_mode='2d': torchao's float8 linears have tensor-parallel styles for the 1-D"
+        " column/row split only",
+        init(FLOAT8, tp=4),
+    ),
+    "float8_on_a_model_lit_mesh_parallelises": (
+        setup(DP4, [], FLOAT8, self_parallelised=True),
+        "float8='tensorwise' but configure_model parallelised Net itself",
+        setup(DP4, [owner()], FLOAT8),
+    ),
+    "float8_needs_sm89_on_cuda": (  # no GPU (PATCHES below): a CUDA device without float8 matmuls
+        launch(DP4, FLOAT8, device_type="cuda", backend="nccl"),
+        "float8='tensorwise' on a GPU of compute capability unknown: float8 matmuls need 8.9 or newer",
+        launch(DP4, FLOAT8),
+    ),
     "tp_grid_replicas_need_planned_parameters": (
         with_root(setup(GRID_DDP, [], GRID2D), planned(), extra=True),
         "tp_mode='2d' with dp_replicate: parameters ['temperature'] are"
         " outside the modules that declare a parallel_plan()",
         with_root(setup(GRID_DDP, [], GRID2D), planned()),
     ),
+}
+
+
+# what a rule's broken case needs of the machine: (module, attribute, value) set for the whole test
+PATCHES: dict[str, tuple[object, str, object]] = {
+    "float8_needs_torchao": (float8, "torchao_installed", lambda: False),
+    "float8_needs_sm89_on_cuda": (torch.cuda, "is_available", lambda: False),
 }
 
 
@@ -516,7 +548,9 @@ def test_ep_refuses_a_dense_model() -> None:
 
 
 @pytest.mark.parametrize("name", list(CASES))
-def test_rule(name: str) -> None:
+def test_rule(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    if name in PATCHES:
+        monkeypatch.setattr(*PATCHES[name])
     rule = RULES_BY_NAME[name]
     broken, message, passing = CASES[name]
     assert not rule.broken(passing)
