@@ -287,6 +287,36 @@ def test_experts_with_bf16_tokens_and_fp32_weights_run_grouped_gemms_without_a_h
     torch.testing.assert_close(out, want, rtol=2e-2, atol=2e-2)
 
 
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
+    reason="needs a Hopper-or-newer CUDA GPU: torch's bf16 grouped GEMM kernel",
+)
+def test_cuda_experts_in_bf16_run_grouped_gemms_equal_to_the_loop_over_experts():
+    """The grouped GEMM kernel on the GPU (benchmarks/gpu_checks.sh `kernels`): bf16 experts equal the per-expert
+    loop in bf16 within its rounding, forward and gradients, counts read on the device only."""
+    from lit_mesh.monitor.host_syncs import HostSyncCounter
+
+    experts, loop = _experts_and_loop()
+    experts = experts.cuda().bfloat16()
+    x = torch.randn(10, 16, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    counts = [3, 0, 5, 2]
+    grad = torch.randn(10, 16, device="cuda", dtype=torch.bfloat16)
+    on_device = torch.tensor(counts).cuda()  # the router's counts live there: moved before the audit
+    with HostSyncCounter() as syncs, Ops() as ops:
+        out = experts(x, on_device)
+        out.backward(grad)
+    assert ops.names.count("_grouped_mm.default") >= 3 and "mm.default" not in ops.names
+    assert syncs.total == 0, syncs.sites
+    got = [x.grad, *(p.grad for p in experts.parameters())]
+    for t in (x, *experts.parameters()):
+        t.grad = None
+    want = loop(x, counts)
+    want.backward(grad)
+    torch.testing.assert_close(out, want, rtol=2e-2, atol=2e-2)
+    for a, t in zip(got, (x, *experts.parameters())):
+        torch.testing.assert_close(a, t.grad, rtol=2e-2, atol=5e-2)
+
+
 def test_experts_without_tokens_give_zero_gradients():
     experts, _ = _experts_and_loop()
     out = experts(torch.zeros(0, 16), torch.zeros(4, dtype=torch.long))
