@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # The checks only NCCL and several GPUs show (#33), for the first multi-GPU node, in order of risk. Each step runs
 # under its own time limit and logs to $OUT (default multi_gpu_out/), one file per step; the comment above each
-# step says the output that passes. Started with #33 items 1-3 and 6; the rest of item 9's list is still to come (the
-# 8-GPU recipe, the sync-debug audits of MoE ep8 and compressed DDP8, CP in bf16, async TP's fused kernels, and the
-# other two-node checks). Two-node steps run only when named, on both nodes at once (see allreduce_2nodes).
+# step says the output that passes (#33 item 9's list: group timeouts, 2BW's clipping and 128 MB messages, the
+# sync-debug audits, the recipe on every GPU, CP in bf16, async TP's fused kernels, a named tp hang; on two nodes
+# flat against hierarchical all-reduce and an async save with its resume). Steps that need 2 GPUs are skipped on a
+# one-GPU node (sync_moe_ep runs there with ep=1). Two-node steps run only when named, on both nodes at once
+# (allreduce_2nodes, async_save_2nodes).
 #   bash benchmarks/multi_gpu_checks.sh                    # every step, on the GPUs of this node
 #   bash benchmarks/multi_gpu_checks.sh timeouts clip_2bw  # the named steps only
 set -uo pipefail
@@ -12,7 +14,7 @@ out=${OUT:-multi_gpu_out}
 mkdir -p "$out"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
 gpus=$(python -c "import torch; print(torch.cuda.device_count())")
-wanted=" ${*:-env timeouts clip_2bw p2p_2bw_128mb sync_moe_ep sync_ddp_onebit sync_ddp_powersgd} "
+wanted=" ${*:-env timeouts clip_2bw p2p_2bw_128mb sync_moe_ep sync_ddp_onebit sync_ddp_powersgd recipe_all_gpus cp_bf16 async_tp tp_hang} "
 
 source benchmarks/_steps.sh  # step NAME SECONDS COMMAND...
 
@@ -51,7 +53,7 @@ step timeouts 180 torchrun --standalone --nproc_per_node="$gpus" "$out/timeouts.
 # Item 2: 2BW with clipping on 2 GPUs; its first step has no gradients on any stage, whose zero norm went to the
 # all-reduce over the stages as a host tensor ("No backend type associated with device type cpu" before the fix).
 # Passes with rc=0 and Lightning's "`Trainer.fit` stopped: `max_steps=4` reached."
-step clip_2bw 300 python -m lit_mesh.cli fit -c configs/gpt.yaml --trainer.accelerator=gpu --trainer.devices=2 \
+((gpus > 1)) && step clip_2bw 300 python -m lit_mesh.cli fit -c configs/gpt.yaml --trainer.accelerator=gpu --trainer.devices=2 \
     --trainer.max_steps=4 --trainer.gradient_clip_val=1.0 --trainer.limit_val_batches=0 --trainer.logger=false \
     --trainer.strategy.init_args.pp=2 --trainer.strategy.init_args.pp_schedule=2bw \
     --trainer.strategy.init_args.pp_microbatches=4
@@ -60,7 +62,7 @@ step clip_2bw 300 python -m lit_mesh.cli fit -c configs/gpt.yaml --trainer.accel
 # every GPU as one stage each: batched sends and receives must not deadlock once messages outgrow NCCL's buffers.
 # Passes with rc=0 and "`Trainer.fit` stopped: `max_steps=3` reached." well inside the limit (a deadlock ends in
 # the strategy's timeout, 300 s here, with a CollectiveHangError).
-step p2p_2bw_128mb 600 python -m lit_mesh.cli fit -c configs/gpt.yaml --trainer.accelerator=gpu --trainer.devices="$gpus" \
+((gpus > 1)) && step p2p_2bw_128mb 600 python -m lit_mesh.cli fit -c configs/gpt.yaml --trainer.accelerator=gpu --trainer.devices="$gpus" \
     --trainer.max_steps=3 --trainer.limit_val_batches=0 --trainer.logger=false --trainer.callbacks=[] \
     --trainer.strategy.init_args.pp="$gpus" --trainer.strategy.init_args.pp_schedule=2bw \
     --trainer.strategy.init_args.pp_microbatches="$gpus" --trainer.strategy.init_args.timeout=0:05:00 \
@@ -193,3 +195,102 @@ dist.destroy_process_group()
 PY
 step allreduce_2nodes 600 torchrun --nnodes=2 --nproc_per_node="$gpus" --node_rank="${NODE_RANK:-0}" \
     --master_addr="${MASTER_ADDR:-127.0.0.1}" --master_port="${MASTER_PORT:-29511}" "$out/allreduce_2nodes.py"
+
+# The 8-GPU recipe as users run it (configs/gpu.yaml: FSDP over every GPU, compiled blocks, fused AdamW, clipping,
+# bf16-mixed, MeshMonitor), one process per GPU, 60 steps. Passes with rc=0, "`max_steps=60` reached", and a last
+# line "recipe: mfu M at step S (tokens/s per GPU T)" read from MeshMonitor's own logs (CSV): M near the one-GPU
+# recipe's figure in benchmarks/README.md (FSDP's collectives overlap the blocks: within 10% of it expected).
+cat >"$out/last_mfu.py" <<'PY'
+import csv
+import pathlib
+import sys
+
+rows = [r for p in pathlib.Path(sys.argv[1]).rglob("metrics.csv") for r in csv.DictReader(open(p)) if r.get("monitor/mfu")]
+last = rows[-1]
+print(f"recipe: mfu {float(last['monitor/mfu']):.3f} at step {last['step']} (tokens/s per GPU {float(last['monitor/tokens_per_s_per_device']):.0f})")
+PY
+step recipe_all_gpus 900 bash -c "python -m lit_mesh.cli fit -c configs/gpu.yaml --trainer.devices=$gpus \
+    --trainer.max_steps=60 --trainer.limit_val_batches=0 --trainer.logger=CSVLogger \
+    --trainer.logger.save_dir=$out/recipe_all_gpus && python $out/last_mfu.py $out/recipe_all_gpus"
+
+# Context parallel on NCCL in bf16 (2 GPUs): ring, Ulysses and all-gather each against cp=1, the zoo GPT (small,
+# seq 4096), 20 steps. Passes with rc=0 and "cp STYLE: largest relative loss gap L over 20 steps" for each style,
+# L <= 0.02 (bf16 rounding moves the curve a little, a wrong shard or mask moves it by far more).
+cat >"$out/loss_gap.py" <<'PY'
+import csv
+import pathlib
+import sys
+
+
+def losses(d):
+    rows = [r for p in pathlib.Path(d).rglob("metrics.csv") for r in csv.DictReader(open(p)) if r.get("train_loss")]
+    return [float(r["train_loss"]) for r in sorted(rows, key=lambda r: int(r["step"]))]
+
+
+ref, got = losses(sys.argv[1]), losses(sys.argv[2])
+assert len(ref) == len(got) > 0, (len(ref), len(got))
+gap = max(abs(a - b) / abs(a) for a, b in zip(ref, got))
+print(f"cp {sys.argv[3]}: largest relative loss gap {gap:.4f} over {len(ref)} steps")
+assert gap <= 0.02, gap
+PY
+cp_run() {  # NAME EXTRA...: 2 GPUs, bf16-mixed, CSV metrics under $out/NAME
+    local name=$1
+    shift
+    python -m lit_mesh.cli fit -c configs/gpt.yaml --trainer.accelerator=gpu --trainer.devices=2 \
+        --trainer.precision=bf16-mixed --trainer.max_steps=20 --trainer.log_every_n_steps=1 \
+        --trainer.limit_val_batches=0 --trainer.callbacks=[] --trainer.logger=CSVLogger \
+        --trainer.logger.save_dir="$out/$name" --model.init_args.preset=small --data.init_args.seq_len=4096 \
+        --data.init_args.global_batch_size=2 "$@"
+}
+if ((gpus > 1)); then
+    export -f cp_run
+    export out
+    step cp_bf16 900 bash -c 'cp_run cp1 --trainer.strategy.init_args.dp=2 &&
+        for style in ring ulysses allgather; do
+            cp_run "cp_$style" --trainer.strategy.init_args.cp=2 --trainer.strategy.init_args.cp_style=$style &&
+            python "$out/loss_gap.py" "$out/cp1" "$out/cp_$style" $style || exit 1
+        done'
+fi
+
+# Async TP (torch's micro-pipeline TP) on 2 GPUs, compiled with inductor: its fused kernels are in the generated
+# code. Passes with rc=0, "`max_steps=10` reached" and "async tp: fused_all_gather_matmul N, fused_matmul_reduce_scatter M"
+# with N > 0 and M > 0.
+if ((gpus > 1)); then
+    step async_tp 600 bash -c "TORCH_LOGS=output_code python -m lit_mesh.cli fit -c configs/gpt.yaml \
+        --trainer.accelerator=gpu --trainer.devices=2 --trainer.max_steps=10 --trainer.limit_val_batches=0 \
+        --trainer.logger=false --trainer.callbacks=[] --trainer.strategy.init_args.tp=2 \
+        --trainer.strategy.init_args.compile_blocks=true --trainer.strategy.init_args.async_tp=true \
+        >$out/async_tp_code.log 2>&1; rc=\$?; tail -n 3 $out/async_tp_code.log;
+        echo \"async tp: fused_all_gather_matmul \$(grep -c fused_all_gather_matmul $out/async_tp_code.log),\" \
+            \"fused_matmul_reduce_scatter \$(grep -c fused_matmul_reduce_scatter $out/async_tp_code.log)\"; exit \$rc"
+fi
+
+# A rank hung before a tp collective (FaultInjector "hang" on rank 1 at step 2), strategy timeout 30 s, 2 GPUs:
+# the hang is named rather than waited on. Passes when the step ends (rc != 0 from the hung run is expected) within
+# 90 s with "tp hang reported after S s" and both ranks' logs naming CollectiveHangError with the dim tp (or, on
+# rank 0, torch's NCCL watchdog timeout).
+if ((gpus > 1)); then
+    step tp_hang 180 bash -c "start=\$SECONDS; python -m lit_mesh.cli fit -c configs/gpt.yaml --trainer.accelerator=gpu \
+        --trainer.devices=2 --trainer.max_steps=6 --trainer.limit_val_batches=0 --trainer.logger=false \
+        --trainer.strategy.init_args.tp=2 --trainer.strategy.init_args.timeout=0:00:30 \
+        --trainer.callbacks+=lit_mesh.FaultInjector --trainer.callbacks.fault=hang --trainer.callbacks.step=2 \
+        --trainer.callbacks.rank=1 >$out/tp_hang_run.log 2>&1;
+        echo \"tp hang reported after \$((SECONDS - start)) s\"; grep -m 2 -o 'CollectiveHangError.*' $out/tp_hang_run.log"
+fi
+
+# Two nodes: an asynchronous sharded save at step 20 and a resume from it on the same ranks (the zoo GPT small,
+# fsdp over both nodes). Run on both nodes as allreduce_2nodes. Passes with rc=0, "`max_steps=20` reached", then
+# the resumed run's "Restoring states from the checkpoint path at .../async_ckpt/..." and "`max_steps=30` reached".
+two_node_fit() {  # MAX_STEPS EXTRA...
+    local steps=$1
+    shift
+    torchrun --nnodes=2 --nproc_per_node="$gpus" --node_rank="${NODE_RANK:-0}" --master_addr="${MASTER_ADDR:-127.0.0.1}" \
+        --master_port="${MASTER_PORT:-29512}" -m lit_mesh.cli fit -c configs/gpt.yaml --trainer.accelerator=gpu \
+        --trainer.devices="$gpus" --trainer.num_nodes=2 --trainer.max_steps="$steps" --trainer.limit_val_batches=0 \
+        --trainer.logger=false --model.init_args.preset=small --trainer.strategy.init_args.async_save=true \
+        --trainer.callbacks+=ModelCheckpoint --trainer.callbacks.dirpath="$out/async_ckpt" \
+        --trainer.callbacks.every_n_train_steps=20 "$@"
+}
+export -f two_node_fit
+export out gpus
+step async_save_2nodes 900 bash -c 'two_node_fit 20 && two_node_fit 30 --ckpt_path=last'
