@@ -267,12 +267,19 @@ def check_step(c: Candidate, config: Any, shapes: Any) -> dict[str, Any]:
     if c.layout.pp > 1:
         return {"skipped": "pp > 1: torch's pipeline stages exchange shapes with their peers, which fake ranks lack"}
     if c.memory["total"] > STEP_LIMIT_BYTES:
-        return {"skipped": f"the rank needs {c.memory['total'] / 2**30:.1f} GiB: a real step runs for tiny/small models"}
+        return {
+            "skipped": f"the rank needs {c.memory['total'] / 2**30:.1f} GiB: a real step runs for tiny/small models"
+        }
     work = replace(c.work, global_batch=c.work.micro_batch * c.layout.dp)  # one micro-batch
     counts = fake_step(config, c.layout, work.micro_batch, work.seq_len, 0, c.precision, c.ac, zero_stage=c.zero_stage)
     estimate = comm_bytes(shapes, c.layout, work, c.precision, c.ac, zero_stage=c.zero_stage)
     rows = [
-        {"dim": dim, "op": op, "counted": counts.bytes.get(dim, {}).get(op, 0), "estimated": estimate.get(dim, {}).get(op, 0)}
+        {
+            "dim": dim,
+            "op": op,
+            "counted": counts.bytes.get(dim, {}).get(op, 0),
+            "estimated": estimate.get(dim, {}).get(op, 0),
+        }
         for dim in sorted({*counts.bytes, *estimate})
         for op in sorted({*counts.bytes.get(dim, {}), *estimate.get(dim, {})})
     ]
@@ -294,10 +301,14 @@ def print_step_check(check: dict[str, Any]) -> bool:
     for r in check["bytes"]:
         ok = _within(r["counted"], r["estimated"], 0.05)
         good &= ok
-        print(f"  {r['dim']:>12} {r['op']:<14} counted {r['counted']:>14,} estimated {r['estimated']:>14,.0f}{'' if ok else '  DIFFERS'}")
+        print(
+            f"  {r['dim']:>12} {r['op']:<14} counted {r['counted']:>14,} estimated {r['estimated']:>14,.0f}{'' if ok else '  DIFFERS'}"
+        )
     a = check["activations"]
     ok = _within(a["counted"], a["estimated"], 0.10)
-    print(f"  activations held into backward: counted {a['counted']:,} estimated {a['estimated']:,}{'' if ok else '  DIFFERS'}")
+    print(
+        f"  activations held into backward: counted {a['counted']:,} estimated {a['estimated']:,}{'' if ok else '  DIFFERS'}"
+    )
     return good and ok
 
 

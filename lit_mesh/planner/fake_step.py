@@ -83,7 +83,9 @@ def _group_name(args: tuple) -> str | None:
 
 
 def _tensors(args: tuple) -> list[Any]:
-    return [a for a in args if isinstance(a, torch.Tensor) or (isinstance(a, list) and a and isinstance(a[0], torch.Tensor))]
+    return [
+        a for a in args if isinstance(a, torch.Tensor) or (isinstance(a, list) and a and isinstance(a[0], torch.Tensor))
+    ]
 
 
 class CollectiveCounter(TorchDispatchMode):
@@ -228,7 +230,7 @@ def fake_step(
             mesh=MeshDegrees(sequence_parallel=layout.tp > 1),
             memory=MemoryOptions(activation_checkpointing=ac),  # type: ignore[arg-type]
             context=ContextOptions(style=cp_style),  # type: ignore[arg-type]
-            data=DataParallelOptions(zero_stage=zero_stage),
+            data=DataParallelOptions(zero_stage=zero_stage),  # type: ignore[arg-type]
         )
         views = build_device_mesh(layout, "cpu")
         parallelize(root, views, options, precision=precision)
