@@ -127,7 +127,7 @@ class LiveStorages(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor):
-                ref = StorageWeakRef(_local(t).untyped_storage())
+                ref = StorageWeakRef(local_tensor(t).untyped_storage())
                 self._refs.setdefault(ref.cdata, ref)
         return out
 
@@ -156,10 +156,10 @@ def parameter_storages(root: nn.Module) -> set[int]:
 
 
 def storage_key(t: torch.Tensor) -> int:
-    return StorageWeakRef(_local(t).untyped_storage()).cdata
+    return StorageWeakRef(local_tensor(t).untyped_storage()).cdata
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
     return t._local_tensor if hasattr(t, "_local_tensor") else t  # a DTensor's shard on this rank
 
 
@@ -238,7 +238,7 @@ def fake_step(
         generator = torch.Generator().manual_seed(rank)
         with torch.no_grad():
             for p in root.parameters():
-                _local(p).normal_(0.0, 0.02, generator=generator)
+                local_tensor(p).normal_(0.0, 0.02, generator=generator)
         tokens = torch.randint(0, config.vocab_size, (micro_batch, seq_len), generator=generator)
         if layout.cp > 1:  # as MeshStrategy's batch hook: each cp rank keeps its part of the sequence
             tokens = shard_batch(tokens, views[MeshAxis.CP], cp_style)
