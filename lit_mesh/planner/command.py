@@ -283,7 +283,8 @@ def check_step(c: Candidate, config: Any, shapes: Any) -> dict[str, Any]:
         for dim in sorted({*counts.bytes, *estimate})
         for op in sorted({*counts.bytes.get(dim, {}), *estimate.get(dim, {})})
     ]
-    held = activation_parts(shapes, c.layout, work, c.precision, c.ac, 0)["held"]
+    # the CPU step runs torch's composite rms_norm (the planner's own estimate assumes CUDA's fused kernel)
+    held = activation_parts(shapes, c.layout, work, c.precision, c.ac, 0, fused_norm=False)["held"]
     return {"bytes": rows, "activations": {"counted": counts.activations, "estimated": held}, "seconds": counts.seconds}
 
 

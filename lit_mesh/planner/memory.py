@@ -153,14 +153,26 @@ class Workload:
         return self.micro_batch * self.seq_len // layout.cp
 
 
-NORM_BYTES = 4  # torch's RMSNorm computes in fp32: the input and normalized tensors it keeps are fp32
+NORM_BYTES = 4  # torch's composite rms_norm (CPU) computes in fp32: the input and normalized tensors it keeps are fp32
 
 
-def block_activation_elements_per_token(shapes: ModelShapes, tp: int, ac: str, act_bytes: int = 4) -> float:
+def _norm_elements(h: float, tp: int, act_bytes: int, fused_norm: bool) -> float:
+    """What one RMSNorm keeps per token, in elements of act_bytes: its output, the column-parallel linears' input
+    (whole: all-gathered under tp), and, on its sequence shard, CUDA's fused kernel its input and fp32 1/rms, the
+    composite one (CPU) its input and normalized tensor in fp32."""
+    rms = 4 / act_bytes / tp
+    kept = h / tp if fused_norm else 2 * h / tp * NORM_BYTES / act_bytes
+    return kept + h + rms
+
+
+def block_activation_elements_per_token(
+    shapes: ModelShapes, tp: int, ac: str, act_bytes: int = 4, fused_norm: bool = True
+) -> float:
     """Elements (of act_bytes each) one block keeps for backward per token of this rank's sequence (flash-style
     attention: no T x T scores), as counted on a real step (lit_mesh.planner.fake_step).
-    - each norm keeps its input and normalized tensor in fp32 (sequence shards under tp: /tp), and its output,
-      the input of the column-parallel linears (whole: all-gathered under tp);
+    - each norm keeps its output, the input of the column-parallel linears (whole: all-gathered under tp), and on
+      its sequence shard (/tp) its input and 1/rms (CUDA's fused kernel, the planner's default) or its input and
+      normalized tensor in fp32 (the composite kernel on CPU, where lit_mesh.planner.fake_step counts);
     - attention: roped q and k, v (grouped K/V heads, not repeated), the output and its fp32 log-sum-exp;
     - feed-forward: w1, w3, silu and product outputs (/tp).
     Selective AC keeps the matmul, attention and collective outputs: the block's input, wq, wk, wv, the attention
@@ -170,9 +182,9 @@ def block_activation_elements_per_token(shapes: ModelShapes, tp: int, ac: str, a
     routed copy (top_k of them, plus each shared expert) the gathered input, w1 / w3 / silu / product outputs
     (/tp for the routed experts under expert tensor parallel), the expert output and its weighted copy."""
     c = shapes.config
-    h, kv, fp32 = c.dim, c.n_kv_heads * c.head_dim, NORM_BYTES / act_bytes
+    h, kv = c.dim, c.n_kv_heads * c.head_dim
     lse = c.n_heads / tp * 4 / act_bytes
-    norms = 2 * (2 * h / tp * fp32 + h + 4 / act_bytes / tp)  # input, normalized, output, 1/rms
+    norms = 2 * _norm_elements(h, tp, act_bytes, fused_norm)
     attention = (2 * h + 2 * kv) / tp + lse
     gathered = 2 * h if tp > 1 else 0  # selective: the all-gathered norm outputs (tp = 1: recomputed norms)
     row_outputs = 2 * h  # wo and w2 before their reduce-scatter (tp = 1: the outputs themselves)
@@ -219,23 +231,26 @@ def activation_parts(
     stage: int,
     *,
     schedule: Schedule = ONE_F_ONE_B,
+    fused_norm: bool = True,
 ) -> dict[str, int]:
     """held: what the forward keeps for backward on pp rank `stage`: the schedule's stage forwards in flight
     (1F1B: up to pp - stage micro-batches; lit_mesh.planner.pipeline_model.in_flight), each through the rank's
     largest stage, each micro-batch of T/cp tokens per rank (cp shards every micro-batch's sequence, with pp too),
     and on the last stage the final norm's tensors and the logits the chunked loss keeps. backward: what backward
-    adds at its peak: full AC's recomputed block (everything once), the logits' gradient and one fp32 chunk of rows (lit_mesh/loss.py)."""
+    adds at its peak: full AC's recomputed block (everything once), the logits' gradient and one fp32 chunk of rows (lit_mesh/loss.py).
+    fused_norm: the norms' kernel (block_activation_elements_per_token): CUDA's fused one (the planner's), or the
+    composite one a CPU step runs."""
     b = PRECISION_BYTES[precision]["activation"]
     tokens = work.tokens_per_microbatch(layout)
     stages = rank_stages(shapes.n_blocks, layout.pp, schedule)[stage]
     held = in_flight(schedule, layout.pp, work.microbatches(layout), stage)
-    block = block_activation_elements_per_token(shapes, layout.tp, ac, b) * b
+    block = block_activation_elements_per_token(shapes, layout.tp, ac, b, fused_norm) * b
     if b < 4:  # each block casts RoPE's cos and sin (T x head_dim in all) to the compute dtype
         block += shapes.config.head_dim / work.micro_batch * b
     per_token = held * max(stages.blocks) * block
     transient = 0.0
     if ac == "full":  # the block being recomputed holds everything once
-        transient += block_activation_elements_per_token(shapes, layout.tp, "none", b) * b
+        transient += block_activation_elements_per_token(shapes, layout.tp, "none", b, fused_norm) * b
     if stages.first and layout.tp > 1:  # the embedding's reduce-scattered output: the collective's and autograd's
         per_token += 2 * shapes.config.dim / layout.tp * b
     extra = 0.0
@@ -244,8 +259,8 @@ def activation_parts(
         # (lit_mesh/loss.py), sharded over the vocabulary without pp ("vocab_head"; a pipeline stage gathers
         # them); plus one fp32 chunk of rows
         vocab = shapes.config.vocab_size / (layout.tp if layout.pp == 1 else 1)
-        # and the final norm's input and normalized tensor (fp32, sequence shards under tp) and its output
-        per_token += vocab * b + shapes.config.dim * (2 * NORM_BYTES / layout.tp + b)
+        # and the final norm's tensors
+        per_token += (vocab + _norm_elements(shapes.config.dim, layout.tp, b, fused_norm)) * b
         transient += vocab * b
         extra = min(CHUNK_ROWS, tokens) * vocab * 4
     return {"held": int(tokens * per_token), "backward": int(tokens * transient + extra)}
