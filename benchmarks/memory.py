@@ -66,10 +66,10 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from torch.distributed.fsdp import FSDPModule
-from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
+from lit_mesh.planner.fake_step import LiveStorages  # noqa: E402
+from lit_mesh.planner.fake_step import local_tensor as _local  # noqa: E402
+from lit_mesh.planner.fake_step import storage_key as _storage_key  # noqa: E402
 from lit_mesh.planner.simulate import fake_rank_params  # noqa: E402 (importable once _common has put the repo on sys.path)
 from zoo.gpt import GPT, GPTConfig  # noqa: E402
 
@@ -86,44 +86,6 @@ FIT_WIDTHS = (
     ("d4096", 4096, 32, 14336),
     ("d8192", 8192, 64, 28672),
 )
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t._local_tensor if hasattr(t, "_local_tensor") else t  # a DTensor's shard on this rank
-
-
-class LiveStorages(TorchDispatchMode):
-    """Records the storage of every op output (a DTensor's local one); alive() sums those still alive.
-
-    A mode runs before tensor subclasses, so it sees DTensor ops with DTensor outputs; the local ops that
-    DTensor runs inside are not seen, and need not be: what outlives the op is the output's local tensor.
-    """
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.refs: dict[int, StorageWeakRef] = {}
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        out = func(*args, **(kwargs or {}))
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor):
-                ref = StorageWeakRef(_local(t).untyped_storage())
-                self.refs.setdefault(ref.cdata, ref)
-        return out
-
-    def alive(self) -> dict[int, int]:
-        """storage id -> bytes, for the recorded storages still alive now."""
-        out = {}
-        for key, ref in self.refs.items():
-            if not ref.expired():
-                storage = torch.UntypedStorage._new_with_weak_ptr(key)
-                if storage is not None:
-                    out[key] = storage.nbytes()
-        return out
-
-
-def _storage_key(t: torch.Tensor) -> int:
-    return StorageWeakRef(_local(t).untyped_storage()).cdata
 
 
 class ActivationProbeModule(C.BenchGPTModule):

@@ -253,6 +253,67 @@ def simulate_best(c: Candidate, config: Any, shapes: Any) -> list[dict[str, Any]
     return rows
 
 
+STEP_LIMIT_BYTES = 2 * 2**30  # a real step of the rank runs here only below this estimate (tiny and small presets)
+
+
+def check_step(c: Candidate, config: Any, shapes: Any) -> dict[str, Any]:
+    """Counted vs estimated bytes per mesh dim and operation, and held activations, of one real step of rank 0
+    (one micro-batch) over the fake process group; or why it was not run."""
+    from dataclasses import replace
+
+    from lit_mesh.planner.fake_step import fake_step
+    from lit_mesh.planner.memory import activation_parts
+    from lit_mesh.planner.traffic import comm_bytes
+
+    if c.layout.pp > 1:
+        return {"skipped": "pp > 1: torch's pipeline stages exchange shapes with their peers, which fake ranks lack"}
+    if c.memory["total"] > STEP_LIMIT_BYTES:
+        return {
+            "skipped": f"the rank needs {c.memory['total'] / 2**30:.1f} GiB: a real step runs for tiny/small models"
+        }
+    work = replace(c.work, global_batch=c.work.micro_batch * c.layout.dp)  # one micro-batch
+    counts = fake_step(config, c.layout, work.micro_batch, work.seq_len, 0, c.precision, c.ac, zero_stage=c.zero_stage)
+    estimate = comm_bytes(shapes, c.layout, work, c.precision, c.ac, zero_stage=c.zero_stage)
+    rows = [
+        {
+            "dim": dim,
+            "op": op,
+            "counted": counts.bytes.get(dim, {}).get(op, 0),
+            "estimated": estimate.get(dim, {}).get(op, 0),
+        }
+        for dim in sorted({*counts.bytes, *estimate})
+        for op in sorted({*counts.bytes.get(dim, {}), *estimate.get(dim, {})})
+    ]
+    # the CPU step runs torch's composite rms_norm (the planner's own estimate assumes CUDA's fused kernel)
+    held = activation_parts(shapes, c.layout, work, c.precision, c.ac, 0, fused_norm=False)["held"]
+    return {"bytes": rows, "activations": {"counted": counts.activations, "estimated": held}, "seconds": counts.seconds}
+
+
+def _within(counted: float, estimated: float, tolerance: float) -> bool:
+    return abs(estimated - counted) <= tolerance * max(counted, 1)
+
+
+def print_step_check(check: dict[str, Any]) -> bool:
+    """Prints the comparison; True when every byte term is within 5% and the activations within 10%."""
+    if "skipped" in check:
+        print(f"\none real step: not run ({check['skipped']})")
+        return True
+    print(f"\none real step of rank 0 over the fake process group ({check['seconds']:.1f} s), bytes per step:")
+    good = True
+    for r in check["bytes"]:
+        ok = _within(r["counted"], r["estimated"], 0.05)
+        good &= ok
+        print(
+            f"  {r['dim']:>12} {r['op']:<14} counted {r['counted']:>14,} estimated {r['estimated']:>14,.0f}{'' if ok else '  DIFFERS'}"
+        )
+    a = check["activations"]
+    ok = _within(a["counted"], a["estimated"], 0.10)
+    print(
+        f"  activations held into backward: counted {a['counted']:,} estimated {a['estimated']:,}{'' if ok else '  DIFFERS'}"
+    )
+    return good and ok
+
+
 def summary(c: Candidate) -> dict[str, Any]:
     return {
         "layout": {d: getattr(c.layout, d) for d in (*DIMS, "ep")},
@@ -371,7 +432,9 @@ def main(argv: list[str]) -> int:
                     f" {'equal' if r['equal'] else 'DIFFERS: ' + str(est)}"
                 )
             out["simulation"] = rows
-            status = 0 if all(r["equal"] for r in rows) else 1
+            step = check_step(best, config, shapes)
+            out["step_check"] = step
+            status = 0 if all(r["equal"] for r in rows) and print_step_check(step) else 1
         if args.plot:
             from lit_mesh.planner.plot import plot_memory, plot_mesh
 

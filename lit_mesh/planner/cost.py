@@ -226,12 +226,13 @@ def step_time(
         )
     if gather or reduce:
         forward, backward = block / 3, 2 * block / 3
-        per_micro = gather + max(0.0, gather - forward) * (blocks - 1) + max(0.0, gather - backward) * blocks
-        last = max(0.0, gather + reduce - backward) * blocks - max(0.0, gather - backward) * blocks
+        # the last block stays gathered from its forward to its backward (lit_mesh/parallel/data.py)
+        per_micro = gather + max(0.0, gather - forward) * (blocks - 1) + max(0.0, gather - backward) * (blocks - 1)
+        last = max(0.0, gather + reduce - backward) * blocks - max(0.0, gather - backward) * (blocks - 1)
         # passes that gather the weights again (under pp lit_mesh keeps them gathered through the schedule)
         gathers = n_micro if features.reshard_after_forward and layout.pp == 1 else 1
         t.exposed["fsdp"] = gathers * per_micro + last
-        t.overlapped["fsdp"] = blocks * (2 * gathers * gather + reduce)
+        t.overlapped["fsdp"] = blocks * (2 * gathers * gather + reduce) - gathers * gather
         if features.zero_stage < 3:  # one forward gather per step; each reduction behind the backward's compute
             reductions = n_micro if features.zero_stage == 2 else 1
             t.exposed["fsdp"] = (
@@ -240,16 +241,21 @@ def step_time(
             t.overlapped["fsdp"] = blocks * (gather + reductions * reduce)
 
     tp_link = hw.link(1, layout.tp)
-    if layout.tp > 1:  # per block 2 all-gathers + 2 reduce-scatters forward, the same backward, again under full AC
-        per_block = (8 + (4 if ac == "full" else 0)) * all_gather_time(tokens * c.dim * act, layout.tp, tp_link)
-        logits = all_gather_time(tokens * c.vocab_size * act, layout.tp, tp_link)
+    if layout.tp > 1:  # per block 2 all-gathers + 2 reduce-scatters forward, the same backward; full AC's recompute
+        # gathers twice again and stops before the last reduce-scatter (lit_mesh/planner/traffic.py, as counted)
+        collectives = 8 + (3 if ac == "full" else 0)
+        hidden = all_gather_time(tokens * c.dim * act, layout.tp, tp_link)
+        per_block = collectives * hidden
+        # the stage's ends: without pp the embedding's output is reduce-scattered and the head's input gathered
+        # (forward and backward) and the loss runs on vocabulary shards; a pipeline stage gathers the logits
+        ends = 4 * hidden if layout.pp == 1 else all_gather_time(tokens * c.vocab_size * act, layout.tp, tp_link)
         if features.async_tp:  # torch's micro-pipeline TP overlaps the forward's all-gather -> matmul and
             # matmul -> reduce-scatter (the recomputed forward's too) with the matmuls; the backward's 4 stay exposed
-            per_block = per_block * 4 / (8 + (4 if ac == "full" else 0))
+            per_block = 4 * hidden
         if shapes.expert_tp:  # the tp ranks' partial expert outputs summed forward, the tokens' gradients backward
             routed = work.micro_batch * work.seq_len // layout.cp * top_k * c.dim * act
             per_block += (2 + (1 if ac == "full" else 0)) * all_reduce_time(routed, layout.tp, tp_link)
-        t.exposed["tp"] = n_micro * (blocks * per_block + (logits if stage > blocks * block else 0.0))
+        t.exposed["tp"] = n_micro * (blocks * per_block + (ends if stage > blocks * block else 0.0))
     # pp x MoE: a forward-only routing pass over the step's micro-batches measures the load the aux loss needs
     # before the schedule runs (lit_mesh/parallel/pipeline/moe.py): one forward more, with its all-to-alls
     routing_pass = layout.pp > 1 and shapes.is_moe
@@ -261,14 +267,18 @@ def step_time(
         t.exposed["ep"] = (
             n_micro * blocks * passes * all_gather_time(routed, layout.ep, hw.link(stride["ep"], layout.ep))
         )
-    if layout.cp > 1:  # ring: cp - 1 K/V blocks forward, K/V and their gradients backward, each behind one step
+    if layout.cp > 1:  # ring: cp - 1 K/V blocks forward (again under full AC), backward K/V and the fp32 dK/dV
+        # accumulator, each behind one step's attention; the accumulator's last trip home is exposed
         bandwidth, alpha = hw.link(stride["cp"], layout.cp)
         kv = tokens * 2 * c.n_kv_heads * c.head_dim // layout.tp * act
         step_attention = attention / layout.cp
-        send = alpha + kv / bandwidth
-        exposed = (layout.cp - 1) * (max(0.0, send - step_attention / 3) + max(0.0, 2 * send - 2 * step_attention / 3))
-        t.exposed["cp"] = n_micro * blocks * exposed
-        t.overlapped["cp"] = n_micro * blocks * 3 * (layout.cp - 1) * send
+        send, accumulator = alpha + kv / bandwidth, alpha + kv * 4 / act / bandwidth
+        forwards = 2 if ac == "full" else 1
+        exposed = (layout.cp - 1) * (
+            forwards * max(0.0, send - step_attention / 3) + max(0.0, send + accumulator - 2 * step_attention / 3)
+        )
+        t.exposed["cp"] = n_micro * blocks * (exposed + accumulator)
+        t.overlapped["cp"] = n_micro * blocks * ((forwards + 1) * (layout.cp - 1) * send + layout.cp * accumulator)
     if layout.pp > 1:  # one activation forward and one gradient backward per micro-batch and stage boundary: v
         # boundaries per rank with v stages per rank
         bandwidth, alpha = hw.link(stride["pp"], 2)

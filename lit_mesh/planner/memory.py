@@ -32,7 +32,7 @@ def chunk(n: int, parts: int, index: int) -> int:
     return max(0, min(size, n - index * size))
 
 
-_ROWWISE = ("rowwise", "embedding", "embedding_whole_output")  # the plan styles that are torch's RowwiseParallel
+ROWWISE = ("rowwise", "embedding", "embedding_whole_output")  # the plan styles that are torch's RowwiseParallel
 
 
 def local_numel(p: ParamShape, tp: int, tp_rank: int, shard: int, shard_rank: int, ep: int = 1) -> int:
@@ -47,8 +47,8 @@ def local_numel(p: ParamShape, tp: int, tp_rank: int, shard: int, shard_rank: in
             dim = expert_fsdp_dim(p, tp)
             shape[dim] = chunk(shape[dim], shard // ep, shard_rank // ep)
         return _prod(shape)
-    if tp > 1 and p.tp_style in ("colwise", "head", "vocab_head", *_ROWWISE):
-        torch_rowwise = p.tp_style in _ROWWISE
+    if tp > 1 and p.tp_style in ("colwise", "head", "vocab_head", *ROWWISE):
+        torch_rowwise = p.tp_style in ROWWISE
         if len(shape) == 1:  # a bias: split with the colwise output, replicated under rowwise
             dim = None if torch_rowwise else 0
         elif p.is_embedding:  # nn.Embedding (vocab, dim): rowwise splits the vocabulary
@@ -153,18 +153,42 @@ class Workload:
         return self.micro_batch * self.seq_len // layout.cp
 
 
-def block_activation_elements_per_token(shapes: ModelShapes, tp: int, ac: str) -> float:
-    """Elements one block keeps for backward per token of this rank's sequence (flash-style attention: no
-    T x T scores). Under sequence parallelism the norm inputs are sequence shards (/tp); the all-gathered
-    inputs of the column-parallel linears are whole; everything between the column and row linears is /tp.
+NORM_BYTES = 4  # torch's composite rms_norm (CPU) computes in fp32: the input and normalized tensors it keeps are fp32
+
+
+def _norm_elements(h: float, tp: int, act_bytes: int, fused_norm: bool) -> float:
+    """What one RMSNorm keeps per token, in elements of act_bytes: its output, the column-parallel linears' input
+    (whole: all-gathered under tp), and, on its sequence shard, CUDA's fused kernel its input and fp32 1/rms, the
+    composite one (CPU) its input and normalized tensor in fp32."""
+    rms = 4 / act_bytes / tp
+    kept = h / tp if fused_norm else 2 * h / tp * NORM_BYTES / act_bytes
+    return kept + h + rms
+
+
+def block_activation_elements_per_token(
+    shapes: ModelShapes, tp: int, ac: str, act_bytes: int = 4, fused_norm: bool = True
+) -> float:
+    """Elements (of act_bytes each) one block keeps for backward per token of this rank's sequence (flash-style
+    attention: no T x T scores), as counted on a real step (lit_mesh.planner.fake_step).
+    - each norm keeps its output, the input of the column-parallel linears (whole: all-gathered under tp), and on
+      its sequence shard (/tp) its input and 1/rms (CUDA's fused kernel, the planner's default) or its input and
+      normalized tensor in fp32 (the composite kernel on CPU, where lit_mesh.planner.fake_step counts);
+    - attention: roped q and k, v (grouped K/V heads, not repeated), the output and its fp32 log-sum-exp;
+    - feed-forward: w1, w3, silu and product outputs (/tp).
+    Selective AC keeps the matmul, attention and collective outputs: the block's input, wq, wk, wv, the attention
+    output, w1, w3 (/tp), the row-parallel wo and w2 outputs (whole before their reduce-scatter) and, under tp,
+    the two all-gathered and two reduce-scattered tensors; full AC only the block's input.
     An MoE block routes the whole sequence on every tp rank (not /tp): per token the router scores, and per
     routed copy (top_k of them, plus each shared expert) the gathered input, w1 / w3 / silu / product outputs
     (/tp for the routed experts under expert tensor parallel), the expert output and its weighted copy."""
     c = shapes.config
     h, kv = c.dim, c.n_kv_heads * c.head_dim
-    sequence_sharded = 2 * h / tp  # inputs of attention_norm and ffn_norm (the residual stream)
-    gathered = 2 * h  # norm outputs, gathered for wq/wk/wv and w1/w3
-    attention = (h + 2 * kv) + (h + kv) + h  # q, k, v; roped q, k; attention output (grouped K/V: not repeated)
+    lse = c.n_heads / tp * 4 / act_bytes
+    norms = 2 * _norm_elements(h, tp, act_bytes, fused_norm)
+    attention = (2 * h + 2 * kv) / tp + lse
+    gathered = 2 * h if tp > 1 else 0  # selective: the all-gathered norm outputs (tp = 1: recomputed norms)
+    row_outputs = 2 * h  # wo and w2 before their reduce-scatter (tp = 1: the outputs themselves)
+    kept = (h + (2 * h if tp > 1 else 0) + h + h + 2 * kv) / tp + lse  # input, reduce-scattered, wq, attention, wk, wv
     if shapes.is_moe:
         copies = c.top_k + c.n_shared_experts
         hidden = c.top_k * c.expert_hidden / (tp if shapes.expert_tp else 1) + c.n_shared_experts * c.expert_hidden
@@ -177,9 +201,9 @@ def block_activation_elements_per_token(shapes: ModelShapes, tp: int, ac: str) -
         f = c.ffn_hidden
         ffn, ffn_matmul_outputs, ffn_tp = 4 * f, 2 * f, tp  # w1, w3, silu and product outputs
     if ac == "none":
-        return sequence_sharded + gathered + attention / tp + ffn / ffn_tp
-    if ac == "selective":  # matmul, attention and collective outputs kept; norms and elementwise recomputed
-        return sequence_sharded + gathered + (h + 2 * kv + h) / tp + ffn_matmul_outputs / ffn_tp
+        return norms + attention + ffn / ffn_tp
+    if ac == "selective":
+        return gathered + row_outputs + kept + ffn_matmul_outputs / ffn_tp
     return h / tp  # full: only each block's input
 
 
@@ -193,25 +217,53 @@ def activation_bytes(
     *,
     schedule: Schedule = ONE_F_ONE_B,
 ) -> int:
-    """Activations pp rank `stage` holds at its peak: the schedule's stage forwards in flight (1F1B: up to
-    pp - stage micro-batches; lit_mesh.planner.pipeline_model.in_flight), each through the rank's largest stage, each
-    micro-batch of T/cp tokens per rank (cp shards every micro-batch's sequence, with pp too)."""
+    """Activations pp rank `stage` holds at its peak: what the forward keeps for backward plus backward's
+    transients (activation_parts)."""
+    return sum(activation_parts(shapes, layout, work, precision, ac, stage, schedule=schedule).values())
+
+
+def activation_parts(
+    shapes: ModelShapes,
+    layout: MeshLayout,
+    work: Workload,
+    precision: str,
+    ac: str,
+    stage: int,
+    *,
+    schedule: Schedule = ONE_F_ONE_B,
+    fused_norm: bool = True,
+) -> dict[str, int]:
+    """held: what the forward keeps for backward on pp rank `stage`: the schedule's stage forwards in flight
+    (1F1B: up to pp - stage micro-batches; lit_mesh.planner.pipeline_model.in_flight), each through the rank's
+    largest stage, each micro-batch of T/cp tokens per rank (cp shards every micro-batch's sequence, with pp too),
+    and on the last stage the final norm's tensors and the logits the chunked loss keeps. backward: what backward
+    adds at its peak: full AC's recomputed block (everything once), the logits' gradient and one fp32 chunk of rows (lit_mesh/loss.py).
+    fused_norm: the norms' kernel (block_activation_elements_per_token): CUDA's fused one (the planner's), or the
+    composite one a CPU step runs."""
     b = PRECISION_BYTES[precision]["activation"]
     tokens = work.tokens_per_microbatch(layout)
     stages = rank_stages(shapes.n_blocks, layout.pp, schedule)[stage]
     held = in_flight(schedule, layout.pp, work.microbatches(layout), stage)
-    per_token = held * max(stages.blocks) * block_activation_elements_per_token(shapes, layout.tp, ac) * b
+    block = block_activation_elements_per_token(shapes, layout.tp, ac, b, fused_norm) * b
+    if b < 4:  # each block casts RoPE's cos and sin (T x head_dim in all) to the compute dtype
+        block += shapes.config.head_dim / work.micro_batch * b
+    per_token = held * max(stages.blocks) * block
+    transient = 0.0
     if ac == "full":  # the block being recomputed holds everything once
-        per_token += block_activation_elements_per_token(shapes, layout.tp, "none") * b
+        transient += block_activation_elements_per_token(shapes, layout.tp, "none", b, fused_norm) * b
+    if stages.first and layout.tp > 1:  # the embedding's reduce-scattered output: the collective's and autograd's
+        per_token += 2 * shapes.config.dim / layout.tp * b
     extra = 0.0
     if stages.last:
         # the logits of one micro-batch, kept by the chunked loss for its backward, and their gradient
         # (lit_mesh/loss.py), sharded over the vocabulary without pp ("vocab_head"; a pipeline stage gathers
         # them); plus one fp32 chunk of rows
         vocab = shapes.config.vocab_size / (layout.tp if layout.pp == 1 else 1)
-        per_token += vocab * 2 * b
+        # and the final norm's tensors
+        per_token += (vocab + _norm_elements(shapes.config.dim, layout.tp, b, fused_norm)) * b
+        transient += vocab * b
         extra = min(CHUNK_ROWS, tokens) * vocab * 4
-    return int(tokens * per_token + extra)
+    return {"held": int(tokens * per_token), "backward": int(tokens * transient + extra)}
 
 
 def buffer_bytes(

@@ -175,20 +175,20 @@ def test_plan_answers_for_llama3_on_8_to_1024_gpus(capsys: pytest.CaptureFixture
 
 def test_rehearsal_scales_the_70b_plan_to_8_cpu_ranks() -> None:
     """llama3-70b on 64 GPUs is planned as pp 8 x cp 8 without checkpointing (pp cuts the layers, cp the tokens of
-    every micro-batch: no TP collectives, no recompute); the best plan without cp is dp_shard 16 x tp 4 with
-    selective checkpointing (it fits without a pipeline: the loss is chunked and vocabulary-sharded, K/V not
-    repeated); the best plan with a pipeline and tp is pp 2 x dp_shard 16 x tp 2, interleaved with 2 stages per rank
-    (tp 4 no longer fits once every block of a stage stays gathered through the schedule, as lit_mesh keeps them),
-    and its rehearsal is pp 2 x dp_shard 2 x tp 2 of the tiny GPT deepened to one block per stage on 8 CPU
-    processes, with the same schedule. Every other fitting plan scales to a layout lit_mesh accepts as well."""
+    every micro-batch: no TP collectives, no recompute); the best plan without cp is FSDP over all 64 with full
+    checkpointing (selective under tp keeps the row-parallel matmuls' whole outputs and the reduce-scattered ones,
+    as a real step counts them: lit_mesh/planner/fake_step.py); the best plan with a pipeline and tp is pp 2 x
+    dp_shard 4 x tp 8 under 1F1B, and its rehearsal is pp 2 x dp_shard 2 x tp 2 of the tiny GPT on 8 CPU processes,
+    with the same schedule. Every other fitting plan scales to a layout lit_mesh accepts as well."""
     config = GPTConfig.from_preset("llama3-70b")
     hw = Hardware(nodes=8, devices_per_node=8, memory_bytes=80 * GB)
     result = plan(gpt_shapes(config), Workload(global_batch=256, seq_len=8192), hw)
     assert (result.ranked[0].layout, result.ranked[0].ac) == (MeshLayout(pp=8, cp=8), "none")
-    assert next(c for c in result.ranked if c.layout.cp == 1).layout == MeshLayout(dp_shard=16, tp=4)
+    no_cp = next(c for c in result.ranked if c.layout.cp == 1)
+    assert (no_cp.layout, no_cp.ac) == (MeshLayout(dp_shard=64), "full")
     best = next(c for c in result.ranked if c.layout.pp > 1 and c.layout.tp > 1 and c.layout.cp == 1)
-    assert best.layout == MeshLayout(pp=2, dp_shard=16, tp=2)
-    assert (best.schedule.name, best.schedule.stages_per_rank) == ("interleaved_1f1b", 2)
+    assert best.layout == MeshLayout(pp=2, dp_shard=4, tp=8)
+    assert (best.schedule.name, best.schedule.stages_per_rank) == ("1f1b", 1)
     rehearsal = rehearsal_config(best, hw)
     trainer, strategy = rehearsal["trainer"], rehearsal["trainer"]["strategy"]["init_args"]
     assert {d: strategy[d] for d in ("pp", "dp_replicate", "dp_shard", "cp", "tp")} == {
@@ -205,13 +205,10 @@ def test_rehearsal_scales_the_70b_plan_to_8_cpu_ranks() -> None:
         1,
         "32-true",
     )
-    assert rehearsal["model"] == {
-        "class_path": "zoo.GPTModule",
-        "init_args": {"preset": "tiny", "config_overrides": {"n_layers": 4}},
-    }
+    assert rehearsal["model"] == {"class_path": "zoo.GPTModule", "init_args": {"preset": "tiny"}}
     batch, seq_len = rehearsal["data"]["init_args"]["global_batch_size"], rehearsal["data"]["init_args"]["seq_len"]
     local = batch // 2  # per dp rank
-    assert batch % 2 == 0 and strategy["pp_schedule"] == "interleaved_1f1b" and strategy["pp_stages_per_rank"] == 2
+    assert batch % 2 == 0 and strategy["pp_schedule"] == "1f1b" and strategy.get("pp_stages_per_rank", 1) == 1
     assert trainer["accumulate_grad_batches"] == 1
     assert strategy["pp_microbatches"] >= 2 and local % strategy["pp_microbatches"] == 0
     assert seq_len % 2 == 0 and seq_len <= GPTConfig.from_preset("tiny").max_seq_len

@@ -1,0 +1,266 @@
+"""One real training step of one rank at the target scale, in this process: the model built on the meta device,
+lit_mesh's own `parallelize` applied over torch's fake process group, the rank's shards materialised as real
+(small) tensors, then forward, loss, backward and an AdamW step on a micro-batch at that rank's shapes.
+
+The fake group runs no collective; a TorchDispatchMode sees each one (the c10d ops FSDP2 and P2P call, the
+functional ones DTensor, CP and EP call) and counts its bytes by process group, which `dim_of_groups` names by
+the mesh dims whose ranks it holds:
+- all-gather: its output (the gathered tensor); reduce-scatter: its input; all-reduce: its tensor;
+- all-to-all: what this rank sends; send / recv: the message.
+These are the sizes the ring formulas take (lit_mesh.comm.topology): the planner's byte terms are in the same unit.
+
+The fake all-to-all leaves its output as it was; the mode copies the input there, as if each peer sent this rank
+what this rank sends it (EP's token counts then agree with the tokens sent: balanced traffic, as the planner assumes).
+
+Activations: the bytes of the storages the forward and the loss create that are still alive when backward starts
+(what the step holds into backward: autograd's saved tensors, checkpointed blocks' inputs, the logits), without
+parameters (the FSDP root's gathered weights stay alive too, and are counted apart).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from lit_mesh.loss import cross_entropy
+from lit_mesh.mesh import MeshAxis, MeshLayout, MeshViews, build_device_mesh
+from lit_mesh.options import MeshDegrees, MeshOptions
+from lit_mesh.parallel.activation_checkpointing import MemoryOptions
+from lit_mesh.parallel.apply import parallelize
+from lit_mesh.parallel.context.layout import ContextOptions, shard_batch
+from lit_mesh.parallel.data import DataParallelOptions
+from lit_mesh.planner.shapes import build_model
+
+# the c10d / functional ops by what they do, and which argument's bytes the count takes
+_OPS = {
+    "allgather_": ("all_gather", "output"),
+    "_allgather_base_": ("all_gather", "output"),
+    "all_gather_into_tensor": ("all_gather", "output"),
+    "all_gather_into_tensor_out": ("all_gather", "output"),
+    "reduce_scatter_": ("reduce_scatter", "input"),
+    "_reduce_scatter_base_": ("reduce_scatter", "input"),
+    "reduce_scatter_tensor": ("reduce_scatter", "input"),
+    "allreduce_": ("all_reduce", "input"),
+    "all_reduce": ("all_reduce", "input"),
+    "all_reduce_": ("all_reduce", "input"),
+    "alltoall_base_": ("all_to_all", "input"),
+    "all_to_all_single": ("all_to_all", "input"),
+    "send": ("send", "input"),
+    "recv_": ("recv", "input"),
+    "broadcast_": ("broadcast", "input"),
+}
+
+
+def _nbytes(x: Any) -> int:
+    if isinstance(x, torch.Tensor):
+        return x.numel() * x.element_size()
+    if isinstance(x, (list, tuple)):
+        return sum(_nbytes(t) for t in x)
+    return 0
+
+
+def _group_name(args: tuple) -> str | None:
+    """The process group of a collective: a functional op names it, a c10d op passes it (a ScriptObject)."""
+    for a in args:
+        if isinstance(a, torch.ScriptObject):
+            return dist.ProcessGroup.unbox(a).group_name
+    for a in reversed(args):
+        if isinstance(a, str) and a not in ("sum", "avg", "max", "min", "product"):
+            return a
+    return None
+
+
+def _tensors(args: tuple) -> list[Any]:
+    return [
+        a for a in args if isinstance(a, torch.Tensor) or (isinstance(a, list) and a and isinstance(a[0], torch.Tensor))
+    ]
+
+
+class CollectiveCounter(TorchDispatchMode):
+    """Bytes of every collective by (process group name, operation)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bytes: dict[tuple[str, str], int] = defaultdict(int)
+        self.calls: dict[tuple[str, str], int] = defaultdict(int)
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        name = func.__name__.split(".")[0]
+        if func.namespace in ("c10d", "_c10d_functional") and name in _OPS:
+            kind, which = _OPS[name]
+            tensors = _tensors(args)
+            group = _group_name(args)
+            if func.namespace == "c10d":  # (outputs, inputs, group, ...) or (tensors, group, ...)
+                data = tensors[0] if (which == "output" or len(tensors) == 1) else tensors[1]
+                if name == "alltoall_base_":
+                    tensors[0].copy_(tensors[1])  # each peer sends this rank what it sends them (module doc)
+            else:
+                data = out if which == "output" else tensors[0]
+            if group is not None:
+                self.bytes[(group, kind)] += _nbytes(data)
+                self.calls[(group, kind)] += 1
+        return out
+
+
+class LiveStorages(TorchDispatchMode):
+    """The storages op outputs create while active (a DTensor's: its local one); alive() sums those still alive."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._refs: dict[int, StorageWeakRef] = {}
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                ref = StorageWeakRef(local_tensor(t).untyped_storage())
+                self._refs.setdefault(ref.cdata, ref)
+        return out
+
+    def alive(self) -> dict[int, int]:
+        """Storage key -> bytes, for the recorded storages still alive now."""
+        out = {}
+        for key, ref in self._refs.items():
+            storage = None if ref.expired() else torch.UntypedStorage._new_with_weak_ptr(key)
+            if storage is not None:
+                out[key] = storage.nbytes()
+        return out
+
+
+def parameter_storages(root: nn.Module) -> set[int]:
+    """Storages of the parameters and of FSDP2's gathered copies (the root's and the last block's stay gathered
+    from forward to backward: the planner counts them as FSDP buffers, not activations). FSDP2 exposes its
+    gathered copies only on its parameter groups (private: torch has no accessor)."""
+    keys = {storage_key(p) for p in root.parameters()}
+    for unit in root.modules():
+        group = unit._get_fsdp_state()._fsdp_param_group if isinstance(unit, FSDPModule) else None
+        for param in group.fsdp_params if group is not None else ():
+            unsharded = getattr(param, "_unsharded_param", None)
+            if unsharded is not None:
+                keys.add(storage_key(unsharded))
+    return keys
+
+
+def storage_key(t: torch.Tensor) -> int:
+    return StorageWeakRef(local_tensor(t).untyped_storage()).cdata
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    return t._local_tensor if hasattr(t, "_local_tensor") else t  # a DTensor's shard on this rank
+
+
+@dataclass
+class StepCounts:
+    """What one rank's step moved and held."""
+
+    bytes: dict[str, dict[str, int]] = field(default_factory=dict)  # mesh dim -> operation -> bytes
+    calls: dict[str, dict[str, int]] = field(default_factory=dict)
+    activations: int = 0  # held into backward (module doc)
+    seconds: float = 0.0
+
+
+def dim_of_groups(views: MeshViews) -> dict[str, str]:
+    """Process group name -> the planner's name of its mesh dim (several dims of the same ranks: joined by '=')."""
+    layout = views.layout
+    named = {
+        "tp": (views.root, "tp"),
+        "cp": (views.root, "cp"),
+        "dp_replicate": (views.root, "dp_replicate"),
+        "pp": (views.root, "pp"),
+        "fsdp": (views.dp_shard_cp, None),
+        "ep": (views.ep, None),
+    }
+    if layout.ep > 1:
+        named["expert_fsdp"] = (views.expert_dp, "efsdp")
+    out: dict[str, list[str]] = defaultdict(list)
+    for label, (mesh, dim) in named.items():
+        sub = mesh[dim] if dim else mesh
+        if sub.size() > 1:
+            out[sub.get_group().group_name].append(label)
+    return {g: "=".join(labels) for g, labels in out.items()}
+
+
+@contextmanager
+def fake_world(rank: int, world_size: int) -> Iterator[None]:
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise RuntimeError("a fake step needs a process without a process group (it creates a fake one)")
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def fake_step(
+    config: Any,
+    layout: MeshLayout,
+    micro_batch: int,
+    seq_len: int,
+    rank: int = 0,
+    precision: str = "32-true",
+    ac: str = "none",
+    cp_style: str = "ring",
+    zero_stage: int = 3,
+) -> StepCounts:
+    """One training step of global rank `rank` (one micro-batch of `micro_batch` sequences of `seq_len` tokens)."""
+    start = time.perf_counter()
+    with fake_world(rank, layout.world_size):
+        root = nn.Module()  # stands in for the LightningModule, which holds the network as `model`
+        with torch.device("meta"):
+            root.model = build_model(config)
+        if precision == "bf16-true":
+            root.to(torch.bfloat16)
+        options = MeshOptions(
+            mesh=MeshDegrees(sequence_parallel=layout.tp > 1),
+            memory=MemoryOptions(activation_checkpointing=ac),  # type: ignore[arg-type]
+            context=ContextOptions(style=cp_style),  # type: ignore[arg-type]
+            data=DataParallelOptions(zero_stage=zero_stage),  # type: ignore[arg-type]
+        )
+        views = build_device_mesh(layout, "cpu")
+        parallelize(root, views, options, precision=precision)
+        root.to_empty(device="cpu")
+        generator = torch.Generator().manual_seed(rank)
+        with torch.no_grad():
+            for p in root.parameters():
+                local_tensor(p).normal_(0.0, 0.02, generator=generator)
+        tokens = torch.randint(0, config.vocab_size, (micro_batch, seq_len), generator=generator)
+        if layout.cp > 1:  # as MeshStrategy's batch hook: each cp rank keeps its part of the sequence
+            tokens = shard_batch(tokens, views[MeshAxis.CP], cp_style)
+        counter, live = CollectiveCounter(), LiveStorages()
+        autocast = torch.autocast("cpu", torch.bfloat16) if precision == "bf16-mixed" else _nothing()
+        with counter:
+            with live, autocast:
+                loss = cross_entropy(root.model(tokens), tokens)
+            params = parameter_storages(root)
+            held = sum(b for ptr, b in live.alive().items() if ptr not in params)
+            loss.backward()
+            torch.optim.AdamW(root.parameters(), foreach=True).step()
+        names = dim_of_groups(views)
+    counts = StepCounts(activations=held)
+    for (group, op), n in counter.bytes.items():
+        dim = names.get(group, f"group {group}")
+        counts.bytes.setdefault(dim, {})[op] = counts.bytes.get(dim, {}).get(op, 0) + n
+        counts.calls.setdefault(dim, {})[op] = counts.calls.get(dim, {}).get(op, 0) + counter.calls[(group, op)]
+    counts.seconds = round(time.perf_counter() - start, 3)
+    return counts
+
+
+@contextmanager
+def _nothing() -> Iterator[None]:
+    yield

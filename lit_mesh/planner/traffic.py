@@ -1,0 +1,145 @@
+"""Bytes each collective of a training step moves on one rank, per mesh dim and operation: the planner's
+communication terms, in the unit lit_mesh.comm.topology's ring formulas take (an all-gather: the gathered tensor;
+a reduce-scatter: its input; an all-reduce: its tensor; an all-to-all: what this rank sends; a send: the message).
+
+`lit-mesh plan --simulate` checks them against the collectives of a real step over the fake process group
+(lit_mesh.planner.fake_step). What lit_mesh runs, per micro-batch unless said:
+- fsdp (dp_shard x cp): FSDP2 gathers each unit's parameters, every tensor's dim 0 padded to a multiple of the
+  shard count: the root (embedding, norm, head: kept from forward to backward) once, each block in forward and
+  again in backward but the last block (lit_mesh/parallel/data.py keeps it gathered); gradients reduce-scattered
+  in fp32 (bf16-true: bf16) at the last micro-batch (ZeRO-2: every one). ZeRO-1/2 gather once per step.
+- expert_fsdp (dp_shard x cp / ep): the expert units, resharded after every forward (gathered twice per block).
+- dp_replicate (HSDP): the shards' gradients all-reduced once per step.
+- tp (1-D, sequence parallel): per block an all-gather before attention and the feed-forward and a reduce-scatter
+  after each, forward and backward (full AC's recomputed forward: both gathers, the first reduce-scatter); the embedding's output
+  reduce-scattered and the head's input gathered; the vocabulary-parallel loss all-reduces three fp32 numbers per
+  token; the sequence-parallel norms' weight gradients are all-reduced.
+- cp ring: a block's K/V (grouped heads, as they are) sent cp - 1 times forward and again backward, plus cp sends of
+  the fp32 dK/dV accumulator; Ulysses: one all-to-all of q, k, v and one of the output, forward and backward.
+- ep: dispatch and combine of the routed copies (top_k per token of the whole micro-batch), forward and backward,
+  plus the token counts.
+- pp: the stage boundary's activation forward and its gradient backward.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+from lit_mesh.mesh import MeshLayout
+from lit_mesh.planner.memory import ROWWISE, Workload, chunk, fsdp_degree, unsharded_numel
+from lit_mesh.planner.pipeline_model import ONE_F_ONE_B, Schedule, rank_stages
+from lit_mesh.planner.shapes import ModelShapes, ParamShape
+from lit_mesh.planner.vocabulary import PRECISION_BYTES
+
+Traffic = dict[str, dict[str, float]]  # mesh dim -> operation -> bytes per step on one rank
+
+
+def padded_numel(p: ParamShape, layout: MeshLayout, shards: int) -> int:
+    """Elements FSDP2 gathers for `p`: the rank's tp (or ep) piece with dim 0 padded to a multiple of `shards`
+    (expert weights shard evenly, off dim 0: no padding)."""
+    n = unsharded_numel(p, layout)
+    if p.expert or shards == 1 or n == 0:
+        return n
+    rows = _tp_rows(p, layout.tp)
+    return -(-rows // shards) * shards * (n // rows)
+
+
+def _tp_rows(p: ParamShape, tp: int) -> int:
+    """Dim 0 of tp rank 0's piece of `p` (lit_mesh.planner.memory.local_numel's splits)."""
+    rows = p.shape[0]
+    if tp == 1 or p.tp_style not in ("colwise", "head", "vocab_head", *ROWWISE):
+        return rows
+    rowwise = p.tp_style in ROWWISE
+    if len(p.shape) == 1:
+        splits_rows = not rowwise
+    elif p.is_embedding:
+        splits_rows = rowwise
+    else:
+        splits_rows = not rowwise
+    return chunk(rows, tp, 0) if splits_rows else rows
+
+
+def comm_bytes(
+    shapes: ModelShapes,
+    layout: MeshLayout,
+    work: Workload,
+    precision: str,
+    ac: str,
+    *,
+    zero_stage: int = 3,
+    cp_style: str = "ring",
+    schedule: Schedule = ONE_F_ONE_B,
+    stage: int = 0,
+) -> Traffic:
+    """The step's collectives on a rank of pp rank `stage` (module doc), by mesh dim and operation."""
+    c, b = shapes.config, PRECISION_BYTES[precision]
+    gather, reduce, act = b["gather"], b["grad"], b["activation"]
+    out: Traffic = defaultdict(lambda: defaultdict(float))
+    n_micro = work.microbatches(layout)
+    stages = rank_stages(shapes.n_blocks, layout.pp, schedule)[stage]
+    blocks = stages.total_blocks
+    root_params = [*(shapes.first if stages.first else ()), *(shapes.last if stages.last else ())]
+    dense = [p for p in shapes.block if not p.expert]
+    experts = [p for p in shapes.block if p.expert]
+    recompute = ac == "full"
+
+    k = fsdp_degree(layout)
+    expert_k = k // layout.ep
+    if k > 1:
+        block = sum(padded_numel(p, layout, k) for p in dense)
+        root = sum(padded_numel(p, layout, k) for p in root_params)
+        if zero_stage < 3:
+            out["fsdp"]["all_gather"] += (root + blocks * block) * gather
+        else:
+            out["fsdp"]["all_gather"] += n_micro * (root + (2 * blocks - 1) * block) * gather
+        reductions = n_micro if zero_stage == 2 else 1
+        out["fsdp"]["reduce_scatter"] += reductions * (root + blocks * block) * reduce
+        if layout.dp_replicate > 1:
+            out["dp_replicate"]["all_reduce"] += (root + blocks * block) // k * reduce
+    if experts and (expert_k > 1 or k > 1):
+        shards = expert_k if layout.ep > 1 else k
+        name = "expert_fsdp" if layout.ep > 1 else "fsdp"
+        numel = sum(padded_numel(p, layout, shards) for p in experts)
+        out[name]["all_gather"] += n_micro * 2 * blocks * numel * gather
+        out[name]["reduce_scatter"] += blocks * numel * reduce
+
+    tokens = work.tokens_per_microbatch(layout)  # this rank's, per micro-batch (cp splits the sequence)
+    if layout.tp > 1:
+        hidden = tokens * c.dim * act
+        per_pass = 2 * blocks * hidden  # forward: gathers (or reduce-scatters) per block
+        ends = (1 if stages.first else 0) + (1 if stages.last else 0)  # embedding output, head input
+        # full AC's recomputed forward gathers again but stops before the block's last reduce-scatter (nothing of
+        # it is saved: torch's checkpoint ends the recompute early)
+        again = {"all_gather": per_pass, "reduce_scatter": blocks * hidden} if recompute else {}
+        for op in ("all_gather", "reduce_scatter"):
+            out["tp"][op] += n_micro * (2 * per_pass + again.get(op, 0) + ends * hidden)
+        norms = 2 * blocks + (1 if stages.last else 0)
+        loss = 3 * tokens * 4 if stages.last else 0
+        out["tp"]["all_reduce"] += n_micro * loss + norms * c.dim * gather
+
+    if layout.cp > 1:
+        kv_heads, head_dim = c.n_kv_heads // layout.tp, c.head_dim
+        kv = 2 * tokens * kv_heads * head_dim * act
+        if cp_style == "ulysses":
+            kv_heads = max(kv_heads, layout.cp)  # repeated until cp divides them
+            q = tokens * c.n_heads // layout.tp * head_dim * act
+            qkv = q + 2 * tokens * kv_heads * head_dim * act
+            out["cp"]["all_to_all"] += n_micro * blocks * (2 + (1 if recompute else 0)) * (qkv + q)
+        else:
+            sends = (2 + (1 if recompute else 0)) * (layout.cp - 1) * kv + layout.cp * kv * 4 // act
+            out["cp"]["send"] += n_micro * blocks * sends
+            out["cp"]["recv"] += n_micro * blocks * sends
+
+    if layout.ep > 1:
+        routed = work.micro_batch * work.seq_len // layout.cp * c.top_k * c.dim * act
+        counts = c.n_experts * 8  # int64 tokens per expert, exchanged before each dispatch
+        passes = 1 + (1 if recompute else 0)  # forward passes: dispatch and combine each
+        out["ep"]["all_to_all"] += n_micro * blocks * ((2 * passes + 2) * routed + passes * counts)
+
+    if layout.pp > 1:
+        message = tokens // layout.tp * c.dim * act  # sequence parallel: the boundary's activation is /tp
+        # each local stage receives its input and sends its output, but the first and the last stage of the model
+        edges = 2 * len(stages.blocks) - (1 if stages.first else 0) - (1 if stages.last else 0)
+        out["pp"]["send"] += n_micro * edges * message
+        out["pp"]["recv"] += n_micro * edges * message
+    return {dim: dict(ops) for dim, ops in out.items()}
