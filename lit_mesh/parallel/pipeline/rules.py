@@ -86,6 +86,16 @@ def _tied_names(module: Any) -> list[str]:
     return [" = ".join(group) for group in names.values() if len(group) > 1]
 
 
+def _pipelined_by_stage_modules(f: Facts) -> bool:
+    """pp > 1 on a plan whose stages run a stage module (lit_mesh.hf's: transformers' own forward per stage)."""
+    return (
+        not f.self_parallelised
+        and f.layout.pp > 1
+        and bool(f.owners)
+        and getattr(f.owners[0].plan.pp, "stage", None) is not None
+    )
+
+
 RULES: list[Rule] = [
     Rule(
         "one_stage_schedule",
@@ -251,14 +261,7 @@ RULES: list[Rule] = [
         # input, which sequence parallelism shards between stages
         "pp_stage_module_without_sp",
         "setup",
-        lambda f: (
-            not f.self_parallelised
-            and f.layout.pp > 1
-            and f.layout.tp > 1
-            and bool(f.options.mesh.sequence_parallel)
-            and bool(f.owners)
-            and getattr(f.owners[0].plan.pp, "stage", None) is not None
-        ),
+        lambda f: _pipelined_by_stage_modules(f) and f.layout.tp > 1 and bool(f.options.mesh.sequence_parallel),
         lambda f: (
             f"pp={f.layout.pp} x tp={f.layout.tp} with sequence parallelism and"
             f" {type(f.owners[0].module).__name__}: its stages compute the positions and the causal mask from the"
@@ -272,13 +275,7 @@ RULES: list[Rule] = [
         # would give every cp rank positions from 0 (and its attention swap is not wired through the stages)
         "pp_stage_module_without_cp",
         "setup",
-        lambda f: (
-            not f.self_parallelised
-            and f.layout.pp > 1
-            and f.layout.cp > 1
-            and bool(f.owners)
-            and getattr(f.owners[0].plan.pp, "stage", None) is not None
-        ),
+        lambda f: _pipelined_by_stage_modules(f) and f.layout.cp > 1,
         lambda f: (
             f"pp={f.layout.pp} x cp={f.layout.cp} with {type(f.owners[0].module).__name__}: its pipeline stages"
             " compute positions and the causal mask from the tokens they receive, which context parallelism shards;"
