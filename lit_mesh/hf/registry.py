@@ -78,8 +78,10 @@ def use_plan(model: nn.Module, plan: PlanBuilder | str) -> nn.Module:
 
 
 def is_transformers_model(module: nn.Module) -> TypeGuard[PreTrainedModel]:
-    transformers = sys.modules.get("transformers")
-    return transformers is not None and isinstance(module, transformers.PreTrainedModel)
+    # the module that defines PreTrainedModel, not transformers' lazy top level: reading the class there imports
+    # modeling_utils and every quantizer backend installed (torchao's logs at import) for a model that is no such one
+    modeling = sys.modules.get("transformers.modeling_utils")
+    return modeling is not None and isinstance(module, modeling.PreTrainedModel)
 
 
 def plan_for(model: nn.Module) -> ParallelPlan:
