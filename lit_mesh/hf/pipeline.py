@@ -6,7 +6,7 @@ does not hold are None (the token embedding: `inputs_embeds` skips it) or stand-
 pass hidden states on, GPT-2's position embeddings add zeros). So every stage computes the positions, the rotary
 embeddings (a buffer module beside the layers, on every stage) and the causal mask itself, as transformers does.
 
-No cache, no padding: a stage takes one tensor. An `attention_mask` with padding is refused under pp
+No cache, no padding: a stage takes one tensor. An `attention_mask` is refused under pp
 (lit_mesh/hf/pipelined_call.py).
 """
 

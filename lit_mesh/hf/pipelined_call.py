@@ -6,8 +6,8 @@ Inside a step MeshStrategy runs, a call of the whole model runs the pipeline ins
   inside, -100 ignored, the mean over the batch's counted tokens), on every pp rank, carrying the step's gradients;
 - without: forward only, the output's `logits` on every pp rank (validation, prediction); in training that would
   run no backward, so it is refused, naming `lit_mesh.loss_of`.
-A stage takes one tensor, so only causal attention without padding: an `attention_mask` with zeros is refused,
-as is any input besides token ids (`inputs_embeds`, a cache, ...).
+A stage takes one tensor, so only causal attention without padding: an `attention_mask` is refused (checking it for
+padding would read it on the host every step), as is any input besides token ids (`inputs_embeds`, a cache, ...).
 """
 
 from __future__ import annotations
@@ -52,10 +52,10 @@ def _pipelined_forward(
             f"{name} under pp takes token ids (input_ids) and labels only; got {given or ['no input_ids']}: pipeline"
             " stages pass one tensor between them (no inputs_embeds, cache or other inputs)"
         )
-    if attention_mask is not None and not bool((attention_mask != 0).all()):
+    if attention_mask is not None:  # not read for zeros: that would sync the host every step
         raise PipelineConfigError(
-            f"{name} under pp got an attention_mask with padding (zeros): pipeline stages use the causal mask alone;"
-            " pack the sequences without padding (zoo.TokenDataModule does), or use pp=1"
+            f"{name} under pp got an attention_mask: pipeline stages use the causal mask alone; pack the sequences"
+            " without padding (zoo.TokenDataModule does) and pass no attention_mask, or use pp=1"
         )
     targets = labels if shift_labels is None else shift_labels
     if targets is None:
