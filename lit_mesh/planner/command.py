@@ -364,6 +364,27 @@ def report(result: PlanResult, args: argparse.Namespace, hw: Hardware, params: i
             print(f"   - {line}")
 
 
+def report_options(shown: Candidate, shapes: Any, work: Any, hw: Hardware, args: argparse.Namespace) -> dict[str, Any]:
+    """Prints why each AC x schedule x micro-batch option of the best layout (nothing fits: the least-memory one)
+    was rejected; returns every option of it for --json."""
+    from lit_mesh.planner.rejections import layout_options, rejection_table
+
+    layout = shown.layout
+    options = layout_options(
+        layout, shapes, work, hw, args.precision, args.ac, sorted(set(args.zero_stage), reverse=True)
+    )
+    degrees = {d: getattr(layout, d) for d in (*DIMS, "ep")}
+    fitting = sum(o.rejected is None for o in options)
+    name = " x ".join(f"{d}={v}" for d, v in degrees.items() if v > 1) or "one device"
+    print(f"\noptions of {name}: {fitting} of {len(options)} (AC x schedule x micro-batch) run and fit", end="")
+    if fitting == len(options):
+        print()
+    else:
+        print("; rejected:")
+        print("\n".join(rejection_table(options, layout.pp)))
+    return {"layout": degrees, "options": [o.as_dict() for o in options]}
+
+
 def main(argv: list[str]) -> int:
     """0: a plan (and --simulate agrees); 1: nothing fits, or --simulate disagrees; bad arguments exit 2."""
     args = parse_args(argv)
@@ -405,6 +426,8 @@ def main(argv: list[str]) -> int:
         "rejected": dict(result.rejected),
         "considered": result.considered,
     }
+    if shown := result.ranked[0] if result.ranked else result.smallest:
+        out["options"] = report_options(shown, shapes, work, hw, args)
     status = 0 if result.ranked else 1
     if result.ranked:
         best = result.ranked[0]

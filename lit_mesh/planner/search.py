@@ -163,18 +163,28 @@ def evaluate(
 MAX_MICRO_BATCH = 32
 
 
-def micro_batches(layout: MeshLayout, work: Workload, *, schedule: Schedule = ONE_F_ONE_B) -> list[int]:
-    """Sequences per micro-batch to try, largest first: divisors of the local batch (pp > 1: leaving at least pp
-    micro-batches, and a count the schedule accepts: MeshStrategy's own rule, pp_microbatches_for_schedule)."""
+def micro_batch_refused(layout: MeshLayout, work: Workload, micro: int, schedule: Schedule = ONE_F_ONE_B) -> str | None:
+    """Why `micro` sequences per micro-batch cannot run on this layout with this schedule (which number does not
+    divide which, or MeshStrategy's own rule for the schedule: pp_microbatches_for_schedule), or None."""
     local = work.local_batch(layout)
-    sizes = [
-        m
-        for m in divisors(local)
-        if m <= MAX_MICRO_BATCH
-        and (layout.pp == 1 or local // m >= layout.pp)
-        and microbatches_refused(schedule, layout.pp, local // m) is None
-    ]
-    return sorted(sizes, reverse=True)
+    if local % micro:
+        return (
+            f"micro-batch {micro} does not divide the {local} sequences per data-parallel rank (global batch"
+            f" {work.global_batch} / dp={layout.dp})"
+        )
+    count = local // micro
+    if layout.pp > 1 and count < layout.pp:
+        return f"{local} / {micro} = {count} micro-batches, fewer than the pp={layout.pp} stages"
+    if refused := microbatches_refused(schedule, layout.pp, count):
+        return f"{schedule.describe()} with {count} micro-batches: {refused}"
+    return None
+
+
+def micro_batches(layout: MeshLayout, work: Workload, *, schedule: Schedule = ONE_F_ONE_B) -> list[int]:
+    """Sequences per micro-batch to try, largest first: divisors of the local batch up to MAX_MICRO_BATCH that
+    micro_batch_refused accepts."""
+    sizes = [m for m in divisors(work.local_batch(layout)) if m <= MAX_MICRO_BATCH]
+    return sorted((m for m in sizes if micro_batch_refused(layout, work, m, schedule) is None), reverse=True)
 
 
 def best_option(
