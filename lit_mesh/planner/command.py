@@ -22,7 +22,9 @@ from lit_mesh.planner.vocabulary import AC_MODES, DIMS, PRECISION_BYTES
 
 if TYPE_CHECKING:  # the model, memory and time modules import torch: only once the arguments are good
     from lit_mesh.planner.hardware import Hardware
+    from lit_mesh.planner.memory import Workload
     from lit_mesh.planner.search import Candidate, PlanResult
+    from lit_mesh.planner.shapes import ModelShapes
 
 PROG = "lit-mesh plan"
 DEFAULT_DEVICES_PER_NODE = 8
@@ -364,7 +366,9 @@ def report(result: PlanResult, args: argparse.Namespace, hw: Hardware, params: i
             print(f"   - {line}")
 
 
-def report_options(shown: Candidate, shapes: Any, work: Any, hw: Hardware, args: argparse.Namespace) -> dict[str, Any]:
+def report_options(
+    shown: Candidate, shapes: ModelShapes, work: Workload, hw: Hardware, args: argparse.Namespace
+) -> dict[str, Any]:
     """Prints why each AC x schedule x micro-batch option of the best layout (nothing fits: the least-memory one)
     was rejected; returns every option of it for --json."""
     from lit_mesh.planner.rejections import layout_options, rejection_table

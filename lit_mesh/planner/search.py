@@ -174,7 +174,8 @@ def micro_batch_refused(layout: MeshLayout, work: Workload, micro: int, schedule
         )
     count = local // micro
     if layout.pp > 1 and count < layout.pp:
-        return f"{local} / {micro} = {count} micro-batches, fewer than the pp={layout.pp} stages"
+        plural = "micro-batch" if count == 1 else "micro-batches"
+        return f"{local} / {micro} = {count} {plural}, fewer than the pp={layout.pp} stages"
     if refused := microbatches_refused(schedule, layout.pp, count):
         return f"{schedule.describe()} with {count} micro-batches: {refused}"
     return None
