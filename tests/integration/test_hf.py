@@ -5,8 +5,8 @@ Layout parity through the `lit-mesh` CLI (fp32: relative 1e-4 per step over 10 s
 ViT under fsdp2, Llama built whole in __init__ (not on the meta device) under tp2, and the user example
 examples/hf_model.py under tp2; a saved Mixtral loaded into zoo.MoEModule(pretrained=DIR) on ep2 and ep2 x fsdp
 (transformers' logits; each rank reads only its own slices); context parallel (cp2: Llama with ring, Ulysses and
-all-gather, the last with transformers' own label shift; Qwen2 and Mistral on one style each; Llama on fsdp2 x cp2).
-One torchrun launch per world size
+all-gather, the last with transformers' own label shift; Qwen2 and Mistral on one style each; Llama on fsdp2 x cp2);
+a GPT-2 checkpoint of pp2 x tp2 resumed on fsdp4 (tied embeddings, optimizer state). One torchrun launch per world size
 (1, 2, 4) runs every run, the export checkpoints and the error cases. Each run also records how the mesh was
 really applied (DTensor placements, FSDP2 units, MoE dispatchers: tests/workers/hf_runs.py), so that a run that
 silently stayed replicated cannot pass parity.
@@ -238,6 +238,29 @@ def _pretrained_pp(out: Path, nproc: int) -> list[dict]:
     return [_fit(name, n, TEXT, pretrained, *pp, checkpoint=n > 1) for name, n in PRETRAINED_PP.items() if n == nproc]
 
 
+# resume across layouts (#35 item 6): the saved GPT-2 (tied embeddings, so every layout starts from its weights)
+# trained RESUME_AT steps on pp2 x tp2 with a checkpoint, resumed on fsdp4 up to RESUME_STEPS: one launch of 4 ranks
+RESUME_AT, RESUME_STEPS = 2, 4
+PP_TP, RESUMED_FSDP = "gpt2-pretrained-pp2_tp2", "gpt2-pretrained-pp2_tp2-fsdp4"
+
+
+def _resume_across_layouts(out: Path) -> list[dict]:
+    pretrained = f"--model.init_args.pretrained={out / 'gpt2-pretrained'}"
+    pp_tp = [f"{S}pp=2", f"{S}tp=2", f"{S}sequence_parallel=false"]  # SP under pp is refused
+    return [
+        _fit(PP_TP, 4, TEXT, pretrained, *pp_tp, f"--trainer.max_steps={RESUME_AT}", checkpoint=True),
+        _fit(
+            RESUMED_FSDP,
+            4,
+            TEXT,
+            pretrained,
+            f"{S}dp=4",
+            f"--trainer.max_steps={RESUME_STEPS}",
+            f"--ckpt_path=@{PP_TP}",
+        ),
+    ]
+
+
 @pytest.fixture(scope="module")
 def out(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("hf")
@@ -246,6 +269,7 @@ def out(tmp_path_factory: pytest.TempPathFactory) -> Path:
     for nproc, runs in LAUNCHES.items():
         spec = out / f"runs_{nproc}.json"
         extra = [*([_pretrained_ep(out, nproc)] if nproc in PRETRAINED_EP else []), *_pretrained_pp(out, nproc)]
+        extra += _resume_across_layouts(out) if nproc == 4 else []
         spec.write_text(json.dumps([*runs, *extra]))
         proc = launch(nproc, "hf_runs.py", str(out), str(spec), timeout=600)
         if proc.returncode != 0:
@@ -449,6 +473,28 @@ def test_hf_causal_lm_under_pp_matches_single_device(out: Path) -> None:
 def test_pretrained_gpt2_under_pp_matches_single_device(out: Path) -> None:
     """HFCausalLM(pretrained=DIR) on pp2: the single-device curve from the same saved weights (tied embeddings)."""
     assert_same_curve(losses(out, "gpt2-pretrained-single"), losses(out, "gpt2-pretrained-pp2"), "pretrained pp2")
+
+
+def test_pp_tp_checkpoint_resumes_on_fsdp4(out: Path) -> None:
+    """A GPT-2 checkpoint of pp2 x tp2 (the tied matrix a copy on each end stage, every tensor split over tp) resumes
+    on fsdp4 (one tied parameter, sharded by FSDP2): the single-device curve, before and after the move. The steps
+    after the first resumed one hold the loaded AdamW state (moments and step count): a fresh one moves otherwise."""
+    first, resumed = losses(out, PP_TP), losses(out, RESUMED_FSDP)
+    assert (len(first), len(resumed)) == (RESUME_AT, RESUME_STEPS - RESUME_AT), (first, resumed)
+    reference = losses(out, "gpt2-pretrained-single")[:RESUME_STEPS]
+    for step, (a, b) in enumerate(zip(reference, first + resumed, strict=True), start=1):
+        assert abs(a - b) <= 1e-4 * abs(a), f"step {step}: pp2 x tp2 -> fsdp4 loss {b} vs single-device {a}"
+    # the layouts were what they say: rank 0 held the first stage (the embedding, block 0), split over tp; then
+    # the whole model, the tied matrix once, FSDP2 units sharded over dp
+    pp_tp = applied(out, PP_TP)
+    assert set(params_by_block(pp_tp, GPT2)) == {f"{GPT2}.0"} and "model.lm_head.weight" not in pp_tp["params"]
+    over_tp = {
+        inner: record["placements"].get("tp") for inner, record in params_by_block(pp_tp, GPT2)[f"{GPT2}.0"].items()
+    }
+    assert {inner: over_tp[inner] for inner in GPT2_TP} == GPT2_TP, over_tp
+    assert "model.transformer.wte.weight" in pp_tp["params"]
+    assert_applied(applied(out, RESUMED_FSDP), Applied(GPT2, {}, fsdp=True), RESUMED_FSDP)
+    assert "model.lm_head.weight" not in applied(out, RESUMED_FSDP)["params"]  # tied: one parameter
 
 
 @pytest.mark.parametrize("name", [name for name, (n, _) in PIPELINE_EXAMPLES.items() if n > 1])
