@@ -239,26 +239,25 @@ def _pretrained_pp(out: Path, nproc: int) -> list[dict]:
 
 
 # resume across layouts (#35 item 6): the saved GPT-2 (tied embeddings, so every layout starts from its weights)
-# trained RESUME_AT steps on pp2 x tp2 with a checkpoint, resumed on fsdp4 up to RESUME_STEPS: one launch of 4 ranks
-RESUME_AT, RESUME_STEPS = 2, 4
-PP_TP, RESUMED_FSDP = "gpt2-pretrained-pp2_tp2", "gpt2-pretrained-pp2_tp2-fsdp4"
+# trained on pp2 x tp2 to step 2 with a checkpoint, resumed on fsdp4 to step 4 with a checkpoint, resumed on
+# pp2 x tp2 again to step 6: both moves in one launch of 4 ranks; name -> (layout, last step, the run it resumes)
+PP_TP = (f"{S}pp=2", f"{S}tp=2", f"{S}sequence_parallel=false")  # SP under pp is refused
+RESUMES: dict[str, tuple[tuple[str, ...], int, str]] = {
+    "gpt2-pretrained-pp2_tp2": (PP_TP, 2, ""),
+    "gpt2-pretrained-fsdp4": ((f"{S}dp=4",), 4, "gpt2-pretrained-pp2_tp2"),
+    "gpt2-pretrained-pp2_tp2-again": (PP_TP, 6, "gpt2-pretrained-fsdp4"),
+}
 
 
 def _resume_across_layouts(out: Path) -> list[dict]:
     pretrained = f"--model.init_args.pretrained={out / 'gpt2-pretrained'}"
-    pp_tp = [f"{S}pp=2", f"{S}tp=2", f"{S}sequence_parallel=false"]  # SP under pp is refused
-    return [
-        _fit(PP_TP, 4, TEXT, pretrained, *pp_tp, f"--trainer.max_steps={RESUME_AT}", checkpoint=True),
-        _fit(
-            RESUMED_FSDP,
-            4,
-            TEXT,
-            pretrained,
-            f"{S}dp=4",
-            f"--trainer.max_steps={RESUME_STEPS}",
-            f"--ckpt_path=@{PP_TP}",
-        ),
-    ]
+    resumed_from = {of for _, _, of in RESUMES.values()}  # these save a checkpoint (at their last step)
+    runs = []
+    for name, (layout, last, of) in RESUMES.items():
+        resume = [f"--ckpt_path=@{of}"] if of else []
+        args = (pretrained, *layout, f"--trainer.max_steps={last}", *resume)
+        runs.append(_fit(name, 4, TEXT, *args, checkpoint=name in resumed_from))
+    return runs
 
 
 @pytest.fixture(scope="module")
@@ -475,26 +474,29 @@ def test_pretrained_gpt2_under_pp_matches_single_device(out: Path) -> None:
     assert_same_curve(losses(out, "gpt2-pretrained-single"), losses(out, "gpt2-pretrained-pp2"), "pretrained pp2")
 
 
-def test_pp_tp_checkpoint_resumes_on_fsdp4(out: Path) -> None:
-    """A GPT-2 checkpoint of pp2 x tp2 (the tied matrix a copy on each end stage, every tensor split over tp) resumes
-    on fsdp4 (one tied parameter, sharded by FSDP2): the single-device curve, before and after the move. The steps
-    after the first resumed one hold the loaded AdamW state (moments and step count): a fresh one moves otherwise."""
-    first, resumed = losses(out, PP_TP), losses(out, RESUMED_FSDP)
-    assert (len(first), len(resumed)) == (RESUME_AT, RESUME_STEPS - RESUME_AT), (first, resumed)
-    reference = losses(out, "gpt2-pretrained-single")[:RESUME_STEPS]
-    for step, (a, b) in enumerate(zip(reference, first + resumed, strict=True), start=1):
-        assert abs(a - b) <= 1e-4 * abs(a), f"step {step}: pp2 x tp2 -> fsdp4 loss {b} vs single-device {a}"
-    # the layouts were what they say: rank 0 held the first stage (the embedding, block 0), split over tp; then
-    # the whole model, the tied matrix once, FSDP2 units sharded over dp
-    pp_tp = applied(out, PP_TP)
-    assert set(params_by_block(pp_tp, GPT2)) == {f"{GPT2}.0"} and "model.lm_head.weight" not in pp_tp["params"]
-    over_tp = {
-        inner: record["placements"].get("tp") for inner, record in params_by_block(pp_tp, GPT2)[f"{GPT2}.0"].items()
-    }
-    assert {inner: over_tp[inner] for inner in GPT2_TP} == GPT2_TP, over_tp
-    assert "model.transformer.wte.weight" in pp_tp["params"]
-    assert_applied(applied(out, RESUMED_FSDP), Applied(GPT2, {}, fsdp=True), RESUMED_FSDP)
-    assert "model.lm_head.weight" not in applied(out, RESUMED_FSDP)["params"]  # tied: one parameter
+def test_checkpoints_resume_across_pp_tp_and_fsdp(out: Path) -> None:
+    """GPT-2 checkpoints move pp2 x tp2 -> fsdp4 -> pp2 x tp2 (the tied matrix a copy on each end stage under pp,
+    every tensor split over tp; one parameter sharded by FSDP2 on fsdp4): the single-device curve throughout. The
+    steps after the first resumed one hold the loaded AdamW state (moments and step count), the head's copy's
+    included: a fresh state moves otherwise."""
+    curve, last = [], 0
+    for name, (_, steps, _) in RESUMES.items():
+        part = losses(out, name)
+        assert len(part) == steps - last, (name, part)
+        curve, last = curve + part, steps
+    reference = losses(out, "gpt2-pretrained-single")[:last]
+    for step, (a, b) in enumerate(zip(reference, curve, strict=True), start=1):
+        assert abs(a - b) <= 1e-4 * abs(a), f"step {step}: pp2 x tp2 <-> fsdp4 loss {b} vs single-device {a}"
+    # the layouts were what they say: rank 0 held the first stage (the embedding, block 0), split over tp; on
+    # fsdp4 the whole model, the tied matrix one parameter, FSDP2 units sharded over dp
+    for name in ("gpt2-pretrained-pp2_tp2", "gpt2-pretrained-pp2_tp2-again"):
+        blocks = params_by_block(applied(out, name), GPT2)
+        assert set(blocks) == {f"{GPT2}.0"} and "model.lm_head.weight" not in applied(out, name)["params"], name
+        over_tp = {inner: record["placements"].get("tp") for inner, record in blocks[f"{GPT2}.0"].items()}
+        assert {inner: over_tp[inner] for inner in GPT2_TP} == GPT2_TP, (name, over_tp)
+    fsdp = applied(out, "gpt2-pretrained-fsdp4")
+    assert_applied(fsdp, Applied(GPT2, {}, fsdp=True), "gpt2-pretrained-fsdp4")
+    assert "model.lm_head.weight" not in fsdp["params"] and "model.transformer.wte.weight" in fsdp["params"]
 
 
 @pytest.mark.parametrize("name", [name for name, (n, _) in PIPELINE_EXAMPLES.items() if n > 1])
