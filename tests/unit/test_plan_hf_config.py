@@ -17,15 +17,9 @@ from lit_mesh.planner.families import family
 from lit_mesh.planner.hf_config import read_hf_config
 from lit_mesh.planner.shapes import gpt_shapes
 
-SHAPE = dict(
-    vocab_size=320,
-    hidden_size=64,
-    num_hidden_layers=3,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    intermediate_size=96,
-    max_position_embeddings=512,
-)
+# the config.json keys the planner reads, small
+SHAPE: dict[str, Any] = {"vocab_size": 320, "hidden_size": 64, "num_hidden_layers": 3, "num_attention_heads": 4}
+SHAPE |= {"num_key_value_heads": 2, "intermediate_size": 96, "max_position_embeddings": 512}
 # model_type -> (transformers config class, extra fields, the family planned, bias parameters the zoo shape has not)
 CASES: dict[str, tuple[str, dict[str, Any], str, int]] = {
     "llama": ("LlamaConfig", {"tie_word_embeddings": True}, "gpt", 0),
