@@ -539,9 +539,11 @@ class MeshStrategy(ModelParallelStrategy):
             assert self.model is not None
             optimizers = {f"optimizer_{i}": o for i, o in enumerate(self.optimizers)} if fitting else {}
             strict = self.lightning_module.strict_loading
+            tied = self._pipeline.tied if self._pipeline is not None else None
+            aliases = tied.aliases_under(self.model) if tied is not None else None  # a tied copy's other name
             with torch.inference_mode(False):  # Lightning calls test(ckpt_path=...) within the user's inference_mode
                 checkpoint = self._checkpoints.load(
-                    path, self.model, optimizers, strict, self.compression_run, self.layout.describe()
+                    path, self.model, optimizers, strict, self.compression_run, self.layout.describe(), aliases
                 )
         rescale_batch_progress(checkpoint, self.global_batch_splits)
         return checkpoint

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import shutil
-from collections.abc import Generator
+from collections.abc import Generator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Optional, cast
@@ -308,10 +308,18 @@ def dcp_load(state: dict[str, Any], path: Path) -> dict[str, Any]:
 
 
 def load_sharded_checkpoint(
-    path: Path, model: nn.Module, optimizers: dict[str, torch.optim.Optimizer], strict: bool = True
+    path: Path,
+    model: nn.Module,
+    optimizers: dict[str, torch.optim.Optimizer],
+    strict: bool = True,
+    aliases: Optional[Mapping[str, str]] = None,
 ) -> dict:
     """Load a sharded checkpoint into `model` and `optimizers` as they are sharded now (any mesh, one device
     included: torch.distributed.checkpoint reshards); returns the rest of the checkpoint (loops, callbacks).
+
+    `aliases`: parameter name -> the name of the parameter it is a copy of (a pipeline stage's copy of a tied
+    matrix -> the whole model's name): where the checkpoint holds no optimizer state under the copy's name (saved
+    without pp, the tied matrix one parameter), the copy takes the state saved under the other name.
 
     Lightning's loader refuses models without DTensor parameters (one device), hence our own.
     """
@@ -333,8 +341,32 @@ def load_sharded_checkpoint(
     key = stored_model_key(path)  # FSDPStrategy's sharded checkpoints hold the model under "model"
     model_state = dcp_load({key: get_model_state_dict(model)}, path)
     model.load_state_dict(model_state[key], strict=strict)
+    stored = read_layout(path).state_dict_metadata
     for key, optimizer in optimizers.items():
         options = stored_optimizer_state_options(path, key)  # either format loads, whoever wrote it
-        optimizer_state = dcp_load({key: get_optimizer_state_dict(model, optimizer, options=options)}, path)
-        set_optimizer_state_dict(model, optimizer, optim_state_dict=optimizer_state[key], options=options)
+        saved_as = {
+            copy: whole
+            for copy, whole in (aliases or {}).items()
+            if not any(name.startswith(f"{key}.state.{copy}.") for name in stored)
+        }
+        template = _renamed(get_optimizer_state_dict(model, optimizer, options=options), saved_as)
+        optimizer_state = _renamed(dcp_load({key: template}, path)[key], {v: k for k, v in saved_as.items()})
+        set_optimizer_state_dict(model, optimizer, optim_state_dict=optimizer_state, options=options)
     return metadata
+
+
+def _renamed(state: dict[str, Any], names: Mapping[str, str]) -> dict[str, Any]:
+    """An optimizer state dict, nested ({"state": {name: ...}, "param_groups": [{"params": [names]}]}) or flattened
+    ("state.NAME.exp_avg", "param_groups.NAME.lr"), with the parameters `names` maps renamed."""
+    if not names:
+        return state
+    if isinstance(state.get("state"), dict):
+        groups = [{**group, "params": [names.get(p, p) for p in group["params"]]} for group in state["param_groups"]]
+        return {**state, "state": {names.get(k, k): v for k, v in state["state"].items()}, "param_groups": groups}
+
+    def key(flat: str) -> str:
+        section, _, rest = flat.partition(".")
+        old = next((name for name in names if rest.startswith(f"{name}.")), None)
+        return flat if old is None else f"{section}.{names[old]}{rest[len(old) :]}"
+
+    return {key(k): v for k, v in state.items()}

@@ -112,10 +112,12 @@ class CheckpointWriter:
         strict: bool,
         compression: Optional[CompressionRun],
         layout: str,
+        aliases: Optional[dict[str, str]] = None,
     ) -> dict[str, Any]:
-        """Load a sharded checkpoint into the model and optimizers as they are sharded now (any mesh)."""
+        """Load a sharded checkpoint into the model and optimizers as they are sharded now (any mesh); `aliases`:
+        see load_sharded_checkpoint."""
         self.wait()
-        loaded = load_sharded_checkpoint(path, model, optimizers, strict=strict)
+        loaded = load_sharded_checkpoint(path, model, optimizers, strict=strict, aliases=aliases)
         if compression is not None:
             load_compression_state(compression, path, self._rank, self._world_size, layout)
         return loaded

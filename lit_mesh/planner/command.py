@@ -28,6 +28,7 @@ if TYPE_CHECKING:  # the model, memory and time modules import torch: only once 
 
 PROG = "lit-mesh plan"
 DEFAULT_DEVICES_PER_NODE = 8
+DEFAULT_MODEL, DEFAULT_PRESET = "gpt", "llama3-8b"
 
 
 class BadArgument(SystemExit):
@@ -75,15 +76,21 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
     p.add_argument(
         "--model",
-        default="gpt",
-        help="model family: the zoo's gpt (zoo/gpt.py) or moe (zoo/moe.py), or one registered in"
-        " lit_mesh.planner.families; transformers configs are not read: plan a Llama-family model with the gpt"
-        " preset of its shape (--config-overrides)",
+        default=None,
+        help="model family: the zoo's gpt (zoo/gpt.py, the default) or moe (zoo/moe.py), or one registered in"
+        " lit_mesh.planner.families",
     )
     p.add_argument(
         "--preset",
-        default="llama3-8b",
-        help="a preset of the family: gpt tiny, small, llama3-8b/70b/405b, ... (zoo/gpt.py); moe see zoo/moe.py",
+        default=None,
+        help=f"a preset of the family (default {DEFAULT_PRESET}): gpt tiny, small, llama3-8b/70b/405b, ..."
+        " (zoo/gpt.py); moe see zoo/moe.py",
+    )
+    p.add_argument(
+        "--hf-config",
+        default="",
+        help="plan a transformers model instead of a preset: its directory (with config.json) or its config.json;"
+        " Llama, Qwen2 and Mistral as the gpt family, Mixtral as moe (lit_mesh/planner/hf_config.py)",
     )
     p.add_argument("--config-overrides", default="", help="config fields over the preset, YAML/JSON: '{n_layers: 40}'")
     p.add_argument("--devices", type=COUNT, default=None, help="total devices (default: nodes x devices per node)")
@@ -217,6 +224,10 @@ def model_config(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
         overrides = yaml.safe_load(args.config_overrides) if args.config_overrides else {}
     except yaml.YAMLError as e:
         raise BadArgument(f"--config-overrides {args.config_overrides!r} is not YAML: {e}".splitlines()[0]) from None
+    shape = _hf_shape(args) if args.hf_config else {}
+    if not args.hf_config:
+        args.model, args.preset = args.model or DEFAULT_MODEL, args.preset or DEFAULT_PRESET
+        args.label = args.preset
     try:
         model_family = family(args.model)
     except LookupError as e:
@@ -227,17 +238,38 @@ def model_config(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
             f"--config-overrides {args.config_overrides!r} must map {model_family.config_class.__name__}"
             f" fields ({', '.join(fields)}) to values, e.g. '{{n_layers: 40}}'"
         )
+    overrides = {**shape, **(overrides or {})}  # the user's overrides over the transformers config's shape
     try:
-        config = model_family.config(args.preset, **(overrides or {}))
+        config = model_family.config(args.preset, **overrides)
     except (ValueError, TypeError) as e:
         raise BadArgument(f"--model {args.model}: {e}") from None
     if args.seq_len > config.max_seq_len:
         raise BadArgument(
-            f"--seq-len {args.seq_len} exceeds the model's max_seq_len={config.max_seq_len} ({args.preset}"
+            f"--seq-len {args.seq_len} exceeds the model's max_seq_len={config.max_seq_len} ({args.label}"
             f"{' with the overrides' if overrides else ''}): give --seq-len <= {config.max_seq_len}, or"
             f" raise it with --config-overrides '{{max_seq_len: {args.seq_len}}}'"
         )
-    return config, overrides or {}
+    return config, overrides
+
+
+def _hf_shape(args: argparse.Namespace) -> dict[str, Any]:
+    """The family fields of --hf-config's model; sets args.model (its family), args.preset (the family's tiny
+    preset: every shape field comes from the file) and args.label (what the report calls the model)."""
+    from lit_mesh.planner.hf_config import read_hf_config
+
+    if args.preset is not None:
+        raise BadArgument(f"--preset {args.preset} and --hf-config {args.hf_config}: give one of the two")
+    try:
+        family_name, shape, model_type = read_hf_config(args.hf_config)
+    except ValueError as e:
+        raise BadArgument(str(e)) from None
+    if args.model is not None and args.model != family_name:
+        raise BadArgument(
+            f"--model {args.model} and --hf-config {args.hf_config}: a {model_type} config is planned as the"
+            f" {family_name} family; drop --model (or give --model {family_name})"
+        )
+    args.model, args.preset, args.label = family_name, "tiny", f"{model_type} ({args.hf_config})"
+    return shape
 
 
 def simulate_best(c: Candidate, config: Any, shapes: Any) -> list[dict[str, Any]]:
@@ -339,7 +371,7 @@ def report(result: PlanResult, args: argparse.Namespace, hw: Hardware, params: i
 
     size = f"{params / 1e9:.2f} B" if params >= 1e9 else f"{params / 1e6:.2f} M"
     print(
-        f"lit-mesh plan: {args.preset} ({size} parameters) on {hw.world_size} devices"
+        f"lit-mesh plan: {args.label} ({size} parameters) on {hw.world_size} devices"
         f" ({hw.nodes} nodes x {hw.devices_per_node}), {args.memory_gb:g} GB each; global batch"
         f" {args.global_batch} x {args.seq_len} tokens"
     )
@@ -402,7 +434,7 @@ def main(argv: list[str]) -> int:
     try:
         shapes = gpt_shapes(config)
     except (ValueError, RuntimeError) as e:  # e.g. moe_every != 1, or overrides the model cannot be built with
-        raise BadArgument(f"--preset {args.preset} --config-overrides {args.config_overrides!r}: {e}") from None
+        raise BadArgument(f"{args.label} --config-overrides {args.config_overrides!r}: {e}") from None
     fixed = {d: getattr(args, d) for d in DIMS if getattr(args, d) is not None}
     if args.ep is not None and not shapes.is_moe:
         raise BadArgument(f"--ep {args.ep} needs an MoE model (--model moe); a dense model runs ep=1")
@@ -424,7 +456,7 @@ def main(argv: list[str]) -> int:
     )
     report(result, args, hw, shapes.numel())
     out: dict[str, Any] = {
-        "preset": args.preset,
+        "preset": args.label,
         "devices": hw.world_size,
         "ranked": [summary(c) for c in result.ranked[: args.top]],
         "rejected": dict(result.rejected),

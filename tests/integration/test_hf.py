@@ -5,8 +5,8 @@ Layout parity through the `lit-mesh` CLI (fp32: relative 1e-4 per step over 10 s
 ViT under fsdp2, Llama built whole in __init__ (not on the meta device) under tp2, and the user example
 examples/hf_model.py under tp2; a saved Mixtral loaded into zoo.MoEModule(pretrained=DIR) on ep2 and ep2 x fsdp
 (transformers' logits; each rank reads only its own slices); context parallel (cp2: Llama with ring, Ulysses and
-all-gather, the last with transformers' own label shift; Qwen2 and Mistral on one style each; Llama on fsdp2 x cp2).
-One torchrun launch per world size
+all-gather, the last with transformers' own label shift; Qwen2 and Mistral on one style each; Llama on fsdp2 x cp2);
+a GPT-2 checkpoint of pp2 x tp2 resumed on fsdp4 (tied embeddings, optimizer state). One torchrun launch per world size
 (1, 2, 4) runs every run, the export checkpoints and the error cases. Each run also records how the mesh was
 really applied (DTensor placements, FSDP2 units, MoE dispatchers: tests/workers/hf_runs.py), so that a run that
 silently stayed replicated cannot pass parity.
@@ -238,6 +238,28 @@ def _pretrained_pp(out: Path, nproc: int) -> list[dict]:
     return [_fit(name, n, TEXT, pretrained, *pp, checkpoint=n > 1) for name, n in PRETRAINED_PP.items() if n == nproc]
 
 
+# resume across layouts (#35 item 6): the saved GPT-2 (tied embeddings, so every layout starts from its weights)
+# trained on pp2 x tp2 to step 2 with a checkpoint, resumed on fsdp4 to step 4 with a checkpoint, resumed on
+# pp2 x tp2 again to step 6: both moves in one launch of 4 ranks; name -> (layout, last step, the run it resumes)
+PP_TP = (f"{S}pp=2", f"{S}tp=2", f"{S}sequence_parallel=false")  # SP under pp is refused
+RESUMES: dict[str, tuple[tuple[str, ...], int, str]] = {
+    "gpt2-pretrained-pp2_tp2": (PP_TP, 2, ""),
+    "gpt2-pretrained-fsdp4": ((f"{S}dp=4",), 4, "gpt2-pretrained-pp2_tp2"),
+    "gpt2-pretrained-pp2_tp2-again": (PP_TP, 6, "gpt2-pretrained-fsdp4"),
+}
+
+
+def _resume_across_layouts(out: Path) -> list[dict]:
+    pretrained = f"--model.init_args.pretrained={out / 'gpt2-pretrained'}"
+    resumed_from = {of for _, _, of in RESUMES.values()}  # these save a checkpoint (at their last step)
+    runs = []
+    for name, (layout, last, of) in RESUMES.items():
+        resume = [f"--ckpt_path=@{of}"] if of else []
+        args = (pretrained, *layout, f"--trainer.max_steps={last}", *resume)
+        runs.append(_fit(name, 4, TEXT, *args, checkpoint=name in resumed_from))
+    return runs
+
+
 @pytest.fixture(scope="module")
 def out(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("hf")
@@ -246,6 +268,7 @@ def out(tmp_path_factory: pytest.TempPathFactory) -> Path:
     for nproc, runs in LAUNCHES.items():
         spec = out / f"runs_{nproc}.json"
         extra = [*([_pretrained_ep(out, nproc)] if nproc in PRETRAINED_EP else []), *_pretrained_pp(out, nproc)]
+        extra += _resume_across_layouts(out) if nproc == 4 else []
         spec.write_text(json.dumps([*runs, *extra]))
         proc = launch(nproc, "hf_runs.py", str(out), str(spec), timeout=600)
         if proc.returncode != 0:
@@ -449,6 +472,31 @@ def test_hf_causal_lm_under_pp_matches_single_device(out: Path) -> None:
 def test_pretrained_gpt2_under_pp_matches_single_device(out: Path) -> None:
     """HFCausalLM(pretrained=DIR) on pp2: the single-device curve from the same saved weights (tied embeddings)."""
     assert_same_curve(losses(out, "gpt2-pretrained-single"), losses(out, "gpt2-pretrained-pp2"), "pretrained pp2")
+
+
+def test_checkpoints_resume_across_pp_tp_and_fsdp(out: Path) -> None:
+    """GPT-2 checkpoints move pp2 x tp2 -> fsdp4 -> pp2 x tp2 (the tied matrix a copy on each end stage under pp,
+    every tensor split over tp; one parameter sharded by FSDP2 on fsdp4): the single-device curve throughout. The
+    steps after the first resumed one hold the loaded AdamW state (moments and step count), the head's copy's
+    included: a fresh state moves otherwise."""
+    curve, last = [], 0
+    for name, (_, steps, _) in RESUMES.items():
+        part = losses(out, name)
+        assert len(part) == steps - last, (name, part)
+        curve, last = curve + part, steps
+    reference = losses(out, "gpt2-pretrained-single")[:last]
+    for step, (a, b) in enumerate(zip(reference, curve, strict=True), start=1):
+        assert abs(a - b) <= 1e-4 * abs(a), f"step {step}: pp2 x tp2 <-> fsdp4 loss {b} vs single-device {a}"
+    # the layouts were what they say: rank 0 held the first stage (the embedding, block 0), split over tp; on
+    # fsdp4 the whole model, the tied matrix one parameter, FSDP2 units sharded over dp
+    for name in ("gpt2-pretrained-pp2_tp2", "gpt2-pretrained-pp2_tp2-again"):
+        blocks = params_by_block(applied(out, name), GPT2)
+        assert set(blocks) == {f"{GPT2}.0"} and "model.lm_head.weight" not in applied(out, name)["params"], name
+        over_tp = {inner: record["placements"].get("tp") for inner, record in blocks[f"{GPT2}.0"].items()}
+        assert {inner: over_tp[inner] for inner in GPT2_TP} == GPT2_TP, (name, over_tp)
+    fsdp = applied(out, "gpt2-pretrained-fsdp4")
+    assert_applied(fsdp, Applied(GPT2, {}, fsdp=True), "gpt2-pretrained-fsdp4")
+    assert "model.lm_head.weight" not in fsdp["params"] and "model.transformer.wte.weight" in fsdp["params"]
 
 
 @pytest.mark.parametrize("name", [name for name, (n, _) in PIPELINE_EXAMPLES.items() if n > 1])

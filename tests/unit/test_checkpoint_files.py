@@ -52,3 +52,52 @@ def test_a_checkpoint_of_another_model_shape_is_named(tmp_path: Path) -> None:
     torch.save({"epoch": 0}, checkpoint / "meta.pt")
     with pytest.raises(ValueError, match=r"weight: \(3, 4\) in the checkpoint, \(5, 4\) in this model"):
         load_sharded_checkpoint(checkpoint, nn.Linear(4, 5), {})
+
+
+class TiedModel(nn.Module):
+    """An embedding and an output head sharing one matrix (tied embeddings)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(8, 4)
+        self.head = nn.Linear(4, 8, bias=False)
+        self.head.weight = self.emb.weight
+
+
+class LastStage(nn.Module):
+    """What a pipeline's last stage keeps of TiedModel: the head, its own copy of the matrix."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = nn.Linear(4, 8, bias=False)
+
+
+def test_a_pipeline_stage_copy_of_a_tied_matrix_loads_the_whole_models_optimizer_state(tmp_path: Path) -> None:
+    """A checkpoint saved without pp holds the tied matrix's AdamW state once, under the embedding's name; the last
+    stage's head copy takes it through `aliases` (without them the load names the missing entry)."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    torch.manual_seed(0)
+    whole = TiedModel()
+    optimizer = torch.optim.AdamW(whole.parameters(), lr=0.1)
+    whole.head(whole.emb(torch.tensor([1, 2, 3]))).square().sum().backward()
+    optimizer.step()
+    checkpoint = tmp_path / "tied.ckpt"
+    state = {"state_dict": get_model_state_dict(whole), "optimizer_0": get_optimizer_state_dict(whole, optimizer)}
+    dcp.save(state, checkpoint_id=checkpoint, no_dist=True)
+    torch.save({"epoch": 0}, checkpoint / "meta.pt")
+
+    stage = LastStage()
+    stage_optimizer = torch.optim.AdamW(stage.parameters(), lr=0.1)
+    with pytest.raises(CheckpointException) as missing:
+        load_sharded_checkpoint(checkpoint, stage, {"optimizer_0": stage_optimizer})
+    assert "Missing key in checkpoint state_dict: optimizer_0.state.head.weight" in str(missing.value.failures)
+    load_sharded_checkpoint(checkpoint, stage, {"optimizer_0": stage_optimizer}, aliases={"head.weight": "emb.weight"})
+    assert torch.equal(stage.head.weight, whole.emb.weight)
+    saved, loaded = optimizer.state[whole.emb.weight], stage_optimizer.state[stage.head.weight]
+    assert saved.keys() == loaded.keys()
+    for key, value in saved.items():
+        assert torch.equal(loaded[key], value), key

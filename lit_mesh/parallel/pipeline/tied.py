@@ -70,7 +70,9 @@ class TiedParameters:
         self.model = model
         self.group: Optional[dist.ProcessGroup] = None
         self.names: list[str] = []  # this rank's copies to sum: held here and on another stage's rank
-        self.elsewhere: list[str] = []  # this rank's copies that the norm counts on another rank
+        # this rank's copies that the whole model names otherwise -> that name: the norm counts them on another
+        # rank, and a checkpoint without pp holds their optimizer state under that name
+        self.aliases: dict[str, str] = {}
         local = dict(model.named_parameters(remove_duplicate=False))
         made: set[tuple[int, ...]] = set()
         for group in groups:  # the same on every rank (the whole model's names), so every rank makes every group
@@ -84,7 +86,7 @@ class TiedParameters:
             if held:
                 self.names.append(held[0])
                 if group[0] not in held:
-                    self.elsewhere.append(held[0])
+                    self.aliases[held[0]] = group[0]
                 # the whole model's copy (a group of two ranks, in pp order) gives its values to the other
                 source = members.index(stage_ranks[_holder_stage(group[0], plan, len(stage_ranks))])
                 self._start_equal(local[held[0]], source)
@@ -113,8 +115,14 @@ class TiedParameters:
 
     def counted_once(self, parameters: Sequence[Tensor]) -> list[Tensor]:
         """`parameters` without the copies the global gradient norm counts on another rank."""
-        skip = {id(p) for name, p in self.model.named_parameters(remove_duplicate=False) if name in self.elsewhere}
+        skip = {id(p) for name, p in self.model.named_parameters(remove_duplicate=False) if name in self.aliases}
         return [p for p in parameters if id(p) not in skip]
+
+    def aliases_under(self, root: nn.Module) -> dict[str, str]:
+        """`aliases` by their names in `root`, the module that holds the model (the LightningModule)."""
+        prefix = next(name for name, module in root.named_modules() if module is self.model)
+        dot = f"{prefix}." if prefix else ""
+        return {dot + copy: dot + whole for copy, whole in self.aliases.items()}
 
 
 def _embedding_group(root: DeviceMesh, members: tuple[int, ...]) -> Optional[dist.ProcessGroup]:
