@@ -9,9 +9,9 @@ import dataclasses
 import pytest
 
 from lit_mesh.mesh import MeshLayout
-from lit_mesh.planner.calibration import runs
+from lit_mesh.planner.calibration import planned_step, runs
 from lit_mesh.planner.cost import Features, StepTime, calibrated_kernels, step_time, tokens_per_expert
-from lit_mesh.planner.hardware import GB, Hardware
+from lit_mesh.planner.hardware import GB, GIB, Hardware
 from lit_mesh.planner.memory import Workload
 from lit_mesh.planner.shapes import gpt_shapes
 from zoo.moe import MoEConfig
@@ -100,3 +100,13 @@ def test_deepseek_v3_preset_has_the_published_shapes() -> None:
         2048,
     )
     assert dataclasses.replace(c, n_layers=1).score_func == "sigmoid"
+
+
+def test_planned_row_takes_the_fastest_fitting_option_or_names_the_layout() -> None:
+    shapes, layout = gpt_shapes(_mixtral()), MeshLayout(pp=2, dp_shard=32, ep=8)
+    work = Workload(global_batch=128, seq_len=4096, micro_batch=1)
+    best = planned_step(shapes, layout, work, HW, LIT_MESH)
+    published = step_time(shapes, layout, work, "bf16-mixed", "full", HW, LIT_MESH)
+    assert best.total <= published.total
+    with pytest.raises(ValueError, match="no AC, micro-batch or schedule fits"):
+        planned_step(shapes, layout, work, dataclasses.replace(HW, memory_bytes=4.1 * GIB), LIT_MESH)
