@@ -123,6 +123,41 @@ PRESETS: dict[str, MoEConfig] = {
         rope_theta=1e6,
         max_seq_len=32768,
     ),
+    # Mixtral-8x22B's shapes (Mistral's config.json): 56 layers of dim 6144, 48 heads (8 K/V), 8 experts of 16384, top-2
+    "mixtral-8x22b": MoEConfig(
+        32768,
+        dim=6144,
+        n_layers=56,
+        n_heads=48,
+        n_kv_heads=8,
+        ffn_hidden=16384,
+        n_experts=8,
+        top_k=2,
+        expert_hidden=16384,
+        rope_theta=1e6,
+        max_seq_len=65536,
+    ),
+    # DeepSeek-V3 671B-A37B (technical report, arXiv 2412.19437): 61 layers of dim 7168, 256 routed experts of 2048 and
+    # 1 shared, top-8 sigmoid scores, aux-loss-free balancing. Planned as every layer MoE (the report's first 3 dense
+    # layers of 18432: the same 3 x 7168 x 18432 weights per token as 9 experts of 2048). MLA as multi-head attention
+    # of 56 heads x 128 (q, k, v, o: 4 x 7168^2 weights per token, within 10% of MLA's low-rank projections; the
+    # attention core's FLOPs fewer than MLA's 128 heads x (192 + 128)); no multi-token-prediction module.
+    "deepseek-v3": MoEConfig(
+        129280,
+        dim=7168,
+        n_layers=61,
+        n_heads=56,
+        n_kv_heads=56,
+        ffn_hidden=18432,
+        n_experts=256,
+        top_k=8,
+        expert_hidden=2048,
+        n_shared_experts=1,
+        score_func="sigmoid",
+        aux_loss_coef=0.0,
+        bias_update_rate=0.001,
+        max_seq_len=4096,
+    ),
     # DeepSeek-V3-style routing at a small size: sigmoid scores, 1 shared + 16 fine-grained experts, top-4
     "deepseek-small": MoEConfig(
         256,

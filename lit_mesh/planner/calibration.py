@@ -21,14 +21,17 @@ from lit_mesh.planner.cost import (
     Features,
     Kernels,
     Schedule,
+    StepTime,
     calibrated_kernels,
     flops_per_token,
     step_time,
 )
 from lit_mesh.planner.families import family
 from lit_mesh.planner.hardware import GB, GIB, Hardware
-from lit_mesh.planner.memory import Workload
+from lit_mesh.planner.memory import Workload, rank_memory
+from lit_mesh.planner.pipeline_model import schedules_for
 from lit_mesh.planner.shapes import ModelShapes, gpt_shapes
+from lit_mesh.planner.vocabulary import AC_MODES
 
 TOLERANCE = {"calibration": 0.20, "held-out": 0.25}
 
@@ -70,25 +73,69 @@ def hardware(name: str, devices: int) -> Hardware:
 
 
 @cache
-def shapes_of(preset: str) -> ModelShapes:
-    """The shapes of a preset of the "gpt" family (the zoo's Llama-3 presets: the published runs are Llama 3)."""
-    return gpt_shapes(family("gpt").config(preset))
+def shapes_of(preset: str, model: str = "gpt") -> ModelShapes:
+    """The shapes of a preset of a model family (the zoo's "gpt" Llama-3 presets, its "moe" Mixtral and DeepSeek)."""
+    return gpt_shapes(family(model).config(preset))
+
+
+def published_tokens_per_s(run: dict[str, Any], shapes: ModelShapes, hw: Hardware) -> float:
+    """The run's tokens/s per device: as published, or from its MFU or TFLOP/s per device over the FLOPs per token
+    the planner counts (the zoo family's)."""
+    if "tokens_per_s_per_device" in run:
+        return float(run["tokens_per_s_per_device"])
+    flops = run["tflops_per_device"] * 1e12 if "tflops_per_device" in run else run["mfu"] * hw.peak_flops
+    return flops / flops_per_token(shapes, run["seq_len"])
+
+
+def planned_step(
+    shapes: ModelShapes,
+    layout: MeshLayout,
+    work: Workload,
+    hw: Hardware,
+    features: Features,
+    kernels: Kernels | None = None,
+) -> StepTime:
+    """The planner's fastest fitting AC, micro-batch and schedule for a run's published degrees and features (a run
+    that overlaps its all-to-alls keeps its schedule: the overlap is the schedule's)."""
+    from lit_mesh.planner.search import micro_batches
+
+    best: StepTime | None = None
+    for ac in AC_MODES:
+        schedules = [features.schedule] if features.ep_overlap else schedules_for(layout.pp, shapes.n_blocks, ac)
+        for schedule in schedules:
+            for micro in micro_batches(layout, work, schedule=schedule):
+                w = dataclasses.replace(work, micro_batch=micro)
+                if rank_memory(shapes, layout, w, "bf16-mixed", ac, schedule=schedule)["total"] > hw.usable_bytes:
+                    continue
+                t = step_time(
+                    shapes, layout, w, "bf16-mixed", ac, hw, dataclasses.replace(features, schedule=schedule), kernels
+                )
+                if best is None or t.total < best.total:
+                    best = t
+    if best is None:
+        raise ValueError(f"no AC, micro-batch or schedule fits {layout} in {hw.usable_bytes / GIB:.0f} GiB per device")
+    return best
 
 
 def check(run: dict[str, Any], kernels: Kernels | None = None) -> Check:
-    shapes, layout = shapes_of(run["preset"]), MeshLayout(**run["layout"])
+    shapes, layout = shapes_of(run["preset"], run.get("model", "gpt")), MeshLayout(**run["layout"])
     work = Workload(run["global_batch"], run["seq_len"], run["micro_batch"])
+    hw = hardware(run["hardware"], layout.world_size)
     features = Features(
         compile=run["compile"],
         async_tp=run["async_tp"],
         schedule=Schedule(**run.get("schedule", {})),
         reshard_after_forward=run.get("reshard_after_forward", True),
+        ep_overlap=run.get("ep_overlap", False),
+        ep_stride=run.get("ep_stride"),
+        routing_pass=run.get("routing_pass", True),
     )
-    hw = hardware(run["hardware"], layout.world_size)
-    t = step_time(shapes, layout, work, "bf16-mixed", run["ac"], hw, features, kernels)
+    if run.get("planned"):  # held out as `lit-mesh plan` would run it: only the degrees (and features) fixed
+        t = planned_step(shapes, layout, work, hw, features, kernels)
+    else:
+        t = step_time(shapes, layout, work, "bf16-mixed", run["ac"], hw, features, kernels)
     estimated = work.global_batch * work.seq_len / t.total / layout.world_size
-    published = run.get("tokens_per_s_per_device") or run["mfu"] * hw.peak_flops / flops_per_token(shapes, work.seq_len)
-    return Check(run["name"], run["role"], published, estimated, run["source"])
+    return Check(run["name"], run["role"], published_tokens_per_s(run, shapes, hw), estimated, run["source"])
 
 
 GRID = {

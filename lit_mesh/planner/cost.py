@@ -5,6 +5,11 @@ Compute, per rank and micro-batch, per block:
 - GEMMs: 6 M N K FLOPs (forward + backward) for each weight's tp-local (N, K), at a fraction of peak that grows
   with the GEMM's size: eff(N, K) = gemm_peak_fraction x N / (N + half) x K / (K + half) (M, the tokens of a
   micro-batch, is thousands: never the limit). A small GEMM after tp=8 is slower per FLOP than a big one.
+- MoE experts: one grouped GEMM per weight, each local expert a GEMM of the rows routed to it; balanced routing
+  gives every expert M = tokens x top_k x ep / n_experts rows (the ep group's routed copies over the experts), and
+  a short M is what limits fine-grained experts: eff x M / (M + half), the same half-size form;
+- MoE router: its gate GEMM is a GEMM above; its scores (fp32, tokens x n_experts: sigmoid or softmax, top-k, the
+  balancing statistics) and the permutation of the routed copies into expert order and back are memory bound;
 - attention (flash, causal: half the dense 12 T d FLOPs per token) at attention_peak_fraction of peak;
 - norms, activations, RoPE, residuals: memory bound, elementwise_accesses bytes-per-element moved per token of
   (dim + ffn) / tp, forward + backward, over HBM bandwidth (fewer with torch.compile fusing them);
@@ -20,7 +25,12 @@ Communication, each collective with its own overlap rule (lit_mesh.comm.topology
   the backward's exposed);
 - CP ring: each K/V block's send overlaps the attention on the previous one: exposed where the send is longer;
   under pp each stage runs the ring over its own blocks, on micro-batches of T/cp tokens per rank;
-- EP: the all-to-alls of dispatch and combine, exposed; PP: the stage-boundary send/receive, exposed.
+- EP: the all-to-alls of dispatch and combine (top_k copies of the micro-batch's tokens each way, forward and
+  backward, again in full AC's recompute and in pp's routing pass): lit_mesh runs them on the compute stream
+  between the router and the experts, each waiting for the one before, so they are exposed; a run that overlaps
+  them with another micro-batch's compute (DualPipe, Megatron's 1F1B all-to-all overlap: Features.ep_overlap)
+  exposes only what exceeds that block's compute;
+- PP: the stage-boundary send/receive, exposed.
 Pipeline: the bubble of the schedule (lit_mesh.planner.pipeline_model) stretches the stage's time; the slowest stage sets the pace.
 The kernel constants are calibrated once against published runs: lit_mesh/planner/calibration.yaml.
 """
@@ -64,6 +74,10 @@ class Kernels:
     def gemm_efficiency(self, n: float, k: float) -> float:
         return self.gemm_peak_fraction * n / (n + self.gemm_half_size) * k / (k + self.gemm_half_size)
 
+    def grouped_gemm_efficiency(self, m: float, n: float, k: float) -> float:
+        """One expert's GEMM of m routed rows: a short m (few tokens per expert) runs further from peak."""
+        return self.gemm_efficiency(n, k) * m / (m + self.gemm_half_size)
+
 
 @lru_cache(maxsize=1)
 def calibrated_kernels() -> Kernels:
@@ -83,6 +97,11 @@ class Features:
     schedule: Schedule = Schedule()
     zero_stage: int = 3  # 1, 2 (pp = 1): gathered once per step, no gather in backward; gradients reduced every
     # micro-batch (2) or once, at the last one (1)
+    ep_overlap: bool = False  # the EP all-to-alls hidden behind another micro-batch's compute (DualPipe); lit_mesh: no
+    ep_stride: int | None = None  # ranks between an EP group's members where a run places them otherwise than
+    # lit_mesh (at stride tp): Megatron-Core's MoE parallel folding puts EP x expert-TP 1 on consecutive ranks (1)
+    routing_pass: bool = True  # pp x MoE: lit_mesh's forward-only routing pass; a run that balances each
+    # micro-batch on its own (Megatron-Core, DeepSeek) has none
 
 
 @dataclass
@@ -135,6 +154,11 @@ def _local_matrix(p: ParamShape, tp: int) -> tuple[int, int] | None:
     return n, k
 
 
+def tokens_per_expert(tokens: float, top_k: int, ep: int, n_experts: int) -> float:
+    """Rows of one expert's GEMM under balanced routing: the ep group's routed copies spread over the experts."""
+    return tokens * top_k * ep / n_experts
+
+
 def _gemm_seconds(
     params: tuple[ParamShape, ...], tokens: float, tp: int, ep: int, top_k: int, kern: Kernels, peak: float
 ) -> float:
@@ -145,12 +169,25 @@ def _gemm_seconds(
             n, k = p.shape[1], p.shape[2]
             if p.hidden_dim is not None:  # expert tensor parallel: 1/tp of each expert's hidden units per rank
                 n, k = (-(-n // tp), k) if p.hidden_dim == 1 else (n, -(-k // tp))
-            seconds += 6 * tokens * top_k * n * k / (peak * kern.gemm_efficiency(n, k))
+            m = tokens_per_expert(tokens, top_k, ep, p.shape[0])
+            seconds += 6 * tokens * top_k * n * k / (peak * kern.grouped_gemm_efficiency(m, n, k))
             continue
         nk = _local_matrix(p, tp)
         if nk is not None:
             seconds += 6 * tokens * nk[0] * nk[1] / (peak * kern.gemm_efficiency(*nk))
     return seconds
+
+
+ROUTER_SCORE_ACCESSES = 12  # fp32 reads and writes of the tokens x n_experts scores, forward + backward: the gate's
+# output, sigmoid / softmax, top-k, the gate weights' gather and normalisation, the balancing statistics
+PERMUTE_ACCESSES = 8  # each routed copy read and written into expert order and back (2 x 2), forward and backward
+
+
+def router_seconds(config: object, tokens: float, act_bytes: int, memory_bandwidth: float) -> float:
+    """The memory-bound part of routing one micro-batch through one MoE block, forward + backward."""
+    scores = tokens * config.n_experts * 4 * ROUTER_SCORE_ACCESSES  # type: ignore[attr-defined]
+    copies = tokens * config.top_k * config.dim * act_bytes * PERMUTE_ACCESSES  # type: ignore[attr-defined]
+    return (scores + copies) / memory_bandwidth
 
 
 def _ffn_width(config: object) -> int:
@@ -186,8 +223,10 @@ def step_time(
     )
     accesses = kern.elementwise_accesses_compiled if features.compile else kern.elementwise_accesses
     elementwise = tokens * (c.dim + _ffn_width(c)) / layout.tp * accesses * act / hw.memory_bandwidth
-    recompute = {"none": 0.0, "selective": elementwise / 3, "full": (gemm + attention + elementwise) / 3}[ac]
-    block = gemm + attention + elementwise + recompute
+    router = router_seconds(c, tokens, act, hw.memory_bandwidth) if shapes.is_moe else 0.0
+    forward_backward = gemm + attention + elementwise + router
+    recompute = {"none": 0.0, "selective": (elementwise + router) / 3, "full": forward_backward / 3}[ac]
+    block = forward_backward + recompute
     head = _gemm_seconds(shapes.last, tokens, layout.tp, 1, 1, kern, peak)
     # the slowest pp rank: the one with the head (its blocks and the head) or the fullest one; with v stages per
     # rank, its v stages' blocks
@@ -201,6 +240,8 @@ def step_time(
             "recompute": n_micro * blocks * recompute,
         }
     )
+    if router:
+        t.compute_parts["router"] = n_micro * blocks * router
     stage_numel = max(
         state_numel(shapes, layout, first_rank_of_stage(layout, r), schedule=features.schedule)  # the fullest
         for r in stages_to_check(shapes, layout.pp, schedule=features.schedule)
@@ -258,15 +299,18 @@ def step_time(
         t.exposed["tp"] = n_micro * (blocks * per_block + (ends if stage > blocks * block else 0.0))
     # pp x MoE: a forward-only routing pass over the step's micro-batches measures the load the aux loss needs
     # before the schedule runs (lit_mesh/parallel/pipeline/moe.py): one forward more, with its all-to-alls
-    routing_pass = layout.pp > 1 and shapes.is_moe
+    routing_pass = layout.pp > 1 and shapes.is_moe and features.routing_pass
     if routing_pass:
-        t.compute_parts["routing_pass"] = n_micro * blocks * (gemm + attention + elementwise) / 3
-    if layout.ep > 1:  # the whole sequence of the micro-batch is routed on every tp rank: top_k copies per token
+        t.compute_parts["routing_pass"] = n_micro * blocks * forward_backward / 3
+    if layout.ep > 1:  # the whole sequence of the micro-batch is routed on every tp rank: top_k copies per token,
+        # (ep - 1) / ep of them to other ranks: the ring all-gather's bytes on the link
         routed = work.micro_batch * work.seq_len // layout.cp * top_k * c.dim * act
         passes = 4 + (2 if ac == "full" else 0) + (2 if routing_pass else 0)
-        t.exposed["ep"] = (
-            n_micro * blocks * passes * all_gather_time(routed, layout.ep, hw.link(stride["ep"], layout.ep))
-        )
+        ep_link = hw.link(features.ep_stride or stride["ep"], layout.ep)
+        all_to_alls = passes * all_gather_time(routed, layout.ep, ep_link)
+        t.overlapped["ep"] = n_micro * blocks * all_to_alls
+        exposed = max(0.0, all_to_alls - block) if features.ep_overlap else all_to_alls
+        t.exposed["ep"] = n_micro * blocks * exposed
     if layout.cp > 1:  # ring: cp - 1 K/V blocks forward (again under full AC), backward K/V and the fp32 dK/dV
         # accumulator, each behind one step's attention; the accumulator's last trip home is exposed
         bandwidth, alpha = hw.link(stride["cp"], layout.cp)

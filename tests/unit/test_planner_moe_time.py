@@ -1,0 +1,112 @@
+"""The planner's MoE time terms (lit_mesh/planner/cost.py): grouped GEMMs slow down as each expert gets fewer rows,
+the all-to-alls grow with the experts a token visits, the router costs memory traffic, and the published MoE runs
+are in calibration.yaml (tests/unit/test_planner.py's calibration test evaluates every row)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from lit_mesh.mesh import MeshLayout
+from lit_mesh.planner.calibration import planned_step, runs
+from lit_mesh.planner.cost import Features, StepTime, calibrated_kernels, step_time, tokens_per_expert
+from lit_mesh.planner.hardware import GB, GIB, Hardware
+from lit_mesh.planner.memory import Workload
+from lit_mesh.planner.shapes import gpt_shapes
+from zoo.moe import MoEConfig
+
+HW = Hardware(nodes=8, devices_per_node=8, memory_bytes=80 * GB)
+WORK = Workload(global_batch=64, seq_len=4096, micro_batch=1)
+LAYOUT = MeshLayout(dp_shard=64, ep=8)
+LIT_MESH = Features()  # how lit_mesh runs: no all-to-all overlap, ep at stride tp, the pp routing pass
+
+
+def _time(config: MoEConfig, layout: MeshLayout = LAYOUT, features: Features = LIT_MESH) -> StepTime:
+    return step_time(gpt_shapes(config), layout, WORK, "bf16-mixed", "none", HW, features)
+
+
+def _mixtral(**overrides: object) -> MoEConfig:
+    return MoEConfig.from_preset("mixtral-8x7b", n_layers=2, **overrides)
+
+
+def test_fewer_tokens_per_expert_run_the_grouped_gemm_further_from_peak() -> None:
+    kern = calibrated_kernels()
+    rows = [tokens_per_expert(4096, top_k=8, ep=1, n_experts=e) for e in (8, 64, 256, 1024)]
+    assert rows == sorted(rows, reverse=True)
+    efficiencies = [kern.grouped_gemm_efficiency(m, 2048, 7168) for m in rows]
+    assert efficiencies == sorted(efficiencies, reverse=True) and efficiencies[-1] < 0.9 * efficiencies[0]
+    # the same active expert FLOPs per token split over 8x more, 8x narrower experts: each gets 8x fewer rows
+    coarse = _mixtral(n_experts=8, top_k=2, expert_hidden=14336)
+    fine = _mixtral(n_experts=64, top_k=16, expert_hidden=1792)
+    assert coarse.flops_per_token(4096) == fine.flops_per_token(4096) + 2 * 4096 * (8 - 64) * 6
+    assert _time(fine).compute_parts["gemm"] > _time(coarse).compute_parts["gemm"]
+
+
+def test_more_experts_per_token_send_more_all_to_all() -> None:
+    times = [_time(_mixtral(top_k=k)) for k in (1, 2, 4)]
+    exposed = [t.exposed["ep"] for t in times]
+    assert exposed[0] < exposed[1] < exposed[2]
+    # bytes grow with the routed copies, top_k per token; the ring steps' latency does not
+    assert exposed[2] - exposed[1] == pytest.approx(2 * (exposed[1] - exposed[0]))
+    assert [t.overlapped["ep"] for t in times] == exposed  # lit_mesh hides none of them
+
+
+def test_overlapped_all_to_all_exposes_only_what_exceeds_the_compute() -> None:
+    config = _mixtral(n_experts=64, top_k=8, expert_hidden=1024)  # fine-grained: more bytes per FLOP
+    across_nodes = MeshLayout(dp_shard=32, tp=2, ep=8)  # lit_mesh's ep ranks at stride tp: 16 ranks, 2 nodes
+    plain = _time(config, across_nodes)
+    overlapped = _time(config, across_nodes, Features(ep_overlap=True))
+    assert overlapped.overlapped["ep"] == plain.overlapped["ep"]
+    assert 0 < overlapped.exposed["ep"] < plain.exposed["ep"]
+    # the same ep group folded onto one node (NVLink) instead of across the two
+    assert _time(config, across_nodes, Features(ep_stride=1)).exposed["ep"] < plain.exposed["ep"]
+    # on one node they are shorter than the block's compute: fully hidden
+    assert _time(config, LAYOUT, Features(ep_overlap=True)).exposed["ep"] == 0 < _time(config).exposed["ep"]
+
+
+def test_router_cost_grows_with_experts_and_routed_copies() -> None:
+    base = _time(_mixtral()).compute_parts["router"]
+    assert _time(_mixtral(n_experts=64)).compute_parts["router"] > base
+    assert _time(_mixtral(top_k=4)).compute_parts["router"] > base
+    assert base > 0
+
+
+def test_routing_pass_only_where_lit_mesh_runs_it() -> None:
+    layout = MeshLayout(pp=2, dp_shard=32, ep=8)
+    with_pass = _time(_mixtral(), layout, Features())
+    without = _time(_mixtral(), layout, Features(routing_pass=False))
+    assert with_pass.compute_parts["routing_pass"] > 0 and "routing_pass" not in without.compute_parts
+    assert without.exposed["ep"] == pytest.approx(with_pass.exposed["ep"] * 4 / 6)  # 2 of 6 passes are its
+
+
+def test_published_moe_runs_are_calibration_and_held_out_rows() -> None:
+    moe = [r for r in runs() if r.get("model") == "moe"]
+    assert {r["role"] for r in moe} == {"calibration", "held-out"}
+    assert {r["preset"] for r in moe} >= {"mixtral-8x22b", "deepseek-v3"}
+    for r in moe:
+        assert r["source"] and MoEConfig.from_preset(r["preset"]).n_experts > 1
+        assert MeshLayout(**r["layout"]).ep > 1
+
+
+def test_deepseek_v3_preset_has_the_published_shapes() -> None:
+    c = MoEConfig.from_preset("deepseek-v3")
+    assert (c.n_layers, c.dim, c.n_experts, c.n_shared_experts, c.top_k, c.expert_hidden) == (
+        61,
+        7168,
+        256,
+        1,
+        8,
+        2048,
+    )
+    assert dataclasses.replace(c, n_layers=1).score_func == "sigmoid"
+
+
+def test_planned_row_takes_the_fastest_fitting_option_or_names_the_layout() -> None:
+    shapes, layout = gpt_shapes(_mixtral()), MeshLayout(pp=2, dp_shard=32, ep=8)
+    work = Workload(global_batch=128, seq_len=4096, micro_batch=1)
+    best = planned_step(shapes, layout, work, HW, LIT_MESH)
+    published = step_time(shapes, layout, work, "bf16-mixed", "full", HW, LIT_MESH)
+    assert best.total <= published.total
+    with pytest.raises(ValueError, match="no AC, micro-batch or schedule fits"):
+        planned_step(shapes, layout, work, dataclasses.replace(HW, memory_bytes=4.1 * GIB), LIT_MESH)
