@@ -60,17 +60,9 @@ def test_outside_a_step_is_refused(model: torch.nn.Module, monkeypatch: pytest.M
 def test_a_router_aux_loss_is_refused_by_name(monkeypatch: pytest.MonkeyPatch, in_config: bool) -> None:
     """Mixtral's router aux loss mixes every layer's routing over the whole batch, which no stage holds: asked for
     in the config or in the call, with labels, it is refused; with the config's coefficient 0 it changes no number."""
-    config = transformers.MixtralConfig(
-        vocab_size=32,
-        hidden_size=16,
-        intermediate_size=16,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        num_local_experts=2,
-        output_router_logits=in_config,
-    )
-    model = transformers.MixtralForCausalLM(config)
+    from zoo.hf import tiny_config
+
+    model = transformers.MixtralForCausalLM(tiny_config("mixtral", output_router_logits=in_config))
     take_calls(model)
     monkeypatch.setattr(pipelined_call, "is_pipelined", lambda _model: True)
     asked = {} if in_config else {"output_router_logits": True}
