@@ -155,8 +155,6 @@ class MoEPlan:
     layer:      name, inside a block, of its MoE layer (blocks without one are dense). The layer has
                 `experts` (stacked weights, n_experts first) and `dispatcher`, which expert parallel swaps.
     ep_divides: sizes that the ep degree must divide, by name (number of experts).
-                Under pp the layer also gives `local_load`, `mean_probs`, `aux_loss_of` and `use_load` (see
-                lit_mesh/parallel/pipeline/moe.py; zoo/moe.py's MoE has them).
     adapter:    for an MoE layer without `experts`/`dispatcher` of that kind (transformers' Mixtral): a
                 function called on every MoE layer before anything else is applied, on every layout, that
                 makes it so in place (lit_mesh/hf/mixtral.py). None: the layer already is.
@@ -165,6 +163,11 @@ class MoEPlan:
                 are summed). Empty: the experts are replicated over tp.
     packed:     weights in hidden_dims whose hidden dim stacks two halves ([gate; up]): each tp rank takes its
                 slice of each half.
+    balancing_under_pp: the layers' balancing loss is carried through the pipeline's micro-batches: under pp the
+                layer also gives `local_load`, `mean_probs`, `aux_loss_of` and `use_load` (see
+                lit_mesh/parallel/pipeline/moe.py; zoo/moe.py's MoE has them). False: the model adds no balancing
+                loss under pp (transformers' Mixtral: its router aux loss is refused there,
+                lit_mesh/hf/pipelined_call.py).
     """
 
     layer: str
@@ -172,6 +175,7 @@ class MoEPlan:
     adapter: Callable[[Any], None] | None = None
     hidden_dims: Mapping[str, int] = field(default_factory=dict)
     packed: Sequence[str] = ()
+    balancing_under_pp: bool = True
 
 
 @dataclass(frozen=True)

@@ -28,11 +28,15 @@ def tp_divides(model: nn.Module) -> dict[str, int]:
 
 
 def decoder_plan(model: nn.Module) -> ParallelPlan:
-    plan = plan_from_hf(model, tp_divides(model))
+    return with_decoder_stages(model, plan_from_hf(model, tp_divides(model)))
+
+
+def with_decoder_stages(model: nn.Module, plan: ParallelPlan) -> ParallelPlan:
+    """`plan` with pipeline stages where the causal LM has the decoder's parts by their Llama names (Qwen2,
+    Mistral, Mixtral alike); unchanged otherwise (a base model has no head: no stages)."""
     base = base_prefix(model)
-    # pipeline stages where the causal LM has the decoder's parts by their Llama names (Qwen2, Mistral alike)
     if all(_has(model, name) for name in (f"{base}embed_tokens", f"{base}norm", f"{base}rotary_emb", "lm_head")):
-        plan = replace(plan, pp=decoder_pipeline_plan(base, ("embed_tokens",), "norm"))
+        return replace(plan, pp=decoder_pipeline_plan(base, ("embed_tokens",), "norm"))
     return plan
 
 

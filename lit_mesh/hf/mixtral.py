@@ -12,6 +12,11 @@ itself, so the plan's MoE adapter swaps the classes of the block and its experts
 (as FSDP2 swaps a module's class; parameters, names and transformers' initialisation stay): the router is
 transformers' own (softmax over all experts, top-k renormalised), only the expert computation is regrouped.
 It is applied on every layout, single device included, so all layouts compute alike.
+
+Under pp, MixtralForCausalLM is cut as Llama is (lit_mesh/hf/pipeline.py), each stage's MoE blocks dispatching over
+ep. transformers' router aux loss (`output_router_logits`) averages the routing of every layer over the whole
+batch before it multiplies them: no stage holds it, nor any micro-batch, so it is refused under pp
+(lit_mesh/hf/pipelined_call.py); without it the model adds no balancing loss.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from lit_mesh.hf.blocks import hf_config
-from lit_mesh.hf.decoder import tp_divides
+from lit_mesh.hf.decoder import tp_divides, with_decoder_stages
 from lit_mesh.hf.from_config import hf_tp_plan, plan_from_hf
 from lit_mesh.plan import MoEPlan, ParallelPlan
 
@@ -118,6 +123,7 @@ def mixtral_plan(model: nn.Module) -> ParallelPlan:
     # transformers' plan without its expert entries (see the module docstring)
     attention_only = {key: style for key, style in hf_tp_plan(model).items() if ".mlp." not in f"{key}."}
     plan = plan_from_hf(model, tp_divides(model), attention_only)  # intermediate_size: the experts' width
+    plan = with_decoder_stages(model, plan)  # MixtralForCausalLM: Llama's stages, the dispatchers inside them
     return dataclasses.replace(
         plan,
         tp=dataclasses.replace(plan.tp, block={**plan.tp.block, "mlp": "whole_sequence"}),
@@ -127,5 +133,7 @@ def mixtral_plan(model: nn.Module) -> ParallelPlan:
             adapter=dispatch_experts,
             hidden_dims={"gate_up_proj": 1, "down_proj": 2},
             packed=("gate_up_proj",),
+            # transformers' router aux loss mixes every layer's routing over the whole batch: refused under pp
+            balancing_under_pp=False,
         ),
     )

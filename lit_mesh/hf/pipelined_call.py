@@ -8,6 +8,8 @@ Inside a step MeshStrategy runs, a call of the whole model runs the pipeline ins
   run no backward, so it is refused, naming `lit_mesh.loss_of`.
 A stage takes one tensor, so only causal attention without padding: an `attention_mask` is refused (checking it for
 padding would read it on the host every step), as is any input besides token ids (`inputs_embeds`, a cache, ...).
+A MoE model's router aux loss (Mixtral's `output_router_logits`) is refused with labels: it mixes every layer's
+routing over the whole batch, which no stage holds.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ def _pipelined_forward(
             f"{name} is cut into pipeline stages by MeshStrategy (pp > 1): call it inside the LightningModule's"
             " training_step, validation_step, test_step or predict_step while the Trainer runs them"
         )
+    router_logits = kwargs.pop("output_router_logits", None)  # a MoE model's (Mixtral): refused with labels below
     given = sorted(key for key, value in kwargs.items() if value is not None and key not in _HARMLESS)
     if input_ids is None or given:
         raise PipelineConfigError(
@@ -66,6 +69,7 @@ def _pipelined_forward(
                 " lit_mesh.loss_of(self.model, loss_fn, inputs, targets)"
             )
         return CausalLMOutputWithPast(logits=output_of(model, input_ids))
+    _refuse_router_aux_loss(model, router_logits)
     counted = _counted_tokens(targets, shifted=shift_labels is not None)
     n_micro = microbatches(model)
 
@@ -81,6 +85,21 @@ def _pipelined_forward(
         return part * n_micro
 
     return CausalLMOutputWithPast(loss=loss_of(model, loss_fn, input_ids, targets))
+
+
+def _refuse_router_aux_loss(model: nn.Module, asked: bool | None) -> None:
+    """A MoE model whose loss would carry transformers' router aux loss (Mixtral's output_router_logits): it averages
+    every layer's routing over the whole batch before multiplying them, which no stage and no micro-batch holds."""
+    config = cast(Any, model).config
+    on = getattr(config, "output_router_logits", False) if asked is None else asked
+    coef = getattr(config, "router_aux_loss_coef", 0.0)
+    if on and coef:
+        raise PipelineConfigError(
+            f"{type(model).__name__} under pp with output_router_logits=True (router_aux_loss_coef={coef}): its"
+            " router aux loss averages the routing of every layer over the whole batch, which no pipeline stage and"
+            " no micro-batch holds, so the loss would lack it; set the config's output_router_logits=False (or"
+            " router_aux_loss_coef=0), or use pp=1"
+        )
 
 
 def _counted_tokens(targets: Tensor, shifted: bool, ignore_index: int = -100) -> Tensor:

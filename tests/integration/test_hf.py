@@ -6,7 +6,8 @@ ViT under fsdp2, Llama built whole in __init__ (not on the meta device) under tp
 examples/hf_model.py under tp2; a saved Mixtral loaded into zoo.MoEModule(pretrained=DIR) on ep2 and ep2 x fsdp
 (transformers' logits; each rank reads only its own slices); context parallel (cp2: Llama with ring, Ulysses and
 all-gather, the last with transformers' own label shift; Qwen2 and Mistral on one style each; Llama on fsdp2 x cp2);
-a GPT-2 checkpoint of pp2 x tp2 resumed on fsdp4 (tied embeddings, optimizer state). One torchrun launch per world size
+a GPT-2 checkpoint of pp2 x tp2 resumed on fsdp4 (tied embeddings, optimizer state); Mixtral built whole under pp2
+(1F1B) and pp2 x ep2 (GPipe, experts FSDP-sharded per layer). One torchrun launch per world size
 (1, 2, 4) runs every run, the export checkpoints and the error cases. Each run also records how the mesh was
 really applied (DTensor placements, FSDP2 units, MoE dispatchers: tests/workers/hf_runs.py), so that a run that
 silently stayed replicated cannot pass parity.
@@ -71,6 +72,9 @@ PARITY = {
     "mixtral-tp2": "mixtral-single",
     "mixtral-ep2": "mixtral-single",
     "mixtral-tp2_ep2": "mixtral-single",
+    # built whole in __init__: built on the meta device, transformers' init would run per stage (docs/transformers.md)
+    "mixtral-init-pp2": "mixtral-init-single",  # 1F1B, each stage's MoE blocks dispatching
+    "mixtral-init-pp2_ep2": "mixtral-init-single",  # GPipe; ep2 inside the stages
     "qwen2-tp2": "qwen2-single",  # Qwen- and Mistral-style decoders: transformers' own TP plan, our SP
     "mistral-tp2": "mistral-single",
     # context parallel (lit_mesh/hf/context.py): each cp style on Llama, Qwen2 and Mistral on one each, and cp x fsdp
@@ -110,6 +114,7 @@ LAUNCHES: dict[int, list[dict]] = {
         _fit("vit-single", 1, IMAGES),
         _fit("llama-init-single", 1, TEXT, INIT),
         _fit("mixtral-single", 1, TEXT, MIXTRAL),
+        _fit("mixtral-init-single", 1, TEXT, MIXTRAL, INIT),
         _fit("qwen2-single", 1, TEXT, "--model.init_args.architecture=qwen2"),
         _fit("mistral-single", 1, TEXT, "--model.init_args.architecture=mistral"),
         {"kind": "example", "name": "example-single", "args": ["hf_model.py", "--devices", "1"]},
@@ -137,6 +142,7 @@ LAUNCHES: dict[int, list[dict]] = {
         _fit("mixtral-tp2", 2, TEXT, MIXTRAL, f"{S}tp=2", checkpoint=True),  # experts split over tp: saved, resumed
         _fit("mixtral-tp2-resumed", 2, TEXT, MIXTRAL, f"{S}tp=2", "--ckpt_path=@mixtral-tp2"),  # at step 10: loads only
         _fit("mixtral-ep2", 2, TEXT, MIXTRAL, f"{S}ep=2", checkpoint=True),  # exported below
+        _fit("mixtral-init-pp2", 2, TEXT, MIXTRAL, INIT, f"{S}pp=2"),
         # a zoo MoE trained with experts split over ep=2, exported to a transformers Mixtral directory
         _fit(
             "zoo-moe-ep2",
@@ -172,6 +178,7 @@ LAUNCHES: dict[int, list[dict]] = {
         _fit("llama-fsdp2_tp2", 4, TEXT, f"{S}tp=2"),
         _fit("gpt2-fsdp2_tp2", 4, TEXT, *_gpt2(f"{S}tp=2")),
         _fit("mixtral-tp2_ep2", 4, TEXT, MIXTRAL, f"{S}tp=2", f"{S}ep=2"),
+        _fit("mixtral-init-pp2_ep2", 4, TEXT, MIXTRAL, INIT, f"{S}pp=2", f"{S}ep=2", f"{S}pp_schedule=gpipe"),
         _fit("llama-fsdp2_cp2", 4, TEXT, f"{S}cp=2"),
         *(_pipeline_example(name, 4, *extra) for name, (n, extra) in PIPELINE_EXAMPLES.items() if n == 4),
     ],
@@ -323,6 +330,7 @@ class Applied:
     fsdp: bool  # the model and every block FSDPModules, every block parameter sharded (see fsdp_sharded)
     ep: int = 0  # MoE layers: all-to-all dispatch over ep ranks, experts split by id (0: no MoE)
     attention: str = ""  # the model's attn_implementation at the end ("" : not checked)
+    pp: int = 1  # pipeline stages: rank 0 holds the first stage (its blocks, not the head)
 
 
 LLAMA_TP = {
@@ -363,10 +371,13 @@ APPLIED = {
     "mixtral-tp2": Applied(DECODER, MIXTRAL_TP, fsdp=False, ep=1),
     "mixtral-ep2": Applied(DECODER, {}, fsdp=True, ep=2),
     "mixtral-tp2_ep2": Applied(DECODER, MIXTRAL_TP, fsdp=True, ep=2),
+    "mixtral-init-pp2": Applied(DECODER, {}, fsdp=False, ep=1, pp=2),
+    "mixtral-init-pp2_ep2": Applied(DECODER, {}, fsdp=True, ep=2, pp=2),
     # cp alone: FSDP2 over dp_shard_cp; every attention through context parallel's (transformers' registry)
     **{name: Applied(DECODER, {}, fsdp=True, attention=CP_ATTENTION) for name in PARITY if "cp2" in name},
 }
 EXPERTS = "mlp.experts."
+EMBED = "model.model.embed_tokens.weight"  # Llama-style decoders' (the first pp stage's)
 
 
 def applied(out: Path, name: str) -> dict:
@@ -399,6 +410,9 @@ def assert_experts(found: dict, block: str, params: dict[str, dict], expected: A
     assert bool(experts) == bool(expected.ep), f"{what}: {block} experts {sorted(experts)}"
     for inner, record in experts.items():  # split by expert id over ep: this rank holds 1/ep of them
         local, full = record["local_shape"], record["shape"]
+        if not (expected.fsdp or expected.tp or expected.ep > 1):  # pp alone: no mesh dim over the experts
+            assert record["placements"] == {} and local == full, f"{what}: {block}.{inner} is {record}"
+            continue
         assert record["placements"].get("ep") == "S(0)", f"{what}: {block}.{inner} is {record['placements']}"
         assert local[0] * expected.ep == full[0], f"{what}: {block}.{inner} {local} of {full}: not 1/{expected.ep}"
         if inner in expected.tp:  # expert tensor parallel: 1/tp of each expert's width (gate_up: dim 1, down: dim 2)
@@ -410,8 +424,12 @@ def assert_experts(found: dict, block: str, params: dict[str, dict], expected: A
 
 def assert_applied(found: dict, expected: Applied, what: str) -> None:
     blocks = params_by_block(found, expected.blocks)
-    assert len(blocks) >= 2, f"{what}: no blocks under {expected.blocks}"
-    assert ("model" in found["fsdp"]) == expected.fsdp, f"{what}: FSDP2 units {found['fsdp']}"
+    # the tiny configs have 2 blocks: the first of pp2 stages holds one, and not the head
+    held = len(blocks), "model.lm_head.weight" in found["params"]
+    assert held == (1, False) if expected.pp > 1 else held[0] >= 2, f"{what}: blocks held, head held: {held}"
+    # under pp each stage module is the FSDP root (outside the LightningModule's tree): the embedding sharded by it
+    root_sharded = "model" in found["fsdp"] if expected.pp == 1 else fsdp_sharded("", found["params"][EMBED])
+    assert root_sharded == expected.fsdp, f"{what}: FSDP2 units {found['fsdp']}"
     for block, params in blocks.items():
         over_tp = {inner: record["placements"].get("tp") for inner, record in params.items()}
         assert {inner: over_tp[inner] for inner in expected.tp} == expected.tp, f"{what}: {block} over tp: {over_tp}"

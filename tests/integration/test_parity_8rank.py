@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.integration.test_hf import INIT, TEXT
 from tests.integration.test_parity import COMMON, S, _assert_same_curve, losses
 from tests.launch import REPO, cli_runs
 
@@ -21,7 +22,12 @@ RECIPES = {
     # interleaved with 2 stages per rank on pp 2: 4 stages need 4 blocks
     "gpt4": ["-c", str(REPO / "configs/gpt.yaml"), "--model.init_args.config_overrides={n_layers: 4}"],
     "moe": ["-c", str(REPO / "configs/moe.yaml")],
+    # transformers models in zoo.hf.HFCausalLM, built whole in __init__ (on the meta device transformers' init
+    # would run per pipeline stage: docs/transformers.md)
+    "hf_gpt2": [*TEXT, "--model.init_args.architecture=gpt2", INIT],
 }
+# tensor parallel under pp for transformers models: without sequence parallelism (lit_mesh/parallel/pipeline/rules.py)
+NO_SP = f"{S}sequence_parallel=false"
 QUIET = ["--trainer.limit_val_batches=0"]  # validation under pp: tests/integration/test_pipeline.py
 # name: (recipe, MeshStrategy arguments on 8 ranks); compared with the run "<recipe>-single"
 LAYOUTS: dict[str, tuple[str, list[str]]] = {
@@ -33,6 +39,8 @@ LAYOUTS: dict[str, tuple[str, list[str]]] = {
         [f"{S}pp=2", f"{S}cp=2", f"{S}tp=2", f"{S}pp_schedule=interleaved_1f1b", f"{S}pp_stages_per_rank=2"],
     ),
     "moe-pp2_tp2_ep2": ("moe", [f"{S}pp=2", f"{S}tp=2", f"{S}ep=2"]),
+    # the walkthrough's dp x tp x pp run on a transformers model: GPT-2 (tied embeddings)
+    "hf_gpt2-pp2_fsdp2_tp2": ("hf_gpt2", [f"{S}pp=2", f"{S}tp=2", NO_SP]),
     # 2-D tensor parallel on a 2 x 2 grid, two replicas averaging their gradients (tp_mode's DDP)
     "gpt-ddp2_tp4-2d": ("gpt", [f"{S}dp_replicate=2", f"{S}tp=4", f"{S}tp_mode=2d", f"{S}sequence_parallel=false"]),
 }

@@ -310,6 +310,10 @@ def test_mixtral_plan_and_its_expert_adapter() -> None:
         "vocab_size": 256,
     }
     assert plan.moe.hidden_dims == {"gate_up_proj": 1, "down_proj": 2} and plan.moe.packed == ("gate_up_proj",)
+    # pipeline stages as Llama's; no balancing loss carried through them (its router aux loss is refused under pp)
+    assert plan.pp.first == ("model.embed_tokens",) and plan.pp.last == ("model.norm", "lm_head")
+    assert plan.pp.stage is not None and not plan.moe.balancing_under_pp
+    assert plan_for(mixtral.model).pp.stage is None  # the base model: no head, no stages
     adapted = copy.deepcopy(mixtral)
     adapt_moe_layers(adapted, plan)
     adapt_moe_layers(adapted, plan)  # idempotent

@@ -54,3 +54,20 @@ def test_outside_a_step_is_refused(model: torch.nn.Module, monkeypatch: pytest.M
     monkeypatch.setattr(pipelined_call, "is_pipelined", lambda _model: False)
     with pytest.raises(RuntimeError, match="cut into pipeline stages"):
         model(input_ids=TOKENS, labels=TOKENS)
+
+
+@pytest.mark.parametrize("in_config", [True, False])
+def test_a_router_aux_loss_is_refused_by_name(monkeypatch: pytest.MonkeyPatch, in_config: bool) -> None:
+    """Mixtral's router aux loss mixes every layer's routing over the whole batch, which no stage holds: asked for
+    in the config or in the call, with labels, it is refused; with the config's coefficient 0 it changes no number."""
+    from zoo.hf import tiny_config
+
+    model = transformers.MixtralForCausalLM(tiny_config("mixtral", output_router_logits=in_config))
+    take_calls(model)
+    monkeypatch.setattr(pipelined_call, "is_pipelined", lambda _model: True)
+    asked = {} if in_config else {"output_router_logits": True}
+    with pytest.raises(PipelineConfigError, match=r"output_router_logits=True \(router_aux_loss_coef=0.001\)"):
+        model(input_ids=TOKENS, labels=TOKENS, **asked)
+    model.config.router_aux_loss_coef = 0.0  # no aux term in the loss: on to the pipeline's loss
+    monkeypatch.setattr(pipelined_call, "loss_of", lambda *_args: torch.tensor(1.5))
+    assert model(input_ids=TOKENS, labels=TOKENS, **asked).loss.item() == 1.5

@@ -143,7 +143,10 @@ class MoEStageStatistics:
 
 
 def carry_moe_statistics(runner: PipelineRunner, owner: PlanOwner, load_group: dist.ProcessGroup) -> None:
-    """Attach the MoE statistics of `owner`'s layers on this rank's stages to the runner (nothing for a dense model)."""
+    """Attach the MoE statistics of `owner`'s layers on this rank's stages to the runner (nothing for a dense model,
+    nor for one whose plan adds no balancing loss under pp)."""
+    if owner.plan.moe is None or not owner.plan.moe.balancing_under_pp:
+        return
     layers = list(moe_layers(owner.module, owner.plan))
     missing = sorted({name for layer in layers for name in _PROVIDES if not hasattr(layer, name)})
     if missing:
@@ -152,5 +155,4 @@ def carry_moe_statistics(runner: PipelineRunner, owner: PlanOwner, load_group: d
             " stages need to add the balancing loss of the whole step (see zoo/moe.py's MoE); use pp=1 (ep, dp, tp"
             " and cp work with them)"
         )
-    if owner.plan.moe is not None:
-        runner.step_contexts.append(MoEStageStatistics(runner, cast(list[_PipelinedMoE], layers), load_group).step)
+    runner.step_contexts.append(MoEStageStatistics(runner, cast(list[_PipelinedMoE], layers), load_group).step)
