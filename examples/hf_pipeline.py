@@ -4,11 +4,14 @@
     python examples/hf_pipeline.py --devices 2 --pp 2 --schedule gpipe    # GPipe
     python examples/hf_pipeline.py --arch gpt2 --devices 2 --pp 2         # GPT-2: tied embeddings on both ends
     python examples/hf_pipeline.py --devices 4 --pp 2 --tp 2 --no-sp      # 2 stages x tensor parallel over 2
+    python examples/hf_pipeline.py --devices 4 --pp 2 --cp 2              # 2 stages x context parallel over 2
 
 The step is what one writes on one device: `self.model(input_ids=x, labels=x).loss`. Under pp MeshStrategy runs the
 pipeline schedule over the micro-batches inside that call (forward and backward), and the loss transformers would
-compute comes back on every rank. Validation calls the model the same way (forward only). The model is built whole in
-`__init__`, so every layout starts from the same weights and the losses match a single-device run.
+compute comes back on every rank. Under context parallel (Llama) each rank holds a part of every sequence: its stages
+get the tokens' global positions, and transformers' label shift runs over the whole sequence. Validation calls the
+model the same way (forward only). The model is built whole in `__init__`, so every layout starts from the same
+weights and the losses match a single-device run.
 """
 
 from __future__ import annotations
@@ -58,14 +61,15 @@ def main(argv: list[str] | None = None) -> list[float]:
     parser.add_argument("--arch", default="llama", choices=["llama", "gpt2"])
     parser.add_argument("--pp", type=int, default=1, help="pipeline stages (one per rank)")
     parser.add_argument("--schedule", default="1f1b", help="pp_schedule: 1f1b, gpipe, ...")
+    parser.add_argument("--cp", type=int, default=1, help="context-parallel degree (Llama): the sequence split")
     parser.add_argument("--no-sp", action="store_true", help="tp without sequence parallelism (needed with pp)")
     args = E.parse(parser, argv)
 
     L.seed_everything(0, verbose=False)
     module = PipelinedLM(args.arch)
-    dp = args.devices // (args.tp * args.pp)
+    dp = args.devices // (args.tp * args.pp * args.cp)
     pipeline = dict(pp=args.pp, pp_schedule=args.schedule, pp_microbatches=2) if args.pp > 1 else {}
-    strategy = MeshStrategy(dp=dp, tp=args.tp, sequence_parallel=False if args.no_sp else None, **pipeline)
+    strategy = MeshStrategy(dp=dp, tp=args.tp, cp=args.cp, sequence_parallel=False if args.no_sp else None, **pipeline)
     trainer = E.trainer(args, strategy)
     trainer.fit(module)
     trainer.validate(module, verbose=False)

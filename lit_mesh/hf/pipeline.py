@@ -5,6 +5,9 @@ own forward: the first stage from token ids, later ones from hidden states (`inp
 does not hold are None (the token embedding: `inputs_embeds` skips it) or stand-ins (the final norm and the head
 pass hidden states on, GPT-2's position embeddings add zeros). So every stage computes the positions, the rotary
 embeddings (a buffer module beside the layers, on every stage) and the causal mask itself, as transformers does.
+Under context parallel a stage holds its cp rank's shard of the sequence, so its global positions come in as
+`position_ids` (context parallel's hook on every stage, lit_mesh/parallel/context/apply.py), and the layers' attention
+is context parallel's, with no mask (lit_mesh/hf/context.py).
 
 No cache, no padding: a stage takes one tensor. An `attention_mask` is refused under pp
 (lit_mesh/hf/pipelined_call.py).
@@ -12,7 +15,7 @@ No cache, no padding: a stage takes one tensor. An `attention_mask` is refused u
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, Optional
 
 from torch import Tensor, nn
 
@@ -27,10 +30,11 @@ class TransformersStage(nn.Module):
         super().__init__()
         self.model = model
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, position_ids: Optional[Tensor] = None) -> Tensor:
+        """`position_ids` (1, T): the global positions of the tokens in x where they do not start at 0 (a cp shard)."""
         inputs = {"inputs_embeds": x} if x.is_floating_point() else {"input_ids": x}
         # the class's forward: the model's own is taken over by the pipeline (lit_mesh/hf/pipelined_call.py)
-        return type(self.model).forward(self.model, **inputs, use_cache=False).logits
+        return type(self.model).forward(self.model, **inputs, position_ids=position_ids, use_cache=False).logits
 
 
 def decoder_pipeline_plan(

@@ -3,7 +3,8 @@
 Inside a step MeshStrategy runs, a call of the whole model runs the pipeline instead of its own forward:
 - with `labels` (or `shift_labels`): the schedule over the micro-batches (forward and, in training, backward), and
   the output's `loss` is the batch's loss as transformers computes it (its own `loss_function`: labels shifted
-  inside, -100 ignored, the mean over the batch's counted tokens), on every pp rank, carrying the step's gradients;
+  inside, -100 ignored, the mean over the batch's counted tokens, or over `num_items_in_batch` where given: context
+  parallel passes it with its globally shifted labels), on every pp rank, carrying the step's gradients;
 - without: forward only, the output's `logits` on every pp rank (validation, prediction); in training that would
   run no backward, so it is refused, naming `lit_mesh.loss_of`.
 A stage takes one tensor, so only causal attention without padding: an `attention_mask` is refused (checking it for
@@ -38,6 +39,7 @@ def _pipelined_forward(
     attention_mask: Tensor | None = None,
     labels: Tensor | None = None,
     shift_labels: Tensor | None = None,
+    num_items_in_batch: Tensor | int | None = None,
     **kwargs: Any,
 ) -> Any:
     from transformers.modeling_outputs import CausalLMOutputWithPast
@@ -70,7 +72,11 @@ def _pipelined_forward(
             )
         return CausalLMOutputWithPast(logits=output_of(model, input_ids))
     _refuse_router_aux_loss(model, router_logits)
-    counted = _counted_tokens(targets, shifted=shift_labels is not None)
+    # given: the tokens counted over the whole batch where this call sees a part of it (context parallel's shard,
+    # lit_mesh/hf/context.py, or the caller's gradient accumulation)
+    counted = (
+        _counted_tokens(targets, shifted=shift_labels is not None) if num_items_in_batch is None else num_items_in_batch
+    )
     n_micro = microbatches(model)
 
     def loss_fn(logits: Tensor, micro_targets: Tensor) -> Tensor:

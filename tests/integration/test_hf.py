@@ -5,9 +5,10 @@ Layout parity through the `lit-mesh` CLI (fp32: relative 1e-4 per step over 10 s
 ViT under fsdp2, Llama built whole in __init__ (not on the meta device) under tp2, and the user example
 examples/hf_model.py under tp2; a saved Mixtral loaded into zoo.MoEModule(pretrained=DIR) on ep2 and ep2 x fsdp
 (transformers' logits; each rank reads only its own slices); context parallel (cp2: Llama with ring, Ulysses and
-all-gather, the last with transformers' own label shift; Qwen2 and Mistral on one style each; Llama on fsdp2 x cp2);
-a GPT-2 checkpoint of pp2 x tp2 resumed on fsdp4 (tied embeddings, optimizer state); Mixtral built whole under pp2
-(1F1B) and pp2 x ep2 (GPipe, experts FSDP-sharded per layer). One torchrun launch per world size
+all-gather, the last with transformers' own label shift; Qwen2 and Mistral on one style each; Llama on fsdp2 x cp2
+and cp2 x tp2; Llama on pp2 x cp2 through examples/hf_pipeline.py); a GPT-2 checkpoint of pp2 x tp2 resumed on fsdp4
+(tied embeddings, optimizer state); Mixtral built whole under pp2 (1F1B) and pp2 x ep2 (GPipe, experts FSDP-sharded
+per layer). One torchrun launch per world size
 (1, 2, 4) runs every run, the export checkpoints and the error cases. Each run also records how the mesh was
 really applied (DTensor placements, FSDP2 units, MoE dispatchers: tests/workers/hf_runs.py), so that a run that
 silently stayed replicated cannot pass parity.
@@ -84,6 +85,7 @@ PARITY = {
     "qwen2-cp2_ulysses": "qwen2-single",
     "mistral-cp2_allgather": "mistral-single",
     "llama-fsdp2_cp2": "llama-single",
+    "llama-cp2_tp2": "llama-single",  # tensor parallel (with SP) inside each cp rank
 }
 MIXTRAL = "--model.init_args.architecture=mixtral"
 # the zoo MoE (configs/moe.yaml) without the balancing bias, which Mixtral has no place for
@@ -99,6 +101,8 @@ PIPELINE_EXAMPLES: dict[str, tuple[int, tuple[str, ...]]] = {
     "pp-llama-pp2": (2, ("--pp", "2")),  # 1F1B
     "pp-gpt2-pp2-gpipe": (2, ("--arch", "gpt2", "--pp", "2", "--schedule", "gpipe")),  # tied embeddings
     "pp-gpt2-pp2_tp2": (4, ("--arch", "gpt2", "--pp", "2", "--tp", "2", "--no-sp")),  # tied copies sharded over tp
+    # ring cp inside the stages: global positions per stage, transformers' labels shifted over the whole sequence
+    "pp-llama-pp2_cp2": (4, ("--pp", "2", "--cp", "2")),
 }
 
 
@@ -180,6 +184,7 @@ LAUNCHES: dict[int, list[dict]] = {
         _fit("mixtral-tp2_ep2", 4, TEXT, MIXTRAL, f"{S}tp=2", f"{S}ep=2"),
         _fit("mixtral-init-pp2_ep2", 4, TEXT, MIXTRAL, INIT, f"{S}pp=2", f"{S}ep=2", f"{S}pp_schedule=gpipe"),
         _fit("llama-fsdp2_cp2", 4, TEXT, f"{S}cp=2"),
+        _fit("llama-cp2_tp2", 4, TEXT, f"{S}cp=2", f"{S}tp=2"),
         *(_pipeline_example(name, 4, *extra) for name, (n, extra) in PIPELINE_EXAMPLES.items() if n == 4),
     ],
 }
@@ -375,6 +380,7 @@ APPLIED = {
     "mixtral-init-pp2_ep2": Applied(DECODER, {}, fsdp=True, ep=2, pp=2),
     # cp alone: FSDP2 over dp_shard_cp; every attention through context parallel's (transformers' registry)
     **{name: Applied(DECODER, {}, fsdp=True, attention=CP_ATTENTION) for name in PARITY if "cp2" in name},
+    "llama-cp2_tp2": Applied(DECODER, LLAMA_TP, fsdp=True, attention=CP_ATTENTION),  # FSDP2 over the cp ranks
 }
 EXPERTS = "mlp.experts."
 EMBED = "model.model.embed_tokens.weight"  # Llama-style decoders' (the first pp stage's)

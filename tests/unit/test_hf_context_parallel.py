@@ -16,6 +16,7 @@ from lit_mesh.errors import ContextParallelError, PlanError
 from lit_mesh.hf import plan_for
 from lit_mesh.hf.context import ATTENTION
 from lit_mesh.mesh import MeshLayout, build_device_mesh
+from lit_mesh.options import MeshOptions
 from lit_mesh.parallel.context import apply_context_parallel
 from lit_mesh.parallel.context import rules as context_rules
 from lit_mesh.plan import PlanOwner
@@ -110,3 +111,16 @@ def test_attention_outside_mesh_strategy_is_refused() -> None:
     q = torch.zeros(1, 2, 4, 8)
     with pytest.raises(ContextParallelError, match="which only MeshStrategy's context parallel sets up"):
         context_parallel_attention(torch.nn.Linear(1, 1), q, q, q, None)
+
+
+@pytest.mark.parametrize("architecture", ["llama", "gpt2"])
+def test_pipeline_with_context_parallel_is_refused_only_for_families_without_it(architecture: str) -> None:
+    """pp2 x cp2: every setup rule passes a Llama (its stages take cp's positions); GPT-2 is refused by CP's name."""
+    model = _model(architecture)
+    owner = PlanOwner("model", model, plan_for(model))
+    facts = Facts(options=MeshOptions(), layout=MeshLayout(pp=2, cp=2), model_name="Net", owners=[owner])
+    if architecture == "llama":
+        check("setup", facts)
+    else:
+        with pytest.raises(PlanError, match=r"cp=2: context parallel is offered for the transformers families"):
+            check("setup", facts)

@@ -281,11 +281,6 @@ CASES: dict[str, tuple[Facts, str, Facts]] = {
         "pp=2 x tp=2 with sequence parallelism and SimpleNamespace: its stages compute the positions",
         setup(MeshLayout(pp=2, tp=2), [stage_owner()], replace(O, mesh=NO_SP)),
     ),
-    "pp_stage_module_without_cp": (
-        setup(MeshLayout(pp=2, cp=2), [stage_owner()]),
-        "pp=2 x cp=2 with SimpleNamespace: its pipeline stages compute positions and the causal mask",
-        setup(MeshLayout(pp=2), [stage_owner()]),
-    ),
     "2bw_without_tied_parameters": (
         setup(MeshLayout(pp=2), [tied_owner()], TWO_BW),
         "pp_schedule='2bw' with ModuleDict's tied parameters ['embed.weight = head.weight']: the embedding runs on"

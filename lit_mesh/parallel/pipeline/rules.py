@@ -271,19 +271,6 @@ RULES: list[Rule] = [
         PlanError,
     ),
     Rule(
-        # the same stage modules count the positions from the sequence they receive: context parallelism's shard
-        # would give every cp rank positions from 0 (and its attention swap is not wired through the stages)
-        "pp_stage_module_without_cp",
-        "setup",
-        lambda f: _pipelined_by_stage_modules(f) and f.layout.cp > 1,
-        lambda f: (
-            f"pp={f.layout.pp} x cp={f.layout.cp} with {type(f.owners[0].module).__name__}: its pipeline stages"
-            " compute positions and the causal mask from the tokens they receive, which context parallelism shards;"
-            " use pp or cp for this model, not both (the zoo GPT combines them)"
-        ),
-        PlanError,
-    ),
-    Rule(
         "pp_moe_needs_stage_plan",
         "setup",
         lambda f: (
