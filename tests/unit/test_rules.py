@@ -276,11 +276,6 @@ CASES: dict[str, tuple[Facts, str, Facts]] = {
         "pp=2 with SimpleNamespace: its plan declares no PipelinePlan (the modules before and after the blocks)",
         setup(PP2, [dense_owner()]),
     ),
-    "pp_stage_module_without_sp": (
-        setup(MeshLayout(pp=2, tp=2), [stage_owner()]),
-        "pp=2 x tp=2 with sequence parallelism and SimpleNamespace: its stages compute the positions",
-        setup(MeshLayout(pp=2, tp=2), [stage_owner()], replace(O, mesh=NO_SP)),
-    ),
     "pp_stage_module_without_cp": (
         setup(MeshLayout(pp=2, cp=2), [stage_owner()]),
         "pp=2 x cp=2 with SimpleNamespace: its pipeline stages compute positions and the causal mask",

@@ -257,21 +257,7 @@ RULES: list[Rule] = [
         PlanError,
     ),
     Rule(
-        # a stage module of a plan (transformers' forward) counts the positions and builds the causal mask from its
-        # input, which sequence parallelism shards between stages
-        "pp_stage_module_without_sp",
-        "setup",
-        lambda f: _pipelined_by_stage_modules(f) and f.layout.tp > 1 and bool(f.options.mesh.sequence_parallel),
-        lambda f: (
-            f"pp={f.layout.pp} x tp={f.layout.tp} with sequence parallelism and"
-            f" {type(f.owners[0].module).__name__}: its stages compute the positions and the causal mask from the"
-            " hidden states they receive, which sequence parallelism would cut between the stages; pass"
-            " sequence_parallel=False (tensor parallel without it), or use tp=1"
-        ),
-        PlanError,
-    ),
-    Rule(
-        # the same stage modules count the positions from the sequence they receive: context parallelism's shard
+        # a stage module of a plan (transformers' forward) counts the positions from the sequence it receives: context parallelism's shard
         # would give every cp rank positions from 0 (and its attention swap is not wired through the stages)
         "pp_stage_module_without_cp",
         "setup",
