@@ -89,19 +89,18 @@ LABELS = "--model=tests.workers.hf_modules.LabelsCausalLM"
 # examples/hf_pipeline.py (the user's `model(input_ids, labels).loss` under pp): name -> (world size, its flags);
 # PP_STEPS steps each (suite time: the curve's first steps already hold every stage, schedule and tied sum)
 PP_STEPS = 4
-TWO_PER_RANK = ("--stages-per-rank", "2", "--schedule")
+INTERLEAVED = ("--schedule", "interleaved_1f1b")
 PIPELINE_EXAMPLES: dict[str, tuple[int, tuple[str, ...]]] = {
     "pp-llama-single": (1, ()),
     "pp-gpt2-single": (1, ("--arch", "gpt2")),
     "pp-llama-pp2": (2, ("--pp", "2")),  # 1F1B
     "pp-gpt2-pp2-gpipe": (2, ("--arch", "gpt2", "--pp", "2", "--schedule", "gpipe")),  # tied embeddings
-    # sequence parallel between the stages: later stages get the whole sequence's positions and causal mask
-    "pp-gpt2-pp2_tp2": (4, ("--arch", "gpt2", "--pp", "2", "--tp", "2")),  # tied copies sharded over tp
-    "pp-llama-pp2_tp2": (4, ("--pp", "2", "--tp", "2")),  # rotary from the global positions
+    "pp-gpt2-pp2_tp2": (4, ("--arch", "gpt2", "--pp", "2", "--tp", "2", "--no-sp")),  # tied copies sharded over tp
+    # sequence parallel between the stages: later stages get the whole sequence's positions (rotary) and causal mask
+    "pp-llama-pp2_tp2": (4, ("--pp", "2", "--tp", "2")),
     # two stages per rank (4 layers: one per stage), against a 4-layer single-device run
     "pp-llama4-single": (1, ("--layers", "4")),
-    "pp-llama4-pp2-interleaved": (2, ("--layers", "4", "--pp", "2", *TWO_PER_RANK, "interleaved_1f1b")),
-    "pp-llama4-pp2-zbv": (2, ("--layers", "4", "--pp", "2", *TWO_PER_RANK, "zbv")),  # V placement, split backward
+    "pp-llama4-pp2-interleaved": (2, ("--layers", "4", "--pp", "2", "--stages-per-rank", "2", *INTERLEAVED)),
 }
 
 
