@@ -63,7 +63,9 @@ def main(argv: list[str] | None = None) -> list[float]:
     parser.add_argument("--layers", type=int, default=2, help="decoder layers (2 stages per rank need >= 4)")
     parser.add_argument("--schedule", default="1f1b", help="pp_schedule: 1f1b, gpipe, interleaved_1f1b, zbv, ...")
     parser.add_argument("--stages-per-rank", type=int, default=1, help="pp_stages_per_rank (interleaved, V: 2)")
-    parser.add_argument("--no-sp", action="store_true", help="tp without sequence parallelism")
+    parser.add_argument(
+        "--no-sp", action="store_true", help="tp without sequence parallelism (GPT-2 under pp needs it)"
+    )
     args = E.parse(parser, argv)
 
     L.seed_everything(0, verbose=False)
