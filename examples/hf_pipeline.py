@@ -4,6 +4,7 @@
     python examples/hf_pipeline.py --devices 2 --pp 2 --schedule gpipe    # GPipe
     python examples/hf_pipeline.py --arch gpt2 --devices 2 --pp 2         # GPT-2: tied embeddings on both ends
     python examples/hf_pipeline.py --devices 4 --pp 2 --tp 2              # 2 stages x tensor + sequence parallel
+    python examples/hf_pipeline.py --arch gpt2 --devices 4 --pp 2 --tp 2  # the same for GPT-2
     python examples/hf_pipeline.py --devices 2 --pp 2 --layers 4 --schedule interleaved_1f1b --stages-per-rank 2
 
 The step is what one writes on one device: `self.model(input_ids=x, labels=x).loss`. Under pp MeshStrategy runs the
@@ -63,9 +64,7 @@ def main(argv: list[str] | None = None) -> list[float]:
     parser.add_argument("--layers", type=int, default=2, help="decoder layers (2 stages per rank need >= 4)")
     parser.add_argument("--schedule", default="1f1b", help="pp_schedule: 1f1b, gpipe, interleaved_1f1b, zbv, ...")
     parser.add_argument("--stages-per-rank", type=int, default=1, help="pp_stages_per_rank (interleaved, V: 2)")
-    parser.add_argument(
-        "--no-sp", action="store_true", help="tp without sequence parallelism (GPT-2 under pp needs it)"
-    )
+    parser.add_argument("--no-sp", action="store_true", help="tp without sequence parallelism")
     args = E.parse(parser, argv)
 
     L.seed_everything(0, verbose=False)

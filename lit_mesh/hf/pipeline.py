@@ -39,7 +39,10 @@ class TransformersStage(nn.Module):
         if x.is_floating_point() and self.sequence_shards > 1:
             inputs.update(self._whole_sequence(x))
         # the class's forward: the model's own is taken over by the pipeline (lit_mesh/hf/pipelined_call.py)
-        return type(self.model).forward(self.model, **inputs, use_cache=False).logits
+        out = type(self.model).forward(self.model, **inputs, use_cache=False).logits
+        # GPT-2 views its output as (-1, its input's length, width): under sequence parallelism the lengths of a
+        # stage's input and output differ (ids of T in, a shard out; a shard in, T out): its batch is the input's
+        return out.reshape(x.shape[0], -1, out.shape[-1])
 
     def _whole_sequence(self, shard: Tensor) -> dict[str, object]:
         """The positions and the causal mask of the whole sequence, for hidden states that are one shard of it:

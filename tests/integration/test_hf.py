@@ -95,8 +95,8 @@ PIPELINE_EXAMPLES: dict[str, tuple[int, tuple[str, ...]]] = {
     "pp-gpt2-single": (1, ("--arch", "gpt2")),
     "pp-llama-pp2": (2, ("--pp", "2")),  # 1F1B
     "pp-gpt2-pp2-gpipe": (2, ("--arch", "gpt2", "--pp", "2", "--schedule", "gpipe")),  # tied embeddings
-    "pp-gpt2-pp2_tp2": (4, ("--arch", "gpt2", "--pp", "2", "--tp", "2", "--no-sp")),  # tied copies sharded over tp
     # sequence parallel between the stages: later stages get the whole sequence's positions (rotary) and causal mask
+    "pp-gpt2-pp2_tp2": (4, ("--arch", "gpt2", "--pp", "2", "--tp", "2")),  # tied copies sharded over tp
     "pp-llama-pp2_tp2": (4, ("--pp", "2", "--tp", "2")),
     # two stages per rank (4 layers: one per stage), against a 4-layer single-device run
     "pp-llama4-single": (1, ("--layers", "4")),

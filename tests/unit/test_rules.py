@@ -79,12 +79,10 @@ def dense_owner(stages: tuple[str, ...] = ("embedding",)) -> SimpleNamespace:
     return SimpleNamespace(name="model", module=SimpleNamespace(), plan=plan)
 
 
-def stage_owner(positions: str = "") -> SimpleNamespace:
-    """A plan whose stages run through a stage module (transformers causal LMs); `positions`: its global positions
-    keyword (the Llama family's position_ids, none for GPT-2)."""
+def stage_owner() -> SimpleNamespace:
+    """A plan whose stages run through a stage module (transformers causal LMs)."""
     owner = dense_owner()
     owner.plan.pp.stage = lambda model: model
-    owner.plan.cp = SimpleNamespace(positions=positions)
     return owner
 
 
@@ -277,11 +275,6 @@ CASES: dict[str, tuple[Facts, str, Facts]] = {
         setup(PP2, [dense_owner(stages=())]),
         "pp=2 with SimpleNamespace: its plan declares no PipelinePlan (the modules before and after the blocks)",
         setup(PP2, [dense_owner()]),
-    ),
-    "pp_stage_module_without_sp": (
-        setup(MeshLayout(pp=2, tp=2), [stage_owner()]),
-        "pp=2 x tp=2 with sequence parallelism and SimpleNamespace: its pipeline stages under sequence parallelism",
-        setup(MeshLayout(pp=2, tp=2), [stage_owner(positions="position_ids")]),
     ),
     "pp_stage_module_without_cp": (
         setup(MeshLayout(pp=2, cp=2), [stage_owner()]),

@@ -257,25 +257,6 @@ RULES: list[Rule] = [
         PlanError,
     ),
     Rule(
-        # under sequence parallelism a stage module gets the whole sequence's positions and causal mask; verified
-        # against one device for the plans that give global positions (Llama family), not yet for GPT-2's
-        "pp_stage_module_without_sp",
-        "setup",
-        lambda f: (
-            _pipelined_by_stage_modules(f)
-            and f.layout.tp > 1
-            and bool(f.options.mesh.sequence_parallel)
-            and not f.owners[0].plan.cp.positions
-        ),
-        lambda f: (
-            f"pp={f.layout.pp} x tp={f.layout.tp} with sequence parallelism and"
-            f" {type(f.owners[0].module).__name__}: its pipeline stages under sequence parallelism do not match one"
-            " device yet (Llama, Qwen2 and Mistral do); pass sequence_parallel=False (tensor parallel without it),"
-            " or use tp=1"
-        ),
-        PlanError,
-    ),
-    Rule(
         # a stage module of a plan (transformers' forward) counts the positions from the sequence it receives: context parallelism's shard
         # would give every cp rank positions from 0 (and its attention swap is not wired through the stages)
         "pp_stage_module_without_cp",
