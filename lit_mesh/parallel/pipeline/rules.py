@@ -257,8 +257,9 @@ RULES: list[Rule] = [
         PlanError,
     ),
     Rule(
-        # a stage module of a plan (transformers' forward) counts the positions from the sequence it receives: context parallelism's shard
-        # would give every cp rank positions from 0 (and its attention swap is not wired through the stages)
+        # a stage module of a plan (transformers' forward) counts the positions from the sequence it receives:
+        # context parallelism's shard would give every cp rank positions from 0 (and its attention swap is not wired
+        # through the stages)
         "pp_stage_module_without_cp",
         "setup",
         lambda f: _pipelined_by_stage_modules(f) and f.layout.cp > 1,
