@@ -3,8 +3,10 @@
     python examples/hf_pipeline.py --devices 2 --pp 2                     # Llama, 2 stages, 1F1B
     python examples/hf_pipeline.py --devices 2 --pp 2 --schedule gpipe    # GPipe
     python examples/hf_pipeline.py --arch gpt2 --devices 2 --pp 2         # GPT-2: tied embeddings on both ends
-    python examples/hf_pipeline.py --devices 4 --pp 2 --tp 2 --no-sp      # 2 stages x tensor parallel over 2
+    python examples/hf_pipeline.py --devices 4 --pp 2 --tp 2              # 2 stages x tensor + sequence parallel
+    python examples/hf_pipeline.py --arch gpt2 --devices 4 --pp 2 --tp 2  # the same for GPT-2
     python examples/hf_pipeline.py --devices 4 --pp 2 --cp 2              # 2 stages x context parallel over 2
+    python examples/hf_pipeline.py --devices 2 --pp 2 --layers 4 --schedule interleaved_1f1b --stages-per-rank 2
 
 The step is what one writes on one device: `self.model(input_ids=x, labels=x).loss`. Under pp MeshStrategy runs the
 pipeline schedule over the micro-batches inside that call (forward and backward), and the loss transformers would
@@ -26,11 +28,13 @@ from lit_mesh import MeshStrategy
 
 
 class PipelinedLM(L.LightningModule):
-    def __init__(self, arch: str = "llama", lr: float = 3e-3) -> None:
+    def __init__(self, arch: str = "llama", layers: int = 2, lr: float = 3e-3) -> None:
         super().__init__()
         from transformers import AutoModelForCausalLM
 
-        self.model = AutoModelForCausalLM.from_config(make_config(arch))
+        config = make_config(arch)
+        config.num_hidden_layers = layers  # GPT-2's n_layer by its alias
+        self.model = AutoModelForCausalLM.from_config(config)
         self.lr = lr
         self.losses: list[float] = []
         self.val_losses: list[float] = []
@@ -60,15 +64,21 @@ def main(argv: list[str] | None = None) -> list[float]:
     parser = E.parser(__doc__)
     parser.add_argument("--arch", default="llama", choices=["llama", "gpt2"])
     parser.add_argument("--pp", type=int, default=1, help="pipeline stages (one per rank)")
-    parser.add_argument("--schedule", default="1f1b", help="pp_schedule: 1f1b, gpipe, ...")
+    parser.add_argument("--layers", type=int, default=2, help="decoder layers (2 stages per rank need >= 4)")
+    parser.add_argument("--schedule", default="1f1b", help="pp_schedule: 1f1b, gpipe, interleaved_1f1b, ...")
+    parser.add_argument("--stages-per-rank", type=int, default=1, help="pp_stages_per_rank (interleaved, V: 2)")
     parser.add_argument("--cp", type=int, default=1, help="context-parallel degree (Llama): the sequence split")
-    parser.add_argument("--no-sp", action="store_true", help="tp without sequence parallelism (needed with pp)")
+    parser.add_argument("--no-sp", action="store_true", help="tp without sequence parallelism")
     args = E.parse(parser, argv)
 
     L.seed_everything(0, verbose=False)
-    module = PipelinedLM(args.arch)
+    module = PipelinedLM(args.arch, args.layers)
     dp = args.devices // (args.tp * args.pp * args.cp)
-    pipeline = dict(pp=args.pp, pp_schedule=args.schedule, pp_microbatches=2) if args.pp > 1 else {}
+    pipeline = {}
+    if args.pp > 1:
+        pipeline = dict(
+            pp=args.pp, pp_schedule=args.schedule, pp_microbatches=2, pp_stages_per_rank=args.stages_per_rank
+        )
     strategy = MeshStrategy(dp=dp, tp=args.tp, cp=args.cp, sequence_parallel=False if args.no_sp else None, **pipeline)
     trainer = E.trainer(args, strategy)
     trainer.fit(module)

@@ -116,7 +116,9 @@ class PipelinePlan:
     stand_ins: Mapping[str, Literal["identity", "zeros"]] = field(default_factory=dict)
     # the module that runs one stage, made from the pruned model (forward(x) -> tensor: token ids on the first
     # stage, hidden states after it; logits from the last); None: the pruned model itself (lit_mesh.hf's stages
-    # for transformers models, whose forward takes keywords and returns an output object)
+    # for transformers models, whose forward takes keywords and returns an output object). Under sequence
+    # parallelism a stage module's `sequence_shards` (if it has one) is set to tp on stages after the first: their
+    # input is one shard of the sequence, and the stage gives its layers the whole sequence's positions and mask
     stage: Callable[[nn.Module], nn.Module] | None = None
     # makes a call of the whole (pruned) model run its pipeline inside MeshStrategy's steps (the user's own call of a
     # transformers model); None: such a call is refused, and the LightningModule uses lit_mesh.loss_of

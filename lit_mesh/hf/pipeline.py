@@ -5,9 +5,11 @@ own forward: the first stage from token ids, later ones from hidden states (`inp
 does not hold are None (the token embedding: `inputs_embeds` skips it) or stand-ins (the final norm and the head
 pass hidden states on, GPT-2's position embeddings add zeros). So every stage computes the positions, the rotary
 embeddings (a buffer module beside the layers, on every stage) and the causal mask itself, as transformers does.
-Under context parallel a stage holds its cp rank's shard of the sequence, so its global positions come in as
-`position_ids` (context parallel's hook on every stage, lit_mesh/parallel/context/apply.py), and the layers' attention
-is context parallel's, with no mask (lit_mesh/hf/context.py).
+Under sequence parallelism a stage after the first receives its tp rank's shard of the sequence, while its attention
+sees the whole (gathered) sequence: it is given the positions and the causal mask of the whole sequence. Under context
+parallel a stage holds its cp rank's shard of the sequence, so its global positions come in as `position_ids`
+(context parallel's hook on every stage, lit_mesh/parallel/context/apply.py, which counts sequence parallelism's
+shards too), and the layers' attention is context parallel's, with no mask (lit_mesh/hf/context.py).
 
 No cache, no padding: a stage takes one tensor. An `attention_mask` is refused under pp
 (lit_mesh/hf/pipelined_call.py).
@@ -17,9 +19,11 @@ from __future__ import annotations
 
 from typing import Literal, Optional
 
+import torch
 from torch import Tensor, nn
 
 from lit_mesh.hf.pipelined_call import take_calls
+from lit_mesh.parallel.pipeline.split import global_positions
 from lit_mesh.plan import PipelinePlan
 
 
@@ -29,12 +33,39 @@ class TransformersStage(nn.Module):
     def __init__(self, model: nn.Module) -> None:
         super().__init__()
         self.model = model
+        # how many shards of the sequence the hidden states this stage receives are (tp under sequence parallelism,
+        # for stages after the first: lit_mesh/parallel/apply.py); 1: the whole sequence
+        self.sequence_shards = 1
 
     def forward(self, x: Tensor, position_ids: Optional[Tensor] = None) -> Tensor:
         """`position_ids` (1, T): the global positions of the tokens in x where they do not start at 0 (a cp shard)."""
-        inputs = {"inputs_embeds": x} if x.is_floating_point() else {"input_ids": x}
+        inputs: dict[str, object] = {"inputs_embeds": x} if x.is_floating_point() else {"input_ids": x}
+        if position_ids is not None:
+            inputs["position_ids"] = position_ids
+        elif x.is_floating_point() and self.sequence_shards > 1:
+            inputs.update(self._whole_sequence(x))
         # the class's forward: the model's own is taken over by the pipeline (lit_mesh/hf/pipelined_call.py)
-        return type(self.model).forward(self.model, **inputs, position_ids=position_ids, use_cache=False).logits
+        out = type(self.model).forward(self.model, **inputs, use_cache=False).logits
+        # GPT-2 views its output as (-1, its input's length, width): under sequence parallelism the lengths of a
+        # stage's input and output differ (ids of T in, a shard out; a shard in, T out): its batch is the input's
+        return out.reshape(x.shape[0], -1, out.shape[-1])
+
+    def _whole_sequence(self, shard: Tensor) -> dict[str, object]:
+        """The positions and the causal mask of the whole sequence, for hidden states that are one shard of it:
+        counted from the shard, both would cover T / shards tokens (rotary angles from 0 on every shard, a mask of
+        the wrong size for eager attention)."""
+        from transformers.masking_utils import create_causal_mask
+
+        position_ids = global_positions(shard, self.sequence_shards).unsqueeze(0)
+        batch, length, width = shard.shape[0], position_ids.shape[1], shard.shape[2]
+        # the mask builder reads only the shape, dtype and device of the embeddings: a view without storage
+        whole = torch.empty((), dtype=shard.dtype, device=shard.device).expand(batch, length, width)
+        config = self.model.config
+        mask = create_causal_mask(
+            config=config, inputs_embeds=whole, attention_mask=None, cache=None, position_ids=position_ids
+        )
+        # None: SDPA's own causal flag, which the gathered sequence meets (no mask to size)
+        return {"position_ids": position_ids, "attention_mask": mask}
 
 
 def decoder_pipeline_plan(

@@ -203,9 +203,12 @@ def parallelize(
                 vocab_sharded_output=layout.pp == 1,
                 float8_styles=float8_tp_style if float8_styles else None,
             )
-        if done.stages and sequence_parallel and owners[0].plan.cp.positions and layout.cp == 1:  # cp: below
+        if done.stages and sequence_parallel and layout.cp == 1:  # cp: below
             for stage in (s for s in done.stages if s.index != 0):  # the first stage counts them itself
-                pass_global_positions(stage.module, owners[0].plan.cp.positions, layout.tp)
+                if hasattr(stage.module, "sequence_shards"):  # a plan's stage module (PipelinePlan.stage)
+                    setattr(stage.module, "sequence_shards", layout.tp)  # noqa: B010 (an nn.Module's attribute)
+                elif owners[0].plan.cp.positions:
+                    pass_global_positions(stage.module, owners[0].plan.cp.positions, layout.tp)
     if layout.cp > 1:
         # under pp the positions go to each stage (interleaved stages are views made before this hook)
         sp_shards = layout.tp if sequence_parallel else 1

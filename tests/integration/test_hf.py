@@ -95,14 +95,20 @@ LABELS = "--model=tests.workers.hf_modules.LabelsCausalLM"
 # examples/hf_pipeline.py (the user's `model(input_ids, labels).loss` under pp): name -> (world size, its flags);
 # PP_STEPS steps each (suite time: the curve's first steps already hold every stage, schedule and tied sum)
 PP_STEPS = 4
+INTERLEAVED = ("--schedule", "interleaved_1f1b")
 PIPELINE_EXAMPLES: dict[str, tuple[int, tuple[str, ...]]] = {
     "pp-llama-single": (1, ()),
     "pp-gpt2-single": (1, ("--arch", "gpt2")),
     "pp-llama-pp2": (2, ("--pp", "2")),  # 1F1B
     "pp-gpt2-pp2-gpipe": (2, ("--arch", "gpt2", "--pp", "2", "--schedule", "gpipe")),  # tied embeddings
-    "pp-gpt2-pp2_tp2": (4, ("--arch", "gpt2", "--pp", "2", "--tp", "2", "--no-sp")),  # tied copies sharded over tp
+    # sequence parallel between the stages: later stages get the whole sequence's positions (rotary) and causal mask
+    "pp-gpt2-pp2_tp2": (4, ("--arch", "gpt2", "--pp", "2", "--tp", "2")),  # tied copies sharded over tp
+    "pp-llama-pp2_tp2": (4, ("--pp", "2", "--tp", "2")),
     # ring cp inside the stages: global positions per stage, transformers' labels shifted over the whole sequence
     "pp-llama-pp2_cp2": (4, ("--pp", "2", "--cp", "2")),
+    # two stages per rank (4 layers: one per stage), against a 4-layer single-device run
+    "pp-llama4-single": (1, ("--layers", "4")),
+    "pp-llama4-pp2-interleaved": (2, ("--layers", "4", "--pp", "2", "--stages-per-rank", "2", *INTERLEAVED)),
 }
 
 
@@ -253,7 +259,7 @@ def _pretrained_pp(out: Path, nproc: int) -> list[dict]:
 # resume across layouts (#35 item 6): the saved GPT-2 (tied embeddings, so every layout starts from its weights)
 # trained on pp2 x tp2 to step 2 with a checkpoint, resumed on fsdp4 to step 4 with a checkpoint, resumed on
 # pp2 x tp2 again to step 6: both moves in one launch of 4 ranks; name -> (layout, last step, the run it resumes)
-PP_TP = (f"{S}pp=2", f"{S}tp=2", f"{S}sequence_parallel=false")  # SP under pp is refused
+PP_TP = (f"{S}pp=2", f"{S}tp=2", f"{S}sequence_parallel=false")  # tp without SP here: with SP in the pp examples
 RESUMES: dict[str, tuple[tuple[str, ...], int, str]] = {
     "gpt2-pretrained-pp2_tp2": (PP_TP, 2, ""),
     "gpt2-pretrained-fsdp4": ((f"{S}dp=4",), 4, "gpt2-pretrained-pp2_tp2"),

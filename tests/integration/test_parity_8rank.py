@@ -26,8 +26,6 @@ RECIPES = {
     # would run per pipeline stage: docs/transformers.md)
     "hf_gpt2": [*TEXT, "--model.init_args.architecture=gpt2", INIT],
 }
-# tensor parallel under pp for transformers models: without sequence parallelism (lit_mesh/parallel/pipeline/rules.py)
-NO_SP = f"{S}sequence_parallel=false"
 QUIET = ["--trainer.limit_val_batches=0"]  # validation under pp: tests/integration/test_pipeline.py
 # name: (recipe, MeshStrategy arguments on 8 ranks); compared with the run "<recipe>-single"
 LAYOUTS: dict[str, tuple[str, list[str]]] = {
@@ -40,7 +38,7 @@ LAYOUTS: dict[str, tuple[str, list[str]]] = {
     ),
     "moe-pp2_tp2_ep2": ("moe", [f"{S}pp=2", f"{S}tp=2", f"{S}ep=2"]),
     # the walkthrough's dp x tp x pp run on a transformers model: GPT-2 (tied embeddings)
-    "hf_gpt2-pp2_fsdp2_tp2": ("hf_gpt2", [f"{S}pp=2", f"{S}tp=2", NO_SP]),
+    "hf_gpt2-pp2_fsdp2_tp2": ("hf_gpt2", [f"{S}pp=2", f"{S}tp=2"]),  # tp with sequence parallelism
     # 2-D tensor parallel on a 2 x 2 grid, two replicas averaging their gradients (tp_mode's DDP)
     "gpt-ddp2_tp4-2d": ("gpt", [f"{S}dp_replicate=2", f"{S}tp=4", f"{S}tp_mode=2d", f"{S}sequence_parallel=false"]),
 }

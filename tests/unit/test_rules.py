@@ -79,13 +79,6 @@ def dense_owner(stages: tuple[str, ...] = ("embedding",)) -> SimpleNamespace:
     return SimpleNamespace(name="model", module=SimpleNamespace(), plan=plan)
 
 
-def stage_owner() -> SimpleNamespace:
-    """A plan whose stages run through a stage module (transformers causal LMs)."""
-    owner = dense_owner()
-    owner.plan.pp.stage = lambda model: model
-    return owner
-
-
 def tp_owner(**divides: int) -> SimpleNamespace:
     """A plan owner whose plan names the sizes tp must divide."""
     plan = SimpleNamespace(tp=SimpleNamespace(unavailable="", divides=divides))
@@ -275,11 +268,6 @@ CASES: dict[str, tuple[Facts, str, Facts]] = {
         setup(PP2, [dense_owner(stages=())]),
         "pp=2 with SimpleNamespace: its plan declares no PipelinePlan (the modules before and after the blocks)",
         setup(PP2, [dense_owner()]),
-    ),
-    "pp_stage_module_without_sp": (
-        setup(MeshLayout(pp=2, tp=2), [stage_owner()]),
-        "pp=2 x tp=2 with sequence parallelism and SimpleNamespace: its stages compute the positions",
-        setup(MeshLayout(pp=2, tp=2), [stage_owner()], replace(O, mesh=NO_SP)),
     ),
     "2bw_without_tied_parameters": (
         setup(MeshLayout(pp=2), [tied_owner()], TWO_BW),

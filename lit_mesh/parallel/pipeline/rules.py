@@ -86,16 +86,6 @@ def _tied_names(module: Any) -> list[str]:
     return [" = ".join(group) for group in names.values() if len(group) > 1]
 
 
-def _pipelined_by_stage_modules(f: Facts) -> bool:
-    """pp > 1 on a plan whose stages run a stage module (lit_mesh.hf's: transformers' own forward per stage)."""
-    return (
-        not f.self_parallelised
-        and f.layout.pp > 1
-        and bool(f.owners)
-        and getattr(f.owners[0].plan.pp, "stage", None) is not None
-    )
-
-
 RULES: list[Rule] = [
     Rule(
         "one_stage_schedule",
@@ -253,20 +243,6 @@ RULES: list[Rule] = [
             " modules before and after the blocks), so it cannot be cut into stages; pipeline a causal LM (Llama,"
             " Qwen2, Mistral, GPT-2 *ForCausalLM / LMHeadModel), declare pp=PipelinePlan(first=..., last=...) in"
             " its parallel_plan(), or use pp=1"
-        ),
-        PlanError,
-    ),
-    Rule(
-        # a stage module of a plan (transformers' forward) counts the positions and builds the causal mask from its
-        # input, which sequence parallelism shards between stages
-        "pp_stage_module_without_sp",
-        "setup",
-        lambda f: _pipelined_by_stage_modules(f) and f.layout.tp > 1 and bool(f.options.mesh.sequence_parallel),
-        lambda f: (
-            f"pp={f.layout.pp} x tp={f.layout.tp} with sequence parallelism and"
-            f" {type(f.owners[0].module).__name__}: its stages compute the positions and the causal mask from the"
-            " hidden states they receive, which sequence parallelism would cut between the stages; pass"
-            " sequence_parallel=False (tensor parallel without it), or use tp=1"
         ),
         PlanError,
     ),

@@ -212,13 +212,19 @@ def split_into_stages(
     return views
 
 
+def global_positions(shard: torch.Tensor, shards: int) -> torch.Tensor:
+    """The positions (T,) of the whole sequence whose hidden states (batch, T / shards, ...) `shard` is one shard of:
+    what a stage after the first needs under sequence parallelism, where it receives its tp rank's shard."""
+    return torch.arange(shard.shape[1] * shards, device=shard.device)
+
+
 def pass_global_positions(stage: nn.Module, keyword: str, tp: int) -> None:
     """Under sequence parallelism a stage after the first receives its tp rank's shard of the sequence, so the
     model cannot count the positions itself: give them (0 .. T-1 of the whole sequence) as `keyword`."""
 
     def hook(_module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if keyword not in kwargs:
-            kwargs[keyword] = torch.arange(args[0].shape[1] * tp, device=args[0].device)
+            kwargs[keyword] = global_positions(args[0], tp)
         return args, kwargs
 
     stage.register_forward_pre_hook(hook, with_kwargs=True, prepend=True)
