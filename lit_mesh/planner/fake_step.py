@@ -22,14 +22,15 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 from collections.abc import Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass, field
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
+from torch.distributed.pipelining import PipelineStage
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
@@ -38,10 +39,17 @@ from lit_mesh.loss import cross_entropy
 from lit_mesh.mesh import MeshAxis, MeshLayout, MeshViews, build_device_mesh
 from lit_mesh.options import MeshDegrees, MeshOptions
 from lit_mesh.parallel.activation_checkpointing import MemoryOptions
-from lit_mesh.parallel.apply import parallelize
+from lit_mesh.parallel.apply import Parallelized, parallelize
 from lit_mesh.parallel.context.layout import ContextOptions, shard_batch
 from lit_mesh.parallel.data import DataParallelOptions
+from lit_mesh.parallel.pipeline.runner import ScheduleRunner
+from lit_mesh.parallel.pipeline.schedules import PipelineSettings
+from lit_mesh.parallel.pipeline.split import Stage
+from lit_mesh.planner.memory import coords_of
+from lit_mesh.planner.pipeline_model import ONE_F_ONE_B, Schedule
 from lit_mesh.planner.shapes import build_model
+
+StageExamples = dict[int, tuple[torch.Tensor, torch.Tensor]]  # stage index -> (an input, an output) of one micro-batch
 
 # the c10d / functional ops by what they do, and which argument's bytes the count takes
 _OPS = {
@@ -108,6 +116,8 @@ class CollectiveCounter(TorchDispatchMode):
                 data = tensors[0] if (which == "output" or len(tensors) == 1) else tensors[1]
                 if name == "alltoall_base_":
                     tensors[0].copy_(tensors[1])  # each peer sends this rank what it sends them (module doc)
+                if name == "recv_":
+                    tensors[0][0].fill_(1)  # a peer sends ones (module doc)
             else:
                 data = out if which == "output" else tensors[0]
             if group is not None:
@@ -169,7 +179,7 @@ class StepCounts:
 
     bytes: dict[str, dict[str, int]] = field(default_factory=dict)  # mesh dim -> operation -> bytes
     calls: dict[str, dict[str, int]] = field(default_factory=dict)
-    activations: int = 0  # held into backward (module doc)
+    activations: int | None = None  # held into backward (module doc); None: not measured (pp)
     seconds: float = 0.0
 
 
@@ -217,40 +227,51 @@ def fake_step(
     ac: str = "none",
     cp_style: str = "ring",
     zero_stage: int = 3,
+    schedule: Schedule = ONE_F_ONE_B,
+    microbatches: int = 1,
 ) -> StepCounts:
-    """One training step of global rank `rank` (one micro-batch of `micro_batch` sequences of `seq_len` tokens)."""
+    """One training step of global rank `rank` (one micro-batch of `micro_batch` sequences of `seq_len` tokens;
+    under pp, `schedule` over `microbatches` of them, as lit_mesh's runner drives torch's schedule)."""
     start = time.perf_counter()
+    options = MeshOptions(
+        mesh=MeshDegrees(sequence_parallel=layout.tp > 1),
+        memory=MemoryOptions(activation_checkpointing=ac),  # type: ignore[arg-type]
+        context=ContextOptions(style=cp_style),  # type: ignore[arg-type]
+        data=DataParallelOptions(zero_stage=zero_stage),  # type: ignore[arg-type]
+    )
+    if layout.pp > 1:
+        options = replace(options, pipeline=PipelineSettings(schedule.name, microbatches, schedule.stages_per_rank))
+    boundary = None
+    coords = coords_of(rank, layout)
+    if layout.pp > 1 and coords.pp > 0:  # the first stage's output, from the rank of pp 0 with this rank's place
+        first_rank = rank - coords.pp * (layout.world_size // layout.pp)
+        with fake_world(first_rank, layout.world_size):
+            root, views, done, tokens = _build(config, layout, first_rank, precision, options, micro_batch, seq_len)
+            with _autocast(precision):
+                boundary = _stage_examples(done.stages or [], tokens, None)[0][1]
     with fake_world(rank, layout.world_size):
-        root = nn.Module()  # stands in for the LightningModule, which holds the network as `model`
-        with torch.device("meta"):
-            root.model = build_model(config)
-        if precision == "bf16-true":
-            root.to(torch.bfloat16)
-        options = MeshOptions(
-            mesh=MeshDegrees(sequence_parallel=layout.tp > 1),
-            memory=MemoryOptions(activation_checkpointing=ac),  # type: ignore[arg-type]
-            context=ContextOptions(style=cp_style),  # type: ignore[arg-type]
-            data=DataParallelOptions(zero_stage=zero_stage),  # type: ignore[arg-type]
-        )
-        views = build_device_mesh(layout, "cpu")
-        parallelize(root, views, options, precision=precision)
-        root.to_empty(device="cpu")
-        generator = torch.Generator().manual_seed(rank)
-        with torch.no_grad():
-            for p in root.parameters():
-                local_tensor(p).normal_(0.0, 0.02, generator=generator)
-        tokens = torch.randint(0, config.vocab_size, (micro_batch, seq_len), generator=generator)
-        if layout.cp > 1:  # as MeshStrategy's batch hook: each cp rank keeps its part of the sequence
-            tokens = shard_batch(tokens, views[MeshAxis.CP], cp_style)
+        root, views, done, tokens = _build(config, layout, rank, precision, options, micro_batch, seq_len)
         counter, live = CollectiveCounter(), LiveStorages()
-        autocast = torch.autocast("cpu", torch.bfloat16) if precision == "bf16-mixed" else _nothing()
-        with counter:
-            with live, autocast:
-                loss = cross_entropy(root.model(tokens), tokens)
-            params = parameter_storages(root)
-            held = sum(b for ptr, b in live.alive().items() if ptr not in params)
-            loss.backward()
-            torch.optim.AdamW(root.parameters(), foreach=True).step()
+        held: int | None = None
+        if layout.pp > 1:
+            with _autocast(precision):
+                examples = _stage_examples(done.stages or [], tokens, boundary)
+            runner = _StaticShapesRunner(examples, done, options.pipeline, views[MeshAxis.PP].get_group(), root)
+            batch = tokens.repeat(microbatches, 1)  # the schedule's micro-batches, each of this rank's shape
+            with counter:
+                runner.begin_step(accumulation=1)
+                with _autocast(precision):
+                    loss = runner.train(cross_entropy, batch, batch)
+                loss.backward()  # hands the schedule's gradients to the parameters (Lightning's backward)
+                torch.optim.AdamW(root.parameters(), foreach=True).step()
+        else:
+            with counter:
+                with live, _autocast(precision):
+                    loss = cross_entropy(root.model(tokens), tokens)
+                params = parameter_storages(root)
+                held = sum(b for ptr, b in live.alive().items() if ptr not in params)
+                loss.backward()
+                torch.optim.AdamW(root.parameters(), foreach=True).step()
         names = dim_of_groups(views)
     counts = StepCounts(activations=held)
     for (group, op), n in counter.bytes.items():
@@ -261,6 +282,74 @@ def fake_step(
     return counts
 
 
-@contextmanager
-def _nothing() -> Iterator[None]:
-    yield
+def _build(
+    config: Any, layout: MeshLayout, rank: int, precision: str, options: MeshOptions, micro_batch: int, seq_len: int
+) -> tuple[nn.Module, MeshViews, Parallelized, torch.Tensor]:
+    """The rank's parallelized model, its shards drawn at random, and its tokens of one micro-batch (cp: its part of
+    the sequence, as MeshStrategy's batch hook keeps)."""
+    root = nn.Module()  # stands in for the LightningModule, which holds the network as `model`
+    with torch.device("meta"):
+        root.model = build_model(config)
+    if precision == "bf16-true":
+        root.to(torch.bfloat16)
+    views = build_device_mesh(layout, "cpu")
+    done = parallelize(root, views, options, precision=precision)
+    root.to_empty(device="cpu")
+    generator = torch.Generator().manual_seed(rank)
+    with torch.no_grad():
+        for p in root.parameters():
+            local_tensor(p).normal_(0.0, 0.02, generator=generator)
+    tokens = torch.randint(0, config.vocab_size, (micro_batch, seq_len), generator=generator)
+    if layout.cp > 1:
+        tokens = shard_batch(tokens, views[MeshAxis.CP], options.context.style)
+    return root, views, done, tokens
+
+
+def _stage_examples(stages: list[Stage], tokens: torch.Tensor, boundary: torch.Tensor | None) -> StageExamples:
+    """Each local stage's input and output of one micro-batch, from a forward without autograd: the first stage
+    takes the tokens; every other stage what a stage passes on (lit_mesh cuts the model between blocks: the same
+    tensor at every boundary), `boundary` or the first stage's output here."""
+    out = {}
+    with torch.no_grad():
+        for stage in sorted(stages, key=lambda s: s.index):
+            example = tokens if stage.index == 0 else boundary
+            if example is None:
+                raise ValueError(f"stage {stage.index} needs the first stage's output (boundary) to learn its input")
+            output = torch.zeros_like(stage.module(example)).requires_grad_()  # what the next stage differentiates
+            boundary = output if stage.index == 0 else boundary
+            out[stage.index] = (example, output)
+        for unit in (u for s in stages for u in s.module.modules()):  # as torch after its own shape inference
+            if isinstance(unit, FSDPModule):
+                unit.reshard()
+    return out
+
+
+class _StaticShapesRunner(ScheduleRunner):
+    """lit_mesh's runner of torch's schedules, its stages given their shapes (fake ranks cannot answer torch's
+    inference, which asks the neighbouring stages)."""
+
+    def __init__(
+        self, examples: StageExamples, done: Parallelized, settings: PipelineSettings, group: Any, root: nn.Module
+    ) -> None:
+        self.examples = examples
+        assert done.stages is not None and done.stage_ranks is not None, "a pipeline was split (pp > 1)"
+        super().__init__(
+            done.stages, settings, group, done.stage_ranks, torch.device("cpu"), lambda: list(root.parameters())
+        )
+
+    def _torch_stage(self, stage: Stage, device: torch.device) -> PipelineStage:
+        example, output = self.examples[stage.index]
+        return PipelineStage(
+            stage.module,
+            stage.index,
+            len(self.stage_ranks),
+            device,
+            input_args=example,
+            output_args=output,
+            group=self.group,
+        )
+
+
+def _autocast(precision: str) -> AbstractContextManager[Any]:
+    """What Lightning's precision plugin enters around the forward."""
+    return torch.autocast("cpu", torch.bfloat16) if precision == "bf16-mixed" else nullcontext()
