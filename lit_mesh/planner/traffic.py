@@ -16,8 +16,9 @@ a reduce-scatter: its input; an all-reduce: its tensor; an all-to-all: what this
   reduce-scattered and the head's input gathered; the vocabulary-parallel loss all-reduces three fp32 numbers per
   token (under pp the last stage's head gathers the logits instead); the sequence-parallel norms' weight gradients
   are all-reduced.
-- cp ring: a block's K/V (grouped heads, as they are) sent cp - 1 times forward and again backward, plus cp sends of
-  the fp32 dK/dV accumulator; Ulysses: one all-to-all of q, k, v and one of the output, forward and backward.
+- cp ring: a block's K/V (grouped heads, as they are) sent cp - 1 times forward and again backward (and again in
+  the recomputed forward of full or selective AC: point-to-point sends are not among the ops selective AC keeps),
+  plus cp sends of the fp32 dK/dV accumulator; Ulysses: one all-to-all of q, k, v and one of the output, forward and backward.
 - ep: dispatch and combine of the routed copies (top_k per token of the whole micro-batch), forward and backward,
   plus the token counts.
 - pp: per micro-batch, each local stage receives its input and sends its output forward (but the model's first
@@ -131,8 +132,8 @@ def comm_bytes(
             q = tokens * c.n_heads // layout.tp * head_dim * act
             qkv = q + 2 * tokens * kv_heads * head_dim * act
             out["cp"]["all_to_all"] += n_micro * blocks * (2 + (1 if recompute else 0)) * (qkv + q)
-        else:
-            sends = (2 + (1 if recompute else 0)) * (layout.cp - 1) * kv + layout.cp * kv * 4 // act
+        else:  # the ring's sends are no op selective AC keeps: its forward runs again under either AC
+            sends = (2 + (1 if ac != "none" else 0)) * (layout.cp - 1) * kv + layout.cp * kv * 4 // act
             out["cp"]["send"] += n_micro * blocks * sends
             out["cp"]["recv"] += n_micro * blocks * sends
 
