@@ -153,15 +153,16 @@ class LiveStorages(TorchDispatchMode):
 
 def parameter_storages(root: nn.Module) -> set[int]:
     """Storages of the parameters and of FSDP2's gathered copies (the root's and the last block's stay gathered
-    from forward to backward: the planner counts them as FSDP buffers, not activations). FSDP2 exposes its
-    gathered copies only on its parameter groups (private: torch has no accessor)."""
+    from forward to backward: the planner counts them as FSDP buffers, not activations): the unsharded parameter
+    and the all-gather's output it was copied out of, where the two differ (a padded dim 0, a tp shard). FSDP2
+    exposes them only on its parameter groups (private: torch has no accessor)."""
     keys = {storage_key(p) for p in root.parameters()}
     for unit in root.modules():
         group = unit._get_fsdp_state()._fsdp_param_group if isinstance(unit, FSDPModule) else None
         for param in group.fsdp_params if group is not None else ():
             unsharded = getattr(param, "_unsharded_param", None)
-            if unsharded is not None:
-                keys.add(storage_key(unsharded))
+            gathered = list(getattr(param, "all_gather_outputs", None) or [])
+            keys.update(storage_key(t) for t in [*gathered, *([unsharded] if unsharded is not None else [])])
     return keys
 
 
