@@ -11,6 +11,15 @@ These are the sizes the ring formulas take (lit_mesh.comm.topology): the planner
 
 The fake all-to-all leaves its output as it was; the mode copies the input there, as if each peer sent this rank
 what this rank sends it (EP's token counts then agree with the tokens sent: balanced traffic, as the planner assumes).
+A fake receive leaves its buffer as it was; the mode fills it with ones, as if the peer sent ones.
+
+Pipelines (pp > 1): lit_mesh's runner drives torch's schedule over `microbatches` micro-batches, so every send and
+receive of the schedule runs. torch's stages would learn their shapes from their peers (a vote, then the shapes as
+pickled objects), which fake ranks cannot answer: each stage is given them instead (static shapes), from a forward
+of one micro-batch without autograd; every stage after the first takes what the first one outputs (lit_mesh cuts
+the model between blocks), learnt on the first stage's rank (in a fake world of its own when that is another rank).
+The vote's ones say every stage has static shapes, as each rank of this simulation does. Activations are not
+measured under pp: forwards and backwards interleave, so no one point holds what the forward keeps.
 
 Activations: the bytes of the storages the forward and the loss create that are still alive when backward starts
 (what the step holds into backward: autograd's saved tensors, checkpointed blocks' inputs, the logits), without
@@ -24,7 +33,7 @@ from collections import defaultdict
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -117,7 +126,7 @@ class CollectiveCounter(TorchDispatchMode):
                 if name == "alltoall_base_":
                     tensors[0].copy_(tensors[1])  # each peer sends this rank what it sends them (module doc)
                 if name == "recv_":
-                    tensors[0][0].fill_(1)  # a peer sends ones (module doc)
+                    tensors[0][0].fill_(1)  # the peer sends ones (module doc)
             else:
                 data = out if which == "output" else tensors[0]
             if group is not None:
@@ -268,7 +277,8 @@ def fake_step(
         else:
             with counter:
                 with live, _autocast(precision):
-                    loss = cross_entropy(root.model(tokens), tokens)
+                    model = cast(nn.Module, root.model)
+                    loss = cross_entropy(model(tokens), tokens)
                 params = parameter_storages(root)
                 held = sum(b for ptr, b in live.alive().items() if ptr not in params)
                 loss.backward()
