@@ -17,7 +17,7 @@ Pipelines (pp > 1): lit_mesh's runner drives torch's schedule over `microbatches
 receive of the schedule runs. torch's stages would learn their shapes from their peers (a vote, then the shapes as
 pickled objects), which fake ranks cannot answer: each stage is given them instead (static shapes), from a forward
 of one micro-batch without autograd; every stage after the first takes what the first one outputs (lit_mesh cuts
-the model between blocks), learnt on the first stage's rank (in a fake world of its own when that is another rank).
+the model between blocks), so the step runs a rank of the first stage (pp rank 0).
 The vote's ones say every stage has static shapes, as each rank of this simulation does. Activations are not
 measured under pp: forwards and backwards interleave, so no one point holds what the forward keeps.
 
@@ -251,21 +251,19 @@ def fake_step(
     )
     if layout.pp > 1:
         options = replace(options, pipeline=PipelineSettings(schedule.name, microbatches, schedule.stages_per_rank))
-    boundary = None
-    coords = coords_of(rank, layout)
-    if layout.pp > 1 and coords.pp > 0:  # the first stage's output, from the rank of pp 0 with this rank's place
-        first_rank = rank - coords.pp * (layout.world_size // layout.pp)
-        with fake_world(first_rank, layout.world_size):
-            root, views, done, tokens = _build(config, layout, first_rank, precision, options, micro_batch, seq_len)
-            with _autocast(precision):
-                boundary = _stage_examples(done.stages or [], tokens, None)[0][1]
+    if layout.pp > 1 and coords_of(rank, layout).pp > 0:
+        raise ValueError(
+            f"rank {rank} is on pp rank {coords_of(rank, layout).pp}: a fake pipeline step runs a rank of the first"
+            f" stage (pp rank 0: ranks 0 to {layout.world_size // layout.pp - 1}), whose forward gives every stage"
+            " boundary's shape"
+        )
     with fake_world(rank, layout.world_size):
         root, views, done, tokens = _build(config, layout, rank, precision, options, micro_batch, seq_len)
         counter, live = CollectiveCounter(), LiveStorages()
         held: int | None = None
         if layout.pp > 1:
             with _autocast(precision):
-                examples = _stage_examples(done.stages or [], tokens, boundary)
+                examples = _stage_examples(done.stages or [], tokens)
             runner = _StaticShapesRunner(examples, done, options.pipeline, views[MeshAxis.PP].get_group(), root)
             batch = tokens.repeat(microbatches, 1)  # the schedule's micro-batches, each of this rank's shape
             with counter:
@@ -316,16 +314,15 @@ def _build(
     return root, views, done, tokens
 
 
-def _stage_examples(stages: list[Stage], tokens: torch.Tensor, boundary: torch.Tensor | None) -> StageExamples:
+def _stage_examples(stages: list[Stage], tokens: torch.Tensor) -> StageExamples:
     """Each local stage's input and output of one micro-batch, from a forward without autograd: the first stage
-    takes the tokens; every other stage what a stage passes on (lit_mesh cuts the model between blocks: the same
-    tensor at every boundary), `boundary` or the first stage's output here."""
-    out = {}
+    (this rank's) takes the tokens; every other stage what the first passes on (lit_mesh cuts the model between
+    blocks: the same tensor at every boundary)."""
+    out: StageExamples = {}
+    boundary = tokens
     with torch.no_grad():
         for stage in sorted(stages, key=lambda s: s.index):
             example = tokens if stage.index == 0 else boundary
-            if example is None:
-                raise ValueError(f"stage {stage.index} needs the first stage's output (boundary) to learn its input")
             output = torch.zeros_like(stage.module(example)).requires_grad_()  # what the next stage differentiates
             boundary = output if stage.index == 0 else boundary
             out[stage.index] = (example, output)
