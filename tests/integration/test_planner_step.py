@@ -53,7 +53,7 @@ STEPS = [
     ("ep-64", MOE, MeshLayout(dp_shard=64, ep=4), {}),
     ("moe-64-selective", MOE, MeshLayout(dp_shard=64), {"ac": "selective"}),
     # pipelines: torch's schedules through lit_mesh's runner, over the schedule's fewest micro-batches, on rank 0
-    ("pp-1f1b-tp-64", SMALL, MeshLayout(pp=2, dp_shard=16, tp=2), {"schedule": Schedule(), "microbatches": 2}),
+    ("pp-1f1b-64", SMALL, MeshLayout(pp=2, dp_shard=32), {"schedule": Schedule(), "microbatches": 2}),
     (
         "pp-interleaved-cp-64-selective-bf16",
         SMALL,
