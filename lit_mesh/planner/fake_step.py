@@ -11,6 +11,15 @@ These are the sizes the ring formulas take (lit_mesh.comm.topology): the planner
 
 The fake all-to-all leaves its output as it was; the mode copies the input there, as if each peer sent this rank
 what this rank sends it (EP's token counts then agree with the tokens sent: balanced traffic, as the planner assumes).
+A fake receive leaves its buffer as it was; the mode fills it with ones, as if the peer sent ones.
+
+Pipelines (pp > 1): lit_mesh's runner drives torch's schedule over `microbatches` micro-batches, so every send and
+receive of the schedule runs. torch's stages would learn their shapes from their peers (a vote, then the shapes as
+pickled objects), which fake ranks cannot answer: each stage is given them instead (static shapes), from a forward
+of one micro-batch without autograd; every stage after the first takes what the first one outputs (lit_mesh cuts
+the model between blocks), so the step runs a rank of the first stage (pp rank 0).
+The vote's ones say every stage has static shapes, as each rank of this simulation does. Activations are not
+measured under pp: forwards and backwards interleave, so no one point holds what the forward keeps.
 
 Activations: the bytes of the storages the forward and the loss create that are still alive when backward starts
 (what the step holds into backward: autograd's saved tensors, checkpointed blocks' inputs, the logits), without
@@ -22,14 +31,15 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 from collections.abc import Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass, field
-from typing import Any
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from dataclasses import dataclass, field, replace
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
+from torch.distributed.pipelining import PipelineStage
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
@@ -38,10 +48,17 @@ from lit_mesh.loss import cross_entropy
 from lit_mesh.mesh import MeshAxis, MeshLayout, MeshViews, build_device_mesh
 from lit_mesh.options import MeshDegrees, MeshOptions
 from lit_mesh.parallel.activation_checkpointing import MemoryOptions
-from lit_mesh.parallel.apply import parallelize
+from lit_mesh.parallel.apply import Parallelized, parallelize
 from lit_mesh.parallel.context.layout import ContextOptions, shard_batch
 from lit_mesh.parallel.data import DataParallelOptions
+from lit_mesh.parallel.pipeline.runner import ScheduleRunner
+from lit_mesh.parallel.pipeline.schedules import PipelineSettings
+from lit_mesh.parallel.pipeline.split import Stage
+from lit_mesh.planner.memory import coords_of
+from lit_mesh.planner.pipeline_model import ONE_F_ONE_B, Schedule
 from lit_mesh.planner.shapes import build_model
+
+StageExamples = dict[int, tuple[torch.Tensor, torch.Tensor]]  # stage index -> (an input, an output) of one micro-batch
 
 # the c10d / functional ops by what they do, and which argument's bytes the count takes
 _OPS = {
@@ -108,6 +125,8 @@ class CollectiveCounter(TorchDispatchMode):
                 data = tensors[0] if (which == "output" or len(tensors) == 1) else tensors[1]
                 if name == "alltoall_base_":
                     tensors[0].copy_(tensors[1])  # each peer sends this rank what it sends them (module doc)
+                if name == "recv_":
+                    tensors[0][0].fill_(1)  # the peer sends ones (module doc)
             else:
                 data = out if which == "output" else tensors[0]
             if group is not None:
@@ -143,15 +162,16 @@ class LiveStorages(TorchDispatchMode):
 
 def parameter_storages(root: nn.Module) -> set[int]:
     """Storages of the parameters and of FSDP2's gathered copies (the root's and the last block's stay gathered
-    from forward to backward: the planner counts them as FSDP buffers, not activations). FSDP2 exposes its
-    gathered copies only on its parameter groups (private: torch has no accessor)."""
+    from forward to backward: the planner counts them as FSDP buffers, not activations): the unsharded parameter
+    and the all-gather's output it was copied out of, where the two differ (a padded dim 0, a tp shard). FSDP2
+    exposes them only on its parameter groups (private: torch has no accessor)."""
     keys = {storage_key(p) for p in root.parameters()}
     for unit in root.modules():
         group = unit._get_fsdp_state()._fsdp_param_group if isinstance(unit, FSDPModule) else None
         for param in group.fsdp_params if group is not None else ():
             unsharded = getattr(param, "_unsharded_param", None)
-            if unsharded is not None:
-                keys.add(storage_key(unsharded))
+            gathered = list(getattr(param, "all_gather_outputs", None) or [])
+            keys.update(storage_key(t) for t in [*gathered, *([unsharded] if unsharded is not None else [])])
     return keys
 
 
@@ -169,7 +189,7 @@ class StepCounts:
 
     bytes: dict[str, dict[str, int]] = field(default_factory=dict)  # mesh dim -> operation -> bytes
     calls: dict[str, dict[str, int]] = field(default_factory=dict)
-    activations: int = 0  # held into backward (module doc)
+    activations: int | None = None  # held into backward (module doc); None: not measured (pp)
     seconds: float = 0.0
 
 
@@ -217,40 +237,50 @@ def fake_step(
     ac: str = "none",
     cp_style: str = "ring",
     zero_stage: int = 3,
+    schedule: Schedule = ONE_F_ONE_B,
+    microbatches: int = 1,
 ) -> StepCounts:
-    """One training step of global rank `rank` (one micro-batch of `micro_batch` sequences of `seq_len` tokens)."""
+    """One training step of global rank `rank` (one micro-batch of `micro_batch` sequences of `seq_len` tokens;
+    under pp, `schedule` over `microbatches` of them, as lit_mesh's runner drives torch's schedule)."""
     start = time.perf_counter()
-    with fake_world(rank, layout.world_size):
-        root = nn.Module()  # stands in for the LightningModule, which holds the network as `model`
-        with torch.device("meta"):
-            root.model = build_model(config)
-        if precision == "bf16-true":
-            root.to(torch.bfloat16)
-        options = MeshOptions(
-            mesh=MeshDegrees(sequence_parallel=layout.tp > 1),
-            memory=MemoryOptions(activation_checkpointing=ac),  # type: ignore[arg-type]
-            context=ContextOptions(style=cp_style),  # type: ignore[arg-type]
-            data=DataParallelOptions(zero_stage=zero_stage),  # type: ignore[arg-type]
+    options = MeshOptions(
+        mesh=MeshDegrees(sequence_parallel=layout.tp > 1),
+        memory=MemoryOptions(activation_checkpointing=ac),  # type: ignore[arg-type]
+        context=ContextOptions(style=cp_style),  # type: ignore[arg-type]
+        data=DataParallelOptions(zero_stage=zero_stage),  # type: ignore[arg-type]
+    )
+    if layout.pp > 1:
+        options = replace(options, pipeline=PipelineSettings(schedule.name, microbatches, schedule.stages_per_rank))
+    if layout.pp > 1 and coords_of(rank, layout).pp > 0:
+        raise ValueError(
+            f"rank {rank} is on pp rank {coords_of(rank, layout).pp}: a fake pipeline step runs a rank of the first"
+            f" stage (pp rank 0: ranks 0 to {layout.world_size // layout.pp - 1}), whose forward gives every stage"
+            " boundary's shape"
         )
-        views = build_device_mesh(layout, "cpu")
-        parallelize(root, views, options, precision=precision)
-        root.to_empty(device="cpu")
-        generator = torch.Generator().manual_seed(rank)
-        with torch.no_grad():
-            for p in root.parameters():
-                local_tensor(p).normal_(0.0, 0.02, generator=generator)
-        tokens = torch.randint(0, config.vocab_size, (micro_batch, seq_len), generator=generator)
-        if layout.cp > 1:  # as MeshStrategy's batch hook: each cp rank keeps its part of the sequence
-            tokens = shard_batch(tokens, views[MeshAxis.CP], cp_style)
+    with fake_world(rank, layout.world_size):
+        root, views, done, tokens = _build(config, layout, rank, precision, options, micro_batch, seq_len)
         counter, live = CollectiveCounter(), LiveStorages()
-        autocast = torch.autocast("cpu", torch.bfloat16) if precision == "bf16-mixed" else _nothing()
-        with counter:
-            with live, autocast:
-                loss = cross_entropy(root.model(tokens), tokens)
-            params = parameter_storages(root)
-            held = sum(b for ptr, b in live.alive().items() if ptr not in params)
-            loss.backward()
-            torch.optim.AdamW(root.parameters(), foreach=True).step()
+        held: int | None = None
+        if layout.pp > 1:
+            with _autocast(precision):
+                examples = _stage_examples(done.stages or [], tokens)
+            runner = _StaticShapesRunner(examples, done, options.pipeline, views[MeshAxis.PP].get_group(), root)
+            batch = tokens.repeat(microbatches, 1)  # the schedule's micro-batches, each of this rank's shape
+            with counter:
+                runner.begin_step(accumulation=1)
+                with _autocast(precision):
+                    loss = runner.train(cross_entropy, batch, batch)
+                loss.backward()  # hands the schedule's gradients to the parameters (Lightning's backward)
+                torch.optim.AdamW(root.parameters(), foreach=True).step()
+        else:
+            with counter:
+                with live, _autocast(precision):
+                    model = cast(nn.Module, root.model)
+                    loss = cross_entropy(model(tokens), tokens)
+                params = parameter_storages(root)
+                held = sum(b for ptr, b in live.alive().items() if ptr not in params)
+                loss.backward()
+                torch.optim.AdamW(root.parameters(), foreach=True).step()
         names = dim_of_groups(views)
     counts = StepCounts(activations=held)
     for (group, op), n in counter.bytes.items():
@@ -261,6 +291,73 @@ def fake_step(
     return counts
 
 
-@contextmanager
-def _nothing() -> Iterator[None]:
-    yield
+def _build(
+    config: Any, layout: MeshLayout, rank: int, precision: str, options: MeshOptions, micro_batch: int, seq_len: int
+) -> tuple[nn.Module, MeshViews, Parallelized, torch.Tensor]:
+    """The rank's parallelized model, its shards drawn at random, and its tokens of one micro-batch (cp: its part of
+    the sequence, as MeshStrategy's batch hook keeps)."""
+    root = nn.Module()  # stands in for the LightningModule, which holds the network as `model`
+    with torch.device("meta"):
+        root.model = build_model(config)
+    if precision == "bf16-true":
+        root.to(torch.bfloat16)
+    views = build_device_mesh(layout, "cpu")
+    done = parallelize(root, views, options, precision=precision)
+    root.to_empty(device="cpu")
+    generator = torch.Generator().manual_seed(rank)
+    with torch.no_grad():
+        for p in root.parameters():
+            local_tensor(p).normal_(0.0, 0.02, generator=generator)
+    tokens = torch.randint(0, config.vocab_size, (micro_batch, seq_len), generator=generator)
+    if layout.cp > 1:
+        tokens = shard_batch(tokens, views[MeshAxis.CP], options.context.style)
+    return root, views, done, tokens
+
+
+def _stage_examples(stages: list[Stage], tokens: torch.Tensor) -> StageExamples:
+    """Each local stage's input and output of one micro-batch, from a forward without autograd: the first stage
+    (this rank's) takes the tokens; every other stage what the first passes on (lit_mesh cuts the model between
+    blocks: the same tensor at every boundary)."""
+    out: StageExamples = {}
+    boundary = tokens
+    with torch.no_grad():
+        for stage in sorted(stages, key=lambda s: s.index):
+            example = tokens if stage.index == 0 else boundary
+            output = torch.zeros_like(stage.module(example)).requires_grad_()  # what the next stage differentiates
+            boundary = output if stage.index == 0 else boundary
+            out[stage.index] = (example, output)
+        for unit in (u for s in stages for u in s.module.modules()):  # as torch after its own shape inference
+            if isinstance(unit, FSDPModule):
+                unit.reshard()
+    return out
+
+
+class _StaticShapesRunner(ScheduleRunner):
+    """lit_mesh's runner of torch's schedules, its stages given their shapes (fake ranks cannot answer torch's
+    inference, which asks the neighbouring stages)."""
+
+    def __init__(
+        self, examples: StageExamples, done: Parallelized, settings: PipelineSettings, group: Any, root: nn.Module
+    ) -> None:
+        self.examples = examples
+        assert done.stages is not None and done.stage_ranks is not None, "a pipeline was split (pp > 1)"
+        super().__init__(
+            done.stages, settings, group, done.stage_ranks, torch.device("cpu"), lambda: list(root.parameters())
+        )
+
+    def _torch_stage(self, stage: Stage, device: torch.device) -> PipelineStage:
+        example, output = self.examples[stage.index]
+        return PipelineStage(
+            stage.module,
+            stage.index,
+            len(self.stage_ranks),
+            device,
+            input_args=example,
+            output_args=output,
+            group=self.group,
+        )
+
+
+def _autocast(precision: str) -> AbstractContextManager[Any]:
+    """What Lightning's precision plugin enters around the forward."""
+    return torch.autocast("cpu", torch.bfloat16) if precision == "bf16-mixed" else nullcontext()

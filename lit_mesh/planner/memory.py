@@ -180,21 +180,22 @@ def block_activation_elements_per_token(
     the two all-gathered and two reduce-scattered tensors; full AC only the block's input.
     An MoE block routes the whole sequence on every tp rank (not /tp): per token the router scores, and per
     routed copy (top_k of them, plus each shared expert) the gathered input, w1 / w3 / silu / product outputs
-    (/tp for the routed experts under expert tensor parallel), the expert output and its weighted copy."""
+    (/tp for the routed experts under expert tensor parallel), the expert output and its weighted copy; selective
+    AC keeps of these the router scores and each copy's w1, w3 and w2 outputs (the MoE block has no dense w2)."""
     c = shapes.config
     h, kv = c.dim, c.n_kv_heads * c.head_dim
     lse = c.n_heads / tp * 4 / act_bytes
     norms = 2 * _norm_elements(h, tp, act_bytes, fused_norm)
     attention = (2 * h + 2 * kv) / tp + lse
     gathered = 2 * h if tp > 1 else 0  # selective: the all-gathered norm outputs (tp = 1: recomputed norms)
-    row_outputs = 2 * h  # wo and w2 before their reduce-scatter (tp = 1: the outputs themselves)
+    row_outputs = (1 if shapes.is_moe else 2) * h  # wo and w2 before their reduce-scatter (tp = 1: the outputs)
     kept = (h + (2 * h if tp > 1 else 0) + h + h + 2 * kv) / tp + lse  # input, reduce-scattered, wq, attention, wk, wv
     if shapes.is_moe:
         copies = c.top_k + c.n_shared_experts
         hidden = c.top_k * c.expert_hidden / (tp if shapes.expert_tp else 1) + c.n_shared_experts * c.expert_hidden
         ffn, ffn_matmul_outputs, ffn_tp = (
             c.n_experts + copies * 3 * h + 4 * hidden,
-            c.n_experts + copies * 2 * h + 2 * hidden,
+            c.n_experts + copies * h + 2 * hidden,  # router scores, each copy's w2 (its input is gathered again)
             1,
         )
     else:
@@ -232,6 +233,7 @@ def activation_parts(
     *,
     schedule: Schedule = ONE_F_ONE_B,
     fused_norm: bool = True,
+    cp_style: str = "ring",
 ) -> dict[str, int]:
     """held: what the forward keeps for backward on pp rank `stage`: the schedule's stage forwards in flight
     (1F1B: up to pp - stage micro-batches; lit_mesh.planner.pipeline_model.in_flight), each through the rank's
@@ -239,7 +241,11 @@ def activation_parts(
     and on the last stage the final norm's tensors and the logits the chunked loss keeps. backward: what backward
     adds at its peak: full AC's recomputed block (everything once), the logits' gradient and one fp32 chunk of rows (lit_mesh/loss.py).
     fused_norm: the norms' kernel (block_activation_elements_per_token): CUDA's fused one (the planner's), or the
-    composite one a CPU step runs."""
+    composite one a CPU step runs.
+    The CP ring under selective AC: the AC keeps the output and log-sum-exp of each of the ring's cp attention
+    blocks (its recomputed forward runs the ring again, lit_mesh/parallel/context/attention.py); the causal,
+    load-balanced ring gives the last cp rank, the worst, cp blocks of all its rows: cp - 1 outputs more than the
+    one attention output counted per block."""
     b = PRECISION_BYTES[precision]["activation"]
     tokens = work.tokens_per_microbatch(layout)
     stages = rank_stages(shapes.n_blocks, layout.pp, schedule)[stage]
@@ -247,6 +253,9 @@ def activation_parts(
     block = block_activation_elements_per_token(shapes, layout.tp, ac, b, fused_norm) * b
     if b < 4:  # each block casts RoPE's cos and sin (T x head_dim in all) to the compute dtype
         block += shapes.config.head_dim / work.micro_batch * b
+    if ac == "selective" and layout.cp > 1 and cp_style == "ring":  # the ring's blocks (doc)
+        heads = shapes.config.n_heads / layout.tp
+        block += (layout.cp - 1) * heads * (shapes.config.head_dim * b + 4)
     per_token = held * max(stages.blocks) * block
     transient = 0.0
     if ac == "full":  # the block being recomputed holds everything once
@@ -261,6 +270,12 @@ def activation_parts(
         vocab = shapes.config.vocab_size / (layout.tp if layout.pp == 1 else 1)
         # and the final norm's tensors
         per_token += (vocab + _norm_elements(shapes.config.dim, layout.tp, b, fused_norm)) * b
+        if layout.tp > 1:  # the final norm's output on its sequence shard, which the head's gather keeps
+            per_token += shapes.config.dim / layout.tp * b
+        if layout.tp > 1 and work.micro_batch == 1:
+            # one sequence: the head's sequence gather is a reshape of the all-gather's output, and DTensor keeps
+            # that output, its autograd wrapper and two reshaped copies (several sequences: one concatenated copy)
+            per_token += 3 * shapes.config.dim * b
         transient += vocab * b
         extra = min(CHUNK_ROWS, tokens) * vocab * 4
     return {"held": int(tokens * per_token), "backward": int(tokens * transient + extra)}

@@ -7,18 +7,23 @@ a reduce-scatter: its input; an all-reduce: its tensor; an all-to-all: what this
 - fsdp (dp_shard x cp): FSDP2 gathers each unit's parameters, every tensor's dim 0 padded to a multiple of the
   shard count: the root (embedding, norm, head: kept from forward to backward) once, each block in forward and
   again in backward but the last block (lit_mesh/parallel/data.py keeps it gathered); gradients reduce-scattered
-  in fp32 (bf16-true: bf16) at the last micro-batch (ZeRO-2: every one). ZeRO-1/2 gather once per step.
+  in fp32 (bf16-true: bf16) at the last micro-batch (ZeRO-2: every one). ZeRO-1/2 and a pipeline's stages gather
+  once per step.
 - expert_fsdp (dp_shard x cp / ep): the expert units, resharded after every forward (gathered twice per block).
 - dp_replicate (HSDP): the shards' gradients all-reduced once per step.
 - tp (1-D, sequence parallel): per block an all-gather before attention and the feed-forward and a reduce-scatter
   after each, forward and backward (full AC's recomputed forward: both gathers, the first reduce-scatter); the embedding's output
   reduce-scattered and the head's input gathered; the vocabulary-parallel loss all-reduces three fp32 numbers per
-  token; the sequence-parallel norms' weight gradients are all-reduced.
-- cp ring: a block's K/V (grouped heads, as they are) sent cp - 1 times forward and again backward, plus cp sends of
-  the fp32 dK/dV accumulator; Ulysses: one all-to-all of q, k, v and one of the output, forward and backward.
+  token (under pp the last stage's head gathers the logits instead); the sequence-parallel norms' weight gradients
+  are all-reduced.
+- cp ring: a block's K/V (grouped heads, as they are) sent cp - 1 times forward and again backward (and again in
+  the recomputed forward of full or selective AC: point-to-point sends are not among the ops selective AC keeps),
+  plus cp sends of the fp32 dK/dV accumulator; Ulysses: one all-to-all of q, k, v and one of the output, forward and backward.
 - ep: dispatch and combine of the routed copies (top_k per token of the whole micro-batch), forward and backward,
   plus the token counts.
-- pp: the stage boundary's activation forward and its gradient backward.
+- pp: per micro-batch, each local stage receives its input and sends its output forward (but the model's first
+  input and last output), and the gradients the other way backward: a (micro-batch, T/cp/tp, dim) tensor each; the
+  step's loss broadcast from the last stage.
 """
 
 from __future__ import annotations
@@ -88,7 +93,7 @@ def comm_bytes(
     if k > 1:
         block = sum(padded_numel(p, layout, k) for p in dense)
         root = sum(padded_numel(p, layout, k) for p in root_params)
-        if zero_stage < 3:
+        if zero_stage < 3 or layout.pp > 1:  # kept gathered over the step's micro-batches
             out["fsdp"]["all_gather"] += (root + blocks * block) * gather
         else:
             out["fsdp"]["all_gather"] += n_micro * (root + (2 * blocks - 1) * block) * gather
@@ -113,8 +118,10 @@ def comm_bytes(
         again = {"all_gather": per_pass, "reduce_scatter": blocks * hidden} if recompute else {}
         for op in ("all_gather", "reduce_scatter"):
             out["tp"][op] += n_micro * (2 * per_pass + again.get(op, 0) + ends * hidden)
+        if stages.last and layout.pp > 1:  # a pipeline's head gathers the logits over the vocabulary
+            out["tp"]["all_gather"] += n_micro * tokens * c.vocab_size * act
         norms = 2 * blocks + (1 if stages.last else 0)
-        loss = 3 * tokens * 4 if stages.last else 0
+        loss = 3 * tokens * 4 if stages.last and layout.pp == 1 else 0
         out["tp"]["all_reduce"] += n_micro * loss + norms * c.dim * gather
 
     if layout.cp > 1:
@@ -125,8 +132,8 @@ def comm_bytes(
             q = tokens * c.n_heads // layout.tp * head_dim * act
             qkv = q + 2 * tokens * kv_heads * head_dim * act
             out["cp"]["all_to_all"] += n_micro * blocks * (2 + (1 if recompute else 0)) * (qkv + q)
-        else:
-            sends = (2 + (1 if recompute else 0)) * (layout.cp - 1) * kv + layout.cp * kv * 4 // act
+        else:  # the ring's sends are no op selective AC keeps: its forward runs again under either AC
+            sends = (2 + (1 if ac != "none" else 0)) * (layout.cp - 1) * kv + layout.cp * kv * 4 // act
             out["cp"]["send"] += n_micro * blocks * sends
             out["cp"]["recv"] += n_micro * blocks * sends
 
@@ -142,4 +149,5 @@ def comm_bytes(
         edges = 2 * len(stages.blocks) - (1 if stages.first else 0) - (1 if stages.last else 0)
         out["pp"]["send"] += n_micro * edges * message
         out["pp"]["recv"] += n_micro * edges * message
+        out["pp"]["broadcast"] += 4  # the step's fp32 loss, from the last stage to every pp rank
     return {dim: dict(ops) for dim, ops in out.items()}

@@ -1,7 +1,8 @@
 """lit-mesh plan against one real training step of one rank at the target scale (64-1,024 fake ranks, tiny and
 small presets; lit_mesh/planner/fake_step.py): the bytes of every collective by mesh dim and operation equal the
 planner's byte terms (lit_mesh/planner/traffic.py) within 5%, and the activations the step holds into backward
-equal the planner's formula (lit_mesh/planner/memory.py activation_parts) within 10%, per AC mode and micro-batch."""
+equal the planner's formula (lit_mesh/planner/memory.py activation_parts) within 10%, per AC mode and micro-batch;
+pipelines (1F1B, interleaved) run their schedule's point-to-point for real and are checked for bytes."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from lit_mesh.mesh import MeshLayout
 from lit_mesh.planner.command import main as plan_main
 from lit_mesh.planner.fake_step import fake_step
 from lit_mesh.planner.memory import Workload, activation_parts
+from lit_mesh.planner.pipeline_model import Schedule
 from lit_mesh.planner.shapes import gpt_shapes
 from lit_mesh.planner.traffic import comm_bytes
 from zoo.gpt import GPTConfig
@@ -43,11 +45,21 @@ STEPS = [
         MeshLayout(dp_shard=32, tp=2),
         {"ac": "selective", "precision": "bf16-mixed", "micro_batch": 4},
     ),
-    ("tp-sp-64-full", SMALL, MeshLayout(dp_shard=32, tp=2), {"ac": "full", "micro_batch": 4}),
-    ("cp-ring-64", SMALL, MeshLayout(dp_shard=16, cp=4), {}),
+    ("tp-sp-64-full", SMALL, MeshLayout(dp_shard=32, tp=2), {"ac": "full", "micro_batch": 1}),
+    # the last cp rank: the ring's causal blocks give it the most attention outputs to keep under selective AC
+    ("cp-ring-64-selective-last", SMALL, MeshLayout(dp_shard=16, cp=4), {"ac": "selective", "rank": 3}),
     ("cp-ring-64-full", SMALL, MeshLayout(dp_shard=16, cp=4), {"ac": "full"}),
     ("cp-ulysses-64", SMALL, MeshLayout(dp_shard=32, cp=2), {"cp_style": "ulysses"}),
     ("ep-64", MOE, MeshLayout(dp_shard=64, ep=4), {}),
+    ("moe-64-selective", MOE, MeshLayout(dp_shard=64), {"ac": "selective"}),
+    # pipelines: torch's schedules through lit_mesh's runner, over the schedule's fewest micro-batches, on rank 0
+    ("pp-1f1b-64", SMALL, MeshLayout(pp=2, dp_shard=32), {"schedule": Schedule(), "microbatches": 2}),
+    (
+        "pp-interleaved-cp-64-selective-bf16",
+        SMALL,
+        MeshLayout(pp=2, dp_shard=16, cp=2),
+        {"schedule": Schedule("interleaved_1f1b", 2), "microbatches": 2, "ac": "selective", "precision": "bf16-mixed"},
+    ),
     ("hsdp-cp-tp-1024-bf16", SMALL, MeshLayout(dp_replicate=2, dp_shard=128, cp=2, tp=2), {"precision": "bf16-mixed"}),
 ]
 SEQ_LEN = 256
@@ -59,19 +71,27 @@ def test_a_real_step_moves_and_holds_what_the_planner_estimates(
 ) -> None:
     options = dict(options)
     precision, ac = options.pop("precision", "32-true"), options.pop("ac", "none")
-    micro_batch = options.pop("micro_batch", 2)
-    counted = fake_step(config, layout, micro_batch, SEQ_LEN, 0, precision, ac, **options)
-    work = Workload(micro_batch * layout.dp, SEQ_LEN, micro_batch)  # one micro-batch per data-parallel rank
+    micro_batch, rank = options.pop("micro_batch", 2), options.pop("rank", 0)
+    micro_batches = options.pop("microbatches", 1)
+    counted = fake_step(
+        config, layout, micro_batch, SEQ_LEN, rank, precision, ac, microbatches=micro_batches, **options
+    )
+    work = Workload(micro_batch * layout.dp * micro_batches, SEQ_LEN, micro_batch)
     shapes = gpt_shapes(config)
-    estimate = comm_bytes(shapes, layout, work, precision, ac, **options)
+    stage = rank // (layout.world_size // layout.pp)
+    estimate = comm_bytes(shapes, layout, work, precision, ac, stage=stage, **options)
     assert set(counted.bytes) == set(estimate), (counted.bytes, estimate)
     for dim, ops in counted.bytes.items():
         assert set(ops) == set(estimate[dim]), (dim, ops, estimate[dim])
         for op, n in ops.items():
             assert estimate[dim][op] == pytest.approx(n, rel=0.05), (dim, op, n, estimate[dim][op])
-    if config is not MOE:  # the MoE block's activation formula is not verified yet
-        held = activation_parts(shapes, layout, work, precision, ac, 0, fused_norm=False)["held"]  # CPU: composite
-        assert held == pytest.approx(counted.activations, rel=0.10), (counted.activations, held)
+    if layout.pp > 1:  # forwards and backwards interleave in a pipeline: the step measures no held activations
+        assert counted.activations is None
+        assert counted.calls["pp"]["send"] >= micro_batches, counted.calls  # one message per micro-batch at least
+        return
+    cp_style = options.get("cp_style", "ring")
+    held = activation_parts(shapes, layout, work, precision, ac, 0, fused_norm=False, cp_style=cp_style)["held"]
+    assert held == pytest.approx(counted.activations, rel=0.10), (counted.activations, held)  # CPU: composite norms
 
 
 def test_simulate_prints_counted_and_estimated_bytes_side_by_side(capsys: pytest.CaptureFixture) -> None:
@@ -90,3 +110,8 @@ def test_simulate_prints_counted_and_estimated_bytes_side_by_side(capsys: pytest
     for row in step["bytes"]:
         assert row["estimated"] == pytest.approx(row["counted"], rel=0.05), row
     assert step["activations"]["estimated"] == pytest.approx(step["activations"]["counted"], rel=0.10)
+
+
+def test_a_fake_pipeline_step_runs_a_rank_of_the_first_stage() -> None:
+    with pytest.raises(ValueError, match="rank 32 is on pp rank 1.*ranks 0 to 31"):
+        fake_step(TINY, MeshLayout(pp=2, dp_shard=32), 1, SEQ, 32, schedule=Schedule(), microbatches=2)
