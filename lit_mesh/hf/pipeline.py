@@ -48,7 +48,11 @@ class TransformersStage(nn.Module):
         out = type(self.model).forward(self.model, **inputs, use_cache=False).logits
         # GPT-2 views its output as (-1, its input's length, width): under sequence parallelism the lengths of a
         # stage's input and output differ (ids of T in, a shard out; a shard in, T out): its batch is the input's
-        return out.reshape(x.shape[0], -1, out.shape[-1])
+        if out.shape[0] != x.shape[0]:
+            out = out.reshape(x.shape[0], -1, out.shape[-1])
+        # torch's split-backward schedules (zbv, dualpipev) detach a stage's output in place, which a view refuses
+        # (the head's stand-in passes on a slice of the hidden states): a copy, after which the base can be freed
+        return out.clone() if out._is_view() else out
 
     def _whole_sequence(self, shard: Tensor) -> dict[str, object]:
         """The positions and the causal mask of the whole sequence, for hidden states that are one shard of it:

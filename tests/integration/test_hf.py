@@ -109,6 +109,8 @@ PIPELINE_EXAMPLES: dict[str, tuple[int, tuple[str, ...]]] = {
     # two stages per rank (4 layers: one per stage), against a 4-layer single-device run
     "pp-llama4-single": (1, ("--layers", "4")),
     "pp-llama4-pp2-interleaved": (2, ("--layers", "4", "--pp", "2", "--stages-per-rank", "2", *INTERLEAVED)),
+    # V placement with split backward: torch detaches each stage's output in place (a view would refuse)
+    "pp-llama4-pp2-zbv": (2, ("--layers", "4", "--pp", "2", "--stages-per-rank", "2", "--schedule", "zbv")),
 }
 
 
