@@ -48,10 +48,8 @@ from lit_mesh.planner.hardware import Hardware
 from lit_mesh.planner.memory import (
     PRECISION_BYTES,
     Workload,
-    first_rank_of_stage,
     fsdp_degree,
-    stages_to_check,
-    state_numel,
+    fullest_state_numel,
     unsharded_numel,
 )
 from lit_mesh.planner.pipeline_model import Schedule, bubble_fraction, rank_stages  # noqa: F401  (re-exported)
@@ -242,10 +240,7 @@ def step_time(
     )
     if router:
         t.compute_parts["router"] = n_micro * blocks * router
-    stage_numel = max(
-        state_numel(shapes, layout, first_rank_of_stage(layout, r), schedule=features.schedule)  # the fullest
-        for r in stages_to_check(shapes, layout.pp, schedule=features.schedule)
-    )
+    stage_numel = fullest_state_numel(shapes, layout, features.schedule)
     t.optimizer = stage_numel * kern.adamw_bytes_per_parameter / hw.memory_bandwidth
 
     # FSDP / HSDP: per block, gathered forward and backward each micro-batch, reduce-scattered (fp32) and

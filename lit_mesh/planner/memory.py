@@ -333,19 +333,40 @@ def ranks_to_check(shapes: ModelShapes, pp: int, schedule: Schedule, microbatche
     return sorted(worst.values())
 
 
-_STATE_CACHE: dict[tuple, tuple[ModelShapes, dict[str, int]]] = {}
+# (shapes, state bytes, FSDP buffer bytes) per rank: neither depends on the micro-batch or AC, which the search varies
+_STATE_CACHE: dict[tuple, tuple[ModelShapes, dict[str, int], int]] = {}
 
 
 def _cached_state(
     shapes: ModelShapes, layout: MeshLayout, precision: str, stage: int, schedule: Schedule
-) -> dict[str, int]:
+) -> tuple[dict[str, int], int]:
     key = (id(shapes), layout, precision, stage, schedule)
     hit = _STATE_CACHE.get(key)
     if hit is None or hit[0] is not shapes:
         if len(_STATE_CACHE) > 100_000:
             _STATE_CACHE.clear()
         rank = first_rank_of_stage(layout, stage)
-        hit = _STATE_CACHE[key] = (shapes, state_bytes(shapes, layout, precision, rank, schedule=schedule))
+        state = state_bytes(shapes, layout, precision, rank, schedule=schedule)
+        hit = _STATE_CACHE[key] = (shapes, state, buffer_bytes(shapes, layout, precision, stage, schedule=schedule))
+    return hit[1], hit[2]
+
+
+_FULLEST_CACHE: dict[tuple, tuple[ModelShapes, int]] = {}
+
+
+def fullest_state_numel(shapes: ModelShapes, layout: MeshLayout, schedule: Schedule = ONE_F_ONE_B) -> int:
+    """The most parameter elements any rank holds (the optimizer step's work), cached: the search asks once per
+    micro-batch and AC mode for the same layout."""
+    key = (id(shapes), layout, schedule)
+    hit = _FULLEST_CACHE.get(key)
+    if hit is None or hit[0] is not shapes:
+        if len(_FULLEST_CACHE) > 100_000:
+            _FULLEST_CACHE.clear()
+        fullest = max(
+            state_numel(shapes, layout, first_rank_of_stage(layout, r), schedule=schedule)
+            for r in stages_to_check(shapes, layout.pp, schedule=schedule)
+        )
+        hit = _FULLEST_CACHE[key] = (shapes, fullest)
     return hit[1]
 
 
@@ -362,9 +383,10 @@ def rank_memory(
     """The worst pp rank's bytes by component (the first rank of each pp slice holds the most); "stage" names it."""
     worst: dict[str, int] = {}
     for stage in ranks_to_check(shapes, layout.pp, schedule, work.microbatches(layout)):
-        m = dict(_cached_state(shapes, layout, precision, stage, schedule))
+        state, buffers = _cached_state(shapes, layout, precision, stage, schedule)
+        m = dict(state)
         m["activations"] = activation_bytes(shapes, layout, work, precision, ac, stage, schedule=schedule)
-        m["buffers"] = buffer_bytes(shapes, layout, precision, stage, schedule=schedule)
+        m["buffers"] = buffers
         if zero_stage < 3 and fsdp_degree(layout) > 1:
             zero = zero_stage_bytes(shapes, layout, work, precision)
             m["buffers"] = zero["buffers"]

@@ -150,8 +150,11 @@ def evaluate(
     zero_stage: int = 3,
     *,
     schedule: Schedule = ONE_F_ONE_B,
+    memory: dict[str, int] | None = None,
 ) -> Candidate:
-    memory = rank_memory(shapes, layout, work, precision, ac, zero_stage, schedule=schedule)
+    """`memory`: rank_memory's answer for these arguments, where the caller already has it."""
+    if memory is None:
+        memory = rank_memory(shapes, layout, work, precision, ac, zero_stage, schedule=schedule)
     time = step_time(shapes, layout, work, precision, ac, hw, Features(zero_stage=zero_stage, schedule=schedule))
     tokens = work.global_batch * work.seq_len
     mfu = model_flops_per_step(shapes, work) / (time.total * layout.world_size * hw.peak_flops)
@@ -199,7 +202,9 @@ def best_option(
             w = replace(work, micro_batch=micro)
             memory = rank_memory(shapes, layout, w, precision, ac, zero_stage, schedule=schedule)
             if memory["total"] <= hw.usable_bytes:
-                fitting.append(evaluate(layout, shapes, w, hw, precision, ac, zero_stage, schedule=schedule))
+                fitting.append(
+                    evaluate(layout, shapes, w, hw, precision, ac, zero_stage, schedule=schedule, memory=memory)
+                )
             elif smallest is None or memory["total"] < smallest[1]:
                 smallest = (w, memory["total"], schedule)
     if fitting:

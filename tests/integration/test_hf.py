@@ -75,7 +75,7 @@ PARITY = {
     "mixtral-tp2_ep2": "mixtral-single",
     # built whole in __init__: built on the meta device, transformers' init would run per stage (docs/transformers.md)
     "mixtral-init-pp2": "mixtral-init-single",  # 1F1B, each stage's MoE blocks dispatching
-    "mixtral-init-pp2_ep2": "mixtral-init-single",  # GPipe; ep2 inside the stages
+    "mixtral-init-pp2_ep2_ac": "mixtral-init-single",  # GPipe; ep2 inside the stages; full AC per layer
     "qwen2-tp2": "qwen2-single",  # Qwen- and Mistral-style decoders: transformers' own TP plan, our SP
     "mistral-tp2": "mistral-single",
     # context parallel (lit_mesh/hf/context.py): each cp style on Llama, Qwen2 and Mistral on one each, and cp x fsdp
@@ -190,7 +190,14 @@ LAUNCHES: dict[int, list[dict]] = {
         _fit("llama-fsdp2_tp2", 4, TEXT, f"{S}tp=2"),
         _fit("gpt2-fsdp2_tp2", 4, TEXT, *_gpt2(f"{S}tp=2")),
         _fit("mixtral-tp2_ep2", 4, TEXT, MIXTRAL, f"{S}tp=2", f"{S}ep=2"),
-        _fit("mixtral-init-pp2_ep2", 4, TEXT, MIXTRAL, INIT, f"{S}pp=2", f"{S}ep=2", f"{S}pp_schedule=gpipe"),
+        _fit(
+            "mixtral-init-pp2_ep2_ac",
+            4,
+            TEXT,
+            MIXTRAL,
+            INIT,
+            *(f"{S}pp=2", f"{S}ep=2", f"{S}pp_schedule=gpipe", f"{S}activation_checkpointing=full"),
+        ),
         _fit("llama-fsdp2_cp2", 4, TEXT, f"{S}cp=2"),
         _fit("llama-cp2_tp2", 4, TEXT, f"{S}cp=2", f"{S}tp=2"),
         *(_pipeline_example(name, 4, *extra) for name, (n, extra) in PIPELINE_EXAMPLES.items() if n == 4),
@@ -344,6 +351,7 @@ class Applied:
     ep: int = 0  # MoE layers: all-to-all dispatch over ep ranks, experts split by id (0: no MoE)
     attention: str = ""  # the model's attn_implementation at the end ("" : not checked)
     pp: int = 1  # pipeline stages: rank 0 holds the first stage (its blocks, not the head)
+    ac: bool = False  # every block held wrapped by activation checkpointing (else none)
 
 
 LLAMA_TP = {
@@ -385,7 +393,7 @@ APPLIED = {
     "mixtral-ep2": Applied(DECODER, {}, fsdp=True, ep=2),
     "mixtral-tp2_ep2": Applied(DECODER, MIXTRAL_TP, fsdp=True, ep=2),
     "mixtral-init-pp2": Applied(DECODER, {}, fsdp=False, ep=1, pp=2),
-    "mixtral-init-pp2_ep2": Applied(DECODER, {}, fsdp=True, ep=2, pp=2),
+    "mixtral-init-pp2_ep2_ac": Applied(DECODER, {}, fsdp=True, ep=2, pp=2, ac=True),
     # cp alone: FSDP2 over dp_shard_cp; every attention through context parallel's (transformers' registry)
     **{name: Applied(DECODER, {}, fsdp=True, attention=CP_ATTENTION) for name in PARITY if "cp2" in name},
     "llama-cp2_tp2": Applied(DECODER, LLAMA_TP, fsdp=True, attention=CP_ATTENTION),  # FSDP2 over the cp ranks
@@ -452,6 +460,7 @@ def assert_applied(found: dict, expected: Applied, what: str) -> None:
         wrong = [inner for inner, record in params.items() if fsdp_sharded(inner, record) != expected.fsdp]
         assert not wrong, f"{what}: FSDP2 sharded (expected {expected.fsdp}) not so for {block}: {wrong}"
         assert_experts(found, block, params, expected, what)
+        assert (block in found["checkpointed"]) == expected.ac, f"{what}: {block} checkpointed: {not expected.ac}"
     assert not expected.attention or found["attention"] == expected.attention, f"{what}: {found['attention']}"
     dispatchers = {layer: (moe["dispatcher"], moe["ep"]) for layer, moe in found["moe"].items()}
     want = {f"{block}.mlp": ("AllToAllDispatch", expected.ep) for block in blocks} if expected.ep else {}
@@ -466,7 +475,8 @@ def test_layout_was_really_applied(out: Path, name: str) -> None:
 
 def test_layout_check_can_fail(out: Path) -> None:
     """A single-device record (plain tensors, no FSDP2 unit, LocalDispatch) fails every layout's check; so does
-    tp2 checked as fsdp2 x tp2, fsdp2 checked as ep2, and a cp run whose attention stayed transformers' own."""
+    tp2 checked as fsdp2 x tp2, fsdp2 checked as ep2, a cp run whose attention stayed transformers' own, and an AC
+    run whose blocks were not checkpointed."""
     for name, expected in APPLIED.items():
         with pytest.raises(AssertionError):
             assert_applied(applied(out, PARITY[name]), expected, PARITY[name])
@@ -476,6 +486,9 @@ def test_layout_check_can_fail(out: Path) -> None:
         assert_applied(applied(out, "mixtral-fsdp2"), APPLIED["mixtral-ep2"], "mixtral-fsdp2")
     with pytest.raises(AssertionError, match="sdpa"):  # FSDP2 as under cp, but transformers' own attention
         assert_applied({**applied(out, "llama-cp2_ring"), "attention": "sdpa"}, APPLIED["llama-cp2_ring"], "sdpa")
+    name = "mixtral-init-pp2_ep2_ac"  # the same run with its blocks unwrapped
+    with pytest.raises(AssertionError, match="checkpointed"):
+        assert_applied({**applied(out, name), "checkpointed": []}, APPLIED[name], name)
 
 
 def test_example_matches_single_device(out: Path) -> None:

@@ -19,6 +19,7 @@ from typing import Any
 import lightning as L
 import torch
 import torch.distributed as dist
+from torch.distributed._composable import checkpoint
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
@@ -66,7 +67,7 @@ class RecordReads(L.Callback):
 def layout(module: torch.nn.Module) -> dict[str, Any]:
     """params: {name: {mesh dim: placement} (empty for a plain tensor), full and rank-local shape}; fsdp: the
     FSDPModule names; moe: {MoE layer: its dispatcher's class and ep}; attention: the transformers model's
-    attn_implementation (context parallel names its own)."""
+    attn_implementation (context parallel names its own); checkpointed: the modules activation checkpointing wraps."""
     params = {}
     for name, param in module.named_parameters():
         sharded = isinstance(param, DTensor)
@@ -81,6 +82,7 @@ def layout(module: torch.nn.Module) -> dict[str, Any]:
         "attention": attention,
         "params": params,
         "fsdp": [name for name, sub in module.named_modules() if isinstance(sub, FSDPModule)],
+        "checkpointed": [name for name, sub in module.named_modules() if checkpoint.state(sub) is not None],
         "moe": {
             name: {"dispatcher": type(sub.dispatcher).__name__, "ep": getattr(sub.dispatcher, "ep", 1)}
             for name, sub in module.named_modules()
