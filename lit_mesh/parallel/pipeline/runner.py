@@ -31,6 +31,7 @@ from lit_mesh.parallel.pipeline.p2p import recv_with_header, send_with_header
 from lit_mesh.parallel.pipeline.schedules import SCHEDULES, PipelineSettings
 from lit_mesh.parallel.pipeline.split import Stage
 from lit_mesh.parallel.pipeline.tied import TiedParameters
+from lit_mesh.parallel.pipeline.torch_stage import ZeroFilledStage
 
 # True while a runner drives its stages (a direct call of a stage is refused otherwise); set and reset around
 # each pass, so nothing outlives it, and a stage keeps working under a later runner of another Trainer
@@ -272,7 +273,8 @@ class ScheduleRunner(PipelineRunner):
 
     def _build(self, stages: list[Stage], device: torch.device) -> None:
         n_stages = len(self.stage_ranks)
-        self.stages = [PipelineStage(s.module, s.index, n_stages, device, group=self.group) for s in stages]
+        # zero-filled shape inference: every rank of a stage computes alike there too (torch_stage.py)
+        self.stages = [ZeroFilledStage(s.module, s.index, n_stages, device, group=self.group) for s in stages]
         schedule_cls, per_rank, _ = SCHEDULES[self.settings.schedule]
         assert schedule_cls is not None, f"pp_schedule={self.settings.schedule!r} has a runner of its own"
         owned = self.stages[0] if per_rank == "one" else self.stages
