@@ -43,7 +43,7 @@ LAYOUTS: dict[str, tuple[str, list[str]]] = {
     # the walkthrough's dp x tp x pp run on a transformers model: GPT-2 (tied embeddings)
     "hf_gpt2-pp2_fsdp2_tp2": ("hf_gpt2", [f"{S}pp=2", f"{S}tp=2", NO_SP]),
     # Mixtral's experts split over ep=2 (borrowed from dp_shard=2) and tp=2, FSDP over dp_shard, pp=2 (1F1B)
-    "hf_mixtral-pp2_fsdp2_tp2_ep2": ("hf_mixtral", [f"{S}pp=2", f"{S}tp=2", f"{S}ep=2", NO_SP]),
+    "hf_mixtral-pp2_fsdp2_tp2_ep2": ("hf_mixtral", [f"{S}pp=2", f"{S}tp=2", f"{S}ep=2", f"{S}sequence_parallel=false"]),
     # 2-D tensor parallel on a 2 x 2 grid, two replicas averaging their gradients (tp_mode's DDP)
     "gpt-ddp2_tp4-2d": ("gpt", [f"{S}dp_replicate=2", f"{S}tp=4", f"{S}tp_mode=2d", f"{S}sequence_parallel=false"]),
 }

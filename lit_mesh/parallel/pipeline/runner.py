@@ -272,9 +272,7 @@ class ScheduleRunner(PipelineRunner):
     """Training with one of torch's schedules (every name in SCHEDULES but "2bw")."""
 
     def _build(self, stages: list[Stage], device: torch.device) -> None:
-        n_stages = len(self.stage_ranks)
-        # zero-filled shape inference: every rank of a stage computes alike there too (torch_stage.py)
-        self.stages = [ZeroFilledStage(s.module, s.index, n_stages, device, group=self.group) for s in stages]
+        self.stages = [self._torch_stage(s, device) for s in stages]
         schedule_cls, per_rank, _ = SCHEDULES[self.settings.schedule]
         assert schedule_cls is not None, f"pp_schedule={self.settings.schedule!r} has a runner of its own"
         owned = self.stages[0] if per_rank == "one" else self.stages
@@ -284,6 +282,11 @@ class ScheduleRunner(PipelineRunner):
         self.schedule = schedule_cls(
             owned, n_microbatches=self.n_microbatches, loss_fn=self._microbatch_loss, scale_grads=False
         )
+
+    def _torch_stage(self, stage: Stage, device: torch.device) -> PipelineStage:
+        """torch's stage for one of ours: shapes inferred from the peers at the first step, each later stage computing
+        on zeros there (torch_stage.py: every rank of a stage computes alike)."""
+        return ZeroFilledStage(stage.module, stage.index, len(self.stage_ranks), device, group=self.group)
 
     def _microbatch_loss(self, output: Tensor, target: Tensor) -> Tensor:
         """The loss the schedule calls on the last stage, once per micro-batch."""
