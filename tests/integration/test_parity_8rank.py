@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.integration.test_hf import INIT, TEXT
+from tests.integration.test_hf import INIT, MIXTRAL, TEXT
 from tests.integration.test_parity import COMMON, S, _assert_same_curve, losses
 from tests.launch import REPO, cli_runs
 
@@ -25,6 +25,7 @@ RECIPES = {
     # transformers models in zoo.hf.HFCausalLM, built whole in __init__ (on the meta device transformers' init
     # would run per pipeline stage: docs/transformers.md)
     "hf_gpt2": [*TEXT, "--model.init_args.architecture=gpt2", INIT],
+    "hf_mixtral": [*TEXT, MIXTRAL, INIT],
 }
 QUIET = ["--trainer.limit_val_batches=0"]  # validation under pp: tests/integration/test_pipeline.py
 # name: (recipe, MeshStrategy arguments on 8 ranks); compared with the run "<recipe>-single"
@@ -39,6 +40,8 @@ LAYOUTS: dict[str, tuple[str, list[str]]] = {
     "moe-pp2_tp2_ep2": ("moe", [f"{S}pp=2", f"{S}tp=2", f"{S}ep=2"]),
     # the walkthrough's dp x tp x pp run on a transformers model: GPT-2 (tied embeddings)
     "hf_gpt2-pp2_fsdp2_tp2": ("hf_gpt2", [f"{S}pp=2", f"{S}tp=2"]),  # tp with sequence parallelism
+    # Mixtral's experts split over ep=2 (borrowed from dp_shard=2) and tp=2, FSDP over dp_shard, pp=2 (1F1B)
+    "hf_mixtral-pp2_fsdp2_tp2_ep2": ("hf_mixtral", [f"{S}pp=2", f"{S}tp=2", f"{S}ep=2", f"{S}sequence_parallel=false"]),
     # 2-D tensor parallel on a 2 x 2 grid, two replicas averaging their gradients (tp_mode's DDP)
     "gpt-ddp2_tp4-2d": ("gpt", [f"{S}dp_replicate=2", f"{S}tp=4", f"{S}tp_mode=2d", f"{S}sequence_parallel=false"]),
 }

@@ -5,7 +5,8 @@
 - twobw.py: PipeDream-2BW, the sibling runner (asynchronous 1F1B, updates one step late);
 - schedules.py: the schedules offered and `PipelineSettings`; rules.py: what they combine with;
 - split.py: which blocks each stage holds; sequential.py: a plain nn.Sequential cut by its children, without a plan;
-  p2p.py: tensors between stages; moe.py: pp x MoE's statistics.
+  p2p.py: tensors between stages; moe.py: pp x MoE's statistics; torch_stage.py: torch's stage, its shape
+  inference on zeros.
 
 The names below import lazily from their module, so that lit_mesh.rules can read rules.py without the runners.
 """

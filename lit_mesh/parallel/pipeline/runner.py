@@ -31,6 +31,7 @@ from lit_mesh.parallel.pipeline.p2p import recv_with_header, send_with_header
 from lit_mesh.parallel.pipeline.schedules import SCHEDULES, PipelineSettings
 from lit_mesh.parallel.pipeline.split import Stage
 from lit_mesh.parallel.pipeline.tied import TiedParameters
+from lit_mesh.parallel.pipeline.torch_stage import ZeroFilledStage
 
 # True while a runner drives its stages (a direct call of a stage is refused otherwise); set and reset around
 # each pass, so nothing outlives it, and a stage keeps working under a later runner of another Trainer
@@ -283,9 +284,10 @@ class ScheduleRunner(PipelineRunner):
         )
 
     def _torch_stage(self, stage: Stage, device: torch.device) -> PipelineStage:
-        """torch's stage for one of ours: shapes inferred from the peers at the first step (the planner's fake step
-        gives them instead: fake ranks cannot answer)."""
-        return PipelineStage(stage.module, stage.index, len(self.stage_ranks), device, group=self.group)
+        """torch's stage for one of ours: shapes inferred from the peers at the first step, each later stage computing
+        on zeros there (torch_stage.py: every rank of a stage computes alike); the planner's fake step gives the
+        shapes instead (fake ranks cannot answer)."""
+        return ZeroFilledStage(stage.module, stage.index, len(self.stage_ranks), device, group=self.group)
 
     def _microbatch_loss(self, output: Tensor, target: Tensor) -> Tensor:
         """The loss the schedule calls on the last stage, once per micro-batch."""
