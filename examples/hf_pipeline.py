@@ -67,6 +67,7 @@ def main(argv: list[str] | None = None) -> list[float]:
     parser.add_argument("--layers", type=int, default=2, help="decoder layers (2 stages per rank need >= 4)")
     parser.add_argument("--schedule", default="1f1b", help="pp_schedule: 1f1b, gpipe, interleaved_1f1b, ...")
     parser.add_argument("--stages-per-rank", type=int, default=1, help="pp_stages_per_rank (interleaved, V: 2)")
+    parser.add_argument("--microbatches", type=int, default=2, help="pp_microbatches (dualpipev: >= 2 x pp)")
     parser.add_argument("--cp", type=int, default=1, help="context-parallel degree (Llama): the sequence split")
     parser.add_argument("--no-sp", action="store_true", help="tp without sequence parallelism")
     args = E.parse(parser, argv)
@@ -77,7 +78,10 @@ def main(argv: list[str] | None = None) -> list[float]:
     pipeline = {}
     if args.pp > 1:
         pipeline = dict(
-            pp=args.pp, pp_schedule=args.schedule, pp_microbatches=2, pp_stages_per_rank=args.stages_per_rank
+            pp=args.pp,
+            pp_schedule=args.schedule,
+            pp_microbatches=args.microbatches,
+            pp_stages_per_rank=args.stages_per_rank,
         )
     strategy = MeshStrategy(dp=dp, tp=args.tp, cp=args.cp, sequence_parallel=False if args.no_sp else None, **pipeline)
     trainer = E.trainer(args, strategy)

@@ -111,6 +111,10 @@ PIPELINE_EXAMPLES: dict[str, tuple[int, tuple[str, ...]]] = {
     "pp-llama4-pp2-interleaved": (2, ("--layers", "4", "--pp", "2", "--stages-per-rank", "2", *INTERLEAVED)),
     # V placement with split backward: torch detaches each stage's output in place (a view would refuse)
     "pp-llama4-pp2-zbv": (2, ("--layers", "4", "--pp", "2", "--stages-per-rank", "2", "--schedule", "zbv")),
+    "pp-llama4-pp2-dualpipev": (
+        2,
+        ("--layers", "4", "--pp", "2", "--stages-per-rank", "2", "--schedule", "dualpipev", "--microbatches", "4"),
+    ),
 }
 
 
