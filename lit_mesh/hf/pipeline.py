@@ -64,10 +64,9 @@ class TransformersStage(nn.Module):
         batch, length, width = shard.shape[0], position_ids.shape[1], shard.shape[2]
         # the mask builder reads only the shape, dtype and device of the embeddings: a view without storage
         whole = torch.empty((), dtype=shard.dtype, device=shard.device).expand(batch, length, width)
-        config = self.model.config
-        mask = create_causal_mask(
-            config=config, inputs_embeds=whole, attention_mask=None, cache=None, position_ids=position_ids
-        )
+        # no position_ids: given, transformers reads them on the host to detect packed sequences, which these
+        # positions (0 .. T-1) are not
+        mask = create_causal_mask(config=self.model.config, inputs_embeds=whole, attention_mask=None, cache=None)
         # None: SDPA's own causal flag, which the gathered sequence meets (no mask to size)
         return {"position_ids": position_ids, "attention_mask": mask}
 
