@@ -14,6 +14,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 from torch.distributed._composable import checkpoint
+from torch.distributed.tensor import DTensor, Shard
 from torch.utils.checkpoint import SAC_IGNORED_OPS, CheckpointPolicy, create_selective_checkpoint_contexts
 
 from lit_mesh.errors import PlanError
@@ -24,8 +25,10 @@ AC_MODES: tuple[str, ...] = ActivationCheckpointing.__args__  # type: ignore[att
 
 
 def _saved_ops() -> set:
-    """Ops whose outputs selective checkpointing keeps: matmuls, attention, and collectives (recomputing a
-    collective would cost communication again)."""
+    """Ops whose outputs selective checkpointing keeps: matmuls, attention, and the collectives whose output is a
+    shard (recomputing them would cost a matmul and communication again). Not the all-gathers: under sequence
+    parallel their output is the whole sequence, tp times the shard they recompute from (torchtitan's per-op
+    policy keeps none either); `_policy` also leaves out the matmuls whose output is a partial sum."""
     aten, c10d = torch.ops.aten, torch.ops._c10d_functional
     candidates = [
         (aten, "mm"),
@@ -37,7 +40,6 @@ def _saved_ops() -> set:
         (aten, "_scaled_dot_product_cudnn_attention"),
         (aten, "_grouped_mm"),  # the experts' GEMMs
         (c10d, "reduce_scatter_tensor"),
-        (c10d, "all_gather_into_tensor"),
         (c10d, "all_reduce"),
         (c10d, "all_to_all_single"),  # expert parallel's token dispatch and return, Ulysses' head exchange
     ]
@@ -54,8 +56,29 @@ def _ignore_profiler_ranges_in_recompute() -> None:
             SAC_IGNORED_OPS.add(getattr(getattr(profiler, name), overload))
 
 
+# where each matmul's contraction dim sits: (index of the left operand, its dim, the right operand's dim)
+_CONTRACTIONS = {"mm": (0, 1, 0), "addmm": (1, 1, 0), "bmm": (0, 2, 1)}
+
+
+def _partial_sum(op, args: tuple) -> bool:  # noqa: ANN001 - an OpOverload
+    """A row-parallel matmul: both operands sharded on the contraction dim over one mesh dim, so its output is a
+    whole-size partial sum that only its reduce-scatter (kept, a shard) reads."""
+    where = _CONTRACTIONS.get(op.overloadpacket.__name__)
+    if where is None:
+        return False
+    left_index, left_dim, right_dim = where
+    left, right = args[left_index], args[left_index + 1]
+    if not (isinstance(left, DTensor) and isinstance(right, DTensor)):
+        return False
+    return any(
+        isinstance(a, Shard) and isinstance(b, Shard) and a.dim == left_dim and b.dim == right_dim
+        for a, b in zip(left.placements, right.placements)
+    )
+
+
 def _policy(saved: set, ctx, op, *args, **kwargs) -> CheckpointPolicy:  # noqa: ANN001 - torch's signature
-    return CheckpointPolicy.MUST_SAVE if op in saved else CheckpointPolicy.PREFER_RECOMPUTE
+    keep = op in saved and not _partial_sum(op, args)
+    return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def _selective_contexts():  # noqa: ANN202
@@ -79,8 +102,9 @@ def check_activation_checkpointing(mode: str, every_n_blocks: int) -> None:
 class MemoryOptions:
     activation_checkpointing: ActivationCheckpointing = option(
         "none",
-        doc='"none", "full" (recompute whole blocks in backward) or "selective" (keep matmul, attention and collective'
-        " outputs, recompute the rest).",
+        doc='"none", "full" (recompute whole blocks in backward) or "selective" (keep the matmul, attention,'
+        " reduce-scatter and all-to-all outputs, recompute the rest: norms, activations, all-gathers and the"
+        " row-parallel matmuls whose outputs are partial sums).",
     )
     ac_every_n_blocks: int = option(1, doc="checkpoint every n-th block only (1: all blocks).")
 
@@ -117,8 +141,8 @@ RULES: list[Rule] = [
 
 
 def apply_activation_checkpointing(blocks: Sequence[nn.Module], mode: str, every_n_blocks: int = 1) -> int:
-    """Checkpoint every n-th block ("full": recompute the whole block in backward; "selective": keep
-    matmul, attention and collective outputs, recompute the rest). Returns how many blocks it wrapped."""
+    """Checkpoint every n-th block ("full": recompute the whole block in backward; "selective": keep the
+    outputs `_policy` keeps, recompute the rest). Returns how many blocks it wrapped."""
     check_activation_checkpointing(mode, every_n_blocks)
     if mode == "none":
         return 0

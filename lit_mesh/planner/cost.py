@@ -13,8 +13,9 @@ Compute, per rank and micro-batch, per block:
 - attention (flash, causal: half the dense 12 T d FLOPs per token) at attention_peak_fraction of peak;
 - norms, activations, RoPE, residuals: memory bound, elementwise_accesses bytes-per-element moved per token of
   (dim + ffn) / tp, forward + backward, over HBM bandwidth (fewer with torch.compile fusing them);
-- recompute: full AC repeats the block's forward (1/3 of the above); selective (lit_mesh keeps matmul, attention
-  and collective outputs) repeats only the elementwise forward;
+- recompute: full AC repeats the block's forward (1/3 of the above); selective (lit_mesh keeps matmul, attention,
+  reduce-scatter and all-to-all outputs) repeats the elementwise forward and, under tp, the all-gathers and wo's
+  row-parallel matmul (its partial sum is not kept);
 - the AdamW step on the rank's shards (memory bound).
 Communication, each collective with its own overlap rule (lit_mesh.comm.topology's ring alpha-beta for each):
 - FSDP/HSDP: a block's all-gather (and, on the last micro-batch, its reduce-scatter and the replicas' all-reduce)
@@ -223,7 +224,15 @@ def step_time(
     elementwise = tokens * (c.dim + _ffn_width(c)) / layout.tp * accesses * act / hw.memory_bandwidth
     router = router_seconds(c, tokens, act, hw.memory_bandwidth) if shapes.is_moe else 0.0
     forward_backward = gemm + attention + elementwise + router
-    recompute = {"none": 0.0, "selective": (elementwise + router) / 3, "full": forward_backward / 3}[ac]
+    # selective under tp also runs wo's row-parallel matmul forward again (its partial sum is not kept); the
+    # recompute stops before w2's (lit_mesh.parallel.activation_checkpointing)
+    wo = tuple(p for p in shapes.block if p.tp_style == "rowwise")[:1] if layout.tp > 1 else ()
+    row_parallel = _gemm_seconds(wo, tokens, layout.tp, layout.ep, top_k, kern, peak)
+    recompute = {
+        "none": 0.0,
+        "selective": (elementwise + router + row_parallel) / 3,
+        "full": forward_backward / 3,
+    }[ac]
     block = forward_backward + recompute
     head = _gemm_seconds(shapes.last, tokens, layout.tp, 1, 1, kern, peak)
     # the slowest pp rank: the one with the head (its blocks and the head) or the fullest one; with v stages per
@@ -278,8 +287,9 @@ def step_time(
 
     tp_link = hw.link(1, layout.tp)
     if layout.tp > 1:  # per block 2 all-gathers + 2 reduce-scatters forward, the same backward; full AC's recompute
-        # gathers twice again and stops before the last reduce-scatter (lit_mesh/planner/traffic.py, as counted)
-        collectives = 8 + (3 if ac == "full" else 0)
+        # gathers twice again and stops before the last reduce-scatter, selective's gathers twice again
+        # (lit_mesh/planner/traffic.py, as counted)
+        collectives = 8 + {"none": 0, "selective": 2, "full": 3}[ac]
         hidden = all_gather_time(tokens * c.dim * act, layout.tp, tp_link)
         per_block = collectives * hidden
         # the stage's ends: without pp the embedding's output is reduce-scattered and the head's input gathered

@@ -175,9 +175,9 @@ def block_activation_elements_per_token(
       normalized tensor in fp32 (the composite kernel on CPU, where lit_mesh.planner.fake_step counts);
     - attention: roped q and k, v (grouped K/V heads, not repeated), the output and its fp32 log-sum-exp;
     - feed-forward: w1, w3, silu and product outputs (/tp).
-    Selective AC keeps the matmul, attention and collective outputs: the block's input, wq, wk, wv, the attention
-    output, w1, w3 (/tp), the row-parallel wo and w2 outputs (whole before their reduce-scatter) and, under tp,
-    the two all-gathered and two reduce-scattered tensors; full AC only the block's input.
+    Selective AC (lit_mesh.parallel.activation_checkpointing) keeps the block's input, wq, wk, wv, the attention
+    output, w1, w3 (/tp), under tp the two reduce-scattered tensors (neither the all-gathered norm outputs nor the
+    row-parallel partial sums, both whole size), without tp wo's and w2's outputs; full AC only the block's input.
     An MoE block routes the whole sequence on every tp rank (not /tp): per token the router scores, and per
     routed copy (top_k of them, plus each shared expert) the gathered input, w1 / w3 / silu / product outputs
     (/tp for the routed experts under expert tensor parallel), the expert output and its weighted copy; selective
@@ -187,15 +187,19 @@ def block_activation_elements_per_token(
     lse = c.n_heads / tp * 4 / act_bytes
     norms = 2 * _norm_elements(h, tp, act_bytes, fused_norm)
     attention = (2 * h + 2 * kv) / tp + lse
-    gathered = 2 * h if tp > 1 else 0  # selective: the all-gathered norm outputs (tp = 1: recomputed norms)
-    row_outputs = (1 if shapes.is_moe else 2) * h  # wo and w2 before their reduce-scatter (tp = 1: the outputs)
-    kept = (h + (2 * h if tp > 1 else 0) + h + h + 2 * kv) / tp + lse  # input, reduce-scattered, wq, attention, wk, wv
+    # selective under tp keeps neither the all-gathered norm outputs nor the row-parallel partial sums (whole
+    # size): their reduce-scattered shards; without tp wo's and w2's outputs are plain matmul outputs, kept
+    row_outputs = 0 if tp > 1 else (1 if shapes.is_moe else 2) * h
+    reduce_scattered = ((1 if shapes.is_moe else 2) * h if tp > 1 else 0) / tp  # attention's, the dense FFN's
+    kept = (h + h + h + 2 * kv) / tp + reduce_scattered + lse  # input, wq, attention, wk, wv
     if shapes.is_moe:
         copies = c.top_k + c.n_shared_experts
         hidden = c.top_k * c.expert_hidden / (tp if shapes.expert_tp else 1) + c.n_shared_experts * c.expert_hidden
         ffn, ffn_matmul_outputs, ffn_tp = (
             c.n_experts + copies * 3 * h + 4 * hidden,
-            c.n_experts + copies * h + 2 * hidden,  # router scores, each copy's w2 (its input is gathered again)
+            # router scores, each copy's w2 output, and under expert tp each routed copy's sum over tp (its
+            # all-reduce: the partial w2 outputs are plain tensors, which the policy cannot tell partial)
+            c.n_experts + copies * h + 2 * hidden + (c.top_k * h if tp > 1 and shapes.expert_tp else 0),
             1,
         )
     else:
@@ -204,7 +208,7 @@ def block_activation_elements_per_token(
     if ac == "none":
         return norms + attention + ffn / ffn_tp
     if ac == "selective":
-        return gathered + row_outputs + kept + ffn_matmul_outputs / ffn_tp
+        return row_outputs + kept + ffn_matmul_outputs / ffn_tp
     return h / tp  # full: only each block's input
 
 

@@ -708,7 +708,8 @@ def test_interleaved_plan_for_llama3_405b_at_metas_layout_writes_its_schedule(tm
     two = evaluate(layout, shapes, work, hw, "bf16-mixed", "full", schedule=Schedule("interleaved_1f1b", 2))
     assert one.time.bubble == pytest.approx(15 / 32) and two.time.bubble == pytest.approx(15 / 64)
     assert two.mfu > one.mfu and two.memory["activations"] > one.memory["activations"]
-    best = plan(shapes, work, hw, fixed={"pp": 16, "tp": 8, "dp_shard": 64}).ranked[0]
+    # with full AC (selective's 1F1B edges it out by 2%, and holds too much to interleave at 80 GB)
+    best = plan(shapes, work, hw, ac_modes=("full",), fixed={"pp": 16, "tp": 8, "dp_shard": 64}).ranked[0]
     assert best.schedule.stages_per_rank >= 2 and "interleaved_1f1b v=2" in best.name()
     from lit_mesh.planner.search import explain
 
