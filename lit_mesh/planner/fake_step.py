@@ -16,8 +16,8 @@ A fake receive leaves its buffer as it was; the mode fills it with ones, as if t
 Pipelines (pp > 1): lit_mesh's runner drives torch's schedule over `microbatches` micro-batches, so every send and
 receive of the schedule runs. torch's stages would learn their shapes from their peers (a vote, then the shapes as
 pickled objects), which fake ranks cannot answer: each stage is given them instead (static shapes), from a forward
-of one micro-batch without autograd; every stage after the first takes what the first one outputs (lit_mesh cuts
-the model between blocks), so the step runs a rank of the first stage (pp rank 0).
+of one micro-batch without autograd; every stage after the first takes the hidden states (lit_mesh cuts the model
+between blocks: `stage_boundary`), so the step runs a rank of any stage.
 The vote's ones say every stage has static shapes, as each rank of this simulation does. Activations are not
 measured under pp: forwards and backwards interleave, so no one point holds what the forward keeps.
 
@@ -28,6 +28,7 @@ parameters (the FSDP root's gathered weights stay alive too, and are counted apa
 
 from __future__ import annotations
 
+import gc
 import time
 from collections import defaultdict
 from collections.abc import Iterator
@@ -54,7 +55,6 @@ from lit_mesh.parallel.data import DataParallelOptions
 from lit_mesh.parallel.pipeline.runner import ScheduleRunner
 from lit_mesh.parallel.pipeline.schedules import PipelineSettings
 from lit_mesh.parallel.pipeline.split import Stage
-from lit_mesh.planner.memory import coords_of
 from lit_mesh.planner.pipeline_model import ONE_F_ONE_B, Schedule
 from lit_mesh.planner.shapes import build_model
 
@@ -225,6 +225,13 @@ def fake_world(rank: int, world_size: int) -> Iterator[None]:
         yield
     finally:
         dist.destroy_process_group()
+        forget_the_world()
+
+
+def forget_the_world() -> None:
+    """A world's model and meshes live on in reference cycles; while they do, a later fake world in this process
+    can be handed their groups ("Could not resolve the process group" after an EP world): collect them."""
+    gc.collect()
 
 
 def fake_step(
@@ -251,19 +258,14 @@ def fake_step(
     )
     if layout.pp > 1:
         options = replace(options, pipeline=PipelineSettings(schedule.name, microbatches, schedule.stages_per_rank))
-    if layout.pp > 1 and coords_of(rank, layout).pp > 0:
-        raise ValueError(
-            f"rank {rank} is on pp rank {coords_of(rank, layout).pp}: a fake pipeline step runs a rank of the first"
-            f" stage (pp rank 0: ranks 0 to {layout.world_size // layout.pp - 1}), whose forward gives every stage"
-            " boundary's shape"
-        )
     with fake_world(rank, layout.world_size):
         root, views, done, tokens = _build(config, layout, rank, precision, options, micro_batch, seq_len)
         counter, live = CollectiveCounter(), LiveStorages()
         held: int | None = None
         if layout.pp > 1:
             with _autocast(precision):
-                examples = _stage_examples(done.stages or [], tokens)
+                boundary = stage_boundary(config, layout, micro_batch, seq_len, precision)
+                examples = _stage_examples(done.stages or [], tokens, boundary)
             runner = _StaticShapesRunner(examples, done, options.pipeline, views[MeshAxis.PP].get_group(), root)
             batch = tokens.repeat(microbatches, 1)  # the schedule's micro-batches, each of this rank's shape
             with counter:
@@ -314,17 +316,30 @@ def _build(
     return root, views, done, tokens
 
 
-def _stage_examples(stages: list[Stage], tokens: torch.Tensor) -> StageExamples:
-    """Each local stage's input and output of one micro-batch, from a forward without autograd: the first stage
-    (this rank's) takes the tokens; every other stage what the first passes on (lit_mesh cuts the model between
-    blocks: the same tensor at every boundary)."""
+def stage_boundary(config: Any, layout: MeshLayout, micro_batch: int, seq_len: int, precision: str) -> torch.Tensor:
+    """What one micro-batch passes between two stages: lit_mesh cuts the model between blocks, so every boundary
+    carries the hidden states, on this rank's part of the sequence (cp; and tp, whose sequence parallelism shards
+    the blocks' outputs), in the blocks' output dtype (autocast's bf16 under bf16-mixed). A rule rather than stage
+    0's forward: a rank of a later stage does not hold stage 0 (tests/integration/test_planner_step.py checks the
+    rule against that forward)."""
+    tokens = seq_len // layout.cp // layout.tp
+    dtype = torch.float32 if precision == "32-true" else torch.bfloat16
+    return torch.zeros(micro_batch, tokens, config.dim, dtype=dtype, requires_grad=True)  # its gradient goes back
+
+
+def _stage_examples(stages: list[Stage], tokens: torch.Tensor, boundary: torch.Tensor) -> StageExamples:
+    """Each local stage's input and output of one micro-batch, from a forward without autograd: stage 0 takes the
+    tokens, every other stage the boundary's hidden states."""
     out: StageExamples = {}
-    boundary = tokens
     with torch.no_grad():
         for stage in sorted(stages, key=lambda s: s.index):
             example = tokens if stage.index == 0 else boundary
             output = torch.zeros_like(stage.module(example)).requires_grad_()  # what the next stage differentiates
-            boundary = output if stage.index == 0 else boundary
+            if stage.index == 0 and (output.shape, output.dtype) != (boundary.shape, boundary.dtype):
+                raise RuntimeError(
+                    f"stage 0 passes on {tuple(output.shape)} {output.dtype}, stage_boundary says"
+                    f" {tuple(boundary.shape)} {boundary.dtype}: the rule no longer describes lit_mesh's cut"
+                )
             out[stage.index] = (example, output)
         for unit in (u for s in stages for u in s.module.modules()):  # as torch after its own shape inference
             if isinstance(unit, FSDPModule):

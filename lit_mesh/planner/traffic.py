@@ -105,7 +105,8 @@ def comm_bytes(
         shards = expert_k if layout.ep > 1 else k
         name = "expert_fsdp" if layout.ep > 1 else "fsdp"
         numel = sum(padded_numel(p, layout, shards) for p in experts)
-        out[name]["all_gather"] += n_micro * 2 * blocks * numel * gather
+        passes = 1 if layout.pp > 1 else n_micro * 2  # a pipeline's stages keep their experts gathered too
+        out[name]["all_gather"] += passes * blocks * numel * gather
         out[name]["reduce_scatter"] += blocks * numel * reduce
 
     tokens = work.tokens_per_microbatch(layout)  # this rank's, per micro-batch (cp splits the sequence)
@@ -125,7 +126,9 @@ def comm_bytes(
             out["tp"]["all_gather"] += n_micro * tokens * c.vocab_size * act
         norms = 2 * blocks + (1 if stages.last else 0)
         loss = 3 * tokens * 4 if stages.last and layout.pp == 1 else 0
-        out["tp"]["all_reduce"] += n_micro * loss + norms * c.dim * gather
+        # the norms' weight gradients (partial sums over the sequence shards): under pp summed over the step's
+        # micro-batches in fp32 first, then reduced once
+        out["tp"]["all_reduce"] += n_micro * loss + norms * c.dim * (reduce if layout.pp > 1 else gather)
 
     if layout.cp > 1:
         kv_heads, head_dim = c.n_kv_heads // layout.tp, c.head_dim
