@@ -102,9 +102,9 @@ def check_activation_checkpointing(mode: str, every_n_blocks: int) -> None:
 class MemoryOptions:
     activation_checkpointing: ActivationCheckpointing = option(
         "none",
-        doc='"none", "full" (recompute whole blocks in backward) or "selective" (keep the matmul, attention,'
-        " reduce-scatter and all-to-all outputs, recompute the rest: norms, activations, all-gathers and the"
-        " row-parallel matmuls whose outputs are partial sums).",
+        doc='"none", "full" (recompute whole blocks in backward) or "selective" (keep matmul and attention outputs'
+        " and the collective results that are shards; recompute the rest, under TP the gathered sequences and the"
+        " partial sums too).",
     )
     ac_every_n_blocks: int = option(1, doc="checkpoint every n-th block only (1: all blocks).")
 
