@@ -47,7 +47,7 @@ def test_the_memory_model_accepts_the_published_configuration(run: dict[str, Any
 
 
 # the memory model rejects Llama 3 405B's configuration (no AC: memory_rejects in calibration.yaml), so the planner
-# chooses full AC, which the published run beats by 42%; strict: it fails once the model accepts the run
+# chooses selective AC with 1F1B, which the published run beats by 40%; strict: it fails once the model accepts the run
 BEATEN = pytest.mark.xfail(strict=True, reason="the published configuration is rejected by the memory model")
 
 
