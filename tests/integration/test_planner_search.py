@@ -176,10 +176,11 @@ def test_plan_answers_for_llama3_on_8_to_1024_gpus(capsys: pytest.CaptureFixture
 def test_rehearsal_scales_the_70b_plan_to_8_cpu_ranks() -> None:
     """llama3-70b on 64 GPUs is planned as pp 8 x cp 8 without checkpointing (pp cuts the layers, cp the tokens of
     every micro-batch: no TP collectives, no recompute); the best plan without cp is FSDP over all 64 with full
-    checkpointing (selective under tp keeps the row-parallel matmuls' whole outputs and the reduce-scattered ones,
-    as a real step counts them: lit_mesh/planner/fake_step.py); the best plan with a pipeline and tp is pp 2 x
-    dp_shard 4 x tp 8 under 1F1B, and its rehearsal is pp 2 x dp_shard 2 x tp 2 of the tiny GPT on 8 CPU processes,
-    with the same schedule. Every other fitting plan scales to a layout lit_mesh accepts as well."""
+    checkpointing, just ahead of dp_shard 16 x tp 4 with selective (under tp it keeps neither the gathered sequences
+    nor the partial sums, as a real step counts them: lit_mesh/planner/fake_step.py); the best plan with a pipeline
+    and tp is pp 2 x dp_shard 8 x tp 4 under 1F1B (selective), and its rehearsal is pp 2 x dp_shard 2 x tp 2 of the
+    tiny GPT on 8 CPU processes, with the same schedule. Every other fitting plan scales to a layout lit_mesh
+    accepts as well."""
     config = GPTConfig.from_preset("llama3-70b")
     hw = Hardware(nodes=8, devices_per_node=8, memory_bytes=80 * GB)
     result = plan(gpt_shapes(config), Workload(global_batch=256, seq_len=8192), hw)
@@ -187,7 +188,7 @@ def test_rehearsal_scales_the_70b_plan_to_8_cpu_ranks() -> None:
     no_cp = next(c for c in result.ranked if c.layout.cp == 1)
     assert (no_cp.layout, no_cp.ac) == (MeshLayout(dp_shard=64), "full")
     best = next(c for c in result.ranked if c.layout.pp > 1 and c.layout.tp > 1 and c.layout.cp == 1)
-    assert best.layout == MeshLayout(pp=2, dp_shard=4, tp=8)
+    assert best.layout == MeshLayout(pp=2, dp_shard=8, tp=4)
     assert (best.schedule.name, best.schedule.stages_per_rank) == ("1f1b", 1)
     rehearsal = rehearsal_config(best, hw)
     trainer, strategy = rehearsal["trainer"], rehearsal["trainer"]["strategy"]["init_args"]
