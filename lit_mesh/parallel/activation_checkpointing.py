@@ -156,3 +156,8 @@ def apply_activation_checkpointing(blocks: Sequence[nn.Module], mode: str, every
             checkpoint(block, context_fn=_selective_contexts)
         wrapped += 1
     return wrapped
+
+
+def checkpointed(block: nn.Module) -> bool:
+    """True where apply_activation_checkpointing wrapped `block`."""
+    return checkpoint.state(block) is not None

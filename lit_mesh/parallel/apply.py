@@ -1,6 +1,6 @@
 """The one place where plans are applied, in the one order:
 MoE layer adapters -> split into pipeline stages -> float8 linears in the blocks -> TP/SP (1-D; a grid tp_mode: grid/apply.py) -> CP -> EP ->
-activation checkpointing -> torch.compile -> FSDP/HSDP/DDP per block (experts first) -> each stage's root ->
+activation checkpointing (the other blocks under SP: re-gathered inputs) -> torch.compile -> FSDP/HSDP/DDP per block (experts first) -> each stage's root ->
 communication hooks.
 
 """
@@ -22,7 +22,7 @@ from lit_mesh.comm.hierarchical import Hierarchy, attach_hierarchical_all_reduce
 from lit_mesh.init import draw_as
 from lit_mesh.mesh import MeshAxis, MeshViews
 from lit_mesh.options import MeshOptions
-from lit_mesh.parallel.activation_checkpointing import apply_activation_checkpointing
+from lit_mesh.parallel.activation_checkpointing import apply_activation_checkpointing, checkpointed
 from lit_mesh.parallel.compile import apply_compile, enable_async_tp
 from lit_mesh.parallel.context import apply_context_parallel
 from lit_mesh.parallel.data import apply_data_parallel, attach_compression, data_parallel_mesh
@@ -42,6 +42,7 @@ from lit_mesh.parallel.pipeline.split import (
     stage_ranks,
 )
 from lit_mesh.parallel.pipeline.tied import tied_name_groups
+from lit_mesh.parallel.regather import regather_in_backward
 from lit_mesh.parallel.tensor import PlanError, apply_tensor_parallel
 from lit_mesh.parallel.units import (
     Blocks,
@@ -226,6 +227,10 @@ def parallelize(
             apply_activation_checkpointing(policy_modules(root, options.fsdp.activation_checkpointing_policy), "full")
     for block_list in block_lists:
         apply_activation_checkpointing(block_list, memory.activation_checkpointing, memory.ac_every_n_blocks)
+        if sequence_parallel and layout.tp > 1 and not grid_mode and compile_backend is None:
+            for block in block_list:  # AC recomputes the checkpointed ones (lit_mesh/parallel/regather.py)
+                if not checkpointed(block):
+                    regather_in_backward(block)
         if compile_backend is not None:
             apply_compile(block_list, compile_backend)
     in_hook = compression is not None or replicate_hierarchy is not None

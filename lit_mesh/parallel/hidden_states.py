@@ -17,6 +17,7 @@ from torch.distributed.tensor import DTensor, Placement
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from lit_mesh.errors import PlanError
+from lit_mesh.parallel.regather import note_gathered
 
 KEYWORD = "hidden_states"
 
@@ -48,7 +49,12 @@ class HiddenStatesLayout(ParallelStyle):
         if self.check is not None:
             self.check(dtensor.shape[1])
         moved = dtensor.redistribute(placements=(self.wanted,))
-        return moved if self.keep_dtensor else moved.to_local()
+        if not self.keep_dtensor:
+            return moved.to_local()
+        note_gathered(
+            dtensor, moved
+        )  # its linears' saved input: re-gathered in backward (lit_mesh/parallel/regather.py)
+        return moved
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         def pre_hook(_module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:

@@ -1,0 +1,146 @@
+"""Sequence parallelism without activation checkpointing: the gathered inputs re-gathered in backward.
+
+Under SP a region (attention, MLP) all-gathers its sequence-sharded input once (the `gather_input` style,
+lit_mesh/parallel/hidden_states.py) and hands the whole sequence to its column-parallel linears, which autograd
+would keep for their weight gradients: dim elements per token per region, the largest tensor a block keeps. Here a
+block that is not checkpointed keeps only its tp rank's sequence shard of each such tensor and all-gathers it again
+when backward first needs it, once for all the linears that share it (wq, wk, wv), as Megatron-Core's
+sequence-parallel linear does. The numerics are bit-identical: the backward gathers the same shards the forward did.
+
+Why saved-tensor hooks and not our own linear: the linears stay torch's (DTensor's ColwiseParallel, float8's,
+a transformers model's own Conv1D), FSDP2 and the TP styles see nothing new, and the tensors to replace are
+known by construction: the storage of each tensor the gather_input style all-gathered inside the block's forward
+(`note_gathered`), not guessed from shapes. Whatever else autograd saves passes through untouched.
+Checkpointed blocks are left alone (AC recomputes them, and its own hooks must see every saved tensor), and so are
+compiled blocks (the gather then happens inside the compiled graph, where no hook can name its output).
+
+NCCL: the re-gathers run inside autograd's backward of the block, each at the first node that unpacks its tensor.
+Every tp rank runs the same graph (the same modules on the same sequence length), and autograd's engine orders
+ready nodes by their creation order, so every tp rank issues these all-gathers, and the tp group's other
+collectives, in the same order; they are DTensor's own asynchronous all-gathers, waited on by the matmul that
+uses them, with no host sync.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Any, cast
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate
+from torch.utils.hooks import RemovableHandle
+
+_SCOPES = threading.local()  # the block forwards in progress on this thread, innermost last
+
+
+class _Gathered:
+    """One all-gathered input: its shard (kept), and the whole tensor while the forward or a backward uses it."""
+
+    def __init__(self, shard: DTensor, gathered: DTensor) -> None:
+        self.shard: DTensor = cast(DTensor, shard.detach())
+        self.version = shard._local_tensor._version
+        self.layout = _layout(gathered._local_tensor)
+        self.whole: torch.Tensor | None = gathered._local_tensor
+        self.storage = self.whole.untyped_storage().data_ptr()
+        self.saved = 0  # the saved tensors of autograd that refer to it and are not yet unpacked
+
+    def gather(self) -> torch.Tensor:
+        """The whole local tensor: gathered again the first time a backward unpacks a tensor of it."""
+        if self.whole is None:
+            if self.shard._local_tensor._version != self.version:
+                raise RuntimeError(
+                    "a sequence-parallel input kept for backward was modified in place after the forward; its"
+                    " re-gather would differ from the tensor the forward used (do not modify a norm's output in place)"
+                )
+            whole = self.shard.redistribute(placements=(Replicate(),))._local_tensor
+            if _layout(whole) != self.layout:  # same collective, same shards: a torch change would show here
+                raise RuntimeError(f"re-gathered {_layout(whole)} where the forward gathered {self.layout}")
+            self.whole = whole
+        return self.whole
+
+    def unpacked(self) -> None:
+        self.saved -= 1
+        if self.saved <= 0:  # the last linear that shares it has its tensor: free the whole one with it
+            self.whole = None
+
+
+def _layout(t: torch.Tensor) -> tuple:
+    return (t.shape, t.stride(), t.storage_offset(), t.dtype, t.untyped_storage().nbytes())
+
+
+@dataclass
+class _Saved:
+    """What autograd keeps in place of a view of a gathered tensor: how to rebuild that view."""
+
+    source: _Gathered
+    size: torch.Size
+    stride: tuple[int, ...]
+    offset: int
+    spec: Any = None  # the DTensor's (mesh, placements, shape, stride); None for a plain tensor
+
+
+@dataclass
+class _Scope:
+    """One block forward: the tensors gathered in it so far."""
+
+    gathered: list[_Gathered] = field(default_factory=list)
+
+    def pack(self, t: torch.Tensor) -> Any:
+        local = t._local_tensor if isinstance(t, DTensor) else t
+        if t.device.type == "meta" or not self.gathered:
+            return t
+        pointer = local.untyped_storage().data_ptr()
+        source = next((g for g in self.gathered if g.whole is not None and g.storage == pointer), None)
+        if source is None:
+            return t
+        source.saved += 1
+        spec = (t.device_mesh, t.placements, t.shape, t.stride()) if isinstance(t, DTensor) else None
+        return _Saved(source, local.shape, local.stride(), int(local.storage_offset()), spec)
+
+
+def _unpack(packed: Any) -> Any:
+    if not isinstance(packed, _Saved):
+        return packed
+    local = packed.source.gather().as_strided(packed.size, packed.stride, packed.offset)
+    packed.source.unpacked()
+    if packed.spec is None:
+        return local
+    mesh, placements, shape, stride = packed.spec
+    return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride)
+
+
+def note_gathered(shard: DTensor, gathered: DTensor) -> None:
+    """The gather_input style all-gathered `shard` into `gathered`: re-gather it in backward if a block that
+    re-gathers is running its forward on this thread."""
+    scopes = getattr(_SCOPES, "stack", None)
+    if (
+        scopes
+        and gathered._local_tensor.untyped_storage().data_ptr() != shard._local_tensor.untyped_storage().data_ptr()
+    ):
+        scopes[-1][0].gathered.append(_Gathered(shard, gathered))
+
+
+def _enter(_module: nn.Module, _args: tuple) -> None:
+    scope = _Scope()
+    hooks = torch.autograd.graph.saved_tensors_hooks(scope.pack, _unpack)
+    hooks.__enter__()
+    stack = getattr(_SCOPES, "stack", None)
+    if stack is None:
+        stack = _SCOPES.stack = []
+    stack.append((scope, hooks))
+
+
+def _exit(_module: nn.Module, _args: tuple, _output: Any) -> None:
+    scope, hooks = _SCOPES.stack.pop()
+    hooks.__exit__(None, None, None)
+    for gathered in scope.gathered:  # the forward is done with them: backward gathers them again
+        gathered.whole = None
+
+
+def regather_in_backward(block: nn.Module) -> list[RemovableHandle]:
+    """Keep only the sequence shards of the inputs `block`'s gather_input regions all-gather, and gather them
+    again in backward. For blocks that are neither checkpointed nor compiled (the module docstring says why)."""
+    # always_call: the hooks leave the stack even when the forward raises
+    return [block.register_forward_pre_hook(_enter), block.register_forward_hook(_exit, always_call=True)]
