@@ -38,12 +38,12 @@ _SCOPES = threading.local()  # the block forwards in progress on this thread, in
 class _Gathered:
     """One all-gathered input: its shard (kept), and the whole tensor while the forward or a backward uses it."""
 
-    def __init__(self, shard: DTensor, gathered: DTensor) -> None:
+    def __init__(self, shard: DTensor, gathered: DTensor, storage: int) -> None:
         self.shard: DTensor = cast(DTensor, shard.detach())
         self.version = shard._local_tensor._version
         self.layout = _layout(gathered._local_tensor)
         self.whole: torch.Tensor | None = gathered._local_tensor
-        self.storage = self.whole.untyped_storage().data_ptr()
+        self.storage = storage
         self.saved = 0  # the saved tensors of autograd that refer to it and are not yet unpacked
 
     def gather(self) -> torch.Tensor:
@@ -64,6 +64,13 @@ class _Gathered:
         self.saved -= 1
         if self.saved <= 0:  # the last linear that shares it has its tensor: free the whole one with it
             self.whole = None
+
+
+def _storage_pointer(t: torch.Tensor) -> int | None:
+    try:
+        return t.untyped_storage().data_ptr()
+    except RuntimeError:  # a wrapper subclass (a functional collective's pending result) has no storage of its own
+        return None
 
 
 def _layout(t: torch.Tensor) -> tuple:
@@ -91,7 +98,7 @@ class _Scope:
         local = t._local_tensor if isinstance(t, DTensor) else t
         if t.device.type == "meta" or not self.gathered:
             return t
-        pointer = local.untyped_storage().data_ptr()
+        pointer = _storage_pointer(local)
         source = next((g for g in self.gathered if g.whole is not None and g.storage == pointer), None)
         if source is None:
             return t
@@ -115,11 +122,9 @@ def note_gathered(shard: DTensor, gathered: DTensor) -> None:
     """The gather_input style all-gathered `shard` into `gathered`: re-gather it in backward if a block that
     re-gathers is running its forward on this thread."""
     scopes = getattr(_SCOPES, "stack", None)
-    if (
-        scopes
-        and gathered._local_tensor.untyped_storage().data_ptr() != shard._local_tensor.untyped_storage().data_ptr()
-    ):
-        scopes[-1][0].gathered.append(_Gathered(shard, gathered))
+    pointer = _storage_pointer(gathered._local_tensor)  # None: a pending collective's result, left as it is
+    if scopes and pointer is not None and pointer != _storage_pointer(shard._local_tensor):  # tp = 1: no gather
+        scopes[-1][0].gathered.append(_Gathered(shard, gathered, pointer))
 
 
 def _enter(_module: nn.Module, _args: tuple) -> None:

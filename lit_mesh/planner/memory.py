@@ -156,21 +156,23 @@ class Workload:
 NORM_BYTES = 4  # torch's composite rms_norm (CPU) computes in fp32: the input and normalized tensors it keeps are fp32
 
 
-def _norm_elements(h: float, tp: int, act_bytes: int, fused_norm: bool) -> float:
+def _norm_elements(h: float, tp: int, act_bytes: int, fused_norm: bool, regathered: bool = False) -> float:
     """What one RMSNorm keeps per token, in elements of act_bytes: its output, the column-parallel linears' input
-    (whole: all-gathered under tp), and, on its sequence shard, CUDA's fused kernel its input and fp32 1/rms, the
+    (whole: all-gathered under tp; `regathered`: only its sequence shard, which backward gathers again,
+    lit_mesh/parallel/regather.py), and, on its sequence shard, CUDA's fused kernel its input and fp32 1/rms, the
     composite one (CPU) its input and normalized tensor in fp32."""
     rms = 4 / act_bytes / tp
     kept = h / tp if fused_norm else 2 * h / tp * NORM_BYTES / act_bytes
-    return kept + h + rms
+    return kept + (h / tp if regathered else h) + rms
 
 
 def block_activation_elements_per_token(
-    shapes: ModelShapes, tp: int, ac: str, act_bytes: int = 4, fused_norm: bool = True
+    shapes: ModelShapes, tp: int, ac: str, act_bytes: int = 4, fused_norm: bool = True, regathered: bool = True
 ) -> float:
     """Elements (of act_bytes each) one block keeps for backward per token of this rank's sequence (flash-style
     attention: no T x T scores), as counted on a real step (lit_mesh.planner.fake_step).
-    - each norm keeps its output, the input of the column-parallel linears (whole: all-gathered under tp), and on
+    - each norm keeps its output, the input of the column-parallel linears (whole: all-gathered under tp; without
+      AC only its sequence shard, `regathered` in backward: lit_mesh/parallel/regather.py), and on
       its sequence shard (/tp) its input and 1/rms (CUDA's fused kernel, the planner's default) or its input and
       normalized tensor in fp32 (the composite kernel on CPU, where lit_mesh.planner.fake_step counts);
     - attention: roped q and k, v (grouped K/V heads, not repeated), the output and its fp32 log-sum-exp;
@@ -185,7 +187,7 @@ def block_activation_elements_per_token(
     c = shapes.config
     h, kv = c.dim, c.n_kv_heads * c.head_dim
     lse = c.n_heads / tp * 4 / act_bytes
-    norms = 2 * _norm_elements(h, tp, act_bytes, fused_norm)
+    norms = 2 * _norm_elements(h, tp, act_bytes, fused_norm, regathered)
     attention = (2 * h + 2 * kv) / tp + lse
     # selective under tp keeps neither the all-gathered norm outputs nor the row-parallel partial sums (whole
     # size): their reduce-scattered shards; without tp wo's and w2's outputs are plain matmul outputs, kept
@@ -262,8 +264,8 @@ def activation_parts(
         block += (layout.cp - 1) * heads * (shapes.config.head_dim * b + 4)
     per_token = held * max(stages.blocks) * block
     transient = 0.0
-    if ac == "full":  # the block being recomputed holds everything once
-        transient += block_activation_elements_per_token(shapes, layout.tp, "none", b, fused_norm) * b
+    if ac == "full":  # the block being recomputed holds everything once (a checkpointed block re-gathers nothing)
+        transient += block_activation_elements_per_token(shapes, layout.tp, "none", b, fused_norm, False) * b
     if stages.first and layout.tp > 1:  # the embedding's reduce-scattered output: the collective's and autograd's
         per_token += 2 * shapes.config.dim / layout.tp * b
     extra = 0.0

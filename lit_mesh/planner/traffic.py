@@ -12,7 +12,8 @@ a reduce-scatter: its input; an all-reduce: its tensor; an all-to-all: what this
 - expert_fsdp (dp_shard x cp / ep): the expert units, resharded after every forward (gathered twice per block).
 - dp_replicate (HSDP): the shards' gradients all-reduced once per step.
 - tp (1-D, sequence parallel): per block an all-gather before attention and the feed-forward and a reduce-scatter
-  after each, forward and backward (full AC's recomputed forward: both gathers, the first reduce-scatter; selective's: both gathers); the embedding's output
+  after each, forward and backward (full AC's recomputed forward: both gathers, the first reduce-scatter; selective's: both gathers;
+  without AC backward gathers both again, lit_mesh/parallel/regather.py); the embedding's output
   reduce-scattered and the head's input gathered; the vocabulary-parallel loss all-reduces three fp32 numbers per
   token (under pp the last stage's head gathers the logits instead); the sequence-parallel norms' weight gradients
   are all-reduced.
@@ -116,10 +117,9 @@ def comm_bytes(
         ends = (1 if stages.first else 0) + (1 if stages.last else 0)  # embedding output, head input
         # full AC's recomputed forward gathers again but stops before the block's last reduce-scatter (nothing of
         # it is saved: torch's checkpoint ends the recompute early)
-        # selective AC keeps no all-gather output: its recompute gathers twice again too
-        again = {"all_gather": per_pass, "reduce_scatter": blocks * hidden} if recompute else {}
-        if ac == "selective":
-            again = {"all_gather": per_pass}
+        # selective AC keeps no all-gather output: its recompute gathers twice again too; without AC a block keeps
+        # only the shards of its two gathered inputs and gathers them again in backward (lit_mesh/parallel/regather.py)
+        again = {"all_gather": per_pass, "reduce_scatter": blocks * hidden} if recompute else {"all_gather": per_pass}
         for op in ("all_gather", "reduce_scatter"):
             out["tp"][op] += n_micro * (2 * per_pass + again.get(op, 0) + ends * hidden)
         if stages.last and layout.pp > 1:  # a pipeline's head gathers the logits over the vocabulary
