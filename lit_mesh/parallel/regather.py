@@ -40,7 +40,9 @@ class _Gathered:
 
     def __init__(self, shard: DTensor, gathered: DTensor, storage: int) -> None:
         self.shard: DTensor = cast(DTensor, shard.detach())
-        self.version = shard._local_tensor._version
+        # a DTensor's detach() does not share its local tensor's version counter: watch the forward's own local
+        self.watched = shard._local_tensor
+        self.version = self.watched._version
         self.layout = _layout(gathered._local_tensor)
         self.whole: torch.Tensor | None = gathered._local_tensor
         self.storage = storage
@@ -49,7 +51,7 @@ class _Gathered:
     def gather(self) -> torch.Tensor:
         """The whole local tensor: gathered again the first time a backward unpacks a tensor of it."""
         if self.whole is None:
-            if self.shard._local_tensor._version != self.version:
+            if self.watched._version != self.version:
                 raise RuntimeError(
                     "a sequence-parallel input kept for backward was modified in place after the forward; its"
                     " re-gather would differ from the tensor the forward used (do not modify a norm's output in place)"
@@ -121,6 +123,8 @@ def _unpack(packed: Any) -> Any:
 def note_gathered(shard: DTensor, gathered: DTensor) -> None:
     """The gather_input style all-gathered `shard` into `gathered`: re-gather it in backward if a block that
     re-gathers is running its forward on this thread."""
+    if torch.compiler.is_compiling():  # compiled blocks do not re-gather; tracing this would break their graph
+        return
     scopes = getattr(_SCOPES, "stack", None)
     pointer = _storage_pointer(gathered._local_tensor)  # None: a pending collective's result, left as it is
     if scopes and pointer is not None and pointer != _storage_pointer(shard._local_tensor):  # tp = 1: no gather

@@ -23,7 +23,7 @@ Communication, each collective with its own overlap rule (lit_mesh.comm.topology
   block's compute, plus the first block's gather of each pass; ZeRO-1/2 gather once per step (forward only) and
   reduce every micro-batch (2) or once per step (1);
 - TP/SP: all-gathers and reduce-scatters of the activations on the critical path (async TP: the forward's hidden,
-  the backward's exposed);
+  the backward's exposed), without AC two all-gathers more per block in backward (the re-gathered inputs);
 - CP ring: each K/V block's send overlaps the attention on the previous one: exposed where the send is longer;
   under pp each stage runs the ring over its own blocks, on micro-batches of T/cp tokens per rank;
 - EP: the all-to-alls of dispatch and combine (top_k copies of the micro-batch's tokens each way, forward and
@@ -287,9 +287,11 @@ def step_time(
 
     tp_link = hw.link(1, layout.tp)
     if layout.tp > 1:  # per block 2 all-gathers + 2 reduce-scatters forward, the same backward; full AC's recompute
-        # gathers twice again and stops before the last reduce-scatter, selective's gathers twice again
-        # (lit_mesh/planner/traffic.py, as counted)
-        collectives = 8 + {"none": 0, "selective": 2, "full": 3}[ac]
+        # gathers twice again and stops before the last reduce-scatter, selective's gathers twice again; without AC
+        # backward gathers the two sequence-parallel inputs again (lit_mesh/parallel/regather.py: eager blocks only;
+        # each waited on by the matmul right after it, so exposed) (lit_mesh/planner/traffic.py, as counted)
+        regathers = 0 if features.compile else 2
+        collectives = 8 + {"none": regathers, "selective": 2, "full": 3}[ac]
         hidden = all_gather_time(tokens * c.dim * act, layout.tp, tp_link)
         per_block = collectives * hidden
         # the stage's ends: without pp the embedding's output is reduce-scattered and the head's input gathered

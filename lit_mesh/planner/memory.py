@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from lit_mesh.loss import CHUNK_ROWS
 from lit_mesh.mesh import MeshLayout
-from lit_mesh.planner.pipeline_model import ONE_F_ONE_B, Schedule, in_flight, rank_stages
+from lit_mesh.planner.pipeline_model import ONE_F_ONE_B, Schedule, held_blocks, rank_stages
 from lit_mesh.planner.shapes import ModelShapes, ParamShape
 from lit_mesh.planner.vocabulary import AC_MODES, PRECISION_BYTES  # noqa: F401  (re-exported)
 
@@ -242,10 +242,10 @@ def activation_parts(
     cp_style: str = "ring",
 ) -> dict[str, int]:
     """held: what the forward keeps for backward on pp rank `stage`: the schedule's stage forwards in flight
-    (1F1B: up to pp - stage micro-batches; lit_mesh.planner.pipeline_model.in_flight), each through the rank's
-    largest stage, each micro-batch of T/cp tokens per rank (cp shards every micro-batch's sequence, with pp too),
+    (1F1B: up to pp - stage micro-batches), each through its own stage's blocks (lit_mesh.planner.pipeline_model
+    .held_blocks), each micro-batch of T/cp tokens per rank (cp shards every micro-batch's sequence, with pp too),
     and on the last stage the final norm's tensors and the logits the chunked loss keeps. backward: what backward
-    adds at its peak: full AC's recomputed block (everything once), the logits' gradient and one fp32 chunk of rows (lit_mesh/loss.py).
+    adds at its peak: full AC's recomputed block (everything once), without AC under tp one re-gathered region input, the logits' gradient and one fp32 chunk of rows (lit_mesh/loss.py).
     fused_norm: the norms' kernel (block_activation_elements_per_token): CUDA's fused one (the planner's), or the
     composite one a CPU step runs.
     The CP ring under selective AC: the AC keeps the output and log-sum-exp of each of the ring's cp attention
@@ -255,17 +255,19 @@ def activation_parts(
     b = PRECISION_BYTES[precision]["activation"]
     tokens = work.tokens_per_microbatch(layout)
     stages = rank_stages(shapes.n_blocks, layout.pp, schedule)[stage]
-    held = in_flight(schedule, layout.pp, work.microbatches(layout), stage)
+    held = held_blocks(schedule, layout.pp, work.microbatches(layout), stage, stages.blocks)
     block = block_activation_elements_per_token(shapes, layout.tp, ac, b, fused_norm) * b
     if b < 4:  # each block casts RoPE's cos and sin (T x head_dim in all) to the compute dtype
         block += shapes.config.head_dim / work.micro_batch * b
     if ac == "selective" and layout.cp > 1 and cp_style == "ring":  # the ring's blocks (doc)
         heads = shapes.config.n_heads / layout.tp
         block += (layout.cp - 1) * heads * (shapes.config.head_dim * b + 4)
-    per_token = held * max(stages.blocks) * block
+    per_token = held * block
     transient = 0.0
     if ac == "full":  # the block being recomputed holds everything once (a checkpointed block re-gathers nothing)
         transient += block_activation_elements_per_token(shapes, layout.tp, "none", b, fused_norm, False) * b
+    elif ac == "none" and layout.tp > 1:  # backward re-gathers one region's input whole at a time (regather.py)
+        transient += shapes.config.dim * b
     if stages.first and layout.tp > 1:  # the embedding's reduce-scattered output: the collective's and autograd's
         per_token += 2 * shapes.config.dim / layout.tp * b
     extra = 0.0
@@ -327,16 +329,15 @@ def stages_to_check(shapes: ModelShapes, pp: int, *, schedule: Schedule = ONE_F_
 
 
 def ranks_to_check(shapes: ModelShapes, pp: int, schedule: Schedule, microbatches: int) -> list[int]:
-    """pp ranks whose memory can be the worst: of the ranks with the same holding, the one with the most stage
-    forwards in flight (1F1B: the first; ZBV: the last)."""
-    worst: dict[tuple, int] = {}
+    """pp ranks whose memory can be the worst: of the ranks with the same holding, the one that keeps the most
+    blocks' activations at its peak (1F1B: the first; ZBV: the last)."""
+    worst: dict[tuple, tuple[int, int]] = {}  # holding -> (held blocks, rank)
     for rank, stages in enumerate(rank_stages(shapes.n_blocks, pp, schedule)):
-        key = (stages.total_blocks, max(stages.blocks), stages.first, stages.last)
-        if key not in worst or in_flight(schedule, pp, microbatches, rank) > in_flight(
-            schedule, pp, microbatches, worst[key]
-        ):
-            worst[key] = rank
-    return sorted(worst.values())
+        key = (stages.blocks, stages.first, stages.last)
+        held = held_blocks(schedule, pp, microbatches, rank, stages.blocks)
+        if key not in worst or held > worst[key][0]:
+            worst[key] = (held, rank)
+    return sorted(rank for _, rank in worst.values())
 
 
 # (shapes, state bytes, FSDP buffer bytes) per rank: neither depends on the micro-batch or AC, which the search varies

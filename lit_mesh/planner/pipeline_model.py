@@ -10,7 +10,10 @@ micro-batches per round of the interleaved schedules, for pp rank r holding v st
 - zero_bubble (interleaved ZB1P): warm-up (v - 1) m + (pp - 1 - r) plus one, plus the r weight-gradient passes it
   defers (a stage's activations live until its weight gradient): (v - 1) m + pp, at most n v;
 - zbv: min(n + 1 + r, 2n, 2 pp);  dualpipev: 2 pp + 1 (it needs n >= 2 pp).
-One unit is one micro-batch through one stage of the rank.
+One unit is one micro-batch through one stage of the rank. A rank's stages need not hold the same blocks (the split
+gives the embedding's and the head's stages one block fewer): `held_blocks` weighs each held stage forward by its
+stage's blocks at the peak, replaying the order of the interleaved schedules (whose ranks alternate their stages
+every m micro-batches).
 """
 
 from __future__ import annotations
@@ -83,6 +86,50 @@ def in_flight(schedule: Schedule, pp: int, microbatches: int, rank: int) -> int:
     if name not in counts:
         raise ValueError(f"schedule {name!r}: the planner knows {sorted(counts)}")
     return counts[name]()
+
+
+def held_blocks(schedule: Schedule, pp: int, microbatches: int, rank: int, blocks: tuple[int, ...]) -> int:
+    """Blocks' activations (one micro-batch through one block each) pp rank `rank`, whose local stages hold
+    `blocks`, keeps at its peak. Exact for gpipe, 1f1b, looped_bfs and the interleaved 1F1B and zero-bubble
+    schedules (their order replayed); zbv and dualpipev: their in-flight count times the larger stage (a bound)."""
+    n, v = microbatches, schedule.stages_per_rank
+    if pp == 1:
+        return sum(blocks)  # one micro-batch through every block
+    if schedule.name == "looped_bfs":
+        return n * sum(blocks)
+    if schedule.name in ("interleaved_1f1b", "zero_bubble") and v > 1:
+        return _interleaved_peak(pp, n, rank, blocks, zero_bubble=schedule.name == "zero_bubble")
+    return in_flight(schedule, pp, n, rank) * max(blocks)
+
+
+def _interleaved_peak(pp: int, n: int, rank: int, blocks: tuple[int, ...], zero_bubble: bool) -> int:
+    """torch's interleaved order for one rank (schedules._get_1f1b_rank_ops; our replay, checked against torch's
+    pipeline_order in tests/unit/test_planner.py): forwards of local stage (op // m) mod v, backwards of stage
+    v - 1 - ((op - warm-up) // m) mod v; a stage forward's activations live until its full backward, or under zero
+    bubble until its weight-gradient pass, deferred until the rank's (rank + 1)-th backward."""
+    v = len(blocks)
+    m = n // max(1, n // pp)
+    warmup = min((v - 1) * m + (1 if zero_bubble else 2) * (pp - 1 - rank), n * v)
+    held = peak = 0
+    awaiting_weights: list[int] = []  # zero bubble: the stages whose input gradient ran and weight gradient not
+
+    def backward(op: int) -> None:
+        nonlocal held
+        stage = v - 1 - ((op - warmup) // m) % v
+        if not zero_bubble:
+            held -= blocks[stage]
+            return
+        awaiting_weights.append(stage)
+        if op - warmup >= rank:  # torch's num_1f1b_microbatches = rank: then one weight pass per backward
+            held -= blocks[awaiting_weights.pop(0)]
+
+    for op in range(n * v + warmup):
+        if op < n * v:
+            held += blocks[(op // m) % v]
+            peak = max(peak, held)
+        if op >= warmup:
+            backward(op)
+    return peak
 
 
 @dataclass(frozen=True)

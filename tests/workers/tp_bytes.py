@@ -2,6 +2,8 @@
 the zoo GPT and one decoder layer of transformers' Llama under lit-mesh's plans, forward and backward, with and
 without sequence parallelism. Bytes per rank (lit_mesh/monitor/comm.py) and calls per collective (torch's
 CommDebugMode) against Megatron's count; the block's output and gradients against the same block on one device.
+Under SP without AC a block keeps only the sequence shards of its gathered inputs and gathers them again in backward
+(lit_mesh/parallel/regather.py): bit-identical to keeping them whole, two all-gathers more, nothing whole kept.
 
 Usage: torchrun --nproc_per_node=2 tests/workers/tp_bytes.py OUT_DIR CHECK[,CHECK...]
 """
@@ -9,6 +11,7 @@ Usage: torchrun --nproc_per_node=2 tests/workers/tp_bytes.py OUT_DIR CHECK[,CHEC
 from __future__ import annotations
 
 import copy
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -17,10 +20,12 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.debug import CommDebugMode
 
+import lit_mesh.parallel.hidden_states as hidden_states
 from lit_mesh.hf.registry import plan_for
 from lit_mesh.mesh import MeshLayout, build_device_mesh
 from lit_mesh.monitor.comm import CollectiveBytes
 from lit_mesh.parallel.grid.bytes import BlockShape, bytes_1d
+from lit_mesh.parallel.regather import regather_in_backward
 from lit_mesh.parallel.tensor import apply_tensor_parallel
 from lit_mesh.plan import ParallelPlan
 from tests.workers.checks import Checks, arguments, assert_close_reduced
@@ -75,6 +80,70 @@ def sends_megatrons_bytes(
         assert_close_reduced(grad, ref_grads[name].grad, BATCH * SEQ, msg=name)
 
 
+def regathers_bit_identically(
+    model: nn.Module, plan: ParallelPlan, block_of: Callable[[nn.Module], nn.Module], dim: int, **kwargs
+) -> None:
+    """The same SP block with and without re-gathering in backward: the same output and gradients bit for bit, two
+    all-gathers more in backward, and no all-gathered tensor alive once the forward returns (one kept whole without
+    re-gathering: the check can tell). A kept shard modified in place fails the backward by name."""
+    plain = copy.deepcopy(model)
+    mesh = build_device_mesh(MeshLayout(tp=dist.get_world_size()), "cpu")["tp"]
+    for m in (model, plain):
+        apply_tensor_parallel(m, plan, mesh, True)
+    regather_in_backward(block_of(model))
+    generator = torch.Generator().manual_seed(2)
+    rank, p = dist.get_rank(), dist.get_world_size()
+    h = torch.randn(BATCH, SEQ, dim, generator=generator).chunk(p, dim=1)[rank]
+    grad_out = torch.randn(BATCH, SEQ, dim, generator=generator).chunk(p, dim=1)[rank]
+    noted = hidden_states.note_gathered
+    gathered: list[weakref.ref] = []
+    shards: list[DTensor] = []
+
+    def recording(shard: DTensor, whole: DTensor) -> None:
+        gathered.append(weakref.ref(whole._local_tensor))
+        shards.append(shard)
+        noted(shard, whole)
+
+    def step(m: nn.Module) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor], dict[str, int], int]:
+        gathered.clear()
+        shards.clear()
+        x = h.clone().requires_grad_()
+        with CommDebugMode() as calls:
+            out = block_of(m)(x, **kwargs)
+            alive = sum(ref() is not None for ref in gathered)
+            out.backward(grad_out)
+        counts = {str(op).split(".")[-1]: n for op, n in calls.get_comm_counts().items() if n}
+        grads = {
+            n: (q.grad.to_local() if isinstance(q.grad, DTensor) else q.grad).clone()
+            for n, q in block_of(m).named_parameters()
+        }
+        assert x.grad is not None and all(g is not None for g in grads.values())
+        return out, x.grad, grads, counts, alive
+
+    hidden_states.note_gathered = recording
+    try:
+        out, x_grad, grads, counts, alive = step(model)
+        assert len(gathered) == 2, f"{len(gathered)} gathered region inputs, want attention's and the MLP's"
+        want_out, want_x_grad, want_grads, want_counts, want_alive = step(plain)
+        shards.clear()
+        out_again = block_of(model)(h.clone().requires_grad_(), **kwargs)
+        with torch.no_grad():  # an in-place change of a kept shard after the forward
+            shards[0]._local_tensor.add_(0)
+        try:
+            out_again.backward(grad_out)
+            raise AssertionError("a kept shard changed in place was re-gathered without an error")
+        except RuntimeError as e:
+            assert "modified in place" in str(e), e
+    finally:
+        hidden_states.note_gathered = noted
+    assert torch.equal(out, want_out) and torch.equal(x_grad, want_x_grad)
+    for name, grad in grads.items():
+        assert torch.equal(grad, want_grads[name]), f"{name}: gradient differs with re-gathering"
+    assert alive == 0 and want_alive == 2, f"gathered tensors alive after forward: {alive} (kept whole: {want_alive})"
+    more = {op: n - want_counts.get(op, 0) for op, n in counts.items() if n != want_counts.get(op, 0)}
+    assert more == {"all_gather_into_tensor": 2}, f"re-gathering changed the collectives by {more}"
+
+
 def zoo_gpt_block(sp: bool) -> None:
     torch.manual_seed(0)
     model = GPT(GPT_CONFIG)
@@ -91,6 +160,25 @@ def hf_llama_layer(sp: bool) -> None:
     rope = model.model.rotary_emb(torch.zeros(1, SEQ, dim), torch.arange(SEQ)[None])
     # layer 1: the plan shards layer 0's input over the sequence ("shard_input"), the others get it sharded
     sends_megatrons_bytes(model, plan_for(model), lambda m: m.model.layers[1], dim, sp, position_embeddings=rope)
+
+
+@check
+def zoo_gpt_block_regathered() -> None:
+    torch.manual_seed(0)
+    model = GPT(GPT_CONFIG)
+    rope = rope_cos_sin(torch.arange(SEQ), GPT_CONFIG.head_dim, GPT_CONFIG.rope_theta)
+    regathers_bit_identically(model, model.parallel_plan(), lambda m: m.layers[0], GPT_CONFIG.dim, rope=rope)
+
+
+@check
+def hf_llama_layer_regathered() -> None:
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(tiny_config("llama"))
+    dim = model.config.hidden_size
+    rope = model.model.rotary_emb(torch.zeros(1, SEQ, dim), torch.arange(SEQ)[None])
+    regathers_bit_identically(model, plan_for(model), lambda m: m.model.layers[1], dim, position_embeddings=rope)
 
 
 @check
