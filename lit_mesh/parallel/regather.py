@@ -12,7 +12,8 @@ a transformers model's own Conv1D), FSDP2 and the TP styles see nothing new, and
 known by construction: the storage of each tensor the gather_input style all-gathered inside the block's forward
 (`note_gathered`), not guessed from shapes. Whatever else autograd saves passes through untouched.
 Checkpointed blocks are left alone (AC recomputes them, and its own hooks must see every saved tensor), and so are
-compiled blocks (the gather then happens inside the compiled graph, where no hook can name its output).
+compiled blocks (the gather then happens inside the compiled graph, where no hook can name its output). Saved-tensor
+hooks around the block (the user's save_on_cpu, a memory probe) still get every other tensor the block saves.
 
 NCCL: the re-gathers run inside autograd's backward of the block, each at the first node that unpacks its tensor.
 Every tp rank runs the same graph (the same modules on the same sequence length), and autograd's engine orders
@@ -91,25 +92,40 @@ class _Saved:
 
 
 @dataclass
-class _Scope:
-    """One block forward: the tensors gathered in it so far."""
+class _Outer:
+    """A tensor packed by the hooks around the block (e.g. the user's torch.autograd.graph.save_on_cpu)."""
 
+    packed: Any
+    unpack: Any
+
+
+@dataclass
+class _Scope:
+    """One block forward: the tensors gathered in it so far, and the saved-tensor hooks around the block (this
+    scope's hooks hide them inside the block: every tensor that is not a gathered one is handed to them)."""
+
+    outer: tuple[Any, Any] | None = None
     gathered: list[_Gathered] = field(default_factory=list)
 
     def pack(self, t: torch.Tensor) -> Any:
-        local = t._local_tensor if isinstance(t, DTensor) else t
-        if t.device.type == "meta" or not self.gathered:
-            return t
-        pointer = _storage_pointer(local)
-        source = next((g for g in self.gathered if g.whole is not None and g.storage == pointer), None)
+        source = self._gathered_source(t)
         if source is None:
-            return t
+            return t if self.outer is None else _Outer(self.outer[0](t), self.outer[1])
         source.saved += 1
+        local = t._local_tensor if isinstance(t, DTensor) else t
         spec = (t.device_mesh, t.placements, t.shape, t.stride()) if isinstance(t, DTensor) else None
         return _Saved(source, local.shape, local.stride(), int(local.storage_offset()), spec)
 
+    def _gathered_source(self, t: torch.Tensor) -> _Gathered | None:
+        if t.device.type == "meta" or not self.gathered:
+            return None
+        pointer = _storage_pointer(t._local_tensor if isinstance(t, DTensor) else t)
+        return next((g for g in self.gathered if g.whole is not None and g.storage == pointer), None)
+
 
 def _unpack(packed: Any) -> Any:
+    if isinstance(packed, _Outer):
+        return packed.unpack(packed.packed)
     if not isinstance(packed, _Saved):
         return packed
     local = packed.source.gather().as_strided(packed.size, packed.stride, packed.offset)
@@ -127,22 +143,30 @@ def note_gathered(shard: DTensor, gathered: DTensor) -> None:
         return
     scopes = getattr(_SCOPES, "stack", None)
     pointer = _storage_pointer(gathered._local_tensor)  # None: a pending collective's result, left as it is
-    if scopes and pointer is not None and pointer != _storage_pointer(shard._local_tensor):  # tp = 1: no gather
-        scopes[-1][0].gathered.append(_Gathered(shard, gathered, pointer))
+    innermost = scopes[-1] if scopes else None
+    if innermost is not None and pointer is not None and pointer != _storage_pointer(shard._local_tensor):  # tp > 1
+        innermost[0].gathered.append(_Gathered(shard, gathered, pointer))
 
 
 def _enter(_module: nn.Module, _args: tuple) -> None:
-    scope = _Scope()
-    hooks = torch.autograd.graph.saved_tensors_hooks(scope.pack, _unpack)
-    hooks.__enter__()
     stack = getattr(_SCOPES, "stack", None)
     if stack is None:
         stack = _SCOPES.stack = []
+    if not torch._C._autograd._saved_tensors_hooks_is_enabled():  # type: ignore[attr-defined]  # disabled: keep whole
+        stack.append(None)
+        return
+    # the hooks around the block, if any (torch has no public way to read them)
+    scope = _Scope(outer=torch._C._autograd._top_saved_tensors_default_hooks(False))
+    hooks = torch.autograd.graph.saved_tensors_hooks(scope.pack, _unpack)
+    hooks.__enter__()
     stack.append((scope, hooks))
 
 
 def _exit(_module: nn.Module, _args: tuple, _output: Any) -> None:
-    scope, hooks = _SCOPES.stack.pop()
+    entry = _SCOPES.stack.pop()
+    if entry is None:
+        return
+    scope, hooks = entry
     hooks.__exit__(None, None, None)
     for gathered in scope.gathered:  # the forward is done with them: backward gathers them again
         gathered.whole = None

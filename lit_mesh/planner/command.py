@@ -293,13 +293,15 @@ STEP_LIMIT_BYTES = 2 * 2**30  # a real step of the rank runs here only below thi
 def check_step(c: Candidate, config: Any, shapes: Any) -> dict[str, Any]:
     """Counted vs estimated bytes per mesh dim and operation, and held activations, of one real step of rank 0
     (one micro-batch; under pp the schedule over its fewest micro-batches, activations not measured) over the fake
-    process group; or why it was not run."""
+    process group; under pp also the unsharded gradients held through the schedule, and the same for one rank of
+    every other stage that can be the worst (each in a process of its own: lit_mesh.planner.step_process); or why
+    it was not run."""
     from dataclasses import replace
 
     from lit_mesh.parallel.pipeline.schedules import PipelineSettings
     from lit_mesh.planner.fake_step import fake_step
-    from lit_mesh.planner.memory import activation_parts
-    from lit_mesh.planner.traffic import comm_bytes
+    from lit_mesh.planner.memory import activation_parts, first_rank_of_stage, ranks_to_check
+    from lit_mesh.planner.step_process import step_in_process
 
     if c.memory["total"] > STEP_LIMIT_BYTES:
         return {
@@ -311,19 +313,35 @@ def check_step(c: Candidate, config: Any, shapes: Any) -> dict[str, Any]:
         else PipelineSettings(c.schedule.name, None, c.schedule.stages_per_rank).n_microbatches(c.layout.pp)
     )
     work = replace(c.work, global_batch=c.work.micro_batch * c.layout.dp * n)
+    mb, seq, zero, schedule = work.micro_batch, work.seq_len, c.zero_stage, c.schedule
     counts = fake_step(
-        config,
-        c.layout,
-        work.micro_batch,
-        work.seq_len,
-        0,
-        c.precision,
-        c.ac,
-        zero_stage=c.zero_stage,
-        schedule=c.schedule,
-        microbatches=n,
+        config, c.layout, mb, seq, 0, c.precision, c.ac, zero_stage=zero, schedule=schedule, microbatches=n
     )
-    estimate = comm_bytes(shapes, c.layout, work, c.precision, c.ac, zero_stage=c.zero_stage, schedule=c.schedule)
+    # the CPU step runs torch's composite rms_norm (the planner's own estimate assumes CUDA's fused kernel)
+    check: dict[str, Any] = {"microbatches": n, **_rank_check(c, shapes, work, 0, counts)}
+    if counts.activations is not None:
+        held = activation_parts(shapes, c.layout, work, c.precision, c.ac, 0, fused_norm=False)["held"]
+        check["activations"] = {"counted": counts.activations, "estimated": held}
+    if c.layout.pp > 1:
+        check["later_ranks"] = []
+        for stage in (s for s in ranks_to_check(shapes, c.layout.pp, schedule, n) if s != 0):
+            rank = first_rank_of_stage(c.layout, stage)
+            later_counts = step_in_process(
+                config, c.layout, mb, seq, rank, c.precision, c.ac, zero_stage=zero, schedule=schedule, microbatches=n
+            )
+            check["later_ranks"].append(_rank_check(c, shapes, work, stage, later_counts))
+    return check
+
+
+def _rank_check(c: Candidate, shapes: Any, work: Any, stage: int, counts: Any) -> dict[str, Any]:
+    """One stepped rank's counted bytes (and, under pp, unsharded gradients) beside the planner's estimates."""
+    from lit_mesh.planner.memory import accumulated_grad_bytes, first_rank_of_stage
+    from lit_mesh.planner.pipeline_model import gradients_exact
+    from lit_mesh.planner.traffic import comm_bytes
+
+    estimate = comm_bytes(
+        shapes, c.layout, work, c.precision, c.ac, zero_stage=c.zero_stage, stage=stage, schedule=c.schedule
+    )
     rows = [
         {
             "dim": dim,
@@ -334,11 +352,16 @@ def check_step(c: Candidate, config: Any, shapes: Any) -> dict[str, Any]:
         for dim in sorted({*counts.bytes, *estimate})
         for op in sorted({*counts.bytes.get(dim, {}), *estimate.get(dim, {})})
     ]
-    # the CPU step runs torch's composite rms_norm (the planner's own estimate assumes CUDA's fused kernel)
-    check: dict[str, Any] = {"bytes": rows, "microbatches": n, "seconds": counts.seconds}
-    if counts.activations is not None:
-        held = activation_parts(shapes, c.layout, work, c.precision, c.ac, 0, fused_norm=False)["held"]
-        check["activations"] = {"counted": counts.activations, "estimated": held}
+    check: dict[str, Any] = {
+        "rank": first_rank_of_stage(c.layout, stage),
+        "stage": stage,
+        "bytes": rows,
+        "seconds": counts.seconds,
+    }
+    if counts.accumulated_grads is not None:
+        grads = accumulated_grad_bytes(shapes, c.layout, work, c.precision, stage, schedule=c.schedule)
+        bound = not gradients_exact(c.schedule)  # the estimate is every local stage's at once
+        check["accumulated_grads"] = {"counted": counts.accumulated_grads, "estimated": grads, "bound": bound}
     return check
 
 
@@ -347,12 +370,32 @@ def _within(counted: float, estimated: float, tolerance: float) -> bool:
 
 
 def print_step_check(check: dict[str, Any]) -> bool:
-    """Prints the comparison; True when every byte term is within 5% and the activations within 10%."""
+    """Prints the comparison; True when every byte term is within 5%, the activations within 10% and, under pp,
+    the unsharded gradients held through the schedule within 5%."""
     if "skipped" in check:
         print(f"\none real step: not run ({check['skipped']})")
         return True
     micro = f", {check['microbatches']} micro-batches through the pipeline" if check["microbatches"] > 1 else ""
     print(f"\none real step of rank 0 over the fake process group ({check['seconds']:.1f} s{micro}), bytes per step:")
+    good = _print_rank(check)
+    a = check.get("activations")
+    if a is None:  # a pipeline's forwards and backwards interleave: no one point where the forward is done
+        print("  activations: not measured under pp")
+    else:
+        ok = _within(a["counted"], a["estimated"], 0.10)
+        good &= ok
+        print(
+            f"  activations held into backward: counted {a['counted']:,} estimated {a['estimated']:,}{'' if ok else '  DIFFERS'}"
+        )
+    for later in check.get("later_ranks", ()):
+        print(
+            f"one real step of rank {later['rank']} (pp stage {later['stage']}, its own process, {later['seconds']:.1f} s):"
+        )
+        good &= _print_rank(later)
+    return good
+
+
+def _print_rank(check: dict[str, Any]) -> bool:
     good = True
     for r in check["bytes"]:
         ok = _within(r["counted"], r["estimated"], 0.05)
@@ -360,15 +403,15 @@ def print_step_check(check: dict[str, Any]) -> bool:
         print(
             f"  {r['dim']:>12} {r['op']:<14} counted {r['counted']:>14,} estimated {r['estimated']:>14,.0f}{'' if ok else '  DIFFERS'}"
         )
-    a = check.get("activations")
-    if a is None:  # a pipeline's forwards and backwards interleave: no one point where the forward is done
-        print("  activations: not measured under pp")
-        return good
-    ok = _within(a["counted"], a["estimated"], 0.10)
-    print(
-        f"  activations held into backward: counted {a['counted']:,} estimated {a['estimated']:,}{'' if ok else '  DIFFERS'}"
-    )
-    return good and ok
+    g = check.get("accumulated_grads")
+    if g is not None:  # a bound (V schedules): the count may be lower
+        ok = _within(g["counted"], g["estimated"], 0.05) or (g["bound"] and g["counted"] <= g["estimated"])
+        good &= ok
+        print(
+            f"  unsharded gradients held through the schedule: counted {g['counted']:,} estimated {g['estimated']:,}"
+            f"{' (at most)' if g['bound'] else ''}{'' if ok else '  DIFFERS'}"
+        )
+    return good
 
 
 def summary(c: Candidate) -> dict[str, Any]:

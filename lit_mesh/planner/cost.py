@@ -53,7 +53,7 @@ from lit_mesh.planner.memory import (
     fullest_state_numel,
     unsharded_numel,
 )
-from lit_mesh.planner.pipeline_model import Schedule, bubble_fraction, rank_stages  # noqa: F401  (re-exported)
+from lit_mesh.planner.pipeline_model import Schedule, bubble_fraction, rank_stages, regathers  # noqa: F401  (re-exported)
 from lit_mesh.planner.shapes import ModelShapes, ParamShape
 
 CALIBRATION = Path(__file__).with_name("calibration.yaml")
@@ -290,8 +290,8 @@ def step_time(
         # gathers twice again and stops before the last reduce-scatter, selective's gathers twice again; without AC
         # backward gathers the two sequence-parallel inputs again (lit_mesh/parallel/regather.py: eager blocks only;
         # each waited on by the matmul right after it, so exposed) (lit_mesh/planner/traffic.py, as counted)
-        regathers = 0 if features.compile else 2
-        collectives = 8 + {"none": regathers, "selective": 2, "full": 3}[ac]
+        regathered = 2 if regathers(features.schedule, layout.pp) and not features.compile else 0
+        collectives = 8 + {"none": regathered, "selective": 2, "full": 3}[ac]
         hidden = all_gather_time(tokens * c.dim * act, layout.tp, tp_link)
         per_block = collectives * hidden
         # the stage's ends: without pp the embedding's output is reduce-scattered and the head's input gathered

@@ -19,7 +19,9 @@ pickled objects), which fake ranks cannot answer: each stage is given them inste
 of one micro-batch without autograd; every stage after the first takes the hidden states (lit_mesh cuts the model
 between blocks: `stage_boundary`), so the step runs a rank of any stage.
 The vote's ones say every stage has static shapes, as each rank of this simulation does. Activations are not
-measured under pp: forwards and backwards interleave, so no one point holds what the forward keeps.
+measured under pp: forwards and backwards interleave, so no one point holds what the forward keeps. What is measured
+under pp: the unsharded gradients FSDP2 holds when the schedule reduces them (torch's stages run every backward
+without gradient sync and reduce once at the end: `accumulated_grads`, the planner's FSDP buffers term).
 
 Activations: the bytes of the storages the forward and the loss create that are still alive when backward starts
 (what the step holds into backward: autograd's saved tensors, checkpointed blocks' inputs, the logits), without
@@ -190,6 +192,7 @@ class StepCounts:
     bytes: dict[str, dict[str, int]] = field(default_factory=dict)  # mesh dim -> operation -> bytes
     calls: dict[str, dict[str, int]] = field(default_factory=dict)
     activations: int | None = None  # held into backward (module doc); None: not measured (pp)
+    accumulated_grads: int | None = None  # pp: FSDP2's unsharded gradients at the schedule's reduce, at most
     seconds: float = 0.0
 
 
@@ -268,7 +271,7 @@ def fake_step(
                 examples = _stage_examples(done.stages or [], tokens, boundary)
             runner = _StaticShapesRunner(examples, done, options.pipeline, views[MeshAxis.PP].get_group(), root)
             batch = tokens.repeat(microbatches, 1)  # the schedule's micro-batches, each of this rank's shape
-            with counter:
+            with counter, _unsharded_grads_at_reduce(done.stages or []) as accumulated:
                 runner.begin_step(accumulation=1)
                 with _autocast(precision):
                     loss = runner.train(cross_entropy, batch, batch)
@@ -284,13 +287,37 @@ def fake_step(
                 loss.backward()
                 torch.optim.AdamW(root.parameters(), foreach=True).step()
         names = dim_of_groups(views)
-    counts = StepCounts(activations=held)
+    counts = StepCounts(activations=held, accumulated_grads=accumulated[0] if layout.pp > 1 else None)
     for (group, op), n in counter.bytes.items():
         dim = names.get(group, f"group {group}")
         counts.bytes.setdefault(dim, {})[op] = counts.bytes.get(dim, {}).get(op, 0) + n
         counts.calls.setdefault(dim, {})[op] = counts.calls.get(dim, {}).get(op, 0) + counter.calls[(group, op)]
     counts.seconds = round(time.perf_counter() - start, 3)
     return counts
+
+
+@contextmanager
+def _unsharded_grads_at_reduce(stages: list[Stage]) -> Iterator[list[int]]:
+    """[the most bytes of unsharded gradients FSDP2 holds on this rank's stages when a stage's reduce starts]."""
+    most = [0]
+    reduce = PipelineStage.perform_reduce_grad
+
+    def measured(stage: PipelineStage, *args: Any, **kwargs: Any) -> Any:
+        held = 0
+        for module in (m for s in stages for m in s.module.modules() if isinstance(m, FSDPModule)):
+            group = module._get_fsdp_state()._fsdp_param_group  # FSDP2's internals: no public view of these
+            for fsdp_param in group.fsdp_params if group is not None else ():
+                unsharded = getattr(fsdp_param, "_unsharded_param", None)
+                for grad in (fsdp_param.unsharded_accumulated_grad, getattr(unsharded, "grad", None)):
+                    held += _nbytes(local_tensor(grad)) if grad is not None else 0  # tp: this rank's part
+        most[0] = max(most[0], held)
+        return reduce(stage, *args, **kwargs)
+
+    setattr(PipelineStage, "perform_reduce_grad", measured)  # noqa: B010 - for this step only
+    try:
+        yield most
+    finally:
+        delattr(PipelineStage, "perform_reduce_grad")  # torch's own, inherited, again
 
 
 def _build(

@@ -21,7 +21,14 @@ from dataclasses import dataclass
 
 from lit_mesh.loss import CHUNK_ROWS
 from lit_mesh.mesh import MeshLayout
-from lit_mesh.planner.pipeline_model import ONE_F_ONE_B, Schedule, held_blocks, rank_stages
+from lit_mesh.planner.pipeline_model import (
+    ONE_F_ONE_B,
+    Schedule,
+    held_blocks,
+    held_gradients,
+    rank_stages,
+    regathers,
+)
 from lit_mesh.planner.shapes import ModelShapes, ParamShape
 from lit_mesh.planner.vocabulary import AC_MODES, PRECISION_BYTES  # noqa: F401  (re-exported)
 
@@ -256,7 +263,8 @@ def activation_parts(
     tokens = work.tokens_per_microbatch(layout)
     stages = rank_stages(shapes.n_blocks, layout.pp, schedule)[stage]
     held = held_blocks(schedule, layout.pp, work.microbatches(layout), stage, stages.blocks)
-    block = block_activation_elements_per_token(shapes, layout.tp, ac, b, fused_norm) * b
+    regathered = regathers(schedule, layout.pp)
+    block = block_activation_elements_per_token(shapes, layout.tp, ac, b, fused_norm, regathered) * b
     if b < 4:  # each block casts RoPE's cos and sin (T x head_dim in all) to the compute dtype
         block += shapes.config.head_dim / work.micro_batch * b
     if ac == "selective" and layout.cp > 1 and cp_style == "ring":  # the ring's blocks (doc)
@@ -266,7 +274,7 @@ def activation_parts(
     transient = 0.0
     if ac == "full":  # the block being recomputed holds everything once (a checkpointed block re-gathers nothing)
         transient += block_activation_elements_per_token(shapes, layout.tp, "none", b, fused_norm, False) * b
-    elif ac == "none" and layout.tp > 1:  # backward re-gathers one region's input whole at a time (regather.py)
+    elif ac == "none" and layout.tp > 1 and regathered:  # backward re-gathers one region's input at a time
         transient += shapes.config.dim * b
     if stages.first and layout.tp > 1:  # the embedding's reduce-scattered output: the collective's and autograd's
         per_token += 2 * shapes.config.dim / layout.tp * b
@@ -295,7 +303,8 @@ def buffer_bytes(
     """FSDP2's transient unsharded copies in the compute dtype: without pp two blocks' parameters (computing +
     prefetched); under pp every block of the rank's stages (lit_mesh.parallel.data keeps them gathered from the
     first forward to the schedule's last backward); the stage roots' (embedding / head, kept from forward to
-    backward); plus one block's unsharded fp32 gradient before its reduce-scatter. Nothing without sharding."""
+    backward); without pp plus one block's unsharded fp32 gradient before its reduce-scatter (under pp:
+    accumulated_grad_bytes, which depends on the micro-batches). Nothing without sharding."""
     if fsdp_degree(layout) == 1:
         return 0
     gather = PRECISION_BYTES[precision]["gather"]
@@ -304,7 +313,51 @@ def buffer_bytes(
     gathered = stages.total_blocks if layout.pp > 1 else 2
     root = [*(shapes.first if stages.first else ()), *(shapes.last if stages.last else ())]
     root_numel = sum(unsharded_numel(p, layout) for p in root)
-    return int(gathered * block * gather + root_numel * gather + block * 4)
+    reduced = block * 4 if layout.pp == 1 else 0  # under pp: accumulated_grad_bytes
+    return int(gathered * block * gather + root_numel * gather + reduced)
+
+
+def accumulated_grad_bytes(
+    shapes: ModelShapes,
+    layout: MeshLayout,
+    work: Workload,
+    precision: str,
+    stage: int,
+    *,
+    schedule: Schedule = ONE_F_ONE_B,
+) -> int:
+    """Under pp with FSDP: the unsharded gradients of pp rank `stage`'s blocks and roots. torch's pipeline stage
+    runs each backward but the last without gradient sync (stage.backward_maybe_with_nosync), so FSDP2 accumulates
+    them unsharded, in its reduce dtype (fp32 under bf16-mixed), each local stage's from its first backward to the
+    reduce after its last (pipeline_model.held_gradients)."""
+    sizes = stage_gradient_numels(shapes, layout, stage, schedule)
+    if not sizes:
+        return 0
+    held = held_gradients(schedule, layout.pp, work.microbatches(layout), stage, sizes)
+    return int(held * PRECISION_BYTES[precision]["grad"])
+
+
+def stage_gradient_numels(shapes: ModelShapes, layout: MeshLayout, stage: int, schedule: Schedule) -> tuple[int, ...]:
+    """Unsharded gradient elements of each local stage of pp rank `stage` under pp with FSDP (else none)."""
+    if fsdp_degree(layout) == 1 or layout.pp == 1:
+        return ()
+    stages = rank_stages(shapes.n_blocks, layout.pp, schedule)[stage]
+    block = sum(unsharded_numel(p, layout) for p in shapes.block)
+    sizes = [blocks * block for blocks in stages.blocks]  # per local stage, ascending: the embedding's is the first
+    if stages.first:
+        sizes[0] += sum(_gradient_numel(p, layout) for p in shapes.first)
+    if stages.last:  # the head's stage: a rank's last (looped) or first (V: rank 0 holds stages 0 and 2pp - 1)
+        sizes[-1] += sum(_gradient_numel(p, layout) for p in shapes.last)
+    return tuple(sizes)
+
+
+def _gradient_numel(p: ParamShape, layout: MeshLayout) -> int:
+    """The unsharded gradient's elements: the parameter's tp piece, except an embedding's under RowwiseParallel,
+    which DTensor's embedding backward gives whole (Replicate over tp; FSDP2 cuts it to the shard when it reduces),
+    as the fake step measures."""
+    if p.is_embedding and p.tp_style in ROWWISE:
+        return local_numel(p, 1, 0, layout.ep if p.expert else 1, 0, layout.ep)
+    return unsharded_numel(p, layout)
 
 
 def zero_stage_bytes(shapes: ModelShapes, layout: MeshLayout, work: Workload, precision: str) -> dict[str, int]:
@@ -341,12 +394,12 @@ def ranks_to_check(shapes: ModelShapes, pp: int, schedule: Schedule, microbatche
 
 
 # (shapes, state bytes, FSDP buffer bytes) per rank: neither depends on the micro-batch or AC, which the search varies
-_STATE_CACHE: dict[tuple, tuple[ModelShapes, dict[str, int], int]] = {}
+_STATE_CACHE: dict[tuple, tuple[ModelShapes, dict[str, int], int, tuple[int, ...]]] = {}
 
 
 def _cached_state(
     shapes: ModelShapes, layout: MeshLayout, precision: str, stage: int, schedule: Schedule
-) -> tuple[dict[str, int], int]:
+) -> tuple[dict[str, int], int, tuple[int, ...]]:
     key = (id(shapes), layout, precision, stage, schedule)
     hit = _STATE_CACHE.get(key)
     if hit is None or hit[0] is not shapes:
@@ -354,8 +407,9 @@ def _cached_state(
             _STATE_CACHE.clear()
         rank = first_rank_of_stage(layout, stage)
         state = state_bytes(shapes, layout, precision, rank, schedule=schedule)
-        hit = _STATE_CACHE[key] = (shapes, state, buffer_bytes(shapes, layout, precision, stage, schedule=schedule))
-    return hit[1], hit[2]
+        buffers = buffer_bytes(shapes, layout, precision, stage, schedule=schedule)
+        hit = _STATE_CACHE[key] = (shapes, state, buffers, stage_gradient_numels(shapes, layout, stage, schedule))
+    return hit[1], hit[2], hit[3]
 
 
 _FULLEST_CACHE: dict[tuple, tuple[ModelShapes, int]] = {}
@@ -390,9 +444,12 @@ def rank_memory(
     """The worst pp rank's bytes by component (the first rank of each pp slice holds the most); "stage" names it."""
     worst: dict[str, int] = {}
     for stage in ranks_to_check(shapes, layout.pp, schedule, work.microbatches(layout)):
-        state, buffers = _cached_state(shapes, layout, precision, stage, schedule)
+        state, buffers, grad_numels = _cached_state(shapes, layout, precision, stage, schedule)
         m = dict(state)
         m["activations"] = activation_bytes(shapes, layout, work, precision, ac, stage, schedule=schedule)
+        if grad_numels:  # under pp: the unsharded gradients held through the schedule (accumulated_grad_bytes)
+            held = held_gradients(schedule, layout.pp, work.microbatches(layout), stage, grad_numels)
+            buffers += held * PRECISION_BYTES[precision]["grad"]
         m["buffers"] = buffers
         if zero_stage < 3 and fsdp_degree(layout) > 1:
             zero = zero_stage_bytes(shapes, layout, work, precision)

@@ -18,6 +18,7 @@ every m micro-batches).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -88,6 +89,7 @@ def in_flight(schedule: Schedule, pp: int, microbatches: int, rank: int) -> int:
     return counts[name]()
 
 
+@lru_cache(maxsize=65536)  # the search asks for every rank of every option
 def held_blocks(schedule: Schedule, pp: int, microbatches: int, rank: int, blocks: tuple[int, ...]) -> int:
     """Blocks' activations (one micro-batch through one block each) pp rank `rank`, whose local stages hold
     `blocks`, keeps at its peak. Exact for gpipe, 1f1b, looped_bfs and the interleaved 1F1B and zero-bubble
@@ -102,33 +104,72 @@ def held_blocks(schedule: Schedule, pp: int, microbatches: int, rank: int, block
     return in_flight(schedule, pp, n, rank) * max(blocks)
 
 
-def _interleaved_peak(pp: int, n: int, rank: int, blocks: tuple[int, ...], zero_bubble: bool) -> int:
+def _interleaved_order(pp: int, n: int, rank: int, v: int, zero_bubble: bool) -> Iterator[tuple[str, int]]:
     """torch's interleaved order for one rank (schedules._get_1f1b_rank_ops; our replay, checked against torch's
-    pipeline_order in tests/unit/test_planner.py): forwards of local stage (op // m) mod v, backwards of stage
-    v - 1 - ((op - warm-up) // m) mod v; a stage forward's activations live until its full backward, or under zero
-    bubble until its weight-gradient pass, deferred until the rank's (rank + 1)-th backward."""
-    v = len(blocks)
+    pipeline_order in tests/unit/test_planner.py), as (action, local stage): "F" forwards of stage (op // m) mod v,
+    "B" backwards of stage v - 1 - ((op - warm-up) // m) mod v (zero bubble: input gradients only), and under zero
+    bubble "W" weight-gradient passes, deferred until the rank's (rank + 1)-th backward."""
     m = n // max(1, n // pp)
     warmup = min((v - 1) * m + (1 if zero_bubble else 2) * (pp - 1 - rank), n * v)
-    held = peak = 0
-    awaiting_weights: list[int] = []  # zero bubble: the stages whose input gradient ran and weight gradient not
-
-    def backward(op: int) -> None:
-        nonlocal held
-        stage = v - 1 - ((op - warmup) // m) % v
-        if not zero_bubble:
-            held -= blocks[stage]
-            return
-        awaiting_weights.append(stage)
-        if op - warmup >= rank:  # torch's num_1f1b_microbatches = rank: then one weight pass per backward
-            held -= blocks[awaiting_weights.pop(0)]
-
+    awaiting_weights: list[int] = []
     for op in range(n * v + warmup):
         if op < n * v:
-            held += blocks[(op // m) % v]
-            peak = max(peak, held)
+            yield "F", (op // m) % v
         if op >= warmup:
-            backward(op)
+            stage = v - 1 - ((op - warmup) // m) % v
+            yield "B", stage
+            if zero_bubble:
+                awaiting_weights.append(stage)
+                if op - warmup >= rank:  # torch's num_1f1b_microbatches = rank: then one weight pass per backward
+                    yield "W", awaiting_weights.pop(0)
+    for stage in awaiting_weights:
+        yield "W", stage
+
+
+def _interleaved_peak(pp: int, n: int, rank: int, blocks: tuple[int, ...], zero_bubble: bool) -> int:
+    """A stage forward's activations live until its full backward, or under zero bubble its weight-gradient pass."""
+    held = peak = 0
+    for action, stage in _interleaved_order(pp, n, rank, len(blocks), zero_bubble):
+        if action == "F":
+            held += blocks[stage]
+            peak = max(peak, held)
+        elif action == ("W" if zero_bubble else "B"):
+            held -= blocks[stage]
+    return peak
+
+
+def gradients_exact(schedule: Schedule) -> bool:
+    """Whether held_gradients replays the schedule (else it bounds it)."""
+    return schedule.stages_per_rank == 1 or schedule.name in ("interleaved_1f1b", "zero_bubble")
+
+
+@lru_cache(maxsize=65536)
+def held_gradients(schedule: Schedule, pp: int, microbatches: int, rank: int, sizes: tuple[int, ...]) -> int:
+    """The most of `sizes` (one per local stage: its unsharded gradients) pp rank `rank` holds at once: a stage's
+    gradients live from its first gradient pass (full backward, or weight pass) to its last, after which torch's
+    schedule reduces them (schedules._add_reduce_grad). Exact for one stage per rank and the interleaved 1F1B and
+    zero-bubble schedules (replayed); the other multi-stage schedules: every stage's at once (a bound)."""
+    v = len(sizes)
+    if v == 1:
+        return sizes[0]
+    if not gradients_exact(schedule):
+        return sum(sizes)
+    zero_bubble = schedule.name == "zero_bubble"
+    kind = "W" if zero_bubble else "B"
+    passes = [stage for action, stage in _interleaved_order(pp, microbatches, rank, v, zero_bubble) if action == kind]
+    first: dict[int, int] = {}
+    last: dict[int, int] = {}
+    for i, stage in enumerate(passes):
+        first.setdefault(stage, i)
+        last[stage] = i
+    change = [0] * (len(passes) + 1)  # alive from its first pass through its last
+    for stage, i in first.items():
+        change[i] += sizes[stage]
+        change[last[stage] + 1] -= sizes[stage]
+    alive = peak = 0
+    for delta in change:
+        alive += delta
+        peak = max(peak, alive)
     return peak
 
 
@@ -173,6 +214,12 @@ def schedules_for(pp: int, n_blocks: int, ac: str) -> list[Schedule]:
     if 2 * pp <= n_blocks:
         out += [Schedule("zbv", 2), Schedule("dualpipev", 2)]
     return [s for s in out if ac == "none" or s.name not in SPLIT_BACKWARD]
+
+
+def regathers(schedule: Schedule, pp: int) -> bool:
+    """Whether blocks without AC re-gather their sequence-parallel inputs in backward: not under a split backward,
+    which unpacks each saved tensor twice (lit_mesh/parallel/apply.py, lit_mesh/parallel/regather.py)."""
+    return pp == 1 or schedule.name not in SPLIT_BACKWARD
 
 
 def microbatches_refused(schedule: Schedule, pp: int, microbatches: int) -> str | None:

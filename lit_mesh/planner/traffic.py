@@ -23,8 +23,8 @@ a reduce-scatter: its input; an all-reduce: its tensor; an all-to-all: what this
 - ep: dispatch and combine of the routed copies (top_k per token of the whole micro-batch), forward and backward,
   plus the token counts.
 - pp: per micro-batch, each local stage receives its input and sends its output forward (but the model's first
-  input and last output), and the gradients the other way backward: a (micro-batch, T/cp/tp, dim) tensor each; the
-  step's loss broadcast from the last stage.
+  input and last output, and in a V the handoff between the two stages of the last pp rank), and the gradients
+  the other way backward: a (micro-batch, T/cp/tp, dim) tensor each; the step's loss broadcast from the last stage.
 """
 
 from __future__ import annotations
@@ -32,8 +32,9 @@ from __future__ import annotations
 from collections import defaultdict
 
 from lit_mesh.mesh import MeshLayout
+from lit_mesh.parallel.pipeline.schedules import SCHEDULES
 from lit_mesh.planner.memory import ROWWISE, Workload, chunk, fsdp_degree, unsharded_numel
-from lit_mesh.planner.pipeline_model import ONE_F_ONE_B, Schedule, rank_stages
+from lit_mesh.planner.pipeline_model import ONE_F_ONE_B, Schedule, rank_stages, regathers
 from lit_mesh.planner.shapes import ModelShapes, ParamShape
 from lit_mesh.planner.vocabulary import PRECISION_BYTES
 
@@ -120,6 +121,8 @@ def comm_bytes(
         # selective AC keeps no all-gather output: its recompute gathers twice again too; without AC a block keeps
         # only the shards of its two gathered inputs and gathers them again in backward (lit_mesh/parallel/regather.py)
         again = {"all_gather": per_pass, "reduce_scatter": blocks * hidden} if recompute else {"all_gather": per_pass}
+        if ac == "none" and not regathers(schedule, layout.pp):  # a split backward keeps them whole
+            again = {}
         for op in ("all_gather", "reduce_scatter"):
             out["tp"][op] += n_micro * (2 * per_pass + again.get(op, 0) + ends * hidden)
         if stages.last and layout.pp > 1:  # a pipeline's head gathers the logits over the vocabulary
@@ -153,6 +156,8 @@ def comm_bytes(
         message = tokens // layout.tp * c.dim * act  # sequence parallel: the boundary's activation is /tp
         # each local stage receives its input and sends its output, but the first and the last stage of the model
         edges = 2 * len(stages.blocks) - (1 if stages.first else 0) - (1 if stages.last else 0)
+        if SCHEDULES[schedule.name][2] == "v" and stage == layout.pp - 1:  # stages pp - 1 and pp: a local handoff
+            edges -= 2
         out["pp"]["send"] += n_micro * edges * message
         out["pp"]["recv"] += n_micro * edges * message
         out["pp"]["broadcast"] += 4  # the step's fp32 loss, from the last stage to every pp rank

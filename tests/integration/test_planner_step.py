@@ -15,7 +15,7 @@ import pytest
 from lit_mesh.mesh import MeshLayout
 from lit_mesh.planner.command import main as plan_main
 from lit_mesh.planner.fake_step import fake_step
-from lit_mesh.planner.memory import Workload, activation_parts
+from lit_mesh.planner.memory import Workload, accumulated_grad_bytes, activation_parts
 from lit_mesh.planner.pipeline_model import Schedule
 from lit_mesh.planner.shapes import gpt_shapes
 from lit_mesh.planner.traffic import comm_bytes
@@ -90,6 +90,9 @@ def test_a_real_step_moves_and_holds_what_the_planner_estimates(
     if layout.pp > 1:  # forwards and backwards interleave in a pipeline: the step measures no held activations
         assert counted.activations is None
         assert counted.calls["pp"]["send"] >= micro_batches, counted.calls  # one message per micro-batch at least
+        # torch's stages reduce once after the schedule: every block's unsharded gradient is held until then
+        grads = accumulated_grad_bytes(shapes, layout, work, precision, stage, schedule=options["schedule"])
+        assert grads == pytest.approx(counted.accumulated_grads, rel=0.01), (counted.accumulated_grads, grads)
         return
     cp_style = options.get("cp_style", "ring")
     held = activation_parts(shapes, layout, work, precision, ac, 0, fused_norm=False, cp_style=cp_style)["held"]
@@ -112,6 +115,28 @@ def test_simulate_prints_counted_and_estimated_bytes_side_by_side(capsys: pytest
     for row in step["bytes"]:
         assert row["estimated"] == pytest.approx(row["counted"], rel=0.05), row
     assert step["activations"]["estimated"] == pytest.approx(step["activations"]["counted"], rel=0.10)
+
+
+def test_simulate_steps_a_rank_of_every_later_pipeline_stage() -> None:
+    """Under pp, --simulate steps rank 0 and, each in a process of its own, one rank of every other stage that can
+    be the worst: bytes per dim and the unsharded gradients held through the schedule, beside the estimates. (The
+    command runs in a process of its own too: this test process has stepped fake worlds of a tp layout already.)"""
+    argv = [
+        *("--preset", "tiny", "--devices", "64", "--seq-len", str(SEQ), "--global-batch", "128"),
+        *("--precision", "bf16-mixed", "--ac", "none", "--pp", "2", "--tp", "2", "--cp", "1"),
+        *("--dp-replicate", "1", "--simulate", "--json"),
+    ]
+    code = f"from lit_mesh.planner.command import main; raise SystemExit(main({argv!r}))"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    text = done.stdout
+    assert done.returncode == 0 and "DIFFERS" not in text, text + done.stderr[-3000:]
+    step = json.loads(text.strip().splitlines()[-1])["step_check"]
+    assert [later["rank"] for later in step["later_ranks"]] == [32], step  # pp stage 1's first rank
+    for checked in (step, *step["later_ranks"]):
+        grads = checked["accumulated_grads"]
+        assert grads["counted"] > 0 and grads["estimated"] == pytest.approx(grads["counted"], rel=0.05), checked
+        assert {("tp", "all_gather"), ("pp", "send")} <= {(r["dim"], r["op"]) for r in checked["bytes"]}
+    assert "one real step of rank 32 (pp stage 1, its own process" in text
 
 
 # later pipeline stages: the last stage (head, logits gathered over tp, gradients sent back, the norms' fp32
@@ -144,7 +169,7 @@ for _, preset, layout, rank, ac, precision, schedule, v, micro in json.loads(sys
     config = MoEConfig.from_preset("tiny") if preset == "moe" else GPTConfig.from_preset(preset)
     counts = fake_step(config, MeshLayout(**layout), 1, 256, rank, precision, ac, schedule=Schedule(schedule, v),
                        microbatches=micro)
-    print(json.dumps(counts.bytes))
+    print(json.dumps({"bytes": counts.bytes, "accumulated_grads": counts.accumulated_grads}))
 """
 
 
@@ -160,7 +185,8 @@ def test_ranks_of_later_pipeline_stages_move_what_the_planner_estimates() -> Non
     assert len(lines) == len(LATER_STAGES), done.stdout
     for case, line in zip(LATER_STAGES, lines):
         name, preset, dims, rank, ac, precision, schedule_name, v, micro = case
-        counted = json.loads(line)
+        step = json.loads(line)
+        counted = step["bytes"]
         layout, schedule = MeshLayout(**dims), Schedule(schedule_name, v)
         config = MOE if preset == "moe" else GPTConfig.from_preset(preset)
         stage = rank // (layout.world_size // layout.pp)
@@ -172,3 +198,5 @@ def test_ranks_of_later_pipeline_stages_move_what_the_planner_estimates() -> Non
         for dim, ops in counted.items():
             for op, n in ops.items():
                 assert estimate[dim][op] == pytest.approx(n, rel=0.05), (name, dim, op, n, estimate[dim][op])
+        grads = accumulated_grad_bytes(gpt_shapes(config), layout, work, precision, stage, schedule=schedule)
+        assert grads == pytest.approx(step["accumulated_grads"], rel=0.01), (name, step["accumulated_grads"], grads)

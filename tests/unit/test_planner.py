@@ -591,10 +591,13 @@ def test_zero_stages_in_memory_step_time_search_and_config(tmp_path: Path) -> No
 # ---- pipeline schedules with v stages per rank (#26 item 4) ----------------------------------------------------
 
 
-def _torch_peaks(schedule: str, pp: int, v: int, n: int, weights: list[int] | None = None) -> list[int]:
+def _torch_peaks(
+    schedule: str, pp: int, v: int, n: int, weights: list[int] | None = None, gradients: bool = False
+) -> list[int]:
     """Stage forwards each pp rank holds at its peak in torch's own schedule (its `pipeline_order`, built from stub
     stages: the orders depend only on pp, v and n): +1 per forward, -1 per full backward or weight-gradient pass;
-    with `weights`, +/- the weight of the action's (global) stage instead of 1."""
+    with `weights`, +/- the weight of the action's (global) stage instead of 1. `gradients`: the most weight of
+    stages whose gradients are alive at once instead (schedules._add_reduce_grad reduces after a stage's last pass)."""
     from types import SimpleNamespace
 
     from torch.distributed.pipelining.schedules import _ComputationType as Op
@@ -617,6 +620,23 @@ def _torch_peaks(schedule: str, pp: int, v: int, n: int, weights: list[int] | No
         inner = [s for a in (action.sub_actions or ()) for s in steps(a)]
         return inner or [weight * change.get(action.computation_type, 0)]
 
+    if gradients:  # a stage's gradients: from its first full backward or weight pass to its last (then reduced)
+        passes = {
+            rank: [
+                a.stage_index
+                for a in filter(None, order[rank])
+                for a in (a.sub_actions or (a,))
+                if a.computation_type in (Op.FULL_BACKWARD, Op.BACKWARD_WEIGHT)
+            ]
+            for rank in range(pp)
+        }
+        return [
+            max(
+                sum(weights[g] for g in set(ps) if ps.index(g) <= i <= len(ps) - 1 - ps[::-1].index(g))
+                for i in range(len(ps))
+            )
+            for ps in passes.values()
+        ]
     peaks = []
     for rank in range(pp):
         held = peak = 0
@@ -663,10 +683,11 @@ def test_in_flight_stage_forwards_match_torchs_schedules(schedule: str, v: int) 
 )
 def test_held_blocks_weigh_each_stage_forward_by_its_stage(schedule: str, v: int) -> None:
     """Stages of unequal blocks (the split's first and last stage one fewer, or any): the blocks a rank keeps at its
-    peak equal torch's order replayed with each stage forward weighted by its stage's blocks (zbv: a bound)."""
+    peak equal torch's order replayed with each stage forward weighted by its stage's blocks, and so do the most
+    stages' gradients alive at once (looped_bfs, zbv: bounds)."""
     from lit_mesh.parallel.pipeline.schedules import SCHEDULES
     from lit_mesh.parallel.pipeline.split import stage_ranks
-    from lit_mesh.planner.pipeline_model import Schedule, held_blocks, microbatches_refused, rank_stages
+    from lit_mesh.planner.pipeline_model import Schedule, held_blocks, held_gradients, microbatches_refused, rank_stages
 
     checked = 0
     for pp in (2, 4, 8):
@@ -679,10 +700,14 @@ def test_held_blocks_weigh_each_stage_forward_by_its_stage(schedule: str, v: int
                 weights = [next(local[r]) for r in stage_ranks(pp * v, pp, SCHEDULES[schedule][2])]
                 torch_peaks = _torch_peaks(schedule, pp, v, n, weights)
                 ours = [held_blocks(Schedule(schedule, v), pp, n, r, stages[r].blocks) for r in range(pp)]
-                if schedule == "zbv":
+                grads = [held_gradients(Schedule(schedule, v), pp, n, r, stages[r].blocks) for r in range(pp)]
+                torch_grads = _torch_peaks(schedule, pp, v, n, weights, gradients=True)
+                if schedule in ("zbv", "looped_bfs"):  # a bound
                     assert all(o >= t for o, t in zip(ours, torch_peaks)), (pp, n, n_blocks, ours, torch_peaks)
+                    assert all(o >= t for o, t in zip(grads, torch_grads)), (pp, n, n_blocks, grads, torch_grads)
                 else:
                     assert ours == torch_peaks, (pp, n, n_blocks, ours, torch_peaks)
+                    assert grads == torch_grads, (pp, n, n_blocks, grads, torch_grads)
                 checked += 1
     assert checked >= 6
 

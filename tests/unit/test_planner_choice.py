@@ -46,8 +46,9 @@ def test_the_memory_model_accepts_the_published_configuration(run: dict[str, Any
     assert (memory["total"] <= hw.usable_bytes) == ("memory_rejects" not in run), (run["name"], memory)
 
 
-# the memory model rejects Llama 3 405B's configuration (no AC: memory_rejects in calibration.yaml), so the planner
-# chooses selective AC with 1F1B, which the published run beats by 40%; strict: it fails once the model accepts the run
+# the memory model rejects Llama 3 405B's configuration (no AC: memory_rejects in calibration.yaml, where the reason
+# is counted), so the planner chooses selective AC with 1F1B, which the published run beats by 40%; strict: it fails
+# once the model accepts the run
 BEATEN = pytest.mark.xfail(strict=True, reason="the published configuration is rejected by the memory model")
 
 

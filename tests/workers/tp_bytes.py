@@ -85,7 +85,8 @@ def regathers_bit_identically(
 ) -> None:
     """The same SP block with and without re-gathering in backward: the same output and gradients bit for bit, two
     all-gathers more in backward, and no all-gathered tensor alive once the forward returns (one kept whole without
-    re-gathering: the check can tell). A kept shard modified in place fails the backward by name."""
+    re-gathering: the check can tell); saved-tensor hooks around the block still get every other tensor it saves. A
+    kept shard modified in place fails the backward by name."""
     plain = copy.deepcopy(model)
     mesh = build_device_mesh(MeshLayout(tp=dist.get_world_size()), "cpu")["tp"]
     for m in (model, plain):
@@ -104,12 +105,19 @@ def regathers_bit_identically(
         shards.append(shard)
         noted(shard, whole)
 
-    def step(m: nn.Module) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor], dict[str, int], int]:
+    def step(m: nn.Module) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor], dict[str, int], int, int]:
         gathered.clear()
         shards.clear()
         x = h.clone().requires_grad_()
+        packed = []  # saved-tensor hooks around the block (as the user's save_on_cpu) see what it saves
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            packed.append(t.shape)
+            return t
+
         with CommDebugMode() as calls:
-            out = block_of(m)(x, **kwargs)
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                out = block_of(m)(x, **kwargs)
             alive = sum(ref() is not None for ref in gathered)
             out.backward(grad_out)
         counts = {str(op).split(".")[-1]: n for op, n in calls.get_comm_counts().items() if n}
@@ -118,13 +126,13 @@ def regathers_bit_identically(
             for n, q in block_of(m).named_parameters()
         }
         assert x.grad is not None and all(g is not None for g in grads.values())
-        return out, x.grad, grads, counts, alive
+        return out, x.grad, grads, counts, alive, len(packed)
 
     hidden_states.note_gathered = recording
     try:
-        out, x_grad, grads, counts, alive = step(model)
+        out, x_grad, grads, counts, alive, outer = step(model)
         assert len(gathered) == 2, f"{len(gathered)} gathered region inputs, want attention's and the MLP's"
-        want_out, want_x_grad, want_grads, want_counts, want_alive = step(plain)
+        want_out, want_x_grad, want_grads, want_counts, want_alive, want_outer = step(plain)
         shards.clear()
         out_again = block_of(model)(h.clone().requires_grad_(), **kwargs)
         with torch.no_grad():  # an in-place change of a kept shard after the forward
@@ -140,6 +148,8 @@ def regathers_bit_identically(
     for name, grad in grads.items():
         assert torch.equal(grad, want_grads[name]), f"{name}: gradient differs with re-gathering"
     assert alive == 0 and want_alive == 2, f"gathered tensors alive after forward: {alive} (kept whole: {want_alive})"
+    # the hooks around the block get every saved tensor but the gathered inputs' (one per column-parallel linear)
+    assert 0 < outer < want_outer, f"outer hooks packed {outer} of the {want_outer} tensors the block saves"
     more = {op: n - want_counts.get(op, 0) for op, n in counts.items() if n != want_counts.get(op, 0)}
     assert more == {"all_gather_into_tensor": 2}, f"re-gathering changed the collectives by {more}"
 
