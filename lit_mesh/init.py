@@ -28,6 +28,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from lit_mesh.meta_writes import built_on_meta_where, carry_meta_writes
 from lit_mesh.plan import PlanError, PlanOwner
@@ -88,6 +89,8 @@ def draw_span(init: Init, numel: int, start: int, stop: int, seed: int, name: st
 
     blocks = range(start // DRAW_BLOCK, (stop - 1) // DRAW_BLOCK + 1)
     threads = min(torch.get_num_threads(), len(blocks))
+    # dispatch modes (FakeTensorMode, a probe) are per thread: under one, draw here, where the mode sees it
+    threads = 1 if _get_current_dispatch_mode() is not None else threads
     if threads > 1:  # blocks have generators of their own: drawn in any order, the same values
         with ThreadPoolExecutor(threads) as pool:
             list(pool.map(draw, blocks))

@@ -50,3 +50,19 @@ def test_a_shard_draws_the_whole_parameters_values(monkeypatch: pytest.MonkeyPat
                         assert sum(drawn) <= got.numel() + 2 * 64, (drawn, got.shape)
             finally:
                 dist.destroy_process_group()
+
+
+def test_drawing_under_a_fake_tensor_mode_stays_in_its_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Several blocks and several threads under FakeTensorMode (a planner's or a benchmark's probe): the mode is
+    per thread, so the blocks are drawn where it is active, not in a pool that would hand it real tensors."""
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    monkeypatch.setattr(lit_init, "DRAW_BLOCK", 64)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with FakeTensorMode():
+            drawn = draw_whole(Init("normal", 0.02), torch.Size((40, 12)), 3, "w")
+    finally:
+        torch.set_num_threads(threads)
+    assert isinstance(drawn, FakeTensor) and drawn.shape == (40, 12)
