@@ -192,6 +192,32 @@ def hf_llama_layer_regathered() -> None:
 
 
 @check
+def hf_llama_checkpointed_by_transformers_regathered() -> None:
+    """transformers' own gradient checkpointing (non-reentrant, around each decoder layer, outside lit-mesh's AC)
+    with the layers re-gathering inside it: the same loss and gradients, bit for bit."""
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(tiny_config("llama"))
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.config.use_cache = False
+    plain = copy.deepcopy(model)
+    mesh = build_device_mesh(MeshLayout(tp=dist.get_world_size()), "cpu")["tp"]
+    for m in (model, plain):
+        apply_tensor_parallel(m, plan_for(m), mesh, True)
+    for layer in model.model.layers:
+        regather_in_backward(layer)
+    ids = torch.randint(0, model.config.vocab_size, (BATCH, SEQ), generator=torch.Generator().manual_seed(3))
+    grads = []
+    for m in (model, plain):
+        m.train()
+        m(input_ids=ids, labels=ids).loss.backward()
+        grads.append({n: q.grad.to_local() if isinstance(q.grad, DTensor) else q.grad for n, q in m.named_parameters()})
+    for name, grad in grads[0].items():
+        assert grad is not None and torch.equal(grad, grads[1][name]), f"{name}: differs under checkpointing"
+
+
+@check
 def zoo_gpt_block_sp() -> None:
     zoo_gpt_block(sp=True)
 
