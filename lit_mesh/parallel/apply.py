@@ -30,7 +30,7 @@ from lit_mesh.parallel.expert import adapt_moe_layers, apply_expert_parallel, ex
 from lit_mesh.parallel.float8 import convert_blocks, float8_tp_style, float8_tp_styles_apply
 from lit_mesh.parallel.fsdp_arguments import mixed_precision_override, offload_policy
 from lit_mesh.parallel.grid import average_over_replicas, parallelize_grid
-from lit_mesh.parallel.pipeline.schedules import SPLIT_BACKWARD, PipelineSettings
+from lit_mesh.parallel.pipeline.schedules import PipelineSettings
 from lit_mesh.parallel.pipeline.sequential import sequential_owners
 from lit_mesh.parallel.pipeline.split import (
     Stage,
@@ -42,7 +42,7 @@ from lit_mesh.parallel.pipeline.split import (
     stage_ranks,
 )
 from lit_mesh.parallel.pipeline.tied import tied_name_groups
-from lit_mesh.parallel.regather import regather_in_backward
+from lit_mesh.parallel.regather import regather_in_backward, regathers_under
 from lit_mesh.parallel.tensor import PlanError, apply_tensor_parallel
 from lit_mesh.parallel.units import (
     Blocks,
@@ -225,10 +225,8 @@ def parallelize(
     if without_plan:
         if options.fsdp.activation_checkpointing_policy is not None:  # FSDPStrategy's name: the modules it selects
             apply_activation_checkpointing(policy_modules(root, options.fsdp.activation_checkpointing_policy), "full")
-    # a split backward (zero bubble, V schedules) unpacks each saved tensor twice, for the input and then the
-    # weight gradients: a re-gather would run twice (lit_mesh/parallel/regather.py)
     regather = sequence_parallel and layout.tp > 1 and not grid_mode and compile_backend is None
-    regather &= layout.pp == 1 or options.pipeline.schedule not in SPLIT_BACKWARD
+    regather &= regathers_under(options.pipeline.schedule, layout.pp)
     for block_list in block_lists:
         apply_activation_checkpointing(block_list, memory.activation_checkpointing, memory.ac_every_n_blocks)
         if regather:

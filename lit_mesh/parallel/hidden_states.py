@@ -51,9 +51,8 @@ class HiddenStatesLayout(ParallelStyle):
         moved = dtensor.redistribute(placements=(self.wanted,))
         if not self.keep_dtensor:
             return moved.to_local()
-        note_gathered(
-            dtensor, moved
-        )  # its linears' saved input: re-gathered in backward (lit_mesh/parallel/regather.py)
+        # its linears' saved input: re-gathered in backward (lit_mesh/parallel/regather.py)
+        note_gathered(dtensor, moved)
         return moved
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:

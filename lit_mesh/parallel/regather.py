@@ -33,6 +33,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
 from torch.utils.hooks import RemovableHandle
 
+from lit_mesh.parallel.pipeline.schedules import SPLIT_BACKWARD
+
 _SCOPES = threading.local()  # the block forwards in progress on this thread, innermost last
 
 
@@ -170,6 +172,13 @@ def _exit(_module: nn.Module, _args: tuple, _output: Any) -> None:
     hooks.__exit__(None, None, None)
     for gathered in scope.gathered:  # the forward is done with them: backward gathers them again
         gathered.whole = None
+
+
+def regathers_under(schedule: str, pp: int) -> bool:
+    """Whether the blocks of a pipeline under `schedule` re-gather (always without pp): not under a split backward
+    (zero bubble, V schedules), which unpacks each saved tensor twice, for the input and then the weight gradients,
+    so each input would be gathered twice."""
+    return pp == 1 or schedule not in SPLIT_BACKWARD
 
 
 def regather_in_backward(block: nn.Module) -> list[RemovableHandle]:

@@ -331,6 +331,12 @@ def accumulated_grad_bytes(
     them unsharded, in its reduce dtype (fp32 under bf16-mixed), each local stage's from its first backward to the
     reduce after its last (pipeline_model.held_gradients)."""
     sizes = stage_gradient_numels(shapes, layout, stage, schedule)
+    return _held_gradient_bytes(sizes, layout, work, precision, stage, schedule)
+
+
+def _held_gradient_bytes(
+    sizes: tuple[int, ...], layout: MeshLayout, work: Workload, precision: str, stage: int, schedule: Schedule
+) -> int:
     if not sizes:
         return 0
     held = held_gradients(schedule, layout.pp, work.microbatches(layout), stage, sizes)
@@ -356,7 +362,7 @@ def _gradient_numel(p: ParamShape, layout: MeshLayout) -> int:
     which DTensor's embedding backward gives whole (Replicate over tp; FSDP2 cuts it to the shard when it reduces),
     as the fake step measures."""
     if p.is_embedding and p.tp_style in ROWWISE:
-        return local_numel(p, 1, 0, layout.ep if p.expert else 1, 0, layout.ep)
+        return local_numel(p, 1, 0, 1, 0)
     return unsharded_numel(p, layout)
 
 
@@ -447,10 +453,8 @@ def rank_memory(
         state, buffers, grad_numels = _cached_state(shapes, layout, precision, stage, schedule)
         m = dict(state)
         m["activations"] = activation_bytes(shapes, layout, work, precision, ac, stage, schedule=schedule)
-        if grad_numels:  # under pp: the unsharded gradients held through the schedule (accumulated_grad_bytes)
-            held = held_gradients(schedule, layout.pp, work.microbatches(layout), stage, grad_numels)
-            buffers += held * PRECISION_BYTES[precision]["grad"]
-        m["buffers"] = buffers
+        # under pp: the unsharded gradients held through the schedule (accumulated_grad_bytes)
+        m["buffers"] = buffers + _held_gradient_bytes(grad_numels, layout, work, precision, stage, schedule)
         if zero_stage < 3 and fsdp_degree(layout) > 1:
             zero = zero_stage_bytes(shapes, layout, work, precision)
             m["buffers"] = zero["buffers"]

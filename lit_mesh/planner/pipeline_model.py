@@ -24,6 +24,7 @@ from functools import lru_cache
 
 from lit_mesh.parallel.pipeline.schedules import SCHEDULES, SPLIT_BACKWARD, PipelineSettings, microbatch_problem
 from lit_mesh.parallel.pipeline.split import balanced_split, stage_ranks
+from lit_mesh.parallel.regather import regathers_under
 
 MAX_STAGES_PER_RANK = 8  # more virtual stages: smaller bubble, but v times the stage-boundary sends and warm-up
 
@@ -217,9 +218,8 @@ def schedules_for(pp: int, n_blocks: int, ac: str) -> list[Schedule]:
 
 
 def regathers(schedule: Schedule, pp: int) -> bool:
-    """Whether blocks without AC re-gather their sequence-parallel inputs in backward: not under a split backward,
-    which unpacks each saved tensor twice (lit_mesh/parallel/apply.py, lit_mesh/parallel/regather.py)."""
-    return pp == 1 or schedule.name not in SPLIT_BACKWARD
+    """Whether blocks without AC re-gather their sequence-parallel inputs in backward (MeshStrategy's own rule)."""
+    return regathers_under(schedule.name, pp)
 
 
 def microbatches_refused(schedule: Schedule, pp: int, microbatches: int) -> str | None:

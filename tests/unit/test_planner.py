@@ -591,16 +591,9 @@ def test_zero_stages_in_memory_step_time_search_and_config(tmp_path: Path) -> No
 # ---- pipeline schedules with v stages per rank (#26 item 4) ----------------------------------------------------
 
 
-def _torch_peaks(
-    schedule: str, pp: int, v: int, n: int, weights: list[int] | None = None, gradients: bool = False
-) -> list[int]:
-    """Stage forwards each pp rank holds at its peak in torch's own schedule (its `pipeline_order`, built from stub
-    stages: the orders depend only on pp, v and n): +1 per forward, -1 per full backward or weight-gradient pass;
-    with `weights`, +/- the weight of the action's (global) stage instead of 1. `gradients`: the most weight of
-    stages whose gradients are alive at once instead (schedules._add_reduce_grad reduces after a stage's last pass)."""
+def _torch_order(schedule: str, pp: int, v: int, n: int) -> dict[int, list]:
+    """torch's own `pipeline_order` of every pp rank, built from stub stages (the orders depend only on pp, v, n)."""
     from types import SimpleNamespace
-
-    from torch.distributed.pipelining.schedules import _ComputationType as Op
 
     from lit_mesh.parallel.pipeline.schedules import SCHEDULES
 
@@ -612,39 +605,45 @@ def _torch_peaks(
     ]
     cls, kind, _ = SCHEDULES[schedule]
     built = cls(stages[0] if kind == "one" else stages, n_microbatches=n, loss_fn=lambda *a: a[0])
-    order = built._get_pipeline_order() if kind == "one" else built.pipeline_order
+    return built._get_pipeline_order() if kind == "one" else built.pipeline_order
+
+
+def _leaf_actions(order: list) -> list:
+    """A rank's actions, DualPipeV's overlapped forward-and-backward split into its two."""
+    return [leaf for action in filter(None, order) for leaf in (action.sub_actions or (action,))]
+
+
+def _torch_peaks(schedule: str, pp: int, v: int, n: int, weights: list[int] | None = None) -> list[int]:
+    """Stage forwards each pp rank holds at its peak in torch's own schedule: +1 per forward, -1 per full backward
+    or weight-gradient pass; with `weights`, +/- the weight of the action's (global) stage instead of 1."""
+    from torch.distributed.pipelining.schedules import _ComputationType as Op
+
     change = {Op.FORWARD: 1, Op.FULL_BACKWARD: -1, Op.BACKWARD_WEIGHT: -1}
-
-    def steps(action):  # DualPipeV overlaps a forward with a backward in one action
-        weight = 1 if weights is None or action.stage_index is None else weights[action.stage_index]
-        inner = [s for a in (action.sub_actions or ()) for s in steps(a)]
-        return inner or [weight * change.get(action.computation_type, 0)]
-
-    if gradients:  # a stage's gradients: from its first full backward or weight pass to its last (then reduced)
-        passes = {
-            rank: [
-                a.stage_index
-                for a in filter(None, order[rank])
-                for a in (a.sub_actions or (a,))
-                if a.computation_type in (Op.FULL_BACKWARD, Op.BACKWARD_WEIGHT)
-            ]
-            for rank in range(pp)
-        }
-        return [
-            max(
-                sum(weights[g] for g in set(ps) if ps.index(g) <= i <= len(ps) - 1 - ps[::-1].index(g))
-                for i in range(len(ps))
-            )
-            for ps in passes.values()
-        ]
     peaks = []
-    for rank in range(pp):
+    for actions in _torch_order(schedule, pp, v, n).values():
         held = peak = 0
-        for action in filter(None, order[rank]):
-            for step in steps(action):
-                held += step
-                peak = max(peak, held)
+        for action in _leaf_actions(actions):
+            held += change.get(action.computation_type, 0) * (1 if weights is None else weights[action.stage_index])
+            peak = max(peak, held)
         peaks.append(peak)
+    return peaks
+
+
+def _torch_gradient_peaks(schedule: str, pp: int, v: int, n: int, weights: list[int]) -> list[int]:
+    """The most weight of stages whose gradients are alive at once on each pp rank: a stage's from its first full
+    backward or weight pass to its last (torch's schedules._add_reduce_grad reduces them after it)."""
+    from torch.distributed.pipelining.schedules import _ComputationType as Op
+
+    peaks = []
+    for actions in _torch_order(schedule, pp, v, n).values():
+        passes = [
+            a.stage_index
+            for a in _leaf_actions(actions)
+            if a.computation_type in (Op.FULL_BACKWARD, Op.BACKWARD_WEIGHT)
+        ]
+        first = {g: passes.index(g) for g in set(passes)}
+        last = {g: len(passes) - 1 - passes[::-1].index(g) for g in set(passes)}
+        peaks.append(max(sum(weights[g] for g in first if first[g] <= i <= last[g]) for i in range(len(passes))))
     return peaks
 
 
@@ -701,7 +700,7 @@ def test_held_blocks_weigh_each_stage_forward_by_its_stage(schedule: str, v: int
                 torch_peaks = _torch_peaks(schedule, pp, v, n, weights)
                 ours = [held_blocks(Schedule(schedule, v), pp, n, r, stages[r].blocks) for r in range(pp)]
                 grads = [held_gradients(Schedule(schedule, v), pp, n, r, stages[r].blocks) for r in range(pp)]
-                torch_grads = _torch_peaks(schedule, pp, v, n, weights, gradients=True)
+                torch_grads = _torch_gradient_peaks(schedule, pp, v, n, weights)
                 if schedule in ("zbv", "looped_bfs"):  # a bound
                     assert all(o >= t for o, t in zip(ours, torch_peaks)), (pp, n, n_blocks, ours, torch_peaks)
                     assert all(o >= t for o, t in zip(grads, torch_grads)), (pp, n, n_blocks, grads, torch_grads)
