@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -32,10 +33,39 @@ FORK_LAUNCH = [sys.executable, str(REPO / "tests" / "fork_launch.py")]
 LAUNCHERS = ("fork", "torchrun")  # LIT_MESH_TEST_LAUNCHER
 
 
+def _ephemeral_ports() -> tuple[int, int]:
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default range
+
+
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A port for rank 0's store that nothing else on this machine will take before rank 0 binds it.
+
+    Not one the kernel hands out (port 0): those come from the ephemeral range, which every gloo pair socket and
+    client connection of the other pytest-xdist worker draws from too, so in the seconds before rank 0 binds it
+    one of them took it (EADDRINUSE in CI). Below that range the kernel assigns nothing by itself, and each xdist
+    worker picks in a band of its own, so the only other holders are explicit binds, which the bind here detects.
+    """
+    low, high = _ephemeral_ports()
+    first, last = (10000, low - 1) if low > 12000 else (high + 1, 65535)
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    workers = max(1, int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+    index = int(worker[2:]) % workers if worker[2:].isdigit() else 0
+    band = (last - first + 1) // workers
+    first += index * band
+    draw = random.SystemRandom()  # not the tests' seeded generator: two launches in a row must not repeat a port
+    for _ in range(200):
+        port = draw.randrange(first, first + band)
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))  # no SO_REUSEADDR: a port in TIME_WAIT fails here too
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in {first}-{first + band - 1} after 200 tries")
 
 
 def run_command(cmd: list[str], timeout: float, cwd: Path | None = None) -> subprocess.CompletedProcess:
