@@ -140,15 +140,28 @@ RULES: list[Rule] = [
 ]
 
 
-def apply_activation_checkpointing(blocks: Sequence[nn.Module], mode: str, every_n_blocks: int = 1) -> int:
+def checkpoints_block(index: int, every_n_blocks: int) -> bool:
+    """Whether the block at `index` of the whole model (0-based) is checkpointed: the n-th, 2n-th, ... block."""
+    return (index + 1) % every_n_blocks == 0
+
+
+def checkpointed_in(start: int, count: int, every_n_blocks: int) -> int:
+    """How many of the model's blocks start .. start + count - 1 are checkpointed (a pipeline stage's)."""
+    return (start + count) // every_n_blocks - start // every_n_blocks
+
+
+def apply_activation_checkpointing(
+    blocks: Sequence[nn.Module], mode: str, every_n_blocks: int = 1, indices: Sequence[int] | None = None
+) -> int:
     """Checkpoint every n-th block ("full": recompute the whole block in backward; "selective": keep the
-    outputs `_policy` keeps, recompute the rest). Returns how many blocks it wrapped."""
+    outputs `_policy` keeps, recompute the rest). `indices`: each block's index in the whole model (a pipeline
+    stage holds some of them), so the same blocks are checkpointed on every layout. Returns how many it wrapped."""
     check_activation_checkpointing(mode, every_n_blocks)
     if mode == "none":
         return 0
     wrapped = 0
-    for index, block in enumerate(blocks):
-        if (index + 1) % every_n_blocks:
+    for index, block in zip(indices if indices is not None else range(len(blocks)), blocks, strict=True):
+        if not checkpoints_block(index, every_n_blocks):
             continue
         if mode == "full":
             checkpoint(block)

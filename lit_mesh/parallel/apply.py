@@ -227,8 +227,8 @@ def parallelize(
             apply_activation_checkpointing(policy_modules(root, options.fsdp.activation_checkpointing_policy), "full")
     regather = sequence_parallel and layout.tp > 1 and not grid_mode and compile_backend is None
     regather &= regathers_under(options.pipeline.schedule, layout.pp)
-    for block_list in block_lists:
-        apply_activation_checkpointing(block_list, memory.activation_checkpointing, memory.ac_every_n_blocks)
+    for block_list, indices in zip(block_lists, _block_indices(owners, without_plan), strict=True):
+        apply_activation_checkpointing(block_list, memory.activation_checkpointing, memory.ac_every_n_blocks, indices)
         if regather:
             for block in block_list:  # AC recomputes the checkpointed ones (lit_mesh/parallel/regather.py)
                 if not checkpointed(block):
@@ -270,6 +270,15 @@ def _block_lists(owners: list[PlanOwner], blocks: Blocks, without_plan: bool) ->
     if without_plan:
         return [[module for _, module in blocks.modules]]
     return [list(cast(nn.ModuleList, o.module.get_submodule(o.plan.blocks))) for o in owners]
+
+
+def _block_indices(owners: list[PlanOwner], without_plan: bool) -> list[list[int] | None]:
+    """Each owner's blocks' indices in the whole model: a pipeline stage keeps the original ones as names
+    (lit_mesh/parallel/pipeline/split.py); None where the blocks are the whole list (no plan)."""
+    if without_plan:
+        return [None]
+    names = [list(o.module.get_submodule(o.plan.blocks)._modules) for o in owners]
+    return [[int(n) for n in owner] if all(n.isdigit() for n in owner) else None for owner in names]
 
 
 def already_parallelized(root: nn.Module) -> bool:

@@ -22,6 +22,7 @@ from torch.distributed.tensor.parallel import (
 from lit_mesh.errors import PlanError  # noqa: F401 - re-exported (lit_mesh.PlanError)
 from lit_mesh.init import retie, tied_parameters
 from lit_mesh.parallel.hidden_states import HiddenStatesLayout
+from lit_mesh.parallel.vocab_embedding import VocabShardedEmbedding
 from lit_mesh.plan import ParallelPlan
 from lit_mesh.unit import Facts, Rule, divisors
 
@@ -38,9 +39,9 @@ def torch_style(style: str, sequence_parallel: bool, check: Any = None) -> Paral
     if style == "rowwise":
         return RowwiseParallel(output_layouts=between_blocks)
     if style == "embedding":
-        return RowwiseParallel(input_layouts=Replicate(), output_layouts=between_blocks)
+        return VocabShardedEmbedding(input_layouts=Replicate(), output_layouts=between_blocks)
     if style == "embedding_whole_output":
-        return RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
+        return VocabShardedEmbedding(input_layouts=Replicate(), output_layouts=Replicate())
     if style == "head":
         return ColwiseParallel(input_layouts=between_blocks, output_layouts=Replicate(), use_local_output=True)
     if style == "vocab_head":  # loss parallel: the logits are never gathered (lit_mesh/loss.py)

@@ -15,6 +15,7 @@ import math
 import shlex
 import sys
 import time
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -300,7 +301,8 @@ def check_step(c: Candidate, config: Any, shapes: Any) -> dict[str, Any]:
 
     from lit_mesh.parallel.pipeline.schedules import PipelineSettings
     from lit_mesh.planner.fake_step import fake_step
-    from lit_mesh.planner.memory import activation_parts, first_rank_of_stage, ranks_to_check
+    from lit_mesh.planner.memory import activation_parts, first_rank_of_stage, ranks_to_check, stage_activations
+    from lit_mesh.planner.pipeline_model import regathers
     from lit_mesh.planner.step_process import step_in_process
 
     if c.memory["total"] > STEP_LIMIT_BYTES:
@@ -324,7 +326,10 @@ def check_step(c: Candidate, config: Any, shapes: Any) -> dict[str, Any]:
         check["activations"] = {"counted": counts.activations, "estimated": held}
     if c.layout.pp > 1:
         check["later_ranks"] = []
-        for stage in (s for s in ranks_to_check(shapes, c.layout.pp, schedule, n) if s != 0):
+        activations = partial(
+            stage_activations, shapes, c.layout, work, c.precision, c.ac, regathered=regathers(schedule, c.layout.pp)
+        )
+        for stage in (s for s in ranks_to_check(shapes, c.layout.pp, schedule, n, activations) if s != 0):
             rank = first_rank_of_stage(c.layout, stage)
             later_counts = step_in_process(
                 config, c.layout, mb, seq, rank, c.precision, c.ac, zero_stage=zero, schedule=schedule, microbatches=n

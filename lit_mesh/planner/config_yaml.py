@@ -17,6 +17,7 @@ from lit_mesh.planner.memory import Workload
 from lit_mesh.planner.pipeline_model import microbatches_refused
 from lit_mesh.planner.search import DIMS, Candidate, why_invalid
 from lit_mesh.planner.shapes import gpt_shapes
+from lit_mesh.planner.vocabulary import ac_every, ac_mode
 
 
 def fit_config(
@@ -32,8 +33,10 @@ def fit_config(
         "cp": layout.cp,
         "pp": layout.pp,
         "sequence_parallel": layout.tp > 1,
-        "activation_checkpointing": c.ac,
+        "activation_checkpointing": ac_mode(c.ac),
     }
+    if ac_every(c.ac) > 1:
+        strategy["ac_every_n_blocks"] = ac_every(c.ac)
     if layout.ep > 1:
         strategy["ep"] = layout.ep
     if c.zero_stage < 3:

@@ -53,8 +53,15 @@ from lit_mesh.planner.memory import (
     fullest_state_numel,
     unsharded_numel,
 )
-from lit_mesh.planner.pipeline_model import Schedule, bubble_fraction, rank_stages, regathers  # noqa: F401  (re-exported)
+from lit_mesh.planner.pipeline_model import (  # noqa: F401  (re-exported)
+    Schedule,
+    bubble_fraction,
+    checkpointed_share,
+    rank_stages,
+    regathers,
+)
 from lit_mesh.planner.shapes import ModelShapes, ParamShape
+from lit_mesh.planner.vocabulary import ac_mode
 
 CALIBRATION = Path(__file__).with_name("calibration.yaml")
 
@@ -228,11 +235,15 @@ def step_time(
     # recompute stops before w2's (lit_mesh.parallel.activation_checkpointing)
     wo = tuple(p for p in shapes.block if p.tp_style == "rowwise")[:1] if layout.tp > 1 else ()
     row_parallel = _gemm_seconds(wo, tokens, layout.tp, layout.ep, top_k, kern, peak)
-    recompute = {
-        "none": 0.0,
-        "selective": (elementwise + router + row_parallel) / 3,
-        "full": forward_backward / 3,
-    }[ac]
+    # "full/2": the checkpointed blocks' share f of the model's, each term weighed between none's and the mode's
+    mode, f = ac_mode(ac), checkpointed_share(shapes.n_blocks, ac)
+
+    def by_mode(values: dict[str, float]) -> float:
+        return (1 - f) * values["none"] + f * values[mode]
+
+    recompute = by_mode(
+        {"none": 0.0, "selective": (elementwise + router + row_parallel) / 3, "full": forward_backward / 3}
+    )
     block = forward_backward + recompute
     head = _gemm_seconds(shapes.last, tokens, layout.tp, 1, 1, kern, peak)
     # the slowest pp rank: the one with the head (its blocks and the head) or the fullest one; with v stages per
@@ -291,7 +302,7 @@ def step_time(
         # backward gathers the two sequence-parallel inputs again (lit_mesh/parallel/regather.py: eager blocks only;
         # each waited on by the matmul right after it, so exposed) (lit_mesh/planner/traffic.py, as counted)
         regathered = 2 if regathers(features.schedule, layout.pp) and not features.compile else 0
-        collectives = 8 + {"none": regathered, "selective": 2, "full": 3}[ac]
+        collectives = 8 + by_mode({"none": regathered, "selective": 2, "full": 3})
         hidden = all_gather_time(tokens * c.dim * act, layout.tp, tp_link)
         per_block = collectives * hidden
         # the stage's ends: without pp the embedding's output is reduce-scattered and the head's input gathered
@@ -302,7 +313,9 @@ def step_time(
             per_block = 4 * hidden
         if shapes.expert_tp:  # the tp ranks' partial expert outputs summed forward, the tokens' gradients backward
             routed = work.micro_batch * work.seq_len // layout.cp * top_k * c.dim * act
-            per_block += (2 + (1 if ac == "full" else 0)) * all_reduce_time(routed, layout.tp, tp_link)
+            per_block += (2 + by_mode({"none": 0, "selective": 0, "full": 1})) * all_reduce_time(
+                routed, layout.tp, tp_link
+            )
         t.exposed["tp"] = n_micro * (blocks * per_block + (ends if stage > blocks * block else 0.0))
     # pp x MoE: a forward-only routing pass over the step's micro-batches measures the load the aux loss needs
     # before the schedule runs (lit_mesh/parallel/pipeline/moe.py): one forward more, with its all-to-alls
@@ -312,7 +325,7 @@ def step_time(
     if layout.ep > 1:  # the whole sequence of the micro-batch is routed on every tp rank: top_k copies per token,
         # (ep - 1) / ep of them to other ranks: the ring all-gather's bytes on the link
         routed = work.micro_batch * work.seq_len // layout.cp * top_k * c.dim * act
-        passes = 4 + (2 if ac == "full" else 0) + (2 if routing_pass else 0)
+        passes = 4 + by_mode({"none": 0, "selective": 0, "full": 2}) + (2 if routing_pass else 0)
         ep_link = hw.link(features.ep_stride or stride["ep"], layout.ep)
         all_to_alls = passes * all_gather_time(routed, layout.ep, ep_link)
         t.overlapped["ep"] = n_micro * blocks * all_to_alls
@@ -324,7 +337,7 @@ def step_time(
         kv = tokens * 2 * c.n_kv_heads * c.head_dim // layout.tp * act
         step_attention = attention / layout.cp
         send, accumulator = alpha + kv / bandwidth, alpha + kv * 4 / act / bandwidth
-        forwards = 2 if ac == "full" else 1
+        forwards = 1 + by_mode({"none": 0, "selective": 0, "full": 1})
         exposed = (layout.cp - 1) * (
             forwards * max(0.0, send - step_attention / 3) + max(0.0, send + accumulator - 2 * step_attention / 3)
         )

@@ -59,6 +59,7 @@ from lit_mesh.parallel.pipeline.schedules import PipelineSettings
 from lit_mesh.parallel.pipeline.split import Stage
 from lit_mesh.planner.pipeline_model import ONE_F_ONE_B, Schedule
 from lit_mesh.planner.shapes import build_model
+from lit_mesh.planner.vocabulary import ac_every, ac_mode
 
 StageExamples = dict[int, tuple[torch.Tensor, torch.Tensor]]  # stage index -> (an input, an output) of one micro-batch
 
@@ -255,7 +256,7 @@ def fake_step(
     start = time.perf_counter()
     options = MeshOptions(
         mesh=MeshDegrees(sequence_parallel=layout.tp > 1),
-        memory=MemoryOptions(activation_checkpointing=ac),  # type: ignore[arg-type]
+        memory=MemoryOptions(activation_checkpointing=ac_mode(ac), ac_every_n_blocks=ac_every(ac)),  # type: ignore[arg-type]
         context=ContextOptions(style=cp_style),  # type: ignore[arg-type]
         data=DataParallelOptions(zero_stage=zero_stage),  # type: ignore[arg-type]
     )

@@ -17,12 +17,15 @@ Exact sharding rules, the ones torch applies under lit_mesh.parallel:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 from lit_mesh.loss import CHUNK_ROWS
 from lit_mesh.mesh import MeshLayout
 from lit_mesh.planner.pipeline_model import (
     ONE_F_ONE_B,
+    RankStages,
     Schedule,
     held_blocks,
     held_gradients,
@@ -30,7 +33,7 @@ from lit_mesh.planner.pipeline_model import (
     regathers,
 )
 from lit_mesh.planner.shapes import ModelShapes, ParamShape
-from lit_mesh.planner.vocabulary import AC_MODES, PRECISION_BYTES  # noqa: F401  (re-exported)
+from lit_mesh.planner.vocabulary import AC_MODES, PRECISION_BYTES, ac_mode  # noqa: F401  (re-exported)
 
 
 def chunk(n: int, parts: int, index: int) -> int:
@@ -236,6 +239,37 @@ def activation_bytes(
     return sum(activation_parts(shapes, layout, work, precision, ac, stage, schedule=schedule).values())
 
 
+def stage_activations(
+    shapes: ModelShapes,
+    layout: MeshLayout,
+    work: Workload,
+    precision: str,
+    ac: str,
+    stages: RankStages,
+    regathered: bool,
+    fused_norm: bool = True,
+    cp_style: str = "ring",
+) -> tuple[float, ...]:
+    """Bytes per token one micro-batch through each local stage keeps for backward: its blocks, the ones AC
+    checkpoints ("full/2": the model's every 2nd) at their mode's count, the others at none's."""
+    b = PRECISION_BYTES[precision]["activation"]
+    mode = ac_mode(ac)
+    per_block = {
+        m: block_activation_elements_per_token(shapes, layout.tp, m, b, fused_norm, regathered) * b
+        for m in {"none", mode}
+    }
+    for m in per_block:
+        if b < 4:  # each block casts RoPE's cos and sin (T x head_dim in all) to the compute dtype
+            per_block[m] += shapes.config.head_dim / work.micro_batch * b
+        if m == "selective" and layout.cp > 1 and cp_style == "ring":  # the ring's blocks (activation_parts)
+            heads = shapes.config.n_heads / layout.tp
+            per_block[m] += (layout.cp - 1) * heads * (shapes.config.head_dim * b + 4)
+    return tuple(
+        (n - c) * per_block["none"] + c * per_block[mode]
+        for n, c in zip(stages.blocks, stages.checkpointed(ac), strict=True)
+    )
+
+
 def activation_parts(
     shapes: ModelShapes,
     layout: MeshLayout,
@@ -250,9 +284,11 @@ def activation_parts(
 ) -> dict[str, int]:
     """held: what the forward keeps for backward on pp rank `stage`: the schedule's stage forwards in flight
     (1F1B: up to pp - stage micro-batches), each through its own stage's blocks (lit_mesh.planner.pipeline_model
-    .held_blocks), each micro-batch of T/cp tokens per rank (cp shards every micro-batch's sequence, with pp too),
-    and on the last stage the final norm's tensors and the logits the chunked loss keeps. backward: what backward
-    adds at its peak: full AC's recomputed block (everything once), without AC under tp one re-gathered region input, the logits' gradient and one fp32 chunk of rows (lit_mesh/loss.py).
+    .held_blocks; under "full/2" each stage's checkpointed blocks weigh as full AC's, the others as none's), each
+    micro-batch of T/cp tokens per rank (cp shards every micro-batch's sequence, with pp too), and on the last stage
+    the final norm's tensors and the logits the chunked loss keeps. backward: what backward adds at its peak: full
+    AC's recomputed block (everything once), else without AC under tp one re-gathered region input; the logits'
+    gradient and one fp32 chunk of rows (lit_mesh/loss.py).
     fused_norm: the norms' kernel (block_activation_elements_per_token): CUDA's fused one (the planner's), or the
     composite one a CPU step runs.
     The CP ring under selective AC: the AC keeps the output and log-sum-exp of each of the ring's cp attention
@@ -262,19 +298,16 @@ def activation_parts(
     b = PRECISION_BYTES[precision]["activation"]
     tokens = work.tokens_per_microbatch(layout)
     stages = rank_stages(shapes.n_blocks, layout.pp, schedule)[stage]
-    held = held_blocks(schedule, layout.pp, work.microbatches(layout), stage, stages.blocks)
     regathered = regathers(schedule, layout.pp)
-    block = block_activation_elements_per_token(shapes, layout.tp, ac, b, fused_norm, regathered) * b
-    if b < 4:  # each block casts RoPE's cos and sin (T x head_dim in all) to the compute dtype
-        block += shapes.config.head_dim / work.micro_batch * b
-    if ac == "selective" and layout.cp > 1 and cp_style == "ring":  # the ring's blocks (doc)
-        heads = shapes.config.n_heads / layout.tp
-        block += (layout.cp - 1) * heads * (shapes.config.head_dim * b + 4)
-    per_token = held * block
+    mode, checkpointed = ac_mode(ac), stages.checkpointed(ac)
+    weights = stage_activations(shapes, layout, work, precision, ac, stages, regathered, fused_norm, cp_style)
+    per_token = held_blocks(schedule, layout.pp, work.microbatches(layout), stage, weights)
     transient = 0.0
-    if ac == "full":  # the block being recomputed holds everything once (a checkpointed block re-gathers nothing)
+    if mode == "full" and any(checkpointed):  # the block being recomputed holds everything once (and re-gathers
+        # nothing)
         transient += block_activation_elements_per_token(shapes, layout.tp, "none", b, fused_norm, False) * b
-    elif ac == "none" and layout.tp > 1 and regathered:  # backward re-gathers one region's input at a time
+    elif sum(checkpointed) < stages.total_blocks and layout.tp > 1 and regathered:  # backward re-gathers one
+        # region's input at a time
         transient += shapes.config.dim * b
     if stages.first and layout.tp > 1:  # the embedding's reduce-scattered output: the collective's and autograd's
         per_token += 2 * shapes.config.dim / layout.tp * b
@@ -351,19 +384,10 @@ def stage_gradient_numels(shapes: ModelShapes, layout: MeshLayout, stage: int, s
     block = sum(unsharded_numel(p, layout) for p in shapes.block)
     sizes = [blocks * block for blocks in stages.blocks]  # per local stage, ascending: the embedding's is the first
     if stages.first:
-        sizes[0] += sum(_gradient_numel(p, layout) for p in shapes.first)
+        sizes[0] += sum(unsharded_numel(p, layout) for p in shapes.first)
     if stages.last:  # the head's stage: a rank's last (looped) or first (V: rank 0 holds stages 0 and 2pp - 1)
-        sizes[-1] += sum(_gradient_numel(p, layout) for p in shapes.last)
+        sizes[-1] += sum(unsharded_numel(p, layout) for p in shapes.last)
     return tuple(sizes)
-
-
-def _gradient_numel(p: ParamShape, layout: MeshLayout) -> int:
-    """The unsharded gradient's elements: the parameter's tp piece, except an embedding's under RowwiseParallel,
-    which DTensor's embedding backward gives whole (Replicate over tp; FSDP2 cuts it to the shard when it reduces),
-    as the fake step measures."""
-    if p.is_embedding and p.tp_style in ROWWISE:
-        return local_numel(p, 1, 0, 1, 0)
-    return unsharded_numel(p, layout)
 
 
 def zero_stage_bytes(shapes: ModelShapes, layout: MeshLayout, work: Workload, precision: str) -> dict[str, int]:
@@ -387,13 +411,22 @@ def stages_to_check(shapes: ModelShapes, pp: int, *, schedule: Schedule = ONE_F_
     return sorted(first_with.values())
 
 
-def ranks_to_check(shapes: ModelShapes, pp: int, schedule: Schedule, microbatches: int) -> list[int]:
+def ranks_to_check(
+    shapes: ModelShapes,
+    pp: int,
+    schedule: Schedule,
+    microbatches: int,
+    activations: Callable[[RankStages], tuple[float, ...]] | None = None,
+) -> list[int]:
     """pp ranks whose memory can be the worst: of the ranks with the same holding, the one that keeps the most
-    blocks' activations at its peak (1F1B: the first; ZBV: the last)."""
-    worst: dict[tuple, tuple[int, int]] = {}  # holding -> (held blocks, rank)
+    activations at its peak (1F1B: the first; ZBV: the last). `activations(stages)`: what one micro-batch through
+    each local stage keeps (stage_activations: under "full/2" two ranks with the same blocks can differ), else
+    each stage's block count."""
+    worst: dict[tuple, tuple[float, int]] = {}  # holding -> (held activations, rank)
     for rank, stages in enumerate(rank_stages(shapes.n_blocks, pp, schedule)):
-        key = (stages.blocks, stages.first, stages.last)
-        held = held_blocks(schedule, pp, microbatches, rank, stages.blocks)
+        weights = activations(stages) if activations else stages.blocks
+        key = (stages.blocks, stages.first, stages.last, weights)
+        held = held_blocks(schedule, pp, microbatches, rank, weights)
         if key not in worst or held > worst[key][0]:
             worst[key] = (held, rank)
     return sorted(rank for _, rank in worst.values())
@@ -449,7 +482,9 @@ def rank_memory(
 ) -> dict[str, int]:
     """The worst pp rank's bytes by component (the first rank of each pp slice holds the most); "stage" names it."""
     worst: dict[str, int] = {}
-    for stage in ranks_to_check(shapes, layout.pp, schedule, work.microbatches(layout)):
+    regathered = regathers(schedule, layout.pp)
+    activations = partial(stage_activations, shapes, layout, work, precision, ac, regathered=regathered)
+    for stage in ranks_to_check(shapes, layout.pp, schedule, work.microbatches(layout), activations):
         state, buffers, grad_numels = _cached_state(shapes, layout, precision, stage, schedule)
         m = dict(state)
         m["activations"] = activation_bytes(shapes, layout, work, precision, ac, stage, schedule=schedule)

@@ -22,9 +22,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import lru_cache
 
+from lit_mesh.parallel.activation_checkpointing import checkpointed_in
 from lit_mesh.parallel.pipeline.schedules import SCHEDULES, SPLIT_BACKWARD, PipelineSettings, microbatch_problem
 from lit_mesh.parallel.pipeline.split import balanced_split, stage_ranks
 from lit_mesh.parallel.regather import regathers_under
+from lit_mesh.planner.vocabulary import ac_every, ac_mode
 
 MAX_STAGES_PER_RANK = 8  # more virtual stages: smaller bubble, but v times the stage-boundary sends and warm-up
 
@@ -91,9 +93,9 @@ def in_flight(schedule: Schedule, pp: int, microbatches: int, rank: int) -> int:
 
 
 @lru_cache(maxsize=65536)  # the search asks for every rank of every option
-def held_blocks(schedule: Schedule, pp: int, microbatches: int, rank: int, blocks: tuple[int, ...]) -> int:
+def held_blocks(schedule: Schedule, pp: int, microbatches: int, rank: int, blocks: tuple[float, ...]) -> float:
     """Blocks' activations (one micro-batch through one block each) pp rank `rank`, whose local stages hold
-    `blocks`, keeps at its peak. Exact for gpipe, 1f1b, looped_bfs and the interleaved 1F1B and zero-bubble
+    `blocks` (their block counts, or what one micro-batch through each keeps), keeps at its peak. Exact for gpipe, 1f1b, looped_bfs and the interleaved 1F1B and zero-bubble
     schedules (their order replayed); zbv and dualpipev: their in-flight count times the larger stage (a bound)."""
     n, v = microbatches, schedule.stages_per_rank
     if pp == 1:
@@ -127,9 +129,9 @@ def _interleaved_order(pp: int, n: int, rank: int, v: int, zero_bubble: bool) ->
         yield "W", stage
 
 
-def _interleaved_peak(pp: int, n: int, rank: int, blocks: tuple[int, ...], zero_bubble: bool) -> int:
+def _interleaved_peak(pp: int, n: int, rank: int, blocks: tuple[float, ...], zero_bubble: bool) -> float:
     """A stage forward's activations live until its full backward, or under zero bubble its weight-gradient pass."""
-    held = peak = 0
+    held = peak = 0.0
     for action, stage in _interleaved_order(pp, n, rank, len(blocks), zero_bubble):
         if action == "F":
             held += blocks[stage]
@@ -181,10 +183,23 @@ class RankStages:
     blocks: tuple[int, ...]  # per local stage
     first: bool
     last: bool
+    starts: tuple[int, ...] = ()  # per local stage: the model index of its first block
+
+    def checkpointed(self, ac: str) -> tuple[int, ...]:
+        """Per local stage, how many of its blocks AC mode `ac` checkpoints (by their index in the model)."""
+        if ac_mode(ac) == "none":
+            return (0,) * len(self.blocks)
+        every = ac_every(ac)
+        return tuple(checkpointed_in(start, n, every) for start, n in zip(self.starts, self.blocks, strict=True))
 
     @property
     def total_blocks(self) -> int:
         return sum(self.blocks)
+
+
+def checkpointed_share(n_blocks: int, ac: str) -> float:
+    """The share of the model's blocks AC mode `ac` checkpoints ("full/2": every 2nd)."""
+    return 0.0 if ac_mode(ac) == "none" else checkpointed_in(0, n_blocks, ac_every(ac)) / n_blocks
 
 
 @lru_cache(maxsize=4096)
@@ -193,16 +208,24 @@ def rank_stages(n_blocks: int, pp: int, schedule: Schedule = ONE_F_ONE_B) -> tup
     (looped: stage s on rank s mod pp, the head on rank pp - 1; V: rank r runs r and 2pp - 1 - r, the head on 0)."""
     n_stages = pp * schedule.stages_per_rank
     split = balanced_split(n_blocks, n_stages)
+    starts = [sum(split[:s]) for s in range(n_stages)]
     owner = stage_ranks(n_stages, pp, SCHEDULES[schedule.name][2])
     return tuple(
-        RankStages(tuple(split[s] for s in range(n_stages) if owner[s] == r), owner[0] == r, owner[-1] == r)
+        RankStages(
+            tuple(split[s] for s in range(n_stages) if owner[s] == r),
+            owner[0] == r,
+            owner[-1] == r,
+            tuple(starts[s] for s in range(n_stages) if owner[s] == r),
+        )
         for r in range(pp)
     )
 
 
 def schedules_for(pp: int, n_blocks: int, ac: str) -> list[Schedule]:
     """The schedules the search tries at pp stage ranks: 1f1b; interleaved_1f1b and zero_bubble with v = 2, and
-    every larger v up to MAX_STAGES_PER_RANK whose pp x v stages divide the blocks evenly; zbv and dualpipev.
+    every larger v up to MAX_STAGES_PER_RANK whose pp x v stages divide the blocks evenly, or the blocks with the
+    embedding and the head counted as one block each (the split gives their stages one block fewer: Llama 3 405B's
+    126 blocks in 64 stages); zbv and dualpipev.
     gpipe and looped_bfs are left out: the bubble of their 1F1B counterparts, with every micro-batch in flight.
     The split-backward schedules only without activation checkpointing (rules.split_backward_without_block_options;
     the planner proposes no compiled blocks)."""
@@ -210,7 +233,7 @@ def schedules_for(pp: int, n_blocks: int, ac: str) -> list[Schedule]:
         return [ONE_F_ONE_B]
     out = [ONE_F_ONE_B]
     for v in range(2, MAX_STAGES_PER_RANK + 1):
-        if pp * v <= n_blocks and (v == 2 or n_blocks % (pp * v) == 0):
+        if pp * v <= n_blocks and (v == 2 or n_blocks % (pp * v) == 0 or (n_blocks + 2) % (pp * v) == 0):
             out += [Schedule("interleaved_1f1b", v), Schedule("zero_bubble", v)]
     if 2 * pp <= n_blocks:
         out += [Schedule("zbv", 2), Schedule("dualpipev", 2)]

@@ -17,9 +17,15 @@ from lit_mesh.mesh import MeshLayout
 from lit_mesh.planner.cost import Features, StepTime, calibrated_kernels, model_flops_per_step, step_time
 from lit_mesh.planner.hardware import GIB, Hardware
 from lit_mesh.planner.memory import Workload, expert_fsdp_dim, rank_memory
-from lit_mesh.planner.pipeline_model import ONE_F_ONE_B, Schedule, microbatches_refused, schedules_for
+from lit_mesh.planner.pipeline_model import (
+    ONE_F_ONE_B,
+    Schedule,
+    checkpointed_share,
+    microbatches_refused,
+    schedules_for,
+)
 from lit_mesh.planner.shapes import ModelShapes
-from lit_mesh.planner.vocabulary import AC_MODES, DIMS, PRECISION_BYTES
+from lit_mesh.planner.vocabulary import AC_MODES, DIMS, PRECISION_BYTES, ac_mode
 
 
 @dataclass
@@ -364,6 +370,7 @@ def explain(c: Candidate, shapes: ModelShapes, work: Workload, hw: Hardware) -> 
             " sequences per step (the whole local batch would not fit)"
         )
     if c.ac != "none":
-        extra = "+33% compute" if c.ac == "full" else "no extra matmuls"
+        share = checkpointed_share(shapes.n_blocks, c.ac)  # "full/2": every 2nd block recomputed
+        extra = f"+{33 * share:.0f}% compute" if ac_mode(c.ac) == "full" else "no extra matmuls"
         out.append(f"AC {c.ac}: activations {_gib(m['activations'])} ({extra})")
     return out

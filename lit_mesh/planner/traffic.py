@@ -36,7 +36,7 @@ from lit_mesh.parallel.pipeline.schedules import SCHEDULES
 from lit_mesh.planner.memory import ROWWISE, Workload, chunk, fsdp_degree, unsharded_numel
 from lit_mesh.planner.pipeline_model import ONE_F_ONE_B, Schedule, rank_stages, regathers
 from lit_mesh.planner.shapes import ModelShapes, ParamShape
-from lit_mesh.planner.vocabulary import PRECISION_BYTES
+from lit_mesh.planner.vocabulary import PRECISION_BYTES, ac_mode
 
 Traffic = dict[str, dict[str, float]]  # mesh dim -> operation -> bytes per step on one rank
 
@@ -88,7 +88,15 @@ def comm_bytes(
     root_params = [*(shapes.first if stages.first else ()), *(shapes.last if stages.last else ())]
     dense = [p for p in shapes.block if not p.expert]
     experts = [p for p in shapes.block if p.expert]
-    recompute = ac == "full"
+    # "full/2": the checkpointed blocks of this rank's stages (the model's every 2nd) count as full AC's, the
+    # others as none's
+    mode = ac_mode(ac)
+    checked = sum(stages.checkpointed(ac))
+    plain = blocks - checked
+
+    def over_blocks(per_block: dict[str, float]) -> float:
+        """A per-block count summed over this rank's blocks, each at its own AC."""
+        return plain * per_block["none"] + checked * per_block[mode]
 
     k = fsdp_degree(layout)
     expert_k = k // layout.ep
@@ -120,11 +128,14 @@ def comm_bytes(
         # it is saved: torch's checkpoint ends the recompute early)
         # selective AC keeps no all-gather output: its recompute gathers twice again too; without AC a block keeps
         # only the shards of its two gathered inputs and gathers them again in backward (lit_mesh/parallel/regather.py)
-        again = {"all_gather": per_pass, "reduce_scatter": blocks * hidden} if recompute else {"all_gather": per_pass}
-        if ac == "none" and not regathers(schedule, layout.pp):  # a split backward keeps them whole
-            again = {}
+        # unless a split backward keeps them whole
+        regathered = 2 if regathers(schedule, layout.pp) else 0
+        again = {
+            "all_gather": over_blocks({"none": regathered, "selective": 2, "full": 2}) * hidden,
+            "reduce_scatter": over_blocks({"none": 0, "selective": 0, "full": 1}) * hidden,
+        }
         for op in ("all_gather", "reduce_scatter"):
-            out["tp"][op] += n_micro * (2 * per_pass + again.get(op, 0) + ends * hidden)
+            out["tp"][op] += n_micro * (2 * per_pass + again[op] + ends * hidden)
         if stages.last and layout.pp > 1:  # a pipeline's head gathers the logits over the vocabulary
             out["tp"]["all_gather"] += n_micro * tokens * c.vocab_size * act
         norms = 2 * blocks + (1 if stages.last else 0)
@@ -140,17 +151,18 @@ def comm_bytes(
             kv_heads = max(kv_heads, layout.cp)  # repeated until cp divides them
             q = tokens * c.n_heads // layout.tp * head_dim * act
             qkv = q + 2 * tokens * kv_heads * head_dim * act
-            out["cp"]["all_to_all"] += n_micro * blocks * (2 + (1 if recompute else 0)) * (qkv + q)
+            out["cp"]["all_to_all"] += n_micro * over_blocks({"none": 2, "selective": 2, "full": 3}) * (qkv + q)
         else:  # the ring's sends are no op selective AC keeps: its forward runs again under either AC
-            sends = (2 + (1 if ac != "none" else 0)) * (layout.cp - 1) * kv + layout.cp * kv * 4 // act
-            out["cp"]["send"] += n_micro * blocks * sends
-            out["cp"]["recv"] += n_micro * blocks * sends
+            forwards = over_blocks({"none": 2, "selective": 3, "full": 3})  # per block: 2, or 3 under either AC
+            sends = forwards * (layout.cp - 1) * kv + blocks * layout.cp * kv * 4 // act
+            out["cp"]["send"] += n_micro * sends
+            out["cp"]["recv"] += n_micro * sends
 
     if layout.ep > 1:
         routed = work.micro_batch * work.seq_len // layout.cp * c.top_k * c.dim * act
         counts = c.n_experts * 8  # int64 tokens per expert, exchanged before each dispatch
-        passes = 1 + (1 if recompute else 0)  # forward passes: dispatch and combine each
-        out["ep"]["all_to_all"] += n_micro * blocks * ((2 * passes + 2) * routed + passes * counts)
+        forwards = over_blocks({"none": 1, "selective": 1, "full": 2})  # forward passes: dispatch and combine each
+        out["ep"]["all_to_all"] += n_micro * ((2 * forwards + 2 * blocks) * routed + forwards * counts)
 
     if layout.pp > 1:
         message = tokens // layout.tp * c.dim * act  # sequence parallel: the boundary's activation is /tp

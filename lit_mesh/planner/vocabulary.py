@@ -10,4 +10,16 @@ PRECISION_BYTES = {
     "bf16-mixed": dict(param=4, grad=4, optimizer=8, activation=2, gather=2),  # fp32 masters, bf16 compute
     "bf16-true": dict(param=2, grad=2, optimizer=4, activation=2, gather=2),
 }
-AC_MODES = ("none", "selective", "full")
+# activation checkpointing per block; "full/2": full on every 2nd block of the model (ac_every_n_blocks=2), half the
+# recompute of "full" for about half the activations of "none"
+AC_MODES = ("none", "selective", "full/2", "full")
+
+
+def ac_mode(ac: str) -> str:
+    """MeshStrategy's activation_checkpointing of a planner AC mode ("full/2" -> "full")."""
+    return ac.partition("/")[0]
+
+
+def ac_every(ac: str) -> int:
+    """MeshStrategy's ac_every_n_blocks of a planner AC mode ("full/2" -> 2; "none" -> 1)."""
+    return int(ac.partition("/")[2] or 1)

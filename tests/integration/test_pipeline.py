@@ -49,11 +49,17 @@ RUNS: dict[str, tuple[int, list[str], list[str]]] = {
     "gpt-pp2-1f1b": (2, GPT, [f"{S}pp=2", f"{S}pp_schedule=1f1b"]),
     "gpt-pp2-1f1b-fp16": (2, GPT, [f"{S}pp=2", f"{S}pp_schedule=1f1b", *FP16]),
     "gpt-pp2-interleaved": (2, GPT, [f"{S}pp=2", f"{S}pp_schedule=interleaved_1f1b", f"{S}pp_stages_per_rank=2"]),
-    # what the refusal of checkpointing with the zero-bubble schedules offers instead (lit_mesh/rules.py)
+    # what the refusal of checkpointing with the zero-bubble schedules offers instead (lit_mesh/rules.py), on the
+    # model's every 2nd block (ac_every_n_blocks counts the model's blocks, not each stage's)
     "gpt-pp2-interleaved-ac": (
         2,
         GPT,
-        [f"{S}pp=2", f"{S}pp_schedule=interleaved_1f1b", f"{S}activation_checkpointing=full"],
+        [
+            f"{S}pp=2",
+            f"{S}pp_schedule=interleaved_1f1b",
+            f"{S}activation_checkpointing=full",
+            f"{S}ac_every_n_blocks=2",
+        ],
     ),
     "gpt-pp2-zero_bubble": (2, GPT, [f"{S}pp=2", f"{S}pp_schedule=zero_bubble"]),
     "gpt-pp2-looped_bfs": (2, GPT, [f"{S}pp=2", f"{S}pp_schedule=looped_bfs"]),

@@ -48,6 +48,8 @@ STEPS = [
         {"ac": "selective", "precision": "bf16-mixed", "micro_batch": 4},
     ),
     ("tp-sp-64-full", SMALL, MeshLayout(dp_shard=32, tp=2), {"ac": "full", "micro_batch": 1}),
+    # full AC on the model's every 2nd block: the others re-gather their inputs in backward
+    ("tp-sp-64-full/2", SMALL, MeshLayout(dp_shard=32, tp=2), {"ac": "full/2", "micro_batch": 1}),
     # the last cp rank: the ring's causal blocks give it the most attention outputs to keep under selective AC
     ("cp-ring-64-selective-last", SMALL, MeshLayout(dp_shard=16, cp=4), {"ac": "selective", "rank": 3}),
     ("cp-ring-64-full", SMALL, MeshLayout(dp_shard=16, cp=4), {"ac": "full"}),
@@ -142,6 +144,19 @@ def test_simulate_steps_a_rank_of_every_later_pipeline_stage() -> None:
 # later pipeline stages: the last stage (head, logits gathered over tp, gradients sent back, the norms' fp32
 # all-reduce), an interleaved rank holding the last stage, EP's experts kept gathered through the schedule
 LATER_STAGES = [
+    # and pp rank 0 under interleaved 1F1B with tp: its stages 0 and 2 hold blocks 0 and 2, neither an every-2nd
+    # block of the model, so full/2 recomputes nothing there (counted by the rank's own blocks, block 2 would be)
+    (
+        "pp2-tp2-interleaved-first-full/2",
+        "small",
+        {"pp": 2, "dp_shard": 16, "tp": 2},
+        0,
+        "full/2",
+        "32-true",
+        "interleaved_1f1b",
+        2,
+        2,
+    ),
     (
         "pp2-cp2-interleaved-last-selective",
         "small",
@@ -156,8 +171,8 @@ LATER_STAGES = [
     ("pp4-tp2-last-full-bf16", "small", {"pp": 4, "dp_shard": 8, "tp": 2}, 48, "full", "bf16-mixed", "1f1b", 1, 4),
     ("moe-pp2-ep4-last", "moe", {"pp": 2, "dp_shard": 32, "ep": 4}, 32, "none", "32-true", "1f1b", 1, 2),
 ]
-# in a process of its own, each layout once: fake worlds of one layout twice in one process can leave DTensor state
-# that hands the later world the earlier one's process groups
+# each case in a Python process of its own: after one fake world with tp, torch's sharding cache can hand a later
+# world's DTensors the earlier world's mesh and process groups (the same tp ranks, or the same submesh shape)
 _LATER_STAGE_STEPS = """
 import json, sys
 from lit_mesh.mesh import MeshLayout
@@ -174,15 +189,24 @@ for _, preset, layout, rank, ac, precision, schedule, v, micro in json.loads(sys
 
 
 def test_ranks_of_later_pipeline_stages_move_what_the_planner_estimates() -> None:
-    done = subprocess.run(
-        [sys.executable, "-c", _LATER_STAGE_STEPS, json.dumps(LATER_STAGES)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
-    assert len(lines) == len(LATER_STAGES), done.stdout
+    steps = [
+        subprocess.Popen(
+            [sys.executable, "-c", _LATER_STAGE_STEPS, json.dumps([case])],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for case in LATER_STAGES
+    ]
+    lines = []
+    for case, step in zip(LATER_STAGES, steps):
+        try:
+            stdout, stderr = step.communicate(timeout=300)
+        finally:
+            step.kill()
+        assert step.returncode == 0, (case[0], stderr[-3000:])
+        lines += [line for line in stdout.splitlines() if line.startswith("{")]
+    assert len(lines) == len(LATER_STAGES), lines
     for case, line in zip(LATER_STAGES, lines):
         name, preset, dims, rank, ac, precision, schedule_name, v, micro = case
         step = json.loads(line)

@@ -45,3 +45,24 @@ def test_bad_activation_checkpointing_arguments(mode: str, every_n: int, message
 
     with pytest.raises(ValueError, match=message):
         MeshStrategy(activation_checkpointing=mode, ac_every_n_blocks=every_n)
+
+
+def test_a_pipeline_stage_checkpoints_the_models_every_nth_blocks() -> None:
+    """Under pp, ac_every_n_blocks counts the model's blocks, not the stage's, so the same blocks are checkpointed on
+    every layout: 8 blocks split 1 / 3 / 1 / 3 over 4 stages, pp rank 1 of 2 (interleaved: stages 1 and 3) holds
+    blocks 1, 2, 3 and 5, 6, 7; every 2nd block of the model is 1, 3, 5, 7 (the rank's own every 2nd: 2, 5, 7)."""
+    from types import SimpleNamespace
+
+    from lit_mesh.parallel.activation_checkpointing import checkpointed, checkpointed_in
+    from lit_mesh.parallel.apply import _block_indices
+    from lit_mesh.parallel.pipeline.split import split_into_stages, stage_ranks
+
+    model = GPT(GPTConfig.from_preset("tiny", n_layers=8))
+    plan = model.parallel_plan()
+    split = [1, 3, 1, 3]  # stages 0..3; loop placement: rank 1 runs stages 1 and 3
+    split_into_stages(model, plan, split, stage_ranks(4, 2, "loop"), pp_rank=1)
+    (indices,) = _block_indices([SimpleNamespace(module=model, plan=plan)], without_plan=False)
+    assert indices == [1, 2, 3, 5, 6, 7]
+    assert apply_activation_checkpointing(list(model.layers), "full", 2, indices) == 4
+    assert [int(name) for name, block in model.layers.named_children() if checkpointed(block)] == [1, 3, 5, 7]
+    assert [checkpointed_in(start, n, 2) for start, n in ((0, 1), (1, 3), (4, 1), (5, 3))] == [0, 2, 0, 2]

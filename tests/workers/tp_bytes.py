@@ -17,7 +17,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.debug import CommDebugMode
 
 import lit_mesh.parallel.hidden_states as hidden_states
@@ -215,6 +215,84 @@ def hf_llama_checkpointed_by_transformers_regathered() -> None:
         grads.append({n: q.grad.to_local() if isinstance(q.grad, DTensor) else q.grad for n, q in m.named_parameters()})
     for name, grad in grads[0].items():
         assert grad is not None and torch.equal(grad, grads[1][name]), f"{name}: differs under checkpointing"
+
+
+def _embedding_gradients(model: nn.Module, plan: ParallelPlan, local_lookup: bool, ids: torch.Tensor) -> dict:
+    """The loss, every parameter's gradient (local) and the collectives of one forward and backward under tp + SP,
+    the embeddings looked up by lit-mesh's own lookup or by torch's (DTensor's embedding op)."""
+    import lit_mesh.parallel.vocab_embedding as vocab_embedding
+
+    mesh = build_device_mesh(MeshLayout(tp=dist.get_world_size()), "cpu")["tp"]
+    chosen = vocab_embedding.looks_up_locally
+    vocab_embedding.looks_up_locally = chosen if local_lookup else (lambda module: False)  # type: ignore[assignment]
+    try:
+        apply_tensor_parallel(model, plan, mesh, True)
+    finally:
+        vocab_embedding.looks_up_locally = chosen
+    with CommDebugMode() as comm:
+        logits = model(ids)
+        logits = getattr(logits, "logits", logits)
+        logits = logits.full_tensor() if isinstance(logits, DTensor) else logits
+        loss = logits.float().logsumexp(-1).mean()
+        loss.backward()
+    grads = {n: q.grad for n, q in model.named_parameters()}
+    return {"loss": loss.detach(), "grads": grads, "calls": comm.get_comm_counts()}
+
+
+def embedding_gradient_is_this_ranks_rows(
+    make: Callable[[], nn.Module], plan_of: Callable, vocab: int, embedding: str, whole_under_torch: bool = True
+) -> None:
+    """`embedding`: the embedding weight's name; `whole_under_torch`: torch's lookup leaves its gradient Replicate (a
+    weight tied to the head sums the head's Shard(0) gradient into it)."""
+    tp, rank = dist.get_world_size(), dist.get_rank()
+    ids = torch.randint(0, vocab, (BATCH, SEQ), generator=torch.Generator().manual_seed(5))
+    ids[0, :2] = 3  # a repeated token (transformers' Llama below: its padding row)
+    ours, torchs = (_embedding_gradients(m, plan_of(m), local, ids) for m, local in ((make(), True), (make(), False)))
+    assert torch.equal(ours["loss"], torchs["loss"]), "the lookup changed the loss"
+    assert ours["calls"] == torchs["calls"], f"collectives {ours['calls']} (torch's lookup: {torchs['calls']})"
+    grad, reference = ours["grads"][embedding], torchs["grads"][embedding]
+    rows = vocab // tp
+    assert grad.placements == (Shard(0),) and grad.to_local().shape[0] == rows, (grad.placements, grad.to_local().shape)
+    assert (reference.placements == (Replicate(),)) == whole_under_torch, reference.placements
+    assert torch.equal(grad.to_local(), reference.full_tensor()[rank * rows : (rank + 1) * rows]), "other rows"
+    for name, grad in ours["grads"].items():
+        if name != embedding:
+            other = torchs["grads"][name]
+            local = grad.to_local() if isinstance(grad, DTensor) else grad
+            assert torch.equal(local, other.to_local() if isinstance(other, DTensor) else other), f"{name} differs"
+
+
+@check
+def zoo_gpt_embedding_gradient_is_this_ranks_rows() -> None:
+    """The zoo GPT (its embedding tied to the head too) under tp + SP: lit-mesh's embedding lookup gives the
+    embedding's gradient as this rank's vocabulary rows (Shard(0), the parameter's placement; torch's: the whole
+    vocabulary on every rank), bit for bit torch's rows, every other gradient and the loss bit for bit, the same
+    collectives."""
+    for tied in (False, True):
+        config = GPTConfig(**{**GPT_CONFIG.__dict__, "tie_embeddings": tied})
+
+        def make(config: GPTConfig = config) -> nn.Module:
+            torch.manual_seed(0)
+            return GPT(config)
+
+        plan = lambda m: m.parallel_plan()  # noqa: E731
+        embedding_gradient_is_this_ranks_rows(make, plan, config.vocab_size, "tok_embeddings.weight", not tied)
+
+
+@check
+def hf_llama_embedding_gradient_is_this_ranks_rows() -> None:
+    """transformers' Llama, whose padding row (pad_token_id) gets no gradient."""
+    from transformers import LlamaForCausalLM
+
+    config = tiny_config("llama")
+    config.pad_token_id = 3
+
+    def make() -> nn.Module:
+        torch.manual_seed(0)
+        return LlamaForCausalLM(config)
+
+    assert make().model.embed_tokens.padding_idx == 3
+    embedding_gradient_is_this_ranks_rows(make, plan_for, config.vocab_size, "model.embed_tokens.weight")
 
 
 @check
