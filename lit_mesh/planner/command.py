@@ -329,7 +329,7 @@ def check_step(c: Candidate, config: Any, shapes: Any) -> dict[str, Any]:
         activations = partial(
             stage_activations, shapes, c.layout, work, c.precision, c.ac, regathered=regathers(schedule, c.layout.pp)
         )
-        for stage in (s for s in ranks_to_check(shapes, c.layout.pp, schedule, n, activations) if s != 0):
+        for stage in (s for s in ranks_to_check(shapes, c.layout.pp, schedule, n, c.ac, activations) if s != 0):
             rank = first_rank_of_stage(c.layout, stage)
             later_counts = step_in_process(
                 config, c.layout, mb, seq, rank, c.precision, c.ac, zero_stage=zero, schedule=schedule, microbatches=n

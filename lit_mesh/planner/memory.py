@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import partial
+from functools import lru_cache, partial
 
 from lit_mesh.loss import CHUNK_ROWS
 from lit_mesh.mesh import MeshLayout
@@ -270,6 +270,22 @@ def stage_activations(
     )
 
 
+def _every_block_alike(stages: RankStages, ac: str) -> bool:
+    """Whether AC checkpoints all of the rank's blocks or none of them (else "full/2" mixes two kinds)."""
+    checkpointed = stages.checkpointed(ac)
+    return not any(checkpointed) or checkpointed == stages.blocks
+
+
+def held_activations(
+    schedule: Schedule, pp: int, microbatches: int, rank: int, stages: RankStages, ac: str, weights: tuple[float, ...]
+) -> float:
+    """held_blocks of the stages' activations (stage_activations); where every block keeps the same, the cached
+    replay of the block counts times one block's (the search asks this for every option)."""
+    if _every_block_alike(stages, ac):
+        return held_blocks(schedule, pp, microbatches, rank, stages.blocks) * sum(weights) / stages.total_blocks
+    return held_blocks(schedule, pp, microbatches, rank, weights)
+
+
 def activation_parts(
     shapes: ModelShapes,
     layout: MeshLayout,
@@ -301,7 +317,7 @@ def activation_parts(
     regathered = regathers(schedule, layout.pp)
     mode, checkpointed = ac_mode(ac), stages.checkpointed(ac)
     weights = stage_activations(shapes, layout, work, precision, ac, stages, regathered, fused_norm, cp_style)
-    per_token = held_blocks(schedule, layout.pp, work.microbatches(layout), stage, weights)
+    per_token = held_activations(schedule, layout.pp, work.microbatches(layout), stage, stages, ac, weights)
     transient = 0.0
     if mode == "full" and any(checkpointed):  # the block being recomputed holds everything once (and re-gathers
         # nothing)
@@ -416,20 +432,44 @@ def ranks_to_check(
     pp: int,
     schedule: Schedule,
     microbatches: int,
+    ac: str = "none",
     activations: Callable[[RankStages], tuple[float, ...]] | None = None,
 ) -> list[int]:
-    """pp ranks whose memory can be the worst: of the ranks with the same holding, the one that keeps the most
-    activations at its peak (1F1B: the first; ZBV: the last). `activations(stages)`: what one micro-batch through
-    each local stage keeps (stage_activations: under "full/2" two ranks with the same blocks can differ), else
-    each stage's block count."""
+    """pp ranks whose memory can be the worst: of the ranks with the same holding (blocks, and under "full/2" the
+    checkpointed ones), the one that keeps the most activations at its peak (1F1B: the first; ZBV: the last).
+    `activations(stages)`: what one micro-batch through each local stage keeps (stage_activations), needed where a
+    rank mixes checkpointed and other blocks; else the block counts rank them."""
+    alike = _ranks_by_block_counts(shapes.n_blocks, pp, schedule, microbatches, ac)
+    if alike is None and activations is None:  # ranked by block counts alone
+        alike = _ranks_by_block_counts(shapes.n_blocks, pp, schedule, microbatches)
+    if alike is not None:
+        return list(alike)
+    assert activations is not None
     worst: dict[tuple, tuple[float, int]] = {}  # holding -> (held activations, rank)
     for rank, stages in enumerate(rank_stages(shapes.n_blocks, pp, schedule)):
-        weights = activations(stages) if activations else stages.blocks
-        key = (stages.blocks, stages.first, stages.last, weights)
-        held = held_blocks(schedule, pp, microbatches, rank, weights)
+        key = (stages.blocks, stages.first, stages.last, stages.checkpointed(ac))
+        held = held_blocks(schedule, pp, microbatches, rank, activations(stages))
         if key not in worst or held > worst[key][0]:
             worst[key] = (held, rank)
     return sorted(rank for _, rank in worst.values())
+
+
+@lru_cache(maxsize=65536)  # the search asks for every option
+def _ranks_by_block_counts(
+    n_blocks: int, pp: int, schedule: Schedule, microbatches: int, ac: str = "none"
+) -> tuple[int, ...] | None:
+    """ranks_to_check where every rank's blocks are alike under `ac` (all checkpointed or none), so that block
+    counts rank them; None where a rank mixes them."""
+    every_rank = rank_stages(n_blocks, pp, schedule)
+    if not all(_every_block_alike(stages, ac) for stages in every_rank):
+        return None
+    worst: dict[tuple, tuple[float, int]] = {}  # holding -> (held blocks, rank)
+    for rank, stages in enumerate(every_rank):
+        key = (stages.blocks, stages.first, stages.last)
+        held = held_blocks(schedule, pp, microbatches, rank, stages.blocks)
+        if key not in worst or held > worst[key][0]:
+            worst[key] = (held, rank)
+    return tuple(sorted(rank for _, rank in worst.values()))
 
 
 # (shapes, state bytes, FSDP buffer bytes) per rank: neither depends on the micro-batch or AC, which the search varies
@@ -484,7 +524,7 @@ def rank_memory(
     worst: dict[str, int] = {}
     regathered = regathers(schedule, layout.pp)
     activations = partial(stage_activations, shapes, layout, work, precision, ac, regathered=regathered)
-    for stage in ranks_to_check(shapes, layout.pp, schedule, work.microbatches(layout), activations):
+    for stage in ranks_to_check(shapes, layout.pp, schedule, work.microbatches(layout), ac, activations):
         state, buffers, grad_numels = _cached_state(shapes, layout, precision, stage, schedule)
         m = dict(state)
         m["activations"] = activation_bytes(shapes, layout, work, precision, ac, stage, schedule=schedule)

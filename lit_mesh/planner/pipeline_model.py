@@ -187,14 +187,19 @@ class RankStages:
 
     def checkpointed(self, ac: str) -> tuple[int, ...]:
         """Per local stage, how many of its blocks AC mode `ac` checkpoints (by their index in the model)."""
-        if ac_mode(ac) == "none":
-            return (0,) * len(self.blocks)
-        every = ac_every(ac)
-        return tuple(checkpointed_in(start, n, every) for start, n in zip(self.starts, self.blocks, strict=True))
+        return _checkpointed(self.starts, self.blocks, ac)
 
     @property
     def total_blocks(self) -> int:
         return sum(self.blocks)
+
+
+@lru_cache(maxsize=65536)  # the search asks for every rank of every option
+def _checkpointed(starts: tuple[int, ...], blocks: tuple[int, ...], ac: str) -> tuple[int, ...]:
+    if ac_mode(ac) == "none":
+        return (0,) * len(blocks)
+    every = ac_every(ac)
+    return tuple(checkpointed_in(start, n, every) for start, n in zip(starts, blocks, strict=True))
 
 
 def checkpointed_share(n_blocks: int, ac: str) -> float:
