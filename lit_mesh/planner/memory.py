@@ -254,10 +254,7 @@ def stage_activations(
     checkpoints ("full/2": the model's every 2nd) at their mode's count, the others at none's."""
     b = PRECISION_BYTES[precision]["activation"]
     mode = ac_mode(ac)
-    per_block = {
-        m: block_activation_elements_per_token(shapes, layout.tp, m, b, fused_norm, regathered) * b
-        for m in {"none", mode}
-    }
+    per_block = {m: _block_elements(shapes, layout.tp, m, b, fused_norm, regathered) * b for m in {"none", mode}}
     for m in per_block:
         if b < 4:  # each block casts RoPE's cos and sin (T x head_dim in all) to the compute dtype
             per_block[m] += shapes.config.head_dim / work.micro_batch * b
@@ -268,6 +265,20 @@ def stage_activations(
         (n - c) * per_block["none"] + c * per_block[mode]
         for n, c in zip(stages.blocks, stages.checkpointed(ac), strict=True)
     )
+
+
+# block_activation_elements_per_token by (id(shapes), tp, ac, bytes, fused norm, re-gathered), with the shapes kept
+# alive so that their id stays theirs: the search asks for every option and pp rank
+_BLOCK_CACHE: dict[tuple, tuple[ModelShapes, float]] = {}
+
+
+def _block_elements(shapes: ModelShapes, tp: int, ac: str, act_bytes: int, fused_norm: bool, regathered: bool) -> float:
+    key = (id(shapes), tp, ac, act_bytes, fused_norm, regathered)
+    hit = _BLOCK_CACHE.get(key)
+    if hit is None or hit[0] is not shapes:
+        elements = block_activation_elements_per_token(shapes, tp, ac, act_bytes, fused_norm, regathered)
+        hit = _BLOCK_CACHE[key] = (shapes, elements)
+    return hit[1]
 
 
 def _every_block_alike(stages: RankStages, ac: str) -> bool:
