@@ -297,6 +297,19 @@ def _placed_like(loaded: Any, template: Any) -> Any:
     return loaded
 
 
+MISSING_KEY = "Missing key in checkpoint state_dict: "  # torch's DefaultLoadPlanner's words for an absent entry
+
+
+def _missing_keys(error: CheckpointException) -> list[str]:
+    """The entries DCP found absent from the checkpoint (every rank's failure names its own), in order."""
+    found = [
+        str(cause).split(MISSING_KEY, 1)[1].rstrip(".")
+        for cause, _ in error.failures.values()
+        if MISSING_KEY in str(cause)
+    ]
+    return sorted(set(found))
+
+
 def dcp_load(state: dict[str, Any], path: Path) -> dict[str, Any]:
     """dcp.load into a state laid out as dcp_writable saves it; returned in `state`'s own placements."""
     stored = dcp_writable(state)
@@ -304,6 +317,16 @@ def dcp_load(state: dict[str, Any], path: Path) -> dict[str, Any]:
         safe_dcp_load(stored, path)  # non-tensor entries as plain values only (verify_checkpoint read them first)
     except UnsafeCheckpointError as error:
         raise UnsafeCheckpointError(refusal(path, str(error))) from None
+    except CheckpointException as error:  # raised alike on every rank (DCP's plan is global)
+        missing = _missing_keys(error)
+        if not missing:
+            raise
+        raise CheckpointError(
+            f"cannot load checkpoint {str(path)!r}: it has no entry for {len(missing)} of the tensors to load (e.g."
+            f" {', '.join(missing[:3])}): it was saved from a model or optimizer without them. The checkpoint is"
+            " unchanged; resume with the model and optimizer it was saved with, or start from its weights alone as"
+            " pretrained weights (`pretrained=DIR`, docs/transformers.md)"
+        ) from None
     return _placed_like(stored, state)
 
 
@@ -339,7 +362,11 @@ def load_sharded_checkpoint(
         raise UnsafeCheckpointError(refusal(path, str(error))) from None
     verify_checkpoint(path, model, strict)
     key = stored_model_key(path)  # FSDPStrategy's sharded checkpoints hold the model under "model"
-    model_state = dcp_load({key: get_model_state_dict(model)}, path)
+    template = get_model_state_dict(model)
+    if not strict:  # strict_loading=False: load what the checkpoint holds, the model's other tensors keep theirs
+        held = read_layout(path).state_dict_metadata
+        template = {name: value for name, value in template.items() if f"{key}.{name}" in held}
+    model_state = dcp_load({key: template}, path)
     model.load_state_dict(model_state[key], strict=strict)
     stored = read_layout(path).state_dict_metadata
     for key, optimizer in optimizers.items():
