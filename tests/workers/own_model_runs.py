@@ -141,6 +141,22 @@ class OwnModule(LightningModule):
         return DataLoader(Tokens(), batch_size=GLOBAL_BATCH // WORLD, sampler=sampler)
 
 
+class GrownModule(OwnModule):
+    """OwnModule's model with one tensor more, loaded without strict loading (Lightning's LightningModule flag)."""
+
+    strict_loading = False
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model.extra = nn.Parameter(torch.ones(3))
+
+    def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
+        pass
+
+    def val_dataloader(self) -> DataLoader:
+        return self.train_dataloader()
+
+
 def fit(strategy: Any, steps: int = STEPS, module: OwnModule | None = None, ckpt: str | None = None) -> OwnModule:
     module = module or OwnModule()
     trainer = Trainer(
@@ -303,6 +319,14 @@ def run_checkpoints_cross() -> Any:
     assert (sharded / "meta.pt").is_file()
     resumed = fit(MeshStrategy(), ckpt=str(sharded))
     assert_parity(resumed, first_step=half)
+    # a model grown by one tensor, with Lightning's strict_loading=False: validate loads what the checkpoint holds
+    # on every rank (sharded as this layout shards it), the grown tensor keeps its value
+    grown = GrownModule()
+    Trainer(accelerator="cpu", devices=WORLD, strategy=MeshStrategy(), **QUIET).validate(grown, ckpt_path=str(sharded))
+    loaded, saved = full_parameters(grown), full_parameters(first)
+    assert torch.equal(loaded.pop("extra"), torch.ones(3)) and loaded.keys() == saved.keys()
+    for name, tensor in saved.items():
+        assert torch.equal(loaded[name], tensor), f"{name} not loaded under strict_loading=False"
     # full: one file with full tensors (FSDPStrategy writes it through Strategy.save_checkpoint, as here)
     first = fit(MeshStrategy(state_dict_type="full"), steps=half)
     full = Path(first.trainer_ref.strategy.broadcast(str(OUT / "full.ckpt")))  # type: ignore[attr-defined]
