@@ -301,7 +301,7 @@ MISSING_KEY = "Missing key in checkpoint state_dict: "  # torch's DefaultLoadPla
 
 
 def _missing_keys(error: CheckpointException) -> list[str]:
-    """The entries DCP found absent from the checkpoint (every rank's failure names its own), in order."""
+    """The entries DCP found absent from the checkpoint (every rank's failure names its own), sorted."""
     found = [
         str(cause).split(MISSING_KEY, 1)[1].rstrip(".")
         for cause, _ in error.failures.values()
@@ -362,13 +362,12 @@ def load_sharded_checkpoint(
         raise UnsafeCheckpointError(refusal(path, str(error))) from None
     verify_checkpoint(path, model, strict)
     key = stored_model_key(path)  # FSDPStrategy's sharded checkpoints hold the model under "model"
+    stored = read_layout(path).state_dict_metadata
     template = get_model_state_dict(model)
     if not strict:  # strict_loading=False: load what the checkpoint holds, the model's other tensors keep theirs
-        held = read_layout(path).state_dict_metadata
-        template = {name: value for name, value in template.items() if f"{key}.{name}" in held}
+        template = {name: value for name, value in template.items() if f"{key}.{name}" in stored}
     model_state = dcp_load({key: template}, path)
     model.load_state_dict(model_state[key], strict=strict)
-    stored = read_layout(path).state_dict_metadata
     for key, optimizer in optimizers.items():
         options = stored_optimizer_state_options(path, key)  # either format loads, whoever wrote it
         saved_as = {

@@ -274,7 +274,8 @@ def _block_lists(owners: list[PlanOwner], blocks: Blocks, without_plan: bool) ->
 
 def _block_indices(owners: list[PlanOwner], without_plan: bool) -> list[list[int] | None]:
     """Each owner's blocks' indices in the whole model: a pipeline stage keeps the original ones as names
-    (lit_mesh/parallel/pipeline/split.py); None where the blocks are the whole list (no plan)."""
+    (lit_mesh/parallel/pipeline/split.py). None (their positions) without a plan, or where the blocks are not
+    named by index (an nn.Sequential of named children)."""
     if without_plan:
         return [None]
     names = [list(o.module.get_submodule(o.plan.blocks)._modules) for o in owners]

@@ -256,7 +256,10 @@ def fake_step(
     start = time.perf_counter()
     options = MeshOptions(
         mesh=MeshDegrees(sequence_parallel=layout.tp > 1),
-        memory=MemoryOptions(activation_checkpointing=ac_mode(ac), ac_every_n_blocks=ac_every(ac)),  # type: ignore[arg-type]
+        memory=MemoryOptions(
+            activation_checkpointing=ac_mode(ac),  # type: ignore[arg-type]
+            ac_every_n_blocks=ac_every(ac),
+        ),
         context=ContextOptions(style=cp_style),  # type: ignore[arg-type]
         data=DataParallelOptions(zero_stage=zero_stage),  # type: ignore[arg-type]
     )

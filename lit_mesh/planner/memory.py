@@ -443,19 +443,16 @@ def ranks_to_check(
     pp: int,
     schedule: Schedule,
     microbatches: int,
-    ac: str = "none",
-    activations: Callable[[RankStages], tuple[float, ...]] | None = None,
+    ac: str,
+    activations: Callable[[RankStages], tuple[float, ...]],
 ) -> list[int]:
     """pp ranks whose memory can be the worst: of the ranks with the same holding (blocks, and under "full/2" the
     checkpointed ones), the one that keeps the most activations at its peak (1F1B: the first; ZBV: the last).
-    `activations(stages)`: what one micro-batch through each local stage keeps (stage_activations), needed where a
-    rank mixes checkpointed and other blocks; else the block counts rank them."""
+    `activations(stages)`: what one micro-batch through each local stage keeps (stage_activations), asked only
+    where a rank mixes checkpointed and other blocks (else the cached block counts rank them)."""
     alike = _ranks_by_block_counts(shapes.n_blocks, pp, schedule, microbatches, ac)
-    if alike is None and activations is None:  # ranked by block counts alone
-        alike = _ranks_by_block_counts(shapes.n_blocks, pp, schedule, microbatches)
     if alike is not None:
         return list(alike)
-    assert activations is not None
     worst: dict[tuple, tuple[float, int]] = {}  # holding -> (held activations, rank)
     for rank, stages in enumerate(rank_stages(shapes.n_blocks, pp, schedule)):
         key = (stages.blocks, stages.first, stages.last, stages.checkpointed(ac))
@@ -467,7 +464,7 @@ def ranks_to_check(
 
 @lru_cache(maxsize=65536)  # the search asks for every option
 def _ranks_by_block_counts(
-    n_blocks: int, pp: int, schedule: Schedule, microbatches: int, ac: str = "none"
+    n_blocks: int, pp: int, schedule: Schedule, microbatches: int, ac: str
 ) -> tuple[int, ...] | None:
     """ranks_to_check where every rank's blocks are alike under `ac` (all checkpointed or none), so that block
     counts rank them; None where a rank mixes them."""

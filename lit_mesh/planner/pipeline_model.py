@@ -95,8 +95,9 @@ def in_flight(schedule: Schedule, pp: int, microbatches: int, rank: int) -> int:
 @lru_cache(maxsize=65536)  # the search asks for every rank of every option
 def held_blocks(schedule: Schedule, pp: int, microbatches: int, rank: int, blocks: tuple[float, ...]) -> float:
     """Blocks' activations (one micro-batch through one block each) pp rank `rank`, whose local stages hold
-    `blocks` (their block counts, or what one micro-batch through each keeps), keeps at its peak. Exact for gpipe, 1f1b, looped_bfs and the interleaved 1F1B and zero-bubble
-    schedules (their order replayed); zbv and dualpipev: their in-flight count times the larger stage (a bound)."""
+    `blocks` (their block counts, or what one micro-batch through each keeps), keeps at its peak. Exact for gpipe,
+    1f1b, looped_bfs and the interleaved 1F1B and zero-bubble schedules (their order replayed); zbv and dualpipev:
+    their in-flight count times the larger stage (a bound)."""
     n, v = microbatches, schedule.stages_per_rank
     if pp == 1:
         return sum(blocks)  # one micro-batch through every block
