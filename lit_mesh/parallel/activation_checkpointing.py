@@ -34,6 +34,7 @@ def _saved_ops() -> set:
         (aten, "mm"),
         (aten, "addmm"),
         (aten, "bmm"),
+        (aten, "_scaled_mm"),  # torchao's float8 matmuls (MeshStrategy(float8=...)): recomputing them costs a GEMM
         (aten, "_scaled_dot_product_efficient_attention"),
         (aten, "_scaled_dot_product_flash_attention"),
         (aten, "_scaled_dot_product_flash_attention_for_cpu"),
@@ -57,7 +58,7 @@ def _ignore_profiler_ranges_in_recompute() -> None:
 
 
 # where each matmul's contraction dim sits: (index of the left operand, its dim, the right operand's dim)
-_CONTRACTIONS = {"mm": (0, 1, 0), "addmm": (1, 1, 0), "bmm": (0, 2, 1)}
+_CONTRACTIONS = {"mm": (0, 1, 0), "addmm": (1, 1, 0), "bmm": (0, 2, 1), "_scaled_mm": (0, 1, 0)}
 
 
 def _partial_sum(op, args: tuple) -> bool:  # noqa: ANN001 - an OpOverload

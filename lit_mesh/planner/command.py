@@ -138,6 +138,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         choices=(1, 2, 3),
         help="ZeRO stages to search (MeshStrategy zero_stage): 3 FSDP; 2, 1 gather less and hold more",
     )
+    p.add_argument(
+        "--float8",
+        choices=("tensorwise", "rowwise"),
+        default=None,
+        help="the run's MeshStrategy float8 recipe: the blocks' linears at the float8 peak with their casts, and"
+        " (tensorwise) FSDP gathering their weights in float8; tensorwise is planned with selective or full AC",
+    )
     p.add_argument("--top", type=COUNT, default=3, help="how many layouts to print")
     p.add_argument("--out", default="", help="write the best layout as a `lit-mesh fit` config (YAML) here")
     p.add_argument("--max-steps", type=COUNT, default=1000, help="trainer.max_steps of the written config")
@@ -425,6 +432,7 @@ def summary(c: Candidate) -> dict[str, Any]:
         "precision": c.precision,
         "ac": c.ac,
         "zero_stage": c.zero_stage,
+        "float8": c.float8,
         "micro_batch": c.work.micro_batch,
         "microbatches": c.work.microbatches(c.layout),
         "pp_schedule": c.schedule.name,
@@ -478,7 +486,7 @@ def report_options(
 
     layout = shown.layout
     options = layout_options(
-        layout, shapes, work, hw, args.precision, args.ac, sorted(set(args.zero_stage), reverse=True)
+        layout, shapes, work, hw, args.precision, args.ac, sorted(set(args.zero_stage), reverse=True), args.float8
     )
     degrees = {d: getattr(layout, d) for d in (*DIMS, "ep")}
     fitting = sum(o.rejected is None for o in options)
@@ -524,6 +532,7 @@ def main(argv: list[str]) -> int:
         args.ac,
         {**fixed, **({"ep": args.ep} if args.ep else {})},
         zero_stages=sorted(set(args.zero_stage), reverse=True),
+        float8=args.float8,
     )
     report(result, args, hw, shapes.numel())
     out: dict[str, Any] = {

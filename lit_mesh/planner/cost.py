@@ -76,9 +76,15 @@ class Kernels:
     elementwise_accesses: float  # bytes per (token x (dim + ffn) / tp element) moved by the memory-bound ops, eager
     elementwise_accesses_compiled: float  # the same under torch.compile (fused)
     adamw_bytes_per_parameter: float  # the optimizer step reads and writes the fp32 shards
+    float8_gemm_peak_fraction: float  # what the largest float8 GEMMs reach of the float8 peak (torchao's linears)
+    float8_cast_accesses: float  # bytes moved per element of a float8 linear's input and output, forward +
+    # backward: the amax reductions and the casts of the input and of the output's gradient (compiled, tensorwise)
+    float8_rowwise_cast_accesses: float  # the same for rowwise scaling (a scale per row of each operand, and
+    # again along the other dim for the transposed operands of backward)
 
-    def gemm_efficiency(self, n: float, k: float) -> float:
-        return self.gemm_peak_fraction * n / (n + self.gemm_half_size) * k / (k + self.gemm_half_size)
+    def gemm_efficiency(self, n: float, k: float, float8: bool = False) -> float:
+        fraction = self.float8_gemm_peak_fraction if float8 else self.gemm_peak_fraction
+        return fraction * n / (n + self.gemm_half_size) * k / (k + self.gemm_half_size)
 
     def grouped_gemm_efficiency(self, m: float, n: float, k: float) -> float:
         """One expert's GEMM of m routed rows: a short m (few tokens per expert) runs further from peak."""
@@ -108,6 +114,7 @@ class Features:
     # lit_mesh (at stride tp): Megatron-Core's MoE parallel folding puts EP x expert-TP 1 on consecutive ranks (1)
     routing_pass: bool = True  # pp x MoE: lit_mesh's forward-only routing pass; a run that balances each
     # micro-batch on its own (Megatron-Core, DeepSeek) has none
+    float8: str | None = None  # MeshStrategy(float8=...): "tensorwise" or "rowwise" linears in the blocks (torchao)
 
 
 @dataclass
@@ -165,10 +172,28 @@ def tokens_per_expert(tokens: float, top_k: int, ep: int, n_experts: int) -> flo
     return tokens * top_k * ep / n_experts
 
 
+FLOAT8_PEAK_RATIO = 2  # Ada, Hopper and Blackwell: the dense float8 tensor-core peak is twice the bf16 one
+FLOAT8_MULTIPLE = 16  # lit_mesh/parallel/float8.py converts the block linears whose dims are multiples of this
+
+
+def float8_linear(p: ParamShape) -> bool:
+    """A block weight MeshStrategy(float8=...) turns into torchao's Float8Linear: a dense linear (the experts' stacked
+    weights are not nn.Linear) whose dims are multiples of 16."""
+    return len(p.shape) == 2 and not p.is_embedding and not p.expert and all(d % FLOAT8_MULTIPLE == 0 for d in p.shape)
+
+
 def _gemm_seconds(
-    params: tuple[ParamShape, ...], tokens: float, tp: int, ep: int, top_k: int, kern: Kernels, peak: float
+    params: tuple[ParamShape, ...],
+    tokens: float,
+    tp: int,
+    ep: int,
+    top_k: int,
+    kern: Kernels,
+    peak: float,
+    float8: bool = False,
 ) -> float:
-    """Forward + backward GEMM time of `tokens` tokens through these weights on one rank."""
+    """Forward + backward GEMM time of `tokens` tokens through these weights on one rank (`float8`: the float8
+    linears at the float8 peak)."""
     seconds = 0.0
     for p in params:
         if p.expert:  # (E, N, K): each token through top_k experts; ep spreads experts and their tokens evenly
@@ -180,8 +205,20 @@ def _gemm_seconds(
             continue
         nk = _local_matrix(p, tp)
         if nk is not None:
-            seconds += 6 * tokens * nk[0] * nk[1] / (peak * kern.gemm_efficiency(*nk))
+            fp8 = float8 and float8_linear(p)
+            rate = peak * (FLOAT8_PEAK_RATIO if fp8 else 1) * kern.gemm_efficiency(*nk, float8=fp8)
+            seconds += 6 * tokens * nk[0] * nk[1] / rate
     return seconds
+
+
+def float8_cast_seconds(
+    params: tuple[ParamShape, ...], tokens: float, tp: int, recipe: str, kern: Kernels, bandwidth: float
+) -> float:
+    """The float8 linears' casts, forward + backward: each linear's input and output gradient (tokens x its local
+    K and N) scaled and cast (the weights' casts, once per micro-batch, are negligible beside them)."""
+    widths = sum(sum(_local_matrix(p, tp) or ()) for p in params if float8_linear(p))
+    accesses = kern.float8_cast_accesses if recipe == "tensorwise" else kern.float8_rowwise_cast_accesses
+    return tokens * widths * accesses / bandwidth
 
 
 ROUTER_SCORE_ACCESSES = 12  # fp32 reads and writes of the tokens x n_experts scores, forward + backward: the gate's
@@ -223,18 +260,24 @@ def step_time(
     top_k = getattr(c, "top_k", 1)
 
     # one block, one micro-batch, on one rank: forward + backward
-    gemm = _gemm_seconds(shapes.block, tokens, layout.tp, layout.ep, top_k, kern, peak)
+    float8, tensorwise = features.float8 is not None, features.float8 == "tensorwise"
+    gemm = _gemm_seconds(shapes.block, tokens, layout.tp, layout.ep, top_k, kern, peak, float8)
     attention = (
         0.5 * 12 * tokens * work.seq_len * c.n_heads * c.head_dim / layout.tp / (peak * kern.attention_peak_fraction)
     )
     accesses = kern.elementwise_accesses_compiled if features.compile else kern.elementwise_accesses
     elementwise = tokens * (c.dim + _ffn_width(c)) / layout.tp * accesses * act / hw.memory_bandwidth
     router = router_seconds(c, tokens, act, hw.memory_bandwidth) if shapes.is_moe else 0.0
-    forward_backward = gemm + attention + elementwise + router
+    casts = (
+        float8_cast_seconds(shapes.block, tokens, layout.tp, features.float8, kern, hw.memory_bandwidth)
+        if features.float8
+        else 0.0
+    )
+    forward_backward = gemm + attention + elementwise + router + casts
     # selective under tp also runs wo's row-parallel matmul forward again (its partial sum is not kept); the
     # recompute stops before w2's (lit_mesh.parallel.activation_checkpointing)
     wo = tuple(p for p in shapes.block if p.tp_style == "rowwise")[:1] if layout.tp > 1 else ()
-    row_parallel = _gemm_seconds(wo, tokens, layout.tp, layout.ep, top_k, kern, peak)
+    row_parallel = _gemm_seconds(wo, tokens, layout.tp, layout.ep, top_k, kern, peak, float8)
     # "full/2": the checkpointed blocks' share f of the model's, each term weighed between none's and the mode's
     mode, f = ac_mode(ac), checkpointed_share(shapes.n_blocks, ac)
 
@@ -260,6 +303,8 @@ def step_time(
     )
     if router:
         t.compute_parts["router"] = n_micro * blocks * router
+    if casts:
+        t.compute_parts["float8_casts"] = n_micro * blocks * casts
     stage_numel = fullest_state_numel(shapes, layout, features.schedule)
     t.optimizer = stage_numel * kern.adamw_bytes_per_parameter / hw.memory_bandwidth
 
@@ -269,10 +314,13 @@ def step_time(
     experts = sum(unsharded_numel(p, layout) for p in shapes.block if p.expert)
     k, k_experts = fsdp_degree(layout), fsdp_degree(layout) // layout.ep
     shard_link = hw.link(stride["cp"] if layout.cp > 1 else stride["dp_shard"], k)
+    # float8 "tensorwise": torchao's FSDP2 extension gathers the float8 linears' weights in float8 (one byte each)
+    fp8 = sum(unsharded_numel(p, layout) for p in shapes.block if float8_linear(p)) if tensorwise else 0
+    units = ((dense, (dense - fp8) * bytes_of["gather"] + fp8, k), (experts, experts * bytes_of["gather"], k_experts))
     gather = reduce = 0.0
-    for numel, group in ((dense, k), (experts, k_experts)):
+    for numel, gathered_bytes, group in units:
         if numel and group > 1:
-            gather += all_gather_time(numel * bytes_of["gather"], group, shard_link)
+            gather += all_gather_time(gathered_bytes, group, shard_link)
             reduce += all_gather_time(numel * 4, group, shard_link)
     if layout.dp_replicate > 1:
         reduce += all_reduce_time(
@@ -301,7 +349,9 @@ def step_time(
         # gathers twice again and stops before the last reduce-scatter, selective's gathers twice again; without AC
         # backward gathers the two sequence-parallel inputs again (lit_mesh/parallel/regather.py: eager blocks only;
         # each waited on by the matmul right after it, so exposed) (lit_mesh/planner/traffic.py, as counted)
-        regathered = 2 if regathers(features.schedule, layout.pp) and not features.compile else 0
+        # float8 "tensorwise": torchao's column-parallel style casts the gathered input to float8 and the linears
+        # keep that copy (measured by lit_mesh.planner.fake_step: no re-gather)
+        regathered = 2 if regathers(features.schedule, layout.pp) and not features.compile and not tensorwise else 0
         collectives = 8 + by_mode({"none": regathered, "selective": 2, "full": 3})
         hidden = all_gather_time(tokens * c.dim * act, layout.tp, tp_link)
         per_block = collectives * hidden

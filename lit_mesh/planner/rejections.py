@@ -13,7 +13,14 @@ from lit_mesh.mesh import MeshLayout
 from lit_mesh.planner.hardware import GB, Hardware
 from lit_mesh.planner.memory import Workload, rank_memory
 from lit_mesh.planner.pipeline_model import Schedule, schedules_for
-from lit_mesh.planner.search import MAX_MICRO_BATCH, divisors, micro_batch_refused, why_not_zero_stage
+from lit_mesh.planner.search import (
+    FLOAT8_TENSORWISE_AC,
+    FLOAT8_TENSORWISE_REFUSAL,
+    MAX_MICRO_BATCH,
+    divisors,
+    micro_batch_refused,
+    why_not_zero_stage,
+)
 from lit_mesh.planner.shapes import ModelShapes
 
 MEMORY_PARTS = (("params", "params"), ("grads", "grads"), ("optimizer", "AdamW"), ("activations", "activations"))
@@ -68,6 +75,7 @@ def layout_options(
     precisions: Iterable[str],
     ac_modes: Iterable[str],
     zero_stages: Iterable[int],
+    float8: str | None = None,
 ) -> list[Option]:
     """Each option the search weighs for this layout (the ZeRO stages the layout allows), fitting or not."""
     out: list[Option] = []
@@ -80,6 +88,9 @@ def layout_options(
                 for schedule in schedules_for(layout.pp, shapes.n_blocks, ac):
                     for micro in sizes:
                         option = partial(Option, precision, ac, zero_stage, schedule, micro)
+                        if float8 == "tensorwise" and ac not in FLOAT8_TENSORWISE_AC:
+                            out.append(option(None, FLOAT8_TENSORWISE_REFUSAL))
+                            continue
                         if refused := micro_batch_refused(layout, work, micro, schedule):
                             out.append(option(None, refused))
                             continue

@@ -41,6 +41,7 @@ class Candidate:
     reasons: list[str] = field(default_factory=list)
     zero_stage: int = 3  # what the data-parallel shard dim shards (lit_mesh/parallel/data.py)
     schedule: Schedule = ONE_F_ONE_B  # the pipeline schedule (pp > 1)
+    float8: str | None = None  # MeshStrategy(float8=...): the blocks' linears in float8 (torchao)
 
     def fits(self, hw: Hardware) -> bool:
         return self.memory["total"] <= hw.usable_bytes
@@ -53,7 +54,8 @@ class Candidate:
             degrees += f" (ep={self.layout.ep} of dp_shard x cp)"
         zero = f", ZeRO-{self.zero_stage}" if self.zero_stage < 3 else ""
         schedule = f", {self.schedule.describe()}" if self.layout.pp > 1 else ""
-        return f"{degrees}{schedule}{zero}, {self.precision}, AC {self.ac}, micro-batch {self.work.micro_batch}"
+        float8 = f", float8 {self.float8}" if self.float8 else ""
+        return f"{degrees}{schedule}{zero}, {self.precision}{float8}, AC {self.ac}, micro-batch {self.work.micro_batch}"
 
 
 def divisors(n: int) -> list[int]:
@@ -157,19 +159,42 @@ def evaluate(
     *,
     schedule: Schedule = ONE_F_ONE_B,
     memory: dict[str, int] | None = None,
+    float8: str | None = None,
 ) -> Candidate:
-    """`memory`: rank_memory's answer for these arguments, where the caller already has it."""
+    """`memory`: rank_memory's answer for these arguments, where the caller already has it. Under float8 the
+    memory is bf16's (FLOAT8_AC)."""
     if memory is None:
         memory = rank_memory(shapes, layout, work, precision, ac, zero_stage, schedule=schedule)
-    time = step_time(shapes, layout, work, precision, ac, hw, Features(zero_stage=zero_stage, schedule=schedule))
+    features = Features(zero_stage=zero_stage, schedule=schedule, float8=float8)
+    time = step_time(shapes, layout, work, precision, ac, hw, features)
     tokens = work.global_batch * work.seq_len
     mfu = model_flops_per_step(shapes, work) / (time.total * layout.world_size * hw.peak_flops)
     return Candidate(
-        layout, precision, ac, work, memory, time, tokens / time.total, mfu, zero_stage=zero_stage, schedule=schedule
+        layout,
+        precision,
+        ac,
+        work,
+        memory,
+        time,
+        tokens / time.total,
+        mfu,
+        zero_stage=zero_stage,
+        schedule=schedule,
+        float8=float8,
     )
 
 
 MAX_MICRO_BATCH = 32
+FLOAT8_RECIPES = ("tensorwise", "rowwise")
+# AC modes whose activations under float8 "tensorwise" a real step measured as bf16's (up to the float8 weights FSDP
+# gathers): without AC the blocks keep more (1.25x bf16's at tp 1, 1.9x at tp 2 with sequence parallelism: torchao's
+# column-parallel style casts the gathered input, so lit_mesh's re-gather does not apply), which the planner does
+# not model
+FLOAT8_TENSORWISE_AC = ("selective", "full")
+FLOAT8_TENSORWISE_REFUSAL = (
+    "float8 tensorwise with AC none or full/2: its blocks without AC keep more than bf16's (not modelled); the"
+    " planner proposes selective or full AC with it"
+)
 
 
 def micro_batch_refused(layout: MeshLayout, work: Workload, micro: int, schedule: Schedule = ONE_F_ONE_B) -> str | None:
@@ -198,7 +223,14 @@ def micro_batches(layout: MeshLayout, work: Workload, *, schedule: Schedule = ON
 
 
 def best_option(
-    layout: MeshLayout, shapes: ModelShapes, work: Workload, hw: Hardware, precision: str, ac: str, zero_stage: int = 3
+    layout: MeshLayout,
+    shapes: ModelShapes,
+    work: Workload,
+    hw: Hardware,
+    precision: str,
+    ac: str,
+    zero_stage: int = 3,
+    float8: str | None = None,
 ) -> tuple[Candidate | None, Candidate]:
     """(the fastest fitting (schedule, micro-batch size) or None, the least-memory one)."""
     fitting: list[Candidate] = []
@@ -209,7 +241,18 @@ def best_option(
             memory = rank_memory(shapes, layout, w, precision, ac, zero_stage, schedule=schedule)
             if memory["total"] <= hw.usable_bytes:
                 fitting.append(
-                    evaluate(layout, shapes, w, hw, precision, ac, zero_stage, schedule=schedule, memory=memory)
+                    evaluate(
+                        layout,
+                        shapes,
+                        w,
+                        hw,
+                        precision,
+                        ac,
+                        zero_stage,
+                        schedule=schedule,
+                        memory=memory,
+                        float8=float8,
+                    )
                 )
             elif smallest is None or memory["total"] < smallest[1]:
                 smallest = (w, memory["total"], schedule)
@@ -217,7 +260,9 @@ def best_option(
         best = min(fitting, key=lambda c: c.time.total)
         return best, min(fitting, key=lambda c: c.memory["total"])
     assert smallest is not None
-    return None, evaluate(layout, shapes, smallest[0], hw, precision, ac, zero_stage, schedule=smallest[2])
+    return None, evaluate(
+        layout, shapes, smallest[0], hw, precision, ac, zero_stage, schedule=smallest[2], float8=float8
+    )
 
 
 @dataclass
@@ -236,8 +281,10 @@ def plan(
     ac_modes: Iterable[str] = AC_MODES,
     fixed: Mapping[str, int] | None = None,
     zero_stages: Iterable[int] = (3,),
+    float8: str | None = None,
 ) -> PlanResult:
-    """zero_stages: the ZeRO stages to search (3: FSDP, the default; 1 and 2 gather less, hold more)."""
+    """zero_stages: the ZeRO stages to search (3: FSDP, the default; 1 and 2 gather less, hold more). float8: the
+    recipe of MeshStrategy(float8=...) the run uses (None: bf16 linears)."""
     precisions, ac_modes, fixed, zero_stages = tuple(precisions), tuple(ac_modes), dict(fixed or {}), tuple(zero_stages)
     for p in precisions:
         if p not in PRECISION_BYTES:
@@ -245,6 +292,8 @@ def plan(
     for a in ac_modes:
         if a not in AC_MODES:
             raise ValueError(f"activation checkpointing {a!r}; choose from {AC_MODES}")
+    if float8 is not None and float8 not in FLOAT8_RECIPES:
+        raise ValueError(f"float8 {float8!r}; choose from {FLOAT8_RECIPES}")
     rejected: Counter = Counter()
     ranked: list[Candidate] = []
     smallest: Candidate | None = None
@@ -264,7 +313,10 @@ def plan(
                 continue
             for precision in precisions:
                 for ac in ac_modes:
-                    best, least = best_option(layout, shapes, work, hw, precision, ac, zero_stage)
+                    if float8 == "tensorwise" and ac not in FLOAT8_TENSORWISE_AC:
+                        rejected[FLOAT8_TENSORWISE_REFUSAL] += 1
+                        continue
+                    best, least = best_option(layout, shapes, work, hw, precision, ac, zero_stage, float8)
                     if smallest is None or least.memory["total"] < smallest.memory["total"]:
                         smallest = least
                     if best is not None:

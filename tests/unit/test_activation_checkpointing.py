@@ -66,3 +66,17 @@ def test_a_pipeline_stage_checkpoints_the_models_every_nth_blocks() -> None:
     assert apply_activation_checkpointing(list(model.layers), "full", 2, indices) == 4
     assert [int(name) for name, block in model.layers.named_children() if checkpointed(block)] == [1, 3, 5, 7]
     assert [checkpointed_in(start, n, 2) for start, n in ((0, 1), (1, 3), (4, 1), (5, 3))] == [0, 2, 0, 2]
+
+
+def test_selective_checkpointing_keeps_float8_matmuls() -> None:
+    """torchao's float8 linears matmul with aten._scaled_mm on the GPU (CPU emulates it with mm, so no CPU step can
+    see this): selective AC must keep its output like mm's, or it recomputes every float8 GEMM of the block."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    from lit_mesh.parallel.activation_checkpointing import _policy, _saved_ops
+
+    scaled_mm = torch.ops.aten._scaled_mm.default
+    saved = _saved_ops()
+    assert scaled_mm in saved
+    a, b = torch.zeros(16, 32), torch.zeros(32, 16)
+    assert _policy(saved, None, scaled_mm, a, b) == CheckpointPolicy.MUST_SAVE

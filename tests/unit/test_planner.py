@@ -200,6 +200,9 @@ KERNELS = dict(
     elementwise_accesses=10,
     elementwise_accesses_compiled=4,
     adamw_bytes_per_parameter=32,
+    float8_gemm_peak_fraction=0.4,
+    float8_cast_accesses=3,
+    float8_rowwise_cast_accesses=6,
 )
 
 
@@ -253,6 +256,38 @@ def test_step_time_parts_by_hand() -> None:
     per_micro = g2 + (g2 - block2 / 3) + (g2 - 2 * block2 / 3)  # the last block's backward reuses its gather
     last = 2 * (2 * g2 - 2 * block2 / 3) - (g2 - 2 * block2 / 3)  # the last backward also reduce-scatters
     assert t2.exposed["fsdp"] == pytest.approx(4 * per_micro + last)
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_float8_step_time_by_hand(recipe: str) -> None:
+    """MeshStrategy(float8=...) in the time model: the blocks' linears at twice the peak and the float8 fraction,
+    their inputs' and output gradients' casts memory bound, the head in bf16; tensorwise gathers the linears'
+    weights in float8 (one byte) under FSDP, rowwise in the gather dtype."""
+    from lit_mesh.planner.cost import Features, Kernels, step_time
+
+    config, kernels = GPTConfig.from_preset("tiny"), Kernels(**KERNELS)
+    shapes, work = gpt_shapes(config), Workload(global_batch=16, seq_len=64, micro_batch=2)
+    hw = Hardware(nodes=1, devices_per_node=8, memory_bytes=80 * GB, peak_flops=1e12, memory_bandwidth=1e11)
+    layout = MeshLayout(dp_shard=8)
+    t = step_time(shapes, layout, work, "bf16-mixed", "full", hw, Features(float8=recipe), kernels)
+    size = lambda n, k: n / (n + 64) * k / (k + 64)  # noqa: E731
+    tokens = 2 * 64
+    linears = [(64, 64), (32, 64), (32, 64), (64, 64), (128, 64), (64, 128), (128, 64)]  # wq wk wv wo w1 w2 w3
+    gemm = sum(6 * tokens * n * k / (2e12 * 0.4 * size(n, k)) for n, k in linears)
+    head = 6 * tokens * 256 * 64 / (1e12 * 0.5 * size(256, 64))  # outside the blocks: bf16
+    casts = tokens * sum(n + k for n, k in linears) * {"tensorwise": 3, "rowwise": 6}[recipe] / 1e11
+    assert t.compute_parts["gemm"] == pytest.approx(2 * gemm + head)
+    assert t.compute_parts["float8_casts"] == pytest.approx(2 * casts)
+    # FSDP: one micro-batch, 2 blocks: each gathered in forward and backward, reduce-scattered in fp32
+    bf16 = step_time(shapes, layout, work, "bf16-mixed", "full", hw, Features(), kernels)
+    block_params = sum(p.numel() for p in GPT(config).layers[0].parameters())
+    linear_params = sum(n * k for n, k in linears)
+    ring = lambda nbytes: 7 * 5e-6 + 7 / 8 * nbytes / hw.intra_node_bandwidth  # noqa: E731
+    gathered = 2 * block_params - (linear_params if recipe == "tensorwise" else 0)
+    saved = 2 * 2 - 1  # (2 blocks x 2 gathers) - the last block's kept gather, as bytes fewer each
+    assert bf16.overlapped["fsdp"] - t.overlapped["fsdp"] == pytest.approx(
+        saved * (ring(2 * block_params) - ring(gathered))
+    )
 
 
 def test_gemm_efficiency_falls_with_tp_and_async_tp_hides_the_forward() -> None:

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from lit_mesh.mesh import MeshLayout
 from lit_mesh.planner.calibration import check, hardware, runs, shapes_of
@@ -61,6 +62,7 @@ def test_with_the_published_degrees_fixed_the_choice_is_within_25_percent(run: d
         async_tp=run["async_tp"],
         reshard_after_forward=run.get("reshard_after_forward", True),
         schedule=chosen.schedule,
+        float8=run.get("float8"),
     )
     t = step_time(shapes, layout, chosen.work, "bf16-mixed", chosen.ac, hw, features)
     chosen_per_device = run["global_batch"] * run["seq_len"] / t.total / layout.world_size
@@ -103,3 +105,21 @@ def test_pipeline_options_name_the_schedules_rule(capsys: pytest.CaptureFixture)
     assert "8 / 4 = 2 micro-batches, fewer than the pp=4 stages" in text
     refused = {o["rejected"] for o in out["options"]["options"] if o["rejected"] and o["memory"] is None}
     assert any("dualpipev v=2 with 4 micro-batches: needs at least 8 micro-batches" in r for r in refused), refused
+
+
+def test_float8_plans_are_faster_and_name_their_recipe(capsys: pytest.CaptureFixture, tmp_path: Path) -> None:
+    """`--float8 tensorwise`: the estimate of the same layout is faster than bf16's, the AC modes whose memory the
+    planner does not model under it are refused with the reason, and the config it writes runs float8."""
+    argv = ["--preset", "llama3-8b", "--devices", "64", "--dp-shard", "8", "--tp", "8", "--memory-gb", "80"]
+    argv += ["--global-batch", "96", "--seq-len", "8192", "--top", "1"]
+    _, bf16 = _plan_json(argv, capsys)
+    out_path = tmp_path / "plan.yaml"
+    text, float8 = _plan_json([*argv, "--float8", "tensorwise", "--out", str(out_path)], capsys)
+    best = float8["ranked"][0]
+    assert best["float8"] == "tensorwise" and best["ac"] in ("selective", "full")
+    assert best["step_s"] < bf16["ranked"][0]["step_s"]
+    refused = [o for o in float8["options"]["options"] if o["ac"] in ("none", "full/2")]
+    assert refused and all("float8 tensorwise with AC none or full/2" in o["rejected"] for o in refused)
+    assert "float8 tensorwise, AC" in text
+    written = yaml.safe_load(out_path.read_text())
+    assert written["trainer"]["strategy"]["init_args"]["float8"] == "tensorwise"
