@@ -54,6 +54,7 @@ from lit_mesh.parallel.activation_checkpointing import MemoryOptions
 from lit_mesh.parallel.apply import Parallelized, parallelize
 from lit_mesh.parallel.context.layout import ContextOptions, shard_batch
 from lit_mesh.parallel.data import DataParallelOptions
+from lit_mesh.parallel.float8 import Float8Options
 from lit_mesh.parallel.pipeline.runner import ScheduleRunner
 from lit_mesh.parallel.pipeline.schedules import PipelineSettings
 from lit_mesh.parallel.pipeline.split import Stage
@@ -250,9 +251,11 @@ def fake_step(
     zero_stage: int = 3,
     schedule: Schedule = ONE_F_ONE_B,
     microbatches: int = 1,
+    float8: str | None = None,
 ) -> StepCounts:
     """One training step of global rank `rank` (one micro-batch of `micro_batch` sequences of `seq_len` tokens;
-    under pp, `schedule` over `microbatches` of them, as lit_mesh's runner drives torch's schedule)."""
+    under pp, `schedule` over `microbatches` of them, as lit_mesh's runner drives torch's schedule; `float8`:
+    MeshStrategy's float8 recipe, emulated on CPU)."""
     start = time.perf_counter()
     options = MeshOptions(
         mesh=MeshDegrees(sequence_parallel=layout.tp > 1),
@@ -262,6 +265,7 @@ def fake_step(
         ),
         context=ContextOptions(style=cp_style),  # type: ignore[arg-type]
         data=DataParallelOptions(zero_stage=zero_stage),  # type: ignore[arg-type]
+        float8=Float8Options(float8),  # type: ignore[arg-type]
     )
     if layout.pp > 1:
         options = replace(options, pipeline=PipelineSettings(schedule.name, microbatches, schedule.stages_per_rank))

@@ -36,6 +36,7 @@ def step_in_process(
     zero_stage: int,
     schedule: Schedule,
     microbatches: int,
+    float8: str | None = None,
     timeout: float = 600,
 ) -> StepCounts:
     """fake_step(...) of `rank`, run in a new Python process; raises RuntimeError with its stderr if it fails."""
@@ -52,6 +53,7 @@ def step_in_process(
             "ac": ac,
             "zero_stage": zero_stage,
             "microbatches": microbatches,
+            "float8": float8,
         },
         "schedule": dataclasses.asdict(schedule),
     }

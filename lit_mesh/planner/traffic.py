@@ -8,7 +8,8 @@ a reduce-scatter: its input; an all-reduce: its tensor; an all-to-all: what this
   shard count: the root (embedding, norm, head: kept from forward to backward) once, each block in forward and
   again in backward but the last block (lit_mesh/parallel/data.py keeps it gathered); gradients reduce-scattered
   in fp32 (bf16-true: bf16) at the last micro-batch (ZeRO-2: every one). ZeRO-1/2 and a pipeline's stages gather
-  once per step.
+  once per step. Float8 "tensorwise": the blocks' float8 linears' weights gathered in float8, after an all-reduce
+  of their amax.
 - expert_fsdp (dp_shard x cp / ep): the expert units, resharded after every forward (gathered twice per block).
 - dp_replicate (HSDP): the shards' gradients all-reduced once per step.
 - tp (1-D, sequence parallel): per block an all-gather before attention and the feed-forward and a reduce-scatter
@@ -33,6 +34,7 @@ from collections import defaultdict
 
 from lit_mesh.mesh import MeshLayout
 from lit_mesh.parallel.pipeline.schedules import SCHEDULES
+from lit_mesh.planner.cost import float8_linear
 from lit_mesh.planner.memory import ROWWISE, Workload, chunk, fsdp_degree, unsharded_numel
 from lit_mesh.planner.pipeline_model import ONE_F_ONE_B, Schedule, rank_stages, regathers
 from lit_mesh.planner.shapes import ModelShapes, ParamShape
@@ -77,6 +79,7 @@ def comm_bytes(
     cp_style: str = "ring",
     schedule: Schedule = ONE_F_ONE_B,
     stage: int = 0,
+    float8: str | None = None,
 ) -> Traffic:
     """The step's collectives on a rank of pp rank `stage` (module doc), by mesh dim and operation."""
     c, b = shapes.config, PRECISION_BYTES[precision]
@@ -103,10 +106,16 @@ def comm_bytes(
     if k > 1:
         block = sum(padded_numel(p, layout, k) for p in dense)
         root = sum(padded_numel(p, layout, k) for p in root_params)
-        if zero_stage < 3 or layout.pp > 1:  # kept gathered over the step's micro-batches
-            out["fsdp"]["all_gather"] += (root + blocks * block) * gather
-        else:
-            out["fsdp"]["all_gather"] += n_micro * (root + (2 * blocks - 1) * block) * gather
+        # float8 "tensorwise": the float8 linears' weights gathered in float8 (one byte), each gather after an
+        # all-reduce of their amax (one number of the parameters' dtype per linear)
+        fp8 = [p for p in dense if float8_linear(p)] if float8 == "tensorwise" else []
+        block_bytes = block * gather - sum(padded_numel(p, layout, k) for p in fp8) * (gather - 1)
+        gathers = blocks if zero_stage < 3 or layout.pp > 1 else n_micro * (2 * blocks - 1)  # a pipeline's and
+        # ZeRO-1/2's blocks stay gathered over the step's micro-batches
+        out["fsdp"]["all_gather"] += (root if zero_stage < 3 or layout.pp > 1 else n_micro * root) * gather
+        out["fsdp"]["all_gather"] += gathers * block_bytes
+        if fp8:
+            out["fsdp"]["all_reduce"] += gathers * len(fp8) * b["param"]
         reductions = n_micro if zero_stage == 2 else 1
         out["fsdp"]["reduce_scatter"] += reductions * (root + blocks * block) * reduce
         if layout.dp_replicate > 1:

@@ -66,6 +66,13 @@ STEPS = [
         {"schedule": Schedule("interleaved_1f1b", 2), "microbatches": 2, "ac": "selective", "precision": "bf16-mixed"},
     ),
     ("hsdp-cp-tp-1024-bf16", SMALL, MeshLayout(dp_replicate=2, dp_shard=128, cp=2, tp=2), {"precision": "bf16-mixed"}),
+    # float8 tensorwise: FSDP gathers the linears' weights in float8 after an all-reduce of their amax
+    (
+        "tp-sp-64-full-float8-bf16",
+        SMALL,
+        MeshLayout(dp_shard=32, tp=2),
+        {"ac": "full", "precision": "bf16-mixed", "float8": "tensorwise", "micro_batch": 1},
+    ),
 ]
 SEQ_LEN = 256
 
@@ -96,6 +103,8 @@ def test_a_real_step_moves_and_holds_what_the_planner_estimates(
         # torch's stages reduce once after the schedule: every block's unsharded gradient is held until then
         grads = accumulated_grad_bytes(shapes, layout, work, precision, stage, schedule=options["schedule"])
         assert grads == pytest.approx(counted.accumulated_grads, rel=0.01), (counted.accumulated_grads, grads)
+        return
+    if options.get("float8"):  # torchao applies CUDA's autocast only: its CPU emulation holds other dtypes than a GPU
         return
     cp_style = options.get("cp_style", "ring")
     held = activation_parts(shapes, layout, work, precision, ac, 0, fused_norm=False, cp_style=cp_style)["held"]
