@@ -11,7 +11,6 @@ import weakref
 from dataclasses import dataclass, field
 from typing import cast
 
-import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
@@ -191,8 +190,7 @@ def parallelize(
         if layout.dp_replicate > 1:
             average_over_replicas(owners, mesh.root.get_group(MeshAxis.DP_REPLICATE))
     elif layout.tp > 1:
-        tp_backend = dist.get_backend(mesh[MeshAxis.TP].get_group())
-        float8_styles = float8_tp_styles_apply(options.float8.recipe, sequence_parallel, tp_backend)
+        float8_styles = float8_tp_styles_apply(options.float8.recipe, sequence_parallel)
         for owner in owners:
             experts = expert_modules(owner.module, owner.plan)  # placed by EP below
             apply_tensor_parallel(

@@ -143,7 +143,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         choices=("tensorwise", "rowwise"),
         default=None,
         help="the run's MeshStrategy float8 recipe: the blocks' linears at the float8 peak with their casts, and"
-        " (tensorwise) FSDP gathering their weights in float8; tensorwise is planned with selective or full AC",
+        " (tensorwise) FSDP gathering their weights in float8",
     )
     p.add_argument("--top", type=COUNT, default=3, help="how many layouts to print")
     p.add_argument("--out", default="", help="write the best layout as a `lit-mesh fit` config (YAML) here")
@@ -327,12 +327,14 @@ def check_step(c: Candidate, config: Any, shapes: Any) -> dict[str, Any]:
     counts = fake_step(config, c.layout, mb, seq, 0, c.precision, c.ac, **step)
     # the CPU step runs torch's composite rms_norm (the planner's own estimate assumes CUDA's fused kernel)
     check: dict[str, Any] = {"microbatches": n, **_rank_check(c, shapes, work, 0, counts)}
-    if counts.activations is not None and c.float8 is None:
+    if counts.activations is not None and not (c.float8 and c.precision.endswith("-mixed")):
         held = activation_parts(shapes, c.layout, work, c.precision, c.ac, 0, fused_norm=False)["held"]
         check["activations"] = {"counted": counts.activations, "estimated": held}
-    elif counts.activations is not None:  # torchao applies CUDA's autocast only: its CPU emulation keeps other
-        # dtypes than a GPU's, so a CPU count says nothing of float8's activations on the GPU
-        check["activations_not_compared"] = "float8 is emulated on CPU, where torchao keeps other dtypes than a GPU"
+    elif counts.activations is not None:  # torchao applies CUDA's autocast only: under autocast its CPU emulation
+        # keeps fp32 inputs where a GPU keeps bf16 ones, so that count says nothing of the GPU's
+        check["activations_not_compared"] = (
+            "float8 under autocast on CPU keeps fp32 inputs where a GPU keeps bf16 ones; bf16-true compares them"
+        )
     if c.layout.pp > 1:
         check["later_ranks"] = []
         activations = partial(
@@ -496,7 +498,7 @@ def report_options(
 
     layout = shown.layout
     options = layout_options(
-        layout, shapes, work, hw, args.precision, args.ac, sorted(set(args.zero_stage), reverse=True), args.float8
+        layout, shapes, work, hw, args.precision, args.ac, sorted(set(args.zero_stage), reverse=True)
     )
     degrees = {d: getattr(layout, d) for d in (*DIMS, "ep")}
     fitting = sum(o.rejected is None for o in options)

@@ -349,9 +349,7 @@ def step_time(
         # gathers twice again and stops before the last reduce-scatter, selective's gathers twice again; without AC
         # backward gathers the two sequence-parallel inputs again (lit_mesh/parallel/regather.py: eager blocks only;
         # each waited on by the matmul right after it, so exposed) (lit_mesh/planner/traffic.py, as counted)
-        # float8 "tensorwise": torchao's column-parallel style casts the gathered input to float8 and the linears
-        # keep that copy (measured by lit_mesh.planner.fake_step: no re-gather)
-        regathered = 2 if regathers(features.schedule, layout.pp) and not features.compile and not tensorwise else 0
+        regathered = 2 if regathers(features.schedule, layout.pp) and not features.compile else 0
         collectives = 8 + by_mode({"none": regathered, "selective": 2, "full": 3})
         hidden = all_gather_time(tokens * c.dim * act, layout.tp, tp_link)
         per_block = collectives * hidden

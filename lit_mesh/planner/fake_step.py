@@ -25,7 +25,10 @@ without gradient sync and reduce once at the end: `accumulated_grads`, the plann
 
 Activations: the bytes of the storages the forward and the loss create that are still alive when backward starts
 (what the step holds into backward: autograd's saved tensors, checkpointed blocks' inputs, the logits), without
-parameters (the FSDP root's gathered weights stay alive too, and are counted apart).
+parameters (the FSDP root's gathered weights stay alive too, and are counted apart). A wrapper tensor subclass
+(the functional collectives' AsyncCollectiveTensor, torchao's float8 tensors) counts by the tensors it wraps: its
+own storage is a placeholder the size of its nominal dtype, no memory (counted, it made a collective's output
+twice and a float8 weight a bf16 one).
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import PipelineStage
 from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 
 from lit_mesh.loss import cross_entropy
@@ -149,8 +152,8 @@ class LiveStorages(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         out = func(*args, **(kwargs or {}))
         for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor):
-                ref = StorageWeakRef(local_tensor(t).untyped_storage())
+            for inner in _data_tensors(t):
+                ref = StorageWeakRef(inner.untyped_storage())
                 self._refs.setdefault(ref.cdata, ref)
         return out
 
@@ -162,6 +165,18 @@ class LiveStorages(TorchDispatchMode):
             if storage is not None:
                 out[key] = storage.nbytes()
         return out
+
+
+def _data_tensors(t: Any) -> list[torch.Tensor]:
+    """The tensors holding `t`'s data: a DTensor's local shard, a wrapper subclass's inner tensors (torchao's float8
+    tensors: their own storage is a placeholder the size of their nominal dtype, not memory), else `t` itself."""
+    if not isinstance(t, torch.Tensor):
+        return []
+    t = local_tensor(t)
+    if is_traceable_wrapper_subclass(t):
+        names, _ = t.__tensor_flatten__()
+        return [inner for name in names for inner in _data_tensors(getattr(t, name))]
+    return [t]
 
 
 def parameter_storages(root: nn.Module) -> set[int]:

@@ -313,7 +313,9 @@ def activation_parts(
     (1F1B: up to pp - stage micro-batches), each through its own stage's blocks (lit_mesh.planner.pipeline_model
     .held_blocks; under "full/2" each stage's checkpointed blocks weigh as full AC's, the others as none's), each
     micro-batch of T/cp tokens per rank (cp shards every micro-batch's sequence, with pp too), and on the last stage
-    the final norm's tensors and the logits the chunked loss keeps. backward: what backward adds at its peak: full
+    the final norm's tensors and the logits the chunked loss keeps (under tp the embedding's reduce-scattered
+    output is block 0's input and the head's gathered input the final norm's whole output: each counted there,
+    once). backward: what backward adds at its peak: full
     AC's recomputed block (everything once), else without AC under tp one re-gathered region input; the logits'
     gradient and one fp32 chunk of rows (lit_mesh/loss.py).
     fused_norm: the norms' kernel (block_activation_elements_per_token): CUDA's fused one (the planner's), or the
@@ -336,8 +338,6 @@ def activation_parts(
     elif sum(checkpointed) < stages.total_blocks and layout.tp > 1 and regathered:  # backward re-gathers one
         # region's input at a time
         transient += shapes.config.dim * b
-    if stages.first and layout.tp > 1:  # the embedding's reduce-scattered output: the collective's and autograd's
-        per_token += 2 * shapes.config.dim / layout.tp * b
     extra = 0.0
     if stages.last:
         # the logits of one micro-batch, kept by the chunked loss for its backward, and their gradient
@@ -348,10 +348,6 @@ def activation_parts(
         per_token += (vocab + _norm_elements(shapes.config.dim, layout.tp, b, fused_norm)) * b
         if layout.tp > 1:  # the final norm's output on its sequence shard, which the head's gather keeps
             per_token += shapes.config.dim / layout.tp * b
-        if layout.tp > 1 and work.micro_batch == 1:
-            # one sequence: the head's sequence gather is a reshape of the all-gather's output, and DTensor keeps
-            # that output, its autograd wrapper and two reshaped copies (several sequences: one concatenated copy)
-            per_token += 3 * shapes.config.dim * b
         transient += vocab * b
         extra = min(CHUNK_ROWS, tokens) * vocab * 4
     return {"held": int(tokens * per_token), "backward": int(tokens * transient + extra)}

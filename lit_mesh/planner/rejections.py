@@ -14,8 +14,6 @@ from lit_mesh.planner.hardware import GB, Hardware
 from lit_mesh.planner.memory import Workload, rank_memory
 from lit_mesh.planner.pipeline_model import Schedule, schedules_for
 from lit_mesh.planner.search import (
-    FLOAT8_TENSORWISE_AC,
-    FLOAT8_TENSORWISE_REFUSAL,
     MAX_MICRO_BATCH,
     divisors,
     micro_batch_refused,
@@ -75,7 +73,6 @@ def layout_options(
     precisions: Iterable[str],
     ac_modes: Iterable[str],
     zero_stages: Iterable[int],
-    float8: str | None = None,
 ) -> list[Option]:
     """Each option the search weighs for this layout (the ZeRO stages the layout allows), fitting or not."""
     out: list[Option] = []
@@ -88,9 +85,6 @@ def layout_options(
                 for schedule in schedules_for(layout.pp, shapes.n_blocks, ac):
                     for micro in sizes:
                         option = partial(Option, precision, ac, zero_stage, schedule, micro)
-                        if float8 == "tensorwise" and ac not in FLOAT8_TENSORWISE_AC:
-                            out.append(option(None, FLOAT8_TENSORWISE_REFUSAL))
-                            continue
                         if refused := micro_batch_refused(layout, work, micro, schedule):
                             out.append(option(None, refused))
                             continue

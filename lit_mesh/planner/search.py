@@ -161,8 +161,8 @@ def evaluate(
     memory: dict[str, int] | None = None,
     float8: str | None = None,
 ) -> Candidate:
-    """`memory`: rank_memory's answer for these arguments, where the caller already has it. Under float8 the
-    memory is bf16's (FLOAT8_AC)."""
+    """`memory`: rank_memory's answer for these arguments, where the caller already has it (under float8: bf16's,
+    as a real step counts it; docs/techniques/planner.md)."""
     if memory is None:
         memory = rank_memory(shapes, layout, work, precision, ac, zero_stage, schedule=schedule)
     features = Features(zero_stage=zero_stage, schedule=schedule, float8=float8)
@@ -186,15 +186,6 @@ def evaluate(
 
 MAX_MICRO_BATCH = 32
 FLOAT8_RECIPES = ("tensorwise", "rowwise")
-# AC modes whose activations under float8 "tensorwise" a real step measured as bf16's (up to the float8 weights FSDP
-# gathers): without AC the blocks keep more (1.25x bf16's at tp 1, 1.9x at tp 2 with sequence parallelism: torchao's
-# column-parallel style casts the gathered input, so lit_mesh's re-gather does not apply), which the planner does
-# not model
-FLOAT8_TENSORWISE_AC = ("selective", "full")
-FLOAT8_TENSORWISE_REFUSAL = (
-    "float8 tensorwise with AC none or full/2: its blocks without AC keep more than bf16's (not modelled); the"
-    " planner proposes selective or full AC with it"
-)
 
 
 def micro_batch_refused(layout: MeshLayout, work: Workload, micro: int, schedule: Schedule = ONE_F_ONE_B) -> str | None:
@@ -313,9 +304,6 @@ def plan(
                 continue
             for precision in precisions:
                 for ac in ac_modes:
-                    if float8 == "tensorwise" and ac not in FLOAT8_TENSORWISE_AC:
-                        rejected[FLOAT8_TENSORWISE_REFUSAL] += 1
-                        continue
                     best, least = best_option(layout, shapes, work, hw, precision, ac, zero_stage, float8)
                     if smallest is None or least.memory["total"] < smallest.memory["total"]:
                         smallest = least

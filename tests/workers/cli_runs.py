@@ -12,6 +12,7 @@ from __future__ import annotations
 import csv
 import json
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -67,6 +68,7 @@ class SavePredictions(BasePredictionWriter):
 
 def run(out_dir: Path, name: str, args: list[str], command: str = "fit") -> None:
     save_dir = out_dir / name
+    start = time.perf_counter()
     cli = run_cli([command, *args, f"--trainer.logger.save_dir={save_dir}"])
     assert cli is not None
     if command != "fit":
@@ -81,6 +83,7 @@ def run(out_dir: Path, name: str, args: list[str], command: str = "fit") -> None
             "metrics": metrics_by_step(save_dir),
             "world_size": cli.trainer.world_size,
             "progress_bar": {k: float(v) for k, v in cli.trainer.progress_bar_metrics.items()},  # the last step's
+            "seconds": round(time.perf_counter() - start, 2),  # what the run cost the suite (to keep it short)
         }
         (save_dir / "result.json").write_text(json.dumps(result))
 
