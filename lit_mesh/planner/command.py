@@ -19,7 +19,7 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from lit_mesh.planner.vocabulary import AC_MODES, DIMS, PRECISION_BYTES
+from lit_mesh.planner.vocabulary import AC_MODES, DIMS, FLOAT8_RECIPES, PRECISION_BYTES
 
 if TYPE_CHECKING:  # the model, memory and time modules import torch: only once the arguments are good
     from lit_mesh.planner.hardware import Hardware
@@ -140,7 +140,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     )
     p.add_argument(
         "--float8",
-        choices=("tensorwise", "rowwise"),
+        choices=FLOAT8_RECIPES,
         default=None,
         help="the run's MeshStrategy float8 recipe: the blocks' linears at the float8 peak with their casts, and"
         " (tensorwise) FSDP gathering their weights in float8",

@@ -268,11 +268,8 @@ def step_time(
     accesses = kern.elementwise_accesses_compiled if features.compile else kern.elementwise_accesses
     elementwise = tokens * (c.dim + _ffn_width(c)) / layout.tp * accesses * act / hw.memory_bandwidth
     router = router_seconds(c, tokens, act, hw.memory_bandwidth) if shapes.is_moe else 0.0
-    casts = (
-        float8_cast_seconds(shapes.block, tokens, layout.tp, features.float8, kern, hw.memory_bandwidth)
-        if features.float8
-        else 0.0
-    )
+    recipe = features.float8
+    casts = float8_cast_seconds(shapes.block, tokens, layout.tp, recipe, kern, hw.memory_bandwidth) if recipe else 0.0
     forward_backward = gemm + attention + elementwise + router + casts
     # selective under tp also runs wo's row-parallel matmul forward again (its partial sum is not kept); the
     # recompute stops before w2's (lit_mesh.parallel.activation_checkpointing)

@@ -13,12 +13,7 @@ from lit_mesh.mesh import MeshLayout
 from lit_mesh.planner.hardware import GB, Hardware
 from lit_mesh.planner.memory import Workload, rank_memory
 from lit_mesh.planner.pipeline_model import Schedule, schedules_for
-from lit_mesh.planner.search import (
-    MAX_MICRO_BATCH,
-    divisors,
-    micro_batch_refused,
-    why_not_zero_stage,
-)
+from lit_mesh.planner.search import MAX_MICRO_BATCH, divisors, micro_batch_refused, why_not_zero_stage
 from lit_mesh.planner.shapes import ModelShapes
 
 MEMORY_PARTS = (("params", "params"), ("grads", "grads"), ("optimizer", "AdamW"), ("activations", "activations"))

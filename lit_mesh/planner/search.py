@@ -25,7 +25,7 @@ from lit_mesh.planner.pipeline_model import (
     schedules_for,
 )
 from lit_mesh.planner.shapes import ModelShapes
-from lit_mesh.planner.vocabulary import AC_MODES, DIMS, PRECISION_BYTES, ac_mode
+from lit_mesh.planner.vocabulary import AC_MODES, DIMS, FLOAT8_RECIPES, PRECISION_BYTES, ac_mode
 
 
 @dataclass
@@ -185,7 +185,6 @@ def evaluate(
 
 
 MAX_MICRO_BATCH = 32
-FLOAT8_RECIPES = ("tensorwise", "rowwise")
 
 
 def micro_batch_refused(layout: MeshLayout, work: Workload, micro: int, schedule: Schedule = ONE_F_ONE_B) -> str | None:

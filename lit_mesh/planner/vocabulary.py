@@ -10,6 +10,9 @@ PRECISION_BYTES = {
     "bf16-mixed": dict(param=4, grad=4, optimizer=8, activation=2, gather=2),  # fp32 masters, bf16 compute
     "bf16-true": dict(param=2, grad=2, optimizer=4, activation=2, gather=2),
 }
+# MeshStrategy(float8=...)'s recipes (lit_mesh/parallel/float8.py FLOAT8_RECIPES, which imports torch; a unit test
+# keeps the two equal)
+FLOAT8_RECIPES = ("tensorwise", "rowwise")
 # activation checkpointing per block; "full/2": full on every 2nd block of the model (ac_every_n_blocks=2), half the
 # recompute of "full" for about half the activations of "none"
 AC_MODES = ("none", "selective", "full/2", "full")

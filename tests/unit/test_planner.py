@@ -160,6 +160,10 @@ BAD_ARGUMENTS = [
     (["--devices", "8", "--tp", "3"], "--tp 3: the fixed degrees must be >= 1 and their product must divide the 8"),
     (["--devices", "8", "--tp", "4", "--pp", "4"], "product must divide the 8 devices"),
     (
+        ["--devices", "8", "--float8", "fp8"],
+        "argument --float8: invalid choice: 'fp8' (choose from 'tensorwise', 'rowwise')",
+    ),
+    (
         ["--devices", "8", "--preset", "tiny", "--seq-len", "64", "--out", "/proc/no/such/dir/x.yaml"],
         "--out /proc/no/such/dir/x.yaml: cannot write it",
     ),

@@ -121,3 +121,15 @@ def test_float8_plans_are_faster_and_name_their_recipe(capsys: pytest.CaptureFix
     assert "float8 tensorwise, AC" in text
     written = yaml.safe_load(out_path.read_text())
     assert written["trainer"]["strategy"]["init_args"]["float8"] == "tensorwise"
+
+
+def test_the_planners_float8_recipes_are_meshstrategys() -> None:
+    """The planner names the recipes without importing torch (`lit-mesh plan --help`); they must stay MeshStrategy's,
+    and plan() refuses another by name."""
+    from lit_mesh.parallel.float8 import FLOAT8_RECIPES
+    from lit_mesh.planner import vocabulary
+
+    assert vocabulary.FLOAT8_RECIPES == FLOAT8_RECIPES
+    shapes, layout, hw = _setting(DENSE[0])
+    with pytest.raises(ValueError, match=r"float8 'fp8'; choose from \('tensorwise', 'rowwise'\)"):
+        plan(shapes, Workload(16, 8192), hw, float8="fp8")
