@@ -149,12 +149,13 @@ def formula_bytes(style: str, cp: int, config: GPTConfig, seq_len: int, element:
     local = seq_len // cp
     heads = config.n_heads
     kv_heads = config.n_heads  # zoo GPT repeats K/V to the query heads before its SDPA call
-    s_q = heads * local * config.head_dim * element
-    s_kv = 2 * kv_heads * local * config.head_dim * element
+    s_q = heads * local * config.attention_head_dim * element
+    s_kv = 2 * kv_heads * local * config.attention_head_dim * element
     if style == "ring":
         per_layer = (cp - 1) * s_kv * 2 + cp * s_kv * 4 / element
     elif style == "ulysses":
-        kv_sent = 2 * (kv_heads if kv_heads % cp == 0 else math.lcm(kv_heads, cp)) * local * config.head_dim * element
+        sent_heads = kv_heads if kv_heads % cp == 0 else math.lcm(kv_heads, cp)
+        kv_sent = 2 * sent_heads * local * config.attention_head_dim * element
         per_layer = 2 * (cp - 1) / cp * (2 * s_q + kv_sent)
     else:
         per_layer = 2 * (cp - 1) * s_kv

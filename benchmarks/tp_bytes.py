@@ -86,7 +86,7 @@ def worker(args: argparse.Namespace) -> None:
     views = build_device_mesh(MeshLayout(tp=p), "cpu")
 
     def counted(model: GPT, h: torch.Tensor) -> dict[str, Any]:
-        rope = rope_cos_sin(torch.arange(TINY_SEQ), model.config.head_dim, TINY.rope_theta)
+        rope = rope_cos_sin(torch.arange(TINY_SEQ), model.config.attention_head_dim, TINY.rope_theta)
         with CollectiveBytes() as counter, CommDebugMode() as calls:
             model.layers[0](h, rope=rope).sum().backward()
         ops = {str(op).split(".")[-1]: n for op, n in calls.get_comm_counts().items()}

@@ -37,23 +37,31 @@ class TransformerConfig:
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     max_seq_len: int = 256
+    # the width of one attention head; None: dim / n_heads. Set where n_heads x head_dim is not dim (Qwen3,
+    # Mistral-Nemo): wq and wo then map dim to and from n_heads x head_dim
+    head_dim: int | None = None
 
     def __post_init__(self) -> None:
-        if self.dim % self.n_heads:
-            raise ValueError(f"dim={self.dim} is not divisible by n_heads={self.n_heads}")
+        if self.head_dim is None and self.dim % self.n_heads:
+            raise ValueError(
+                f"dim={self.dim} is not divisible by n_heads={self.n_heads}; set head_dim for heads of another width"
+            )
+        if self.head_dim is not None and (isinstance(self.head_dim, bool) or self.head_dim < 2):
+            raise ValueError(f"head_dim={self.head_dim!r} must be a whole number >= 2 (or None: dim / n_heads)")
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"n_heads={self.n_heads} is not divisible by n_kv_heads={self.n_kv_heads}")
-        if self.head_dim % 2:
-            raise ValueError(f"head_dim={self.head_dim} (dim / n_heads) must be even for RoPE")
+        if self.attention_head_dim % 2:
+            raise ValueError(f"head_dim={self.attention_head_dim} must be even for RoPE")
 
     @property
-    def head_dim(self) -> int:
-        return self.dim // self.n_heads
+    def attention_head_dim(self) -> int:
+        """The width of one head: head_dim where set, else dim / n_heads."""
+        return self.dim // self.n_heads if self.head_dim is None else self.head_dim
 
     def attention_matmul_params(self) -> int:
         """One layer's attention weights: wq and wo (dim x n_heads x head_dim each), wk and wv (dim x n_kv_heads x
         head_dim each)."""
-        hd = self.head_dim
+        hd = self.attention_head_dim
         return self.dim * self.n_heads * hd * 2 + self.dim * self.n_kv_heads * hd * 2
 
     def feed_forward_matmul_params(self) -> int:
@@ -67,7 +75,7 @@ class TransformerConfig:
         head_dim), counted dense (no causal halving). Norms, activations, softmax and embedding lookups are left out."""
         matmul_params = self.n_layers * self.attention_matmul_params() + self.feed_forward_matmul_params()
         matmul_params += self.dim * self.vocab_size  # the output head
-        return 6.0 * matmul_params + 12.0 * self.n_layers * seq_len * self.n_heads * self.head_dim
+        return 6.0 * matmul_params + 12.0 * self.n_layers * seq_len * self.n_heads * self.attention_head_dim
 
 
 @dataclass
@@ -119,7 +127,7 @@ def apply_rope(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torc
 class Attention(nn.Module):
     def __init__(self, config: TransformerConfig) -> None:
         super().__init__()
-        self.head_dim = config.head_dim
+        self.head_dim = config.attention_head_dim
         # the ratio of query heads to key/value heads survives a column-wise split of wq, wk and wv
         self.n_rep = config.n_heads // config.n_kv_heads
         self.wq = nn.Linear(config.dim, config.n_heads * self.head_dim, bias=False)
@@ -199,7 +207,7 @@ class GPT(nn.Module):
             if T > self.config.max_seq_len:
                 raise ValueError(f"sequence length {T} exceeds max_seq_len={self.config.max_seq_len}")
             positions = torch.arange(T, device=tokens.device)
-        rope = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta)
+        rope = rope_cos_sin(positions, self.config.attention_head_dim, self.config.rope_theta)
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         for layer in self.layers:
             h = layer(h, rope=rope)

@@ -158,6 +158,25 @@ PRESETS: dict[str, MoEConfig] = {
         bias_update_rate=0.001,
         max_seq_len=4096,
     ),
+    # Qwen3-235B-A22B (Qwen's config.json): 94 layers of dim 4096, 64 heads of 128 (4 K/V: wq is 8192 x 4096), 128
+    # experts of 1536, top-8 softmax renormalised, every layer MoE. Its QK-norm (an RMSNorm of 128 per head on q
+    # and k) is left out: shapes for `lit-mesh plan` (Megatron-Core's MoE tables, lit_mesh/planner/calibration.yaml)
+    "qwen3-235b-a22b": MoEConfig(
+        151936,
+        dim=4096,
+        n_layers=94,
+        n_heads=64,
+        n_kv_heads=4,
+        head_dim=128,
+        ffn_hidden=12288,
+        n_experts=128,
+        top_k=8,
+        expert_hidden=1536,
+        norm_eps=1e-6,
+        rope_theta=1e6,
+        max_seq_len=40960,
+        aux_loss_coef=0.001,
+    ),
     # DeepSeek-V3-style routing at a small size: sigmoid scores, 1 shared + 16 fine-grained experts, top-4
     "deepseek-small": MoEConfig(
         256,
@@ -422,7 +441,7 @@ class MoETransformer(nn.Module):
             if T > self.config.max_seq_len:
                 raise ValueError(f"sequence length {T} exceeds max_seq_len={self.config.max_seq_len}")
             positions = torch.arange(T, device=tokens.device)
-        rope = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta)
+        rope = rope_cos_sin(positions, self.config.attention_head_dim, self.config.rope_theta)
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens  # a later pipeline stage
         for layer in self.layers:
             h = layer(h, rope=rope)

@@ -91,7 +91,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "--hf-config",
         default="",
         help="plan a transformers model instead of a preset: its directory (with config.json) or its config.json;"
-        " Llama, Qwen2 and Mistral as the gpt family, Mixtral as moe (lit_mesh/planner/hf_config.py)",
+        " Llama, Qwen2, Qwen3 and Mistral as the gpt family, Mixtral and qwen3_moe as moe"
+        " (lit_mesh/planner/hf_config.py)",
     )
     p.add_argument("--config-overrides", default="", help="config fields over the preset, YAML/JSON: '{n_layers: 40}'")
     p.add_argument("--devices", type=COUNT, default=None, help="total devices (default: nodes x devices per node)")

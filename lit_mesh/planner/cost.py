@@ -262,9 +262,8 @@ def step_time(
     # one block, one micro-batch, on one rank: forward + backward
     float8, tensorwise = features.float8 is not None, features.float8 == "tensorwise"
     gemm = _gemm_seconds(shapes.block, tokens, layout.tp, layout.ep, top_k, kern, peak, float8)
-    attention = (
-        0.5 * 12 * tokens * work.seq_len * c.n_heads * c.head_dim / layout.tp / (peak * kern.attention_peak_fraction)
-    )
+    heads_width = c.n_heads * c.attention_head_dim
+    attention = 0.5 * 12 * tokens * work.seq_len * heads_width / layout.tp / (peak * kern.attention_peak_fraction)
     accesses = kern.elementwise_accesses_compiled if features.compile else kern.elementwise_accesses
     elementwise = tokens * (c.dim + _ffn_width(c)) / layout.tp * accesses * act / hw.memory_bandwidth
     router = router_seconds(c, tokens, act, hw.memory_bandwidth) if shapes.is_moe else 0.0
@@ -379,7 +378,7 @@ def step_time(
     if layout.cp > 1:  # ring: cp - 1 K/V blocks forward (again under full AC), backward K/V and the fp32 dK/dV
         # accumulator, each behind one step's attention; the accumulator's last trip home is exposed
         bandwidth, alpha = hw.link(stride["cp"], layout.cp)
-        kv = tokens * 2 * c.n_kv_heads * c.head_dim // layout.tp * act
+        kv = tokens * 2 * c.n_kv_heads * c.attention_head_dim // layout.tp * act
         step_attention = attention / layout.cp
         send, accumulator = alpha + kv / bandwidth, alpha + kv * 4 / act / bandwidth
         forwards = 1 + by_mode({"none": 0, "selective": 0, "full": 1})

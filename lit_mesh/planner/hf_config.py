@@ -1,10 +1,12 @@
 """A transformers config.json read as a planner family's shape: `lit-mesh plan --hf-config DIR_OR_FILE`.
 
-The Llama-family decoders (Llama, Qwen2, Mistral) have the zoo GPT's shape (RoPE, RMSNorm, grouped-query attention,
-a SwiGLU feed-forward), and Mixtral the zoo MoE's (every layer MoE, softmax top-k routing renormalised over the
-chosen experts, no shared expert): the planner counts their parameters, bytes and FLOPs with those families. Read
-with json: no transformers import, no network. What the zoo shapes leave out: Qwen2's q/k/v biases (a few thousand
-parameters per layer) and attention_bias / mlp_bias if set; nothing the memory or time terms would feel.
+The Llama-family decoders (Llama, Qwen2, Qwen3, Mistral) have the zoo GPT's shape (RoPE, RMSNorm, grouped-query
+attention, a SwiGLU feed-forward; heads of `head_dim` where it is not hidden_size / heads), and Mixtral and Qwen3-MoE
+the zoo MoE's (softmax top-k routing, no shared expert; Mixtral's every layer MoE and renormalised, Qwen3-MoE's as
+its decoder_sparse_step and norm_topk_prob say): the planner counts their parameters, bytes and FLOPs with those
+families. Read with json: no transformers import, no network. What the zoo shapes leave out: Qwen2's q/k/v biases
+and Qwen3's QK-norm weights (a few thousand parameters per layer) and attention_bias / mlp_bias if set; nothing
+the memory or time terms would feel.
 
 GPT-2 is refused: learned position embeddings, LayerNorm and a two-matrix GELU feed-forward are not the zoo GPT's
 shape, and planning it as one would count a third of its feed-forward weights too many.
@@ -17,7 +19,14 @@ from pathlib import Path
 from typing import Any
 
 # model_type -> the planner family whose shape it has
-FAMILY_OF_MODEL_TYPE = {"llama": "gpt", "qwen2": "gpt", "mistral": "gpt", "mixtral": "moe"}
+FAMILY_OF_MODEL_TYPE = {
+    "llama": "gpt",
+    "qwen2": "gpt",
+    "qwen3": "gpt",
+    "mistral": "gpt",
+    "mixtral": "moe",
+    "qwen3_moe": "moe",
+}
 # config.json key -> the zoo config field (both families)
 SHAPE_KEYS = {
     "vocab_size": "vocab_size",
@@ -27,8 +36,11 @@ SHAPE_KEYS = {
     "num_attention_heads": "n_heads",
     "intermediate_size": "ffn_hidden",
 }
-# Mixtral's routing -> zoo MoE fields
-MOE_KEYS = {"num_local_experts": "n_experts", "num_experts_per_tok": "top_k", "intermediate_size": "expert_hidden"}
+# each MoE model_type's routing keys -> zoo MoE fields
+MOE_KEYS = {
+    "mixtral": {"num_local_experts": "n_experts", "num_experts_per_tok": "top_k", "intermediate_size": "expert_hidden"},
+    "qwen3_moe": {"num_experts": "n_experts", "num_experts_per_tok": "top_k", "moe_intermediate_size": "expert_hidden"},
+}
 # routing that Mixtral fixes and the zoo MoE makes a choice (its MoEConfig fields)
 MIXTRAL_ROUTING = {
     "n_shared_experts": 0,
@@ -73,13 +85,9 @@ def read_hf_config(path: str | Path) -> tuple[str, dict[str, Any], str]:
     fields: dict[str, Any] = {field: _integer(raw, key, file) for key, field in SHAPE_KEYS.items()}
     kv_heads = raw.get("num_key_value_heads")  # absent or null: one per head, as transformers reads it
     fields["n_kv_heads"] = fields["n_heads"] if kv_heads is None else _integer(raw, "num_key_value_heads", file)
-    head_dim = raw.get("head_dim")
-    if head_dim is not None and head_dim * fields["n_heads"] != fields["dim"]:
-        raise ValueError(
-            f"--hf-config {str(file)!r}: head_dim={head_dim} is not hidden_size / num_attention_heads"
-            f" ({fields['dim']} / {fields['n_heads']}); the planner's shapes derive head_dim from them, so this"
-            " model is not planned"
-        )
+    head_dim = raw.get("head_dim")  # absent or null: hidden_size / num_attention_heads
+    if head_dim is not None and _integer(raw, "head_dim", file) * fields["n_heads"] != fields["dim"]:
+        fields["head_dim"] = head_dim  # heads of another width (Mistral-Nemo, Qwen3): wq and wo are not square
     fields["max_seq_len"] = _integer(raw, "max_position_embeddings", file)
     if "rms_norm_eps" in raw:
         fields["norm_eps"] = float(raw["rms_norm_eps"])
@@ -94,12 +102,33 @@ def read_hf_config(path: str | Path) -> tuple[str, dict[str, Any], str]:
         return family, fields, model_type
     if tied:
         raise ValueError(
-            f"--hf-config {str(file)!r}: a Mixtral with tie_word_embeddings=true is not planned (the zoo MoE has"
+            f"--hf-config {str(file)!r}: a {model_type} with tie_word_embeddings=true is not planned (the zoo MoE has"
             " no tied head); set it to false in a copy to plan the untied model"
         )
-    fields.update({field: _integer(raw, key, file) for key, field in MOE_KEYS.items()})
+    keys = MOE_KEYS[model_type]
+    if model_type == "qwen3_moe" and "num_experts" not in raw:  # transformers 5 saves it under Mixtral's name
+        keys = {("num_local_experts" if key == "num_experts" else key): field for key, field in keys.items()}
+    fields.update({field: _integer(raw, key, file) for key, field in keys.items()})
     fields["aux_loss_coef"] = float(raw.get("router_aux_loss_coef", 0.0)) if raw.get("output_router_logits") else 0.0
+    if model_type == "qwen3_moe":
+        return family, {**fields, **_qwen3_moe_routing(raw, file)}, model_type
     return family, {**fields, **MIXTRAL_ROUTING}, model_type
+
+
+def _qwen3_moe_routing(raw: dict[str, Any], file: Path) -> dict[str, Any]:
+    """Qwen3-MoE's routing as zoo MoE fields: Mixtral's but for its own choices of which layers are MoE (layer i when
+    (i + 1) % decoder_sparse_step == 0, the zoo's moe_every) and of renormalising the chosen experts' weights."""
+    if raw.get("mlp_only_layers"):
+        raise ValueError(
+            f"--hf-config {str(file)!r}: mlp_only_layers={raw['mlp_only_layers']!r} makes those layers dense, which the"
+            " zoo MoE's moe_every cannot say; plan it with mlp_only_layers=[] in a copy (a few layers' difference)"
+        )
+    step = raw.get("decoder_sparse_step", 1)
+    return {
+        **MIXTRAL_ROUTING,
+        "moe_every": _integer({"decoder_sparse_step": step}, "decoder_sparse_step", file),
+        "normalize_top_k": bool(raw.get("norm_topk_prob", False)),
+    }
 
 
 def _integer(raw: dict[str, Any], key: str, file: Path) -> int:

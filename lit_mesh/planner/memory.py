@@ -195,15 +195,15 @@ def block_activation_elements_per_token(
     (/tp for the routed experts under expert tensor parallel), the expert output and its weighted copy; selective
     AC keeps of these the router scores and each copy's w1, w3 and w2 outputs (the MoE block has no dense w2)."""
     c = shapes.config
-    h, kv = c.dim, c.n_kv_heads * c.head_dim
+    h, q, kv = c.dim, c.n_heads * c.attention_head_dim, c.n_kv_heads * c.attention_head_dim
     lse = c.n_heads / tp * 4 / act_bytes
     norms = 2 * _norm_elements(h, tp, act_bytes, fused_norm, regathered)
-    attention = (2 * h + 2 * kv) / tp + lse
+    attention = (2 * q + 2 * kv) / tp + lse
     # selective under tp keeps neither the all-gathered norm outputs nor the row-parallel partial sums (whole
     # size): their reduce-scattered shards; without tp wo's and w2's outputs are plain matmul outputs, kept
     row_outputs = 0 if tp > 1 else (1 if shapes.is_moe else 2) * h
     reduce_scattered = ((1 if shapes.is_moe else 2) * h if tp > 1 else 0) / tp  # attention's, the dense FFN's
-    kept = (h + h + h + 2 * kv) / tp + reduce_scattered + lse  # input, wq, attention, wk, wv
+    kept = (h + 2 * q + 2 * kv) / tp + reduce_scattered + lse  # input, wq, attention, wk, wv
     if shapes.is_moe:
         copies = c.top_k + c.n_shared_experts
         hidden = c.top_k * c.expert_hidden / (tp if shapes.expert_tp else 1) + c.n_shared_experts * c.expert_hidden
@@ -257,10 +257,10 @@ def stage_activations(
     per_block = {m: _block_elements(shapes, layout.tp, m, b, fused_norm, regathered) * b for m in {"none", mode}}
     for m in per_block:
         if b < 4:  # each block casts RoPE's cos and sin (T x head_dim in all) to the compute dtype
-            per_block[m] += shapes.config.head_dim / work.micro_batch * b
+            per_block[m] += shapes.config.attention_head_dim / work.micro_batch * b
         if m == "selective" and layout.cp > 1 and cp_style == "ring":  # the ring's blocks (activation_parts)
             heads = shapes.config.n_heads / layout.tp
-            per_block[m] += (layout.cp - 1) * heads * (shapes.config.head_dim * b + 4)
+            per_block[m] += (layout.cp - 1) * heads * (shapes.config.attention_head_dim * b + 4)
     return tuple(
         (n - c) * per_block["none"] + c * per_block[mode]
         for n, c in zip(stages.blocks, stages.checkpointed(ac), strict=True)

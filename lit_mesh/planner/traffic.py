@@ -154,7 +154,7 @@ def comm_bytes(
         out["tp"]["all_reduce"] += n_micro * loss + norms * c.dim * (reduce if layout.pp > 1 else gather)
 
     if layout.cp > 1:
-        kv_heads, head_dim = c.n_kv_heads // layout.tp, c.head_dim
+        kv_heads, head_dim = c.n_kv_heads // layout.tp, c.attention_head_dim
         kv = 2 * tokens * kv_heads * head_dim * act
         if cp_style == "ulysses":
             kv_heads = max(kv_heads, layout.cp)  # repeated until cp divides them

@@ -40,6 +40,7 @@ RECIPES = {"gpt": "configs/gpt.yaml", "vit": "configs/vit.yaml"}
 # the GPT recipe on token shards (zoo.TokenDataModule, a BPE of 384 tokens): the same promise on real data
 TOKEN_LAYOUTS = {"single": (1, []), "fsdp2": LAYOUTS["fsdp2"], "tp2": LAYOUTS["tp2"], "pp2": (2, [f"{S}pp=2"])}
 TIED = "--model.init_args.config_overrides={tie_embeddings: true}"
+WIDE_HEADS = "--model.init_args.config_overrides={head_dim: 32}"  # the tiny preset's 4 heads of 16 made 32 wide
 # more GPT runs in the same launches: gradient accumulation (parity) and bf16 (runs, sane, right dtypes)
 VARIANTS: dict[str, tuple[str, list[str]]] = {
     "single-accum2": ("single", ["--trainer.accumulate_grad_batches=2"]),
@@ -69,6 +70,8 @@ VARIANTS: dict[str, tuple[str, list[str]]] = {
     **{f"{layout}-tied": (layout, [TIED]) for layout in ("single", "fsdp2", "tp2", "fsdp2_tp2")},
     # pp=2 (tp2's two ranks, tp overridden): the first and the last stage each hold a copy of the tied matrix
     "pp2-tied": ("tp2", [f"{S}tp=1", f"{S}pp=2", TIED]),
+    # heads wider than dim / n_heads (Qwen3, Mistral-Nemo): wq and wo are not square, tp splits their heads
+    **{f"{layout}-wide-heads": (layout, [WIDE_HEADS]) for layout in ("single", "fsdp2_tp2")},
 }
 
 
@@ -250,6 +253,18 @@ def test_compiled_blocks_keep_the_loss_curve(results: dict, variant: str) -> Non
     # on 2 CPU cores); inductor with tp: `python benchmarks/compile_tp_repro.py --backend inductor` (gradients vs one
     # device)
     _assert_same_curve(losses(results["gpt-single"]), losses(results[f"gpt-{variant}"]), variant)
+
+
+def test_heads_wider_than_dim_over_heads_keep_the_loss_curve(results: dict) -> None:
+    reference = losses(results["gpt-single-wide-heads"])
+    assert reference != losses(results["gpt-single"]), "wider heads must change the model"
+    _assert_same_curve(reference, losses(results["gpt-fsdp2_tp2-wide-heads"]), "wide heads fsdp2_tp2")
+    out = Path(results["_dir"]["path"])
+    ref_params = torch.load(out / "gpt-single-wide-heads" / "params.pt", weights_only=True)
+    params = torch.load(out / "gpt-fsdp2_tp2-wide-heads" / "params.pt", weights_only=True)
+    assert params["model.layers.0.attention.wq.weight"].shape == (4 * 32, 64)
+    for name, ref in ref_params.items():
+        assert (params[name] - ref).abs().max().item() <= 1e-4, f"wide heads: parameter {name}"
 
 
 @pytest.mark.parametrize("layout", ["fsdp2", "tp2", "fsdp2_tp2", "pp2"])

@@ -24,6 +24,7 @@ from zoo.gpt import GPTConfig
 from zoo.moe import MoEConfig
 
 TINY, SMALL, MOE = GPTConfig.from_preset("tiny"), GPTConfig.from_preset("small"), MoEConfig.from_preset("tiny")
+WIDE_HEADS = GPTConfig.from_preset("small", head_dim=64)  # 4 heads of 64 on dim 128: wq (256, 128), wo (128, 256)
 SEQ = 64
 
 # (name, config, layout, options): every dim on at least one layout, each AC mode, fp32 and bf16-mixed, micro-batches
@@ -48,6 +49,8 @@ STEPS = [
         MeshLayout(dp_shard=32, tp=2),
         {"ac": "selective", "precision": "bf16-mixed", "micro_batch": 4},
     ),
+    ("tp-sp-64-wide-heads", WIDE_HEADS, MeshLayout(dp_shard=32, tp=2), {"micro_batch": 1}),
+    ("tp-sp-64-wide-heads-selective", WIDE_HEADS, MeshLayout(dp_shard=32, tp=2), {"ac": "selective", "micro_batch": 1}),
     ("tp-sp-64-full", SMALL, MeshLayout(dp_shard=32, tp=2), {"ac": "full", "micro_batch": 1}),
     # full AC on the model's every 2nd block: the others re-gather their inputs in backward
     ("tp-sp-64-full/2", SMALL, MeshLayout(dp_shard=32, tp=2), {"ac": "full/2", "micro_batch": 1}),

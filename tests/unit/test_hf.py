@@ -55,6 +55,44 @@ def test_zoo_gpt_and_llama_give_the_same_logits_both_ways(tmp_path: Path) -> Non
         assert _max_diff(other(input_ids=tokens).logits, gpt(tokens)) > 1e-5
 
 
+@pytest.mark.parametrize("architecture", ["llama", "mixtral"])
+def test_heads_of_another_width_convert_both_ways(tmp_path: Path, architecture: str) -> None:
+    """head_dim set where n_heads x head_dim is not dim (Qwen3, Mistral-Nemo): wq and wo are not square, and the
+    width reaches transformers' config and comes back."""
+    from zoo import GPT, GPTConfig
+    from zoo.convert import load_hf_as_zoo, save_hf, zoo_to_hf
+    from zoo.moe import MoEConfig, MoETransformer
+
+    torch.manual_seed(0)
+    tokens = torch.randint(0, 256, (2, 24))
+    model = (
+        GPT(GPTConfig.from_preset("tiny", head_dim=32))
+        if architecture == "llama"
+        else MoETransformer(MoEConfig.from_preset("tiny", head_dim=32))
+    ).eval()
+    assert model.layers[0].attention.wq.weight.shape == (4 * 32, 64)
+    with torch.no_grad():
+        hf = zoo_to_hf(model)
+        assert hf.config.head_dim == 32
+        assert _max_diff(hf(input_ids=tokens).logits, model(tokens)) <= 1e-5
+        save_hf(model, tmp_path / architecture)
+        back = load_hf_as_zoo(tmp_path / architecture)
+        assert back.config.head_dim == 32 and back.config.attention_head_dim == 32
+        assert _max_diff(back(tokens), model(tokens)) <= 1e-5
+
+
+def test_a_head_width_of_dim_over_heads_stays_implicit() -> None:
+    """A transformers head_dim equal to hidden_size / heads maps to the zoo's default (None), so presets and
+    converted configs compare equal and a later change of dim keeps heads of dim / n_heads."""
+    from transformers import LlamaConfig
+
+    from zoo.convert.llama import to_gpt_config
+
+    c = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4)
+    assert c.head_dim == 16 and to_gpt_config(c).head_dim is None
+    assert to_gpt_config(LlamaConfig(**{**c.to_dict(), "head_dim": 8})).head_dim == 8
+
+
 def test_tied_zoo_gpt_and_tied_llama_convert_both_ways(tmp_path: Path) -> None:
     from safetensors import safe_open
     from transformers import LlamaConfig, LlamaForCausalLM

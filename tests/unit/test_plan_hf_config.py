@@ -26,6 +26,14 @@ CASES: dict[str, tuple[str, dict[str, Any], str, int]] = {
     "qwen2": ("Qwen2Config", {}, "gpt", 3 * (64 + 2 * 32)),  # q, k and v biases per layer
     "mistral": ("MistralConfig", {"rope_theta": 1e6}, "gpt", 0),
     "mixtral": ("MixtralConfig", {"num_local_experts": 4, "num_experts_per_tok": 2}, "moe", 0),
+    # Qwen3: heads of head_dim 32 (not 64 / 4), its QK-norm weights (2 x head_dim per layer) left out
+    "qwen3": ("Qwen3Config", {"head_dim": 32}, "gpt", 3 * 2 * 32),
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 96, "norm_topk_prob": True},
+        "moe",
+        3 * 2 * 16,
+    ),
 }
 
 
@@ -58,8 +66,41 @@ def test_planned_shapes_are_the_configs(tmp_path: Path, model_type: str) -> None
         assert config.ffn_hidden == 96 and config.tie_embeddings == extra.get("tie_word_embeddings", False)
     else:
         assert (config.n_experts, config.top_k, config.expert_hidden, config.moe_every) == (4, 2, 96, 1)
+        assert config.normalize_top_k and config.score_func == "softmax"
+    assert config.attention_head_dim == extra.get("head_dim", 16)
     assert gpt_shapes(config).numel() + biases == _transformers_numel(directory)
     assert read_hf_config(directory / "config.json")[1] == fields  # the file itself reads the same
+
+
+@pytest.mark.parametrize("model_type", ["llama", "mixtral"])
+def test_heads_of_another_width_are_planned_at_their_width(tmp_path: Path, model_type: str) -> None:
+    """head_dim x heads != hidden_size (Qwen3, Mistral-Nemo): the planned wq and wo are (heads x head_dim, dim)."""
+    directory = _save(tmp_path / model_type, model_type, head_dim=32)
+    name, fields, _ = read_hf_config(directory)
+    assert fields["head_dim"] == 32
+    shapes = gpt_shapes(family(name).config("tiny", **fields))
+    assert {p.name: p.shape for p in shapes.block}["attention.wq.weight"] == (4 * 32, 64)
+    assert gpt_shapes(family(name).config("tiny", **fields)).numel() == _transformers_numel(directory)
+
+
+def test_qwen3_moe_layers_and_routing_are_its_own(tmp_path: Path) -> None:
+    """decoder_sparse_step 2: the zoo's moe_every 2 (layers 1, 3, ... MoE, the others dense of intermediate_size),
+    which the planner then refuses by name (it models identical blocks); norm_topk_prob false keeps the chosen
+    probabilities; dense layers named by mlp_only_layers are refused by name."""
+    directory = _save(
+        tmp_path / "sparse", "qwen3_moe", decoder_sparse_step=2, norm_topk_prob=False, num_hidden_layers=4
+    )
+    name, fields, _ = read_hf_config(directory)
+    config = family(name).config("tiny", **fields)
+    assert (config.moe_every, config.normalize_top_k, config.ffn_hidden) == (2, False, 96)
+    with pytest.raises(ValueError, match="moe_every=2: the planner models identical blocks"):
+        gpt_shapes(config)
+    # the Hub's Qwen3-MoE files (saved before transformers 5) name the experts num_experts
+    raw = json.loads((directory / "config.json").read_text())
+    raw["num_experts"] = raw.pop("num_local_experts")
+    assert read_hf_config(_write(tmp_path, **raw))[1] == fields
+    with pytest.raises(ValueError, match=r"mlp_only_layers=\[0\] makes those layers dense"):
+        read_hf_config(_save(tmp_path / "dense0", "qwen3_moe", mlp_only_layers=[0]))
 
 
 def test_plan_command_on_a_transformers_directory(capsys: pytest.CaptureFixture, tmp_path: Path) -> None:
@@ -95,7 +136,7 @@ BAD = [
         "model_type 'gpt2' is not planned; lit-mesh plan reads llama, mistral, mixtral, qwen2",
     ),
     ({**SHAPE, "model_type": "llama", "hidden_size": None}, "hidden_size=None; the planner needs it as a whole number"),
-    ({**SHAPE, "model_type": "llama", "head_dim": 32}, "head_dim=32 is not hidden_size / num_attention_heads (64 / 4)"),
+    ({**SHAPE, "model_type": "llama", "head_dim": 0}, "head_dim=0; the planner needs it as a whole number >= 1"),
     (
         {
             **SHAPE,
@@ -104,7 +145,7 @@ BAD = [
             "num_experts_per_tok": 2,
             "tie_word_embeddings": True,
         },
-        "a Mixtral with tie_word_embeddings=true is not planned",
+        "a mixtral with tie_word_embeddings=true is not planned",
     ),
 ]
 

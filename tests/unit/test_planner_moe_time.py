@@ -82,8 +82,8 @@ def test_routing_pass_only_where_lit_mesh_runs_it() -> None:
 
 def test_published_moe_runs_are_calibration_and_held_out_rows() -> None:
     moe = [r for r in runs() if r.get("model") == "moe"]
-    assert {r["role"] for r in moe} == {"calibration", "held-out"}
-    assert {r["preset"] for r in moe} >= {"mixtral-8x22b", "deepseek-v3"}
+    assert {r["role"] for r in moe} == {"calibration", "held-out", "comparison"}
+    assert {r["preset"] for r in moe} >= {"mixtral-8x22b", "deepseek-v3", "qwen3-235b-a22b"}
     for r in moe:
         assert r["source"] and MoEConfig.from_preset(r["preset"]).n_experts > 1
         assert MeshLayout(**r["layout"]).ep > 1
@@ -100,6 +100,16 @@ def test_deepseek_v3_preset_has_the_published_shapes() -> None:
         2048,
     )
     assert dataclasses.replace(c, n_layers=1).score_func == "sigmoid"
+
+
+def test_qwen3_235b_preset_has_the_published_shapes() -> None:
+    """Qwen3-235B-A22B: heads of 128 on dim 4096 (64 of them: wq is 8192 x 4096), 235B parameters (its QK-norm's
+    2 x 128 per layer left out)."""
+    c = MoEConfig.from_preset("qwen3-235b-a22b")
+    assert (c.n_layers, c.dim, c.n_heads, c.n_kv_heads, c.attention_head_dim) == (94, 4096, 64, 4, 128)
+    assert (c.n_experts, c.top_k, c.expert_hidden, c.n_shared_experts) == (128, 8, 1536, 0)
+    # transformers' Qwen3MoeForCausalLM of the published config.json has 235,093,634,560 (QK-norm included)
+    assert gpt_shapes(c).numel() + 94 * 2 * 128 == 235_093_634_560
 
 
 def test_planned_row_takes_the_fastest_fitting_option_or_names_the_layout() -> None:

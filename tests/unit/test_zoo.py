@@ -37,6 +37,21 @@ def same_weights(a: nn.Module, b: nn.Module) -> bool:
 # ---- configs ------------------------------------------------------------------------------------
 
 
+def test_head_dim_is_dim_over_heads_unless_set():
+    """head_dim None follows dim / n_heads (a changed dim too); set, it is the width; bad widths are named."""
+    assert GPTConfig.from_preset("tiny").attention_head_dim == 16
+    assert GPTConfig.from_preset("tiny", dim=128).attention_head_dim == 32  # the preset keeps head_dim None
+    wide = GPTConfig.from_preset("tiny", head_dim=32)
+    assert wide.attention_head_dim == 32 and wide.attention_matmul_params() == 2 * 64 * 128 + 2 * 64 * 64
+    assert GPTConfig.from_preset("tiny", dim=66, head_dim=16).attention_head_dim == 16  # 66 / 4 heads: fine when set
+    with pytest.raises(ValueError, match="dim=66 is not divisible by n_heads=4; set head_dim"):
+        GPTConfig.from_preset("tiny", dim=66)
+    with pytest.raises(ValueError, match="head_dim=15 must be even for RoPE"):
+        GPTConfig.from_preset("tiny", head_dim=15)
+    with pytest.raises(ValueError, match=r"head_dim=0 must be a whole number >= 2"):
+        GPTConfig.from_preset("tiny", head_dim=0)
+
+
 def test_presets_and_unknown_preset_error():
     assert PRESETS["llama3-8b"].n_kv_heads == 8 and PRESETS["llama3-405b"].n_layers == 126
     assert GPTConfig.from_preset("tiny", n_layers=3).n_layers == 3
@@ -137,7 +152,7 @@ def test_grouped_query_attention_equals_expanded_kv_heads():
     attn = GPTAttention(config)
     for p in attn.parameters():
         nn.init.normal_(p, std=0.2)
-    B, T, H, D = 2, 6, config.n_heads, config.head_dim
+    B, T, H, D = 2, 6, config.n_heads, config.attention_head_dim
     x = torch.randn(B, T, config.dim)
     rope = rope_cos_sin(torch.arange(T), D, config.rope_theta)
 
@@ -196,7 +211,7 @@ def test_gpt_layers_run_unchanged_on_tensor_parallel_shards(tp):
     """The sum of the row-parallel partial outputs of the local-head shards equals the full layer."""
     config = GPTConfig.from_preset("tiny")
     x = torch.randn(2, 5, config.dim)
-    rope = rope_cos_sin(torch.arange(5), config.head_dim, config.rope_theta)
+    rope = rope_cos_sin(torch.arange(5), config.attention_head_dim, config.rope_theta)
     attn = tiny_gpt().layers[0].attention
     shards = _shard(attn, ["wq", "wk", "wv"], ["wo"], tp)
     torch.testing.assert_close(sum(s(x, rope=rope) for s in shards), attn(x, rope=rope))

@@ -157,7 +157,7 @@ def regathers_bit_identically(
 def zoo_gpt_block(sp: bool) -> None:
     torch.manual_seed(0)
     model = GPT(GPT_CONFIG)
-    rope = rope_cos_sin(torch.arange(SEQ), GPT_CONFIG.head_dim, GPT_CONFIG.rope_theta)
+    rope = rope_cos_sin(torch.arange(SEQ), GPT_CONFIG.attention_head_dim, GPT_CONFIG.rope_theta)
     sends_megatrons_bytes(model, model.parallel_plan(), lambda m: m.layers[0], GPT_CONFIG.dim, sp, rope=rope)
 
 
@@ -176,7 +176,7 @@ def hf_llama_layer(sp: bool) -> None:
 def zoo_gpt_block_regathered() -> None:
     torch.manual_seed(0)
     model = GPT(GPT_CONFIG)
-    rope = rope_cos_sin(torch.arange(SEQ), GPT_CONFIG.head_dim, GPT_CONFIG.rope_theta)
+    rope = rope_cos_sin(torch.arange(SEQ), GPT_CONFIG.attention_head_dim, GPT_CONFIG.rope_theta)
     regathers_bit_identically(model, model.parallel_plan(), lambda m: m.layers[0], GPT_CONFIG.dim, rope=rope)
 
 

@@ -237,7 +237,7 @@ def bytes_match_formulas(case: Case) -> None:
         want = linear_bytes_summa(tokens_, CONFIG.ffn_hidden, CONFIG.dim, grid.q, depth, 4)
     assert got == want, f"{tp_mode} linear: counted {got} bytes, formula {want}"
     shape = BlockShape(tokens_, CONFIG.dim, CONFIG.n_heads, CONFIG.n_kv_heads, CONFIG.ffn_hidden)
-    rope = rope_cos_sin(torch.arange(SEQ), CONFIG.head_dim, CONFIG.rope_theta)
+    rope = rope_cos_sin(torch.arange(SEQ), CONFIG.attention_head_dim, CONFIG.rope_theta)
     h = torch.randn(BATCH // (depth * grid.q), SEQ, CONFIG.dim // grid.q, requires_grad=True)
     got = measured(lambda: root.model.layers[0](h, rope=rope).sum().backward())
     want = GRID_BLOCK_BYTES[tp_mode](shape, p, case.tp_depth)
@@ -246,7 +246,7 @@ def bytes_match_formulas(case: Case) -> None:
     one_d = GPT(dataclasses.replace(CONFIG, n_heads=p, n_kv_heads=p))  # 1-D splits heads over all p ranks
     apply_tensor_parallel(one_d, one_d.parallel_plan(), views(case.layout)["tp"], sequence_parallel=True)
     h = torch.randn(BATCH, SEQ // p, CONFIG.dim, requires_grad=True)
-    rope = rope_cos_sin(torch.arange(SEQ), one_d.config.head_dim, CONFIG.rope_theta)
+    rope = rope_cos_sin(torch.arange(SEQ), one_d.config.attention_head_dim, CONFIG.rope_theta)
     got = measured(lambda: one_d.layers[0](h, rope=rope).sum().backward())
     want = bytes_1d(shape, p)
     assert abs(got - want) < 1e-6 * want, f"1-D block: counted {got} bytes, formula {want}"

@@ -22,7 +22,7 @@ def to_llama_config(c: GPTConfig) -> Any:
         num_hidden_layers=c.n_layers,
         num_attention_heads=c.n_heads,
         num_key_value_heads=c.n_kv_heads,
-        head_dim=c.head_dim,
+        head_dim=c.attention_head_dim,
         rms_norm_eps=c.norm_eps,
         rope_parameters={"rope_type": "default", "rope_theta": c.rope_theta},
         max_position_embeddings=c.max_seq_len,
@@ -41,10 +41,6 @@ def to_gpt_config(c: Any) -> GPTConfig:
             f" attention_bias={c.attention_bias}, mlp_bias={c.mlp_bias}: the zoo GPT has default RoPE, SiLU and no"
             " biases; convert a Llama config with those"
         )
-    if c.head_dim * c.num_attention_heads != c.hidden_size:
-        raise ValueError(
-            f"head_dim={c.head_dim} x num_attention_heads={c.num_attention_heads} != hidden_size={c.hidden_size}"
-        )
     return GPTConfig(
         vocab_size=c.vocab_size,
         dim=c.hidden_size,
@@ -56,7 +52,14 @@ def to_gpt_config(c: Any) -> GPTConfig:
         rope_theta=rope.get("rope_theta", 10000.0),
         max_seq_len=c.max_position_embeddings,
         tie_embeddings=bool(c.tie_word_embeddings),
+        head_dim=explicit_head_dim(c.head_dim, c.hidden_size, c.num_attention_heads),
     )
+
+
+def explicit_head_dim(head_dim: int | None, hidden_size: int, heads: int) -> int | None:
+    """A transformers head_dim as the zoo config keeps it: None where it is hidden_size / heads (the zoo's
+    default), else the width itself (Mistral-Nemo, Qwen3)."""
+    return None if head_dim is None or head_dim * heads == hidden_size else head_dim
 
 
 def _llama(config: Any) -> Any:

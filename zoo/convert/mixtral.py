@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from lit_mesh.extras import require
-from zoo.convert.llama import ATTENTION_LAYER
+from zoo.convert.llama import ATTENTION_LAYER, explicit_head_dim
 from zoo.convert.rules import ConversionError, Converter, Rule
 from zoo.moe import MoEConfig, MoETransformer
 
@@ -50,7 +50,7 @@ def to_mixtral_config(c: MoEConfig) -> Any:
         num_hidden_layers=c.n_layers,
         num_attention_heads=c.n_heads,
         num_key_value_heads=c.n_kv_heads,
-        head_dim=c.head_dim,
+        head_dim=c.attention_head_dim,
         hidden_act="silu",
         max_position_embeddings=c.max_seq_len,
         rms_norm_eps=c.norm_eps,
@@ -92,11 +92,6 @@ def to_moe_config(c: Any) -> MoEConfig:
             " rope_type='default', hidden_act='silu', sliding_window=None, router_jitter_noise=0,"
             " tie_word_embeddings=False"
         )
-    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    if head_dim * c.num_attention_heads != c.hidden_size:
-        raise ValueError(
-            f"head_dim={head_dim} x num_attention_heads={c.num_attention_heads} != hidden_size={c.hidden_size}"
-        )
     return MoEConfig(
         vocab_size=c.vocab_size,
         dim=c.hidden_size,
@@ -111,6 +106,7 @@ def to_moe_config(c: Any) -> MoEConfig:
         norm_eps=c.rms_norm_eps,
         rope_theta=rope.get("rope_theta", 1e6),
         max_seq_len=c.max_position_embeddings,
+        head_dim=explicit_head_dim(getattr(c, "head_dim", None), c.hidden_size, c.num_attention_heads),
     )
 
 
