@@ -56,7 +56,7 @@ from lit_mesh.mesh import (
 )
 from lit_mesh.meta_writes import record_meta_writes
 from lit_mesh.options import ARGUMENTS, args_docstring, build_options
-from lit_mesh.parallel.activation_checkpointing import ActivationCheckpointing
+from lit_mesh.parallel.activation_checkpointing import ActivationCheckpointing, OtherBlocksCheckpointing
 from lit_mesh.parallel.apply import already_parallelized, parallelize
 from lit_mesh.parallel.context import CPStyle, gather_batch, shard_batch
 from lit_mesh.parallel.data import ZeroStage, defer_gradient_reduction, refuse_fsdp1
@@ -129,6 +129,7 @@ class MeshStrategy(ModelParallelStrategy):
         sequence_parallel: Optional[bool] = None,
         activation_checkpointing: ActivationCheckpointing = "none",
         ac_every_n_blocks: int = 1,
+        ac_other_blocks: OtherBlocksCheckpointing = "none",
         compile_blocks: bool = False,
         compile_backend: str = "inductor",
         async_tp: bool = False,

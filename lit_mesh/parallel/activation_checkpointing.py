@@ -22,6 +22,8 @@ from lit_mesh.unit import Facts, Rule, option
 
 ActivationCheckpointing = Literal["none", "full", "selective"]
 AC_MODES: tuple[str, ...] = ActivationCheckpointing.__args__  # type: ignore[attr-defined]
+OtherBlocksCheckpointing = Literal["none", "selective"]
+AC_OTHER_BLOCKS: tuple[str, ...] = OtherBlocksCheckpointing.__args__  # type: ignore[attr-defined]
 
 
 def _saved_ops() -> set:
@@ -87,7 +89,7 @@ def _selective_contexts():  # noqa: ANN202
     return create_selective_checkpoint_contexts(partial(_policy, _saved_ops()))
 
 
-def check_activation_checkpointing(mode: str, every_n_blocks: int) -> None:
+def check_activation_checkpointing(mode: str, every_n_blocks: int, other_blocks: str = "none") -> None:
     if isinstance(mode, type) or (isinstance(mode, (set, list, tuple)) and all(isinstance(m, type) for m in mode)):
         raise ValueError(
             f"activation_checkpointing={mode!r}: FSDPStrategy's module classes are activation_checkpointing_policy="
@@ -97,6 +99,14 @@ def check_activation_checkpointing(mode: str, every_n_blocks: int) -> None:
         raise ValueError(f"activation_checkpointing={mode!r}; choose one of {AC_MODES}")
     if isinstance(every_n_blocks, bool) or not isinstance(every_n_blocks, int) or every_n_blocks < 1:
         raise ValueError(f"ac_every_n_blocks={every_n_blocks!r} must be an int >= 1 (1: every block)")
+    if other_blocks not in AC_OTHER_BLOCKS:
+        raise ValueError(f"ac_other_blocks={other_blocks!r}; choose one of {AC_OTHER_BLOCKS}")
+    if other_blocks != "none" and (mode != "full" or every_n_blocks == 1):
+        raise ValueError(
+            f"ac_other_blocks={other_blocks!r} sets the blocks that activation_checkpointing='full' with"
+            f" ac_every_n_blocks >= 2 leaves out, but activation_checkpointing={mode!r}, ac_every_n_blocks="
+            f"{every_n_blocks} leaves none; use activation_checkpointing='full' with ac_every_n_blocks=2 (or more)"
+        )
 
 
 @dataclass(frozen=True)
@@ -108,9 +118,14 @@ class MemoryOptions:
         " partial sums too).",
     )
     ac_every_n_blocks: int = option(1, doc="checkpoint every n-th block only (1: all blocks).")
+    ac_other_blocks: OtherBlocksCheckpointing = option(
+        "none",
+        doc='what the blocks that ac_every_n_blocks leaves out of activation_checkpointing="full" do: "none", or'
+        ' "selective" (between selective and full in both memory and recompute).',
+    )
 
     def __post_init__(self) -> None:
-        check_activation_checkpointing(self.activation_checkpointing, self.ac_every_n_blocks)
+        check_activation_checkpointing(self.activation_checkpointing, self.ac_every_n_blocks, self.ac_other_blocks)
 
 
 def block_options(options: Any) -> list[str]:
@@ -152,19 +167,23 @@ def checkpointed_in(start: int, count: int, every_n_blocks: int) -> int:
 
 
 def apply_activation_checkpointing(
-    blocks: Sequence[nn.Module], mode: str, every_n_blocks: int = 1, indices: Sequence[int] | None = None
+    blocks: Sequence[nn.Module],
+    mode: str,
+    every_n_blocks: int = 1,
+    indices: Sequence[int] | None = None,
+    other_blocks: str = "none",
 ) -> int:
     """Checkpoint every n-th block ("full": recompute the whole block in backward; "selective": keep the
-    outputs `_policy` keeps, recompute the rest). `indices`: each block's index in the whole model (a pipeline
-    stage holds some of them), so the same blocks are checkpointed on every layout. Returns how many it wrapped."""
-    check_activation_checkpointing(mode, every_n_blocks)
-    if mode == "none":
-        return 0
+    outputs `_policy` keeps, recompute the rest), and the blocks between those as `other_blocks` says ("none", or
+    "selective"). `indices`: each block's index in the whole model (a pipeline stage holds some of them), so the
+    same blocks are checkpointed on every layout. Returns how many it wrapped."""
+    check_activation_checkpointing(mode, every_n_blocks, other_blocks)
     wrapped = 0
     for index, block in zip(indices if indices is not None else range(len(blocks)), blocks, strict=True):
-        if not checkpoints_block(index, every_n_blocks):
+        block_mode = mode if checkpoints_block(index, every_n_blocks) else other_blocks
+        if block_mode == "none":
             continue
-        if mode == "full":
+        if block_mode == "full":
             checkpoint(block)
         else:
             checkpoint(block, context_fn=_selective_contexts)

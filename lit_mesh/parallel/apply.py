@@ -226,7 +226,9 @@ def parallelize(
     regather = sequence_parallel and layout.tp > 1 and not grid_mode and compile_backend is None
     regather &= regathers_under(options.pipeline.schedule, layout.pp)
     for block_list, indices in zip(block_lists, _block_indices(owners, without_plan), strict=True):
-        apply_activation_checkpointing(block_list, memory.activation_checkpointing, memory.ac_every_n_blocks, indices)
+        apply_activation_checkpointing(
+            block_list, memory.activation_checkpointing, memory.ac_every_n_blocks, indices, memory.ac_other_blocks
+        )
         if regather:
             for block in block_list:  # AC recomputes the checkpointed ones (lit_mesh/parallel/regather.py)
                 if not checkpointed(block):

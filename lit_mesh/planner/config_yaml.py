@@ -17,7 +17,7 @@ from lit_mesh.planner.memory import Workload
 from lit_mesh.planner.pipeline_model import microbatches_refused
 from lit_mesh.planner.search import DIMS, Candidate, why_invalid
 from lit_mesh.planner.shapes import gpt_shapes
-from lit_mesh.planner.vocabulary import ac_every, ac_mode
+from lit_mesh.planner.vocabulary import ac_every, ac_mode, ac_others
 
 
 def fit_config(
@@ -37,6 +37,8 @@ def fit_config(
     }
     if ac_every(c.ac) > 1:
         strategy["ac_every_n_blocks"] = ac_every(c.ac)
+    if ac_others(c.ac) != "none":
+        strategy["ac_other_blocks"] = ac_others(c.ac)
     if layout.ep > 1:
         strategy["ep"] = layout.ep
     if c.zero_stage < 3:

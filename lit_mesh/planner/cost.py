@@ -61,7 +61,7 @@ from lit_mesh.planner.pipeline_model import (  # noqa: F401  (re-exported)
     regathers,
 )
 from lit_mesh.planner.shapes import ModelShapes, ParamShape
-from lit_mesh.planner.vocabulary import ac_mode
+from lit_mesh.planner.vocabulary import ac_mode, ac_others
 
 CALIBRATION = Path(__file__).with_name("calibration.yaml")
 
@@ -275,10 +275,10 @@ def step_time(
     wo = tuple(p for p in shapes.block if p.tp_style == "rowwise")[:1] if layout.tp > 1 else ()
     row_parallel = _gemm_seconds(wo, tokens, layout.tp, layout.ep, top_k, kern, peak, float8)
     # "full/2": the checkpointed blocks' share f of the model's, each term weighed between none's and the mode's
-    mode, f = ac_mode(ac), checkpointed_share(shapes.n_blocks, ac)
+    mode, others, f = ac_mode(ac), ac_others(ac), checkpointed_share(shapes.n_blocks, ac)
 
     def by_mode(values: dict[str, float]) -> float:
-        return (1 - f) * values["none"] + f * values[mode]
+        return (1 - f) * values[others] + f * values[mode]
 
     recompute = by_mode(
         {"none": 0.0, "selective": (elementwise + router + row_parallel) / 3, "full": forward_backward / 3}

@@ -63,7 +63,7 @@ from lit_mesh.parallel.pipeline.schedules import PipelineSettings
 from lit_mesh.parallel.pipeline.split import Stage
 from lit_mesh.planner.pipeline_model import ONE_F_ONE_B, Schedule
 from lit_mesh.planner.shapes import build_model
-from lit_mesh.planner.vocabulary import ac_every, ac_mode
+from lit_mesh.planner.vocabulary import ac_every, ac_mode, ac_others
 
 StageExamples = dict[int, tuple[torch.Tensor, torch.Tensor]]  # stage index -> (an input, an output) of one micro-batch
 
@@ -277,6 +277,7 @@ def fake_step(
         memory=MemoryOptions(
             activation_checkpointing=ac_mode(ac),  # type: ignore[arg-type]
             ac_every_n_blocks=ac_every(ac),
+            ac_other_blocks=ac_others(ac),  # type: ignore[arg-type]
         ),
         context=ContextOptions(style=cp_style),  # type: ignore[arg-type]
         data=DataParallelOptions(zero_stage=zero_stage),  # type: ignore[arg-type]

@@ -33,7 +33,7 @@ from lit_mesh.planner.pipeline_model import (
     regathers,
 )
 from lit_mesh.planner.shapes import ModelShapes, ParamShape
-from lit_mesh.planner.vocabulary import AC_MODES, PRECISION_BYTES, ac_mode  # noqa: F401  (re-exported)
+from lit_mesh.planner.vocabulary import AC_MODES, PRECISION_BYTES, ac_mode, ac_others  # noqa: F401  (re-exported)
 
 
 def chunk(n: int, parts: int, index: int) -> int:
@@ -177,7 +177,13 @@ def _norm_elements(h: float, tp: int, act_bytes: int, fused_norm: bool, regather
 
 
 def block_activation_elements_per_token(
-    shapes: ModelShapes, tp: int, ac: str, act_bytes: int = 4, fused_norm: bool = True, regathered: bool = True
+    shapes: ModelShapes,
+    tp: int,
+    ac: str,
+    act_bytes: int = 4,
+    fused_norm: bool = True,
+    regathered: bool = True,
+    ep: int = 1,
 ) -> float:
     """Elements (of act_bytes each) one block keeps for backward per token of this rank's sequence (flash-style
     attention: no T x T scores), as counted on a real step (lit_mesh.planner.fake_step).
@@ -193,7 +199,9 @@ def block_activation_elements_per_token(
     An MoE block routes the whole sequence on every tp rank (not /tp): per token the router scores, and per
     routed copy (top_k of them, plus each shared expert) the gathered input, w1 / w3 / silu / product outputs
     (/tp for the routed experts under expert tensor parallel), the expert output and its weighted copy; selective
-    AC keeps of these the router scores and each copy's w1, w3 and w2 outputs (the MoE block has no dense w2)."""
+    AC keeps of these the router scores and each copy's w1, w3 and w2 outputs (the MoE block has no dense w2), and
+    under ep > 1 the all-to-alls' outputs too: the routed copies a rank receives and the expert outputs it gets back
+    (balanced: top_k of each, per token)."""
     c = shapes.config
     h, q, kv = c.dim, c.n_heads * c.attention_head_dim, c.n_kv_heads * c.attention_head_dim
     lse = c.n_heads / tp * 4 / act_bytes
@@ -211,7 +219,11 @@ def block_activation_elements_per_token(
             c.n_experts + copies * 3 * h + 4 * hidden,
             # router scores, each copy's w2 output, and under expert tp each routed copy's sum over tp (its
             # all-reduce: the partial w2 outputs are plain tensors, which the policy cannot tell partial)
-            c.n_experts + copies * h + 2 * hidden + (c.top_k * h if tp > 1 and shapes.expert_tp else 0),
+            c.n_experts
+            + copies * h
+            + 2 * hidden
+            + (c.top_k * h if tp > 1 and shapes.expert_tp else 0)
+            + (2 * c.top_k * h if ep > 1 else 0),
             1,
         )
     else:
@@ -251,10 +263,13 @@ def stage_activations(
     cp_style: str = "ring",
 ) -> tuple[float, ...]:
     """Bytes per token one micro-batch through each local stage keeps for backward: its blocks, the ones AC
-    checkpoints ("full/2": the model's every 2nd) at their mode's count, the others at none's."""
+    checkpoints ("full/2": the model's every 2nd) at their mode's count, the others at their own mode's (none's, or
+    under "full/2+selective" selective's)."""
     b = PRECISION_BYTES[precision]["activation"]
-    mode = ac_mode(ac)
-    per_block = {m: _block_elements(shapes, layout.tp, m, b, fused_norm, regathered) * b for m in {"none", mode}}
+    mode, others = ac_mode(ac), ac_others(ac)
+    per_block = {
+        m: _block_elements(shapes, layout.tp, m, b, fused_norm, regathered, layout.ep) * b for m in {others, mode}
+    }
     for m in per_block:
         if b < 4:  # each block casts RoPE's cos and sin (T x head_dim in all) to the compute dtype
             per_block[m] += shapes.config.attention_head_dim / work.micro_batch * b
@@ -262,21 +277,23 @@ def stage_activations(
             heads = shapes.config.n_heads / layout.tp
             per_block[m] += (layout.cp - 1) * heads * (shapes.config.attention_head_dim * b + 4)
     return tuple(
-        (n - c) * per_block["none"] + c * per_block[mode]
+        (n - c) * per_block[others] + c * per_block[mode]
         for n, c in zip(stages.blocks, stages.checkpointed(ac), strict=True)
     )
 
 
-# block_activation_elements_per_token by (id(shapes), tp, ac, bytes, fused norm, re-gathered), with the shapes kept
-# alive so that their id stays theirs: the search asks for every option and pp rank
+# block_activation_elements_per_token by (id(shapes), tp, ac, bytes, fused norm, re-gathered, ep), with the shapes
+# kept alive so that their id stays theirs: the search asks for every option and pp rank
 _BLOCK_CACHE: dict[tuple, tuple[ModelShapes, float]] = {}
 
 
-def _block_elements(shapes: ModelShapes, tp: int, ac: str, act_bytes: int, fused_norm: bool, regathered: bool) -> float:
-    key = (id(shapes), tp, ac, act_bytes, fused_norm, regathered)
+def _block_elements(
+    shapes: ModelShapes, tp: int, ac: str, act_bytes: int, fused_norm: bool, regathered: bool, ep: int
+) -> float:
+    key = (id(shapes), tp, ac, act_bytes, fused_norm, regathered, ep)
     hit = _BLOCK_CACHE.get(key)
     if hit is None or hit[0] is not shapes:
-        elements = block_activation_elements_per_token(shapes, tp, ac, act_bytes, fused_norm, regathered)
+        elements = block_activation_elements_per_token(shapes, tp, ac, act_bytes, fused_norm, regathered, ep)
         hit = _BLOCK_CACHE[key] = (shapes, elements)
     return hit[1]
 
@@ -335,9 +352,8 @@ def activation_parts(
     if mode == "full" and any(checkpointed):  # the block being recomputed holds everything once (and re-gathers
         # nothing)
         transient += block_activation_elements_per_token(shapes, layout.tp, "none", b, fused_norm, False) * b
-    elif sum(checkpointed) < stages.total_blocks and layout.tp > 1 and regathered:  # backward re-gathers one
-        # region's input at a time
-        transient += shapes.config.dim * b
+    elif sum(checkpointed) < stages.total_blocks and ac_others(ac) == "none" and layout.tp > 1 and regathered:
+        transient += shapes.config.dim * b  # backward of a block without AC re-gathers one region's input at a time
     extra = 0.0
     if stages.last:
         # the logits of one micro-batch, kept by the chunked loss for its backward, and their gradient

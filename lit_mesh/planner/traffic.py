@@ -38,7 +38,7 @@ from lit_mesh.planner.cost import float8_linear
 from lit_mesh.planner.memory import ROWWISE, Workload, chunk, fsdp_degree, unsharded_numel
 from lit_mesh.planner.pipeline_model import ONE_F_ONE_B, Schedule, rank_stages, regathers
 from lit_mesh.planner.shapes import ModelShapes, ParamShape
-from lit_mesh.planner.vocabulary import PRECISION_BYTES, ac_mode
+from lit_mesh.planner.vocabulary import PRECISION_BYTES, ac_mode, ac_others
 
 Traffic = dict[str, dict[str, float]]  # mesh dim -> operation -> bytes per step on one rank
 
@@ -92,14 +92,14 @@ def comm_bytes(
     dense = [p for p in shapes.block if not p.expert]
     experts = [p for p in shapes.block if p.expert]
     # "full/2": the checkpointed blocks of this rank's stages (the model's every 2nd) count as full AC's, the
-    # others as none's
-    mode = ac_mode(ac)
+    # others as none's ("full/2+selective": as selective's)
+    mode, others = ac_mode(ac), ac_others(ac)
     checked = sum(stages.checkpointed(ac))
     plain = blocks - checked
 
     def over_blocks(per_block: dict[str, float]) -> float:
         """A per-block count summed over this rank's blocks, each at its own AC."""
-        return plain * per_block["none"] + checked * per_block[mode]
+        return plain * per_block[others] + checked * per_block[mode]
 
     k = fsdp_degree(layout)
     expert_k = k // layout.ep

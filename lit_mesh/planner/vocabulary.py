@@ -14,8 +14,9 @@ PRECISION_BYTES = {
 # keeps the two equal)
 FLOAT8_RECIPES = ("tensorwise", "rowwise")
 # activation checkpointing per block; "full/2": full on every 2nd block of the model (ac_every_n_blocks=2), half the
-# recompute of "full" for about half the activations of "none"
-AC_MODES = ("none", "selective", "full/2", "full")
+# recompute of "full" for about half the activations of "none"; "full/2+selective": the blocks between those
+# selective (ac_other_blocks="selective"), between "selective" and "full" in both
+AC_MODES = ("none", "selective", "full/2+selective", "full/2", "full")
 
 
 def ac_mode(ac: str) -> str:
@@ -25,4 +26,10 @@ def ac_mode(ac: str) -> str:
 
 def ac_every(ac: str) -> int:
     """MeshStrategy's ac_every_n_blocks of a planner AC mode ("full/2" -> 2; "none" -> 1)."""
-    return int(ac.partition("/")[2] or 1)
+    return int(ac.partition("+")[0].partition("/")[2] or 1)
+
+
+def ac_others(ac: str) -> str:
+    """MeshStrategy's ac_other_blocks of a planner AC mode: what the blocks ac_every_n_blocks leaves out run
+    ("full/2+selective" -> "selective"; else "none")."""
+    return ac.partition("+")[2] or "none"

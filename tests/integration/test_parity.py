@@ -50,6 +50,11 @@ VARIANTS: dict[str, tuple[str, list[str]]] = {
     "tp2-bf16-mixed": ("tp2", ["--trainer.precision=bf16-mixed"]),
     "fsdp2_tp2-fp16-mixed": ("fsdp2_tp2", ["--trainer.plugins=lit_mesh.FP16MixedPrecision"]),
     "fsdp2_tp2-ac-full": ("fsdp2_tp2", [f"{S}activation_checkpointing=full"]),
+    # full AC on block 1, selective on block 0 (ac_other_blocks)
+    "fsdp2_tp2-ac-full2-selective": (
+        "fsdp2_tp2",
+        [f"{S}activation_checkpointing=full", f"{S}ac_every_n_blocks=2", f"{S}ac_other_blocks=selective"],
+    ),
     "fsdp2_tp2-ac-selective-every2": (
         "fsdp2_tp2",
         [f"{S}activation_checkpointing=selective", f"{S}ac_every_n_blocks=2"],
@@ -218,7 +223,9 @@ def test_half_precision_trains_near_fp32(results: dict, variant: str, param_dtyp
     assert {t.dtype for t in params.values()} == {param_dtype}  # bf16-mixed keeps fp32 master weights
 
 
-@pytest.mark.parametrize("variant", ["fsdp2_tp2-ac-full", "fsdp2_tp2-ac-selective-every2"])
+@pytest.mark.parametrize(
+    "variant", ["fsdp2_tp2-ac-full", "fsdp2_tp2-ac-selective-every2", "fsdp2_tp2-ac-full2-selective"]
+)
 def test_activation_checkpointing_keeps_the_loss_curve(results: dict, variant: str) -> None:
     _assert_same_curve(losses(results["gpt-single"]), losses(results[f"gpt-{variant}"]), variant)
     # recomputation changes no number: the same as without checkpointing on the same mesh

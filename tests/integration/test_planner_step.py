@@ -54,6 +54,9 @@ STEPS = [
     ("tp-sp-64-full", SMALL, MeshLayout(dp_shard=32, tp=2), {"ac": "full", "micro_batch": 1}),
     # full AC on the model's every 2nd block: the others re-gather their inputs in backward
     ("tp-sp-64-full/2", SMALL, MeshLayout(dp_shard=32, tp=2), {"ac": "full/2", "micro_batch": 1}),
+    # and selective AC on the blocks between (ac_other_blocks="selective"): no re-gathers, selective's counts
+    ("tp-sp-64-full/2+selective", SMALL, MeshLayout(dp_shard=32, tp=2), {"ac": "full/2+selective", "micro_batch": 1}),
+    ("ep-64-full/2+selective", MOE, MeshLayout(dp_shard=64, ep=4), {"ac": "full/2+selective"}),
     # the last cp rank: the ring's causal blocks give it the most attention outputs to keep under selective AC
     ("cp-ring-64-selective-last", SMALL, MeshLayout(dp_shard=16, cp=4), {"ac": "selective", "rank": 3}),
     ("cp-ring-64-full", SMALL, MeshLayout(dp_shard=16, cp=4), {"ac": "full"}),

@@ -9,10 +9,10 @@ from lit_mesh.parallel.activation_checkpointing import apply_activation_checkpoi
 from zoo.gpt import GPT, GPTConfig
 
 
-def _forward_calls(mode: str, every_n: int) -> tuple[list[int], float, torch.Tensor]:
+def _forward_calls(mode: str, every_n: int, other_blocks: str = "none") -> tuple[list[int], float, torch.Tensor]:
     torch.manual_seed(0)
     model = GPT(GPTConfig.from_preset("tiny", n_layers=4))
-    apply_activation_checkpointing(model.layers, mode, every_n)
+    apply_activation_checkpointing(model.layers, mode, every_n, other_blocks=other_blocks)
     calls = [0] * len(model.layers)
     for index, block in enumerate(model.layers):
         # a pre-hook: early-stopping recomputation may end before a late submodule returns
@@ -37,14 +37,53 @@ def test_checkpointed_blocks_recompute_in_backward_with_the_same_numbers(
     torch.testing.assert_close(grad, ref_grad, rtol=0, atol=0)
 
 
+def test_other_blocks_selective_between_full_ones() -> None:
+    """ac_other_blocks="selective": the blocks ac_every_n_blocks=2 leaves out run selective AC. Every block then
+    recomputes in backward; the matmuls backward runs are full/2's (selective recomputes none), and the numbers are
+    those without AC."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class CountMatmuls(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+            self.count += func.overloadpacket.__name__ in ("mm", "addmm", "bmm")
+            return func(*args, **(kwargs or {}))
+
+    def backward_matmuls(other_blocks: str) -> int:
+        torch.manual_seed(0)
+        model = GPT(GPTConfig.from_preset("tiny", n_layers=4))
+        apply_activation_checkpointing(model.layers, "full", 2, other_blocks=other_blocks)
+        loss = model(torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))).logsumexp(-1).mean()
+        with CountMatmuls() as counted:
+            loss.backward()
+        return counted.count
+
+    calls, loss, grad = _forward_calls("full", 2, "selective")
+    assert calls == [2, 2, 2, 2]  # full/2 alone: [1, 2, 1, 2]
+    assert backward_matmuls("selective") == backward_matmuls("none")
+    _, ref_loss, ref_grad = _forward_calls("none", 1)
+    assert loss == ref_loss
+    torch.testing.assert_close(grad, ref_grad, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize(
-    ("mode", "every_n", "message"), [("some", 1, "choose one of"), ("full", 0, "must be an int >= 1")]
+    ("mode", "every_n", "other_blocks", "message"),
+    [
+        ("some", 1, "none", "choose one of"),
+        ("full", 0, "none", "must be an int >= 1"),
+        ("full", 2, "full", r"ac_other_blocks='full'; choose one of \('none', 'selective'\)"),
+        ("full", 1, "selective", "ac_every_n_blocks=1 leaves none; use activation_checkpointing='full' with"),
+        ("selective", 2, "selective", "activation_checkpointing='selective', ac_every_n_blocks=2 leaves none"),
+    ],
 )
-def test_bad_activation_checkpointing_arguments(mode: str, every_n: int, message: str) -> None:
+def test_bad_activation_checkpointing_arguments(mode: str, every_n: int, other_blocks: str, message: str) -> None:
     from lit_mesh import MeshStrategy
 
     with pytest.raises(ValueError, match=message):
-        MeshStrategy(activation_checkpointing=mode, ac_every_n_blocks=every_n)
+        MeshStrategy(activation_checkpointing=mode, ac_every_n_blocks=every_n, ac_other_blocks=other_blocks)
 
 
 def test_a_pipeline_stage_checkpoints_the_models_every_nth_blocks() -> None:
