@@ -826,6 +826,28 @@ def _init_args(c, preset: str, hw: Hardware) -> dict:  # noqa: ANN001
     return fit_config(c, preset, {}, hw, 10)["trainer"]["strategy"]["init_args"]
 
 
+def test_full_every_2nd_with_selective_between_sits_between_and_is_written() -> None:
+    """"full/2+selective" (ac_other_blocks="selective"): activations between full's and selective's, recompute
+    between selective's and full's (no regathers), written as MeshStrategy's three arguments, which it accepts."""
+    from lit_mesh.planner.search import evaluate
+
+    shapes, work = gpt_shapes(GPTConfig.from_preset("llama3-70b")), Workload(256, 8192, 1)
+    layout, hw = MeshLayout(dp_shard=32, tp=8), Hardware(nodes=32, devices_per_node=8, memory_bytes=80 * GB)
+    by = {ac: evaluate(layout, shapes, work, hw, "bf16-mixed", ac) for ac in ("selective", "full/2+selective", "full")}
+    acts = {ac: c.memory["activations"] for ac, c in by.items()}
+    assert acts["full"] < acts["full/2+selective"] < acts["selective"]
+    recompute = {ac: c.time.compute_parts["recompute"] for ac, c in by.items()}
+    assert recompute["selective"] < recompute["full/2+selective"] < recompute["full"]
+    args = _init_args(by["full/2+selective"], "llama3-70b", hw)
+    assert (args["activation_checkpointing"], args["ac_every_n_blocks"], args["ac_other_blocks"]) == (
+        "full",
+        2,
+        "selective",
+    )
+    MeshStrategy(**args)
+    assert "ac_other_blocks" not in _init_args(evaluate(layout, shapes, work, hw, "bf16-mixed", "full/2"), "x", hw)
+
+
 def test_interleaved_plan_for_llama3_405b_at_metas_layout_writes_its_schedule(tmp_path: Path) -> None:
     """Meta's TP 8 x PP 16 x DP 64: interleaving halves the 1F1B bubble; the plan names the schedule and v, prints
     both bubbles' terms, and writes pp_schedule, pp_stages_per_rank and pp_microbatches for `lit-mesh fit`."""
