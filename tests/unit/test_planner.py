@@ -827,7 +827,7 @@ def _init_args(c, preset: str, hw: Hardware) -> dict:  # noqa: ANN001
 
 
 def test_full_every_2nd_with_selective_between_sits_between_and_is_written() -> None:
-    """"full/2+selective" (ac_other_blocks="selective"): activations between full's and selective's, recompute
+    """ "full/2+selective" (ac_other_blocks="selective"): activations between full's and selective's, recompute
     between selective's and full's (no regathers), written as MeshStrategy's three arguments, which it accepts."""
     from lit_mesh.planner.search import evaluate
 
