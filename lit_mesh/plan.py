@@ -54,6 +54,8 @@ if TYPE_CHECKING:  # a type only: lit_mesh.init (materialisation) reads plans, s
 #                  gathered, its output re-sharded over the sequence (SP only)
 #   vocab_head     the output head like "head", but its logits stay a DTensor sharded over the vocabulary, for a
 #                  loss that takes them so (lit_mesh.loss.cross_entropy: loss parallel); "head" where pp > 1
+#   heads_norm     a norm over each attention head's features (Qwen3's q_norm / k_norm) that sees this rank's heads,
+#                  (batch, sequence, heads, head_dim): its weight replicated, its gradient summed over tp
 TPStyle = Literal[
     "colwise",
     "rowwise",
@@ -66,6 +68,7 @@ TPStyle = Literal[
     "shard_input",
     "gather_input",
     "whole_sequence",
+    "heads_norm",
 ]
 TP_STYLES: tuple[str, ...] = TPStyle.__args__  # type: ignore[attr-defined]
 

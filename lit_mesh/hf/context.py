@@ -34,7 +34,7 @@ from lit_mesh.plan import ContextPlan
 
 ATTENTION = "lit_mesh_context_parallel"  # our name in transformers' attention registry
 SHARDABLE = ("sdpa", "eager")  # causal softmax attention without a mask: what the cp styles compute
-FAMILIES = ("Llama", "Qwen2", "Mistral")  # model classes whose attention layers call the registry
+FAMILIES = ("Llama", "Qwen2", "Qwen3", "Mistral")  # model classes whose attention layers call the registry
 IGNORE_INDEX = -100  # transformers' label for "no loss here"
 
 # attention module -> the cp attention apply_context_parallel made for it

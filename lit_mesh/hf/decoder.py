@@ -1,5 +1,5 @@
-"""Decoder-only language models (Llama, Qwen2, Mistral and alike): transformers' own TP plan + SP + FSDP per
-decoder layer; Llama, Qwen2 and Mistral also context parallel (lit_mesh/hf/context.py). Any other transformers model
+"""Decoder-only language models (Llama, Qwen2, Qwen3, Mistral and alike): transformers' own TP plan + SP + FSDP per
+decoder layer; Llama, Qwen2, Qwen3 and Mistral also context parallel (lit_mesh/hf/context.py). Any other transformers model
 gets the same derivation without context parallel (`derived_plan`)."""
 
 from __future__ import annotations
@@ -49,7 +49,8 @@ def _has(model: nn.Module, name: str) -> bool:
 
 
 def llama_family_plan(model: nn.Module) -> ParallelPlan:
-    """Llama, Qwen2, Mistral: the decoder plan and context parallel through transformers' attention registry."""
+    """Llama, Qwen2, Qwen3, Mistral: the decoder plan and context parallel through transformers' attention
+    registry."""
     return replace(decoder_plan(model), cp=context_plan(model))
 
 

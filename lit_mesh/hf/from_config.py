@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import cast
 
+import torch
 from torch import nn
 
 from lit_mesh.hf.blocks import base_prefix, find_blocks
@@ -24,6 +25,9 @@ HF_STYLES: dict[str, TPStyle] = {
     "rowwise": "rowwise",
     "colwise_gather_output": "head",
     "embedding_rowwise": "embedding_whole_output",  # the model reads the embeddings' length before its layers
+    # a replicated module whose gradient tp sums: applied to the norms of one head's features (Qwen3's q_norm and
+    # k_norm, `_per_head_norm`), which see this rank's heads; anything else of this style is refused
+    "replicated_with_grad_allreduce": "heads_norm",
 }
 _SPLIT = ("colwise", "rowwise")
 
@@ -46,7 +50,14 @@ def plan_from_hf(model: nn.Module, tp_divides: dict[str, int], hf_plan: dict[str
     if blocks is None:
         raise ValueError(f"{name}: no ModuleList of its _no_split_modules {getattr(model, '_no_split_modules', None)}")
     hf_plan = hf_tp_plan(model) if hf_plan is None else hf_plan
-    unknown = {key: style for key, style in hf_plan.items() if style not in HF_STYLES}
+    layer = cast(nn.ModuleList, model.get_submodule(blocks))[0]  # find_blocks names a ModuleList
+    in_block = f"{blocks}.*."
+    unknown = {
+        key: style
+        for key, style in hf_plan.items()
+        if style not in HF_STYLES
+        or (HF_STYLES[style] == "heads_norm" and not _per_head_norm(model, layer, key.removeprefix(in_block)))
+    }
     if not hf_plan or unknown:
         why = (
             f"transformers' tensor-parallel plan of {name} uses styles lit-mesh does not apply: {unknown}"
@@ -55,7 +66,6 @@ def plan_from_hf(model: nn.Module, tp_divides: dict[str, int], hf_plan: dict[str
         )
         return ParallelPlan(blocks=blocks, tp=TensorPlan(unavailable=no_plan_message(name, why)), cp=not_offered(name))
 
-    in_block = f"{blocks}.*."
     root: dict[str, TPStyle] = {}
     block: dict[str, TPStyle] = {}
     for key, style in hf_plan.items():
@@ -65,7 +75,6 @@ def plan_from_hf(model: nn.Module, tp_divides: dict[str, int], hf_plan: dict[str
             root[key] = HF_STYLES[style]
 
     # sequence parallelism around the split linears
-    layer = cast(nn.ModuleList, model.get_submodule(blocks))[0]  # find_blocks names a ModuleList
     for child_name, child in layer.named_children():
         if is_norm(child):
             block[child_name] = "norm"
@@ -83,6 +92,22 @@ def plan_from_hf(model: nn.Module, tp_divides: dict[str, int], hf_plan: dict[str
         head_name = next(n for n, m in model.named_modules() if m is output)
         root[head_name] = "gather_input"
     return ParallelPlan(blocks=blocks, tp=TensorPlan(root=root, block=block, divides=tp_divides), cp=not_offered(name))
+
+
+def _per_head_norm(model: nn.Module, layer: nn.Module, name: str) -> bool:
+    """Whether `name` (inside a block) is a norm over one attention head's features: its weight as wide as the
+    config's head_dim."""
+    try:
+        module = layer.get_submodule(name)
+    except AttributeError:
+        return False
+    config = getattr(model, "config", None)
+    heads = getattr(config, "num_attention_heads", None)
+    if config is None or not heads:
+        return False
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    weight = getattr(module, "weight", None)
+    return is_norm(module) and isinstance(weight, torch.Tensor) and tuple(weight.shape) == (head_dim,)
 
 
 def no_plan_message(model_name: str, why: str) -> str:

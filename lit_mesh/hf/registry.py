@@ -37,6 +37,7 @@ def architectures() -> dict[str, PlanBuilder]:
         "decoder": decoder_plan,
         "llama": llama_family_plan,
         "qwen2": llama_family_plan,
+        "qwen3": llama_family_plan,  # its q_norm / k_norm over each head: "heads_norm" (lit_mesh/hf/from_config.py)
         "mistral": llama_family_plan,
         "mixtral": mixtral_plan,
         "gpt2": gpt2_plan,
@@ -46,7 +47,11 @@ def architectures() -> dict[str, PlanBuilder]:
 
 # transformers classes with a plan of ours (the base models and their task heads)
 KNOWN: dict[str, str] = {
-    **{f"{arch}{task}": arch.lower() for arch in ("Llama", "Qwen2", "Mistral") for task in ("Model", "ForCausalLM")},
+    **{
+        f"{arch}{task}": arch.lower()
+        for arch in ("Llama", "Qwen2", "Qwen3", "Mistral")
+        for task in ("Model", "ForCausalLM")
+    },
     "MixtralModel": "mixtral",
     "MixtralForCausalLM": "mixtral",
     "GPT2Model": "gpt2",

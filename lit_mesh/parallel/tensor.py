@@ -50,6 +50,8 @@ def torch_style(style: str, sequence_parallel: bool, check: Any = None) -> Paral
         # one gather of the region's input (SP), handed on as a DTensor so that its column-wise linears' input
         # gradients are summed before one reduce-scatter (SP) or all-reduce, not reduced once per linear
         return HiddenStatesLayout(between_blocks, Replicate(), keep_dtensor=True)
+    if style == "heads_norm":  # the local heads are a shard of dim 2: torch's SP style, over the heads
+        return SequenceParallel(sequence_dim=2, use_local_output=True)
     if not sequence_parallel:
         return None  # the styles below only move activations in and out of the SP region
     if style == "norm":

@@ -6,10 +6,10 @@ ViT under fsdp2, Llama built whole in __init__ (not on the meta device) under tp
 examples/hf_model.py under tp2; a saved Mixtral loaded into zoo.MoEModule(pretrained=DIR) on ep2 and ep2 x fsdp
 (transformers' logits; each rank reads only its own slices); context parallel (cp2: Llama with ring, Ulysses and
 all-gather, the last with transformers' own label shift; Qwen2 and Mistral on one style each; Llama on fsdp2 x cp2
-and cp2 x tp2; Llama on pp2 x cp2 through examples/hf_pipeline.py); a GPT-2 checkpoint of pp2 x tp2 resumed on fsdp4
-(tied embeddings, optimizer state); Mixtral built whole under pp2 (1F1B) and pp2 x ep2 (GPipe, experts FSDP-sharded
-per layer). One torchrun launch per world size
-(1, 2, 4) runs every run, the export checkpoints and the error cases. Each run also records how the mesh was
+and cp2 x tp2; Llama on pp2 x cp2 through examples/hf_pipeline.py); Qwen3 (q/k norms over each head, heads wider
+than hidden / heads) under fsdp2 x tp2 and cp2; a GPT-2 checkpoint of pp2 x tp2 resumed on fsdp4 (tied embeddings,
+optimizer state); Mixtral built whole under pp2 (1F1B) and pp2 x ep2 (GPipe, experts FSDP-sharded per layer). One
+torchrun launch per world size (1, 2, 4) runs every run, the export checkpoints and the error cases. Each run also records how the mesh was
 really applied (DTensor placements, FSDP2 units, MoE dispatchers: tests/workers/hf_runs.py), so that a run that
 silently stayed replicated cannot pass parity.
 """
@@ -77,6 +77,9 @@ PARITY = {
     "mixtral-init-pp2": "mixtral-init-single",  # 1F1B, each stage's MoE blocks dispatching
     "mixtral-init-pp2_ep2_ac": "mixtral-init-single",  # GPipe; ep2 inside the stages; full AC per layer
     "qwen2-tp2": "qwen2-single",  # Qwen- and Mistral-style decoders: transformers' own TP plan, our SP
+    # Qwen3: heads wider than hidden / heads, q_norm / k_norm over each head (replicated, gradient summed over tp)
+    "qwen3-fsdp2_tp2": "qwen3-single",
+    "qwen3-cp2_ring": "qwen3-single",
     "mistral-tp2": "mistral-single",
     # context parallel (lit_mesh/hf/context.py): each cp style on Llama, Qwen2 and Mistral on one each, and cp x fsdp
     "llama-cp2_ring": "llama-single",
@@ -132,6 +135,7 @@ LAUNCHES: dict[int, list[dict]] = {
         _fit("mixtral-single", 1, TEXT, MIXTRAL),
         _fit("mixtral-init-single", 1, TEXT, MIXTRAL, INIT),
         _fit("qwen2-single", 1, TEXT, "--model.init_args.architecture=qwen2"),
+        _fit("qwen3-single", 1, TEXT, "--model.init_args.architecture=qwen3"),
         _fit("mistral-single", 1, TEXT, "--model.init_args.architecture=mistral"),
         {"kind": "example", "name": "example-single", "args": ["hf_model.py", "--devices", "1"]},
         _fit("llama-labels-single", 1, TEXT, LABELS),
@@ -174,6 +178,7 @@ LAUNCHES: dict[int, list[dict]] = {
         _fit("llama-cp2_ulysses", 2, TEXT, f"{S}cp=2", f"{S}cp_style=ulysses"),
         _fit("llama-cp2_allgather-labels", 2, TEXT, LABELS, f"{S}cp=2", f"{S}cp_style=allgather"),
         _fit("qwen2-cp2_ulysses", 2, TEXT, "--model.init_args.architecture=qwen2", f"{S}cp=2", f"{S}cp_style=ulysses"),
+        _fit("qwen3-cp2_ring", 2, TEXT, "--model.init_args.architecture=qwen3", f"{S}cp=2"),
         _fit(
             "mistral-cp2_allgather",
             2,
@@ -192,6 +197,7 @@ LAUNCHES: dict[int, list[dict]] = {
     ],
     4: [
         _fit("llama-fsdp2_tp2", 4, TEXT, f"{S}tp=2"),
+        _fit("qwen3-fsdp2_tp2", 4, TEXT, "--model.init_args.architecture=qwen3", f"{S}tp=2"),
         _fit("gpt2-fsdp2_tp2", 4, TEXT, *_gpt2(f"{S}tp=2")),
         _fit("mixtral-tp2_ep2", 4, TEXT, MIXTRAL, f"{S}tp=2", f"{S}ep=2"),
         _fit(
@@ -389,6 +395,9 @@ APPLIED = {
     "qwen2-tp2": Applied(DECODER, LLAMA_TP, fsdp=False),
     "mistral-tp2": Applied(DECODER, LLAMA_TP, fsdp=False),
     "llama-fsdp2_tp2": Applied(DECODER, LLAMA_TP, fsdp=True),
+    "qwen3-fsdp2_tp2": Applied(
+        DECODER, {**LLAMA_TP, "self_attn.q_norm.weight": "R", "self_attn.k_norm.weight": "R"}, fsdp=True
+    ),
     "gpt2-tp2": Applied(GPT2, GPT2_TP, fsdp=False),
     "gpt2-fsdp2_tp2": Applied(GPT2, GPT2_TP, fsdp=True),
     "vit-fsdp2": Applied(VIT, {}, fsdp=True),

@@ -323,6 +323,28 @@ def test_plans_are_selected_by_class_and_can_be_named() -> None:
         register_plan("BertModel", "bert")
 
 
+def test_qwen3_norms_over_each_head_are_heads_norm_and_others_of_that_style_refused() -> None:
+    """transformers' "replicated_with_grad_allreduce" (Qwen3's q_norm / k_norm, a norm over one head's features on
+    this rank's heads) is lit-mesh's "heads_norm"; the same style on anything else leaves TP unavailable, named."""
+    from transformers import AutoModelForCausalLM
+
+    from lit_mesh.hf import plan_for
+    from lit_mesh.hf.from_config import plan_from_hf
+    from lit_mesh.parallel.tensor import torch_style
+    from zoo.hf import tiny_config
+
+    with torch.device("meta"):
+        qwen3 = AutoModelForCausalLM.from_config(tiny_config("qwen3"))
+    plan = plan_for(qwen3)
+    assert plan.tp.unavailable == "" and plan.cp.unavailable == ""
+    assert plan.tp.block["self_attn.q_norm"] == plan.tp.block["self_attn.k_norm"] == "heads_norm"
+    style = torch_style("heads_norm", sequence_parallel=False)  # heads are split with or without SP
+    assert style is not None and style.sequence_sharding[0].dim == 2  # type: ignore[attr-defined]
+    wrong = {"model.layers.*.input_layernorm": "replicated_with_grad_allreduce"}  # a norm over the hidden size
+    refused = plan_from_hf(qwen3, {}, wrong).tp.unavailable
+    assert "uses styles lit-mesh does not apply: {'model.layers.*.input_layernorm'" in refused
+
+
 def test_mixtral_plan_and_its_expert_adapter() -> None:
     """Attention TP from transformers' plan, the MoE block whole over tp (its experts' width split), EP through the adapter, which
     computes what transformers' own MoE block does (same parameters and names)."""

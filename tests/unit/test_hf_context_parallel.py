@@ -41,7 +41,7 @@ def _setup_check(model: torch.nn.Module) -> None:
     check("setup", facts, only=tuple(rule.name for rule in context_rules.RULES if rule.phase == "setup"))
 
 
-@pytest.mark.parametrize("architecture", ["llama", "qwen2", "mistral"])
+@pytest.mark.parametrize("architecture", ["llama", "qwen2", "qwen3", "mistral"])
 def test_llama_family_declares_context_parallel_through_the_registry(architecture: str) -> None:
     model = _model(architecture)
     cp = plan_for(model).cp

@@ -32,6 +32,20 @@ _TINY: dict[str, tuple[str, dict[str, Any]]] = {
             max_position_embeddings=256,
         ),
     ),
+    # heads of 32 on a hidden size of 64 (4 x 32 = 128: Qwen3 sets head_dim so), q_norm / k_norm over each head
+    "qwen3": (
+        "Qwen3Config",
+        dict(
+            vocab_size=256,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=32,
+            max_position_embeddings=256,
+        ),
+    ),
     "mistral": (
         "MistralConfig",
         dict(
