@@ -7,7 +7,7 @@ examples/hf_model.py under tp2; a saved Mixtral loaded into zoo.MoEModule(pretra
 (transformers' logits; each rank reads only its own slices); context parallel (cp2: Llama with ring, Ulysses and
 all-gather, the last with transformers' own label shift; Qwen2 and Mistral on one style each; Llama on fsdp2 x cp2
 and cp2 x tp2; Llama on pp2 x cp2 through examples/hf_pipeline.py); Qwen3 (q/k norms over each head, heads wider
-than hidden / heads) under fsdp2 x tp2 and cp2; a GPT-2 checkpoint of pp2 x tp2 resumed on fsdp4 (tied embeddings,
+than hidden / heads) under fsdp2 x tp2, cp2 and pp2; a GPT-2 checkpoint of pp2 x tp2 resumed on fsdp4 (tied embeddings,
 optimizer state); Mixtral built whole under pp2 (1F1B) and pp2 x ep2 (GPipe, experts FSDP-sharded per layer). One
 torchrun launch per world size (1, 2, 4) runs every run, the export checkpoints and the error cases. Each run also records how the mesh was
 really applied (DTensor placements, FSDP2 units, MoE dispatchers: tests/workers/hf_runs.py), so that a run that
@@ -132,6 +132,7 @@ LAUNCHES: dict[int, list[dict]] = {
         _fit("gpt2-single", 1, TEXT, *_gpt2()),
         _fit("vit-single", 1, IMAGES),
         _fit("llama-init-single", 1, TEXT, INIT),
+        _fit("qwen3-init-single", 1, TEXT, INIT, "--model.init_args.architecture=qwen3"),
         _fit("mixtral-single", 1, TEXT, MIXTRAL),
         _fit("mixtral-init-single", 1, TEXT, MIXTRAL, INIT),
         _fit("qwen2-single", 1, TEXT, "--model.init_args.architecture=qwen2"),
@@ -189,6 +190,7 @@ LAUNCHES: dict[int, list[dict]] = {
         ),
         *(_pipeline_example(name, 2, *extra) for name, (n, extra) in PIPELINE_EXAMPLES.items() if n == 2),
         _fit("llama-init-pp2", 2, TEXT, INIT, f"{S}pp=2"),  # zoo.hf.HFCausalLM through loss_of, from the CLI
+        _fit("qwen3-init-pp2", 2, TEXT, INIT, "--model.init_args.architecture=qwen3", f"{S}pp=2"),
         _error("no_plan", f"{S}tp=2", "--model.init_args.architecture=opt"),
         _error("tp_vs_kv_heads", f"{S}tp=2", "--model.init_args.config_overrides={num_key_value_heads: 1}"),
         _error("sp_vs_seq_len", f"{S}tp=2", "--data.init_args.seq_len=63"),
@@ -513,16 +515,19 @@ def test_example_matches_single_device(out: Path) -> None:
         assert abs(a - b) <= 1e-4 * abs(a), f"example step {step}: tp2 {b} vs single {a}"
 
 
-def test_hf_causal_lm_under_pp_matches_single_device(out: Path) -> None:
+@pytest.mark.parametrize("architecture", ["llama", "qwen3"])
+def test_hf_causal_lm_under_pp_matches_single_device(out: Path, architecture: str) -> None:
     """zoo.hf.HFCausalLM (loss_of) from the CLI on pp=2: the single-device curve and final parameters; rank 0 held
-    the first stage only (one of the two decoder layers, the embedding, no head)."""
-    assert_same_curve(losses(out, "llama-init-single"), losses(out, "llama-init-pp2"), "llama-init-pp2")
-    ref_params = torch.load(out / "llama-init-single" / "params.pt", weights_only=True)
-    params = torch.load(out / "llama-init-pp2" / "params.pt", weights_only=True)
+    the first stage only (one of the two decoder layers, the embedding, no head). Qwen3's stages come from the
+    Llama names, its q/k norms inside the attention."""
+    single, pp2 = f"{architecture}-init-single", f"{architecture}-init-pp2"
+    assert_same_curve(losses(out, single), losses(out, pp2), pp2)
+    ref_params = torch.load(out / single / "params.pt", weights_only=True)
+    params = torch.load(out / pp2 / "params.pt", weights_only=True)
     assert ref_params.keys() == params.keys()
     for key, ref in ref_params.items():
-        assert (params[key] - ref).abs().max().item() <= 1e-4, f"llama-init-pp2: parameter {key}"
-    held = applied(out, "llama-init-pp2")
+        assert (params[key] - ref).abs().max().item() <= 1e-4, f"{pp2}: parameter {key}"
+    held = applied(out, pp2)
     assert set(params_by_block(held, DECODER)) == {f"{DECODER}.0"}
     assert "model.model.embed_tokens.weight" in held["params"] and "model.lm_head.weight" not in held["params"]
 
