@@ -1,5 +1,8 @@
-"""Mixtral (MixtralModel, MixtralForCausalLM): FSDP per decoder layer and per layer's experts, TP of the
-attention from transformers' own plan (+SP), expert parallel over `ep`, expert tensor parallel over `tp`.
+"""Mixtral (MixtralModel, MixtralForCausalLM) and Qwen3-MoE (Qwen3MoeModel, Qwen3MoeForCausalLM, every layer MoE): FSDP
+per decoder layer and per layer's experts, TP of the attention from transformers' own plan (+SP; Qwen3's q/k norms
+over each head: "heads_norm"), expert parallel over `ep`, expert tensor parallel over `tp`. The two MoE blocks have
+the same parts (a top-k router returning (logits, weights, expert ids), experts stacked as gate_up_proj and
+down_proj); Qwen3-MoE's router renormalises the chosen weights only where norm_topk_prob says so, as transformers'.
 
 transformers' plan also splits each expert's width over tp (packed_colwise / moe_tp_experts styles); lit-mesh
 does so as for the zoo MoE instead: the MoE block runs on the whole sequence, replicated over tp
@@ -33,7 +36,7 @@ from torch.distributed.tensor import DTensor
 from lit_mesh.hf.blocks import hf_config
 from lit_mesh.hf.decoder import tp_divides, with_decoder_stages
 from lit_mesh.hf.from_config import hf_tp_plan, plan_from_hf
-from lit_mesh.plan import MoEPlan, ParallelPlan
+from lit_mesh.plan import MoEPlan, ParallelPlan, PlanError
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
@@ -85,12 +88,12 @@ class DispatchedMoE(nn.Module):
     dispatcher: LocalDispatch
     gate: _Router
     experts: nn.Module
-    jitter_noise: float
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         B, T, D = hidden_states.shape
-        if self.training and self.jitter_noise > 0:  # as transformers does (drawn per rank)
-            noise = torch.empty_like(hidden_states).uniform_(1 - self.jitter_noise, 1 + self.jitter_noise)
+        jitter_noise = getattr(self, "jitter_noise", 0.0)  # Mixtral's; Qwen3-MoE has none
+        if self.training and jitter_noise > 0:  # as transformers does (drawn per rank)
+            noise = torch.empty_like(hidden_states).uniform_(1 - jitter_noise, 1 + jitter_noise)
             hidden_states = hidden_states * noise
         tokens = hidden_states.reshape(B * T, D)
         _, weights, expert_ids = (_local(t) for t in self.gate(tokens))  # the router's own call (output recording)
@@ -116,6 +119,23 @@ def dispatch_experts(moe: nn.Module) -> None:
     _swap_class(moe, DispatchedMoE)
     if not hasattr(moe, "dispatcher"):
         cast(DispatchedMoE, moe).dispatcher = LocalDispatch()  # its class is DispatchedMoE's subclass now
+
+
+def qwen3_moe_plan(model: nn.Module) -> ParallelPlan:
+    """Qwen3-MoE with every layer MoE; dense layers (decoder_sparse_step > 1, mlp_only_layers) refused by name."""
+    config = hf_config(model)
+    if config.decoder_sparse_step != 1 or config.mlp_only_layers:
+        raise PlanError(
+            f"{type(model).__name__} with decoder_sparse_step={config.decoder_sparse_step}, mlp_only_layers="
+            f"{config.mlp_only_layers} mixes dense and MoE layers, which lit-mesh's plan for it does not split;"
+            " build it with decoder_sparse_step=1 and mlp_only_layers=[], or give it a plan of your own"
+            " (lit_mesh.hf.register_plan)"
+        )
+    plan = mixtral_plan(model)
+    # tp splits the experts' width (moe_intermediate_size); intermediate_size sizes dense layers it has none of
+    divides = {k: v for k, v in plan.tp.divides.items() if k != "intermediate_size"}
+    divides["moe_intermediate_size"] = config.moe_intermediate_size
+    return dataclasses.replace(plan, tp=dataclasses.replace(plan.tp, divides=divides))
 
 
 def mixtral_plan(model: nn.Module) -> ParallelPlan:

@@ -30,7 +30,7 @@ def architectures() -> dict[str, PlanBuilder]:
     """The plan builders by architecture name (imported late: each module may read transformers' classes)."""
     from lit_mesh.hf.decoder import decoder_plan, llama_family_plan
     from lit_mesh.hf.gpt2 import gpt2_plan
-    from lit_mesh.hf.mixtral import mixtral_plan
+    from lit_mesh.hf.mixtral import mixtral_plan, qwen3_moe_plan
     from lit_mesh.hf.vit import vit_plan
 
     return {
@@ -40,6 +40,7 @@ def architectures() -> dict[str, PlanBuilder]:
         "qwen3": llama_family_plan,  # its q_norm / k_norm over each head: "heads_norm" (lit_mesh/hf/from_config.py)
         "mistral": llama_family_plan,
         "mixtral": mixtral_plan,
+        "qwen3_moe": qwen3_moe_plan,
         "gpt2": gpt2_plan,
         "vit": vit_plan,
     }
@@ -54,6 +55,8 @@ KNOWN: dict[str, str] = {
     },
     "MixtralModel": "mixtral",
     "MixtralForCausalLM": "mixtral",
+    "Qwen3MoeModel": "qwen3_moe",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
     "GPT2Model": "gpt2",
     "GPT2LMHeadModel": "gpt2",
     "ViTModel": "vit",

@@ -7,7 +7,7 @@ examples/hf_model.py under tp2; a saved Mixtral loaded into zoo.MoEModule(pretra
 (transformers' logits; each rank reads only its own slices); context parallel (cp2: Llama with ring, Ulysses and
 all-gather, the last with transformers' own label shift; Qwen2 and Mistral on one style each; Llama on fsdp2 x cp2
 and cp2 x tp2; Llama on pp2 x cp2 through examples/hf_pipeline.py); Qwen3 (q/k norms over each head, heads wider
-than hidden / heads) under fsdp2 x tp2, cp2 and pp2; a GPT-2 checkpoint of pp2 x tp2 resumed on fsdp4 (tied embeddings,
+than hidden / heads) under fsdp2 x tp2, cp2 and pp2, and Qwen3-MoE under tp2 x ep2; a GPT-2 checkpoint of pp2 x tp2 resumed on fsdp4 (tied embeddings,
 optimizer state); Mixtral built whole under pp2 (1F1B) and pp2 x ep2 (GPipe, experts FSDP-sharded per layer). One
 torchrun launch per world size (1, 2, 4) runs every run, the export checkpoints and the error cases. Each run also records how the mesh was
 really applied (DTensor placements, FSDP2 units, MoE dispatchers: tests/workers/hf_runs.py), so that a run that
@@ -73,6 +73,7 @@ PARITY = {
     "mixtral-tp2": "mixtral-single",
     "mixtral-ep2": "mixtral-single",
     "mixtral-tp2_ep2": "mixtral-single",
+    "qwen3_moe-tp2_ep2": "qwen3_moe-single",  # Mixtral's plan and adapter, q/k norms over each head
     # built whole in __init__: built on the meta device, transformers' init would run per stage (docs/transformers.md)
     "mixtral-init-pp2": "mixtral-init-single",  # 1F1B, each stage's MoE blocks dispatching
     "mixtral-init-pp2_ep2_ac": "mixtral-init-single",  # GPipe; ep2 inside the stages; full AC per layer
@@ -134,6 +135,7 @@ LAUNCHES: dict[int, list[dict]] = {
         _fit("llama-init-single", 1, TEXT, INIT),
         _fit("qwen3-init-single", 1, TEXT, INIT, "--model.init_args.architecture=qwen3"),
         _fit("mixtral-single", 1, TEXT, MIXTRAL),
+        _fit("qwen3_moe-single", 1, TEXT, "--model.init_args.architecture=qwen3_moe"),
         _fit("mixtral-init-single", 1, TEXT, MIXTRAL, INIT),
         _fit("qwen2-single", 1, TEXT, "--model.init_args.architecture=qwen2"),
         _fit("qwen3-single", 1, TEXT, "--model.init_args.architecture=qwen3"),
@@ -202,6 +204,7 @@ LAUNCHES: dict[int, list[dict]] = {
         _fit("qwen3-fsdp2_tp2", 4, TEXT, "--model.init_args.architecture=qwen3", f"{S}tp=2"),
         _fit("gpt2-fsdp2_tp2", 4, TEXT, *_gpt2(f"{S}tp=2")),
         _fit("mixtral-tp2_ep2", 4, TEXT, MIXTRAL, f"{S}tp=2", f"{S}ep=2"),
+        _fit("qwen3_moe-tp2_ep2", 4, TEXT, "--model.init_args.architecture=qwen3_moe", f"{S}tp=2", f"{S}ep=2"),
         _fit(
             "mixtral-init-pp2_ep2_ac",
             4,
@@ -407,6 +410,9 @@ APPLIED = {
     "mixtral-tp2": Applied(DECODER, MIXTRAL_TP, fsdp=False, ep=1),
     "mixtral-ep2": Applied(DECODER, {}, fsdp=True, ep=2),
     "mixtral-tp2_ep2": Applied(DECODER, MIXTRAL_TP, fsdp=True, ep=2),
+    "qwen3_moe-tp2_ep2": Applied(
+        DECODER, {**MIXTRAL_TP, "self_attn.q_norm.weight": "R", "self_attn.k_norm.weight": "R"}, fsdp=True, ep=2
+    ),
     "mixtral-init-pp2": Applied(DECODER, {}, fsdp=False, ep=1, pp=2),
     "mixtral-init-pp2_ep2_ac": Applied(DECODER, {}, fsdp=True, ep=2, pp=2, ac=True),
     # cp alone: FSDP2 over dp_shard_cp; every attention through context parallel's (transformers' registry)

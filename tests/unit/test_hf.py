@@ -345,6 +345,34 @@ def test_qwen3_norms_over_each_head_are_heads_norm_and_others_of_that_style_refu
     assert "uses styles lit-mesh does not apply: {'model.layers.*.input_layernorm'" in refused
 
 
+def test_qwen3_moe_takes_mixtrals_plan_and_adapter() -> None:
+    """Qwen3-MoE: the same MoE parts as Mixtral (router, gate_up_proj / down_proj), so the same plan and adapter give
+    transformers' own logits; tp divides the experts' width; a model mixing dense layers in is refused by name."""
+    from transformers import AutoModelForCausalLM
+
+    from lit_mesh.hf import plan_for
+    from lit_mesh.plan import PlanError
+    from zoo.hf import tiny_config
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config("qwen3_moe")).eval()
+    tokens = torch.randint(0, 256, (2, 16))
+    with torch.no_grad():
+        reference = model(input_ids=tokens).logits
+    plan = plan_for(model)
+    assert plan.moe is not None and plan.moe.layer == "mlp" and plan.tp.block["mlp"] == "whole_sequence"
+    assert plan.tp.block["self_attn.q_norm"] == "heads_norm"
+    assert plan.tp.divides["moe_intermediate_size"] == 64 and "intermediate_size" not in plan.tp.divides
+    for layer in model.model.layers:
+        plan.moe.adapter(layer.mlp)  # type: ignore[misc]
+    with torch.no_grad():
+        assert _max_diff(model(input_ids=tokens).logits, reference) <= 1e-5
+    with torch.device("meta"):
+        mixed = AutoModelForCausalLM.from_config(tiny_config("qwen3_moe", decoder_sparse_step=2))
+    with pytest.raises(PlanError, match="decoder_sparse_step=2, mlp_only_layers=\\[\\] mixes dense and MoE layers"):
+        plan_for(mixed)
+
+
 def test_mixtral_plan_and_its_expert_adapter() -> None:
     """Attention TP from transformers' plan, the MoE block whole over tp (its experts' width split), EP through the adapter, which
     computes what transformers' own MoE block does (same parameters and names)."""

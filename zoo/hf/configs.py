@@ -72,6 +72,23 @@ _TINY: dict[str, tuple[str, dict[str, Any]]] = {
             max_position_embeddings=256,
         ),
     ),
+    # every layer MoE (lit-mesh's plan for it), q/k norms over each head, the chosen experts' weights renormalised
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        dict(
+            vocab_size=256,
+            hidden_size=64,
+            intermediate_size=64,
+            moe_intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            num_experts=4,
+            num_experts_per_tok=2,
+            norm_topk_prob=True,
+            max_position_embeddings=256,
+        ),
+    ),
     "gpt2": (
         "GPT2Config",
         dict(
