@@ -15,7 +15,7 @@ from typing import cast
 import torch
 from torch import nn
 
-from lit_mesh.hf.blocks import base_prefix, find_blocks
+from lit_mesh.hf.blocks import base_prefix, find_blocks, hf_config
 from lit_mesh.hf.context import not_offered
 from lit_mesh.plan import ParallelPlan, TensorPlan, TPStyle
 
@@ -101,11 +101,8 @@ def _per_head_norm(model: nn.Module, layer: nn.Module, name: str) -> bool:
         module = layer.get_submodule(name)
     except AttributeError:
         return False
-    config = getattr(model, "config", None)
-    heads = getattr(config, "num_attention_heads", None)
-    if config is None or not heads:
-        return False
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    config = hf_config(model)  # a decoder's: the plan names attention norms
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     weight = getattr(module, "weight", None)
     return is_norm(module) and isinstance(weight, torch.Tensor) and tuple(weight.shape) == (head_dim,)
 

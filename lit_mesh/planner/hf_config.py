@@ -85,9 +85,10 @@ def read_hf_config(path: str | Path) -> tuple[str, dict[str, Any], str]:
     fields: dict[str, Any] = {field: _integer(raw, key, file) for key, field in SHAPE_KEYS.items()}
     kv_heads = raw.get("num_key_value_heads")  # absent or null: one per head, as transformers reads it
     fields["n_kv_heads"] = fields["n_heads"] if kv_heads is None else _integer(raw, "num_key_value_heads", file)
-    head_dim = raw.get("head_dim")  # absent or null: hidden_size / num_attention_heads
-    if head_dim is not None and _integer(raw, "head_dim", file) * fields["n_heads"] != fields["dim"]:
-        fields["head_dim"] = head_dim  # heads of another width (Mistral-Nemo, Qwen3): wq and wo are not square
+    if raw.get("head_dim") is not None:  # absent or null: hidden_size / num_attention_heads
+        head_dim = _integer(raw, "head_dim", file)
+        if head_dim * fields["n_heads"] != fields["dim"]:  # heads of another width (Mistral-Nemo, Qwen3)
+            fields["head_dim"] = head_dim
     fields["max_seq_len"] = _integer(raw, "max_position_embeddings", file)
     if "rms_norm_eps" in raw:
         fields["norm_eps"] = float(raw["rms_norm_eps"])
@@ -123,10 +124,9 @@ def _qwen3_moe_routing(raw: dict[str, Any], file: Path) -> dict[str, Any]:
             f"--hf-config {str(file)!r}: mlp_only_layers={raw['mlp_only_layers']!r} makes those layers dense, which the"
             " zoo MoE's moe_every cannot say; plan it with mlp_only_layers=[] in a copy (a few layers' difference)"
         )
-    step = raw.get("decoder_sparse_step", 1)
     return {
         **MIXTRAL_ROUTING,
-        "moe_every": _integer({"decoder_sparse_step": step}, "decoder_sparse_step", file),
+        "moe_every": _integer(raw, "decoder_sparse_step", file) if "decoder_sparse_step" in raw else 1,
         "normalize_top_k": bool(raw.get("norm_topk_prob", False)),
     }
 

@@ -147,10 +147,15 @@ BAD = [
         },
         "a mixtral with tie_word_embeddings=true is not planned",
     ),
+    (
+        {**SHAPE, "model_type": "qwen3_moe", "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
+        | {"decoder_sparse_step": 0},
+        "decoder_sparse_step=0; the planner needs it as a whole number >= 1",
+    ),
 ]
 
 
-@pytest.mark.parametrize(("config", "message"), BAD, ids=["gpt2", "missing", "head_dim", "tied-mixtral"])
+@pytest.mark.parametrize(("config", "message"), BAD, ids=["gpt2", "missing", "head_dim", "tied-mixtral", "sparse-step"])
 def test_configs_not_planned_are_refused_by_name(
     capsys: pytest.CaptureFixture, tmp_path: Path, config: dict, message: str
 ) -> None:

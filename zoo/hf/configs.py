@@ -7,87 +7,37 @@ from typing import Any
 
 from lit_mesh.extras import require
 
+# the Llama-style decoders' shared shape: 2 layers of 64, 4 heads (2 K/V)
+_DECODER: dict[str, Any] = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+)
 _TINY: dict[str, tuple[str, dict[str, Any]]] = {
-    "llama": (
-        "LlamaConfig",
-        dict(
-            vocab_size=256,
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=256,
-        ),
-    ),
-    "qwen2": (
-        "Qwen2Config",
-        dict(
-            vocab_size=256,
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=256,
-        ),
-    ),
+    "llama": ("LlamaConfig", _DECODER),
+    "qwen2": ("Qwen2Config", _DECODER),
     # heads of 32 on a hidden size of 64 (4 x 32 = 128: Qwen3 sets head_dim so), q_norm / k_norm over each head
-    "qwen3": (
-        "Qwen3Config",
-        dict(
-            vocab_size=256,
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=32,
-            max_position_embeddings=256,
-        ),
-    ),
-    "mistral": (
-        "MistralConfig",
-        dict(
-            vocab_size=256,
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=256,
-        ),
-    ),
+    "qwen3": ("Qwen3Config", {**_DECODER, "head_dim": 32}),
+    "mistral": ("MistralConfig", _DECODER),
     "mixtral": (
         "MixtralConfig",
-        dict(
-            vocab_size=256,
-            hidden_size=64,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            num_local_experts=4,
-            num_experts_per_tok=2,
-            max_position_embeddings=256,
-        ),
+        {**_DECODER, "intermediate_size": 64, "num_local_experts": 4, "num_experts_per_tok": 2},
     ),
     # every layer MoE (lit-mesh's plan for it), q/k norms over each head, the chosen experts' weights renormalised
     "qwen3_moe": (
         "Qwen3MoeConfig",
-        dict(
-            vocab_size=256,
-            hidden_size=64,
-            intermediate_size=64,
-            moe_intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            num_experts=4,
-            num_experts_per_tok=2,
-            norm_topk_prob=True,
-            max_position_embeddings=256,
-        ),
+        {
+            **_DECODER,
+            "intermediate_size": 64,
+            "moe_intermediate_size": 64,
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "norm_topk_prob": True,
+        },
     ),
     "gpt2": (
         "GPT2Config",
