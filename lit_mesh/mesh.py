@@ -16,7 +16,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from datetime import timedelta
 from typing import Any, Literal, Optional, Union
 from unittest import mock
@@ -48,6 +48,9 @@ class MeshAxis:
     EP = "ep"  # experts are split over it (innermost ranks of dp_shard x cp)
     EDP_REPLICATE = "edp_replicate"  # expert weights: replicated over it...
     EFSDP = "efsdp"  # ...and FSDP-sharded over it
+    # expert_tp=1 (MoE parallel folding: each tp rank routes its own sequence shard to whole experts)
+    DP_CP_TP = "dp_cp_tp"  # dp x cp x tp: every rank routes different tokens, the load is summed over all
+    EFSDP_TP = "efsdp_tp"  # dp_shard x cp x tp / ep: the whole experts are FSDP-sharded over it
 
 
 MESH_AXES = (MeshAxis.PP, MeshAxis.DP_REPLICATE, MeshAxis.DP_SHARD, MeshAxis.CP, MeshAxis.TP)  # outermost first
@@ -381,6 +384,9 @@ class MeshViews:
     ep: DeviceMesh  # experts are split over it (innermost ranks of dp_shard x cp)
     expert_dp: DeviceMesh  # expert weights are FSDP-sharded over what remains: (edp_replicate, efsdp)
     layout: MeshLayout  # the degrees the mesh was built from
+    # views made on first use (folded_expert_meshes), kept with these views: a DeviceMesh compares by its layout, so a
+    # cache keyed by the root would hand a later world of the same shape this world's groups
+    made_later: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def __getitem__(self, name: str) -> DeviceMesh:
         view = getattr(self, name, None)
@@ -494,3 +500,29 @@ def _build_views(layout: MeshLayout, device_type: str) -> MeshViews:
         expert_dp=experts[A.EDP_REPLICATE, A.EFSDP],
         layout=layout,
     )
+
+
+@dataclass(frozen=True)
+class FoldedExpertMeshes:
+    """The meshes of whole experts under tp (expert_tp=1): every rank of dp x cp x tp routes its own tokens, so the load
+    sums over all of them, ep takes the innermost of those ranks (a tp group first: Megatron-Core's folding) and the
+    expert weights are FSDP-sharded over the rest."""
+
+    dp_cp_tp: DeviceMesh  # 1-D: the load statistics
+    ep: DeviceMesh  # the innermost ep ranks of dp x cp x tp
+    expert_dp: DeviceMesh  # FSDP2's mesh: efsdp, or (edp_replicate, efsdp) where dp_replicate > 1
+
+
+def folded_expert_meshes(views: MeshViews) -> FoldedExpertMeshes:
+    """Made on first use, once per mesh (only runs with expert_tp=1 need their groups), through the mesh's pool."""
+    if "folded_experts" not in views.made_later:
+        A, layout = MeshAxis, views.layout
+        with group_pool(views.root).making():
+            dp_cp_tp = views.root[VIEW_AXES[A.DP_CP] + (A.TP,)]._flatten(A.DP_CP_TP)
+            expert_shards = layout.dp_shard * layout.cp * layout.tp // layout.ep
+            grid = dp_cp_tp._unflatten(
+                0, (layout.dp_replicate, expert_shards, layout.ep), (A.EDP_REPLICATE, A.EFSDP_TP, A.EP)
+            )
+        expert_dp = grid[A.EFSDP_TP] if layout.dp_replicate == 1 else grid[A.EDP_REPLICATE, A.EFSDP_TP]
+        views.made_later["folded_experts"] = FoldedExpertMeshes(dp_cp_tp, grid[A.EP], expert_dp)
+    return views.made_later["folded_experts"]

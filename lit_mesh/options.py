@@ -25,6 +25,7 @@ from lit_mesh.parallel.activation_checkpointing import MemoryOptions
 from lit_mesh.parallel.compile import CompileOptions
 from lit_mesh.parallel.context import ContextOptions
 from lit_mesh.parallel.data import DataParallelOptions
+from lit_mesh.parallel.expert import ExpertOptions
 from lit_mesh.parallel.float8 import Float8Options
 from lit_mesh.parallel.fsdp_arguments import FSDP1_KEYWORDS, FSDPArguments, check_fsdp1_keywords, resolve
 from lit_mesh.parallel.fsdp_arguments import RULES as FSDP_ARGUMENT_RULES
@@ -40,6 +41,7 @@ __all__ = [  # the groups, importable from here as before
     "CompileOptions",
     "ContextOptions",
     "DataParallelOptions",
+    "ExpertOptions",
     "FSDPArguments",
     "Float8Options",
     "LaunchOptions",
@@ -92,6 +94,7 @@ class MeshOptions:
     tensor: TensorOptions = TensorOptions()
     pipeline: PipelineSettings = PipelineSettings()
     context: ContextOptions = ContextOptions()
+    expert: ExpertOptions = ExpertOptions()
     memory: MemoryOptions = MemoryOptions()
     compile: CompileOptions = CompileOptions()
     float8: Float8Options = Float8Options()

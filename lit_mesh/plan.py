@@ -56,6 +56,11 @@ if TYPE_CHECKING:  # a type only: lit_mesh.init (materialisation) reads plans, s
 #                  loss that takes them so (lit_mesh.loss.cross_entropy: loss parallel); "head" where pp > 1
 #   heads_norm     a norm over each attention head's features (Qwen3's q_norm / k_norm) that sees this rank's heads,
 #                  (batch, sequence, heads, head_dim): its weight replicated, its gradient summed over tp
+#   sequence_shard a module that runs on this rank's shard of the sequence as it is, its output that shard (SP only:
+#                  an MoE layer under expert_tp=1, lit_mesh/parallel/expert.py, sets it for the plan's MoE layer)
+#   token_wise     a module applied token by token to (tokens, features) inside a sequence_shard module (an MoE
+#                  router, shared experts): each tp rank runs it on its own tokens; weights replicated, their
+#                  gradients summed over tp (torch's SequenceParallel over dim 0)
 TPStyle = Literal[
     "colwise",
     "rowwise",
@@ -69,6 +74,8 @@ TPStyle = Literal[
     "gather_input",
     "whole_sequence",
     "heads_norm",
+    "sequence_shard",
+    "token_wise",
 ]
 TP_STYLES: tuple[str, ...] = TPStyle.__args__  # type: ignore[attr-defined]
 
@@ -173,6 +180,11 @@ class MoEPlan:
                 lit_mesh/parallel/pipeline/moe.py; zoo/moe.py's MoE has them). False: the model adds no balancing
                 loss under pp (transformers' Mixtral: its router aux loss is refused there,
                 lit_mesh/hf/pipelined_call.py).
+    token_wise: the modules of the MoE layer outside `experts` (names inside the layer: router, shared experts),
+                each applied token by token to (tokens, dim) inputs. With expert_tp=1 (whole experts, each tp rank
+                routing its own sequence shard) they run on this rank's tokens with their weights replicated over tp
+                (TP style "token_wise"); every parameter outside `experts` must lie in one. Empty: expert_tp=1 is
+                refused for this model.
     """
 
     layer: str
@@ -181,6 +193,7 @@ class MoEPlan:
     hidden_dims: Mapping[str, int] = field(default_factory=dict)
     packed: Sequence[str] = ()
     balancing_under_pp: bool = True
+    token_wise: Sequence[str] = ()
 
 
 @dataclass(frozen=True)

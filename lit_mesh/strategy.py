@@ -60,6 +60,7 @@ from lit_mesh.parallel.activation_checkpointing import ActivationCheckpointing, 
 from lit_mesh.parallel.apply import already_parallelized, parallelize
 from lit_mesh.parallel.context import CPStyle, gather_batch, shard_batch
 from lit_mesh.parallel.data import ZeroStage, defer_gradient_reduction, refuse_fsdp1
+from lit_mesh.parallel.expert import folds_experts, moe_load_group
 from lit_mesh.parallel.float8 import Float8Recipe
 from lit_mesh.parallel.fsdp_arguments import offload_policy
 from lit_mesh.parallel.grid import TPMode
@@ -127,6 +128,7 @@ class MeshStrategy(ModelParallelStrategy):
         tp_mode: TPMode = "1d",
         tp_depth: Optional[int] = None,
         sequence_parallel: Optional[bool] = None,
+        expert_tp: Optional[int] = None,
         activation_checkpointing: ActivationCheckpointing = "none",
         ac_every_n_blocks: int = 1,
         ac_other_blocks: OtherBlocksCheckpointing = "none",
@@ -340,7 +342,8 @@ class MeshStrategy(ModelParallelStrategy):
             )
             if calls is not None:  # the user's own call of the model runs the pipeline (a transformers model)
                 calls(owner)
-            carry_moe_statistics(self._pipeline, done.owners[0], self.mesh_views.dp_cp.get_group())
+            fold = folds_experts(self.mesh_views.layout, self.options.expert)
+            carry_moe_statistics(self._pipeline, done.owners[0], moe_load_group(self.mesh_views, fold))
             if done.tied:  # tied embeddings: the first and the last stage's copies stay one matrix
                 tied = TiedParameters(owner, done.tied, done.owners[0].plan, done.stage_ranks, self.mesh_views.root)
                 self._pipeline.share_tied(tied)

@@ -312,6 +312,10 @@ class LocalDispatch:
     def global_load(self, tokens_per_expert: torch.Tensor) -> torch.Tensor:
         return tokens_per_expert
 
+    def mean_probs(self, probs: torch.Tensor) -> torch.Tensor:
+        """The mean router probabilities (N, E) -> (E,) of the tokens the aux loss weighs on this rank."""
+        return probs.mean(dim=0)
+
     def compute(self, experts: GroupedExperts, tokens: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
         return experts(tokens, tokens_per_expert)
 
@@ -366,7 +370,7 @@ class MoE(nn.Module):
         routing = self.router(tokens)
         self.local_load, self.mean_probs = (
             expert_counts(routing.expert_ids.flatten(), self.n_experts),
-            routing.probs.mean(dim=0),
+            self.dispatcher.mean_probs(routing.probs),
         )
         if not getattr(self.dispatcher, "reduces_load_later", False):  # the local load is the global one
             self.use_load(self.local_load)
@@ -483,7 +487,8 @@ class MoETransformer(nn.Module):
             "attention.wo": "rowwise",
             "ffn_norm": "norm",
             # MoE blocks route the whole sequence, replicated over tp: routing and capacity then see the
-            # same tokens on every layout (the experts' hidden units are split over tp: MoEPlan.hidden_dims)
+            # same tokens on every layout (the experts' hidden units are split over tp: MoEPlan.hidden_dims);
+            # expert_tp=1 routes each tp rank's sequence shard instead (MoEPlan.token_wise: what runs per token)
             "moe": "whole_sequence",
         }
         if any(layer.feed_forward is not None for layer in self.layers):  # dense blocks: the zoo GPT's plan
@@ -504,7 +509,12 @@ class MoETransformer(nn.Module):
                 block=block,
                 divides=divides,
             ),
-            moe=MoEPlan(layer="moe", ep_divides={"n_experts": c.n_experts}, hidden_dims={"w1": 2, "w3": 2, "w2": 1}),
+            moe=MoEPlan(
+                layer="moe",
+                ep_divides={"n_experts": c.n_experts},
+                hidden_dims={"w1": 2, "w3": 2, "w2": 1},
+                token_wise=("router.gate",) + (("shared_experts",) if c.n_shared_experts else ()),
+            ),
             pp=PipelinePlan(first=("tok_embeddings",), last=("norm", "output")),
             # context parallel swaps the attention's scaled_dot_product_attention and passes global positions
             cp=ContextPlan(attention="attention", positions="positions"),

@@ -25,7 +25,14 @@ from lit_mesh.parallel.activation_checkpointing import apply_activation_checkpoi
 from lit_mesh.parallel.compile import apply_compile, enable_async_tp
 from lit_mesh.parallel.context import apply_context_parallel
 from lit_mesh.parallel.data import apply_data_parallel, attach_compression, data_parallel_mesh
-from lit_mesh.parallel.expert import adapt_moe_layers, apply_expert_parallel, expert_modules, shard_experts
+from lit_mesh.parallel.expert import (
+    adapt_moe_layers,
+    apply_expert_parallel,
+    expert_modules,
+    folds_experts,
+    sequence_sharded_moe_plan,
+    shard_experts,
+)
 from lit_mesh.parallel.float8 import convert_blocks, float8_tp_style, float8_tp_styles_apply
 from lit_mesh.parallel.fsdp_arguments import mixed_precision_override, offload_policy
 from lit_mesh.parallel.grid import average_over_replicas, parallelize_grid
@@ -176,6 +183,7 @@ def parallelize(
         return _APPLIED[root]
     memory, compile_backend = options.memory, options.compile.backend
     sequence_parallel = bool(options.mesh.sequence_parallel)  # None is resolved by MeshOptions from the tp_mode
+    fold = folds_experts(layout, options.expert)  # whole experts, each tp rank routing its sequence shard
     for owner in owners:
         adapt_moe_layers(owner.module, owner.plan)
     done = split_pipeline(root, owners, mesh, options.pipeline) if layout.pp > 1 else Parallelized(owners)
@@ -195,7 +203,7 @@ def parallelize(
             experts = expert_modules(owner.module, owner.plan)  # placed by EP below
             apply_tensor_parallel(
                 owner.module,
-                owner.plan,
+                sequence_sharded_moe_plan(owner.module, owner.plan) if fold else owner.plan,
                 mesh[MeshAxis.TP],
                 sequence_parallel,
                 skip=experts,
@@ -216,7 +224,7 @@ def parallelize(
             apply_context_parallel(owner.module, owner.plan, mesh[MeshAxis.CP], options.context.style, entries)
     if layout.world_size > 1:
         for owner in owners:
-            apply_expert_parallel(owner.module, owner.plan, mesh, layout)
+            apply_expert_parallel(owner.module, owner.plan, mesh, layout, fold)
     if options.compile.async_tp:  # CUDA + NCCL, inductor, tp > 1 with SP: the rules of lit_mesh/parallel/compile.py
         enable_async_tp(mesh[MeshAxis.TP])
     block_lists = _block_lists(owners, blocks, without_plan)
@@ -247,7 +255,7 @@ def parallelize(
         mp_policy = mixed_precision_override(fsdp.mixed_precision)  # FSDPStrategy's names; None: lit-mesh's own
         offload = offload_policy(fsdp.cpu_offload, mesh.root.device_type)
         for owner, block_list in zip(owners, block_lists):
-            shard_experts(owner.module, owner.plan, mesh, layout, precision, zero_stage)
+            shard_experts(owner.module, owner.plan, mesh, layout, precision, zero_stage, fold)
             # each pipeline stage is an FSDP root of its own (one stage per rank: the model itself)
             stage_roots = [s.module for s in done.stages] if done.stages else [owner.module]
             apply_data_parallel(
@@ -261,6 +269,9 @@ def parallelize(
             attach_compression(root, compression, mesh, layout, views)
         if replicate_hierarchy is not None:  # replaces the flat replicate all-reduce (compressed or not)
             attach_hierarchical_all_reduce(root, replicate_hierarchy, compression, views)
+    elif fold:  # no data parallel: FSDP over tp alone still sums the whole experts' gradients over the tp ranks
+        for owner in owners:
+            shard_experts(owner.module, owner.plan, mesh, layout, precision, options.data.zero_stage, fold)
     _APPLIED[root] = done
     return done
 

@@ -15,14 +15,25 @@ FLOPs. The tokens are replicated over tp (the MoE layer runs on the whole sequen
 rank); the dispatcher sums the tp ranks' partial outputs, and in backward the tokens' partial gradients.
 Routing, the load statistics and the all-to-alls (over ep, within one tp index) are those of replicated experts.
 
+Whole experts under tp (`expert_tp=1`; Megatron-Core's ETP 1 with MoE parallel folding): the MoE layer takes
+this tp rank's sequence shard as it is (TP style "sequence_shard": no gather), its router and shared experts run on
+those tokens with their weights replicated over tp (the plan's `moe.token_wise`, TP style "token_wise": gradients
+summed over tp), and the all-to-alls carry only this rank's tokens. The experts are whole, split over ep, which takes
+the innermost ranks of dp_shard x cp x tp (a tp group first), and FSDP-sharded over the rest, which sums their
+gradients over every rank's tokens; the load sums over dp x cp x tp,
+and the aux loss's mean router probabilities are averaged over tp in forward (Megatron's g: the backward hands each
+rank its share), so every tp rank holds the same aux loss. Per tp rank: 1/tp of the routed tokens, whole experts.
+
 Gradients: a rank's experts see the tokens of all ep ranks, so their gradient is the sum of ep ranks'
 contributions, while FSDP averages only over expert_dp (world / ep ranks): the expert weights' gradient is
-scaled by 1/ep inside the dispatch, the gradient of the tokens is left as it is.
+scaled by 1/ep inside the dispatch (tp / ep with whole experts under tp: FSDP averages over tp x as many ranks), the
+gradient of the tokens is left as it is.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass, replace
 from typing import Any, Optional, cast
 
 import torch
@@ -34,10 +45,38 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from lit_mesh.mesh import MeshAxis, MeshLayout, MeshViews
+from lit_mesh.errors import MeshConfigError
+from lit_mesh.mesh import MeshAxis, MeshLayout, MeshViews, folded_expert_meshes
 from lit_mesh.parallel.data import mixed_precision_policy, reshards_after_forward
 from lit_mesh.plan import MoEPlan, ParallelPlan, PlanError
-from lit_mesh.unit import Facts, Rule, divisors
+from lit_mesh.unit import Facts, Rule, divisors, option
+
+
+@dataclass(frozen=True)
+class ExpertOptions:
+    """The expert-parallel unit's options (MeshStrategy's expert_tp); the degree ep belongs to the mesh."""
+
+    tp: Optional[int] = option(
+        None,
+        doc="how the tp ranks share the experts of the plan's MoE layers: None (or tp) splits each expert's hidden"
+        " units over tp and routes the whole sequence on every tp rank (the default); 1 keeps every expert whole and"
+        " routes each tp rank's own sequence shard (Megatron-Core's ETP 1, MoE parallel folding: 1/tp of the"
+        " all-to-all bytes and routed activations per rank; the expert weights are FSDP-sharded over dp_shard x cp x"
+        " tp / ep). 1 needs sequence_parallel and a dropless plan that declares MoEPlan.token_wise (the zoo MoE does).",
+        arg="expert_tp",
+    )
+
+    def __post_init__(self) -> None:
+        if self.tp is not None and (isinstance(self.tp, bool) or not isinstance(self.tp, int) or self.tp < 1):
+            raise MeshConfigError(
+                f"expert_tp={self.tp!r} must be None (tp: experts split over tp) or 1 (whole experts, each tp rank"
+                " routing its sequence shard)"
+            )
+
+
+def folds_experts(layout: MeshLayout, options: ExpertOptions) -> bool:
+    """Whole experts under tp: each tp rank routes its own sequence shard (expert_tp=1 with tp > 1)."""
+    return layout.tp > 1 and options.tp == 1
 
 
 class MoELayer(nn.Module):
@@ -104,7 +143,64 @@ def _plan_problems(f: Facts) -> list[str]:
     return [problem for problem in problems if problem is not None]
 
 
+def fold_plan_problem(model: nn.Module, plan: ParallelPlan) -> Optional[str]:
+    """Why the MoE layers of a model with this plan cannot route each tp rank's sequence shard (None: they can)."""
+    model_name = type(model).__name__
+    layer = next(moe_layers(model, plan), None)
+    if layer is None:
+        return None  # a dense model: nothing to fold
+    assert plan.moe is not None
+    if getattr(layer, "capacity_factor", None) is not None:
+        return (
+            f"expert_tp=1 with {model_name}'s capacity_factor={layer.capacity_factor}: capacity counts per sequence,"
+            " which the tp ranks split; use capacity_factor=None (dropless), or expert_tp=None"
+        )
+    owned = {id(p) for p in layer.experts.parameters()}
+    for name in plan.moe.token_wise:
+        owned |= {id(p) for p in layer.get_submodule(name).parameters()}
+    stray = [name for name, p in layer.named_parameters() if id(p) not in owned]
+    if stray:
+        return (
+            f"expert_tp=1 with {model_name}: the parameters {stray} of its MoE layer {plan.moe.layer!r} lie outside"
+            " `experts` and outside MoEPlan.token_wise, so their gradients would miss the other tp ranks' tokens;"
+            " name the modules that hold them in MoEPlan.token_wise (applied token by token), or use expert_tp=None"
+        )
+    return None
+
+
+def _fold_problems(f: Facts) -> list[str]:
+    if not folds_experts(f.layout, f.options.expert):
+        return []
+    problems = (fold_plan_problem(o.module, o.plan) for o in f.owners)
+    return [problem for problem in problems if problem is not None]
+
+
 RULES: list[Rule] = [
+    Rule(
+        "expert_tp_is_1_or_tp",
+        "launch",
+        lambda f: f.options.expert.tp not in (None, 1, f.layout.tp),
+        lambda f: (
+            f"expert_tp={f.options.expert.tp} with tp={f.layout.tp}: the experts are either split over all tp ranks"
+            " (expert_tp=None, or tp) or whole on each (expert_tp=1)"
+        ),
+    ),
+    Rule(
+        "expert_tp_1_needs_sequence_parallel",
+        "launch",
+        lambda f: folds_experts(f.layout, f.options.expert) and not f.options.mesh.sequence_parallel,
+        lambda f: (
+            f"expert_tp=1 with tp={f.layout.tp} routes each tp rank's shard of the sequence, which only"
+            " sequence_parallel makes; use sequence_parallel=True (tp_mode='1d'), or expert_tp=None"
+        ),
+    ),
+    Rule(
+        "expert_tp_1_fits_plan",
+        "setup",
+        lambda f: not f.self_parallelised and bool(_fold_problems(f)),
+        lambda f: _fold_problems(f)[0],
+        PlanError,
+    ),
     Rule(
         "ep_fits_plan",
         "setup",
@@ -155,7 +251,8 @@ def split_sizes_on_host(send_counts: torch.Tensor, recv_counts: torch.Tensor) ->
 
 class AllToAllDispatch:
     """Global load over `load_group`; tokens to their experts' ranks over `ep_group` (None: ep = 1); each expert's
-    hidden units split over `tp_mesh` (None: whole experts on this rank).
+    hidden units split over `tp_mesh` (None: whole experts on this rank); `token_tp_mesh`: the tp ranks whose
+    sequence shards reach the same whole experts (expert_tp=1; None: the tp ranks route the same tokens).
 
     Host reads: with ep > 1 one per MoE layer and forward (`split_sizes_on_host`: the all-to-alls' split sizes are
     host integers), none with ep = 1; the experts get their token counts on the device. The load statistics are
@@ -170,6 +267,7 @@ class AllToAllDispatch:
         load_group: dist.ProcessGroup,
         ep_group: dist.ProcessGroup | None,
         tp_mesh: DeviceMesh | None = None,
+        token_tp_mesh: DeviceMesh | None = None,
     ) -> None:
         self.n_experts = n_experts
         self.load_group = load_group
@@ -177,6 +275,17 @@ class AllToAllDispatch:
         self.ep = dist.get_world_size(ep_group) if ep_group is not None else 1
         self.tp_mesh = tp_mesh
         self.tp = tp_mesh.size() if tp_mesh is not None else 1
+        self.token_tp_mesh = token_tp_mesh
+        # the expert weights' gradient: FSDP averages over expert_dp = world / ep ranks (x tp with whole experts)
+        self.weight_gradient_scale = (token_tp_mesh.size() if token_tp_mesh is not None else 1) / self.ep
+
+    def mean_probs(self, probs: torch.Tensor) -> torch.Tensor:
+        """The mean router probabilities (N, E) -> (E,) the aux loss weighs: with whole experts under tp, over the
+        tp ranks' sequence shards (equal token counts), so that every tp rank holds the same aux loss."""
+        mean = probs.mean(dim=0)
+        if self.token_tp_mesh is None:
+            return mean
+        return sum_over_tp(mean, self.token_tp_mesh) / self.token_tp_mesh.size()
 
     def run_experts(self, experts: nn.Module, tokens: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
         if self.tp_mesh is None:
@@ -191,7 +300,12 @@ class AllToAllDispatch:
     def compute(self, experts: nn.Module, tokens: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
         """tokens grouped by (global) expert id -> the experts' outputs, in the same order."""
         if self.ep_group is None:
-            return self.run_experts(experts, tokens, tokens_per_expert)
+            scale = self.weight_gradient_scale
+            if scale == 1:
+                return self.run_experts(experts, tokens, tokens_per_expert)
+            # the weights' gradient x scale, the tokens' gradient unchanged
+            out = self.run_experts(experts, _ScaleGradient.apply(tokens, 1.0 / scale), tokens_per_expert)
+            return _ScaleGradient.apply(out, scale)
         ep, local_experts = self.ep, self.n_experts // self.ep
         # 1. counts: row r = how many tokens this rank sends to each expert of rank r, and receives back
         send_counts = tokens_per_expert.view(ep, local_experts)
@@ -206,18 +320,39 @@ class AllToAllDispatch:
             output_size=sum(recv_splits),  # the size known on the host: no device read
         )
         by_expert = torch.argsort(source_expert % local_experts * ep + source_expert // local_experts, stable=True)
-        grouped = _ScaleGradient.apply(received[by_expert], float(ep))
+        grouped = _ScaleGradient.apply(received[by_expert], 1.0 / self.weight_gradient_scale)
         out = self.run_experts(experts, grouped, per_local_expert)
         # the weights' gradient / ep (FSDP averages over world / ep ranks); the tokens' gradient unchanged
-        out = _ScaleGradient.apply(out, 1.0 / ep)
+        out = _ScaleGradient.apply(out, self.weight_gradient_scale)
         # 3. outputs back to the ranks the tokens came from, in the order they were sent
         back = out[torch.argsort(by_expert)]
         return all_to_all_single_autograd(back, send_splits, recv_splits, group=self.ep_group)
 
 
-def expert_tensor_parallel(plan: ParallelPlan, layout: MeshLayout) -> bool:
-    """Whether the experts' hidden units are split over tp (else the experts are replicated over tp)."""
-    return layout.tp > 1 and plan.moe is not None and bool(plan.moe.hidden_dims)
+def expert_tensor_parallel(plan: ParallelPlan, layout: MeshLayout, fold: bool = False) -> bool:
+    """Whether the experts' hidden units are split over tp (else the experts are whole on every tp rank)."""
+    return layout.tp > 1 and plan.moe is not None and bool(plan.moe.hidden_dims) and not fold
+
+
+def sequence_sharded_moe_plan(model: nn.Module, plan: ParallelPlan) -> ParallelPlan:
+    """The plan with whole experts under tp (expert_tp=1): its MoE layer takes the sequence shard as it is, the
+    modules it applies per token (MoEPlan.token_wise) run on this rank's tokens with replicated weights: each module
+    inside them that holds parameters (torch's SequenceParallel replicates a module's own parameters only)."""
+    layer = next(moe_layers(model, plan), None)
+    if plan.moe is None or layer is None:
+        return plan
+    block = dict(plan.tp.block)
+    block[plan.moe.layer] = "sequence_shard"
+    for name in plan.moe.token_wise:
+        for inner, module in layer.get_submodule(name).named_modules():
+            if any(True for _ in module.parameters(recurse=False)):
+                block[".".join(filter(None, (plan.moe.layer, name, inner)))] = "token_wise"
+    return replace(plan, tp=replace(plan.tp, block=block))
+
+
+def moe_load_group(mesh: MeshViews, fold: bool) -> dist.ProcessGroup:
+    """The ranks whose routed tokens make the global load: dp x cp, and tp with whole experts under tp."""
+    return folded_expert_meshes(mesh).dp_cp_tp.get_group() if fold else mesh.dp_cp.get_group()
 
 
 def expert_tp_placement(moe: MoEPlan, name: str, model_name: str) -> Placement:
@@ -232,25 +367,29 @@ def expert_tp_placement(moe: MoEPlan, name: str, model_name: str) -> Placement:
     return _StridedShard(dim, split_factor=2) if name in moe.packed else Shard(dim)
 
 
-def apply_expert_parallel(model: nn.Module, plan: ParallelPlan, mesh: MeshViews, layout: MeshLayout) -> None:
+def apply_expert_parallel(
+    model: nn.Module, plan: ParallelPlan, mesh: MeshViews, layout: MeshLayout, fold: bool = False
+) -> None:
     """Swap the dispatcher of every MoE layer and split the stacked expert weights over ep (dim 0), and with
-    expert tensor parallel over tp (their hidden dim) too."""
+    expert tensor parallel over tp (their hidden dim) too; `fold`: whole experts, each tp rank routing its own
+    sequence shard (expert_tp=1)."""
     problem = ep_plan_problem(model, plan, layout.ep)  # MeshStrategy refuses it earlier ("ep_fits_plan")
+    problem = problem or (fold_plan_problem(model, plan) if fold else None)  # and "expert_tp_1_fits_plan"
     if problem is not None:
         raise PlanError(problem)
     layers = list(moe_layers(model, plan))
     if not layers:
         return
-    ep_group = mesh.ep.get_group() if layout.ep > 1 else None
-    load_group = mesh.dp_cp.get_group()
-    tp_mesh = mesh[MeshAxis.TP] if expert_tensor_parallel(plan, layout) else None
-    weights_mesh = (
-        mesh.ep if tp_mesh is None else DeviceMesh._concatenate([mesh.ep, tp_mesh])
-    )  # (ep, tp), as FSDP2 does
+    ep_mesh = folded_expert_meshes(mesh).ep if fold else mesh.ep
+    ep_group = ep_mesh.get_group() if layout.ep > 1 else None
+    load_group = moe_load_group(mesh, fold)
+    tp_mesh = mesh[MeshAxis.TP] if expert_tensor_parallel(plan, layout, fold) else None
+    token_tp_mesh = mesh[MeshAxis.TP] if fold else None
+    weights_mesh = ep_mesh if tp_mesh is None else DeviceMesh._concatenate([ep_mesh, tp_mesh])  # (ep, tp), as FSDP2
     assert plan.moe is not None  # the layers are plan.moe's
     for layer in layers:
         n_experts = next(layer.experts.parameters()).shape[0]  # stacked weights: experts first
-        layer.dispatcher = AllToAllDispatch(n_experts, load_group, ep_group, tp_mesh)
+        layer.dispatcher = AllToAllDispatch(n_experts, load_group, ep_group, tp_mesh, token_tp_mesh)
         if getattr(layer, "capacity_factor", None) is not None and layout.cp > 1:
             raise PlanError(
                 f"capacity_factor={layer.capacity_factor} counts capacity per sequence, which cp={layout.cp} splits;"
@@ -266,27 +405,38 @@ def apply_expert_parallel(model: nn.Module, plan: ParallelPlan, mesh: MeshViews,
             layer.experts.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
 
 
-def expert_data_parallel_mesh(mesh: MeshViews, layout: MeshLayout) -> DeviceMesh | None:
-    """FSDP2's mesh for the expert weights: 1D efsdp to shard, 2D (edp_replicate, efsdp) to replicate too."""
+def expert_data_parallel_mesh(mesh: MeshViews, layout: MeshLayout, fold: bool = False) -> DeviceMesh | None:
+    """FSDP2's mesh for the expert weights: 1D efsdp to shard, 2D (edp_replicate, efsdp) to replicate too; with
+    whole experts under tp (`fold`) the efsdp of dp_shard x cp x tp, also without data parallel (it sums their
+    gradients over the tp ranks)."""
+    if fold:
+        return folded_expert_meshes(mesh).expert_dp
     if layout.data_parallel == "none":
         return None
     return mesh.expert_dp[MeshAxis.EFSDP] if layout.dp_replicate == 1 else mesh.expert_dp
 
 
 def shard_experts(
-    model: nn.Module, plan: ParallelPlan, mesh: MeshViews, layout: MeshLayout, precision: str, zero_stage: int = 3
+    model: nn.Module,
+    plan: ParallelPlan,
+    mesh: MeshViews,
+    layout: MeshLayout,
+    precision: str,
+    zero_stage: int = 3,
+    fold: bool = False,
 ) -> None:
-    """fully_shard each MoE layer's experts over expert_dp, before the blocks (their own FSDP units).
+    """fully_shard each MoE layer's experts over expert_dp (x tp with `fold`), before the blocks (their own FSDP
+    units).
 
     Dim 1 (dim 2 where expert tensor parallel splits dim 1): dim 0 is already split over ep, and there may be
     fewer local experts than expert_dp ranks.
     """
-    expert_mesh = expert_data_parallel_mesh(mesh, layout)
+    expert_mesh = expert_data_parallel_mesh(mesh, layout, fold)
     if expert_mesh is None:
         return
     shards = expert_mesh.size(expert_mesh.ndim - 1)  # efsdp: (edp_replicate, efsdp) or efsdp alone
     for experts in expert_modules(model, plan):
-        _check_even_shards(experts, shards, layout)
+        _check_even_shards(experts, shards, layout, fold)
         fully_shard(
             experts,
             mesh=expert_mesh,
@@ -302,7 +452,7 @@ def fsdp_dim(param: torch.Tensor) -> int:
     return 2 if 1 in tp_dims else 1
 
 
-def _check_even_shards(experts: nn.Module, shards: int, layout: MeshLayout) -> None:
+def _check_even_shards(experts: nn.Module, shards: int, layout: MeshLayout, fold: bool) -> None:
     # FSDP2 cannot shard a dim other than 0 unevenly (NotImplementedError deep in setup): say why, with the fix
     params = dict(experts.named_parameters(recurse=False))
     for name, param in params.items():
@@ -314,10 +464,14 @@ def _check_even_shards(experts: nn.Module, shards: int, layout: MeshLayout) -> N
                 for ep in range(1, ranks + 1)
                 if ranks % ep == 0
                 and param.shape[0] % ep == 0
-                and all(p.shape[fsdp_dim(p)] % (ranks // ep) == 0 for p in params.values())
+                and all(p.shape[fsdp_dim(p)] % (ranks * (layout.tp if fold else 1) // ep) == 0 for p in params.values())
             ]
+            over = f"dp_shard x cp / ep = {layout.dp_shard} x {layout.cp} / {layout.ep}"
+            if fold:  # whole experts under tp
+                over = f"dp_shard x cp x tp / ep = {layout.dp_shard} x {layout.cp} x {layout.tp} / {layout.ep}"
             raise PlanError(
                 f"expert weight {name!r} {tuple(param.shape)} is FSDP-sharded by its dim {dim} ({param.shape[dim]}) over"
-                f" dp_shard x cp / ep = {layout.dp_shard} x {layout.cp} / {layout.ep} = {shards} ranks, which does not"
-                f" divide it; choose " + (f"ep in {fits}, or " if fits else "") + f"expert sizes divisible by {shards}"
+                f" {over} = {shards} ranks, which does not divide it; choose "
+                + (f"ep in {fits}, or " if fits else "")
+                + f"expert sizes divisible by {shards}"
             )

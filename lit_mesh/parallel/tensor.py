@@ -12,6 +12,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_modul
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
+    PrepareModuleInput,
     PrepareModuleInputOutput,
     PrepareModuleOutput,
     RowwiseParallel,
@@ -65,6 +66,10 @@ def torch_style(style: str, sequence_parallel: bool, check: Any = None) -> Paral
             desired_output_layouts=(sequence,),
             use_local_output=True,
         )
+    if style == "sequence_shard":  # the module's input is already this rank's sequence shard: no gather
+        return PrepareModuleInput(input_layouts=(sequence,), desired_input_layouts=(sequence,), use_local_output=True)
+    if style == "token_wise":  # (tokens, features): this rank's tokens are a shard of dim 0
+        return SequenceParallel(sequence_dim=0, use_local_output=True)
     if style == "shard_output":
         return PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=sequence, use_local_output=True)
     if style == "shard_input":

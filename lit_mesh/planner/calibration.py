@@ -106,20 +106,21 @@ def planned_step(
     features: Features,
     kernels: Kernels | None = None,
 ) -> StepTime:
-    """The planner's fastest fitting AC, micro-batch and schedule for a run's published degrees and features (a run
-    that overlaps its all-to-alls keeps its schedule: the overlap is the schedule's)."""
-    from lit_mesh.planner.search import micro_batches
+    """The planner's fastest fitting AC, micro-batch, schedule and way of sharing the experts over tp for a run's
+    published degrees and features (a run that overlaps its all-to-alls keeps its schedule: the overlap is the
+    schedule's)."""
+    from lit_mesh.planner.search import expert_variants, micro_batches
 
     best: StepTime | None = None
-    for ac in AC_MODES:
-        schedules = [features.schedule] if features.ep_overlap else schedules_for(layout.pp, shapes.n_blocks, ac)
+    for variant, ac in itertools.product(expert_variants(shapes, layout), AC_MODES):
+        schedules = [features.schedule] if features.ep_overlap else schedules_for(layout.pp, variant.n_blocks, ac)
         for schedule in schedules:
             for micro in micro_batches(layout, work, schedule=schedule):
                 w = dataclasses.replace(work, micro_batch=micro)
-                if rank_memory(shapes, layout, w, "bf16-mixed", ac, schedule=schedule)["total"] > hw.usable_bytes:
+                if rank_memory(variant, layout, w, "bf16-mixed", ac, schedule=schedule)["total"] > hw.usable_bytes:
                     continue
                 t = step_time(
-                    shapes, layout, w, "bf16-mixed", ac, hw, dataclasses.replace(features, schedule=schedule), kernels
+                    variant, layout, w, "bf16-mixed", ac, hw, dataclasses.replace(features, schedule=schedule), kernels
                 )
                 if best is None or t.total < best.total:
                     best = t
@@ -130,6 +131,8 @@ def planned_step(
 
 def check(run: dict[str, Any], kernels: Kernels | None = None) -> Check:
     shapes, layout = shapes_of(run["preset"], run.get("model", "gpt")), MeshLayout(**run["layout"])
+    if run.get("expert_tp") == 1:  # whole experts, each tp rank routing its sequence shard (MoE parallel folding)
+        shapes = shapes.with_whole_experts()
     work = Workload(run["global_batch"], run["seq_len"], run["micro_batch"])
     hw = hardware(run["hardware"], layout.world_size)
     features = Features(

@@ -45,6 +45,8 @@ def fit_config(
         strategy["zero_stage"] = c.zero_stage
     if c.float8:
         strategy["float8"] = c.float8
+    if c.whole_experts:
+        strategy["expert_tp"] = 1
     # the links the plan was costed with, so that the run chooses its all-reduce on them too (nodes and devices
     # per node come from the cluster environment and the Trainer)
     strategy["topology"] = {

@@ -49,6 +49,7 @@ from lit_mesh.planner.hardware import Hardware
 from lit_mesh.planner.memory import (
     PRECISION_BYTES,
     Workload,
+    expert_fsdp_degree,
     fsdp_degree,
     fullest_state_numel,
     unsharded_numel,
@@ -261,12 +262,18 @@ def step_time(
 
     # one block, one micro-batch, on one rank: forward + backward
     float8, tensorwise = features.float8 is not None, features.float8 == "tensorwise"
-    gemm = _gemm_seconds(shapes.block, tokens, layout.tp, layout.ep, top_k, kern, peak, float8)
+    # whole experts under tp (expert_tp=1): each tp rank routes its own 1/tp of the tokens through whole experts
+    routed_tokens = tokens / layout.tp if shapes.whole_experts else tokens
+    dense = tuple(p for p in shapes.block if not p.expert)
+    gemm = _gemm_seconds(dense, tokens, layout.tp, layout.ep, top_k, kern, peak, float8)
+    gemm += _gemm_seconds(
+        tuple(p for p in shapes.block if p.expert), routed_tokens, layout.tp, layout.ep, top_k, kern, peak
+    )
     heads_width = c.n_heads * c.attention_head_dim
     attention = 0.5 * 12 * tokens * work.seq_len * heads_width / layout.tp / (peak * kern.attention_peak_fraction)
     accesses = kern.elementwise_accesses_compiled if features.compile else kern.elementwise_accesses
     elementwise = tokens * (c.dim + _ffn_width(c)) / layout.tp * accesses * act / hw.memory_bandwidth
-    router = router_seconds(c, tokens, act, hw.memory_bandwidth) if shapes.is_moe else 0.0
+    router = router_seconds(c, routed_tokens, act, hw.memory_bandwidth) if shapes.is_moe else 0.0
     recipe = features.float8
     casts = float8_cast_seconds(shapes.block, tokens, layout.tp, recipe, kern, hw.memory_bandwidth) if recipe else 0.0
     forward_backward = gemm + attention + elementwise + router + casts
@@ -306,13 +313,16 @@ def step_time(
 
     # FSDP / HSDP: per block, gathered forward and backward each micro-batch, reduce-scattered (fp32) and
     # all-reduced over the replicas on the last one; hidden behind the previous block's compute where shorter
-    dense = sum(unsharded_numel(p, layout) for p in shapes.block if not p.expert)
+    dense_numel = sum(unsharded_numel(p, layout) for p in dense)
     experts = sum(unsharded_numel(p, layout) for p in shapes.block if p.expert)
-    k, k_experts = fsdp_degree(layout), fsdp_degree(layout) // layout.ep
+    k, k_experts = fsdp_degree(layout), expert_fsdp_degree(shapes, layout)
     shard_link = hw.link(stride["cp"] if layout.cp > 1 else stride["dp_shard"], k)
     # float8 "tensorwise": torchao's FSDP2 extension gathers the float8 linears' weights in float8 (one byte each)
     fp8 = sum(unsharded_numel(p, layout) for p in shapes.block if float8_linear(p)) if tensorwise else 0
-    units = ((dense, (dense - fp8) * bytes_of["gather"] + fp8, k), (experts, experts * bytes_of["gather"], k_experts))
+    units = (
+        (dense_numel, (dense_numel - fp8) * bytes_of["gather"] + fp8, k),
+        (experts, experts * bytes_of["gather"], k_experts),
+    )
     gather = reduce = 0.0
     for numel, gathered_bytes, group in units:
         if numel and group > 1:
@@ -320,7 +330,7 @@ def step_time(
             reduce += all_gather_time(numel * 4, group, shard_link)
     if layout.dp_replicate > 1:
         reduce += all_reduce_time(
-            (dense / k + experts / max(k_experts, 1)) * 4,
+            (dense_numel / k + experts / max(k_experts, 1)) * 4,
             layout.dp_replicate,
             hw.link(stride["dp_replicate"], layout.dp_replicate),
         )
@@ -345,8 +355,13 @@ def step_time(
         # gathers twice again and stops before the last reduce-scatter, selective's gathers twice again; without AC
         # backward gathers the two sequence-parallel inputs again (lit_mesh/parallel/regather.py: eager blocks only;
         # each waited on by the matmul right after it, so exposed) (lit_mesh/planner/traffic.py, as counted)
-        regathered = 2 if regathers(features.schedule, layout.pp) and not features.compile else 0
-        collectives = 8 + by_mode({"none": regathered, "selective": 2, "full": 3})
+        # whole experts under tp: the MoE layer takes its sequence shard as it is (no gather, no reduce-scatter)
+        regions = 1 if shapes.whole_experts else 2
+        regathered = regions if regathers(features.schedule, layout.pp) and not features.compile else 0
+        # full AC's recompute: the gathers and every reduce-scatter but a dense block's last (an MoE block's routing
+        # needs the attention's)
+        recomputed = 3 if regions == 2 else 2
+        collectives = 4 * regions + by_mode({"none": regathered, "selective": regions, "full": recomputed})
         hidden = all_gather_time(tokens * c.dim * act, layout.tp, tp_link)
         per_block = collectives * hidden
         # the stage's ends: without pp the embedding's output is reduce-scattered and the head's input gathered
@@ -366,11 +381,13 @@ def step_time(
     routing_pass = layout.pp > 1 and shapes.is_moe and features.routing_pass
     if routing_pass:
         t.compute_parts["routing_pass"] = n_micro * blocks * forward_backward / 3
-    if layout.ep > 1:  # the whole sequence of the micro-batch is routed on every tp rank: top_k copies per token,
-        # (ep - 1) / ep of them to other ranks: the ring all-gather's bytes on the link
+    if layout.ep > 1:  # the whole sequence of the micro-batch is routed on every tp rank (whole experts: its tp
+        # shard): top_k copies per token, (ep - 1) / ep of them to other ranks: the ring all-gather's bytes on the link
         routed = work.micro_batch * work.seq_len // layout.cp * top_k * c.dim * act
+        routed //= layout.tp if shapes.whole_experts else 1
         passes = 4 + by_mode({"none": 0, "selective": 0, "full": 2}) + (2 if routing_pass else 0)
-        ep_link = hw.link(features.ep_stride or stride["ep"], layout.ep)
+        # whole experts: ep takes the innermost ranks of dp_shard x cp x tp (consecutive ranks)
+        ep_link = hw.link(features.ep_stride or (1 if shapes.whole_experts else stride["ep"]), layout.ep)
         all_to_alls = passes * all_gather_time(routed, layout.ep, ep_link)
         t.overlapped["ep"] = n_micro * blocks * all_to_alls
         exposed = max(0.0, all_to_alls - block) if features.ep_overlap else all_to_alls

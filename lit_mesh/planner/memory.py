@@ -49,6 +49,12 @@ def local_numel(p: ParamShape, tp: int, tp_rank: int, shard: int, shard_rank: in
     """Elements of `p` on the rank at (tp_rank, shard_rank of dp_shard x cp); ep ranks are the innermost of those."""
     shape = list(p.shape)
     dim: int | None  # the dim a split runs over (None: tp leaves a bias whole)
+    if p.expert and p.whole_under_tp:  # ep: the innermost ranks of dp_shard x cp x tp; FSDP over the rest
+        position, shards = shard_rank * tp + tp_rank, shard * tp // ep
+        shape[0] = chunk(shape[0], ep, position % ep)
+        if shards > 1:
+            shape[1] = chunk(shape[1], shards, position // ep)
+        return _prod(shape)
     if p.expert:
         shape[0] = chunk(shape[0], ep, shard_rank % ep)
         if tp > 1 and p.hidden_dim is not None:
@@ -86,7 +92,7 @@ def _prod(shape: list[int]) -> int:
 
 def unsharded_numel(p: ParamShape, layout: MeshLayout) -> int:
     """Elements of `p` that FSDP gathers on a rank: its tp piece (an expert weight: its ep piece)."""
-    return local_numel(p, layout.tp, 0, layout.ep if p.expert else 1, 0, layout.ep)
+    return local_numel(p, 1 if p.whole_under_tp else layout.tp, 0, layout.ep if p.expert else 1, 0, layout.ep)
 
 
 @dataclass(frozen=True)
@@ -109,6 +115,11 @@ def coords_of(rank: int, layout: MeshLayout) -> RankCoords:
 
 def fsdp_degree(layout: MeshLayout) -> int:
     return layout.dp_shard * layout.cp
+
+
+def expert_fsdp_degree(shapes: ModelShapes, layout: MeshLayout) -> int:
+    """The ranks FSDP shards an expert weight over: dp_shard x cp / ep (x tp with whole experts under tp)."""
+    return fsdp_degree(layout) * (layout.tp if shapes.whole_experts else 1) // layout.ep
 
 
 def state_numel(shapes: ModelShapes, layout: MeshLayout, rank: int = 0, *, schedule: Schedule = ONE_F_ONE_B) -> int:
@@ -201,11 +212,14 @@ def block_activation_elements_per_token(
     (/tp for the routed experts under expert tensor parallel), the expert output and its weighted copy; selective
     AC keeps of these the router scores and each copy's w1, w3 and w2 outputs (the MoE block has no dense w2), and
     under ep > 1 the all-to-alls' outputs too: the routed copies a rank receives and the expert outputs it gets back
-    (balanced: top_k of each, per token)."""
+    (balanced: top_k of each, per token). With whole experts under tp (expert_tp=1) the MoE block routes this rank's
+    sequence shard: its norm output is not gathered and every MoE term is /tp, each expert whole."""
     c = shapes.config
     h, q, kv = c.dim, c.n_heads * c.attention_head_dim, c.n_kv_heads * c.attention_head_dim
     lse = c.n_heads / tp * 4 / act_bytes
-    norms = 2 * _norm_elements(h, tp, act_bytes, fused_norm, regathered)
+    norms = _norm_elements(h, tp, act_bytes, fused_norm, regathered)
+    # the second norm's output: gathered for the feed-forward (or the whole-sequence MoE), not for whole experts
+    norms += _norm_elements(h, tp, act_bytes, fused_norm, regathered or shapes.whole_experts)
     attention = (2 * q + 2 * kv) / tp + lse
     # selective under tp keeps neither the all-gathered norm outputs nor the row-parallel partial sums (whole
     # size): their reduce-scattered shards; without tp wo's and w2's outputs are plain matmul outputs, kept
@@ -224,7 +238,7 @@ def block_activation_elements_per_token(
             + 2 * hidden
             + (c.top_k * h if tp > 1 and shapes.expert_tp else 0)
             + (2 * c.top_k * h if ep > 1 else 0),
-            1,
+            tp if shapes.whole_experts else 1,  # whole experts: this rank routes 1/tp of the tokens
         )
     else:
         f = c.ffn_hidden

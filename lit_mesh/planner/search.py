@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, replace
 from lit_mesh.mesh import MeshLayout
 from lit_mesh.planner.cost import Features, StepTime, calibrated_kernels, model_flops_per_step, step_time
 from lit_mesh.planner.hardware import GIB, Hardware
-from lit_mesh.planner.memory import Workload, expert_fsdp_dim, rank_memory
+from lit_mesh.planner.memory import Workload, expert_fsdp_degree, expert_fsdp_dim, rank_memory
 from lit_mesh.planner.pipeline_model import (
     ONE_F_ONE_B,
     Schedule,
@@ -42,6 +42,7 @@ class Candidate:
     zero_stage: int = 3  # what the data-parallel shard dim shards (lit_mesh/parallel/data.py)
     schedule: Schedule = ONE_F_ONE_B  # the pipeline schedule (pp > 1)
     float8: str | None = None  # MeshStrategy(float8=...): the blocks' linears in float8 (torchao)
+    whole_experts: bool = False  # MeshStrategy(expert_tp=1): whole experts, each tp rank routing its sequence shard
 
     def fits(self, hw: Hardware) -> bool:
         return self.memory["total"] <= hw.usable_bytes
@@ -55,6 +56,8 @@ class Candidate:
         zero = f", ZeRO-{self.zero_stage}" if self.zero_stage < 3 else ""
         schedule = f", {self.schedule.describe()}" if self.layout.pp > 1 else ""
         float8 = f", float8 {self.float8}" if self.float8 else ""
+        if self.whole_experts:
+            degrees += ", whole experts (expert_tp=1)"
         return f"{degrees}{schedule}{zero}, {self.precision}{float8}, AC {self.ac}, micro-batch {self.work.micro_batch}"
 
 
@@ -90,12 +93,13 @@ def why_invalid(layout: MeshLayout, shapes: ModelShapes, work: Workload, hw: Har
     for what, size in shapes.tp_divides.items():
         if size % layout.tp:
             return f"tp must divide {what}={size}"
-    expert_dp = layout.dp_shard * layout.cp // layout.ep
+    expert_dp = expert_fsdp_degree(shapes, layout)
     for p in shapes.block:
         dim = expert_fsdp_dim(p, layout.tp)
         if p.expert and expert_dp > 1 and p.shape[dim] % expert_dp:  # FSDP2 refuses uneven shards off dim 0
+            over = "dp_shard x cp x tp / ep" if shapes.whole_experts else "dp_shard x cp / ep"
             return (
-                f"dp_shard x cp / ep must divide the expert weights' dim {dim} ({p.name}: {p.shape[dim]}): FSDP2"
+                f"{over} must divide the expert weights' dim {dim} ({p.name}: {p.shape[dim]}): FSDP2"
                 f" shards them on dim {dim}, evenly only"
             )
     if layout.pp > 1 and getattr(shapes.config, "tie_embeddings", False):
@@ -181,6 +185,7 @@ def evaluate(
         zero_stage=zero_stage,
         schedule=schedule,
         float8=float8,
+        whole_experts=shapes.whole_experts,
     )
 
 
@@ -293,29 +298,42 @@ def plan(
             continue
         options = len(precisions) * len(ac_modes)
         considered += options * len(zero_stages)
-        reason = why_invalid(layout, shapes, work, hw) or why_wasteful(layout, shapes, work, hw)
-        if reason:
-            rejected[reason] += options * len(zero_stages)
-            continue
-        for zero_stage in zero_stages:
-            if reason := why_not_zero_stage(layout, zero_stage):
-                rejected[reason] += options
+        for variant in expert_variants(shapes, layout):
+            considered += options * len(zero_stages) if variant is not shapes else 0
+            reason = why_invalid(layout, variant, work, hw) or why_wasteful(layout, variant, work, hw)
+            if reason:
+                rejected[reason] += options * len(zero_stages)
                 continue
-            for precision in precisions:
-                for ac in ac_modes:
-                    best, least = best_option(layout, shapes, work, hw, precision, ac, zero_stage, float8)
-                    if smallest is None or least.memory["total"] < smallest.memory["total"]:
-                        smallest = least
-                    if best is not None:
-                        ranked.append(best)
-                    else:
-                        rejected[f"over {hw.usable_bytes / GIB:.1f} GiB per device (memory minus reserve)"] += 1
+            for zero_stage in zero_stages:
+                if reason := why_not_zero_stage(layout, zero_stage):
+                    rejected[reason] += options
+                    continue
+                for precision in precisions:
+                    for ac in ac_modes:
+                        best, least = best_option(layout, variant, work, hw, precision, ac, zero_stage, float8)
+                        if smallest is None or least.memory["total"] < smallest.memory["total"]:
+                            smallest = least
+                        if best is not None:
+                            ranked.append(best)
+                        else:
+                            rejected[f"over {hw.usable_bytes / GIB:.1f} GiB per device (memory minus reserve)"] += 1
     ranked = rank(ranked)
     for c in ranked:
-        c.reasons = explain(c, shapes, work, hw)
+        c.reasons = explain(c, shapes_of(c, shapes), work, hw)
     if smallest is not None:
-        smallest.reasons = explain(smallest, shapes, work, hw)
+        smallest.reasons = explain(smallest, shapes_of(smallest, shapes), work, hw)
     return PlanResult(ranked, rejected, smallest, considered)
+
+
+def expert_variants(shapes: ModelShapes, layout: MeshLayout) -> list[ModelShapes]:
+    """The ways the tp ranks can share an MoE model's experts: split over tp (expert_tp=None), and under tp > 1 whole
+    (expert_tp=1, each tp rank routing its sequence shard)."""
+    return [shapes, shapes.with_whole_experts()] if shapes.is_moe and layout.tp > 1 else [shapes]
+
+
+def shapes_of(c: Candidate, shapes: ModelShapes) -> ModelShapes:
+    """The shapes a candidate was evaluated with."""
+    return shapes.with_whole_experts() if c.whole_experts else shapes
 
 
 TIE = 0.02  # step times this close are a tie: well inside the time model's error on published runs (up to 7%)
@@ -376,6 +394,11 @@ def explain(c: Candidate, shapes: ModelShapes, work: Workload, hw: Hardware) -> 
         out.append(
             f"tp={layout.tp} inside a node: weights and activations / {layout.tp}, collectives on NVLink"
             + (", each expert's hidden units split over tp" if shapes.expert_tp else "")
+            + (
+                ", whole experts: each tp rank routes its own sequence shard (expert_tp=1)"
+                if shapes.whole_experts
+                else ""
+            )
         )
     if c.zero_stage < 3:
         out.append(

@@ -25,6 +25,8 @@ class ParamShape:
     is_embedding: bool  # an nn.Embedding weight (RowwiseParallel shards its rows, a Linear's columns)
     expert: bool = False  # a stacked expert weight (E, ...): split over ep by expert, FSDP over expert_dp by dim 1
     hidden_dim: int | None = None  # an expert weight's hidden dim: expert tensor parallel splits it over tp
+    # expert_tp=1: whole on every tp rank, split over ep (the innermost ranks of dp_shard x cp x tp), FSDP over the rest
+    whole_under_tp: bool = False
 
 
 @dataclass(frozen=True)
@@ -48,6 +50,18 @@ class ModelShapes:
     def expert_tp(self) -> bool:
         """tp > 1 splits each routed expert's hidden units over tp (MoEPlan.hidden_dims)."""
         return any(p.hidden_dim is not None for p in self.block if p.expert)
+
+    @property
+    def whole_experts(self) -> bool:
+        """expert_tp=1: whole experts under tp, each tp rank routing its own sequence shard (MoE parallel folding)."""
+        return any(p.whole_under_tp for p in self.block)
+
+    def with_whole_experts(self) -> ModelShapes:
+        """These shapes under MeshStrategy(expert_tp=1) (lit_mesh/parallel/expert.py)."""
+        block = tuple(
+            dataclasses.replace(p, hidden_dim=None, whole_under_tp=True) if p.expert else p for p in self.block
+        )
+        return dataclasses.replace(self, block=block)
 
     def numel(self) -> int:
         count = lambda params: sum(_numel(p.shape) for p in params)  # noqa: E731

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lit_mesh.mesh import MeshLayout, build_device_mesh, resolve_layout
-from lit_mesh.options import MeshDegrees, MeshOptions
+from lit_mesh.options import ExpertOptions, MeshDegrees, MeshOptions
 from lit_mesh.parallel.apply import parallelize
 from lit_mesh.parallel.pipeline.schedules import PipelineSettings
 from lit_mesh.planner.families import family
@@ -38,9 +38,10 @@ def simulate_rank(
     precision: str = "bf16-mixed",
     optimizer: bool = True,
     schedule: Schedule = ONE_F_ONE_B,
+    expert_tp: int | None = None,
 ) -> dict[str, Any]:
     """Bytes of parameters, gradients and AdamW state on global rank `rank` of `layout` (fake process group),
-    with the pipeline stages of `schedule` (pp > 1)."""
+    with the pipeline stages of `schedule` (pp > 1) and MeshStrategy's `expert_tp`."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     if dist.is_initialized():
@@ -54,7 +55,9 @@ def simulate_rank(
         if precision == "bf16-true":  # Lightning's precision plugin casts the meta model before setup
             root.to(torch.bfloat16)
         pipeline = PipelineSettings(schedule.name, stages_per_rank=schedule.stages_per_rank)
-        options = MeshOptions(mesh=MeshDegrees(sequence_parallel=layout.tp > 1), pipeline=pipeline)
+        options = MeshOptions(
+            mesh=MeshDegrees(sequence_parallel=layout.tp > 1), pipeline=pipeline, expert=ExpertOptions(expert_tp)
+        )
         parallelize(root, build_device_mesh(layout, "cpu"), options, precision=precision)
         params = list(root.parameters())
         out: dict[str, Any] = {"params": sum(_local_bytes(p) for p in params)}

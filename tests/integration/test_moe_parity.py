@@ -1,6 +1,6 @@
 """Expert-parallel parity through the `lit-mesh` CLI with configs/moe.yaml (dropless routing, aux loss and
-aux-loss-free balancing on): ep2, ep4, fsdp4 x ep2, tp2 (expert tensor parallel), tp2 x ep2, hsdp 2x2 x ep2, cp2 x ep2
-and pp2 x ep2 (pp2 alone: the variant below) train the same model on the same global batches as one device: relative
+aux-loss-free balancing on): ep2, ep4, fsdp4 x ep2, tp2 (expert tensor parallel), tp2 x ep2, hsdp 2x2 x ep2, cp2 x ep2,
+pp2 x ep2 (pp2 alone: the variant below) and whole experts under tp (expert_tp=1: tp2, tp2 x ep2, pp2 x tp2) train the same model on the same global batches as one device: relative
 1e-4 per step over 10 steps, final full parameters within 1e-4, and the
 router and expert gradients of the first step within 1e-5 of the single-device ones."""
 
@@ -30,6 +30,10 @@ LAYOUTS: dict[str, tuple[int, list[str]]] = {
     # pipeline stages hold one MoE layer each: aux loss per stage and micro-batch, load of the whole step;
     # Megatron's MoE mapping scaled down: pp2 x ep2, tp1 (pp2 alone: the variant below)
     "pp2_ep2": (4, [f"{S}pp=2", f"{S}ep=2"]),
+    # expert_tp=1 (MoE parallel folding): whole experts, each tp rank routes its own sequence shard
+    "tp2_fold": (2, [f"{S}tp=2", f"{S}expert_tp=1"]),  # no data parallel: the experts FSDP-sharded over tp alone
+    "tp2_ep2_fold": (4, [f"{S}tp=2", f"{S}ep=2", f"{S}expert_tp=1"]),  # experts over ep, FSDP over efsdp x tp
+    "pp2_tp2_fold": (4, [f"{S}pp=2", f"{S}tp=2", f"{S}expert_tp=1"]),  # the load of every micro-batch and tp shard
 }
 PIPELINE_ONLY = {"pp2": (2, [f"{S}pp=2"])}
 # shared experts, sigmoid scores, a dense block beside the MoE block (the TP plan of both kinds of blocks) and
@@ -40,6 +44,10 @@ VARIANT = [
 ]
 # pp2 cuts it into a dense-only stage and a stage with the MoE block (a stage without MoE layers)
 VARIANT_LAYOUTS = {"single": 1, "pp2": 2, "tp2_ep2": 4}
+# whole experts under tp with shared experts, sigmoid scores and a dense block: dropless (capacity counts per
+# sequence, which the tp ranks split: refused there)
+FOLD_VARIANT = [VARIANT[0].replace(", capacity_factor: 1.0", "")]
+FOLD_VARIANT_LAYOUTS = {"single": 1, "tp2_ep2_fold": 4}
 
 
 @pytest.fixture(scope="module")
@@ -67,6 +75,14 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
             for layout, n in VARIANT_LAYOUTS.items()
             if n == nproc
         ]
+        runs += [
+            {
+                "name": f"fold-variant-{layout}",
+                "args": ["-c", CONFIG, f"--trainer.devices={n}", *COMMON, *LAYOUTS[layout][1], *FOLD_VARIANT],
+            }
+            for layout, n in FOLD_VARIANT_LAYOUTS.items()
+            if n == nproc
+        ]
         found.update(cli_runs(nproc, out, runs))
     found["_dir"] = {"path": str(out)}
     return found
@@ -87,6 +103,9 @@ EXPERT_SPLIT = {
     "hsdp2x2_ep2": (2, 1, 2),
     "cp2_ep2": (2, 1, 4),
     "pp2_ep2": (2, 1, 2),
+    "tp2_fold": (1, 1, 2),  # whole experts: FSDP over the tp ranks
+    "tp2_ep2_fold": (2, 1, 4),  # over ep, then FSDP over efsdp 1 x tp 2
+    "pp2_tp2_fold": (1, 1, 2),
 }
 
 
@@ -95,11 +114,12 @@ def test_expert_parallel_is_really_applied(results: dict, layout: str) -> None:
     """Each MoE layer dispatches by all-to-all over ep ranks, and holds 1/(ep x tp x FSDP shards) of the experts:
     split by expert id over ep, by hidden unit over tp (w1/w3 (E, dim, hidden), w2 (E, hidden, dim))."""
     ep, tp, split = EXPERT_SPLIT[layout]
+    token_tp = 2 if layout.endswith("_fold") else 1  # expert_tp=1: the tp ranks route their own tokens
     found = json.loads((Path(results["_dir"]["path"]) / layout / "expert_layout.json").read_text())
     assert len(found) == 2, found  # configs/moe.yaml: both layers MoE
     for name, layer in found.items():
         assert layer["dispatcher"] == ("LocalDispatch" if layout == "single" else "AllToAllDispatch"), (name, layer)
-        assert (layer["ep"], layer["tp"]) == (ep, tp), (name, layer)
+        assert (layer["ep"], layer["tp"], layer["token_tp"]) == (ep, tp, token_tp), (name, layer)
         for weight, hidden_dim in (("w1", 2), ("w3", 2), ("w2", 1)):
             full, local = layer[weight], layer[f"{weight}_local"]
             assert local[0] == full[0] // ep, (name, weight, layer)  # experts split by expert id over ep
@@ -164,5 +184,19 @@ def test_dense_and_moe_blocks_and_capacity_dropping(results: dict, layout: str) 
     ref_params, params = _load(results, "variant-single", "params.pt"), _load(results, f"variant-{layout}", "params.pt")
     assert any("feed_forward.w1" in n for n in params) and any("shared_experts" in n for n in params)
     assert ref_params.keys() == params.keys()
+    for name, ref in ref_params.items():
+        assert (params[name] - ref).abs().max().item() <= 1e-4, name
+
+
+def test_whole_experts_under_tp_with_shared_experts_and_a_dense_block(results: dict) -> None:
+    """expert_tp=1 with the router and the shared experts run per tp rank's tokens (MoEPlan.token_wise): the
+    single-device curve and parameters, the aux loss and the balancing bias included."""
+    reference, candidate = results["fold-variant-single"], results["fold-variant-tp2_ep2_fold"]
+    _assert_same_curve(losses(reference), losses(candidate), "fold variant tp2_ep2")
+    for step, value in reference["metrics"]["train_aux_loss"].items():
+        assert abs(candidate["metrics"]["train_aux_loss"][step] - value) <= 1e-4 * abs(value), step
+    ref_params = _load(results, "fold-variant-single", "params.pt")
+    params = _load(results, "fold-variant-tp2_ep2_fold", "params.pt")
+    assert any("shared_experts" in n for n in params) and ref_params.keys() == params.keys()
     for name, ref in ref_params.items():
         assert (params[name] - ref).abs().max().item() <= 1e-4, name

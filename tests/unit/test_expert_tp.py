@@ -15,7 +15,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from lit_mesh.checkpoint.pretrained import local_index
 from lit_mesh.mesh import MeshLayout, build_device_mesh
-from lit_mesh.options import MeshDegrees, MeshOptions
+from lit_mesh.options import ExpertOptions, MeshDegrees, MeshOptions
 from lit_mesh.parallel.apply import parallelize
 from lit_mesh.parallel.expert import expert_tp_placement
 from lit_mesh.plan import MoEPlan, PlanError
@@ -33,15 +33,16 @@ def fake_ranks(world_size: int, rank: int) -> Iterator[None]:
         dist.destroy_process_group()
 
 
-def _experts_after_parallelize(layout: MeshLayout, rank: int) -> dict[str, DTensor]:
+def _experts_after_parallelize(layout: MeshLayout, rank: int, expert_tp: int | None = None) -> dict[str, DTensor]:
+    """The expert weights of rank `rank` (and the router gate's weight, as "gate")."""
     with fake_ranks(layout.world_size, rank):
         root = nn.Module()
         with torch.device("meta"):
             root.model = MoETransformer(MoEConfig.from_preset("tiny"))  # 4 experts, (4, 64, 64) each weight
-        options = MeshOptions(mesh=MeshDegrees(sequence_parallel=layout.tp > 1))
+        options = MeshOptions(mesh=MeshDegrees(sequence_parallel=layout.tp > 1), expert=ExpertOptions(expert_tp))
         parallelize(root, build_device_mesh(layout, "cpu"), options, precision="32-true")
-        experts = root.model.layers[0].moe.experts
-        return dict(experts.named_parameters())
+        moe = root.model.layers[0].moe
+        return {**dict(moe.experts.named_parameters()), "gate": moe.router.gate.weight}
 
 
 # layout -> weight -> ({mesh dim: placement}, local shape); w1/w3 (E, dim, hidden), w2 (E, hidden, dim)
@@ -77,6 +78,40 @@ def test_expert_weights_are_split_over_tp_by_hidden_unit(name: str) -> None:
         for weight, (placements, local_shape) in expected.items():
             param = params[weight]
             assert isinstance(param, DTensor) and tuple(param.shape) == (4, 64, 64), (name, weight)
+            assert dict(zip(param.device_mesh.mesh_dim_names, map(str, param.placements))) == placements, (
+                name,
+                weight,
+                param.placements,
+            )
+            assert tuple(param.to_local().shape) == local_shape, (name, weight, rank)
+
+
+# expert_tp=1 (whole experts under tp): ep takes the innermost ranks of dp_shard x cp x tp, FSDP the rest
+EXPECTED_WHOLE = {
+    "fsdp4_tp2_ep2": (
+        MeshLayout(dp_shard=4, tp=2, ep=2),  # 8 ranks: efsdp_tp = 4 x 2 / 2 = 4 shards of dim 1
+        {
+            "w1": ({"efsdp_tp": "S(1)", "ep": "S(0)"}, (2, 16, 64)),
+            "w2": ({"efsdp_tp": "S(1)", "ep": "S(0)"}, (2, 16, 64)),
+            # the router's gate: replicated over tp (its gradient summed), FSDP-sharded over dp_shard as any block's
+            "gate": ({"dp_shard_cp": "S(0)", "tp": "R"}, (1, 64)),
+        },
+    ),
+    "tp2": (  # no data parallel: the whole experts FSDP-sharded over the tp pair alone (their gradients summed)
+        MeshLayout(tp=2),
+        {"w1": ({"efsdp_tp": "S(1)", "ep": "S(0)"}, (4, 32, 64)), "gate": ({"tp": "R"}, (4, 64))},
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(EXPECTED_WHOLE))
+def test_whole_experts_under_tp_are_split_over_ep_and_sharded_over_the_rest(name: str) -> None:
+    layout, expected = EXPECTED_WHOLE[name]
+    for rank in (0, layout.world_size - 1):
+        params = _experts_after_parallelize(layout, rank, expert_tp=1)
+        for weight, (placements, local_shape) in expected.items():
+            param = params[weight]
+            assert isinstance(param, DTensor), (name, weight)
             assert dict(zip(param.device_mesh.mesh_dim_names, map(str, param.placements))) == placements, (
                 name,
                 weight,

@@ -349,17 +349,17 @@ def test_calibration_runs_within_tolerance_with_one_model() -> None:
             assert c.source and abs(c.ratio - 1) <= TOLERANCE[c.role], (c.name, c.published, c.estimated)
 
 
-def test_comparison_rows_name_the_gap_and_lit_mesh_is_estimated_slower() -> None:
-    """`comparison` rows (Megatron-Core's MoE parallel folding at tp > 1, which lit_mesh does not run): each says
-    why it differs, and lit_mesh's estimate stays below the published figure (a model change that made lit_mesh
-    look faster than the run it lacks the design of would fail here)."""
-    from lit_mesh.planner.calibration import check, runs
+def test_comparison_rows_name_the_gap_and_stay_outside_the_held_out_tolerance() -> None:
+    """`comparison` rows: published runs at degrees lit_mesh lays out alike whose figure the time model does not
+    reproduce within the held-out tolerance; each says what is missing. A model change that brings one within +-25%
+    fails here: the row then belongs among the held-out ones."""
+    from lit_mesh.planner.calibration import TOLERANCE, check, runs
 
     rows = [r for r in runs() if r["role"] == "comparison"]
     assert rows
     for r in rows:
         c = check(r)
-        assert r["gap"] and c.source and 0.5 < c.ratio < 1, (c.name, c.published, c.estimated)
+        assert r["gap"] and c.source and abs(c.ratio - 1) > TOLERANCE["held-out"], (c.name, c.published, c.estimated)
 
 
 def test_rows_publishing_tokens_and_tflops_agree_with_their_flops_count() -> None:
@@ -381,24 +381,28 @@ def test_rows_publishing_tokens_and_tflops_agree_with_their_flops_count() -> Non
 
 
 # MoE (zoo.moe, Mixtral-8x7B shapes): experts split over ep, then FSDP over the rest of dp_shard x cp by dim 1;
-# 64, 512 and 1024 ranks, HSDP x TP, CP x TP, and ep = 1 (the experts FSDP-sharded over all 64 ranks)
+# 64, 512 and 1024 ranks, HSDP x TP, CP x TP, and ep = 1 (the experts FSDP-sharded over all 64 ranks); whole
+# experts under tp (expert_tp=1: ep over the innermost ranks of dp_shard x cp x tp, FSDP over the rest)
 SIMULATED_MOE = [
-    (MeshLayout(dp_shard=64, ep=8), 63, "bf16-mixed"),
-    (MeshLayout(dp_replicate=4, dp_shard=16, tp=8, ep=4), 511, "bf16-mixed"),
-    (MeshLayout(dp_shard=64, cp=2, tp=8, ep=8), 1023, "bf16-true"),
-    (MeshLayout(dp_shard=64), 5, "32-true"),
+    (MeshLayout(dp_shard=64, ep=8), 63, "bf16-mixed", None),
+    (MeshLayout(dp_replicate=4, dp_shard=16, tp=8, ep=4), 511, "bf16-mixed", None),
+    (MeshLayout(dp_shard=64, cp=2, tp=8, ep=8), 1023, "bf16-true", None),
+    (MeshLayout(dp_shard=64), 5, "32-true", None),
+    (MeshLayout(dp_replicate=4, dp_shard=16, tp=8, ep=4), 509, "bf16-mixed", 1),
+    (MeshLayout(dp_shard=64, cp=2, tp=8, ep=8), 1021, "bf16-true", 1),
 ]
 
 
 @pytest.mark.parametrize(
-    ("layout", "rank", "precision"),
+    ("layout", "rank", "precision", "expert_tp"),
     SIMULATED_MOE,
-    ids=[f"mixtral-{l.world_size}-ep{l.ep}-r{r}" for l, r, _ in SIMULATED_MOE],
+    ids=[f"mixtral-{l.world_size}-ep{l.ep}-r{r}{'-whole' if e else ''}" for l, r, _, e in SIMULATED_MOE],
 )
-def test_moe_estimate_equals_simulation(layout: MeshLayout, rank: int, precision: str) -> None:
+def test_moe_estimate_equals_simulation(layout: MeshLayout, rank: int, precision: str, expert_tp: int | None) -> None:
     config = MoEConfig.from_preset("mixtral-8x7b")
-    simulated = simulate_rank(config, layout, rank, precision)
-    assert {k: simulated[k] for k in COMPONENTS} == state_bytes(gpt_shapes(config), layout, precision, rank)
+    simulated = simulate_rank(config, layout, rank, precision, expert_tp=expert_tp)
+    shapes = gpt_shapes(config).with_whole_experts() if expert_tp == 1 else gpt_shapes(config)
+    assert {k: simulated[k] for k in COMPONENTS} == state_bytes(shapes, layout, precision, rank)
 
 
 def test_moe_layouts_that_fsdp_cannot_shard_evenly_are_refused() -> None:

@@ -17,12 +17,13 @@ from torch.distributed.pipelining import PipelineStage
 
 from lit_mesh.comm.options import CompressionOptions
 from lit_mesh.comm.topology import Topology
-from lit_mesh.mesh import MeshLayout
+from lit_mesh.mesh import MeshDegrees, MeshLayout
 from lit_mesh.options import (
     CheckpointOptions,
     CommunicationOptions,
     CompileOptions,
     DataParallelOptions,
+    ExpertOptions,
     Float8Options,
     FSDPArguments,
     MemoryOptions,
@@ -153,6 +154,18 @@ GRID2D = replace(O, tensor=TensorOptions("2d"), mesh=NO_SP)
 GRID25D = replace(O, tensor=TensorOptions("2.5d", 2), mesh=NO_SP)
 LIGHTNING_SIZES = replace(O, mesh=replace(O.mesh, data_parallel_size=2))
 EP2 = MeshLayout(dp_shard=2, ep=2)
+FOLD = replace(O, expert=ExpertOptions(tp=1))  # whole experts under tp
+
+
+def zoo_moe_owner(**overrides: object) -> PlanOwner:
+    """The zoo MoE (tiny, on the meta device) as a plan owner: its real plan, MoEPlan.token_wise included."""
+    from zoo.moe import MoEConfig, MoETransformer
+
+    with torch.device("meta"):
+        net = MoETransformer(MoEConfig.from_preset("tiny", **overrides))
+    return PlanOwner("model", net, net.parallel_plan())
+
+
 GRID_TP4, GRID_DDP = MeshLayout(tp=4), MeshLayout(dp_replicate=2, tp=4)
 
 # rule -> (facts that break it, the message or a part of it, facts that pass)
@@ -462,6 +475,24 @@ CASES: dict[str, tuple[Facts, str, Facts]] = {
         "tp=2 does not divide n_kv_heads=3 of Linear (choose tp in [1, 3])",
         setup(TP2, [tp_owner(n_heads=4, n_kv_heads=2)]),
     ),
+    "expert_tp_is_1_or_tp": (
+        launch(MeshLayout(tp=4), replace(O, expert=ExpertOptions(tp=2))),
+        "expert_tp=2 with tp=4: the experts are either split over all tp ranks (expert_tp=None, or tp) or whole on"
+        " each (expert_tp=1)",
+        launch(MeshLayout(tp=4), FOLD),
+    ),
+    "expert_tp_1_needs_sequence_parallel": (
+        launch(MeshLayout(tp=2), replace(FOLD, mesh=MeshDegrees(sequence_parallel=False))),
+        "expert_tp=1 with tp=2 routes each tp rank's shard of the sequence, which only sequence_parallel makes; use"
+        " sequence_parallel=True (tp_mode='1d'), or expert_tp=None",
+        launch(MeshLayout(tp=2), FOLD),
+    ),
+    "expert_tp_1_fits_plan": (
+        setup(MeshLayout(tp=2), [zoo_moe_owner(capacity_factor=1.25)], FOLD),
+        "expert_tp=1 with MoETransformer's capacity_factor=1.25: capacity counts per sequence, which the tp ranks"
+        " split; use capacity_factor=None (dropless), or expert_tp=None",
+        setup(MeshLayout(tp=2), [zoo_moe_owner(n_shared_experts=1)], FOLD),
+    ),
     "ep_fits_plan": (
         setup(EP2, [moe_owner(n_experts=3)]),
         "ep=2 does not divide n_experts=3 of Module (choose ep in [1, 3])",
@@ -528,6 +559,22 @@ def test_ep_refuses_a_dense_model() -> None:
         == "ep=2 but Module.parallel_plan() declares no MoE layer (ParallelPlan.moe); use ep=1 for a dense model"
     )
     assert not rule.broken(setup(MeshLayout(dp_shard=2), [moe_owner(n_experts=4, moe=False)]))  # ep=1: nothing to split
+
+
+def test_whole_experts_need_every_parameter_outside_the_experts_declared_token_wise() -> None:
+    """A plan whose MoE layer holds parameters outside `experts` and MoEPlan.token_wise (here: the shared experts left
+    out) is refused under expert_tp=1, naming them: their gradients would miss the other tp ranks' tokens."""
+    owner = zoo_moe_owner(n_shared_experts=1)
+    assert owner.plan.moe is not None
+    plan = replace(owner.plan, moe=replace(owner.plan.moe, token_wise=("router.gate",)))
+    facts = setup(MeshLayout(tp=2), [PlanOwner("model", owner.module, plan)], FOLD)
+    rule = RULES_BY_NAME["expert_tp_1_fits_plan"]
+    assert rule.broken(facts)
+    assert rule.message(facts).startswith(
+        "expert_tp=1 with MoETransformer: the parameters ['shared_experts.w1.weight', 'shared_experts.w3.weight',"
+        " 'shared_experts.w2.weight'] of its MoE layer 'moe' lie outside `experts` and outside MoEPlan.token_wise"
+    )
+    assert not rule.broken(setup(MeshLayout(tp=2), [PlanOwner("model", owner.module, plan)]))  # expert_tp=None
 
 
 @pytest.mark.parametrize("name", list(CASES))

@@ -47,7 +47,7 @@ def _merged(local: dict) -> dict:
 
 
 def expert_layout(module: torch.nn.Module) -> dict[str, dict[str, Any]]:
-    """Per MoE layer: its dispatcher's class, ep and tp, and the full and rank-local shapes of the expert weights."""
+    """Per MoE layer: its dispatcher's class, ep, tp and token tp, and the full and rank-local shapes of the expert weights."""
     out = {}
     for name, sub in module.named_modules():
         if hasattr(sub, "dispatcher") and hasattr(sub, "experts"):
@@ -55,6 +55,8 @@ def expert_layout(module: torch.nn.Module) -> dict[str, dict[str, Any]]:
                 "dispatcher": type(sub.dispatcher).__name__,
                 "ep": getattr(sub.dispatcher, "ep", 1),
                 "tp": getattr(sub.dispatcher, "tp", 1),
+                # expert_tp=1: the tp ranks whose sequence shards reach these whole experts
+                "token_tp": getattr(getattr(sub.dispatcher, "token_tp_mesh", None), "size", lambda: 1)(),
             }
             for weight, param in sub.experts.named_parameters():
                 local = param.to_local() if isinstance(param, DTensor) else param
