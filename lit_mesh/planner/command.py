@@ -325,6 +325,8 @@ def check_step(c: Candidate, config: Any, shapes: Any) -> dict[str, Any]:
     work = replace(c.work, global_batch=c.work.micro_batch * c.layout.dp * n)
     mb, seq, zero, schedule = work.micro_batch, work.seq_len, c.zero_stage, c.schedule
     step: dict[str, Any] = dict(zero_stage=zero, schedule=schedule, microbatches=n, float8=c.float8)
+    if c.whole_experts:  # MeshStrategy(expert_tp=1), and the shapes the candidate was priced with
+        step["expert_tp"], shapes = 1, shapes.with_whole_experts()
     counts = fake_step(config, c.layout, mb, seq, 0, c.precision, c.ac, **step)
     # the CPU step runs torch's composite rms_norm (the planner's own estimate assumes CUDA's fused kernel)
     check: dict[str, Any] = {"microbatches": n, **_rank_check(c, shapes, work, 0, counts)}
@@ -352,7 +354,7 @@ def _rank_check(c: Candidate, shapes: Any, work: Any, stage: int, counts: Any) -
     """One stepped rank's counted bytes (and, under pp, unsharded gradients) beside the planner's estimates."""
     from lit_mesh.planner.memory import accumulated_grad_bytes, first_rank_of_stage
     from lit_mesh.planner.pipeline_model import gradients_exact
-    from lit_mesh.planner.traffic import comm_bytes
+    from lit_mesh.planner.traffic import comm_bytes, merged_like
 
     estimate = comm_bytes(
         shapes,
@@ -365,6 +367,7 @@ def _rank_check(c: Candidate, shapes: Any, work: Any, stage: int, counts: Any) -
         schedule=c.schedule,
         float8=c.float8,
     )
+    estimate = merged_like(estimate, counts.bytes)  # dims one group carries (ep = tp with whole experts)
     rows = [
         {
             "dim": dim,

@@ -51,12 +51,13 @@ from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper
 from torch.utils._pytree import tree_flatten
 
 from lit_mesh.loss import cross_entropy
-from lit_mesh.mesh import MeshAxis, MeshLayout, MeshViews, build_device_mesh
+from lit_mesh.mesh import MeshAxis, MeshLayout, MeshViews, build_device_mesh, folded_expert_meshes
 from lit_mesh.options import MeshDegrees, MeshOptions
 from lit_mesh.parallel.activation_checkpointing import MemoryOptions
 from lit_mesh.parallel.apply import Parallelized, parallelize
 from lit_mesh.parallel.context.layout import ContextOptions, shard_batch
 from lit_mesh.parallel.data import DataParallelOptions
+from lit_mesh.parallel.expert import ExpertOptions, folds_experts
 from lit_mesh.parallel.float8 import Float8Options
 from lit_mesh.parallel.pipeline.runner import ScheduleRunner
 from lit_mesh.parallel.pipeline.schedules import PipelineSettings
@@ -213,8 +214,9 @@ class StepCounts:
     seconds: float = 0.0
 
 
-def dim_of_groups(views: MeshViews) -> dict[str, str]:
-    """Process group name -> the planner's name of its mesh dim (several dims of the same ranks: joined by '=')."""
+def dim_of_groups(views: MeshViews, whole_experts: bool = False) -> dict[str, str]:
+    """Process group name -> the planner's name of its mesh dim (several dims of the same ranks: joined by '=');
+    `whole_experts`: MeshStrategy(expert_tp=1)'s groups for ep and the experts' FSDP."""
     layout = views.layout
     named = {
         "tp": (views.root, "tp"),
@@ -224,7 +226,11 @@ def dim_of_groups(views: MeshViews) -> dict[str, str]:
         "fsdp": (views.dp_shard_cp, None),
         "ep": (views.ep, None),
     }
-    if layout.ep > 1:
+    if whole_experts:
+        folded = folded_expert_meshes(views)
+        named["ep"] = (folded.ep, None)
+        named["expert_fsdp"] = (folded.expert_dp, MeshAxis.EFSDP_TP if layout.dp_replicate > 1 else None)
+    elif layout.ep > 1:
         named["expert_fsdp"] = (views.expert_dp, "efsdp")
     out: dict[str, list[str]] = defaultdict(list)
     for label, (mesh, dim) in named.items():
@@ -267,10 +273,11 @@ def fake_step(
     schedule: Schedule = ONE_F_ONE_B,
     microbatches: int = 1,
     float8: str | None = None,
+    expert_tp: int | None = None,
 ) -> StepCounts:
     """One training step of global rank `rank` (one micro-batch of `micro_batch` sequences of `seq_len` tokens;
     under pp, `schedule` over `microbatches` of them, as lit_mesh's runner drives torch's schedule; `float8`:
-    MeshStrategy's float8 recipe, emulated on CPU)."""
+    MeshStrategy's float8 recipe, emulated on CPU; `expert_tp`: MeshStrategy's, for an MoE model)."""
     start = time.perf_counter()
     options = MeshOptions(
         mesh=MeshDegrees(sequence_parallel=layout.tp > 1),
@@ -282,6 +289,7 @@ def fake_step(
         context=ContextOptions(style=cp_style),  # type: ignore[arg-type]
         data=DataParallelOptions(zero_stage=zero_stage),  # type: ignore[arg-type]
         float8=Float8Options(float8),  # type: ignore[arg-type]
+        expert=ExpertOptions(expert_tp),
     )
     if layout.pp > 1:
         options = replace(options, pipeline=PipelineSettings(schedule.name, microbatches, schedule.stages_per_rank))
@@ -310,7 +318,7 @@ def fake_step(
                 held = sum(b for ptr, b in live.alive().items() if ptr not in params)
                 loss.backward()
                 torch.optim.AdamW(root.parameters(), foreach=True).step()
-        names = dim_of_groups(views)
+        names = dim_of_groups(views, folds_experts(layout, options.expert))
     counts = StepCounts(activations=held, accumulated_grads=accumulated[0] if layout.pp > 1 else None)
     for (group, op), n in counter.bytes.items():
         dim = names.get(group, f"group {group}")

@@ -27,6 +27,7 @@ class ParamShape:
     hidden_dim: int | None = None  # an expert weight's hidden dim: expert tensor parallel splits it over tp
     # expert_tp=1: whole on every tp rank, split over ep (the innermost ranks of dp_shard x cp x tp), FSDP over the rest
     whole_under_tp: bool = False
+    token_wise: bool = False  # in a module of MoEPlan.token_wise (router, shared experts): replicated over tp there
 
 
 @dataclass(frozen=True)
@@ -98,6 +99,7 @@ def gpt_shapes(config: Any) -> ModelShapes:
         model = build_model(dataclasses.replace(config, n_layers=1))
     plan = cast(_Planned, model).parallel_plan()
     experts = f"{plan.blocks}.0.{plan.moe.layer}.experts." if plan.moe is not None else None
+    token_wise = tuple(f"{plan.blocks}.0.{plan.moe.layer}.{m}." for m in plan.moe.token_wise) if plan.moe else ()
     modules = dict(model.named_modules())
     block, first, last = [], [], []
     for name, p in model.named_parameters():
@@ -108,7 +110,17 @@ def gpt_shapes(config: Any) -> ModelShapes:
             expert = experts is not None and name.startswith(experts)  # TP leaves them to EP
             style = None if expert else plan.tp.block.get(local)
             hidden = plan.moe.hidden_dims.get(name.rsplit(".", 1)[1]) if expert else None  # type: ignore[union-attr]
-            block.append(ParamShape(name[len(plan.blocks) + 3 :], tuple(p.shape), style, embedding, expert, hidden))
+            block.append(
+                ParamShape(
+                    name[len(plan.blocks) + 3 :],
+                    tuple(p.shape),
+                    style,
+                    embedding,
+                    expert,
+                    hidden,
+                    token_wise=bool(token_wise) and name.startswith(token_wise),
+                )
+            )
             continue
         child = name.split(".")[0]
         entry = ParamShape(name, tuple(p.shape), plan.tp.root.get(owner), embedding)

@@ -37,6 +37,7 @@ def step_in_process(
     schedule: Schedule,
     microbatches: int,
     float8: str | None = None,
+    expert_tp: int | None = None,
     timeout: float = 600,
 ) -> StepCounts:
     """fake_step(...) of `rank`, run in a new Python process; raises RuntimeError with its stderr if it fails."""
@@ -54,6 +55,7 @@ def step_in_process(
             "zero_stage": zero_stage,
             "microbatches": microbatches,
             "float8": float8,
+            "expert_tp": expert_tp,
         },
         "schedule": dataclasses.asdict(schedule),
     }

@@ -10,8 +10,9 @@ a reduce-scatter: its input; an all-reduce: its tensor; an all-to-all: what this
   in fp32 (bf16-true: bf16) at the last micro-batch (ZeRO-2: every one). ZeRO-1/2 and a pipeline's stages gather
   once per step. Float8 "tensorwise": the blocks' float8 linears' weights gathered in float8, after an all-reduce
   of their amax.
-- expert_fsdp (dp_shard x cp / ep): the expert units, resharded after every forward (gathered twice per block).
-- dp_replicate (HSDP): the shards' gradients all-reduced once per step.
+- expert_fsdp (dp_shard x cp / ep; dp_shard x cp x tp / ep with whole experts under tp): the expert units, resharded
+  after every forward (gathered twice per block).
+- dp_replicate (HSDP): the shards' gradients (the experts' too) all-reduced once per step.
 - tp (1-D, sequence parallel): per block an all-gather before attention and the feed-forward and a reduce-scatter
   after each, forward and backward (full AC's recomputed forward: both gathers, the first reduce-scatter; selective's: both gathers;
   without AC backward gathers both again, lit_mesh/parallel/regather.py); the embedding's output
@@ -21,8 +22,10 @@ a reduce-scatter: its input; an all-reduce: its tensor; an all-to-all: what this
 - cp ring: a block's K/V (grouped heads, as they are) sent cp - 1 times forward and again backward (and again in
   the recomputed forward of full or selective AC: point-to-point sends are not among the ops selective AC keeps),
   plus cp sends of the fp32 dK/dV accumulator; Ulysses: one all-to-all of q, k, v and one of the output, forward and backward.
-- ep: dispatch and combine of the routed copies (top_k per token of the whole micro-batch), forward and backward,
-  plus the token counts.
+- ep: dispatch and combine of the routed copies (top_k per token of the whole micro-batch; with whole experts under
+  tp, of this tp rank's sequence shard), forward and backward, plus the token counts. Whole experts under tp also
+  all-reduce over tp the router's (and shared experts') weight gradients and each forward's mean router
+  probabilities, and their MoE layer gathers nothing: per block one tp region (attention), not two.
 - pp: per micro-batch, each local stage receives its input and sends its output forward (but the model's first
   input and last output, and in a V the handoff between the two stages of the last pp rank), and the gradients
   the other way backward: a (micro-batch, T/cp/tp, dim) tensor each; the step's loss broadcast from the last stage.
@@ -31,11 +34,12 @@ a reduce-scatter: its input; an all-reduce: its tensor; an all-to-all: what this
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Iterable
 
 from lit_mesh.mesh import MeshLayout
 from lit_mesh.parallel.pipeline.schedules import SCHEDULES
 from lit_mesh.planner.cost import float8_linear
-from lit_mesh.planner.memory import ROWWISE, Workload, chunk, fsdp_degree, unsharded_numel
+from lit_mesh.planner.memory import ROWWISE, Workload, chunk, expert_fsdp_degree, fsdp_degree, unsharded_numel
 from lit_mesh.planner.pipeline_model import ONE_F_ONE_B, Schedule, rank_stages, regathers
 from lit_mesh.planner.shapes import ModelShapes, ParamShape
 from lit_mesh.planner.vocabulary import PRECISION_BYTES, ac_mode, ac_others
@@ -102,7 +106,7 @@ def comm_bytes(
         return plain * per_block[others] + checked * per_block[mode]
 
     k = fsdp_degree(layout)
-    expert_k = k // layout.ep
+    expert_k = expert_fsdp_degree(shapes, layout)
     if k > 1:
         block = sum(padded_numel(p, layout, k) for p in dense)
         root = sum(padded_numel(p, layout, k) for p in root_params)
@@ -121,26 +125,33 @@ def comm_bytes(
         if layout.dp_replicate > 1:
             out["dp_replicate"]["all_reduce"] += (root + blocks * block) // k * reduce
     if experts and (expert_k > 1 or k > 1):
-        shards = expert_k if layout.ep > 1 else k
-        name = "expert_fsdp" if layout.ep > 1 else "fsdp"
+        # the experts' own FSDP group: dp_shard x cp / ep, or with whole experts under tp dp_shard x cp x tp / ep
+        own_group = layout.ep > 1 or shapes.whole_experts
+        shards = expert_k if own_group else k
+        name = "expert_fsdp" if own_group else "fsdp"
         numel = sum(padded_numel(p, layout, shards) for p in experts)
         passes = 1 if layout.pp > 1 else n_micro * 2  # a pipeline's stages keep their experts gathered too
         out[name]["all_gather"] += passes * blocks * numel * gather
         out[name]["reduce_scatter"] += blocks * numel * reduce
+        if layout.dp_replicate > 1:  # HSDP: the experts' gradient shards all-reduced over the replicas too
+            out["dp_replicate"]["all_reduce"] += blocks * numel // shards * reduce
 
     tokens = work.tokens_per_microbatch(layout)  # this rank's, per micro-batch (cp splits the sequence)
     if layout.tp > 1:
         hidden = tokens * c.dim * act
-        per_pass = 2 * blocks * hidden  # forward: gathers (or reduce-scatters) per block
+        # the regions a block gathers for (attention, feed-forward); whole experts under tp: the MoE layer takes its
+        # sequence shard as it is, attention alone gathers
+        regions = 1 if shapes.whole_experts else 2
+        per_pass = regions * blocks * hidden  # forward: gathers (or reduce-scatters) per block
         ends = (1 if stages.first else 0) + (1 if stages.last else 0)  # embedding output, head input
         # full AC's recomputed forward gathers again but stops before the block's last reduce-scatter (nothing of
         # it is saved: torch's checkpoint ends the recompute early)
         # selective AC keeps no all-gather output: its recompute gathers twice again too; without AC a block keeps
         # only the shards of its two gathered inputs and gathers them again in backward (lit_mesh/parallel/regather.py)
         # unless a split backward keeps them whole
-        regathered = 2 if regathers(schedule, layout.pp) else 0
+        regathered = regions if regathers(schedule, layout.pp) else 0
         again = {
-            "all_gather": over_blocks({"none": regathered, "selective": 2, "full": 2}) * hidden,
+            "all_gather": over_blocks({"none": regathered, "selective": regions, "full": regions}) * hidden,
             "reduce_scatter": over_blocks({"none": 0, "selective": 0, "full": 1}) * hidden,
         }
         for op in ("all_gather", "reduce_scatter"):
@@ -152,6 +163,12 @@ def comm_bytes(
         # the norms' weight gradients (partial sums over the sequence shards): under pp summed over the step's
         # micro-batches in fp32 first, then reduced once
         out["tp"]["all_reduce"] += n_micro * loss + norms * c.dim * (reduce if layout.pp > 1 else gather)
+        if shapes.whole_experts:  # each tp rank routes its own tokens: the router's weight gradient (and the shared
+            # experts') summed over tp, and each forward's mean router probabilities (fp32) averaged over tp
+            token_wise = sum(unsharded_numel(p, layout) for p in dense if p.token_wise)
+            forwards = over_blocks({"none": 1, "selective": 1, "full": 2})
+            out["tp"]["all_reduce"] += blocks * token_wise * (reduce if layout.pp > 1 else gather)
+            out["tp"]["all_reduce"] += n_micro * forwards * c.n_experts * 4
 
     if layout.cp > 1:
         kv_heads, head_dim = c.n_kv_heads // layout.tp, c.attention_head_dim
@@ -169,6 +186,7 @@ def comm_bytes(
 
     if layout.ep > 1:
         routed = work.micro_batch * work.seq_len // layout.cp * c.top_k * c.dim * act
+        routed //= layout.tp if shapes.whole_experts else 1  # whole experts: this tp rank's tokens only
         counts = c.n_experts * 8  # int64 tokens per expert, exchanged before each dispatch
         forwards = over_blocks({"none": 1, "selective": 1, "full": 2})  # forward passes: dispatch and combine each
         out["ep"]["all_to_all"] += n_micro * ((2 * forwards + 2 * blocks) * routed + forwards * counts)
@@ -183,3 +201,16 @@ def comm_bytes(
         out["pp"]["recv"] += n_micro * edges * message
         out["pp"]["broadcast"] += 4  # the step's fp32 loss, from the last stage to every pp rank
     return {dim: dict(ops) for dim, ops in out.items()}
+
+
+def merged_like(estimate: Traffic, counted_dims: Iterable[str]) -> Traffic:
+    """`estimate` with the dims a real step counts as one group merged as it names them ("tp=ep": with whole experts
+    under tp, ep = tp takes exactly the tp ranks; one communicator carries both dims' traffic)."""
+    merged = {dim: dict(ops) for dim, ops in estimate.items()}
+    for joined in (d for d in counted_dims if "=" in d):
+        total: dict[str, float] = defaultdict(float)
+        for part in joined.split("="):
+            for op, n in merged.pop(part, {}).items():
+                total[op] += n
+        merged[joined] = dict(total)
+    return merged

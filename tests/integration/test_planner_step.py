@@ -19,7 +19,8 @@ from lit_mesh.planner.fake_step import fake_step
 from lit_mesh.planner.memory import Workload, accumulated_grad_bytes, activation_parts
 from lit_mesh.planner.pipeline_model import Schedule
 from lit_mesh.planner.shapes import gpt_shapes
-from lit_mesh.planner.traffic import comm_bytes
+from lit_mesh.planner.step_process import step_in_process
+from lit_mesh.planner.traffic import comm_bytes, merged_like
 from zoo.gpt import GPTConfig
 from zoo.moe import MoEConfig
 
@@ -63,6 +64,19 @@ STEPS = [
     ("cp-ulysses-64", SMALL, MeshLayout(dp_shard=32, cp=2), {"cp_style": "ulysses"}),
     ("ep-64", MOE, MeshLayout(dp_shard=64, ep=4), {}),
     ("moe-64-selective", MOE, MeshLayout(dp_shard=64), {"ac": "selective"}),
+    # whole experts under tp (expert_tp=1): each tp rank routes its own sequence shard, the experts split over ep (the
+    # innermost ranks of dp_shard x tp) and FSDP-sharded over the rest
+    ("ep-tp-64-whole-experts", MOE, MeshLayout(dp_shard=32, tp=2, ep=4), {"expert_tp": 1}),
+    ("ep-tp-64-whole-experts-selective", MOE, MeshLayout(dp_shard=32, tp=2, ep=4), {"expert_tp": 1, "ac": "selective"}),
+    ("ep-tp-64-whole-experts-full", MOE, MeshLayout(dp_shard=32, tp=2, ep=4), {"expert_tp": 1, "ac": "full"}),
+    # HSDP: the experts' shards all-reduced over the replicas; ep = 2 takes exactly the tp pair (one group: "tp=ep").
+    # In a process of its own: an earlier fake world's tp mesh of the same shape is still in torch's caches there
+    (
+        "ep-tp-hsdp-64-whole-experts",
+        MOE,
+        MeshLayout(dp_replicate=2, dp_shard=16, tp=2, ep=2),
+        {"expert_tp": 1, "own_process": True},
+    ),
     # pipelines: torch's schedules through lit_mesh's runner, over the schedule's fewest micro-batches, on rank 0
     ("pp-1f1b-64", SMALL, MeshLayout(pp=2, dp_shard=32), {"schedule": Schedule(), "microbatches": 2}),
     (
@@ -93,13 +107,18 @@ def test_a_real_step_moves_and_holds_what_the_planner_estimates(
     precision, ac = options.pop("precision", "32-true"), options.pop("ac", "none")
     micro_batch, rank = options.pop("micro_batch", 2), options.pop("rank", 0)
     micro_batches = options.pop("microbatches", 1)
-    counted = fake_step(
-        config, layout, micro_batch, SEQ_LEN, rank, precision, ac, microbatches=micro_batches, **options
-    )
+    if options.pop("own_process", False):
+        step = dict(zero_stage=3, schedule=Schedule(), microbatches=micro_batches, **options)
+        counted = step_in_process(config, layout, micro_batch, SEQ_LEN, rank, precision, ac, **step)
+    else:
+        counted = fake_step(
+            config, layout, micro_batch, SEQ_LEN, rank, precision, ac, microbatches=micro_batches, **options
+        )
     work = Workload(micro_batch * layout.dp * micro_batches, SEQ_LEN, micro_batch)
-    shapes = gpt_shapes(config)
+    # expert_tp: comm_bytes reads it from the shapes
+    shapes = gpt_shapes(config).with_whole_experts() if options.pop("expert_tp", None) == 1 else gpt_shapes(config)
     stage = rank // (layout.world_size // layout.pp)
-    estimate = comm_bytes(shapes, layout, work, precision, ac, stage=stage, **options)
+    estimate = merged_like(comm_bytes(shapes, layout, work, precision, ac, stage=stage, **options), counted.bytes)
     assert set(counted.bytes) == set(estimate), (counted.bytes, estimate)
     for dim, ops in counted.bytes.items():
         assert set(ops) == set(estimate[dim]), (dim, ops, estimate[dim])
