@@ -231,16 +231,28 @@ RULES: list[Rule] = [
         WorldSizeError,
     ),
     Rule(
+        # whole experts under tp (expert_tp=1) may borrow tp ranks too: the launch rule "ep_needs_whole_experts"
+        # (lit_mesh/parallel/expert.py) asks for dp_shard x cp alone otherwise
         "ep_divides_dp_shard_cp",
         "layout",
-        lambda f: f.layout is not None and (f.layout.dp_shard * f.layout.cp) % f.layout.ep != 0,
-        lambda f: (
-            f"ep={f.layout.ep} does not divide dp_shard x cp = {f.layout.dp_shard} x {f.layout.cp} ="
-            f" {f.layout.dp_shard * f.layout.cp} (expert parallel borrows its ranks from them, it does not add any);"
-            f" choose ep in {divisors(f.layout.dp_shard * f.layout.cp)}"
-        ),
+        lambda f: f.layout is not None and (f.layout.dp_shard * f.layout.cp * f.layout.tp) % f.layout.ep != 0,
+        lambda f: ep_borrowing_problem(f.layout),
     ),
 ]
+
+
+def ep_borrowing_problem(layout: MeshLayout) -> str:
+    """Why `layout`'s ep cannot borrow its ranks, with the choices (whole experts under tp: tp ranks too)."""
+    shard = layout.dp_shard * layout.cp
+    whole = (
+        f", or with expert_tp=1 (whole experts under tp, whose ep borrows tp ranks too) in {divisors(shard * layout.tp)}"
+        if layout.tp > 1
+        else ""
+    )
+    return (
+        f"ep={layout.ep} does not divide dp_shard x cp = {layout.dp_shard} x {layout.cp} = {shard} (expert parallel"
+        f" borrows its ranks from them, it does not add any); choose ep in {divisors(shard)}{whole}"
+    )
 _BY_NAME = {rule.name: rule for rule in RULES}
 
 
@@ -486,9 +498,11 @@ def _build_views(layout: MeshLayout, device_type: str) -> MeshViews:
     dp_cp = flatten(A.DP_CP)
     for alias, axes in LIGHTNING_ALIASES.items():  # root["data_parallel"] / root["tensor_parallel"] answer
         root[axes]._flatten(alias)
-    # ep borrows the innermost ranks of dp_shard x cp; the expert weights are sharded over the rest
-    expert_shards = layout.dp_shard * layout.cp // layout.ep
-    experts = dp_cp._unflatten(0, (layout.dp_replicate, expert_shards, layout.ep), (A.EDP_REPLICATE, A.EFSDP, A.EP))
+    # ep borrows the innermost ranks of dp_shard x cp; the expert weights are sharded over the rest. An ep that takes
+    # tp ranks too (whole experts under tp: folded_expert_meshes) leaves these views at ep 1, unused
+    ep = layout.ep if (layout.dp_shard * layout.cp) % layout.ep == 0 else 1
+    expert_shards = layout.dp_shard * layout.cp // ep
+    experts = dp_cp._unflatten(0, (layout.dp_replicate, expert_shards, ep), (A.EDP_REPLICATE, A.EFSDP, A.EP))
     return MeshViews(
         root=root,
         dp=flatten(A.DP),

@@ -46,7 +46,7 @@ from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Sha
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from lit_mesh.errors import MeshConfigError
-from lit_mesh.mesh import MeshAxis, MeshLayout, MeshViews, folded_expert_meshes
+from lit_mesh.mesh import MeshAxis, MeshLayout, MeshViews, ep_borrowing_problem, folded_expert_meshes
 from lit_mesh.parallel.data import mixed_precision_policy, reshards_after_forward
 from lit_mesh.plan import MoEPlan, ParallelPlan, PlanError
 from lit_mesh.unit import Facts, Rule, divisors, option
@@ -184,6 +184,12 @@ RULES: list[Rule] = [
             f"expert_tp={f.options.expert.tp} with tp={f.layout.tp}: the experts are either split over all tp ranks"
             " (expert_tp=None, or tp) or whole on each (expert_tp=1)"
         ),
+    ),
+    Rule(
+        "ep_needs_whole_experts",
+        "launch",
+        lambda f: (f.layout.dp_shard * f.layout.cp) % f.layout.ep != 0 and not folds_experts(f.layout, f.options.expert),
+        lambda f: ep_borrowing_problem(f.layout),
     ),
     Rule(
         "expert_tp_1_needs_sequence_parallel",
@@ -458,13 +464,13 @@ def _check_even_shards(experts: nn.Module, shards: int, layout: MeshLayout, fold
     for name, param in params.items():
         dim = fsdp_dim(param)
         if param.shape[dim] % shards:
-            ranks = layout.dp_shard * layout.cp
+            ranks = layout.dp_shard * layout.cp * (layout.tp if fold else 1)  # what ep borrows from
             fits = [
                 ep
                 for ep in range(1, ranks + 1)
                 if ranks % ep == 0
                 and param.shape[0] % ep == 0
-                and all(p.shape[fsdp_dim(p)] % (ranks * (layout.tp if fold else 1) // ep) == 0 for p in params.values())
+                and all(p.shape[fsdp_dim(p)] % (ranks // ep) == 0 for p in params.values())
             ]
             over = f"dp_shard x cp / ep = {layout.dp_shard} x {layout.cp} / {layout.ep}"
             if fold:  # whole experts under tp

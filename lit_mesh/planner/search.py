@@ -75,11 +75,12 @@ def factorisations(world: int) -> Iterable[MeshLayout]:
 
 
 def with_expert_parallel(layouts: Iterable[MeshLayout], shapes: ModelShapes) -> Iterable[MeshLayout]:
-    """Each layout with every ep it can borrow from dp_shard x cp (a dense model: ep = 1 only)."""
+    """Each layout with every ep it can borrow from dp_shard x cp x tp (tp ranks: whole experts under tp only; a
+    dense model: ep = 1 only)."""
     for layout in layouts:
         yield layout
         if shapes.is_moe:
-            for ep in divisors(layout.dp_shard * layout.cp)[1:]:
+            for ep in divisors(layout.dp_shard * layout.cp * layout.tp)[1:]:
                 yield replace(layout, ep=ep)
 
 
@@ -297,9 +298,8 @@ def plan(
         if any(getattr(layout, d) != v for d, v in fixed.items()):
             continue
         options = len(precisions) * len(ac_modes)
-        considered += options * len(zero_stages)
         for variant in expert_variants(shapes, layout):
-            considered += options * len(zero_stages) if variant is not shapes else 0
+            considered += options * len(zero_stages)
             reason = why_invalid(layout, variant, work, hw) or why_wasteful(layout, variant, work, hw)
             if reason:
                 rejected[reason] += options * len(zero_stages)
@@ -326,9 +326,10 @@ def plan(
 
 
 def expert_variants(shapes: ModelShapes, layout: MeshLayout) -> list[ModelShapes]:
-    """The ways the tp ranks can share an MoE model's experts: split over tp (expert_tp=None), and under tp > 1 whole
-    (expert_tp=1, each tp rank routing its sequence shard)."""
-    return [shapes, shapes.with_whole_experts()] if shapes.is_moe and layout.tp > 1 else [shapes]
+    """The ways the tp ranks can share an MoE model's experts: split over tp (expert_tp=None; ep from dp_shard x cp),
+    and under tp > 1 whole (expert_tp=1, each tp rank routing its sequence shard; ep from dp_shard x cp x tp)."""
+    split = [shapes] if (layout.dp_shard * layout.cp) % layout.ep == 0 else []
+    return split + [shapes.with_whole_experts()] if shapes.is_moe and layout.tp > 1 else split
 
 
 def shapes_of(c: Candidate, shapes: ModelShapes) -> ModelShapes:

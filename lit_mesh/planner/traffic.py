@@ -124,9 +124,10 @@ def comm_bytes(
         out["fsdp"]["reduce_scatter"] += reductions * (root + blocks * block) * reduce
         if layout.dp_replicate > 1:
             out["dp_replicate"]["all_reduce"] += (root + blocks * block) // k * reduce
-    if experts and (expert_k > 1 or k > 1):
-        # the experts' own FSDP group: dp_shard x cp / ep, or with whole experts under tp dp_shard x cp x tp / ep
-        own_group = layout.ep > 1 or shapes.whole_experts
+    # the experts' own FSDP group: dp_shard x cp / ep, or with whole experts under tp dp_shard x cp x tp / ep (no
+    # group where ep takes every one of those ranks)
+    own_group = layout.ep > 1 or shapes.whole_experts
+    if experts and (expert_k if own_group else k) > 1:
         shards = expert_k if own_group else k
         name = "expert_fsdp" if own_group else "fsdp"
         numel = sum(padded_numel(p, layout, shards) for p in experts)

@@ -25,6 +25,7 @@ from zoo.gpt import GPTConfig
 from zoo.moe import MoEConfig
 
 TINY, SMALL, MOE = GPTConfig.from_preset("tiny"), GPTConfig.from_preset("small"), MoEConfig.from_preset("tiny")
+MOE_64 = MoEConfig.from_preset("tiny", n_experts=64)
 WIDE_HEADS = GPTConfig.from_preset("small", head_dim=64)  # 4 heads of 64 on dim 128: wq (256, 128), wo (128, 256)
 SEQ = 64
 
@@ -69,6 +70,8 @@ STEPS = [
     ("ep-tp-64-whole-experts", MOE, MeshLayout(dp_shard=32, tp=2, ep=4), {"expert_tp": 1}),
     ("ep-tp-64-whole-experts-selective", MOE, MeshLayout(dp_shard=32, tp=2, ep=4), {"expert_tp": 1, "ac": "selective"}),
     ("ep-tp-64-whole-experts-full", MOE, MeshLayout(dp_shard=32, tp=2, ep=4), {"expert_tp": 1, "ac": "full"}),
+    # ep over dp_shard x tp (64 experts over 32 x 2 ranks: ep takes tp ranks too, one expert per rank)
+    ("ep-over-tp-64-whole-experts", MOE_64, MeshLayout(dp_shard=32, tp=2, ep=64), {"expert_tp": 1}),
     # HSDP: the experts' shards all-reduced over the replicas; ep = 2 takes exactly the tp pair (one group: "tp=ep").
     # In a process of its own: an earlier fake world's tp mesh of the same shape is still in torch's caches there
     (

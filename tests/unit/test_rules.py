@@ -481,6 +481,13 @@ CASES: dict[str, tuple[Facts, str, Facts]] = {
         " each (expert_tp=1)",
         launch(MeshLayout(tp=4), FOLD),
     ),
+    "ep_needs_whole_experts": (
+        launch(MeshLayout(dp_shard=2, tp=2, ep=4)),
+        "ep=4 does not divide dp_shard x cp = 2 x 1 = 2 (expert parallel borrows its ranks from them, it does not add"
+        " any); choose ep in [1, 2], or with expert_tp=1 (whole experts under tp, whose ep borrows tp ranks too) in"
+        " [1, 2, 4]",
+        launch(MeshLayout(dp_shard=2, tp=2, ep=4), FOLD),
+    ),
     "expert_tp_1_needs_sequence_parallel": (
         launch(MeshLayout(tp=2), replace(FOLD, mesh=MeshDegrees(sequence_parallel=False))),
         "expert_tp=1 with tp=2 routes each tp rank's shard of the sequence, which only sequence_parallel makes; use"
