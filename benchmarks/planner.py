@@ -68,6 +68,7 @@ def main(argv: list[str]) -> None:
                 best = result.ranked[0]
                 row["best"] = {
                     "layout": {d: getattr(best.layout, d) for d in (*DIMS, "ep")},
+                    "whole_experts": best.whole_experts,  # MeshStrategy(expert_tp=1)
                     "ac": best.ac,
                     "pp_schedule": best.schedule.describe() if best.layout.pp > 1 else None,
                     "micro_batch": best.work.micro_batch,

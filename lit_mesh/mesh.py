@@ -253,6 +253,8 @@ def ep_borrowing_problem(layout: MeshLayout) -> str:
         f"ep={layout.ep} does not divide dp_shard x cp = {layout.dp_shard} x {layout.cp} = {shard} (expert parallel"
         f" borrows its ranks from them, it does not add any); choose ep in {divisors(shard)}{whole}"
     )
+
+
 _BY_NAME = {rule.name: rule for rule in RULES}
 
 

@@ -188,7 +188,9 @@ RULES: list[Rule] = [
     Rule(
         "ep_needs_whole_experts",
         "launch",
-        lambda f: (f.layout.dp_shard * f.layout.cp) % f.layout.ep != 0 and not folds_experts(f.layout, f.options.expert),
+        lambda f: (
+            (f.layout.dp_shard * f.layout.cp) % f.layout.ep != 0 and not folds_experts(f.layout, f.options.expert)
+        ),
         lambda f: ep_borrowing_problem(f.layout),
     ),
     Rule(

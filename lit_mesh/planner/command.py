@@ -287,10 +287,12 @@ def simulate_best(c: Candidate, config: Any, shapes: Any) -> list[dict[str, Any]
     from lit_mesh.planner.simulate import simulate_rank
 
     rows = []
+    expert_tp = 1 if c.whole_experts else None  # and the shapes the candidate was priced with
+    shapes = shapes.with_whole_experts() if c.whole_experts else shapes
     for stage in stages_to_check(shapes, c.layout.pp, schedule=c.schedule):
         rank = first_rank_of_stage(c.layout, stage)
         estimate = state_bytes(shapes, c.layout, c.precision, rank, schedule=c.schedule)
-        simulated = simulate_rank(config, c.layout, rank, c.precision, schedule=c.schedule)
+        simulated = simulate_rank(config, c.layout, rank, c.precision, schedule=c.schedule, expert_tp=expert_tp)
         same = all(estimate[k] == simulated[k] for k in estimate)
         rows.append({"rank": rank, "stage": stage, "estimate": estimate, "simulated": simulated, "equal": same})
     return rows

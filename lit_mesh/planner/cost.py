@@ -44,7 +44,6 @@ from pathlib import Path
 
 from lit_mesh.comm.topology import all_gather_time, all_reduce_time
 from lit_mesh.mesh import MeshLayout
-from lit_mesh.planner.families import family_of
 from lit_mesh.planner.hardware import Hardware
 from lit_mesh.planner.memory import (
     PRECISION_BYTES,
@@ -137,7 +136,7 @@ class StepTime:
 
 def flops_per_token(shapes: ModelShapes, seq_len: int) -> float:
     """The model family's training FLOPs per token (an MoE's: the experts a token uses and the router)."""
-    return family_of(shapes.config).flops_per_token(shapes.config, seq_len)
+    return shapes.flops_per_token(seq_len)
 
 
 def model_flops_per_step(shapes: ModelShapes, work: Workload) -> float:
@@ -183,6 +182,9 @@ def float8_linear(p: ParamShape) -> bool:
     return len(p.shape) == 2 and not p.is_embedding and not p.expert and all(d % FLOAT8_MULTIPLE == 0 for d in p.shape)
 
 
+_GEMM_CACHE: dict[tuple, tuple[tuple[ParamShape, ...], Kernels, float]] = {}
+
+
 def _gemm_seconds(
     params: tuple[ParamShape, ...],
     tokens: float,
@@ -194,7 +196,28 @@ def _gemm_seconds(
     float8: bool = False,
 ) -> float:
     """Forward + backward GEMM time of `tokens` tokens through these weights on one rank (`float8`: the float8
-    linears at the float8 peak)."""
+    linears at the float8 peak); cached by the weights' tuple (kept alive with its entry, as memory's caches do)."""
+    key = (id(params), tokens, tp, ep, top_k, id(kern), peak, float8)
+    hit = _GEMM_CACHE.get(key)
+    if hit is not None and hit[0] is params and hit[1] is kern:
+        return hit[2]
+    if len(_GEMM_CACHE) > 100_000:
+        _GEMM_CACHE.clear()
+    seconds = _gemm_seconds_uncached(params, tokens, tp, ep, top_k, kern, peak, float8)
+    _GEMM_CACHE[key] = (params, kern, seconds)
+    return seconds
+
+
+def _gemm_seconds_uncached(
+    params: tuple[ParamShape, ...],
+    tokens: float,
+    tp: int,
+    ep: int,
+    top_k: int,
+    kern: Kernels,
+    peak: float,
+    float8: bool,
+) -> float:
     seconds = 0.0
     for p in params:
         if p.expert:  # (E, N, K): each token through top_k experts; ep spreads experts and their tokens evenly
@@ -240,6 +263,28 @@ def _ffn_width(config: object) -> int:
     return config.ffn_hidden  # type: ignore[attr-defined]
 
 
+_GATHERED_CACHE: dict[tuple, tuple[ModelShapes, tuple[int, int, int]]] = {}
+
+
+def gathered_numels(shapes: ModelShapes, layout: MeshLayout) -> tuple[int, int, int]:
+    """Elements FSDP gathers per block on a rank: the dense parameters, the experts', and the float8 linears' among
+    the dense ones; cached as memory._cached_state is (the search prices many options of one layout)."""
+    key = (id(shapes), layout)
+    hit = _GATHERED_CACHE.get(key)
+    if hit is None or hit[0] is not shapes:
+        if len(_GATHERED_CACHE) > 100_000:
+            _GATHERED_CACHE.clear()
+        numel = lambda params: sum(unsharded_numel(p, layout) for p in params)  # noqa: E731
+        block = shapes.block
+        counts = (
+            numel(p for p in block if not p.expert),
+            numel(p for p in block if p.expert),
+            numel(p for p in block if float8_linear(p)),
+        )
+        hit = _GATHERED_CACHE[key] = (shapes, counts)
+    return hit[1]
+
+
 def step_time(
     shapes: ModelShapes,
     layout: MeshLayout,
@@ -264,7 +309,7 @@ def step_time(
     float8, tensorwise = features.float8 is not None, features.float8 == "tensorwise"
     # whole experts under tp (expert_tp=1): each tp rank routes its own 1/tp of the tokens through whole experts
     routed_tokens = tokens / layout.tp if shapes.whole_experts else tokens
-    dense = tuple(p for p in shapes.block if not p.expert)
+    dense = shapes.dense_block
     gemm = _gemm_seconds(dense, tokens, layout.tp, layout.ep, top_k, kern, peak, float8)
     gemm += _gemm_seconds(
         tuple(p for p in shapes.block if p.expert), routed_tokens, layout.tp, layout.ep, top_k, kern, peak
@@ -279,7 +324,7 @@ def step_time(
     forward_backward = gemm + attention + elementwise + router + casts
     # selective under tp also runs wo's row-parallel matmul forward again (its partial sum is not kept); the
     # recompute stops before w2's (lit_mesh.parallel.activation_checkpointing)
-    wo = tuple(p for p in shapes.block if p.tp_style == "rowwise")[:1] if layout.tp > 1 else ()
+    wo = shapes.first_row_parallel if layout.tp > 1 else ()
     row_parallel = _gemm_seconds(wo, tokens, layout.tp, layout.ep, top_k, kern, peak, float8)
     # "full/2": the checkpointed blocks' share f of the model's, each term weighed between none's and the mode's
     mode, others, f = ac_mode(ac), ac_others(ac), checkpointed_share(shapes.n_blocks, ac)
@@ -313,12 +358,11 @@ def step_time(
 
     # FSDP / HSDP: per block, gathered forward and backward each micro-batch, reduce-scattered (fp32) and
     # all-reduced over the replicas on the last one; hidden behind the previous block's compute where shorter
-    dense_numel = sum(unsharded_numel(p, layout) for p in dense)
-    experts = sum(unsharded_numel(p, layout) for p in shapes.block if p.expert)
+    dense_numel, experts, float8_numel = gathered_numels(shapes, layout)
     k, k_experts = fsdp_degree(layout), expert_fsdp_degree(shapes, layout)
     shard_link = hw.link(stride["cp"] if layout.cp > 1 else stride["dp_shard"], k)
     # float8 "tensorwise": torchao's FSDP2 extension gathers the float8 linears' weights in float8 (one byte each)
-    fp8 = sum(unsharded_numel(p, layout) for p in shapes.block if float8_linear(p)) if tensorwise else 0
+    fp8 = float8_numel if tensorwise else 0
     units = (
         (dense_numel, (dense_numel - fp8) * bytes_of["gather"] + fp8, k),
         (experts, experts * bytes_of["gather"], k_experts),

@@ -279,21 +279,46 @@ def stage_activations(
     """Bytes per token one micro-batch through each local stage keeps for backward: its blocks, the ones AC
     checkpoints ("full/2": the model's every 2nd) at their mode's count, the others at their own mode's (none's, or
     under "full/2+selective" selective's)."""
-    b = PRECISION_BYTES[precision]["activation"]
     mode, others = ac_mode(ac), ac_others(ac)
-    per_block = {
-        m: _block_elements(shapes, layout.tp, m, b, fused_norm, regathered, layout.ep) * b for m in {others, mode}
-    }
-    for m in per_block:
-        if b < 4:  # each block casts RoPE's cos and sin (T x head_dim in all) to the compute dtype
-            per_block[m] += shapes.config.attention_head_dim / work.micro_batch * b
-        if m == "selective" and layout.cp > 1 and cp_style == "ring":  # the ring's blocks (activation_parts)
-            heads = shapes.config.n_heads / layout.tp
-            per_block[m] += (layout.cp - 1) * heads * (shapes.config.attention_head_dim * b + 4)
+    per_block = _per_block_bytes(shapes, layout, work.micro_batch, precision, ac, regathered, fused_norm, cp_style)
     return tuple(
         (n - c) * per_block[others] + c * per_block[mode]
         for n, c in zip(stages.blocks, stages.checkpointed(ac), strict=True)
     )
+
+
+_PER_BLOCK_CACHE: dict[tuple, tuple[ModelShapes, dict[str, float]]] = {}
+
+
+def _per_block_bytes(
+    shapes: ModelShapes,
+    layout: MeshLayout,
+    micro_batch: int,
+    precision: str,
+    ac: str,
+    regathered: bool,
+    fused_norm: bool,
+    cp_style: str,
+) -> dict[str, float]:
+    """Bytes per token one block keeps, by the AC modes `ac` gives its blocks (cached as _block_elements is)."""
+    key = (id(shapes), layout.tp, layout.ep, layout.cp, micro_batch, precision, ac, regathered, fused_norm, cp_style)
+    hit = _PER_BLOCK_CACHE.get(key)
+    if hit is None or hit[0] is not shapes:
+        if len(_PER_BLOCK_CACHE) > 100_000:
+            _PER_BLOCK_CACHE.clear()
+        b = PRECISION_BYTES[precision]["activation"]
+        per_block = {
+            m: _block_elements(shapes, layout.tp, m, b, fused_norm, regathered, layout.ep) * b
+            for m in {ac_others(ac), ac_mode(ac)}
+        }
+        for m in per_block:
+            if b < 4:  # each block casts RoPE's cos and sin (T x head_dim in all) to the compute dtype
+                per_block[m] += shapes.config.attention_head_dim / micro_batch * b
+            if m == "selective" and layout.cp > 1 and cp_style == "ring":  # the ring's blocks (activation_parts)
+                heads = shapes.config.n_heads / layout.tp
+                per_block[m] += (layout.cp - 1) * heads * (shapes.config.attention_head_dim * b + 4)
+        hit = _PER_BLOCK_CACHE[key] = (shapes, per_block)
+    return hit[1]
 
 
 # block_activation_elements_per_token by (id(shapes), tp, ac, bytes, fused norm, re-gathered, ep), with the shapes
@@ -383,6 +408,20 @@ def activation_parts(
     return {"held": int(tokens * per_token), "backward": int(tokens * transient + extra)}
 
 
+_BLOCK_NUMEL_CACHE: dict[tuple, tuple[ModelShapes, int]] = {}
+
+
+def block_numel(shapes: ModelShapes, layout: MeshLayout) -> int:
+    """Elements FSDP gathers for one block on a rank (unsharded_numel summed), cached per shapes and layout."""
+    key = (id(shapes), layout)
+    hit = _BLOCK_NUMEL_CACHE.get(key)
+    if hit is None or hit[0] is not shapes:
+        if len(_BLOCK_NUMEL_CACHE) > 100_000:
+            _BLOCK_NUMEL_CACHE.clear()
+        hit = _BLOCK_NUMEL_CACHE[key] = (shapes, sum(unsharded_numel(p, layout) for p in shapes.block))
+    return hit[1]
+
+
 def buffer_bytes(
     shapes: ModelShapes, layout: MeshLayout, precision: str, stage: int, *, schedule: Schedule = ONE_F_ONE_B
 ) -> int:
@@ -394,7 +433,7 @@ def buffer_bytes(
     if fsdp_degree(layout) == 1:
         return 0
     gather = PRECISION_BYTES[precision]["gather"]
-    block = sum(unsharded_numel(p, layout) for p in shapes.block)
+    block = block_numel(shapes, layout)
     stages = rank_stages(shapes.n_blocks, layout.pp, schedule)[stage]
     gathered = stages.total_blocks if layout.pp > 1 else 2
     root = [*(shapes.first if stages.first else ()), *(shapes.last if stages.last else ())]
@@ -434,7 +473,7 @@ def stage_gradient_numels(shapes: ModelShapes, layout: MeshLayout, stage: int, s
     if fsdp_degree(layout) == 1 or layout.pp == 1:
         return ()
     stages = rank_stages(shapes.n_blocks, layout.pp, schedule)[stage]
-    block = sum(unsharded_numel(p, layout) for p in shapes.block)
+    block = block_numel(shapes, layout)
     sizes = [blocks * block for blocks in stages.blocks]  # per local stage, ascending: the embedding's is the first
     if stages.first:
         sizes[0] += sum(unsharded_numel(p, layout) for p in shapes.first)

@@ -52,7 +52,7 @@ class Candidate:
             " x ".join(f"{d}={getattr(self.layout, d)}" for d in DIMS if getattr(self.layout, d) > 1) or "one device"
         )
         if self.layout.ep > 1:
-            degrees += f" (ep={self.layout.ep} of dp_shard x cp)"
+            degrees += f" (ep={self.layout.ep} of dp_shard x cp{' x tp' if self.whole_experts else ''})"
         zero = f", ZeRO-{self.zero_stage}" if self.zero_stage < 3 else ""
         schedule = f", {self.schedule.describe()}" if self.layout.pp > 1 else ""
         float8 = f", float8 {self.float8}" if self.float8 else ""

@@ -5,6 +5,7 @@ so the planner shards exactly what lit_mesh.parallel shards)."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
@@ -47,22 +48,52 @@ class ModelShapes:
     def is_moe(self) -> bool:
         return bool(self.ep_divides)
 
-    @property
+    # cached: the search asks these of every option it prices
+    @functools.cached_property
     def expert_tp(self) -> bool:
         """tp > 1 splits each routed expert's hidden units over tp (MoEPlan.hidden_dims)."""
         return any(p.hidden_dim is not None for p in self.block if p.expert)
 
-    @property
+    @functools.cached_property
+    def dense_block(self) -> tuple[ParamShape, ...]:
+        """A block's parameters outside the stacked experts."""
+        return tuple(p for p in self.block if not p.expert)
+
+    @functools.cached_property
+    def expert_block(self) -> tuple[ParamShape, ...]:
+        """A block's stacked expert weights."""
+        return tuple(p for p in self.block if p.expert)
+
+    @functools.cached_property
+    def first_row_parallel(self) -> tuple[ParamShape, ...]:
+        """A block's first row-parallel weight (attention's output projection), alone in a tuple."""
+        return tuple(p for p in self.block if p.tp_style == "rowwise")[:1]
+
+    @functools.cached_property
     def whole_experts(self) -> bool:
         """expert_tp=1: whole experts under tp, each tp rank routing its own sequence shard (MoE parallel folding)."""
         return any(p.whole_under_tp for p in self.block)
 
     def with_whole_experts(self) -> ModelShapes:
-        """These shapes under MeshStrategy(expert_tp=1) (lit_mesh/parallel/expert.py)."""
+        """These shapes under MeshStrategy(expert_tp=1) (lit_mesh/parallel/expert.py); made once per shapes."""
+        return self if self.whole_experts else self._whole
+
+    @functools.cached_property
+    def _whole(self) -> ModelShapes:
         block = tuple(
             dataclasses.replace(p, hidden_dim=None, whole_under_tp=True) if p.expert else p for p in self.block
         )
         return dataclasses.replace(self, block=block)
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """The model family's training FLOPs per token (an MoE's: the experts a token uses and the router)."""
+        if seq_len not in self._flops:
+            self._flops[seq_len] = family_of(self.config).flops_per_token(self.config, seq_len)
+        return self._flops[seq_len]
+
+    @functools.cached_property
+    def _flops(self) -> dict[int, float]:
+        return {}
 
     def numel(self) -> int:
         count = lambda params: sum(_numel(p.shape) for p in params)  # noqa: E731
