@@ -19,10 +19,11 @@ Whole experts under tp (`expert_tp=1`; Megatron-Core's ETP 1 with MoE parallel f
 this tp rank's sequence shard as it is (TP style "sequence_shard": no gather), its router and shared experts run on
 those tokens with their weights replicated over tp (the plan's `moe.token_wise`, TP style "token_wise": gradients
 summed over tp), and the all-to-alls carry only this rank's tokens. The experts are whole, split over ep, which takes
-the innermost ranks of dp_shard x cp x tp (a tp group first), and FSDP-sharded over the rest, which sums their
-gradients over every rank's tokens; the load sums over dp x cp x tp,
-and the aux loss's mean router probabilities are averaged over tp in forward (Megatron's g: the backward hands each
-rank its share), so every tp rank holds the same aux loss. Per tp rank: 1/tp of the routed tokens, whole experts.
+the innermost ranks of dp_shard x cp x tp (a tp group first; ep may exceed dp_shard x cp), and FSDP-sharded over the
+rest (lit_mesh.mesh.folded_expert_meshes), which sums their gradients over every rank's tokens; the load sums over
+dp x cp x tp, and the aux loss's mean router probabilities are averaged over tp in forward (Megatron's g: the
+backward hands each rank its share), so every tp rank holds the same aux loss. Per tp rank: 1/tp of the routed
+tokens, whole experts.
 
 Gradients: a rank's experts see the tokens of all ep ranks, so their gradient is the sum of ep ranks'
 contributions, while FSDP averages only over expert_dp (world / ep ranks): the expert weights' gradient is
@@ -330,7 +331,7 @@ class AllToAllDispatch:
         by_expert = torch.argsort(source_expert % local_experts * ep + source_expert // local_experts, stable=True)
         grouped = _ScaleGradient.apply(received[by_expert], 1.0 / self.weight_gradient_scale)
         out = self.run_experts(experts, grouped, per_local_expert)
-        # the weights' gradient / ep (FSDP averages over world / ep ranks); the tokens' gradient unchanged
+        # the weights' gradient x 1/ep (tp/ep with whole experts under tp); the tokens' gradient unchanged
         out = _ScaleGradient.apply(out, self.weight_gradient_scale)
         # 3. outputs back to the ranks the tokens came from, in the order they were sent
         back = out[torch.argsort(by_expert)]

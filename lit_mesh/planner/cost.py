@@ -41,9 +41,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
+from typing import Any
 
 from lit_mesh.comm.topology import all_gather_time, all_reduce_time
 from lit_mesh.mesh import MeshLayout
+from lit_mesh.planner.cache import IdentityCache, by_identity
 from lit_mesh.planner.hardware import Hardware
 from lit_mesh.planner.memory import (
     PRECISION_BYTES,
@@ -182,7 +184,7 @@ def float8_linear(p: ParamShape) -> bool:
     return len(p.shape) == 2 and not p.is_embedding and not p.expert and all(d % FLOAT8_MULTIPLE == 0 for d in p.shape)
 
 
-_GEMM_CACHE: dict[tuple, tuple[tuple[ParamShape, ...], Kernels, float]] = {}
+_GEMM_CACHE: IdentityCache = {}
 
 
 def _gemm_seconds(
@@ -196,28 +198,13 @@ def _gemm_seconds(
     float8: bool = False,
 ) -> float:
     """Forward + backward GEMM time of `tokens` tokens through these weights on one rank (`float8`: the float8
-    linears at the float8 peak); cached by the weights' tuple (kept alive with its entry, as memory's caches do)."""
-    key = (id(params), tokens, tp, ep, top_k, id(kern), peak, float8)
-    hit = _GEMM_CACHE.get(key)
-    if hit is not None and hit[0] is params and hit[1] is kern:
-        return hit[2]
-    if len(_GEMM_CACHE) > 100_000:
-        _GEMM_CACHE.clear()
-    seconds = _gemm_seconds_uncached(params, tokens, tp, ep, top_k, kern, peak, float8)
-    _GEMM_CACHE[key] = (params, kern, seconds)
-    return seconds
+    linears at the float8 peak); cached by the weights' tuple (kernels compare by value)."""
+    key = (tokens, tp, ep, top_k, kern, peak, float8)
+    return by_identity(_GEMM_CACHE, params, key, lambda: _gemm_seconds_of(params, *key))
 
 
-def _gemm_seconds_uncached(
-    params: tuple[ParamShape, ...],
-    tokens: float,
-    tp: int,
-    ep: int,
-    top_k: int,
-    kern: Kernels,
-    peak: float,
-    float8: bool,
-) -> float:
+def _gemm_seconds_of(params: tuple[ParamShape, ...], *key: Any) -> float:
+    tokens, tp, ep, top_k, kern, peak, float8 = key
     seconds = 0.0
     for p in params:
         if p.expert:  # (E, N, K): each token through top_k experts; ep spreads experts and their tokens evenly
@@ -263,26 +250,18 @@ def _ffn_width(config: object) -> int:
     return config.ffn_hidden  # type: ignore[attr-defined]
 
 
-_GATHERED_CACHE: dict[tuple, tuple[ModelShapes, tuple[int, int, int]]] = {}
+_GATHERED_CACHE: IdentityCache = {}
 
 
 def gathered_numels(shapes: ModelShapes, layout: MeshLayout) -> tuple[int, int, int]:
     """Elements FSDP gathers per block on a rank: the dense parameters, the experts', and the float8 linears' among
-    the dense ones; cached as memory._cached_state is (the search prices many options of one layout)."""
-    key = (id(shapes), layout)
-    hit = _GATHERED_CACHE.get(key)
-    if hit is None or hit[0] is not shapes:
-        if len(_GATHERED_CACHE) > 100_000:
-            _GATHERED_CACHE.clear()
+    the dense ones (cached: the search prices many options of one layout)."""
+
+    def count() -> tuple[int, int, int]:
         numel = lambda params: sum(unsharded_numel(p, layout) for p in params)  # noqa: E731
-        block = shapes.block
-        counts = (
-            numel(p for p in block if not p.expert),
-            numel(p for p in block if p.expert),
-            numel(p for p in block if float8_linear(p)),
-        )
-        hit = _GATHERED_CACHE[key] = (shapes, counts)
-    return hit[1]
+        return numel(shapes.dense_block), numel(shapes.expert_block), numel(p for p in shapes.block if float8_linear(p))
+
+    return by_identity(_GATHERED_CACHE, shapes, (layout,), count)
 
 
 def step_time(

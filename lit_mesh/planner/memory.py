@@ -23,6 +23,7 @@ from functools import lru_cache, partial
 
 from lit_mesh.loss import CHUNK_ROWS
 from lit_mesh.mesh import MeshLayout
+from lit_mesh.planner.cache import IdentityCache, by_identity
 from lit_mesh.planner.pipeline_model import (
     ONE_F_ONE_B,
     RankStages,
@@ -287,7 +288,7 @@ def stage_activations(
     )
 
 
-_PER_BLOCK_CACHE: dict[tuple, tuple[ModelShapes, dict[str, float]]] = {}
+_PER_BLOCK_CACHE: IdentityCache = {}
 
 
 def _per_block_bytes(
@@ -300,12 +301,9 @@ def _per_block_bytes(
     fused_norm: bool,
     cp_style: str,
 ) -> dict[str, float]:
-    """Bytes per token one block keeps, by the AC modes `ac` gives its blocks (cached as _block_elements is)."""
-    key = (id(shapes), layout.tp, layout.ep, layout.cp, micro_batch, precision, ac, regathered, fused_norm, cp_style)
-    hit = _PER_BLOCK_CACHE.get(key)
-    if hit is None or hit[0] is not shapes:
-        if len(_PER_BLOCK_CACHE) > 100_000:
-            _PER_BLOCK_CACHE.clear()
+    """Bytes per token one block keeps, by the AC modes `ac` gives its blocks (cached)."""
+
+    def count() -> dict[str, float]:
         b = PRECISION_BYTES[precision]["activation"]
         per_block = {
             m: _block_elements(shapes, layout.tp, m, b, fused_norm, regathered, layout.ep) * b
@@ -317,8 +315,10 @@ def _per_block_bytes(
             if m == "selective" and layout.cp > 1 and cp_style == "ring":  # the ring's blocks (activation_parts)
                 heads = shapes.config.n_heads / layout.tp
                 per_block[m] += (layout.cp - 1) * heads * (shapes.config.attention_head_dim * b + 4)
-        hit = _PER_BLOCK_CACHE[key] = (shapes, per_block)
-    return hit[1]
+        return per_block
+
+    key = (layout.tp, layout.ep, layout.cp, micro_batch, precision, ac, regathered, fused_norm, cp_style)
+    return by_identity(_PER_BLOCK_CACHE, shapes, key, count)
 
 
 # block_activation_elements_per_token by (id(shapes), tp, ac, bytes, fused norm, re-gathered, ep), with the shapes
@@ -408,18 +408,14 @@ def activation_parts(
     return {"held": int(tokens * per_token), "backward": int(tokens * transient + extra)}
 
 
-_BLOCK_NUMEL_CACHE: dict[tuple, tuple[ModelShapes, int]] = {}
+_BLOCK_NUMEL_CACHE: IdentityCache = {}
 
 
 def block_numel(shapes: ModelShapes, layout: MeshLayout) -> int:
-    """Elements FSDP gathers for one block on a rank (unsharded_numel summed), cached per shapes and layout."""
-    key = (id(shapes), layout)
-    hit = _BLOCK_NUMEL_CACHE.get(key)
-    if hit is None or hit[0] is not shapes:
-        if len(_BLOCK_NUMEL_CACHE) > 100_000:
-            _BLOCK_NUMEL_CACHE.clear()
-        hit = _BLOCK_NUMEL_CACHE[key] = (shapes, sum(unsharded_numel(p, layout) for p in shapes.block))
-    return hit[1]
+    """Elements FSDP gathers for one block on a rank (unsharded_numel summed; cached)."""
+    return by_identity(
+        _BLOCK_NUMEL_CACHE, shapes, (layout,), lambda: sum(unsharded_numel(p, layout) for p in shapes.block)
+    )
 
 
 def buffer_bytes(
