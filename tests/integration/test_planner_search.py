@@ -70,22 +70,26 @@ def test_every_proposed_layout_runs_and_fits(preset: str) -> None:
 def test_moe_plan_proposes_only_runnable_layouts_and_simulates_its_best(capsys: pytest.CaptureFixture) -> None:
     config = MoEConfig.from_preset("mixtral-8x7b")
     shapes, work = gpt_shapes(config), Workload(global_batch=256, seq_len=8192)
-    with_ep, checked = 0, set()
+    with_ep, whole, checked = 0, 0, set()
     for devices in (64, 1024):
         hw = Hardware(nodes=devices // 8, devices_per_node=8, memory_bytes=80 * GB)
         result = plan(shapes, work, hw)
         assert result.ranked, devices
         for c in result.ranked:
             layout = c.layout
-            assert config.n_experts % layout.ep == 0 and (layout.dp_shard * layout.cp) % layout.ep == 0
             strategy = fit_config(c, "mixtral-8x7b", {}, hw, 10, "moe")["trainer"]["strategy"]["init_args"]
+            # whole experts under tp (expert_tp=1, written into the config): ep may borrow tp ranks too
+            assert (strategy.get("expert_tp") == 1) == c.whole_experts and (not c.whole_experts or layout.tp > 1)
+            borrowed = layout.dp_shard * layout.cp * (layout.tp if c.whole_experts else 1)
+            assert config.n_experts % layout.ep == 0 and borrowed % layout.ep == 0
+            whole += c.whole_experts
             if _first_time(strategy, checked):
                 MeshStrategy(**strategy)  # the strategy's own argument checks
             degrees = {d: strategy[d] for d in ("pp", "dp_replicate", "dp_shard", "cp", "tp")}
             assert resolve_layout(devices, **degrees, ep=strategy.get("ep", 1)) == layout  # ep included
             assert c.memory["total"] <= hw.memory_bytes - hw.reserve_bytes
             with_ep += layout.ep > 1
-    assert with_ep > 0
+    assert with_ep > 0 and whole > 0
     status, out, text = _run(capsys, "--model", "moe", "--preset", "mixtral-8x7b", "--devices", "1024", "--simulate")
     assert status == 0 and out["simulation"] and all(r["equal"] for r in out["simulation"]), text
     assert "experts per rank, tokens to their experts by all-to-all" in text or out["ranked"][0]["layout"]["ep"] == 1
