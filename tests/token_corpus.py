@@ -42,18 +42,11 @@ def prepare_shards(tokenizer: Path, out: Path, val_fraction: float = 0.1) -> Pat
 
 def save_tiny_llama(directory: Path, vocab_size: int = VOCAB, seed: int = 0) -> Path:
     """A tiny random Llama written by save_pretrained in several safetensors files (with an index)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
+
+    from zoo.hf.configs import tiny_config
 
     torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=vocab_size,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        tie_word_embeddings=False,
-    )
+    config = tiny_config("llama", vocab_size=vocab_size, tie_word_embeddings=False)
     LlamaForCausalLM(config).save_pretrained(directory, max_shard_size="100KB")
     return directory

@@ -250,12 +250,16 @@ def parallelize(
         others = [u for u in others if parameters_outside(u, block_lists[0])]
         names = {id(m): n for n, m in root.named_modules()}
         rank_zero_info(units_report(blocks, [names[id(u)] for u in others], type(root).__name__))
+    zero_stage = options.data.zero_stage
+    if dp_mesh is not None or fold:  # the experts first (their own FSDP units); whole experts under tp even without
+        # data parallel: FSDP over the tp ranks sums their gradients
+        for owner in owners:
+            shard_experts(owner.module, owner.plan, mesh, layout, precision, zero_stage, fold)
     if dp_mesh is not None:
-        zero_stage, fsdp = options.data.zero_stage, options.fsdp
+        fsdp = options.fsdp
         mp_policy = mixed_precision_override(fsdp.mixed_precision)  # FSDPStrategy's names; None: lit-mesh's own
         offload = offload_policy(fsdp.cpu_offload, mesh.root.device_type)
         for owner, block_list in zip(owners, block_lists):
-            shard_experts(owner.module, owner.plan, mesh, layout, precision, zero_stage, fold)
             # each pipeline stage is an FSDP root of its own (one stage per rank: the model itself)
             stage_roots = [s.module for s in done.stages] if done.stages else [owner.module]
             apply_data_parallel(
@@ -269,9 +273,6 @@ def parallelize(
             attach_compression(root, compression, mesh, layout, views)
         if replicate_hierarchy is not None:  # replaces the flat replicate all-reduce (compressed or not)
             attach_hierarchical_all_reduce(root, replicate_hierarchy, compression, views)
-    elif fold:  # no data parallel: FSDP over tp alone still sums the whole experts' gradients over the tp ranks
-        for owner in owners:
-            shard_experts(owner.module, owner.plan, mesh, layout, precision, options.data.zero_stage, fold)
     _APPLIED[root] = done
     return done
 

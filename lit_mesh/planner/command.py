@@ -284,11 +284,12 @@ def _hf_shape(args: argparse.Namespace) -> dict[str, Any]:
 def simulate_best(c: Candidate, config: Any, shapes: Any) -> list[dict[str, Any]]:
     """Estimate vs the real sharding on fake ranks, for the first rank of every stage that can be the worst."""
     from lit_mesh.planner.memory import first_rank_of_stage, stages_to_check, state_bytes
+    from lit_mesh.planner.search import shapes_of
     from lit_mesh.planner.simulate import simulate_rank
 
     rows = []
-    expert_tp = 1 if c.whole_experts else None  # and the shapes the candidate was priced with
-    shapes = shapes.with_whole_experts() if c.whole_experts else shapes
+    expert_tp = 1 if c.whole_experts else None
+    shapes = shapes_of(c, shapes)  # the shapes the candidate was priced with
     for stage in stages_to_check(shapes, c.layout.pp, schedule=c.schedule):
         rank = first_rank_of_stage(c.layout, stage)
         estimate = state_bytes(shapes, c.layout, c.precision, rank, schedule=c.schedule)
@@ -313,6 +314,7 @@ def check_step(c: Candidate, config: Any, shapes: Any) -> dict[str, Any]:
     from lit_mesh.planner.fake_step import fake_step
     from lit_mesh.planner.memory import activation_parts, first_rank_of_stage, ranks_to_check, stage_activations
     from lit_mesh.planner.pipeline_model import regathers
+    from lit_mesh.planner.search import shapes_of
     from lit_mesh.planner.step_process import step_in_process
 
     if c.memory["total"] > STEP_LIMIT_BYTES:
@@ -327,8 +329,9 @@ def check_step(c: Candidate, config: Any, shapes: Any) -> dict[str, Any]:
     work = replace(c.work, global_batch=c.work.micro_batch * c.layout.dp * n)
     mb, seq, zero, schedule = work.micro_batch, work.seq_len, c.zero_stage, c.schedule
     step: dict[str, Any] = dict(zero_stage=zero, schedule=schedule, microbatches=n, float8=c.float8)
-    if c.whole_experts:  # MeshStrategy(expert_tp=1), and the shapes the candidate was priced with
-        step["expert_tp"], shapes = 1, shapes.with_whole_experts()
+    if c.whole_experts:  # MeshStrategy(expert_tp=1)
+        step["expert_tp"] = 1
+    shapes = shapes_of(c, shapes)  # the shapes the candidate was priced with
     counts = fake_step(config, c.layout, mb, seq, 0, c.precision, c.ac, **step)
     # the CPU step runs torch's composite rms_norm (the planner's own estimate assumes CUDA's fused kernel)
     check: dict[str, Any] = {"microbatches": n, **_rank_check(c, shapes, work, 0, counts)}

@@ -46,6 +46,7 @@ from typing import Any
 from lit_mesh.comm.topology import all_gather_time, all_reduce_time
 from lit_mesh.mesh import MeshLayout
 from lit_mesh.planner.cache import IdentityCache, by_identity
+from lit_mesh.planner.families import family_of
 from lit_mesh.planner.hardware import Hardware
 from lit_mesh.planner.memory import (
     PRECISION_BYTES,
@@ -136,9 +137,14 @@ class StepTime:
         return (self.compute + sum(self.exposed.values())) * (1 + self.bubble) + self.optimizer
 
 
+_FLOPS_CACHE: IdentityCache = {}
+
+
 def flops_per_token(shapes: ModelShapes, seq_len: int) -> float:
-    """The model family's training FLOPs per token (an MoE's: the experts a token uses and the router)."""
-    return shapes.flops_per_token(seq_len)
+    """The model family's training FLOPs per token (an MoE's: the experts a token uses and the router; cached)."""
+    return by_identity(
+        _FLOPS_CACHE, shapes, (seq_len,), lambda: family_of(shapes.config).flops_per_token(shapes.config, seq_len)
+    )
 
 
 def model_flops_per_step(shapes: ModelShapes, work: Workload) -> float:
@@ -288,11 +294,8 @@ def step_time(
     float8, tensorwise = features.float8 is not None, features.float8 == "tensorwise"
     # whole experts under tp (expert_tp=1): each tp rank routes its own 1/tp of the tokens through whole experts
     routed_tokens = tokens / layout.tp if shapes.whole_experts else tokens
-    dense = shapes.dense_block
-    gemm = _gemm_seconds(dense, tokens, layout.tp, layout.ep, top_k, kern, peak, float8)
-    gemm += _gemm_seconds(
-        tuple(p for p in shapes.block if p.expert), routed_tokens, layout.tp, layout.ep, top_k, kern, peak
-    )
+    gemm = _gemm_seconds(shapes.dense_block, tokens, layout.tp, layout.ep, top_k, kern, peak, float8)
+    gemm += _gemm_seconds(shapes.expert_block, routed_tokens, layout.tp, layout.ep, top_k, kern, peak)
     heads_width = c.n_heads * c.attention_head_dim
     attention = 0.5 * 12 * tokens * work.seq_len * heads_width / layout.tp / (peak * kern.attention_peak_fraction)
     accesses = kern.elementwise_accesses_compiled if features.compile else kern.elementwise_accesses
@@ -378,8 +381,7 @@ def step_time(
         # gathers twice again and stops before the last reduce-scatter, selective's gathers twice again; without AC
         # backward gathers the two sequence-parallel inputs again (lit_mesh/parallel/regather.py: eager blocks only;
         # each waited on by the matmul right after it, so exposed) (lit_mesh/planner/traffic.py, as counted)
-        # whole experts under tp: the MoE layer takes its sequence shard as it is (no gather, no reduce-scatter)
-        regions = 1 if shapes.whole_experts else 2
+        regions = shapes.tp_regions  # whole experts under tp: attention alone gathers
         regathered = regions if regathers(features.schedule, layout.pp) and not features.compile else 0
         # full AC's recompute: the gathers and every reduce-scatter but a dense block's last (an MoE block's routing
         # needs the attention's)

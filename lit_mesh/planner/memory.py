@@ -321,20 +321,20 @@ def _per_block_bytes(
     return by_identity(_PER_BLOCK_CACHE, shapes, key, count)
 
 
-# block_activation_elements_per_token by (id(shapes), tp, ac, bytes, fused norm, re-gathered, ep), with the shapes
-# kept alive so that their id stays theirs: the search asks for every option and pp rank
-_BLOCK_CACHE: dict[tuple, tuple[ModelShapes, float]] = {}
+# block_activation_elements_per_token by shapes, tp, AC, bytes, fused norm, re-gathered and ep: the search asks for
+# every option and pp rank
+_BLOCK_CACHE: IdentityCache = {}
 
 
 def _block_elements(
     shapes: ModelShapes, tp: int, ac: str, act_bytes: int, fused_norm: bool, regathered: bool, ep: int
 ) -> float:
-    key = (id(shapes), tp, ac, act_bytes, fused_norm, regathered, ep)
-    hit = _BLOCK_CACHE.get(key)
-    if hit is None or hit[0] is not shapes:
-        elements = block_activation_elements_per_token(shapes, tp, ac, act_bytes, fused_norm, regathered, ep)
-        hit = _BLOCK_CACHE[key] = (shapes, elements)
-    return hit[1]
+    return by_identity(
+        _BLOCK_CACHE,
+        shapes,
+        (tp, ac, act_bytes, fused_norm, regathered, ep),
+        lambda: block_activation_elements_per_token(shapes, tp, ac, act_bytes, fused_norm, regathered, ep),
+    )
 
 
 def _every_block_alike(stages: RankStages, ac: str) -> bool:
@@ -541,42 +541,38 @@ def _ranks_by_block_counts(
     return tuple(sorted(rank for _, rank in worst.values()))
 
 
-# (shapes, state bytes, FSDP buffer bytes) per rank: neither depends on the micro-batch or AC, which the search varies
-_STATE_CACHE: dict[tuple, tuple[ModelShapes, dict[str, int], int, tuple[int, ...]]] = {}
+# (state bytes, FSDP buffer bytes, gradient sizes) per rank: none depends on the micro-batch or AC, which the search
+# varies
+_STATE_CACHE: IdentityCache = {}
 
 
 def _cached_state(
     shapes: ModelShapes, layout: MeshLayout, precision: str, stage: int, schedule: Schedule
 ) -> tuple[dict[str, int], int, tuple[int, ...]]:
-    key = (id(shapes), layout, precision, stage, schedule)
-    hit = _STATE_CACHE.get(key)
-    if hit is None or hit[0] is not shapes:
-        if len(_STATE_CACHE) > 100_000:
-            _STATE_CACHE.clear()
+    def count() -> tuple[dict[str, int], int, tuple[int, ...]]:
         rank = first_rank_of_stage(layout, stage)
         state = state_bytes(shapes, layout, precision, rank, schedule=schedule)
         buffers = buffer_bytes(shapes, layout, precision, stage, schedule=schedule)
-        hit = _STATE_CACHE[key] = (shapes, state, buffers, stage_gradient_numels(shapes, layout, stage, schedule))
-    return hit[1], hit[2], hit[3]
+        return state, buffers, stage_gradient_numels(shapes, layout, stage, schedule)
+
+    return by_identity(_STATE_CACHE, shapes, (layout, precision, stage, schedule), count)
 
 
-_FULLEST_CACHE: dict[tuple, tuple[ModelShapes, int]] = {}
+_FULLEST_CACHE: IdentityCache = {}
 
 
 def fullest_state_numel(shapes: ModelShapes, layout: MeshLayout, schedule: Schedule = ONE_F_ONE_B) -> int:
     """The most parameter elements any rank holds (the optimizer step's work), cached: the search asks once per
     micro-batch and AC mode for the same layout."""
-    key = (id(shapes), layout, schedule)
-    hit = _FULLEST_CACHE.get(key)
-    if hit is None or hit[0] is not shapes:
-        if len(_FULLEST_CACHE) > 100_000:
-            _FULLEST_CACHE.clear()
-        fullest = max(
+    return by_identity(
+        _FULLEST_CACHE,
+        shapes,
+        (layout, schedule),
+        lambda: max(
             state_numel(shapes, layout, first_rank_of_stage(layout, r), schedule=schedule)
             for r in stages_to_check(shapes, layout.pp, schedule=schedule)
-        )
-        hit = _FULLEST_CACHE[key] = (shapes, fullest)
-    return hit[1]
+        ),
+    )
 
 
 def rank_memory(

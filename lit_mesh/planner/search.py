@@ -328,6 +328,8 @@ def plan(
 def expert_variants(shapes: ModelShapes, layout: MeshLayout) -> list[ModelShapes]:
     """The ways the tp ranks can share an MoE model's experts: split over tp (expert_tp=None; ep from dp_shard x cp),
     and under tp > 1 whole (expert_tp=1, each tp rank routing its sequence shard; ep from dp_shard x cp x tp)."""
+    if shapes.whole_experts:  # a run that fixed expert_tp=1 (a calibration row)
+        return [shapes]
     split = [shapes] if (layout.dp_shard * layout.cp) % layout.ep == 0 else []
     return split + [shapes.with_whole_experts()] if shapes.is_moe and layout.tp > 1 else split
 

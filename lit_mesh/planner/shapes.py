@@ -85,15 +85,11 @@ class ModelShapes:
         )
         return dataclasses.replace(self, block=block)
 
-    def flops_per_token(self, seq_len: int) -> float:
-        """The model family's training FLOPs per token (an MoE's: the experts a token uses and the router)."""
-        if seq_len not in self._flops:
-            self._flops[seq_len] = family_of(self.config).flops_per_token(self.config, seq_len)
-        return self._flops[seq_len]
-
-    @functools.cached_property
-    def _flops(self) -> dict[int, float]:
-        return {}
+    @property
+    def tp_regions(self) -> int:
+        """Regions of a block that gather their sequence-parallel input under tp (attention and the feed-forward; with
+        whole experts the MoE layer takes its sequence shard as it is: attention alone)."""
+        return 1 if self.whole_experts else 2
 
     def numel(self) -> int:
         count = lambda params: sum(_numel(p.shape) for p in params)  # noqa: E731

@@ -93,8 +93,7 @@ def comm_bytes(
     stages = rank_stages(shapes.n_blocks, layout.pp, schedule)[stage]
     blocks = stages.total_blocks
     root_params = [*(shapes.first if stages.first else ()), *(shapes.last if stages.last else ())]
-    dense = [p for p in shapes.block if not p.expert]
-    experts = [p for p in shapes.block if p.expert]
+    dense, experts = shapes.dense_block, shapes.expert_block
     # "full/2": the checkpointed blocks of this rank's stages (the model's every 2nd) count as full AC's, the
     # others as none's ("full/2+selective": as selective's)
     mode, others = ac_mode(ac), ac_others(ac)
@@ -140,9 +139,7 @@ def comm_bytes(
     tokens = work.tokens_per_microbatch(layout)  # this rank's, per micro-batch (cp splits the sequence)
     if layout.tp > 1:
         hidden = tokens * c.dim * act
-        # the regions a block gathers for (attention, feed-forward); whole experts under tp: the MoE layer takes its
-        # sequence shard as it is, attention alone gathers
-        regions = 1 if shapes.whole_experts else 2
+        regions = shapes.tp_regions  # attention and the feed-forward; with whole experts attention alone
         per_pass = regions * blocks * hidden  # forward: gathers (or reduce-scatters) per block
         ends = (1 if stages.first else 0) + (1 if stages.last else 0)  # embedding output, head input
         # full AC's recomputed forward gathers again but stops before the block's last reduce-scatter (nothing of
