@@ -1,7 +1,7 @@
 """Expert-parallel parity through the `lit-mesh` CLI with configs/moe.yaml (dropless routing, aux loss and
 aux-loss-free balancing on): ep2, ep4, fsdp4 x ep2, tp2 (expert tensor parallel), tp2 x ep2, hsdp 2x2 x ep2, cp2 x ep2,
 pp2 x ep2 (pp2 alone: the variant below) and whole experts under tp (expert_tp=1: tp2, tp2 x ep2, ep4 over dp_shard 2
-x tp 2, pp2 x tp2) train the same model on the same global batches as one device: relative
+x tp 2, pp2 x tp2, ep4 over cp 2 x tp 2) train the same model on the same global batches as one device: relative
 1e-4 per step over 10 steps, final full parameters within 1e-4, and the
 router and expert gradients of the first step within 1e-5 of the single-device ones."""
 
@@ -36,6 +36,8 @@ LAYOUTS: dict[str, tuple[int, list[str]]] = {
     "tp2_ep2_fold": (4, [f"{S}tp=2", f"{S}ep=2", f"{S}expert_tp=1"]),  # ep = the tp pair, FSDP over dp_shard 2
     "tp2_ep4_fold": (4, [f"{S}tp=2", f"{S}ep=4", f"{S}expert_tp=1"]),  # ep over dp_shard 2 x tp 2: all 4 ranks
     "pp2_tp2_fold": (4, [f"{S}pp=2", f"{S}tp=2", f"{S}expert_tp=1"]),  # the load of every micro-batch and tp shard
+    # cp x tp: each rank routes its cp chunk's tp shard; ep over cp x tp (all 4 ranks)
+    "cp2_tp2_ep4_fold": (4, [f"{S}cp=2", f"{S}tp=2", f"{S}ep=4", f"{S}expert_tp=1"]),
 }
 PIPELINE_ONLY = {"pp2": (2, [f"{S}pp=2"])}
 # shared experts, sigmoid scores, a dense block beside the MoE block (the TP plan of both kinds of blocks) and
@@ -109,6 +111,7 @@ EXPERT_SPLIT = {
     "tp2_ep2_fold": (2, 1, 4),  # over ep, then FSDP over dp_shard x tp / ep = 2
     "tp2_ep4_fold": (4, 1, 4),  # one expert per rank, no FSDP shard left
     "pp2_tp2_fold": (1, 1, 2),
+    "cp2_tp2_ep4_fold": (4, 1, 4),
 }
 
 

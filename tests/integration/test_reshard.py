@@ -1,5 +1,7 @@
 """Resume on another mesh (issue #8): a checkpoint saved with one layout loads into another; parameters and
-optimizer state arrive equal (full tensors) and the next 5 steps follow the uninterrupted run."""
+optimizer state arrive equal (full tensors) and the next 5 steps follow the uninterrupted run. The MoE move also
+changes how the experts are shared over tp: split by hidden unit (tp2 x ep2) to whole experts (expert_tp=1, ep4 over
+dp_shard 2 x tp 2); DCP reshards them by their global shapes, which both ways keep."""
 
 from __future__ import annotations
 
@@ -17,15 +19,26 @@ MESHES = {
     "hsdp2x2": (4, [f"{S}dp_replicate=2", f"{S}dp_shard=2"]),
     "tp2": (2, [f"{S}tp=2"]),
     "single": (1, []),
+    "moe_tp2_ep2": (4, [f"{S}tp=2", f"{S}ep=2"]),
+    "moe_tp2_ep4_whole": (4, [f"{S}tp=2", f"{S}ep=4", f"{S}expert_tp=1"]),
+    "moe_single": (1, []),
 }
-MOVES = [("fsdp4", "fsdp2_tp2"), ("tp2", "single"), ("hsdp2x2", "fsdp4")]
+MOVES = [("fsdp4", "fsdp2_tp2"), ("tp2", "single"), ("hsdp2x2", "fsdp4"), ("moe_tp2_ep2", "moe_tp2_ep4_whole")]
+
+
+def _config(mesh: str) -> str:
+    return "moe" if mesh.startswith("moe_") else "gpt"
+
+
+def _reference(mesh: str) -> str:
+    return f"{_config(mesh)}-reference"
 
 
 def _args(mesh: str, max_steps: int, out: Path, name: str, dump: str, *extra: str) -> list[str]:
     devices, degrees = MESHES[mesh]
     return [
         "-c",
-        str(REPO / "configs/gpt.yaml"),
+        str(REPO / f"configs/{_config(mesh)}.yaml"),
         f"--trainer.devices={devices}",
         *degrees,
         f"--trainer.max_steps={max_steps}",
@@ -51,7 +64,9 @@ def _args(mesh: str, max_steps: int, out: Path, name: str, dump: str, *extra: st
 def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
     out = tmp_path_factory.mktemp("reshard")
     plan: dict[int, list[dict]] = {1: [], 2: [], 4: []}
-    plan[1].append({"name": "reference", "args": _args("single", 10, out, "reference", "end")})
+    for single in ("single", "moe_single"):
+        name = _reference(single)
+        plan[1].append({"name": name, "args": _args(single, 10, out, name, "end")})
     for source, _target in MOVES:
         plan[MESHES[source][0]].append(
             {"name": f"{source}-first5", "args": _args(source, 5, out, f"{source}-first5", "end")}
@@ -74,6 +89,8 @@ def test_state_arrives_equal_on_the_new_mesh(runs: tuple[Path, dict], source: st
     saved = torch.load(out / f"{source}-first5-end.pt", weights_only=True)
     loaded = torch.load(out / f"{target}-from-{source}-start.pt", weights_only=True)
     assert saved["model"].keys() == loaded["model"].keys()
+    if _config(source) == "moe":  # the experts are what this move reshards
+        assert any(name.endswith("experts.w1") for name in saved["model"]), list(saved["model"])
     for name, tensor in saved["model"].items():
         torch.testing.assert_close(loaded["model"][name], tensor, rtol=0, atol=0)
     assert saved["optimizer"].keys() == loaded["optimizer"].keys() and saved["optimizer"]
@@ -85,7 +102,7 @@ def test_state_arrives_equal_on_the_new_mesh(runs: tuple[Path, dict], source: st
 @pytest.mark.parametrize(("source", "target"), MOVES)
 def test_loss_curve_continues_on_the_new_mesh(runs: tuple[Path, dict], source: str, target: str) -> None:
     _, results = runs
-    reference = results["reference"]["metrics"]["train_loss"]
+    reference = results[_reference(target)]["metrics"]["train_loss"]
     resumed = results[f"{target}-from-{source}"]["metrics"]["train_loss"]
     assert sorted(resumed, key=int) == [str(s) for s in range(5, 10)]
     for step, loss in resumed.items():
