@@ -272,7 +272,11 @@ class GroupedExperts(nn.Module):
             tokens = tokens.contiguous()
             offsets = tokens_per_expert.cumsum(0).to(torch.int32)
             hidden = F.silu(F.grouped_mm(tokens, w1, offs=offsets)) * F.grouped_mm(tokens, w3, offs=offsets)
-            return _ContiguousGradient.apply(F.grouped_mm(hidden, w2, offs=offsets))
+            out = F.grouped_mm(hidden, w2, offs=offsets)
+            if out.requires_grad:  # grouped_mm's backward needs a contiguous gradient (a hook: an identity
+                # autograd.Function would return a view, which FSDP2 warns about for a module's output)
+                out.register_hook(torch.Tensor.contiguous)
+            return out
         # the loop's split sizes are host integers: a host read, except without tokens (every group is empty)
         sizes = tokens_per_expert.tolist() if tokens.shape[0] else [0] * w1.shape[0]
         outputs = [(F.silu(x @ a) * (x @ c)) @ b for x, a, b, c in zip(tokens.split(sizes), w1, w2, w3)]
@@ -292,18 +296,6 @@ def grouped_mm_runs(tokens: torch.Tensor, *weights: torch.Tensor) -> bool:
         t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and all(s * t.element_size() % 16 == 0 for s in t.stride()[:-1])
         for t in (tokens, *weights)
     )
-
-
-class _ContiguousGradient(torch.autograd.Function):
-    """Identity whose backward makes the incoming gradient contiguous: grouped_mm's backward needs it so."""
-
-    @staticmethod
-    def forward(ctx: object, x: torch.Tensor) -> torch.Tensor:
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: object, grad: torch.Tensor) -> torch.Tensor:
-        return grad.contiguous()
 
 
 class LocalDispatch:
