@@ -10,9 +10,9 @@ with ep). tokens/s = global tokens per step / median over measured steps of the 
 (on_train_batch_start -> on_train_batch_end). In one measured step a TorchDispatchMode records every token
 all-to-all (forward dispatch and combine, and their backward) and the bytes each rank sends to OTHER ranks
 (its own split excluded). Formula, from this rank's routing (router outputs) and the other ranks' (gathered
-after the step): per MoE layer, 2 x (S + R) x dim x 4 bytes, where S = this rank's assignments to experts held
-elsewhere and R = assignments of other ranks to this rank's experts (forward: S out, R back; backward: the
-reverse). The count exchange (n_experts int64 per layer and forward) is reported apart.
+after the step): per MoE layer, (S + R) x (2 dim + 1) x 4 bytes, where S = this rank's assignments to experts held
+elsewhere and R = assignments of other ranks to this rank's experts (forward: S out, each with its router weight
+as one more column, R back; backward: the reverse). The count exchange (n_experts int64 per layer and forward) is reported apart.
 
 balance: TextDataModule (the standard library's sources), tiny MoE, aux loss off unless the arm says so;
 imbalance = max / mean tokens per expert, mean over MoE layers, per step. Arms: none, aux-loss-free bias
@@ -71,6 +71,11 @@ class AllToAllBytes(TorchDispatchMode):
             own = dist.get_rank(dist.distributed_c10d._resolve_process_group(group))
             rows = sum(input_splits) - input_splits[own]
             self.token_bytes += rows * tensor[0].numel() * tensor.element_size() if len(tensor) else 0
+            self.token_calls += 1
+        elif name == "combine_expert_outputs" and func.namespace == "lit_mesh":  # the combine's forward all-to-all
+            rows, input_splits, group_name = args[0], args[4], args[5]
+            own = dist.get_rank(dist.distributed_c10d._resolve_process_group(group_name))
+            self.token_bytes += (sum(input_splits) - input_splits[own]) * rows[0].numel() * rows.element_size()
             self.token_calls += 1
         elif name == "alltoall_base_" and func.namespace == "c10d":
             tensor, group = args[1], args[2]
@@ -132,7 +137,9 @@ def throughput_worker(args: argparse.Namespace) -> None:
     every_rank = C.gather(routing)
     sent_away = int(routing.sum() - routing[:, mine].sum())  # S, all layers
     received = sum(int(r[:, mine].sum()) for i, r in enumerate(every_rank) if i != rank)  # R, all layers
-    formula = 2 * (sent_away + received) * config.dim * 4
+    # dispatch: S rows forward, R gradients back, each with its router weight column; combine: R rows back, S
+    # gradients (lit_mesh/parallel/expert_combine.py)
+    formula = (sent_away + received) * (2 * config.dim + 1) * 4
     per_rank = C.gather(
         {
             "measured": measure.counter.token_bytes,
@@ -147,7 +154,7 @@ def throughput_worker(args: argparse.Namespace) -> None:
     step = statistics.median(max(times) for times in zip(*(r["steps"] for r in per_rank)))
     tokens = args.batch_size * args.seq_len * ep
     assignments = args.batch_size * args.seq_len * config.top_k * len(routing)
-    uniform = 2 * 2 * assignments * (ep - 1) / ep * config.dim * 4  # S = R = (ep-1)/ep of them if balanced
+    uniform = 2 * assignments * (ep - 1) / ep * (2 * config.dim + 1) * 4  # S = R = (ep-1)/ep of them if balanced
     C.emit(
         {
             "ep": ep,

@@ -308,8 +308,18 @@ class LocalDispatch:
         """The mean router probabilities (N, E) -> (E,) of the tokens the aux loss weighs on this rank."""
         return probs.mean(dim=0)
 
-    def compute(self, experts: GroupedExperts, tokens: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
-        return experts(tokens, tokens_per_expert)
+    def combine(
+        self,
+        experts: GroupedExperts,
+        tokens: torch.Tensor,
+        token_index: torch.Tensor,
+        weights: torch.Tensor,
+        tokens_per_expert: torch.Tensor,
+    ) -> torch.Tensor:
+        """Each token's weighted sum of its experts' outputs: assignment i takes tokens[token_index[i]] to its expert
+        (grouped by expert, tokens_per_expert of each) with weight weights[i]."""
+        out = experts(tokens[token_index], tokens_per_expert)
+        return torch.zeros_like(tokens).index_add(0, token_index, out * weights[:, None].to(out.dtype))
 
 
 def expert_counts(expert_ids: torch.Tensor, n_experts: int) -> torch.Tensor:
@@ -359,6 +369,9 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, D = x.shape
         tokens = x.reshape(B * T, D)
+        # the shared experts first: the routed experts' combine is the layer's last step, so a checkpoint's recompute
+        # can stop before it (an expert-parallel combine does not run its all-to-all again)
+        shared = self.shared_experts(tokens) if self.shared_experts is not None else None
         routing = self.router(tokens)
         self.local_load, self.mean_probs = (
             expert_counts(routing.expert_ids.flatten(), self.n_experts),
@@ -376,10 +389,9 @@ class MoE(nn.Module):
         order = torch.argsort(expert_ids, stable=True)  # group the assignments by expert
         token_index, weights = token_index[order], weights[order]
         tokens_per_expert = expert_counts(expert_ids, self.n_experts)
-        expert_out = self.dispatcher.compute(self.experts, tokens[token_index], tokens_per_expert)
-        out = torch.zeros_like(tokens).index_add(0, token_index, expert_out * weights[:, None].to(expert_out.dtype))
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(tokens)
+        out = self.dispatcher.combine(self.experts, tokens, token_index, weights, tokens_per_expert)
+        if shared is not None:
+            out = out + shared
         return out.view(B, T, D)
 
     def use_load(self, load: torch.Tensor) -> None:

@@ -36,6 +36,7 @@ from torch.distributed.tensor import DTensor
 from lit_mesh.hf.blocks import hf_config
 from lit_mesh.hf.decoder import tp_divides, with_decoder_stages
 from lit_mesh.hf.from_config import hf_tp_plan, plan_from_hf
+from lit_mesh.parallel.expert_combine import weighted_sum_per_token
 from lit_mesh.plan import MoEPlan, ParallelPlan, PlanError
 
 
@@ -50,8 +51,16 @@ class LocalDispatch:
     def global_load(self, tokens_per_expert: torch.Tensor) -> torch.Tensor:
         return tokens_per_expert
 
-    def compute(self, experts: nn.Module, tokens: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
-        return experts(tokens, tokens_per_expert)
+    def combine(
+        self,
+        experts: nn.Module,
+        tokens: torch.Tensor,
+        token_index: torch.Tensor,
+        weights: torch.Tensor,
+        tokens_per_expert: torch.Tensor,
+    ) -> torch.Tensor:
+        """Each token's weighted sum of its experts' outputs (as zoo.moe.LocalDispatch)."""
+        return weighted_sum_per_token(tokens, token_index, experts(tokens[token_index], tokens_per_expert), weights)
 
 
 class GroupedExperts(nn.Module):
@@ -102,8 +111,7 @@ class DispatchedMoE(nn.Module):
         order = torch.argsort(expert_ids.flatten(), stable=True)
         token_index, weights = token_index[order], weights.flatten()[order]
         tokens_per_expert = torch.bincount(expert_ids.flatten(), minlength=n_experts)
-        out = self.dispatcher.compute(self.experts, tokens[token_index], tokens_per_expert)
-        mixed = torch.zeros_like(tokens).index_add(0, token_index, out * weights[:, None].to(out.dtype))
+        mixed = self.dispatcher.combine(self.experts, tokens, token_index, weights, tokens_per_expert)
         return mixed.view(B, T, D)
 
 

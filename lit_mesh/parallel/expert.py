@@ -49,6 +49,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from lit_mesh.errors import MeshConfigError
 from lit_mesh.mesh import MeshAxis, MeshLayout, MeshViews, ep_borrowing_problem, folded_expert_meshes
 from lit_mesh.parallel.data import mixed_precision_policy, reshards_after_forward
+from lit_mesh.parallel.expert_combine import combine_expert_outputs, weighted_sum_per_token
 from lit_mesh.plan import MoEPlan, ParallelPlan, PlanError
 from lit_mesh.unit import Facts, Rule, divisors, option
 
@@ -306,15 +307,26 @@ class AllToAllDispatch:
         dist.all_reduce(load, group=self.load_group)
         return load
 
-    def compute(self, experts: nn.Module, tokens: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
-        """tokens grouped by (global) expert id -> the experts' outputs, in the same order."""
+    def combine(
+        self,
+        experts: nn.Module,
+        tokens: torch.Tensor,
+        token_index: torch.Tensor,
+        weights: torch.Tensor,
+        tokens_per_expert: torch.Tensor,
+    ) -> torch.Tensor:
+        """Each token's weighted sum of its experts' outputs (N, dim): assignment i sends tokens[token_index[i]] to
+        its expert (assignments grouped by global expert id, tokens_per_expert of each) with weight weights[i]."""
         if self.ep_group is None:
             scale = self.weight_gradient_scale
             if scale == 1:
-                return self.run_experts(experts, tokens, tokens_per_expert)
-            # the weights' gradient x scale, the tokens' gradient unchanged
-            out = self.run_experts(experts, _ScaleGradient.apply(tokens, 1.0 / scale), tokens_per_expert)
-            return _ScaleGradient.apply(out, scale)
+                out = self.run_experts(experts, tokens[token_index], tokens_per_expert)
+            else:  # the weights' gradient x scale, the tokens' gradient unchanged
+                out = self.run_experts(
+                    experts, _ScaleGradient.apply(tokens[token_index], 1.0 / scale), tokens_per_expert
+                )
+                out = _ScaleGradient.apply(out, scale)
+            return weighted_sum_per_token(tokens, token_index, out, weights)
         ep, local_experts = self.ep, self.n_experts // self.ep
         # 1. counts: row r = how many tokens this rank sends to each expert of rank r, and receives back
         send_counts = tokens_per_expert.view(ep, local_experts)
@@ -322,20 +334,27 @@ class AllToAllDispatch:
         dist.all_to_all_single(recv_counts, send_counts, group=self.ep_group)
         send_splits, recv_splits = split_sizes_on_host(send_counts, recv_counts)
         per_local_expert = recv_counts.sum(0)  # on the device: the experts' grouped GEMMs take device offsets
-        # 2. tokens; they arrive grouped by (source rank, local expert): regroup by local expert
-        received = all_to_all_single_autograd(tokens, recv_splits, send_splits, group=self.ep_group)
+        # 2. tokens, each with its router weight as one more column, in one all-to-all; the weight in the tokens'
+        # dtype: the weighting casts it to the experts' output dtype, never wider than the tokens' (the same product)
+        sent = torch.cat([tokens[token_index], weights[:, None].to(tokens.dtype)], dim=1)
+        received = all_to_all_single_autograd(sent, recv_splits, send_splits, group=self.ep_group)
+        received_tokens, received_weights = received[:, :-1], received[:, -1]
+        # they arrive grouped by (source rank, local expert): regroup by local expert
         source_expert = torch.arange(ep * local_experts, device=tokens.device).repeat_interleave(
             recv_counts.flatten(),
             output_size=sum(recv_splits),  # the size known on the host: no device read
         )
         by_expert = torch.argsort(source_expert % local_experts * ep + source_expert // local_experts, stable=True)
-        grouped = _ScaleGradient.apply(received[by_expert], 1.0 / self.weight_gradient_scale)
+        grouped = _ScaleGradient.apply(received_tokens[by_expert], 1.0 / self.weight_gradient_scale)
         out = self.run_experts(experts, grouped, per_local_expert)
         # the weights' gradient x 1/ep (tp/ep with whole experts under tp); the tokens' gradient unchanged
         out = _ScaleGradient.apply(out, self.weight_gradient_scale)
-        # 3. outputs back to the ranks the tokens came from, in the order they were sent
+        # 3. weighted here (the router's gradient comes back with the weights), back to the ranks the tokens came
+        # from in the order they were sent, summed per token (lit_mesh/parallel/expert_combine.py)
         back = out[torch.argsort(by_expert)]
-        return all_to_all_single_autograd(back, send_splits, recv_splits, group=self.ep_group)
+        weighted = back * received_weights[:, None].to(back.dtype)
+        group_name = self.ep_group.group_name
+        return combine_expert_outputs(weighted, token_index, tokens.shape[0], send_splits, recv_splits, group_name)
 
 
 def expert_tensor_parallel(plan: ParallelPlan, layout: MeshLayout, fold: bool = False) -> bool:

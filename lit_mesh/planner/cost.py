@@ -27,7 +27,8 @@ Communication, each collective with its own overlap rule (lit_mesh.comm.topology
 - CP ring: each K/V block's send overlaps the attention on the previous one: exposed where the send is longer;
   under pp each stage runs the ring over its own blocks, on micro-batches of T/cp tokens per rank;
 - EP: the all-to-alls of dispatch and combine (top_k copies of the micro-batch's tokens each way, forward and
-  backward, again in full AC's recompute and in pp's routing pass): lit_mesh runs them on the compute stream
+  backward, in pp's routing pass, and the dispatch (each copy with its router weight) again in full AC's
+  recompute): lit_mesh runs them on the compute stream
   between the router and the experts, each waiting for the one before, so they are exposed; a run that overlaps
   them with another micro-batch's compute (DualPipe, Megatron's 1F1B all-to-all overlap: Features.ep_overlap)
   exposes only what exceeds that block's compute;
@@ -410,10 +411,15 @@ def step_time(
         # shard): top_k copies per token, (ep - 1) / ep of them to other ranks: the ring all-gather's bytes on the link
         routed = work.micro_batch * work.seq_len // layout.cp * top_k * c.dim * act
         routed //= layout.tp if shapes.whole_experts else 1
-        passes = 4 + by_mode({"none": 0, "selective": 0, "full": 2}) + (2 if routing_pass else 0)
+        dispatched = routed * (c.dim + 1) // c.dim  # each copy with its router weight as one more column
+        # dispatch and combine forward and backward, in the routing pass forward; full AC's recompute runs the
+        # dispatch again, not the combine (lit_mesh/parallel/expert_combine.py)
+        dispatches = 2 + by_mode({"none": 0, "selective": 0, "full": 1}) + (1 if routing_pass else 0)
+        combines = 2 + (1 if routing_pass else 0)
         # whole experts: ep takes the innermost ranks of dp_shard x cp x tp (consecutive ranks)
         ep_link = hw.link(features.ep_stride or (1 if shapes.whole_experts else stride["ep"]), layout.ep)
-        all_to_alls = passes * all_gather_time(routed, layout.ep, ep_link)
+        all_to_alls = dispatches * all_gather_time(dispatched, layout.ep, ep_link)
+        all_to_alls += combines * all_gather_time(routed, layout.ep, ep_link)
         t.overlapped["ep"] = n_micro * blocks * all_to_alls
         exposed = max(0.0, all_to_alls - block) if features.ep_overlap else all_to_alls
         t.exposed["ep"] = n_micro * blocks * exposed

@@ -82,6 +82,7 @@ _OPS = {
     "all_reduce_": ("all_reduce", "input"),
     "alltoall_base_": ("all_to_all", "input"),
     "all_to_all_single": ("all_to_all", "input"),
+    "combine_expert_outputs": ("all_to_all", "input"),  # lit_mesh's (lit_mesh/parallel/expert_combine.py)
     "send": ("send", "input"),
     "recv_": ("recv", "input"),
     "broadcast_": ("broadcast", "input"),
@@ -125,7 +126,7 @@ class CollectiveCounter(TorchDispatchMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         name = func.__name__.split(".")[0]
-        if func.namespace in ("c10d", "_c10d_functional") and name in _OPS:
+        if func.namespace in ("c10d", "_c10d_functional", "lit_mesh") and name in _OPS:
             kind, which = _OPS[name]
             tensors = _tensors(args)
             group = _group_name(args)

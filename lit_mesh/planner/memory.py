@@ -212,8 +212,8 @@ def block_activation_elements_per_token(
     routed copy (top_k of them, plus each shared expert) the gathered input, w1 / w3 / silu / product outputs
     (/tp for the routed experts under expert tensor parallel), the expert output and its weighted copy; selective
     AC keeps of these the router scores and each copy's w1, w3 and w2 outputs (the MoE block has no dense w2), and
-    under ep > 1 the all-to-alls' outputs too: the routed copies a rank receives and the expert outputs it gets back
-    (balanced: top_k of each, per token). With whole experts under tp (expert_tp=1) the MoE block routes this rank's
+    under ep > 1 the dispatch's output too: the routed copies a rank receives, each with its router weight as one
+    more column (balanced: top_k per token); not the combine's (lit_mesh/parallel/expert_combine.py). With whole experts under tp (expert_tp=1) the MoE block routes this rank's
     sequence shard: its norm output is not gathered and every MoE term is /tp, each expert whole."""
     c = shapes.config
     h, q, kv = c.dim, c.n_heads * c.attention_head_dim, c.n_kv_heads * c.attention_head_dim
@@ -238,7 +238,7 @@ def block_activation_elements_per_token(
             + copies * h
             + 2 * hidden
             + (c.top_k * h if tp > 1 and shapes.expert_tp else 0)
-            + (2 * c.top_k * h if ep > 1 else 0),
+            + (c.top_k * (h + 1) if ep > 1 else 0),
             tp if shapes.whole_experts else 1,  # whole experts: this rank routes 1/tp of the tokens
         )
     else:

@@ -23,7 +23,9 @@ a reduce-scatter: its input; an all-reduce: its tensor; an all-to-all: what this
   the recomputed forward of full or selective AC: point-to-point sends are not among the ops selective AC keeps),
   plus cp sends of the fp32 dK/dV accumulator; Ulysses: one all-to-all of q, k, v and one of the output, forward and backward.
 - ep: dispatch and combine of the routed copies (top_k per token of the whole micro-batch; with whole experts under
-  tp, of this tp rank's sequence shard), forward and backward, plus the token counts. Whole experts under tp also
+  tp, of this tp rank's sequence shard), forward and backward, plus the token counts; the dispatch sends each
+  copy's router weight as one more column (the combine is weighted on the experts' rank), and full AC's recompute
+  runs it again (not the combine: the recompute stops before it). Whole experts under tp also
   all-reduce over tp the router's (and shared experts') weight gradients and each forward's mean router
   probabilities, and their MoE layer gathers nothing: per block one tp region (attention), not two.
 - pp: per micro-batch, each local stage receives its input and sends its output forward (but the model's first
@@ -185,9 +187,13 @@ def comm_bytes(
     if layout.ep > 1:
         routed = work.micro_batch * work.seq_len // layout.cp * c.top_k * c.dim * act
         routed //= layout.tp if shapes.whole_experts else 1  # whole experts: this tp rank's tokens only
+        dispatched = routed * (c.dim + 1) // c.dim  # each copy with its router weight as one more column
         counts = c.n_experts * 8  # int64 tokens per expert, exchanged before each dispatch
-        forwards = over_blocks({"none": 1, "selective": 1, "full": 2})  # forward passes: dispatch and combine each
-        out["ep"]["all_to_all"] += n_micro * ((2 * forwards + 2 * blocks) * routed + forwards * counts)
+        # forward passes of the dispatch: full AC's recompute runs it again, but stops before the combine
+        # (lit_mesh/parallel/expert_combine.py): the combine once forward, once backward
+        forwards = over_blocks({"none": 1, "selective": 1, "full": 2})
+        dispatch = (forwards + blocks) * dispatched + forwards * counts
+        out["ep"]["all_to_all"] += n_micro * (dispatch + 2 * blocks * routed)
 
     if layout.pp > 1:
         message = tokens // layout.tp * c.dim * act  # sequence parallel: the boundary's activation is /tp

@@ -64,6 +64,10 @@ STEPS = [
     ("cp-ring-64-full", SMALL, MeshLayout(dp_shard=16, cp=4), {"ac": "full"}),
     ("cp-ulysses-64", SMALL, MeshLayout(dp_shard=32, cp=2), {"cp_style": "ulysses"}),
     ("ep-64", MOE, MeshLayout(dp_shard=64, ep=4), {}),
+    # selective AC keeps the dispatch's output, not the combine's; AC's recompute stops before the combine (its
+    # all-to-all run again would miss the bytes by a quarter: lit_mesh/parallel/expert_combine.py)
+    ("ep-64-selective", MOE, MeshLayout(dp_shard=64, ep=4), {"ac": "selective"}),
+    ("ep-64-full", MOE, MeshLayout(dp_shard=64, ep=4), {"ac": "full"}),
     ("moe-64-selective", MOE, MeshLayout(dp_shard=64), {"ac": "selective"}),
     # whole experts under tp (expert_tp=1): each tp rank routes its own sequence shard, the experts split over ep (the
     # innermost ranks of dp_shard x tp) and FSDP-sharded over the rest

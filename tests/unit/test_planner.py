@@ -455,7 +455,8 @@ def test_moe_pipeline_layouts_are_proposed_and_simulated(capsys: pytest.CaptureF
 
 def test_moe_all_to_all_in_the_step_time_by_hand() -> None:
     """Tiny MoE, fsdp 4 with ep 4 on one node: per MoE block and micro-batch, dispatch + combine forward and
-    backward move top_k copies of every token of the micro-batch; ring cost (k-1) alpha + (k-1)/k B / bandwidth."""
+    backward move top_k copies of every token of the micro-batch (the dispatch with each copy's router weight as
+    one more column); ring cost (k-1) alpha + (k-1)/k B / bandwidth."""
     from lit_mesh.planner.cost import step_time
 
     config = MoEConfig.from_preset("tiny")
@@ -474,7 +475,9 @@ def test_moe_all_to_all_in_the_step_time_by_hand() -> None:
     t = step_time(shapes, MeshLayout(dp_shard=4, ep=4), work, "32-true", "none", hw)
     routed = 2 * 64 * config.top_k * config.dim * 4  # bytes of one micro-batch's routed tokens, fp32
     microbatches = 16 // 4 // 2
-    assert t.exposed["ep"] == pytest.approx(microbatches * config.n_layers * 4 * (3 * 1e-6 + 3 / 4 * routed / 100e9))
+    dispatched = routed * (config.dim + 1) // config.dim
+    per_block = 2 * (3 * 1e-6 + 3 / 4 * routed / 100e9) + 2 * (3 * 1e-6 + 3 / 4 * dispatched / 100e9)
+    assert t.exposed["ep"] == pytest.approx(microbatches * config.n_layers * per_block)
     assert "ep" not in step_time(shapes, MeshLayout(dp_shard=4), work, "32-true", "none", hw).exposed
 
 
