@@ -338,7 +338,8 @@ class AllToAllDispatch:
         # dtype: the weighting casts it to the experts' output dtype, never wider than the tokens' (the same product)
         sent = torch.cat([tokens[token_index], weights[:, None].to(tokens.dtype)], dim=1)
         received = all_to_all_single_autograd(sent, recv_splits, send_splits, group=self.ep_group)
-        received_tokens, received_weights = received[:, :-1], received[:, -1]
+        # split, not sliced: its backward concatenates the two gradients (two slices would each fill a whole-size one)
+        received_tokens, received_weights = received.split([tokens.shape[1], 1], dim=1)
         # they arrive grouped by (source rank, local expert): regroup by local expert
         source_expert = torch.arange(ep * local_experts, device=tokens.device).repeat_interleave(
             recv_counts.flatten(),
@@ -352,7 +353,7 @@ class AllToAllDispatch:
         # 3. weighted here (the router's gradient comes back with the weights), back to the ranks the tokens came
         # from in the order they were sent, summed per token (lit_mesh/parallel/expert_combine.py)
         back = out[torch.argsort(by_expert)]
-        weighted = back * received_weights[:, None].to(back.dtype)
+        weighted = back * received_weights.to(back.dtype)
         group_name = self.ep_group.group_name
         return combine_expert_outputs(weighted, token_index, tokens.shape[0], send_splits, recv_splits, group_name)
 
