@@ -165,7 +165,10 @@ class MoEPlan:
     """Mixture of experts: where the MoE layers are, for expert parallelism.
 
     layer:      name, inside a block, of its MoE layer (blocks without one are dense). The layer has
-                `experts` (stacked weights, n_experts first) and `dispatcher`, which expert parallel swaps.
+                `experts` (stacked weights, n_experts first) and `dispatcher`, which expert parallel swaps; the
+                layer calls `dispatcher.combine(experts, tokens, token_index, weights, tokens_per_expert)` for
+                each token's weighted sum of its experts' outputs, `global_load` and `mean_probs` (zoo/moe.py's
+                LocalDispatch), and does so last (the checkpoint's recompute stops before the combine).
     ep_divides: sizes that the ep degree must divide, by name (number of experts).
     adapter:    for an MoE layer without `experts`/`dispatcher` of that kind (transformers' Mixtral): a
                 function called on every MoE layer before anything else is applied, on every layout, that

@@ -257,6 +257,16 @@ def _ffn_width(config: object) -> int:
     return config.ffn_hidden  # type: ignore[attr-defined]
 
 
+def ep_message_bytes(shapes: ModelShapes, layout: MeshLayout, work: Workload, act: int) -> tuple[int, int]:
+    """Bytes of one MoE layer's dispatch and of its combine per micro-batch on a rank: top_k copies of the
+    micro-batch's tokens (with whole experts under tp, of this tp rank's sequence shard); the dispatch carries each
+    copy's router weight as one more column (lit_mesh/parallel/expert.py)."""
+    c = shapes.config
+    routed = work.micro_batch * work.seq_len // layout.cp * c.top_k * c.dim * act
+    routed //= layout.tp if shapes.whole_experts else 1
+    return routed * (c.dim + 1) // c.dim, routed
+
+
 _GATHERED_CACHE: IdentityCache = {}
 
 
@@ -397,7 +407,7 @@ def step_time(
             # matmul -> reduce-scatter (the recomputed forward's too) with the matmuls; the backward's 4 stay exposed
             per_block = 4 * hidden
         if shapes.expert_tp:  # the tp ranks' partial expert outputs summed forward, the tokens' gradients backward
-            routed = work.micro_batch * work.seq_len // layout.cp * top_k * c.dim * act
+            routed = ep_message_bytes(shapes, layout, work, act)[1]  # the tokens' copies, as routed
             per_block += (2 + by_mode({"none": 0, "selective": 0, "full": 1})) * all_reduce_time(
                 routed, layout.tp, tp_link
             )
@@ -409,9 +419,7 @@ def step_time(
         t.compute_parts["routing_pass"] = n_micro * blocks * forward_backward / 3
     if layout.ep > 1:  # the whole sequence of the micro-batch is routed on every tp rank (whole experts: its tp
         # shard): top_k copies per token, (ep - 1) / ep of them to other ranks: the ring all-gather's bytes on the link
-        routed = work.micro_batch * work.seq_len // layout.cp * top_k * c.dim * act
-        routed //= layout.tp if shapes.whole_experts else 1
-        dispatched = routed * (c.dim + 1) // c.dim  # each copy with its router weight as one more column
+        dispatched, routed = ep_message_bytes(shapes, layout, work, act)
         # dispatch and combine forward and backward, in the routing pass forward; full AC's recompute runs the
         # dispatch again, not the combine (lit_mesh/parallel/expert_combine.py)
         dispatches = 2 + by_mode({"none": 0, "selective": 0, "full": 1}) + (1 if routing_pass else 0)

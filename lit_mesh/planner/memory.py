@@ -213,8 +213,9 @@ def block_activation_elements_per_token(
     (/tp for the routed experts under expert tensor parallel), the expert output and its weighted copy; selective
     AC keeps of these the router scores and each copy's w1, w3 and w2 outputs (the MoE block has no dense w2), and
     under ep > 1 the dispatch's output too: the routed copies a rank receives, each with its router weight as one
-    more column (balanced: top_k per token); not the combine's (lit_mesh/parallel/expert_combine.py). With whole experts under tp (expert_tp=1) the MoE block routes this rank's
-    sequence shard: its norm output is not gathered and every MoE term is /tp, each expert whole."""
+    more column (balanced: top_k per token); not the combine's (lit_mesh/parallel/expert_combine.py). With whole
+    experts under tp (expert_tp=1) the MoE block routes this rank's sequence shard: its norm output is not gathered
+    and every MoE term is /tp, each expert whole."""
     c = shapes.config
     h, q, kv = c.dim, c.n_heads * c.attention_head_dim, c.n_kv_heads * c.attention_head_dim
     lse = c.n_heads / tp * 4 / act_bytes

@@ -40,7 +40,7 @@ from collections.abc import Iterable
 
 from lit_mesh.mesh import MeshLayout
 from lit_mesh.parallel.pipeline.schedules import SCHEDULES
-from lit_mesh.planner.cost import float8_linear
+from lit_mesh.planner.cost import ep_message_bytes, float8_linear
 from lit_mesh.planner.memory import ROWWISE, Workload, chunk, expert_fsdp_degree, fsdp_degree, unsharded_numel
 from lit_mesh.planner.pipeline_model import ONE_F_ONE_B, Schedule, rank_stages, regathers
 from lit_mesh.planner.shapes import ModelShapes, ParamShape
@@ -185,9 +185,7 @@ def comm_bytes(
             out["cp"]["recv"] += n_micro * sends
 
     if layout.ep > 1:
-        routed = work.micro_batch * work.seq_len // layout.cp * c.top_k * c.dim * act
-        routed //= layout.tp if shapes.whole_experts else 1  # whole experts: this tp rank's tokens only
-        dispatched = routed * (c.dim + 1) // c.dim  # each copy with its router weight as one more column
+        dispatched, routed = ep_message_bytes(shapes, layout, work, act)
         counts = c.n_experts * 8  # int64 tokens per expert, exchanged before each dispatch
         # forward passes of the dispatch: full AC's recompute runs it again, but stops before the combine
         # (lit_mesh/parallel/expert_combine.py): the combine once forward, once backward
