@@ -61,6 +61,7 @@ from lit_mesh.parallel.apply import already_parallelized, parallelize
 from lit_mesh.parallel.context import CPStyle, gather_batch, shard_batch
 from lit_mesh.parallel.data import ZeroStage, defer_gradient_reduction, refuse_fsdp1
 from lit_mesh.parallel.expert import folds_experts, moe_load_group
+from lit_mesh.parallel.expert_by_node import EPDispatch
 from lit_mesh.parallel.float8 import Float8Recipe
 from lit_mesh.parallel.fsdp_arguments import offload_policy
 from lit_mesh.parallel.grid import TPMode
@@ -129,6 +130,7 @@ class MeshStrategy(ModelParallelStrategy):
         tp_depth: Optional[int] = None,
         sequence_parallel: Optional[bool] = None,
         expert_tp: Optional[int] = None,
+        ep_dispatch: EPDispatch = "all_to_all",
         activation_checkpointing: ActivationCheckpointing = "none",
         ac_every_n_blocks: int = 1,
         ac_other_blocks: OtherBlocksCheckpointing = "none",
@@ -324,6 +326,7 @@ class MeshStrategy(ModelParallelStrategy):
             precision=str(self.precision_plugin.precision),
             compression=self.compression_run,
             replicate_hierarchy=self.reductions.replicate,
+            topology=self.topology,
         )
         if first_setup:
             pretrained = declared_sources(self.model)  # filled from pretrained weights: allocated, not initialised

@@ -18,6 +18,7 @@ from torch.distributed.tensor import DTensor
 
 from lit_mesh.comm.compression import CompressionRun
 from lit_mesh.comm.hierarchical import Hierarchy, attach_hierarchical_all_reduce
+from lit_mesh.comm.topology import Topology
 from lit_mesh.init import draw_as
 from lit_mesh.mesh import MeshAxis, MeshViews
 from lit_mesh.options import MeshOptions
@@ -152,9 +153,11 @@ def parallelize(
     precision: str,
     compression: CompressionRun | None = None,
     replicate_hierarchy: Hierarchy | None = None,
+    topology: Topology | None = None,
 ) -> Parallelized:
     """Apply every technique to `root` (the LightningModule) in the fixed order; a model that configure_model
-    parallelised itself is left as it is. `compression` and `replicate_hierarchy`: the run's reduction hooks."""
+    parallelised itself is left as it is. `compression` and `replicate_hierarchy`: the run's reduction hooks;
+    `topology`: the run's nodes (ep_dispatch="by_node" splits the ep groups by them)."""
     if root in _APPLIED:  # a later loop of the same model (validate or test after fit): its plans are in place
         return _APPLIED[root]
     layout = mesh.layout
@@ -223,8 +226,9 @@ def parallelize(
         for owner in owners:
             apply_context_parallel(owner.module, owner.plan, mesh[MeshAxis.CP], options.context.style, entries)
     if layout.world_size > 1:
+        by_node = topology if options.expert.dispatch == "by_node" else None
         for owner in owners:
-            apply_expert_parallel(owner.module, owner.plan, mesh, layout, fold)
+            apply_expert_parallel(owner.module, owner.plan, mesh, layout, fold, by_node)
     if options.compile.async_tp:  # CUDA + NCCL, inductor, tp > 1 with SP: the rules of lit_mesh/parallel/compile.py
         enable_async_tp(mesh[MeshAxis.TP])
     block_lists = _block_lists(owners, blocks, without_plan)

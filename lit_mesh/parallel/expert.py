@@ -46,9 +46,11 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from lit_mesh.comm.topology import Topology
 from lit_mesh.errors import MeshConfigError
 from lit_mesh.mesh import MeshAxis, MeshLayout, MeshViews, ep_borrowing_problem, folded_expert_meshes
 from lit_mesh.parallel.data import mixed_precision_policy, reshards_after_forward
+from lit_mesh.parallel.expert_by_node import EP_DISPATCHES, ByNodeDispatch, EPDispatch, ep_dispatch_problem, node_groups
 from lit_mesh.parallel.expert_combine import combine_expert_outputs, weighted_sum_per_token
 from lit_mesh.plan import MoEPlan, ParallelPlan, PlanError
 from lit_mesh.unit import Facts, Rule, divisors, option
@@ -68,7 +70,22 @@ class ExpertOptions:
         arg="expert_tp",
     )
 
+    dispatch: EPDispatch = option(
+        "all_to_all",
+        doc="how tokens reach their experts' ranks: 'all_to_all' sends every routed copy to its expert's rank;"
+        " 'by_node' (DeepEP's inter-node scheme) sends a token once to each node that holds one of its experts and"
+        " forwards it to the experts' ranks inside that node: fewer bytes between nodes where an ep group spans"
+        " nodes (the same as 'all_to_all' inside one node). Nodes are the run's (topology=Topology(nodes=...) splits"
+        " one machine into simulated ones).",
+        arg="ep_dispatch",
+    )
+
     def __post_init__(self) -> None:
+        if self.dispatch not in EP_DISPATCHES:
+            raise MeshConfigError(
+                f"ep_dispatch={self.dispatch!r} is not one of {list(EP_DISPATCHES)}; use 'all_to_all' (every routed"
+                " copy to its expert's rank) or 'by_node' (once per destination node, forwarded inside the node)"
+            )
         if self.tp is not None and (isinstance(self.tp, bool) or not isinstance(self.tp, int) or self.tp < 1):
             raise MeshConfigError(
                 f"expert_tp={self.tp!r} must be None (tp: experts split over tp) or 1 (whole experts, each tp rank"
@@ -177,6 +194,10 @@ def _fold_problems(f: Facts) -> list[str]:
     return [problem for problem in problems if problem is not None]
 
 
+def _by_node_problem(f: Facts) -> Optional[str]:
+    return ep_dispatch_problem(f.layout, folds_experts(f.layout, f.options.expert), f.topology)
+
+
 RULES: list[Rule] = [
     Rule(
         "expert_tp_is_1_or_tp",
@@ -203,6 +224,12 @@ RULES: list[Rule] = [
             f"expert_tp=1 with tp={f.layout.tp} routes each tp rank's shard of the sequence, which only"
             " sequence_parallel makes; use sequence_parallel=True (tp_mode='1d'), or expert_tp=None"
         ),
+    ),
+    Rule(
+        "ep_dispatch_by_node_fits_topology",
+        "launch",
+        lambda f: f.options.expert.dispatch == "by_node" and bool(_by_node_problem(f)),
+        lambda f: _by_node_problem(f) or "",
     ),
     Rule(
         "expert_tp_1_fits_plan",
@@ -397,11 +424,17 @@ def expert_tp_placement(moe: MoEPlan, name: str, model_name: str) -> Placement:
 
 
 def apply_expert_parallel(
-    model: nn.Module, plan: ParallelPlan, mesh: MeshViews, layout: MeshLayout, fold: bool = False
+    model: nn.Module,
+    plan: ParallelPlan,
+    mesh: MeshViews,
+    layout: MeshLayout,
+    fold: bool = False,
+    by_node: Optional[Topology] = None,
 ) -> None:
     """Swap the dispatcher of every MoE layer and split the stacked expert weights over ep (dim 0), and with
     expert tensor parallel over tp (their hidden dim) too; `fold`: whole experts, each tp rank routing its own
-    sequence shard (expert_tp=1)."""
+    sequence shard (expert_tp=1); `by_node`: the run's topology under ep_dispatch="by_node" (two-stage dispatch where
+    an ep group spans nodes, lit_mesh/parallel/expert_by_node.py)."""
     problem = ep_plan_problem(model, plan, layout.ep)  # MeshStrategy refuses it earlier ("ep_fits_plan")
     problem = problem or (fold_plan_problem(model, plan) if fold else None)  # and "expert_tp_1_fits_plan"
     if problem is not None:
@@ -415,10 +448,18 @@ def apply_expert_parallel(
     tp_mesh = mesh[MeshAxis.TP] if expert_tensor_parallel(plan, layout, fold) else None
     token_tp_mesh = mesh[MeshAxis.TP] if fold else None
     weights_mesh = ep_mesh if tp_mesh is None else DeviceMesh._concatenate([ep_mesh, tp_mesh])  # (ep, tp), as FSDP2
+    split = node_groups(mesh.root, layout, fold, by_node) if by_node is not None and ep_group is not None else None
     assert plan.moe is not None  # the layers are plan.moe's
     for layer in layers:
         n_experts = next(layer.experts.parameters()).shape[0]  # stacked weights: experts first
         layer.dispatcher = AllToAllDispatch(n_experts, load_group, ep_group, tp_mesh, token_tp_mesh)
+        if split is not None:  # the ep group spans nodes: each node's share of it dispatches inside the node
+            inter, intra = split
+            nodes = dist.get_world_size(inter)
+            within_node = AllToAllDispatch(n_experts // nodes, load_group, intra, tp_mesh, token_tp_mesh)
+            # the experts see every node's tokens: the gradient scale of the whole ep group
+            within_node.weight_gradient_scale = layer.dispatcher.weight_gradient_scale
+            layer.dispatcher = ByNodeDispatch(inter, within_node)
         if getattr(layer, "capacity_factor", None) is not None and layout.cp > 1:
             raise PlanError(
                 f"capacity_factor={layer.capacity_factor} counts capacity per sequence, which cp={layout.cp} splits;"

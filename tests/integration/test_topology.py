@@ -193,3 +193,43 @@ def test_torchrun_two_nodes_gpt_hierarchical_equals_flat(tmp_path: Path) -> None
     assert mib("hierarchical", "dp_replicate:intra") == pytest.approx(flat * 2 / 3, rel=0.02)
     # left on the flat replicate group (here the world): only the non-finite-loss check, 4 floats
     assert mib("hierarchical", "dp_replicate") * 2**20 == 2 * 3 / 4 * 16
+
+
+MOE = [
+    "-c",
+    str(REPO / "configs/moe.yaml"),
+    *GPT[2:-2],  # two nodes x 2 devices, the same steps and batches
+]
+
+
+def test_torchrun_two_nodes_moe_by_node_dispatch_equals_all_to_all(tmp_path: Path) -> None:
+    """configs/moe.yaml on torchrun --nnodes 2: ep_dispatch="by_node" (each token once per destination node, forwarded
+    inside the node) trains as the all-to-all dispatch does: ep 4 over both nodes, whole experts under tp (ep 4 over
+    dp_shard 2 x tp 2) and expert tensor parallel (tp 2 x ep 2: one rank per node in each ep group)."""
+    runs = [
+        {"name": "ep4", "args": [*MOE, f"{S}ep=4"]},
+        {"name": "ep4_by_node", "args": [*MOE, f"{S}ep=4", f"{S}ep_dispatch=by_node"]},
+        {
+            "name": "tp2_ep4_fold_by_node",
+            "args": [*MOE, f"{S}tp=2", f"{S}ep=4", f"{S}expert_tp=1", f"{S}ep_dispatch=by_node"],
+        },
+        {"name": "tp2_ep2_by_node", "args": [*MOE, f"{S}tp=2", f"{S}ep=2", f"{S}ep_dispatch=by_node"]},
+    ]
+    spec = tmp_path / "runs.json"
+    spec.write_text(json.dumps(runs))
+    torchrun_nodes(2, 2, WORKERS / "topology_runs.py", str(tmp_path), str(spec))
+    results = {r["name"]: json.loads((tmp_path / r["name"] / "result.json").read_text()) for r in runs}
+
+    def losses(name: str) -> list[float]:
+        by_step = results[name]["metrics"]["train_loss"]
+        return [by_step[k] for k in sorted(by_step, key=int)]
+
+    assert len(losses("ep4")) == STEPS
+    assert all(facts["dispatchers"] == ["AllToAllDispatch"] for facts in results["ep4"]["ranks"])
+    reference = torch.load(tmp_path / "ep4" / "params.pt")
+    for name in ("ep4_by_node", "tp2_ep4_fold_by_node", "tp2_ep2_by_node"):
+        assert all(facts["dispatchers"] == ["ByNodeDispatch"] for facts in results[name]["ranks"]), name
+        torch.testing.assert_close(losses(name), losses("ep4"), rtol=1e-4, atol=0, msg=name)
+        params = torch.load(tmp_path / name / "params.pt")
+        for key, p in reference.items():
+            torch.testing.assert_close(params[key], p, rtol=1e-4, atol=1e-5, msg=f"{name} {key}")

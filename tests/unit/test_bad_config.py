@@ -26,6 +26,7 @@ from lit_mesh import MeshConfigError, MeshStrategy, Topology
         ({"pp_schedule": "gpipe"}, "need pp > 1"),
         ({"cp": 2, "cp_style": "zigzag"}, "cp_style='zigzag'; choose one of ('ring', 'ulysses', 'allgather')"),
         ({"ep": 0}, "ep=0 must be >= 1"),
+        ({"ep": 2, "ep_dispatch": "deepep"}, "ep_dispatch='deepep' is not one of ['all_to_all', 'by_node']"),
         ({"allreduce": "ring"}, "allreduce='ring'; choose one of ('auto', 'flat', 'hierarchical')"),
         ({"zero_stage": 0}, "zero_stage=0 must be 1 (sharded optimizer state), 2"),
         ({"zero_stage": True}, "zero_stage=True must be 1"),

@@ -155,6 +155,7 @@ GRID25D = replace(O, tensor=TensorOptions("2.5d", 2), mesh=NO_SP)
 LIGHTNING_SIZES = replace(O, mesh=replace(O.mesh, data_parallel_size=2))
 EP2 = MeshLayout(dp_shard=2, ep=2)
 FOLD = replace(O, expert=ExpertOptions(tp=1))  # whole experts under tp
+BY_NODE = replace(O, expert=ExpertOptions(dispatch="by_node"))  # two-stage dispatch where ep spans nodes
 
 
 def zoo_moe_owner(**overrides: object) -> PlanOwner:
@@ -487,6 +488,12 @@ CASES: dict[str, tuple[Facts, str, Facts]] = {
         " any); choose ep in [1, 2], or with expert_tp=1 (whole experts under tp, whose ep borrows tp ranks too) in"
         " [1, 2, 4]",
         launch(MeshLayout(dp_shard=2, tp=2, ep=4), FOLD),
+    ),
+    "ep_dispatch_by_node_fits_topology": (
+        launch(MeshLayout(dp_shard=3, tp=2, ep=3), BY_NODE, nodes=2),
+        "ep_dispatch='by_node' with ep=3 on 2 nodes x 3 devices: an ep group [0, 2, 4] holds unequal numbers of ranks"
+        " on the nodes it spans; choose ep so that each node holds the same consecutive share",
+        launch(MeshLayout(dp_shard=4, tp=2, ep=4), BY_NODE, nodes=2),
     ),
     "expert_tp_1_needs_sequence_parallel": (
         launch(MeshLayout(tp=2), replace(FOLD, mesh=MeshDegrees(sequence_parallel=False))),

@@ -33,6 +33,8 @@ def run(out_dir: Path, name: str, args: list[str]) -> None:
         "topology": asdict(topo),
         "rank": [env.global_rank(), env.node_rank(), env.local_rank()],
         "tp_nodes": node_sets(views.root.get_group("tp"), topo),
+        # the MoE layers' dispatchers (ep_dispatch="by_node": ByNodeDispatch where an ep group spans nodes)
+        "dispatchers": sorted({type(m.dispatcher).__name__ for m in cli.model.modules() if hasattr(m, "dispatcher")}),
         "hierarchies": {
             h.axis: {"intra": dist.get_process_group_ranks(h.intra), "inter": dist.get_process_group_ranks(h.inter)}
             for h in strategy.reductions.hierarchies()

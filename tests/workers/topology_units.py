@@ -281,6 +281,85 @@ def ddp_and_hsdp_gradients() -> None:
         assert not torch.equal(got["blocks.0.weight"], flat["blocks.0.weight"]), "fp16 between nodes must round"
 
 
+def routed_tokens(n_tokens: int, n_experts: int, top_k: int, dim: int) -> tuple:
+    """This rank's tokens and a random top-k routing as an MoE layer hands them to its dispatcher: assignments
+    grouped by expert (token_index, weights, tokens_per_expert)."""
+    gen = torch.Generator().manual_seed(7 + RANK)
+    tokens = torch.randn(n_tokens, dim, generator=gen, requires_grad=True)
+    chosen = torch.stack([torch.randperm(n_experts, generator=gen)[:top_k] for _ in range(n_tokens)])  # (N, k)
+    weights = torch.rand(n_tokens, top_k, generator=gen, requires_grad=True)
+    experts, order = chosen.flatten().sort(stable=True)
+    token_index = torch.arange(n_tokens).repeat_interleave(top_k)[order]
+    per_expert = torch.zeros(n_experts, dtype=torch.long).index_add_(0, experts, torch.ones_like(experts))
+    return tokens, weights, order, token_index, per_expert, chosen
+
+
+@check
+def ep_by_node_dispatch() -> None:
+    """ep over every rank of the nodes: ep_dispatch="by_node" gives the all-to-all dispatch's outputs and gradients
+    (tokens, router weights, experts), and sends each token across nodes once per other node that holds one of its
+    experts, not once per routed copy."""
+    from unittest import mock
+
+    from torch.distributed._functional_collectives import all_to_all_single_autograd
+
+    from lit_mesh.parallel import expert_by_node
+    from lit_mesh.parallel.expert import AllToAllDispatch
+    from zoo.moe import GroupedExperts
+
+    layout = MeshLayout(dp_shard=WORLD, ep=WORLD)
+    views = build_device_mesh(layout, "cpu")
+    assert expert_by_node.ep_dispatch_problem(layout, False, TOPOLOGY) is None
+    inter, intra = expert_by_node.node_groups(views.root, layout, False, TOPOLOGY)
+    node_ranks = list(range(RANK // PER_NODE * PER_NODE, (RANK // PER_NODE + 1) * PER_NODE))
+    assert ranks_of(intra) == node_ranks and ranks_of(inter) == list(range(RANK % PER_NODE, WORLD, PER_NODE))
+    local, top_k, dim = 2, 3, 8
+    n_experts = local * WORLD
+    full = GroupedExperts(n_experts, dim, 16)
+    for i, w in enumerate(full.parameters()):
+        nn.init.normal_(w, generator=torch.Generator().manual_seed(i), std=0.3)
+    group = views.ep.get_group()
+
+    def run(by_node: bool) -> tuple:
+        experts = GroupedExperts(local, dim, 16)
+        with torch.no_grad():
+            for mine, whole in zip(experts.parameters(), full.parameters()):
+                mine.copy_(whole[RANK * local : (RANK + 1) * local])
+        tokens, weights, order, token_index, per_expert, chosen = routed_tokens(24, n_experts, top_k, dim)
+        flat = AllToAllDispatch(n_experts, group, group)
+        dispatcher = flat
+        if by_node:
+            within = AllToAllDispatch(n_experts // NODES, group, intra)
+            within.weight_gradient_scale = flat.weight_gradient_scale
+            dispatcher = expert_by_node.ByNodeDispatch(inter, within)
+        sent_rows: list[list[int]] = []
+
+        def recording(tensor, output_split_sizes, input_split_sizes, group):
+            if group is inter and tensor.shape[1] == dim:  # the tokens between nodes (the table has 3 columns)
+                sent_rows.append(list(input_split_sizes))
+            return all_to_all_single_autograd(tensor, output_split_sizes, input_split_sizes, group)
+
+        with mock.patch.object(expert_by_node, "all_to_all_single_autograd", recording):
+            out = dispatcher.combine(experts, tokens, token_index, weights.flatten()[order], per_expert)
+        out.mul(torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
+        grads = [tokens.grad, weights.grad, *(p.grad for p in experts.parameters())]
+        return out.detach(), grads, sent_rows, chosen
+
+    flat_out, flat_grads, _, chosen = run(False)
+    out, grads, sent_rows, _ = run(True)
+    torch.testing.assert_close(out, flat_out, rtol=1e-5, atol=1e-6)
+    for got, expected in zip(grads, flat_grads, strict=True):
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+    node_of_expert = chosen // (local * PER_NODE)  # (tokens, k): the node of each routed copy
+    here = RANK // PER_NODE
+    pairs = [sorted(set(row.tolist())) for row in node_of_expert]
+    other_node_pairs = sum(sum(1 for node in row if node != here) for row in pairs)
+    other_node_copies = int((node_of_expert != here).sum())
+    (splits,) = sent_rows  # one all-to-all of tokens between nodes in forward
+    assert sum(splits) - splits[here] == other_node_pairs, (splits, other_node_pairs)
+    assert other_node_pairs < other_node_copies, (other_node_pairs, other_node_copies)
+
+
 if __name__ == "__main__":
     out_dir, selected = arguments()
     check.run([name for name in selected if name == "strategy_reads_slurm"])  # before any process group
