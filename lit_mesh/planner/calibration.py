@@ -112,7 +112,7 @@ def planned_step(
     from lit_mesh.planner.search import expert_variants, micro_batches
 
     best: StepTime | None = None
-    for variant, ac in itertools.product(expert_variants(shapes, layout), AC_MODES):
+    for variant, ac in itertools.product(expert_variants(shapes, layout, hw, features.ep_stride), AC_MODES):
         schedules = [features.schedule] if features.ep_overlap else schedules_for(layout.pp, variant.n_blocks, ac)
         for schedule in schedules:
             for micro in micro_batches(layout, work, schedule=schedule):

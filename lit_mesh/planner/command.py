@@ -331,6 +331,9 @@ def check_step(c: Candidate, config: Any, shapes: Any) -> dict[str, Any]:
     step: dict[str, Any] = dict(zero_stage=zero, schedule=schedule, microbatches=n, float8=c.float8)
     if c.whole_experts:  # MeshStrategy(expert_tp=1)
         step["expert_tp"] = 1
+    if c.ep_nodes > 1:  # ep_dispatch="by_node": nodes of the size that splits an ep group over c.ep_nodes
+        span = (1 if c.whole_experts else c.layout.tp) * c.layout.ep
+        step.update(ep_dispatch="by_node", devices_per_node=span // c.ep_nodes)
     shapes = shapes_of(c, shapes)  # the shapes the candidate was priced with
     counts = fake_step(config, c.layout, mb, seq, 0, c.precision, c.ac, **step)
     # the CPU step runs torch's composite rms_norm (the planner's own estimate assumes CUDA's fused kernel)

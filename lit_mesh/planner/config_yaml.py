@@ -47,6 +47,8 @@ def fit_config(
         strategy["float8"] = c.float8
     if c.whole_experts:
         strategy["expert_tp"] = 1
+    if c.ep_nodes > 1:
+        strategy["ep_dispatch"] = "by_node"
     # the links the plan was costed with, so that the run chooses its all-reduce on them too (nodes and devices
     # per node come from the cluster environment and the Trainer)
     strategy["topology"] = {

@@ -267,6 +267,22 @@ def ep_message_bytes(shapes: ModelShapes, layout: MeshLayout, work: Workload, ac
     return routed * (c.dim + 1) // c.dim, routed
 
 
+def by_node_message_bytes(shapes: ModelShapes, layout: MeshLayout, work: Workload, act: int) -> tuple[float, float]:
+    """ep_dispatch="by_node" (shapes.ep_nodes > 1): bytes of one MoE layer's exchange between nodes per micro-batch
+    on a rank: (the tokens, once per node they go to; the assignments' table: 3 float32 per routed copy). Inside the
+    node the routed copies move as ep_message_bytes says (lit_mesh/parallel/expert_by_node.py)."""
+    c = shapes.config
+    tokens = work.micro_batch * work.seq_len / layout.cp / (layout.tp if shapes.whole_experts else 1)
+    return tokens * shapes.nodes_per_token * c.dim * act, tokens * c.top_k * 12
+
+
+def ep_nodes_spanned(shapes: ModelShapes, layout: MeshLayout, hw: Hardware, ep_stride: int | None = None) -> int:
+    """The nodes one ep group spans (1: inside a node): ep takes ranks ep_stride apart (lit_mesh: tp, 1 with whole
+    experts under tp)."""
+    stride = ep_stride or (1 if shapes.whole_experts else layout.tp)
+    return max(1, stride * layout.ep // hw.devices_per_node)
+
+
 _GATHERED_CACHE: IdentityCache = {}
 
 
@@ -426,8 +442,20 @@ def step_time(
         combines = 2 + (1 if routing_pass else 0)
         # whole experts: ep takes the innermost ranks of dp_shard x cp x tp (consecutive ranks)
         ep_link = hw.link(features.ep_stride or (1 if shapes.whole_experts else stride["ep"]), layout.ep)
-        all_to_alls = dispatches * all_gather_time(dispatched, layout.ep, ep_link)
-        all_to_alls += combines * all_gather_time(routed, layout.ep, ep_link)
+        if shapes.ep_nodes > 1:  # by node: each token once per node over the inter-node links (one rank per node),
+            # then its routed copies inside the node; the partial sums home the same two ways
+            nodes, per_node = shapes.ep_nodes, layout.ep // shapes.ep_nodes
+            tokens_between, table = by_node_message_bytes(shapes, layout, work, act)
+            inter, intra = hw.link(hw.devices_per_node, nodes), hw.link(1, per_node)
+            all_to_alls = dispatches * (
+                all_gather_time(tokens_between + table, nodes, inter) + all_gather_time(dispatched, per_node, intra)
+            )
+            all_to_alls += combines * (
+                all_gather_time(tokens_between, nodes, inter) + all_gather_time(routed, per_node, intra)
+            )
+        else:
+            all_to_alls = dispatches * all_gather_time(dispatched, layout.ep, ep_link)
+            all_to_alls += combines * all_gather_time(routed, layout.ep, ep_link)
         t.overlapped["ep"] = n_micro * blocks * all_to_alls
         exposed = max(0.0, all_to_alls - block) if features.ep_overlap else all_to_alls
         t.exposed["ep"] = n_micro * blocks * exposed

@@ -9,8 +9,10 @@ the mesh dims whose ranks it holds:
 - all-to-all: what this rank sends; send / recv: the message.
 These are the sizes the ring formulas take (lit_mesh.comm.topology): the planner's byte terms are in the same unit.
 
-The fake all-to-all leaves its output as it was; the mode copies the input there, as if each peer sent this rank
-what this rank sends it (EP's token counts then agree with the tokens sent: balanced traffic, as the planner assumes).
+The fake all-to-all leaves its output as it was; the mode copies the input there (c10d's and the functional one's),
+as if each peer sent this rank what this rank sends it (EP's token counts then agree with the tokens sent: balanced
+traffic, as the planner assumes; ep_dispatch="by_node" reads its assignments' table back). Under "by_node" the routers
+pick uniformly at random (`route_uniformly`): the bytes between nodes depend on the routing there.
 A fake receive leaves its buffer as it was; the mode fills it with ones, as if the peer sent ones.
 
 Pipelines (pp > 1): lit_mesh's runner drives torch's schedule over `microbatches` micro-batches, so every send and
@@ -50,6 +52,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 
+from lit_mesh.comm.topology import Topology
 from lit_mesh.loss import cross_entropy
 from lit_mesh.mesh import MeshAxis, MeshLayout, MeshViews, build_device_mesh, folded_expert_meshes
 from lit_mesh.options import MeshDegrees, MeshOptions
@@ -58,6 +61,7 @@ from lit_mesh.parallel.apply import Parallelized, parallelize
 from lit_mesh.parallel.context.layout import ContextOptions, shard_batch
 from lit_mesh.parallel.data import DataParallelOptions
 from lit_mesh.parallel.expert import ExpertOptions, folds_experts
+from lit_mesh.parallel.expert_by_node import node_groups
 from lit_mesh.parallel.float8 import Float8Options
 from lit_mesh.parallel.pipeline.runner import ScheduleRunner
 from lit_mesh.parallel.pipeline.schedules import PipelineSettings
@@ -138,6 +142,8 @@ class CollectiveCounter(TorchDispatchMode):
                     tensors[0][0].fill_(1)  # the peer sends ones (module doc)
             else:
                 data = out if which == "output" else tensors[0]
+                if name == "all_to_all_single" and out.shape == tensors[0].shape:
+                    out.copy_(tensors[0])  # as the c10d one (module doc): by-node dispatch's table is read back
             if group is not None:
                 self.bytes[(group, kind)] += _nbytes(data)
                 self.calls[(group, kind)] += 1
@@ -215,9 +221,10 @@ class StepCounts:
     seconds: float = 0.0
 
 
-def dim_of_groups(views: MeshViews, whole_experts: bool = False) -> dict[str, str]:
+def dim_of_groups(views: MeshViews, whole_experts: bool = False, by_node: Topology | None = None) -> dict[str, str]:
     """Process group name -> the planner's name of its mesh dim (several dims of the same ranks: joined by '=');
-    `whole_experts`: MeshStrategy(expert_tp=1)'s groups for ep and the experts' FSDP."""
+    `whole_experts`: MeshStrategy(expert_tp=1)'s groups for ep and the experts' FSDP; `by_node`: the topology of
+    ep_dispatch="by_node", whose ep groups' parts between nodes and inside one are "ep:inter" and "ep:intra"."""
     layout = views.layout
     named = {
         "tp": (views.root, "tp"),
@@ -238,6 +245,10 @@ def dim_of_groups(views: MeshViews, whole_experts: bool = False) -> dict[str, st
         sub = mesh[dim] if dim else mesh
         if sub.size() > 1:
             out[sub.get_group().group_name].append(label)
+    split = node_groups(views.root, layout, whole_experts, by_node) if by_node is not None and layout.ep > 1 else None
+    for label, group in zip(("ep:inter", "ep:intra"), split or ()):  # the pool's groups, made by parallelize
+        if dist.get_world_size(group) > 1:
+            out[group.group_name].append(label)
     return {g: "=".join(labels) for g, labels in out.items()}
 
 
@@ -275,10 +286,13 @@ def fake_step(
     microbatches: int = 1,
     float8: str | None = None,
     expert_tp: int | None = None,
+    ep_dispatch: str = "all_to_all",
+    devices_per_node: int = 8,
 ) -> StepCounts:
     """One training step of global rank `rank` (one micro-batch of `micro_batch` sequences of `seq_len` tokens;
     under pp, `schedule` over `microbatches` of them, as lit_mesh's runner drives torch's schedule; `float8`:
-    MeshStrategy's float8 recipe, emulated on CPU; `expert_tp`: MeshStrategy's, for an MoE model)."""
+    MeshStrategy's float8 recipe, emulated on CPU; `expert_tp`, `ep_dispatch`: MeshStrategy's, for an MoE model, the
+    nodes of `devices_per_node` ranks each)."""
     start = time.perf_counter()
     options = MeshOptions(
         mesh=MeshDegrees(sequence_parallel=layout.tp > 1),
@@ -290,12 +304,13 @@ def fake_step(
         context=ContextOptions(style=cp_style),  # type: ignore[arg-type]
         data=DataParallelOptions(zero_stage=zero_stage),  # type: ignore[arg-type]
         float8=Float8Options(float8),  # type: ignore[arg-type]
-        expert=ExpertOptions(expert_tp),
+        expert=ExpertOptions(expert_tp, ep_dispatch),  # type: ignore[arg-type]
     )
+    topology = Topology(nodes=max(1, layout.world_size // devices_per_node), devices_per_node=devices_per_node)
     if layout.pp > 1:
         options = replace(options, pipeline=PipelineSettings(schedule.name, microbatches, schedule.stages_per_rank))
     with fake_world(rank, layout.world_size):
-        root, views, done, tokens = _build(config, layout, rank, precision, options, micro_batch, seq_len)
+        root, views, done, tokens = _build(config, layout, rank, precision, options, micro_batch, seq_len, topology)
         counter, live = CollectiveCounter(), LiveStorages()
         held: int | None = None
         if layout.pp > 1:
@@ -319,7 +334,9 @@ def fake_step(
                 held = sum(b for ptr, b in live.alive().items() if ptr not in params)
                 loss.backward()
                 torch.optim.AdamW(root.parameters(), foreach=True).step()
-        names = dim_of_groups(views, folds_experts(layout, options.expert))
+        names = dim_of_groups(
+            views, folds_experts(layout, options.expert), topology if ep_dispatch == "by_node" else None
+        )
     counts = StepCounts(activations=held, accumulated_grads=accumulated[0] if layout.pp > 1 else None)
     for (group, op), n in counter.bytes.items():
         dim = names.get(group, f"group {group}")
@@ -354,7 +371,14 @@ def _unsharded_grads_at_reduce(stages: list[Stage]) -> Iterator[list[int]]:
 
 
 def _build(
-    config: Any, layout: MeshLayout, rank: int, precision: str, options: MeshOptions, micro_batch: int, seq_len: int
+    config: Any,
+    layout: MeshLayout,
+    rank: int,
+    precision: str,
+    options: MeshOptions,
+    micro_batch: int,
+    seq_len: int,
+    topology: Topology | None = None,
 ) -> tuple[nn.Module, MeshViews, Parallelized, torch.Tensor]:
     """The rank's parallelized model, its shards drawn at random, and its tokens of one micro-batch (cp: its part of
     the sequence, as MeshStrategy's batch hook keeps)."""
@@ -364,16 +388,35 @@ def _build(
     if precision == "bf16-true":
         root.to(torch.bfloat16)
     views = build_device_mesh(layout, "cpu")
-    done = parallelize(root, views, options, precision=precision)
+    done = parallelize(root, views, options, precision=precision, topology=topology)
     root.to_empty(device="cpu")
     generator = torch.Generator().manual_seed(rank)
     with torch.no_grad():
         for p in root.parameters():
             local_tensor(p).normal_(0.0, 0.02, generator=generator)
     tokens = torch.randint(0, config.vocab_size, (micro_batch, seq_len), generator=generator)
+    if options.expert.dispatch == "by_node":
+        route_uniformly(root)
     if layout.cp > 1:
         tokens = shard_batch(tokens, views[MeshAxis.CP], options.context.style)
     return root, views, done, tokens
+
+
+def route_uniformly(root: nn.Module) -> None:
+    """Every router of the model picks its top_k experts uniformly at random (the same picks for the same token
+    count: AC's recompute routes alike). What ep_dispatch="by_node" sends between nodes depends on how many nodes a
+    token's experts sit on; an untrained router on random tokens sends every token to the same few experts, while the
+    planner assumes routing uniform over the experts (a balanced run's). The weights stay the router's own."""
+
+    def uniform(router: nn.Module, args: tuple, routing: Any) -> Any:
+        n, n_experts = routing.probs.shape
+        order = torch.rand(n, n_experts, generator=torch.Generator().manual_seed(n)).argsort(dim=1)
+        expert_ids = order[:, : routing.expert_ids.shape[1]].to(routing.expert_ids.device)
+        return replace(routing, expert_ids=expert_ids, weights=routing.probs.gather(1, expert_ids))
+
+    for module in root.modules():
+        if type(module).__name__ == "Router":  # the zoo MoE's (zoo/moe.py)
+            module.register_forward_hook(uniform)
 
 
 def stage_boundary(config: Any, layout: MeshLayout, micro_batch: int, seq_len: int, precision: str) -> torch.Tensor:

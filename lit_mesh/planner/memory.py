@@ -213,7 +213,9 @@ def block_activation_elements_per_token(
     (/tp for the routed experts under expert tensor parallel), the expert output and its weighted copy; selective
     AC keeps of these the router scores and each copy's w1, w3 and w2 outputs (the MoE block has no dense w2), and
     under ep > 1 the dispatch's output too: the routed copies a rank receives, each with its router weight as one
-    more column (balanced: top_k per token); not the combine's (lit_mesh/parallel/expert_combine.py). With whole
+    more column (balanced: top_k per token); not the combine's (lit_mesh/parallel/expert_combine.py); by node
+    (ep_dispatch="by_node") also the tokens received between nodes, once per node they went to, and the table of the
+    assignments (3 float32 per routed copy). With whole
     experts under tp (expert_tp=1) the MoE block routes this rank's sequence shard: its norm output is not gathered
     and every MoE term is /tp, each expert whole."""
     c = shapes.config
@@ -239,7 +241,9 @@ def block_activation_elements_per_token(
             + copies * h
             + 2 * hidden
             + (c.top_k * h if tp > 1 and shapes.expert_tp else 0)
-            + (c.top_k * (h + 1) if ep > 1 else 0),
+            + (c.top_k * (h + 1) if ep > 1 else 0)
+            # by node: the tokens received from the other nodes (once per node) and the assignments' table
+            + (shapes.nodes_per_token * h + c.top_k * 12 / act_bytes if ep > 1 and shapes.ep_nodes > 1 else 0),
             tp if shapes.whole_experts else 1,  # whole experts: this rank routes 1/tp of the tokens
         )
     else:

@@ -14,7 +14,14 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 
 from lit_mesh.mesh import MeshLayout
-from lit_mesh.planner.cost import Features, StepTime, calibrated_kernels, model_flops_per_step, step_time
+from lit_mesh.planner.cost import (
+    Features,
+    StepTime,
+    calibrated_kernels,
+    ep_nodes_spanned,
+    model_flops_per_step,
+    step_time,
+)
 from lit_mesh.planner.hardware import GIB, Hardware
 from lit_mesh.planner.memory import Workload, expert_fsdp_degree, expert_fsdp_dim, rank_memory
 from lit_mesh.planner.pipeline_model import (
@@ -43,6 +50,7 @@ class Candidate:
     schedule: Schedule = ONE_F_ONE_B  # the pipeline schedule (pp > 1)
     float8: str | None = None  # MeshStrategy(float8=...): the blocks' linears in float8 (torchao)
     whole_experts: bool = False  # MeshStrategy(expert_tp=1): whole experts, each tp rank routing its sequence shard
+    ep_nodes: int = 1  # MeshStrategy(ep_dispatch="by_node"): the nodes an ep group spans (1: the all-to-all dispatch)
 
     def fits(self, hw: Hardware) -> bool:
         return self.memory["total"] <= hw.usable_bytes
@@ -58,6 +66,8 @@ class Candidate:
         float8 = f", float8 {self.float8}" if self.float8 else ""
         if self.whole_experts:
             degrees += ", whole experts (expert_tp=1)"
+        if self.ep_nodes > 1:
+            degrees += f", tokens once per node (ep_dispatch=by_node, {self.ep_nodes} nodes)"
         return f"{degrees}{schedule}{zero}, {self.precision}{float8}, AC {self.ac}, micro-batch {self.work.micro_batch}"
 
 
@@ -187,6 +197,7 @@ def evaluate(
         schedule=schedule,
         float8=float8,
         whole_experts=shapes.whole_experts,
+        ep_nodes=shapes.ep_nodes,
     )
 
 
@@ -298,7 +309,7 @@ def plan(
         if any(getattr(layout, d) != v for d, v in fixed.items()):
             continue
         options = len(precisions) * len(ac_modes)
-        for variant in expert_variants(shapes, layout):
+        for variant in expert_variants(shapes, layout, hw):
             considered += options * len(zero_stages)
             reason = why_invalid(layout, variant, work, hw) or why_wasteful(layout, variant, work, hw)
             if reason:
@@ -325,18 +336,24 @@ def plan(
     return PlanResult(ranked, rejected, smallest, considered)
 
 
-def expert_variants(shapes: ModelShapes, layout: MeshLayout) -> list[ModelShapes]:
+def expert_variants(
+    shapes: ModelShapes, layout: MeshLayout, hw: Hardware, ep_stride: int | None = None
+) -> list[ModelShapes]:
     """The ways the tp ranks can share an MoE model's experts: split over tp (expert_tp=None; ep from dp_shard x cp),
-    and under tp > 1 whole (expert_tp=1, each tp rank routing its sequence shard; ep from dp_shard x cp x tp)."""
+    and under tp > 1 whole (expert_tp=1, each tp rank routing its sequence shard; ep from dp_shard x cp x tp); each
+    also with its tokens sent once per node (ep_dispatch="by_node") where its ep groups span nodes."""
     if shapes.whole_experts:  # a run that fixed expert_tp=1 (a calibration row)
-        return [shapes]
-    split = [shapes] if (layout.dp_shard * layout.cp) % layout.ep == 0 else []
-    return split + [shapes.with_whole_experts()] if shapes.is_moe and layout.tp > 1 else split
+        ways = [shapes]
+    else:
+        ways = [shapes] if (layout.dp_shard * layout.cp) % layout.ep == 0 else []
+        ways += [shapes.with_whole_experts()] if shapes.is_moe and layout.tp > 1 else []
+    by_node = [(way, ep_nodes_spanned(way, layout, hw, ep_stride)) for way in ways if layout.ep > 1]
+    return ways + [way.with_ep_nodes(nodes) for way, nodes in by_node if nodes > 1 and layout.ep % nodes == 0]
 
 
 def shapes_of(c: Candidate, shapes: ModelShapes) -> ModelShapes:
     """The shapes a candidate was evaluated with."""
-    return shapes.with_whole_experts() if c.whole_experts else shapes
+    return (shapes.with_whole_experts() if c.whole_experts else shapes).with_ep_nodes(c.ep_nodes)
 
 
 TIE = 0.02  # step times this close are a tie: well inside the time model's error on published runs (up to 7%)
@@ -392,6 +409,12 @@ def explain(c: Candidate, shapes: ModelShapes, work: Workload, hw: Hardware) -> 
         out.append(
             f"ep={layout.ep}: {shapes.config.n_experts // layout.ep} of {shapes.config.n_experts} experts per rank,"
             f" tokens to their experts by all-to-all ({_s(t.exposed['ep'])} exposed)"
+            + (
+                f"; once per node between the {shapes.ep_nodes} nodes of an ep group ({shapes.nodes_per_token:.1f} of"
+                f" {shapes.config.top_k} copies per token), forwarded inside the node (ep_dispatch=by_node)"
+                if shapes.ep_nodes > 1
+                else ""
+            )
         )
     if layout.tp > 1:
         out.append(

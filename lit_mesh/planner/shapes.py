@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
@@ -39,6 +40,9 @@ class ModelShapes:
     last: tuple[ParamShape, ...]  # after the blocks (the last stage)
     tp_divides: dict[str, int]
     ep_divides: dict[str, int] = field(default_factory=dict)  # empty: a dense model (ep must stay 1)
+    # MeshStrategy(ep_dispatch="by_node"): the nodes an ep group spans, each token sent once per destination node
+    # and forwarded inside it (lit_mesh/parallel/expert_by_node.py); 1: the all-to-all dispatch
+    ep_nodes: int = 1
 
     @property
     def n_blocks(self) -> int:
@@ -84,6 +88,30 @@ class ModelShapes:
             dataclasses.replace(p, hidden_dim=None, whole_under_tp=True) if p.expert else p for p in self.block
         )
         return dataclasses.replace(self, block=block)
+
+    def with_ep_nodes(self, nodes: int) -> ModelShapes:
+        """These shapes under MeshStrategy(ep_dispatch="by_node") with ep groups over `nodes` nodes (made once per
+        count: the planner's caches key on the shapes' identity)."""
+        if nodes == self.ep_nodes:
+            return self
+        if nodes not in self._by_nodes:
+            self._by_nodes[nodes] = dataclasses.replace(self, ep_nodes=nodes)
+        return self._by_nodes[nodes]
+
+    @functools.cached_property
+    def nodes_per_token(self) -> float:
+        """Under ep_dispatch="by_node": the nodes a token's top_k experts sit on, on average, with routing uniform
+        over the experts (as the planner assumes everywhere): ep_nodes x P(a node holds one of them)."""
+        c, nodes = self.config, self.ep_nodes
+        if nodes == 1:
+            return 1.0
+        per_node = c.n_experts // nodes
+        none_there = math.prod((c.n_experts - per_node - i) / (c.n_experts - i) for i in range(c.top_k))
+        return nodes * (1 - none_there)
+
+    @functools.cached_property
+    def _by_nodes(self) -> dict[int, ModelShapes]:
+        return {}
 
     @property
     def tp_regions(self) -> int:

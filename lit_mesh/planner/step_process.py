@@ -38,6 +38,8 @@ def step_in_process(
     microbatches: int,
     float8: str | None = None,
     expert_tp: int | None = None,
+    ep_dispatch: str = "all_to_all",
+    devices_per_node: int = 8,
     timeout: float = 600,
 ) -> StepCounts:
     """fake_step(...) of `rank`, run in a new Python process; raises RuntimeError with its stderr if it fails."""
@@ -56,6 +58,8 @@ def step_in_process(
             "microbatches": microbatches,
             "float8": float8,
             "expert_tp": expert_tp,
+            "ep_dispatch": ep_dispatch,
+            "devices_per_node": devices_per_node,
         },
         "schedule": dataclasses.asdict(schedule),
     }

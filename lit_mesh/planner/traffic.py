@@ -40,7 +40,7 @@ from collections.abc import Iterable
 
 from lit_mesh.mesh import MeshLayout
 from lit_mesh.parallel.pipeline.schedules import SCHEDULES
-from lit_mesh.planner.cost import ep_message_bytes, float8_linear
+from lit_mesh.planner.cost import by_node_message_bytes, ep_message_bytes, float8_linear
 from lit_mesh.planner.memory import ROWWISE, Workload, chunk, expert_fsdp_degree, fsdp_degree, unsharded_numel
 from lit_mesh.planner.pipeline_model import ONE_F_ONE_B, Schedule, rank_stages, regathers
 from lit_mesh.planner.shapes import ModelShapes, ParamShape
@@ -191,7 +191,16 @@ def comm_bytes(
         # (lit_mesh/parallel/expert_combine.py): the combine once forward, once backward
         forwards = over_blocks({"none": 1, "selective": 1, "full": 2})
         dispatch = (forwards + blocks) * dispatched + forwards * counts
-        out["ep"]["all_to_all"] += n_micro * (dispatch + 2 * blocks * routed)
+        if shapes.ep_nodes > 1:  # by node: the tokens once per node (with the assignments' table) and the partial
+            # sums back between nodes ("ep:inter", one rank per node); the routed copies inside the node ("ep:intra")
+            nodes = shapes.ep_nodes
+            tokens_between, table = by_node_message_bytes(shapes, layout, work, act)
+            inside = (forwards + blocks) * dispatched + forwards * (c.n_experts // nodes) * 8
+            between = (forwards + blocks) * (tokens_between + table) + forwards * nodes * 2 * 8
+            out["ep:intra"]["all_to_all"] += n_micro * (inside + 2 * blocks * routed)
+            out["ep:inter"]["all_to_all"] += n_micro * (between + 2 * blocks * tokens_between)
+        else:
+            out["ep"]["all_to_all"] += n_micro * (dispatch + 2 * blocks * routed)
 
     if layout.pp > 1:
         message = tokens // layout.tp * c.dim * act  # sequence parallel: the boundary's activation is /tp

@@ -69,6 +69,11 @@ STEPS = [
     ("ep-64-selective", MOE, MeshLayout(dp_shard=64, ep=4), {"ac": "selective"}),
     ("ep-64-full", MOE, MeshLayout(dp_shard=64, ep=4), {"ac": "full"}),
     ("moe-64-selective", MOE, MeshLayout(dp_shard=64), {"ac": "selective"}),
+    # ep_dispatch="by_node": ep 16 over 2 nodes of 8, each token once per node between them ("ep:inter", one rank per
+    # node) and its routed copies inside the node ("ep:intra"); selective AC keeps both stages' outputs
+    ("ep-by-node-64", MOE_64, MeshLayout(dp_shard=64, ep=16), {"ep_dispatch": "by_node"}),
+    ("ep-by-node-64-selective", MOE_64, MeshLayout(dp_shard=64, ep=16), {"ep_dispatch": "by_node", "ac": "selective"}),
+    ("ep-by-node-64-full", MOE_64, MeshLayout(dp_shard=64, ep=16), {"ep_dispatch": "by_node", "ac": "full"}),
     # whole experts under tp (expert_tp=1): each tp rank routes its own sequence shard, the experts split over ep (the
     # innermost ranks of dp_shard x tp) and FSDP-sharded over the rest
     ("ep-tp-64-whole-experts", MOE, MeshLayout(dp_shard=32, tp=2, ep=4), {"expert_tp": 1}),
@@ -124,6 +129,8 @@ def test_a_real_step_moves_and_holds_what_the_planner_estimates(
     work = Workload(micro_batch * layout.dp * micro_batches, SEQ_LEN, micro_batch)
     # expert_tp: comm_bytes reads it from the shapes
     shapes = gpt_shapes(config).with_whole_experts() if options.pop("expert_tp", None) == 1 else gpt_shapes(config)
+    if options.pop("ep_dispatch", None) == "by_node":  # the fake step's nodes: 8 ranks each
+        shapes = shapes.with_ep_nodes(layout.ep // 8)
     stage = rank // (layout.world_size // layout.pp)
     estimate = merged_like(comm_bytes(shapes, layout, work, precision, ac, stage=stage, **options), counted.bytes)
     assert set(counted.bytes) == set(estimate), (counted.bytes, estimate)

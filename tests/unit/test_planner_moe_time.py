@@ -7,12 +7,21 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+import torch
 
 from lit_mesh.mesh import MeshLayout
 from lit_mesh.planner.calibration import planned_step, runs
-from lit_mesh.planner.cost import Features, StepTime, calibrated_kernels, step_time, tokens_per_expert
+from lit_mesh.planner.cost import (
+    Features,
+    StepTime,
+    calibrated_kernels,
+    ep_nodes_spanned,
+    step_time,
+    tokens_per_expert,
+)
 from lit_mesh.planner.hardware import GB, GIB, Hardware
-from lit_mesh.planner.memory import Workload
+from lit_mesh.planner.memory import Workload, block_activation_elements_per_token
+from lit_mesh.planner.search import expert_variants
 from lit_mesh.planner.shapes import gpt_shapes
 from zoo.moe import MoEConfig
 
@@ -120,3 +129,36 @@ def test_planned_row_takes_the_fastest_fitting_option_or_names_the_layout() -> N
     assert best.total <= published.total
     with pytest.raises(ValueError, match="no AC, micro-batch or schedule fits"):
         planned_step(shapes, layout, work, dataclasses.replace(HW, memory_bytes=4.1 * GIB), LIT_MESH)
+
+
+def test_nodes_a_token_visits_match_uniform_routing() -> None:
+    """ep_dispatch="by_node" sends a token once per node its top_k experts sit on: the planner's expectation under
+    uniform routing against sampled routings (128 experts, top 8, on 4 and 8 nodes; Qwen3's and a finer split)."""
+    generator = torch.Generator().manual_seed(0)
+    for nodes in (4, 8):
+        config = _mixtral(n_experts=128, top_k=8)
+        picks = torch.rand(20_000, 128, generator=generator).argsort(dim=1)[:, :8] // (128 // nodes)
+        visited = torch.zeros(20_000, nodes).scatter_(1, picks, 1).sum(1).mean().item()
+        assert gpt_shapes(config).with_ep_nodes(nodes).nodes_per_token == pytest.approx(visited, rel=0.01)
+    assert gpt_shapes(_mixtral()).nodes_per_token == 1.0  # the all-to-all dispatch: no per-node step
+
+
+def test_by_node_dispatch_sends_less_between_nodes_and_keeps_more_under_selective() -> None:
+    """ep 32 over 4 nodes: once per node over InfiniBand (and the copies inside the node over NVLink) is faster than
+    every routed copy over InfiniBand; the planner offers it only where an ep group spans nodes; selective AC keeps
+    the tokens received between nodes too."""
+    config = _mixtral(n_experts=128, top_k=8, expert_hidden=1536)
+    shapes, layout = gpt_shapes(config), MeshLayout(dp_shard=64, ep=32)
+    by_node = shapes.with_ep_nodes(4)
+    plain, two_stage = (step_time(s, layout, WORK, "bf16-mixed", "none", HW, LIT_MESH) for s in (shapes, by_node))
+    assert two_stage.exposed["ep"] < plain.exposed["ep"] / 2
+    assert ep_nodes_spanned(shapes, layout, HW) == 4 and ep_nodes_spanned(shapes, LAYOUT, HW) == 1
+    assert expert_variants(shapes, layout, HW) == [shapes, by_node]
+    assert expert_variants(shapes, LAYOUT, HW) == [shapes]  # ep 8 inside a node: nothing to save
+    flat_kept, by_node_kept = (
+        block_activation_elements_per_token(s, 1, "selective", 2, ep=32) for s in (shapes, by_node)
+    )
+    assert by_node_kept - flat_kept == pytest.approx(by_node.nodes_per_token * config.dim + 8 * 12 / 2)
+    # without AC nothing of the first stage is saved (its gathers save indices only)
+    flat_none, by_node_none = (block_activation_elements_per_token(s, 1, "none", 2, ep=32) for s in (shapes, by_node))
+    assert by_node_none == flat_none
