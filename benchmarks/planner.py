@@ -69,6 +69,7 @@ def main(argv: list[str]) -> None:
                 row["best"] = {
                     "layout": {d: getattr(best.layout, d) for d in (*DIMS, "ep")},
                     "whole_experts": best.whole_experts,  # MeshStrategy(expert_tp=1)
+                    "ep_nodes": best.ep_nodes,  # MeshStrategy(ep_dispatch="by_node") where > 1
                     "ac": best.ac,
                     "pp_schedule": best.schedule.describe() if best.layout.pp > 1 else None,
                     "micro_batch": best.work.micro_batch,

@@ -280,7 +280,8 @@ def ep_nodes_spanned(shapes: ModelShapes, layout: MeshLayout, hw: Hardware, ep_s
     """The nodes one ep group spans (1: inside a node): ep takes ranks ep_stride apart (lit_mesh: tp, 1 with whole
     experts under tp)."""
     stride = ep_stride or (1 if shapes.whole_experts else layout.tp)
-    return max(1, stride * layout.ep // hw.devices_per_node)
+    nodes = max(1, stride * layout.ep // hw.devices_per_node)
+    return nodes if layout.ep % nodes == 0 else 1  # ranks spread unevenly over nodes: no by-node split (refused)
 
 
 _GATHERED_CACHE: IdentityCache = {}
