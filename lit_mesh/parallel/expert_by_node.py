@@ -127,7 +127,10 @@ class ByNodeDispatch:
         nodes, n_tokens, device = self.nodes, tokens.shape[0], tokens.device
         per_node = self.n_experts // nodes  # experts on one node
         if n_tokens >= _EXACT_IN_FLOAT32 or per_node >= _EXACT_IN_FLOAT32:
-            raise ValueError(f"ep_dispatch='by_node' routes at most 2**24 tokens per micro-batch, got {n_tokens}")
+            raise ValueError(
+                f"ep_dispatch='by_node' routes at most 2**24 tokens per rank and micro-batch (its table carries their"
+                f" rows in float32), got {n_tokens}; use a smaller micro-batch, or ep_dispatch='all_to_all'"
+            )
         # assignments come grouped by expert, experts node by node: so they are grouped by node as well
         expert = torch.arange(self.n_experts, device=device).repeat_interleave(
             tokens_per_expert, output_size=token_index.shape[0]
