@@ -29,6 +29,7 @@ from types import CodeType, FrameType
 from typing import Any, Optional
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
@@ -64,27 +65,35 @@ class HostSyncCounter:
         self.sites: Counter[str] = Counter()
         self.declared_counts: Counter[str] = Counter()
         self.host_made: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self.read_storages: dict[int, StorageWeakRef] = {}  # what declared cpu() reads returned, by storage
         self._originals: dict[str, Callable] = {}
         self._reading = False
         self._modes: tuple[_HostDataMode, _ValueReadMode] | None = None
+
+    def read_already(self, tensor: torch.Tensor) -> bool:
+        """Whether `tensor` holds what a declared read brought to the host (reading it again waits for nothing)."""
+        ref = self.read_storages.get(tensor.untyped_storage()._cdata) if isinstance(tensor, torch.Tensor) else None
+        return ref is not None and not ref.expired()
 
     @property
     def total(self) -> int:
         """Undeclared syncs counted so far."""
         return sum(self.sites.values())
 
-    def count(self, what: str, frame: Optional[FrameType]) -> None:
+    def count(self, what: str, frame: Optional[FrameType]) -> bool:
+        """Count one sync at `frame`; True where it is a declared one."""
         site = None
         while frame is not None:
             declared = self.declared.get(frame.f_code)
             if declared is not None:
                 self.declared_counts[declared] += 1
-                return
+                return True
             name = frame.f_code.co_filename
             if site is None and name != _THIS_FILE and not name.startswith(_TORCH_DIR):
                 site = f"{name.split('site-packages/')[-1]}:{frame.f_lineno} {what}"
             frame = frame.f_back
         self.sites[site or what] += 1
+        return False
 
     def __enter__(self) -> HostSyncCounter:
         self._originals = {name: getattr(torch.Tensor, name) for name in HOST_READS}
@@ -108,15 +117,21 @@ class HostSyncCounter:
         counter = self
 
         def counted(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-            # the function mode hands the call back to this (patched) method: count the outer call only
-            if counter._reading or id(tensor) in counter.ignore:
+            # the function mode hands the call back to this (patched) method: count the outer call only; what a
+            # declared cpu() brought to the host is read there without a sync (on a CPU rank cpu() returns the
+            # tensor itself: only a declared read's own result is marked)
+            if counter._reading or id(tensor) in counter.ignore or counter.read_already(tensor):
                 return original(tensor, *args, **kwargs)
-            counter.count(name, sys._getframe(1))
+            declared = counter.count(name, sys._getframe(1))
             counter._reading = True
             try:
-                return original(tensor, *args, **kwargs)
+                out = original(tensor, *args, **kwargs)
             finally:
                 counter._reading = False
+            if declared and name == "cpu" and isinstance(out, torch.Tensor):
+                storage = out.untyped_storage()  # views and detached copies (a checkpoint's stored one) share it
+                counter.read_storages[storage._cdata] = StorageWeakRef(storage)
+            return out
 
         return counted
 

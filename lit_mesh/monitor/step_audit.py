@@ -32,15 +32,12 @@ from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatc
 
 from lit_mesh.monitor.comm import _group_name, _group_size
 from lit_mesh.monitor.host_syncs import HostSyncCounter
-from lit_mesh.parallel.expert import MOE_SPLIT_SIZES, split_sizes_on_host
-from lit_mesh.parallel.expert_by_node import pair_split_sizes_on_host
+from lit_mesh.parallel.expert import MOE_SPLIT_SIZES
+from lit_mesh.parallel.expert_counts import counts_on_host
 from lit_mesh.training.log_steps import is_logging_step, log_every_n_steps
 
 # the host reads a step makes on purpose: {the function that makes it: what it reads}
-DECLARED_HOST_READS: dict[Callable, str] = {
-    split_sizes_on_host: MOE_SPLIT_SIZES,
-    pair_split_sizes_on_host: MOE_SPLIT_SIZES,  # ep_dispatch="by_node": the stage between nodes
-}
+DECLARED_HOST_READS: dict[Callable, str] = {counts_on_host: MOE_SPLIT_SIZES}  # both dispatchers' (by node: twice)
 _COLLECTIVE_NAMESPACES = ("c10d", "_c10d_functional")
 _NOT_COLLECTIVES = {"wait_tensor", "_wrap_tensor_autograd"}  # a wait on, or a wrapper of, one counted already
 

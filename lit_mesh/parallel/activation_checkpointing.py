@@ -18,6 +18,7 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.utils.checkpoint import SAC_IGNORED_OPS, CheckpointPolicy, create_selective_checkpoint_contexts
 
 from lit_mesh.errors import PlanError
+from lit_mesh.parallel import expert_counts  # noqa: F401 - registers lit_mesh::exchange_counts (kept below)
 from lit_mesh.unit import Facts, Rule, option
 
 ActivationCheckpointing = Literal["none", "full", "selective"]
@@ -45,6 +46,7 @@ def _saved_ops() -> set:
         (c10d, "reduce_scatter_tensor"),
         (c10d, "all_reduce"),
         (c10d, "all_to_all_single"),  # expert parallel's token dispatch and return, Ulysses' head exchange
+        (torch.ops.lit_mesh, "exchange_counts"),  # its token counts and their host copy: no collective, no host read
     ]
     return {getattr(ns, name).default for ns, name in candidates if hasattr(ns, name)}
 

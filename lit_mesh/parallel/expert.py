@@ -52,6 +52,7 @@ from lit_mesh.mesh import MeshAxis, MeshLayout, MeshViews, ep_borrowing_problem,
 from lit_mesh.parallel.data import mixed_precision_policy, reshards_after_forward
 from lit_mesh.parallel.expert_by_node import EP_DISPATCHES, ByNodeDispatch, EPDispatch, ep_dispatch_problem, node_groups
 from lit_mesh.parallel.expert_combine import combine_expert_outputs, weighted_sum_per_token
+from lit_mesh.parallel.expert_counts import exchange_counts
 from lit_mesh.plan import MoEPlan, ParallelPlan, PlanError
 from lit_mesh.unit import Facts, Rule, divisors, option
 
@@ -278,11 +279,10 @@ def sum_over_tp(partial: torch.Tensor, tp_mesh: DeviceMesh) -> torch.Tensor:
 MOE_SPLIT_SIZES = "moe all-to-all split sizes"
 
 
-def split_sizes_on_host(send_counts: torch.Tensor, recv_counts: torch.Tensor) -> tuple[list[int], list[int]]:
+def split_sizes(on_host: torch.Tensor) -> tuple[list[int], list[int]]:
     """The tokens this rank sends to / receives from each ep rank, as host integers (the variable-split
-    all-to-alls need them so): the one host read of an MoE layer's forward (lit_mesh.monitor.step_audit declares
-    it). send/recv_counts: (ep, local experts)."""
-    send, recv = torch.stack([send_counts.sum(1), recv_counts.sum(1)]).tolist()
+    all-to-alls need them so), from exchange_counts' host copy (2, ep, local experts)."""
+    send, recv = ([sum(row) for row in counts] for counts in on_host.tolist())  # read on the host as it is
     return send, recv
 
 
@@ -291,8 +291,8 @@ class AllToAllDispatch:
     hidden units split over `tp_mesh` (None: whole experts on this rank); `token_tp_mesh`: the tp ranks whose
     sequence shards reach the same whole experts (expert_tp=1; None: the tp ranks route the same tokens).
 
-    Host reads: with ep > 1 one per MoE layer and forward (`split_sizes_on_host`: the all-to-alls' split sizes are
-    host integers), none with ep = 1; the experts get their token counts on the device. The load statistics are
+    Host reads: with ep > 1 one per MoE layer and forward (`counts_on_host`: the all-to-alls' split sizes are
+    host integers; not again in selective AC's recompute, lit_mesh/parallel/expert_counts.py), none with ep = 1; the experts get their token counts on the device. The load statistics are
     reduced once per step for all layers (`reduces_load_later`: the model sums them in its aux_loss()).
     """
 
@@ -357,9 +357,8 @@ class AllToAllDispatch:
         ep, local_experts = self.ep, self.n_experts // self.ep
         # 1. counts: row r = how many tokens this rank sends to each expert of rank r, and receives back
         send_counts = tokens_per_expert.view(ep, local_experts)
-        recv_counts = torch.empty_like(send_counts)
-        dist.all_to_all_single(recv_counts, send_counts, group=self.ep_group)
-        send_splits, recv_splits = split_sizes_on_host(send_counts, recv_counts)
+        recv_counts, on_host = exchange_counts(send_counts, self.ep_group.group_name)  # kept by selective AC
+        send_splits, recv_splits = split_sizes(on_host)
         per_local_expert = recv_counts.sum(0)  # on the device: the experts' grouped GEMMs take device offsets
         # 2. tokens, each with its router weight as one more column, in one all-to-all; the weight in the tokens'
         # dtype: the weighting casts it to the experts' output dtype, never wider than the tokens' (the same product)

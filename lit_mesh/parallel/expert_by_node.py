@@ -14,7 +14,8 @@ What crosses nodes drops from top_k copies of a token to the number of nodes its
 128 experts on 4 nodes, 3.6 rows on average instead of 8, of which (n - 1) / n leave the node). The sums run in
 another order than the all-to-all dispatch's: the same curve within float rounding, not bit for bit.
 
-Host reads: two per MoE layer and forward (the split sizes of both stages); none in between.
+Host reads: two per MoE layer and forward (the split sizes of both stages; kept by selective AC like the all-to-all
+dispatch's, lit_mesh/parallel/expert_counts.py); none in between.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from lit_mesh.comm.hierarchical import split_by_node
 from lit_mesh.comm.topology import Topology
 from lit_mesh.mesh import MESH_AXES, MeshLayout, group_pool
 from lit_mesh.parallel.expert_combine import combine_expert_outputs
+from lit_mesh.parallel.expert_counts import exchange_counts
 
 EPDispatch = Literal["all_to_all", "by_node"]
 EP_DISPATCHES: tuple[str, ...] = get_args(EPDispatch)
@@ -86,12 +88,10 @@ def node_groups(root: DeviceMesh, layout: MeshLayout, fold: bool, topology: Topo
     return pool.group_of_rank(inter), pool.group_of_rank(intra)
 
 
-def pair_split_sizes_on_host(
-    send_counts: torch.Tensor, recv_counts: torch.Tensor
-) -> tuple[list[int], list[int], list[int], list[int]]:
-    """The tokens and assignments this rank sends to / receives from each node, as host integers: the first host read
-    of a by-node MoE layer's forward (lit_mesh.monitor.step_audit declares it). send/recv_counts: (nodes, 2)."""
-    send, recv = torch.stack([send_counts, recv_counts]).tolist()
+def pair_split_sizes(on_host: torch.Tensor) -> tuple[list[int], list[int], list[int], list[int]]:
+    """The tokens and assignments this rank sends to / receives from each node, as host integers, from
+    exchange_counts' host copy (2, nodes, 2)."""
+    send, recv = on_host.tolist()
     return [s[0] for s in send], [s[1] for s in send], [r[0] for r in recv], [r[1] for r in recv]
 
 
@@ -141,9 +141,8 @@ class ByNodeDispatch:
         present[node, token_index] = True
         row_in_block = present.cumsum(1) - 1
         send_counts = torch.stack([present.sum(1), tokens_per_expert.view(nodes, per_node).sum(1)], dim=1)
-        recv_counts = torch.empty_like(send_counts)
-        dist.all_to_all_single(recv_counts, send_counts, group=self.inter_group)
-        send_pairs, send_assigned, recv_pairs, recv_assigned = pair_split_sizes_on_host(send_counts, recv_counts)
+        recv_counts, on_host = exchange_counts(send_counts, self.inter_group.group_name)  # kept by selective AC
+        send_pairs, send_assigned, recv_pairs, recv_assigned = pair_split_sizes(on_host)
         pair_token = torch.nonzero_static(present, size=sum(send_pairs))[:, 1]  # node by node, tokens in order
         received = all_to_all_single_autograd(tokens[pair_token], recv_pairs, send_pairs, group=self.inter_group)
         table = torch.cat(

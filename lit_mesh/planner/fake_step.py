@@ -87,6 +87,7 @@ _OPS = {
     "alltoall_base_": ("all_to_all", "input"),
     "all_to_all_single": ("all_to_all", "input"),
     "combine_expert_outputs": ("all_to_all", "input"),  # lit_mesh's (lit_mesh/parallel/expert_combine.py)
+    "exchange_counts": ("all_to_all", "input"),  # lit_mesh's (lit_mesh/parallel/expert_counts.py)
     "send": ("send", "input"),
     "recv_": ("recv", "input"),
     "broadcast_": ("broadcast", "input"),
@@ -144,6 +145,9 @@ class CollectiveCounter(TorchDispatchMode):
                 data = out if which == "output" else tensors[0]
                 if name == "all_to_all_single" and out.shape == tensors[0].shape:
                     out.copy_(tensors[0])  # as the c10d one (module doc): by-node dispatch's table is read back
+                if name == "exchange_counts":  # the counts it receives are those it sends, and so is the host copy
+                    out[0].copy_(tensors[0])
+                    out[1].copy_(torch.stack([tensors[0], tensors[0]]))
             if group is not None:
                 self.bytes[(group, kind)] += _nbytes(data)
                 self.calls[(group, kind)] += 1
@@ -316,7 +320,8 @@ def fake_step(
         if layout.pp > 1:
             with _autocast(precision):
                 boundary = stage_boundary(config, layout, micro_batch, seq_len, precision)
-                examples = _stage_examples(done.stages or [], tokens, boundary)
+                with CollectiveCounter():  # not counted; its fake collectives answer as the counted step's do
+                    examples = _stage_examples(done.stages or [], tokens, boundary)
             runner = _StaticShapesRunner(examples, done, options.pipeline, views[MeshAxis.PP].get_group(), root)
             batch = tokens.repeat(microbatches, 1)  # the schedule's micro-batches, each of this rank's shape
             with counter, _unsharded_grads_at_reduce(done.stages or []) as accumulated:

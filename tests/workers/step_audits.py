@@ -26,6 +26,8 @@ LAYOUTS = {
     "pp2": ("gpt.yaml", 2, [f"{S}pp=2", f"{S}pp_schedule=1f1b", NO_CLIP]),
     "cp2": ("gpt.yaml", 2, [f"{S}cp=2", NO_CLIP]),
     "moe-ep2": ("moe.yaml", 2, [f"{S}dp=2", f"{S}ep=2", NO_CLIP]),
+    # selective AC keeps the counts' exchange and their host copy: its recompute reads nothing again
+    "moe-ep2-selective": ("moe.yaml", 2, [f"{S}dp=2", f"{S}ep=2", f"{S}activation_checkpointing=selective", NO_CLIP]),
     "fsdp2xtp2": ("gpt.yaml", 4, [f"{S}dp=2", f"{S}tp=2", NO_CLIP]),
 }
 
