@@ -292,8 +292,9 @@ class AllToAllDispatch:
     sequence shards reach the same whole experts (expert_tp=1; None: the tp ranks route the same tokens).
 
     Host reads: with ep > 1 one per MoE layer and forward (`counts_on_host`: the all-to-alls' split sizes are
-    host integers; not again in selective AC's recompute, lit_mesh/parallel/expert_counts.py), none with ep = 1; the experts get their token counts on the device. The load statistics are
-    reduced once per step for all layers (`reduces_load_later`: the model sums them in its aux_loss()).
+    host integers; not again in selective AC's recompute, lit_mesh/parallel/expert_counts.py), none with ep = 1;
+    the experts get their token counts on the device. The load statistics are reduced once per step for all layers
+    (`reduces_load_later`: the model sums them in its aux_loss()).
     """
 
     reduces_load_later = True
