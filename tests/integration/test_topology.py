@@ -200,12 +200,21 @@ MOE = [
     str(REPO / "configs/moe.yaml"),
     *GPT[2:-2],  # two nodes x 2 devices, the same steps and batches
 ]
+# transformers' Mixtral (zoo.hf.HFCausalLM), through lit_mesh's adapter of its MoE block
+HF_MIXTRAL = [
+    "-c",
+    str(REPO / "configs/gpt.yaml"),
+    "--model=zoo.hf.HFCausalLM",
+    "--model.init_args.architecture=mixtral",
+    *GPT[2:-2],
+]
 
 
 def test_torchrun_two_nodes_moe_by_node_dispatch_equals_all_to_all(tmp_path: Path) -> None:
     """configs/moe.yaml on torchrun --nnodes 2: ep_dispatch="by_node" (each token once per destination node, forwarded
     inside the node) trains as the all-to-all dispatch does: ep 4 over both nodes, whole experts under tp (ep 4 over
-    dp_shard 2 x tp 2) and expert tensor parallel (tp 2 x ep 2: one rank per node in each ep group)."""
+    dp_shard 2 x tp 2) and expert tensor parallel (tp 2 x ep 2: one rank per node in each ep group); and transformers'
+    Mixtral with ep 4 over both nodes."""
     runs = [
         {"name": "ep4", "args": [*MOE, f"{S}ep=4"]},
         {"name": "ep4_by_node", "args": [*MOE, f"{S}ep=4", f"{S}ep_dispatch=by_node"]},
@@ -214,6 +223,8 @@ def test_torchrun_two_nodes_moe_by_node_dispatch_equals_all_to_all(tmp_path: Pat
             "args": [*MOE, f"{S}tp=2", f"{S}ep=4", f"{S}expert_tp=1", f"{S}ep_dispatch=by_node"],
         },
         {"name": "tp2_ep2_by_node", "args": [*MOE, f"{S}tp=2", f"{S}ep=2", f"{S}ep_dispatch=by_node"]},
+        {"name": "hf_mixtral_ep4", "args": [*HF_MIXTRAL, f"{S}ep=4"]},
+        {"name": "hf_mixtral_ep4_by_node", "args": [*HF_MIXTRAL, f"{S}ep=4", f"{S}ep_dispatch=by_node"]},
     ]
     spec = tmp_path / "runs.json"
     spec.write_text(json.dumps(runs))
@@ -226,10 +237,11 @@ def test_torchrun_two_nodes_moe_by_node_dispatch_equals_all_to_all(tmp_path: Pat
 
     assert len(losses("ep4")) == STEPS
     assert all(facts["dispatchers"] == ["AllToAllDispatch"] for facts in results["ep4"]["ranks"])
-    reference = torch.load(tmp_path / "ep4" / "params.pt")
-    for name in ("ep4_by_node", "tp2_ep4_fold_by_node", "tp2_ep2_by_node"):
+    pairs = [(name, "ep4") for name in ("ep4_by_node", "tp2_ep4_fold_by_node", "tp2_ep2_by_node")]
+    for name, flat in [*pairs, ("hf_mixtral_ep4_by_node", "hf_mixtral_ep4")]:
         assert all(facts["dispatchers"] == ["ByNodeDispatch"] for facts in results[name]["ranks"]), name
-        torch.testing.assert_close(losses(name), losses("ep4"), rtol=1e-4, atol=0, msg=name)
+        torch.testing.assert_close(losses(name), losses(flat), rtol=1e-4, atol=0, msg=name)
+        reference = torch.load(tmp_path / flat / "params.pt")
         params = torch.load(tmp_path / name / "params.pt")
         for key, p in reference.items():
             torch.testing.assert_close(params[key], p, rtol=1e-4, atol=1e-5, msg=f"{name} {key}")
