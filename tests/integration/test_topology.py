@@ -223,6 +223,22 @@ def test_torchrun_two_nodes_moe_by_node_dispatch_equals_all_to_all(tmp_path: Pat
             "args": [*MOE, f"{S}tp=2", f"{S}ep=4", f"{S}expert_tp=1", f"{S}ep_dispatch=by_node"],
         },
         {"name": "tp2_ep2_by_node", "args": [*MOE, f"{S}tp=2", f"{S}ep=2", f"{S}ep_dispatch=by_node"]},
+        # step 2 (which logs nothing) audited: no host read but both stages' split sizes, no host tensor in a collective
+        {
+            "name": "ep4_by_node_audited",
+            "args": [
+                *MOE,
+                f"{S}ep=4",
+                f"{S}ep_dispatch=by_node",
+                "--trainer.log_every_n_steps=2",
+                "--trainer.callbacks+=lit_mesh.monitor.step_audit.StepAudit",
+                "--trainer.callbacks.init_args.step=2",
+                f"--trainer.callbacks.init_args.out={tmp_path / 'audit.json'}",
+                "--trainer.callbacks+=tests.collective_devices.CollectiveDevices",
+                f"--trainer.callbacks.init_args.out={tmp_path / 'collective_devices'}",
+                "--trainer.callbacks.init_args.skip_steps=[2]",  # not in the audited step
+            ],
+        },
         {"name": "hf_mixtral_ep4", "args": [*HF_MIXTRAL, f"{S}ep=4"]},
         {"name": "hf_mixtral_ep4_by_node", "args": [*HF_MIXTRAL, f"{S}ep=4", f"{S}ep_dispatch=by_node"]},
     ]
@@ -237,6 +253,13 @@ def test_torchrun_two_nodes_moe_by_node_dispatch_equals_all_to_all(tmp_path: Pat
 
     assert len(losses("ep4")) == STEPS
     assert all(facts["dispatchers"] == ["AllToAllDispatch"] for facts in results["ep4"]["ranks"])
+    audit = json.loads((tmp_path / "audit.json").read_text())
+    for rank, counts in enumerate(audit["ranks"]):
+        assert counts["host_syncs"] == 0, (rank, counts["host_sync_sites"])
+        assert counts["token_count_copies"] == 2 * audit["moe_layers"], (rank, counts)  # between and inside nodes
+    for rank in range(4):
+        found = json.loads((tmp_path / "collective_devices" / f"rank{rank}.json").read_text())
+        assert found == [], (rank, found)  # NCCL refuses a host tensor where gloo takes it
     pairs = [(name, "ep4") for name in ("ep4_by_node", "tp2_ep4_fold_by_node", "tp2_ep2_by_node")]
     for name, flat in [*pairs, ("hf_mixtral_ep4_by_node", "hf_mixtral_ep4")]:
         assert all(facts["dispatchers"] == ["ByNodeDispatch"] for facts in results[name]["ranks"]), name
