@@ -53,6 +53,10 @@ class MoEConfig(TransformerConfig):
     capacity_factor: float | None = None  # None: dropless
     aux_loss_coef: float = 0.01  # 0: no auxiliary loss
     bias_update_rate: float = 0.0  # aux-loss-free balancing step (DeepSeek-V3 uses 0.001); 0: off
+    # group-limited routing (DeepSeek-V3's node-limited routing: n_group 8, topk_group 4): the experts in n_groups
+    # equal groups, each token's top_k chosen among its topk_groups best groups; 1 and 1: off
+    n_groups: int = 1
+    topk_groups: int = 1
 
     def __post_init__(self) -> None:
         super().__post_init__()  # dim / heads / RoPE checks of the zoo GPT
@@ -72,6 +76,15 @@ class MoEConfig(TransformerConfig):
             raise ValueError(f"moe_every={self.moe_every} must be >= 1 (1: every layer is MoE)")
         if self.n_layers < self.moe_every:
             raise ValueError(f"moe_every={self.moe_every} > n_layers={self.n_layers} leaves no MoE layer")
+        if self.n_groups < 1 or self.n_experts % self.n_groups:
+            raise ValueError(f"n_groups={self.n_groups} must be >= 1 and divide n_experts={self.n_experts}")
+        if not 1 <= self.topk_groups <= self.n_groups:
+            raise ValueError(f"topk_groups={self.topk_groups} must be between 1 and n_groups={self.n_groups}")
+        if self.top_k > self.topk_groups * self.n_experts // self.n_groups:
+            raise ValueError(
+                f"top_k={self.top_k} exceeds the {self.topk_groups * self.n_experts // self.n_groups} experts of"
+                f" topk_groups={self.topk_groups} groups of {self.n_experts // self.n_groups}; raise topk_groups"
+            )
         if self.aux_loss_coef < 0 or self.bias_update_rate < 0:
             raise ValueError(
                 f"aux_loss_coef={self.aux_loss_coef} and bias_update_rate={self.bias_update_rate} must be >= 0"
@@ -138,10 +151,11 @@ PRESETS: dict[str, MoEConfig] = {
         max_seq_len=65536,
     ),
     # DeepSeek-V3 671B-A37B (technical report, arXiv 2412.19437): 61 layers of dim 7168, 256 routed experts of 2048 and
-    # 1 shared, top-8 sigmoid scores, aux-loss-free balancing. Planned as every layer MoE (the report's first 3 dense
-    # layers of 18432: the same 3 x 7168 x 18432 weights per token as 9 experts of 2048). MLA as multi-head attention
-    # of 56 heads x 128 (q, k, v, o: 4 x 7168^2 weights per token, within 10% of MLA's low-rank projections; the
-    # attention core's FLOPs fewer than MLA's 128 heads x (192 + 128)); no multi-token-prediction module.
+    # 1 shared, top-8 sigmoid scores among the best 4 of 8 expert groups (node-limited routing), aux-loss-free
+    # balancing. Planned as every layer MoE (the report's first 3 dense layers of 18432: the same 3 x 7168 x 18432
+    # weights per token as 9 experts of 2048). MLA as multi-head attention of 56 heads x 128 (q, k, v, o: 4 x 7168^2
+    # weights per token, within 10% of MLA's low-rank projections; the attention core's FLOPs fewer than MLA's 128
+    # heads x (192 + 128)); no multi-token-prediction module.
     "deepseek-v3": MoEConfig(
         129280,
         dim=7168,
@@ -157,6 +171,8 @@ PRESETS: dict[str, MoEConfig] = {
         aux_loss_coef=0.0,
         bias_update_rate=0.001,
         max_seq_len=4096,
+        n_groups=8,  # node-limited routing (report 2.1.2, config.json's n_group / topk_group): at most 4 nodes
+        topk_groups=4,
     ),
     # Qwen3-235B-A22B (Qwen's config.json): 94 layers of dim 4096, 64 heads of 128 (4 K/V: wq is 8192 x 4096), 128
     # experts of 1536, top-8 softmax renormalised, every layer MoE. Its QK-norm (an RMSNorm of 128 per head on q
@@ -217,6 +233,18 @@ class Routing:
     probs: torch.Tensor
 
 
+def limit_to_groups(selection: torch.Tensor, n_groups: int, topk_groups: int) -> torch.Tensor:
+    """selection (N, E) with the experts outside each token's topk_groups best groups at -inf. A group's score is the
+    sum of its two best selection scores (DeepSeek-V3's; its best one where a group holds one expert); equal scores
+    go to the lower group."""
+    n, n_experts = selection.shape
+    per_group = n_experts // n_groups
+    group_scores = selection.view(n, n_groups, per_group).topk(min(2, per_group), dim=-1).values.sum(-1)
+    best = torch.sort(group_scores, dim=-1, descending=True, stable=True).indices[:, :topk_groups]
+    kept = torch.zeros(n, n_groups, dtype=torch.bool, device=selection.device).scatter_(1, best, True)
+    return selection.masked_fill(~kept.repeat_interleave(per_group, dim=1), float("-inf"))
+
+
 class Router(nn.Module):
     """Token-choice top-k routing in fp32."""
 
@@ -227,11 +255,14 @@ class Router(nn.Module):
         self.normalize_top_k = config.normalize_top_k
         self.gate = nn.Linear(config.dim, config.n_experts, bias=False)
         self.expert_bias = ExpertBias(config.n_experts)
+        self.n_groups, self.topk_groups = config.n_groups, config.topk_groups
 
     def forward(self, tokens: torch.Tensor) -> Routing:
         logits = self.gate(tokens).float()
         scores = logits.softmax(dim=-1) if self.score_func == "softmax" else logits.sigmoid()
         selection = scores.detach() + self.expert_bias.bias
+        if self.n_groups > 1:
+            selection = limit_to_groups(selection, self.n_groups, self.topk_groups)
         # a stable descending sort: equal scores keep index order, so ties go to the lower expert id
         expert_ids = torch.sort(selection, dim=-1, descending=True, stable=True).indices[:, : self.top_k]
         weights = scores.gather(1, expert_ids)

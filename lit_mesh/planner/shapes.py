@@ -101,10 +101,24 @@ class ModelShapes:
     @functools.cached_property
     def nodes_per_token(self) -> float:
         """Under ep_dispatch="by_node": the nodes a token's top_k experts sit on, on average, with routing uniform
-        over the experts (as the planner assumes everywhere): ep_nodes x P(a node holds one of them)."""
+        over the experts (as the planner assumes everywhere; under group-limited routing uniform over the groups,
+        then over their experts): ep_nodes x P(a node holds one of them)."""
         c, nodes = self.config, self.ep_nodes
         if nodes == 1:
             return 1.0
+        groups, best_groups = getattr(c, "n_groups", 1), getattr(c, "topk_groups", 1)
+        if groups > 1 and groups % nodes == 0:  # group-limited routing, whole groups per node: the token's top_k
+            # among the experts of its best_groups groups, j of them on a given node (hypergeometric)
+            per_node, per_group = groups // nodes, c.n_experts // groups
+            chosen = best_groups * per_group
+            visited = sum(
+                math.comb(per_node, j)
+                * math.comb(groups - per_node, best_groups - j)
+                / math.comb(groups, best_groups)
+                * (1 - math.comb(chosen - j * per_group, c.top_k) / math.comb(chosen, c.top_k))
+                for j in range(min(per_node, best_groups) + 1)
+            )
+            return nodes * visited
         per_node = c.n_experts // nodes
         none_there = math.prod((c.n_experts - per_node - i) / (c.n_experts - i) for i in range(c.top_k))
         return nodes * (1 - none_there)

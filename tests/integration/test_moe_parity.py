@@ -1,9 +1,9 @@
 """Expert-parallel parity through the `lit-mesh` CLI with configs/moe.yaml (dropless routing, aux loss and
 aux-loss-free balancing on): ep2, ep4, fsdp4 x ep2, tp2 (expert tensor parallel), tp2 x ep2, hsdp 2x2 x ep2, cp2 x ep2,
-pp2 x ep2 (pp2 alone: the variant below) and whole experts under tp (expert_tp=1: tp2, tp2 x ep2, ep4 over dp_shard 2
-x tp 2, pp2 x tp2, ep4 over cp 2 x tp 2) train the same model on the same global batches as one device: relative
-1e-4 per step over 10 steps, final full parameters within 1e-4, and the
-router and expert gradients of the first step within 1e-5 of the single-device ones."""
+pp2 x ep2 (pp2 alone: the variant below), whole experts under tp (expert_tp=1: tp2, tp2 x ep2, ep4 over dp_shard 2
+x tp 2, pp2 x tp2, ep4 over cp 2 x tp 2) and group-limited routing on ep4 train the same model on the same global
+batches as one device: relative 1e-4 per step over 10 steps, final full parameters within 1e-4, and the router and
+expert gradients of the first step within 1e-5 of the single-device ones."""
 
 from __future__ import annotations
 
@@ -52,6 +52,10 @@ VARIANT_LAYOUTS = {"single": 1, "pp2": 2, "tp2_ep2": 4}
 # sequence, which the tp ranks split: refused there)
 FOLD_VARIANT = [VARIANT[0].replace(", capacity_factor: 1.0", "")]
 FOLD_VARIANT_LAYOUTS = {"single": 1, "tp2_ep2_fold": 4}
+# group-limited routing (DeepSeek-V3's node-limited routing): 8 experts in 4 groups, each token's top 2 among its
+# best 2 groups; ep 4 holds one group per rank
+GROUP_VARIANT = ["--model.init_args.config_overrides={n_experts: 8, n_groups: 4, topk_groups: 2}"]
+GROUP_VARIANT_LAYOUTS = {"single": 1, "ep4": 4}
 
 
 @pytest.fixture(scope="module")
@@ -85,6 +89,14 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
                 "args": ["-c", CONFIG, f"--trainer.devices={n}", *COMMON, *LAYOUTS[layout][1], *FOLD_VARIANT],
             }
             for layout, n in FOLD_VARIANT_LAYOUTS.items()
+            if n == nproc
+        ]
+        runs += [
+            {
+                "name": f"group-variant-{layout}",
+                "args": ["-c", CONFIG, f"--trainer.devices={n}", *COMMON, *LAYOUTS[layout][1], *GROUP_VARIANT],
+            }
+            for layout, n in GROUP_VARIANT_LAYOUTS.items()
             if n == nproc
         ]
         found.update(cli_runs(nproc, out, runs))
@@ -204,5 +216,21 @@ def test_whole_experts_under_tp_with_shared_experts_and_a_dense_block(results: d
     ref_params = _load(results, "fold-variant-single", "params.pt")
     params = _load(results, "fold-variant-tp2_ep2_fold", "params.pt")
     assert any("shared_experts" in n for n in params) and ref_params.keys() == params.keys()
+    for name, ref in ref_params.items():
+        assert (params[name] - ref).abs().max().item() <= 1e-4, name
+
+
+def test_group_limited_routing_on_expert_parallel(results: dict) -> None:
+    """Group-limited routing (n_groups, topk_groups) under ep 4: the single-device curve, aux loss and parameters."""
+    reference, candidate = results["group-variant-single"], results["group-variant-ep4"]
+    assert "moe/tokens_expert_7" in reference["metrics"]  # the variant's 8 experts
+    _assert_same_curve(losses(reference), losses(candidate), "group-limited ep4")
+    ref_aux, aux = reference["metrics"]["train_aux_loss"], candidate["metrics"]["train_aux_loss"]
+    assert all(abs(aux[step] - ref_aux[step]) <= 1e-4 * abs(ref_aux[step]) for step in ref_aux)
+    ref_params, params = (
+        _load(results, "group-variant-single", "params.pt"),
+        _load(results, "group-variant-ep4", "params.pt"),
+    )
+    assert ref_params.keys() == params.keys()
     for name, ref in ref_params.items():
         assert (params[name] - ref).abs().max().item() <= 1e-4, name

@@ -3,13 +3,15 @@ and the errors for bad routing options. Multi-rank parity is in tests/integratio
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from zoo import MoEModule
-from zoo.moe import MoE, MoEConfig, MoETransformer, Routing, capacity_mask
+from zoo.moe import MoE, MoEConfig, MoETransformer, Router, Routing, capacity_mask
 from zoo.moe_module import imbalance
 
 
@@ -149,6 +151,9 @@ def test_training_step_adds_the_aux_loss_and_logs_it_apart() -> None:
         ({"capacity_factor": 0.0}, "capacity_factor=0.0 must be > 0 (e.g. 1.25), or None for dropless"),
         ({"capacity_factor": -1.0}, "capacity_factor=-1.0 must be > 0"),
         ({"score_func": "relu"}, "score_func='relu': choose 'softmax' or 'sigmoid'"),
+        ({"n_groups": 3}, "n_groups=3 must be >= 1 and divide n_experts=4"),
+        ({"n_groups": 2, "topk_groups": 3}, "topk_groups=3 must be between 1 and n_groups=2"),
+        ({"n_groups": 4, "topk_groups": 1}, "top_k=2 exceeds the 1 experts of topk_groups=1 groups of 1; raise"),
     ],
 )
 def test_bad_routing_options_fail_at_construction(overrides: dict, message: str) -> None:
@@ -176,3 +181,27 @@ def test_top_1_models_are_not_converted_to_or_from_mixtral() -> None:
         to_mixtral_config(MoEConfig.from_preset("tiny", top_k=1))
     with pytest.raises(ValueError, match="num_experts_per_tok=1: .*num_experts_per_tok >= 2"):
         to_moe_config(MixtralConfig(num_experts_per_tok=1))
+
+
+def test_group_limited_routing_picks_within_the_best_groups() -> None:
+    """n_groups / topk_groups (DeepSeek-V3's node-limited routing): every token's top_k experts lie in its topk_groups
+    groups of the highest two-best-score sums, and are the best experts there; one group routes as before."""
+    torch.manual_seed(0)
+    config = MoEConfig(64, dim=16, n_layers=1, n_heads=2, n_experts=16, top_k=4, n_groups=4, topk_groups=2)
+    router = Router(config)
+    tokens = torch.randn(200, 16)
+    routing = router(tokens)
+    scores = router.gate(tokens).float().softmax(dim=-1)
+    group_sums = scores.view(200, 4, 4).topk(2, dim=-1).values.sum(-1)
+    best_groups = group_sums.topk(2, dim=-1).indices.sort(dim=-1).values
+    chosen_groups = routing.expert_ids // 4
+    assert all(set(c.tolist()) <= set(b.tolist()) for c, b in zip(chosen_groups, best_groups))
+    assert any(len(set(c.tolist())) == 2 for c in chosen_groups)  # both groups used by some tokens
+    in_best_groups = best_groups.repeat_interleave(4, dim=1) * 4 + torch.arange(4).repeat(2)  # their 8 experts
+    allowed = torch.zeros(200, 16, dtype=torch.bool).scatter_(1, in_best_groups, True)
+    best_allowed = scores.masked_fill(~allowed, -1).topk(4, dim=-1).indices.sort(dim=-1).values
+    assert torch.equal(routing.expert_ids.sort(dim=-1).values, best_allowed)
+    plain = Router(dataclasses.replace(config, n_groups=1, topk_groups=1))
+    plain.load_state_dict(router.state_dict())
+    free = plain(tokens)
+    assert not torch.equal(free.expert_ids, routing.expert_ids)  # some token's best experts span 3 or 4 groups

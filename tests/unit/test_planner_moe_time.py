@@ -110,6 +110,7 @@ def test_deepseek_v3_preset_has_the_published_shapes() -> None:
         2048,
     )
     assert dataclasses.replace(c, n_layers=1).score_func == "sigmoid"
+    assert (c.n_groups, c.topk_groups) == (8, 4)  # config.json's n_group / topk_group: at most 4 nodes per token
 
 
 def test_qwen3_235b_preset_has_the_published_shapes() -> None:
@@ -142,6 +143,19 @@ def test_nodes_a_token_visits_match_uniform_routing() -> None:
         visited = torch.zeros(20_000, nodes).scatter_(1, picks, 1).sum(1).mean().item()
         assert gpt_shapes(config).with_ep_nodes(nodes).nodes_per_token == pytest.approx(visited, rel=0.01)
     assert gpt_shapes(_mixtral()).nodes_per_token == 1.0  # the all-to-all dispatch: no per-node step
+    # group-limited routing (DeepSeek-V3's: 256 experts in 8 groups, top 8 among the best 4): uniform over the
+    # groups, then over their experts; ep over 8 nodes (a group each) and over 4 (two groups each)
+    deepseek = MoEConfig.from_preset("deepseek-v3", n_layers=2)
+    for nodes in (8, 4):
+        groups = torch.rand(20_000, 8, generator=generator).argsort(dim=1)[:, :4]  # (tokens, 4 groups)
+        among = torch.rand(20_000, 128, generator=generator).argsort(dim=1)[:, :8]  # 8 of their 4 x 32 experts
+        expert = groups.gather(1, among // 32) * 32 + among % 32
+        picks = expert // (256 // nodes)
+        visited = torch.zeros(20_000, nodes).scatter_(1, picks, 1).sum(1).mean().item()
+        limited = gpt_shapes(deepseek).with_ep_nodes(nodes).nodes_per_token
+        assert limited == pytest.approx(visited, rel=0.01) and limited <= 4
+    unlimited = gpt_shapes(dataclasses.replace(deepseek, n_groups=1, topk_groups=1)).with_ep_nodes(8).nodes_per_token
+    assert unlimited > gpt_shapes(deepseek).with_ep_nodes(8).nodes_per_token + 1
 
 
 def test_by_node_dispatch_sends_less_between_nodes_and_keeps_more_under_selective() -> None:
