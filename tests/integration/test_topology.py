@@ -213,8 +213,8 @@ HF_MIXTRAL = [
 def test_torchrun_two_nodes_moe_by_node_dispatch_equals_all_to_all(tmp_path: Path) -> None:
     """configs/moe.yaml on torchrun --nnodes 2: ep_dispatch="by_node" (each token once per destination node, forwarded
     inside the node) trains as the all-to-all dispatch does: ep 4 over both nodes, whole experts under tp (ep 4 over
-    dp_shard 2 x tp 2) and expert tensor parallel (tp 2 x ep 2: one rank per node in each ep group); and transformers'
-    Mixtral with ep 4 over both nodes."""
+    dp_shard 2 x tp 2), expert tensor parallel (tp 2 x ep 2: one rank per node in each ep group) and compiled blocks
+    under selective AC; and transformers' Mixtral with ep 4 over both nodes."""
     runs = [
         {"name": "ep4", "args": [*MOE, f"{S}ep=4"]},
         {"name": "ep4_by_node", "args": [*MOE, f"{S}ep=4", f"{S}ep_dispatch=by_node"]},
@@ -223,6 +223,18 @@ def test_torchrun_two_nodes_moe_by_node_dispatch_equals_all_to_all(tmp_path: Pat
             "args": [*MOE, f"{S}tp=2", f"{S}ep=4", f"{S}expert_tp=1", f"{S}ep_dispatch=by_node"],
         },
         {"name": "tp2_ep2_by_node", "args": [*MOE, f"{S}tp=2", f"{S}ep=2", f"{S}ep_dispatch=by_node"]},
+        # compiled blocks under selective AC (the dispatch itself runs eagerly)
+        {
+            "name": "ep4_by_node_compiled_selective",
+            "args": [
+                *MOE,
+                f"{S}ep=4",
+                f"{S}ep_dispatch=by_node",
+                f"{S}compile_blocks=true",
+                f"{S}compile_backend=aot_eager",
+                f"{S}activation_checkpointing=selective",
+            ],
+        },
         # step 2 (which logs nothing) audited: no host read but both stages' split sizes, no host tensor in a collective
         {
             "name": "ep4_by_node_audited",
@@ -260,7 +272,8 @@ def test_torchrun_two_nodes_moe_by_node_dispatch_equals_all_to_all(tmp_path: Pat
     for rank in range(4):
         found = json.loads((tmp_path / "collective_devices" / f"rank{rank}.json").read_text())
         assert found == [], (rank, found)  # NCCL refuses a host tensor where gloo takes it
-    pairs = [(name, "ep4") for name in ("ep4_by_node", "tp2_ep4_fold_by_node", "tp2_ep2_by_node")]
+    by_node = ("ep4_by_node", "tp2_ep4_fold_by_node", "tp2_ep2_by_node", "ep4_by_node_compiled_selective")
+    pairs = [(name, "ep4") for name in by_node]
     for name, flat in [*pairs, ("hf_mixtral_ep4_by_node", "hf_mixtral_ep4")]:
         assert all(facts["dispatchers"] == ["ByNodeDispatch"] for facts in results[name]["ranks"]), name
         torch.testing.assert_close(losses(name), losses(flat), rtol=1e-4, atol=0, msg=name)
