@@ -306,6 +306,7 @@ class AllToAllDispatch:
         ep_group: dist.ProcessGroup | None,
         tp_mesh: DeviceMesh | None = None,
         token_tp_mesh: DeviceMesh | None = None,
+        experts_seen_by: int | None = None,
     ) -> None:
         self.n_experts = n_experts
         self.load_group = load_group
@@ -314,8 +315,12 @@ class AllToAllDispatch:
         self.tp_mesh = tp_mesh
         self.tp = tp_mesh.size() if tp_mesh is not None else 1
         self.token_tp_mesh = token_tp_mesh
-        # the expert weights' gradient: FSDP averages over expert_dp = world / ep ranks (x tp with whole experts)
-        self.weight_gradient_scale = (token_tp_mesh.size() if token_tp_mesh is not None else 1) / self.ep
+        # the expert weights' gradient: FSDP averages over expert_dp = world / ep ranks (x tp with whole experts);
+        # `experts_seen_by`: the ep ranks whose tokens reach these experts where that is more than this group's
+        # (by node: the whole ep group, this dispatch its node's part)
+        self.weight_gradient_scale = (token_tp_mesh.size() if token_tp_mesh is not None else 1) / (
+            experts_seen_by or self.ep
+        )
 
     def mean_probs(self, probs: torch.Tensor) -> torch.Tensor:
         """The mean router probabilities (N, E) -> (E,) the aux loss weighs: with whole experts under tp, over the
@@ -448,7 +453,7 @@ def apply_expert_parallel(
     tp_mesh = mesh[MeshAxis.TP] if expert_tensor_parallel(plan, layout, fold) else None
     token_tp_mesh = mesh[MeshAxis.TP] if fold else None
     weights_mesh = ep_mesh if tp_mesh is None else DeviceMesh._concatenate([ep_mesh, tp_mesh])  # (ep, tp), as FSDP2
-    split = node_groups(mesh.root, layout, fold, by_node) if by_node is not None and ep_group is not None else None
+    split = node_groups(mesh.root, layout, fold, by_node, ep_group) if by_node is not None and ep_group else None
     assert plan.moe is not None  # the layers are plan.moe's
     for layer in layers:
         n_experts = next(layer.experts.parameters()).shape[0]  # stacked weights: experts first
@@ -456,9 +461,7 @@ def apply_expert_parallel(
         if split is not None:  # the ep group spans nodes: each node's share of it dispatches inside the node
             inter, intra = split
             nodes = dist.get_world_size(inter)
-            within_node = AllToAllDispatch(n_experts // nodes, load_group, intra, tp_mesh, token_tp_mesh)
-            # the experts see every node's tokens: the gradient scale of the whole ep group
-            within_node.weight_gradient_scale = layer.dispatcher.weight_gradient_scale
+            within_node = AllToAllDispatch(n_experts // nodes, load_group, intra, tp_mesh, token_tp_mesh, layout.ep)
             layer.dispatcher = ByNodeDispatch(inter, within_node)
         if getattr(layer, "capacity_factor", None) is not None and layout.cp > 1:
             raise PlanError(

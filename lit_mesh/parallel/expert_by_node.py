@@ -76,10 +76,16 @@ def ep_dispatch_problem(layout: MeshLayout, fold: bool, topology: Optional[Topol
     )
 
 
-def node_groups(root: DeviceMesh, layout: MeshLayout, fold: bool, topology: Topology) -> Optional[tuple[Any, Any]]:
-    """(this rank's inter-node group, its intra-node group) of its ep group, or None where the ep group sits on one
-    node. Call on every rank in the same order: it creates process groups (through the mesh's pool)."""
-    split = split_by_node(expert_parallel_groups(layout, fold), topology)
+def node_groups(
+    root: DeviceMesh, layout: MeshLayout, fold: bool, topology: Topology, ep_group: Any
+) -> Optional[tuple[Any, Any]]:
+    """(this rank's inter-node group, its intra-node group) of its ep group `ep_group`, or None where the ep group sits
+    on one node. Call on every rank in the same order: it creates process groups (through the mesh's pool)."""
+    groups = expert_parallel_groups(layout, fold)
+    mine = dist.get_process_group_ranks(ep_group)
+    if mine not in groups:  # the arithmetic (usable before any process starts) must be the mesh's own
+        raise RuntimeError(f"ep group {mine} of the mesh is not among those by_node splits: {groups}")
+    split = split_by_node(groups, topology)
     assert split is not None  # the launch rule "ep_dispatch_by_node_fits_topology"
     intra, inter = split
     if len(inter[0]) == 1:

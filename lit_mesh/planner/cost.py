@@ -157,7 +157,6 @@ def dim_strides(layout: MeshLayout) -> dict[str, int]:
     return {
         "tp": 1,
         "cp": layout.tp,
-        "ep": layout.tp,
         "dp_shard": layout.tp * layout.cp,
         "dp_replicate": layout.tp * layout.cp * layout.dp_shard,
         "pp": layout.world_size // layout.pp,
@@ -272,15 +271,19 @@ def by_node_message_bytes(shapes: ModelShapes, layout: MeshLayout, work: Workloa
     on a rank: (the tokens, once per node they go to; the assignments' table: 3 float32 per routed copy). Inside the
     node the routed copies move as ep_message_bytes says (lit_mesh/parallel/expert_by_node.py)."""
     c = shapes.config
-    tokens = work.micro_batch * work.seq_len / layout.cp / (layout.tp if shapes.whole_experts else 1)
-    return tokens * shapes.nodes_per_token * c.dim * act, tokens * c.top_k * 12
+    copies = ep_message_bytes(shapes, layout, work, act)[1] / (c.dim * act)  # top_k per routed token
+    return copies / c.top_k * shapes.nodes_per_token * c.dim * act, copies * 12
+
+
+def ep_stride_of(shapes: ModelShapes, layout: MeshLayout, ep_stride: int | None = None) -> int:
+    """Ranks between an ep group's members: a run's own placement (Features.ep_stride), else lit_mesh's: tp, 1 with
+    whole experts under tp (ep takes the innermost ranks of dp_shard x cp x tp)."""
+    return ep_stride or (1 if shapes.whole_experts else layout.tp)
 
 
 def ep_nodes_spanned(shapes: ModelShapes, layout: MeshLayout, hw: Hardware, ep_stride: int | None = None) -> int:
-    """The nodes one ep group spans (1: inside a node): ep takes ranks ep_stride apart (lit_mesh: tp, 1 with whole
-    experts under tp)."""
-    stride = ep_stride or (1 if shapes.whole_experts else layout.tp)
-    nodes = max(1, stride * layout.ep // hw.devices_per_node)
+    """The nodes one ep group spans (1: inside a node)."""
+    nodes = max(1, ep_stride_of(shapes, layout, ep_stride) * layout.ep // hw.devices_per_node)
     return nodes if layout.ep % nodes == 0 else 1  # ranks spread unevenly over nodes: no by-node split (refused)
 
 
@@ -441,8 +444,7 @@ def step_time(
         # dispatch again, not the combine (lit_mesh/parallel/expert_combine.py)
         dispatches = 2 + by_mode({"none": 0, "selective": 0, "full": 1}) + (1 if routing_pass else 0)
         combines = 2 + (1 if routing_pass else 0)
-        # whole experts: ep takes the innermost ranks of dp_shard x cp x tp (consecutive ranks)
-        ep_link = hw.link(features.ep_stride or (1 if shapes.whole_experts else stride["ep"]), layout.ep)
+        ep_link = hw.link(ep_stride_of(shapes, layout, features.ep_stride), layout.ep)
         if shapes.ep_nodes > 1:  # by node: each token once per node over the inter-node links (one rank per node),
             # then its routed copies inside the node; the partial sums home the same two ways
             nodes, per_node = shapes.ep_nodes, layout.ep // shapes.ep_nodes

@@ -61,7 +61,7 @@ from lit_mesh.parallel.apply import Parallelized, parallelize
 from lit_mesh.parallel.context.layout import ContextOptions, shard_batch
 from lit_mesh.parallel.data import DataParallelOptions
 from lit_mesh.parallel.expert import ExpertOptions, folds_experts
-from lit_mesh.parallel.expert_by_node import node_groups
+from lit_mesh.parallel.expert_by_node import EPDispatch, node_groups
 from lit_mesh.parallel.float8 import Float8Options
 from lit_mesh.parallel.pipeline.runner import ScheduleRunner
 from lit_mesh.parallel.pipeline.schedules import PipelineSettings
@@ -249,7 +249,10 @@ def dim_of_groups(views: MeshViews, whole_experts: bool = False, by_node: Topolo
         sub = mesh[dim] if dim else mesh
         if sub.size() > 1:
             out[sub.get_group().group_name].append(label)
-    split = node_groups(views.root, layout, whole_experts, by_node) if by_node is not None and layout.ep > 1 else None
+    split = None
+    if by_node is not None and layout.ep > 1:
+        ep_mesh = folded_expert_meshes(views).ep if whole_experts else views.ep
+        split = node_groups(views.root, layout, whole_experts, by_node, ep_mesh.get_group())
     for label, group in zip(("ep:inter", "ep:intra"), split or ()):  # the pool's groups, made by parallelize
         if dist.get_world_size(group) > 1:
             out[group.group_name].append(label)
@@ -290,7 +293,7 @@ def fake_step(
     microbatches: int = 1,
     float8: str | None = None,
     expert_tp: int | None = None,
-    ep_dispatch: str = "all_to_all",
+    ep_dispatch: EPDispatch = "all_to_all",
     devices_per_node: int = 8,
 ) -> StepCounts:
     """One training step of global rank `rank` (one micro-batch of `micro_batch` sequences of `seq_len` tokens;
@@ -308,7 +311,7 @@ def fake_step(
         context=ContextOptions(style=cp_style),  # type: ignore[arg-type]
         data=DataParallelOptions(zero_stage=zero_stage),  # type: ignore[arg-type]
         float8=Float8Options(float8),  # type: ignore[arg-type]
-        expert=ExpertOptions(expert_tp, ep_dispatch),  # type: ignore[arg-type]
+        expert=ExpertOptions(expert_tp, ep_dispatch),
     )
     topology = Topology(nodes=max(1, layout.world_size // devices_per_node), devices_per_node=devices_per_node)
     if layout.pp > 1:

@@ -18,6 +18,7 @@ import sys
 from typing import Any
 
 from lit_mesh.mesh import MeshLayout
+from lit_mesh.parallel.expert_by_node import EPDispatch
 from lit_mesh.planner.fake_step import StepCounts
 from lit_mesh.planner.pipeline_model import Schedule
 
@@ -38,7 +39,7 @@ def step_in_process(
     microbatches: int,
     float8: str | None = None,
     expert_tp: int | None = None,
-    ep_dispatch: str = "all_to_all",
+    ep_dispatch: EPDispatch = "all_to_all",
     devices_per_node: int = 8,
     timeout: float = 600,
 ) -> StepCounts:

@@ -1,8 +1,9 @@
 """A training step that logs nothing makes no host read and no collective beyond its layout's own.
 
 One audit (lit_mesh.monitor.step_audit.StepAudit) for every layout (fsdp2, ddp2 plain and with 1-bit and PowerSGD
-compression, pp2 1F1B, cp2, the zoo MoE with ep2 without and with selective AC, fsdp2 x tp2): on every rank it counts every host sync
-(lit_mesh/monitor/host_syncs.py: host reads, ops that read device values, host data sent to the device) and every
+compression, pp2 1F1B, cp2, the zoo MoE with ep2 without and with selective AC, fsdp2 x tp2): on every rank it counts
+every host sync (lit_mesh/monitor/host_syncs.py: host reads, ops that read device values, host data sent to the
+device) and every
 torch.distributed collective between on_train_batch_start and on_train_batch_end of step 2 (log_every_n_steps=2:
 steps 1 and 3 log, step 2 does not), through the `lit-mesh` CLI (layouts in tests/workers/step_audits.py, one launch
 per world size; benchmarks/host_sync.py records the same counts in benchmarks/README.md).

@@ -186,7 +186,8 @@ def test_by_node_dispatch_is_never_much_slower_where_ep_spans_nodes(preset: str,
     """The planner prices only the by-node dispatch where an ep group spans nodes (search.expert_variants): across
     ep degrees, tp (experts split or whole), micro-batches and AC modes its all-to-all time stays within 3% of the
     all-to-all dispatch's (where a node holds one rank of the group and one of a token's experts, it saves nothing
-    and sends its table too: the tiny preset's 8 experts over ep 4 and 8), and is below it where a node holds several."""
+    and sends its table too: the tiny preset's 8 experts over ep 4 and 8), and is below it where a node holds
+    several."""
     hw = Hardware(nodes=128, devices_per_node=8, memory_bytes=80 * GB)
     config = MoEConfig.from_preset(preset, n_layers=2)
     ratios = []

@@ -310,7 +310,8 @@ def ep_by_node_dispatch() -> None:
     layout = MeshLayout(dp_shard=WORLD, ep=WORLD)
     views = build_device_mesh(layout, "cpu")
     assert expert_by_node.ep_dispatch_problem(layout, False, TOPOLOGY) is None
-    inter, intra = expert_by_node.node_groups(views.root, layout, False, TOPOLOGY)
+    group = views.ep.get_group()
+    inter, intra = expert_by_node.node_groups(views.root, layout, False, TOPOLOGY, group)
     node_ranks = list(range(RANK // PER_NODE * PER_NODE, (RANK // PER_NODE + 1) * PER_NODE))
     assert ranks_of(intra) == node_ranks and ranks_of(inter) == list(range(RANK % PER_NODE, WORLD, PER_NODE))
     local, top_k, dim = 2, 3, 8
@@ -318,7 +319,6 @@ def ep_by_node_dispatch() -> None:
     full = GroupedExperts(n_experts, dim, 16)
     for i, w in enumerate(full.parameters()):
         nn.init.normal_(w, generator=torch.Generator().manual_seed(i), std=0.3)
-    group = views.ep.get_group()
 
     def run(by_node: bool) -> tuple:
         experts = GroupedExperts(local, dim, 16)
@@ -329,8 +329,7 @@ def ep_by_node_dispatch() -> None:
         flat = AllToAllDispatch(n_experts, group, group)
         dispatcher = flat
         if by_node:
-            within = AllToAllDispatch(n_experts // NODES, group, intra)
-            within.weight_gradient_scale = flat.weight_gradient_scale
+            within = AllToAllDispatch(n_experts // NODES, group, intra, experts_seen_by=WORLD)
             dispatcher = expert_by_node.ByNodeDispatch(inter, within)
         sent_rows: list[list[int]] = []
 
