@@ -1,7 +1,8 @@
 """The published runs of calibration.yaml, evaluated with the planner's one time model.
 
 python -m lit_mesh.planner.calibration         # a table: published vs estimated tokens/s per device
-python -m lit_mesh.planner.calibration --fit   # the kernel constants that fit the calibration runs best
+python -m lit_mesh.planner.calibration --fit   # the kernel constants that fit the calibration runs best, and each
+                                               # dropless router's routing_cv from its published pair
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from lit_mesh.planner.pipeline_model import schedules_for
 from lit_mesh.planner.shapes import ModelShapes, gpt_shapes
 from lit_mesh.planner.vocabulary import AC_MODES
 
-TOLERANCE = {"calibration": 0.20, "held-out": 0.25}  # "comparison" rows: another framework's way, no tolerance
+TOLERANCE = {"calibration": 0.20, "held-out": 0.25}
 
 
 @dataclass(frozen=True)
@@ -130,9 +131,27 @@ def planned_step(
 
 
 def check(run: dict[str, Any], kernels: Kernels | None = None) -> Check:
+    cv = routing_cv(run["preset"]) if run.get("routing") == "dropless" else 0.0
+    estimated = estimate(run, kernels, cv)
+    shapes = shapes_of(run["preset"], run.get("model", "gpt"))
+    hw = hardware(run["hardware"], MeshLayout(**run["layout"]).world_size)
+    return Check(run["name"], run["role"], published_tokens_per_s(run, shapes, hw), estimated, run["source"])
+
+
+def routing_cv(preset: str) -> float:
+    """The preset's router unevenness (ModelShapes.routing_cv) as calibration.yaml's `routing` section states it."""
+    routers = _data()["routing"]
+    if preset not in routers:
+        raise ValueError(f"a dropless run of {preset!r}: calibration.yaml's `routing` has no routing_cv for it")
+    return float(routers[preset]["routing_cv"])
+
+
+def estimate(run: dict[str, Any], kernels: Kernels | None = None, cv: float = 0.0) -> float:
+    """The planner's tokens/s per device for a run's settings (its router's unevenness `cv`)."""
     shapes, layout = shapes_of(run["preset"], run.get("model", "gpt")), MeshLayout(**run["layout"])
     if run.get("expert_tp") == 1:  # whole experts, each tp rank routing its sequence shard (MoE parallel folding)
         shapes = shapes.with_whole_experts()
+    shapes = shapes.with_routing_cv(cv)
     work = Workload(run["global_batch"], run["seq_len"], run["micro_batch"])
     hw = hardware(run["hardware"], layout.world_size)
     features = Features(
@@ -149,8 +168,21 @@ def check(run: dict[str, Any], kernels: Kernels | None = None) -> Check:
         t = planned_step(shapes, layout, work, hw, features, kernels)
     else:
         t = step_time(shapes, layout, work, "bf16-mixed", run["ac"], hw, features, kernels)
-    estimated = work.global_batch * work.seq_len / t.total / layout.world_size
-    return Check(run["name"], run["role"], published_tokens_per_s(run, shapes, hw), estimated, run["source"])
+    return work.global_batch * work.seq_len / t.total / layout.world_size
+
+
+def fit_routing_cv(preset: str) -> float:
+    """The routing_cv at which the planner's dropless estimate of the preset's published pair (one run with forced
+    balance, one dropless, nothing else changed) is slower than its balanced one by the published ratio."""
+    pair = _data()["routing"][preset]["pair"]
+    run = {"preset": preset, **pair}
+    target = pair["balanced_tflops"] / pair["dropless_tflops"]  # the same FLOPs: the ratio of step times
+    balanced = estimate(run)
+    low, high = 0.0, 20.0
+    for _ in range(40):  # bisection: the slowdown grows with the unevenness
+        middle = (low + high) / 2
+        low, high = (middle, high) if balanced / estimate(run, cv=middle) < target else (low, middle)
+    return round((low + high) / 2, 2)
 
 
 GRID = {
@@ -192,6 +224,8 @@ def fit_kernels() -> Kernels:
 if __name__ == "__main__":
     if "--fit" in sys.argv:
         print(fit_kernels())
+        for preset in _data()["routing"]:
+            print(f"{preset}: routing_cv {fit_routing_cv(preset)}")
     for c in map(check, runs()):
         print(
             f"{c.name:40s} {c.role:12s} published {c.published:8.1f}  estimated {c.estimated:8.1f}  {100 * (c.ratio - 1):+5.0f}%"

@@ -146,6 +146,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         help="the run's MeshStrategy float8 recipe: the blocks' linears at the float8 peak with their casts, and"
         " (tensorwise) FSDP gathering their weights in float8",
     )
+    p.add_argument(
+        "--routing-cv",
+        type=NON_NEGATIVE,
+        default=0.0,
+        help="MoE, dropless: how unevenly the trained router spreads one sequence's tokens over the experts (the"
+        " coefficient of variation of an expert's share); 0 (default) plans balanced routing (forced balance or a"
+        " capacity factor); Qwen3-235B-A22B's router: 4.41 (lit_mesh/planner/calibration.yaml `routing`)",
+    )
     p.add_argument("--top", type=COUNT, default=3, help="how many layouts to print")
     p.add_argument("--out", default="", help="write the best layout as a `lit-mesh fit` config (YAML) here")
     p.add_argument("--max-steps", type=COUNT, default=1000, help="trainer.max_steps of the written config")
@@ -334,7 +342,8 @@ def check_step(c: Candidate, config: Any, shapes: Any) -> dict[str, Any]:
     if c.ep_nodes > 1:  # ep_dispatch="by_node": nodes of the size that splits an ep group over c.ep_nodes
         span = (1 if c.whole_experts else c.layout.tp) * c.layout.ep
         step.update(ep_dispatch="by_node", devices_per_node=span // c.ep_nodes)
-    shapes = shapes_of(c, shapes)  # the shapes the candidate was priced with
+    # the shapes the candidate was priced with, routing balanced: the fake step routes uniformly (as a balanced run)
+    shapes = shapes_of(c, shapes).with_routing_cv(0.0)
     counts = fake_step(config, c.layout, mb, seq, 0, c.precision, c.ac, **step)
     # the CPU step runs torch's composite rms_norm (the planner's own estimate assumes CUDA's fused kernel)
     check: dict[str, Any] = {"microbatches": n, **_rank_check(c, shapes, work, 0, counts)}
@@ -541,6 +550,9 @@ def main(argv: list[str]) -> int:
     fixed = {d: getattr(args, d) for d in DIMS if getattr(args, d) is not None}
     if args.ep is not None and not shapes.is_moe:
         raise BadArgument(f"--ep {args.ep} needs an MoE model (--model moe); a dense model runs ep=1")
+    if args.routing_cv and not shapes.is_moe:
+        raise BadArgument(f"--routing-cv {args.routing_cv:g} describes an MoE router (--model moe); drop it here")
+    shapes = shapes.with_routing_cv(args.routing_cv)
     if hw.world_size % math.prod(fixed.values()):
         given = ", ".join(f"--{d.replace('_', '-')} {v}" for d, v in fixed.items())
         raise BadArgument(

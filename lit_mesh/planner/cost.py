@@ -7,7 +7,9 @@ Compute, per rank and micro-batch, per block:
   micro-batch, is thousands: never the limit). A small GEMM after tp=8 is slower per FLOP than a big one.
 - MoE experts: one grouped GEMM per weight, each local expert a GEMM of the rows routed to it; balanced routing
   gives every expert M = tokens x top_k x ep / n_experts rows (the ep group's routed copies over the experts), and
-  a short M is what limits fine-grained experts: eff x M / (M + half), the same half-size form;
+  a short M is what limits fine-grained experts: eff x M / (M + half), the same half-size form; dropless routing
+  by a router that spreads tokens unevenly (ModelShapes.routing_cv) gives the busiest ep rank more (its experts'
+  GEMMs and its all-to-alls: ModelShapes.routing_imbalance), and the step waits for it;
 - MoE router: its gate GEMM is a GEMM above; its scores (fp32, tokens x n_experts: sigmoid or softmax, top-k, the
   balancing statistics) and the permutation of the routed copies into expert order and back are memory bound;
 - attention (flash, causal: half the dense 12 T d FLOPs per token) at attention_peak_fraction of peak;
@@ -326,7 +328,10 @@ def step_time(
     # whole experts under tp (expert_tp=1): each tp rank routes its own 1/tp of the tokens through whole experts
     routed_tokens = tokens / layout.tp if shapes.whole_experts else tokens
     gemm = _gemm_seconds(shapes.dense_block, tokens, layout.tp, layout.ep, top_k, kern, peak, float8)
-    gemm += _gemm_seconds(shapes.expert_block, routed_tokens, layout.tp, layout.ep, top_k, kern, peak)
+    # dropless routing: the busiest ep rank's experts get `imbalance` times their share of the rows, and its
+    # all-to-alls receive (dispatch) or send (combine) as much more; the step waits for it
+    imbalance = shapes.routing_imbalance(layout.ep, layout.tp, layout.cp, work.micro_batch)
+    gemm += _gemm_seconds(shapes.expert_block, routed_tokens * imbalance, layout.tp, layout.ep, top_k, kern, peak)
     heads_width = c.n_heads * c.attention_head_dim
     attention = 0.5 * 12 * tokens * work.seq_len * heads_width / layout.tp / (peak * kern.attention_peak_fraction)
     accesses = kern.elementwise_accesses_compiled if features.compile else kern.elementwise_accesses
@@ -459,6 +464,7 @@ def step_time(
         else:
             all_to_alls = dispatches * all_gather_time(dispatched, layout.ep, ep_link)
             all_to_alls += combines * all_gather_time(routed, layout.ep, ep_link)
+        all_to_alls *= imbalance
         t.overlapped["ep"] = n_micro * blocks * all_to_alls
         exposed = max(0.0, all_to_alls - block) if features.ep_overlap else all_to_alls
         t.exposed["ep"] = n_micro * blocks * exposed

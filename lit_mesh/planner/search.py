@@ -417,6 +417,13 @@ def explain(c: Candidate, shapes: ModelShapes, work: Workload, hw: Hardware) -> 
                 else ""
             )
         )
+        imbalance = shapes.routing_imbalance(layout.ep, layout.tp, layout.cp, c.work.micro_batch)
+        if imbalance > 1:
+            out.append(
+                f"dropless routing (routing_cv {shapes.routing_cv:g}): the busiest ep rank receives {imbalance:.2f}x"
+                " its share of the routed copies, and the step waits for its experts and all-to-alls; larger"
+                " micro-batches or more ranks' sequences per ep group even it out"
+            )
     if layout.tp > 1:
         out.append(
             f"tp={layout.tp} inside a node: weights and activations / {layout.tp}, collectives on NVLink"

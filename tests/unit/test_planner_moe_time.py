@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 
 import pytest
 import torch
 
 from lit_mesh.mesh import MeshLayout
-from lit_mesh.planner.calibration import planned_step, runs
+from lit_mesh.planner.calibration import fit_routing_cv, planned_step, routing_cv, runs
 from lit_mesh.planner.cost import (
     Features,
     StepTime,
@@ -21,9 +22,9 @@ from lit_mesh.planner.cost import (
     tokens_per_expert,
 )
 from lit_mesh.planner.hardware import GB, GIB, Hardware
-from lit_mesh.planner.memory import Workload, block_activation_elements_per_token
+from lit_mesh.planner.memory import Workload, block_activation_elements_per_token, rank_memory
 from lit_mesh.planner.search import expert_variants
-from lit_mesh.planner.shapes import gpt_shapes
+from lit_mesh.planner.shapes import expected_maximum_of_normals, gpt_shapes
 from zoo.moe import MoEConfig
 
 HW = Hardware(nodes=8, devices_per_node=8, memory_bytes=80 * GB)
@@ -92,7 +93,7 @@ def test_routing_pass_only_where_lit_mesh_runs_it() -> None:
 
 def test_published_moe_runs_are_calibration_and_held_out_rows() -> None:
     moe = [r for r in runs() if r.get("model") == "moe"]
-    assert {r["role"] for r in moe} == {"calibration", "held-out", "comparison"}
+    assert {r["role"] for r in moe} == {"calibration", "held-out"}
     assert {r["preset"] for r in moe} >= {"mixtral-8x22b", "deepseek-v3", "qwen3-235b-a22b"}
     for r in moe:
         assert r["source"] and MoEConfig.from_preset(r["preset"]).n_experts > 1
@@ -205,3 +206,67 @@ def test_by_node_dispatch_is_never_much_slower_where_ep_spans_nodes(preset: str,
             )
             ratios.append(by_node / flat)
     assert ratios and max(ratios) < 1.03 and (min(ratios) < 0.9) == saves, (min(ratios), max(ratios))
+
+
+def _sampled_imbalance(cv: float, sequences: int, experts: int, ep: int, generator: torch.Generator) -> float:
+    """The busiest of ep ranks' load over the mean, each rank summing its experts' shares of the sequences, every
+    (sequence, expert) share drawn from a gamma distribution with this coefficient of variation (mean of 2,000)."""
+    shape = torch.full((2_000, ep, experts, sequences), 1 / cv**2)
+    loads = torch._standard_gamma(shape, generator=generator).sum(dim=(2, 3))
+    return (loads.max(1).values / loads.mean(1)).mean().item()
+
+
+@pytest.mark.parametrize("cv", [0.5, 1.0, 2.0])
+def test_dropless_imbalance_follows_sampled_expert_loads(cv: float) -> None:
+    """ModelShapes.routing_imbalance against sampled loads: the busiest ep rank over the mean, as the sequences an
+    ep group routes per micro-batch and the experts per rank change (4 layouts); a normal sum's maximum, it stays
+    within 5% of gamma-distributed shares for cv <= 2 (heavier tails sit further out: 8% at Qwen3's 4.41)."""
+    generator = torch.Generator().manual_seed(0)
+    assert expected_maximum_of_normals(2) == pytest.approx(1 / math.sqrt(math.pi), rel=1e-4)
+    shapes = gpt_shapes(MoEConfig.from_preset("qwen3-235b-a22b", n_layers=2)).with_routing_cv(cv)
+    whole = shapes.with_whole_experts()
+    # (shapes, ep, tp, cp, micro-batch) -> sequences per ep group, experts per rank
+    cases = [
+        (whole, 8, 4, 1, 1, 2, 16),
+        (whole, 8, 2, 1, 1, 4, 16),
+        (shapes, 8, 2, 1, 4, 32, 16),
+        (whole, 32, 2, 1, 1, 16, 4),
+    ]
+    for s, ep, tp, cp, micro, sequences, experts in cases:
+        sampled = _sampled_imbalance(cv, sequences, experts, ep, generator)
+        assert s.routing_imbalance(ep, tp, cp, micro) == pytest.approx(sampled, rel=0.05), (ep, tp, micro, cv)
+
+
+def test_dropless_imbalance_slows_the_experts_and_all_to_alls_not_memory() -> None:
+    """An uneven router's dropless run waits for the busiest ep rank: its experts' GEMMs and all-to-alls grow, the
+    rest of the step and the memory (which rank is busiest changes with the layer and micro-batch) do not; with one
+    ep rank (every expert on it), with cv 0, or with larger micro-batches, less or nothing."""
+    shapes = gpt_shapes(_mixtral(n_experts=64, top_k=8))
+    uneven = shapes.with_routing_cv(2.0)
+    imbalance = uneven.routing_imbalance(LAYOUT.ep, 1, 1, WORK.micro_batch)
+    assert imbalance > 1.3 and shapes.routing_imbalance(LAYOUT.ep, 1, 1, 1) == 1.0
+    assert uneven.routing_imbalance(1, 1, 1, 1) == 1.0
+    assert 1 < uneven.routing_imbalance(LAYOUT.ep, 1, 1, 8) < imbalance
+    even, slow = (step_time(s, LAYOUT, WORK, "bf16-mixed", "none", HW, LIT_MESH) for s in (shapes, uneven))
+    assert slow.exposed["ep"] == pytest.approx(even.exposed["ep"] * imbalance)
+    assert slow.compute_parts["gemm"] > even.compute_parts["gemm"]
+    assert {k: v for k, v in slow.compute_parts.items() if k != "gemm"} == {
+        k: v for k, v in even.compute_parts.items() if k != "gemm"
+    }
+    assert rank_memory(uneven, LAYOUT, WORK, "bf16-mixed", "none") == rank_memory(
+        shapes, LAYOUT, WORK, "bf16-mixed", "none"
+    )
+    single = MeshLayout(dp_shard=64)
+    assert step_time(uneven, single, WORK, "bf16-mixed", "none", HW).total == pytest.approx(
+        step_time(shapes, single, WORK, "bf16-mixed", "none", HW).total
+    )
+
+
+def test_routing_cv_is_the_fit_of_its_published_pair_and_dropless_rows_use_it() -> None:
+    """calibration.yaml's routing_cv for Qwen3 is what fit_routing_cv finds on the published long-context pair
+    (forced balance against dropless), not chosen on the rows; every dropless row's preset has one."""
+    assert routing_cv("qwen3-235b-a22b") == pytest.approx(fit_routing_cv("qwen3-235b-a22b"), abs=0.02)
+    dropless = [r for r in runs() if r.get("routing") == "dropless"]
+    assert len(dropless) >= 3 and all(routing_cv(r["preset"]) > 0 for r in dropless)
+    with pytest.raises(ValueError, match="'mixtral-8x22b': calibration.yaml's `routing` has no routing_cv"):
+        routing_cv("mixtral-8x22b")
