@@ -131,7 +131,10 @@ def planned_step(
 
 
 def check(run: dict[str, Any], kernels: Kernels | None = None) -> Check:
-    cv = routing_cv(run["preset"]) if run.get("routing") == "dropless" else 0.0
+    routing = run.get("routing", "balanced")
+    if routing not in ("balanced", "dropless"):
+        raise ValueError(f"{run['name']}: routing {routing!r}: choose 'balanced' or 'dropless'")
+    cv = routing_cv(run["preset"]) if routing == "dropless" else 0.0
     estimated = estimate(run, kernels, cv)
     shapes = shapes_of(run["preset"], run.get("model", "gpt"))
     hw = hardware(run["hardware"], MeshLayout(**run["layout"]).world_size)

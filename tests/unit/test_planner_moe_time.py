@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from lit_mesh.mesh import MeshLayout
-from lit_mesh.planner.calibration import fit_routing_cv, planned_step, routing_cv, runs
+from lit_mesh.planner.calibration import check, fit_routing_cv, planned_step, routing_cv, runs
 from lit_mesh.planner.cost import (
     Features,
     StepTime,
@@ -273,3 +273,5 @@ def test_routing_cv_is_the_fit_of_its_published_pair_and_dropless_rows_use_it() 
     assert len(dropless) >= 4 and all(routing_cv(r["preset"]) > 0 for r in dropless)
     with pytest.raises(ValueError, match="'deepseek-v3': calibration.yaml's `routing` has no routing_cv"):
         routing_cv("deepseek-v3")
+    with pytest.raises(ValueError, match="routing 'dropples': choose 'balanced' or 'dropless'"):
+        check({**dropless[0], "routing": "dropples"})
