@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import statistics
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
@@ -228,15 +229,10 @@ def gpt_shapes(config: Any) -> ModelShapes:
 
 @functools.cache
 def expected_maximum_of_normals(n: int) -> float:
-    """E[max of n independent standard normal draws] (1.42 for 8, 2.07 for 32), by the trapezoid rule over
-    [-8, 8]: integral of x n phi(x) Phi(x)^(n-1)."""
-    steps, low, high = 4000, -8.0, 8.0
+    """E[max of n independent standard normal draws] (1.42 for 8, 2.07 for 32): the integral of x n pdf(x)
+    cdf(x)^(n-1) over [-8, 8] by the trapezoid rule."""
+    normal, steps, low, high = statistics.NormalDist(), 4000, -8.0, 8.0
     width = (high - low) / steps
-    total = 0.0
-    for i in range(steps + 1):
-        x = low + i * width
-        density = (
-            n * math.exp(-x * x / 2) / math.sqrt(2 * math.pi) * (0.5 * (1 + math.erf(x / math.sqrt(2)))) ** (n - 1)
-        )
-        total += (0.5 if i in (0, steps) else 1.0) * x * density
-    return total * width
+    xs = [low + i * width for i in range(steps + 1)]
+    values = [x * n * normal.pdf(x) * normal.cdf(x) ** (n - 1) for x in xs]
+    return width * (sum(values) - (values[0] + values[-1]) / 2)
